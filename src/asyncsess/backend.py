@@ -1,0 +1,216 @@
+"""The backend seam: a narrow async protocol, the op records that cross it, and the URL registry.
+
+A backend is a class with an entry point in group ``asyncsess.backends`` named after its URL scheme.
+Everything user-facing (futures, ordering, retries, backpressure, custom-loss lowering, sync facade)
+lives above this cut, so a backend only has to execute ops.
+
+Contract for ``execute_training``: ops of one session run strictly in ``seq`` order (a backend must
+hold an op whose predecessors have not arrived), each ``seq`` at most once; a repeated delivery with
+the same ``idempotency_key`` returns the stored result; once an op fails, later ops of that session fail
+with :class:`~asyncsess.errors.PoisonedError`. :class:`asyncsess.sequencer.Sequencer` implements this.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from urllib.parse import parse_qsl, urlsplit
+
+from .errors import InvalidInputError
+from .types import AdamParams, Checkpoint, Datum, GetInfoResponse, SampleResponse, SamplingParams, ServerCapabilities, TrainingResult
+
+__all__ = [
+    "Backend",
+    "Tokenizer",
+    "TrainingOp",
+    "TrainingOpKind",
+    "TrainingSessionSpec",
+    "SamplerSpec",
+    "SampleRequest",
+    "ParsedURL",
+    "parse_url",
+    "load_backend",
+    "available_schemes",
+]
+
+TrainingOpKind = Literal["forward", "forward_backward", "optim_step", "save_state", "save_weights", "load_state"]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingOp:
+    """One ordered op on a training session. ``seq`` starts at 1 per session."""
+
+    kind: TrainingOpKind
+    seq: int
+    idempotency_key: str
+    data: tuple[Datum, ...] = ()
+    loss_fn: str | None = None
+    loss_fn_config: dict[str, float] | None = None
+    adam_params: AdamParams | None = None
+    name: str | None = None
+    merge_weights: bool = False
+    with_optimizer: bool = True
+    path: str | None = None
+    ephemeral: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSessionSpec:
+    base_model: str
+    rank: int = 32
+    alpha: float | None = None
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    from_path: str | None = None
+    with_optimizer: bool = False
+    user_metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerSpec:
+    """Which weights to sample from: a saved path, or the plain base model."""
+
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    prompt: tuple[int, ...]
+    num_samples: int
+    sampling_params: SamplingParams
+    include_prompt_logprobs: bool = False
+    request_id: str = ""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the SDK relies on."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class Backend(abc.ABC):
+    """A compute backend driver. One instance per ``ServiceClient``."""
+
+    scheme: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def from_url(cls, url: ParsedURL, **options: Any) -> Backend:
+        """Build from the parsed URL; ``options`` are the ServiceClient's keyword arguments."""
+
+    async def open(self) -> None:
+        """Connect / start resources. Called once by ``ServiceClient.__aenter__``."""
+
+    async def aclose(self) -> None:
+        """Release resources. Sessions were already stopped by the client."""
+
+    @abc.abstractmethod
+    async def capabilities(self) -> ServerCapabilities: ...
+
+    @abc.abstractmethod
+    async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        """Open a training session (one LoRA model); ``info.model_id`` names it from now on."""
+
+    @abc.abstractmethod
+    async def stop_session(self, session_id: str) -> None:
+        """Stop a training session or sampler. Idempotent."""
+
+    @abc.abstractmethod
+    async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        """Run one ordered op (see the module docstring for the exactly-once contract)."""
+
+    @abc.abstractmethod
+    async def create_sampler(self, spec: SamplerSpec) -> str:
+        """Return a sampler id for the given weights."""
+
+    @abc.abstractmethod
+    async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse: ...
+
+    @abc.abstractmethod
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]: ...
+
+    @abc.abstractmethod
+    def get_tokenizer(self, base_model: str) -> Tokenizer: ...
+
+    async def heartbeat(self, session_id: str) -> None:
+        """Keep a session alive; raise ``SessionGoneError`` when it is gone. Default: nothing to do."""
+
+    async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
+        return []
+
+
+# ------------------------------------------------------------------------------------- URLs
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedURL:
+    """A backend URL: ``scheme://host[:port][/path]?k=v``."""
+
+    raw: str
+    scheme: str
+    host: str
+    port: int | None
+    path: str
+    query: dict[str, str]
+
+    def get_float(self, key: str, default: float) -> float:
+        return _typed(self, key, default, float)
+
+    def get_int(self, key: str, default: int) -> int:
+        return _typed(self, key, default, int)
+
+    def get_str(self, key: str, default: str) -> str:
+        return self.query.get(key, default)
+
+
+def _typed(url: ParsedURL, key: str, default: Any, kind: type) -> Any:
+    if key not in url.query:
+        return default
+    try:
+        return kind(url.query[key])
+    except ValueError:
+        raise InvalidInputError(f"{url.query[key]!r} is not a {kind.__name__}", field=f"url ?{key}=", fix=f"e.g. ?{key}={default}") from None
+
+
+def parse_url(url: str) -> ParsedURL:
+    parts = urlsplit(url)
+    if not parts.scheme:
+        raise InvalidInputError(f"{url!r} has no scheme", field="url", fix="use e.g. mock://, local://, http://host:port or sagemaker://region")
+    return ParsedURL(
+        raw=url,
+        scheme=parts.scheme.lower(),
+        host=parts.hostname or "",
+        port=parts.port,
+        path=parts.path,
+        query=dict(parse_qsl(parts.query, keep_blank_values=True)),
+    )
+
+
+def available_schemes() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group="asyncsess.backends")}
+
+
+def load_backend(url: str, **options: Any) -> Backend:
+    """Find the backend for ``url``'s scheme through the ``asyncsess.backends`` entry points."""
+    parsed = parse_url(url)
+    eps = available_schemes()
+    ep = eps.get(parsed.scheme)
+    if ep is None:
+        known = ", ".join(sorted(eps)) or "none installed"
+        raise InvalidInputError(
+            f"no backend for scheme {parsed.scheme!r} (installed: {known})",
+            field="url",
+            fix="install the backend package, e.g. pip install -e backends/mock",
+        )
+    cls = ep.load()
+    return cls.from_url(parsed, **options)

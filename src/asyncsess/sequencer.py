@@ -1,0 +1,133 @@
+"""Backend-side helper: run one session's ops in sequence order, each exactly once.
+
+Every backend that executes ops itself (mock, local worker, SageMaker emulator) wraps its executor
+in a :class:`Sequencer`, so the exactly-once and ordering rules are written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import anyio
+
+from .backend import TrainingOp
+from .errors import AsyncSessError, ConflictError, PoisonedError, SessionGoneError, TransientError
+
+__all__ = ["Sequencer"]
+
+R = TypeVar("R")
+
+
+@dataclass
+class _Slot(Generic[R]):
+    key: str
+    done: anyio.Event
+    result: R | None = None
+    error: BaseException | None = None
+
+
+class Sequencer(Generic[R]):
+    """Executes ``run(op)`` for ops in ``seq`` order starting at ``first_seq``.
+
+    - An op that arrives early waits for its predecessors (at most ``gap_timeout`` seconds, then it
+      fails with a retryable error and the slot is freed so a retry can wait again).
+    - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running.
+    - The same ``seq`` with another key is a :class:`ConflictError`.
+    - After an op fails, every later op fails with :class:`PoisonedError` naming the cause.
+    """
+
+    def __init__(self, run: Callable[[TrainingOp], Awaitable[R]], *, first_seq: int = 1, gap_timeout: float = 60.0) -> None:
+        self._run = run
+        self._next = first_seq
+        self._slots: dict[int, _Slot[R]] = {}
+        self._turn: dict[int, anyio.Event] = {}
+        self._gap_timeout = gap_timeout
+        self._poison: tuple[int, BaseException] | None = None
+        self._stopped: str | None = None
+        self.applied: list[int] = []  # seqs actually executed, in order (for tests and logs)
+
+    @property
+    def next_seq(self) -> int:
+        return self._next
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Refuse every later op; wake waiters so they fail instead of hanging."""
+        self._stopped = reason
+        for ev in self._turn.values():
+            ev.set()
+
+    async def execute(self, op: TrainingOp) -> R:
+        slot = self._slots.get(op.seq)
+        if slot is not None:
+            if slot.key != op.idempotency_key:
+                raise ConflictError(
+                    f"sequence number {op.seq} was already used with another idempotency key",
+                    field="seq",
+                    fix="use a fresh sequence number for a new op",
+                    operation=op.kind,
+                    seq=op.seq,
+                )
+            await slot.done.wait()
+            return self._outcome(slot)
+        if op.seq < self._next:
+            raise ConflictError(f"sequence number {op.seq} is behind the session ({self._next})", field="seq", operation=op.kind, seq=op.seq)
+        if self._stopped is not None:
+            raise SessionGoneError(f"session {self._stopped}", operation=op.kind, seq=op.seq)
+        slot = _Slot(key=op.idempotency_key, done=anyio.Event())
+        self._slots[op.seq] = slot
+        try:
+            await self._wait_turn(op)
+        except BaseException as err:
+            del self._slots[op.seq]
+            slot.error = TransientError(f"op {op.seq} was not run ({err!r}); send it again", operation=op.kind, seq=op.seq)
+            slot.done.set()
+            raise
+        try:
+            if self._poison is not None:
+                cause_seq, cause = self._poison
+                raise PoisonedError(f"op {cause_seq} failed earlier on this session: {cause}", cause=cause, operation=op.kind, seq=op.seq)
+            try:
+                with anyio.CancelScope(shield=True):  # a caller giving up must not half-apply an op
+                    slot.result = await self._run(op)
+                self.applied.append(op.seq)
+            except AsyncSessError as err:
+                if err.seq is None:
+                    err.seq = op.seq
+                if err.operation is None:
+                    err.operation = op.kind
+                raise
+        except Exception as err:
+            slot.error = err
+            self._poison = self._poison or (op.seq, err)
+        finally:
+            self._advance()
+            slot.done.set()
+        return self._outcome(slot)
+
+    async def _wait_turn(self, op: TrainingOp) -> None:
+        if op.seq == self._next:
+            return
+        ev = self._turn.setdefault(op.seq, anyio.Event())
+        with anyio.move_on_after(self._gap_timeout) as scope:
+            await ev.wait()
+        self._turn.pop(op.seq, None)
+        if self._stopped is not None:
+            raise SessionGoneError(f"session {self._stopped}", operation=op.kind, seq=op.seq)
+        if scope.cancelled_caught:
+            raise TransientError(
+                f"ops {self._next}..{op.seq - 1} never arrived (waited {self._gap_timeout:g}s)", operation=op.kind, seq=op.seq
+            )
+
+    def _advance(self) -> None:
+        self._next += 1
+        ev = self._turn.get(self._next)
+        if ev is not None:
+            ev.set()
+
+    @staticmethod
+    def _outcome(slot: _Slot[R]) -> R:
+        if slot.error is not None:
+            raise slot.error
+        return slot.result  # type: ignore[return-value]

@@ -1,0 +1,413 @@
+"""Wire types: defined once and shared by the client, the mock, the worker and the emulators.
+
+Names and fields follow the anchors (Tinker and SageMaker training sessions). Where the two take
+different forms, both are accepted: a prompt may be a ``ModelInput`` or a ``list[int]``, a checkpoint
+result has both ``.path`` and ``.model_package_arn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "EncodedTextChunk",
+    "ModelInput",
+    "TensorData",
+    "Datum",
+    "LossFnType",
+    "LOSS_FUNCTIONS",
+    "SamplingParams",
+    "AdamParams",
+    "Usage",
+    "ForwardBackwardOutput",
+    "OptimStepResponse",
+    "SampledSequence",
+    "SampleResponse",
+    "CheckpointResponse",
+    "SaveStateResponse",
+    "SaveWeightsResponse",
+    "SaveWeightsForSamplerResponse",
+    "LoadWeightsResponse",
+    "LoadStateResponse",
+    "Checkpoint",
+    "SupportedModel",
+    "ServerCapabilities",
+    "GetInfoResponse",
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, arbitrary_types_allowed=False)
+
+
+# --------------------------------------------------------------------------------------- inputs
+
+
+class EncodedTextChunk(_Model):
+    """A run of token ids."""
+
+    tokens: list[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class ModelInput(_Model):
+    """A sequence of chunks fed to the model. Only text chunks are supported."""
+
+    chunks: list[EncodedTextChunk] = Field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        return cls.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=[int(t) for t in tokens], type="encoded_text")])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls.model_construct(chunks=[])
+
+    @classmethod
+    def from_any(cls, value: Any) -> ModelInput:
+        """Coerce every prompt form the anchors accept (except ``str``, which needs a tokenizer)."""
+        if isinstance(value, ModelInput):
+            return value
+        if isinstance(value, EncodedTextChunk):
+            return cls.model_construct(chunks=[value])
+        if isinstance(value, dict):
+            if "prompt" in value and "chunks" not in value:
+                return cls.from_any(value["prompt"])
+            return cls.model_validate(value)
+        if hasattr(value, "chunks") and not isinstance(value, (str, bytes)):
+            return cls.model_validate({"chunks": [c if isinstance(c, dict) else {"tokens": list(c.tokens)} for c in value.chunks]})
+        if hasattr(value, "tolist"):
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(t, int) or (hasattr(t, "__index__") and not isinstance(t, bool)) for t in value):
+                raise TypeError("a prompt given as a list must hold token ids (int)")
+            return cls.from_ints([int(t) for t in value])
+        raise TypeError(f"cannot make a ModelInput from {type(value).__name__}; pass list[int] or ModelInput")
+
+    def to_ints(self) -> list[int]:
+        out: list[int] = []
+        for c in self.chunks:
+            out.extend(c.tokens)
+        return out
+
+    @property
+    def length(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput.model_construct(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk.model_construct(tokens=[int(token)], type="encoded_text"))
+
+
+# Keys whose lists are coerced to a fixed dtype (both anchors' tables).
+INT_KEYS = frozenset({"target_tokens"})
+FLOAT_KEYS = frozenset(
+    {
+        "weights",
+        "advantages",
+        "logprobs",
+        "old_logprobs",
+        "ref_log_prob",
+        "temperature",
+        "clip_low_threshold",
+        "clip_high_threshold",
+        "sequence_ratio_mask",
+    }
+)
+
+
+class TensorData(_Model):
+    """A flat tensor with dtype and shape (row-major)."""
+
+    data: list[float] | list[int]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> TensorData:
+        if self.shape is not None:
+            n = 1
+            for s in self.shape:
+                n *= s
+            if n != len(self.data):
+                raise ValueError(f"shape {self.shape} holds {n} values but data has {len(self.data)}")
+        return self
+
+    @classmethod
+    def from_list(cls, values: Sequence[Any], dtype: Literal["int64", "float32"] | None = None) -> TensorData:
+        vals = list(values)
+        if dtype is None:
+            dtype = "int64" if all(isinstance(v, int) and not isinstance(v, bool) for v in vals) else "float32"
+        data = [int(v) for v in vals] if dtype == "int64" else [float(v) for v in vals]
+        return cls.model_construct(data=data, dtype=dtype, shape=[len(data)])
+
+    @classmethod
+    def from_numpy(cls, array: Any, dtype: Literal["int64", "float32"] | None = None) -> TensorData:
+        import numpy as np
+
+        arr = np.asarray(array)
+        if dtype is None:
+            dtype = "int64" if np.issubdtype(arr.dtype, np.integer) else "float32"
+        np_dtype = np.int64 if dtype == "int64" else np.float32
+        return cls.model_construct(data=arr.astype(np_dtype).ravel().tolist(), dtype=dtype, shape=list(arr.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: Any, dtype: Literal["int64", "float32"] | None = None) -> TensorData:
+        t = tensor.detach().cpu()
+        if t.is_floating_point():
+            t = t.float()
+        return cls.from_numpy(t.numpy(), dtype)
+
+    @classmethod
+    def coerce(cls, key: str, value: Any) -> TensorData:
+        """Build from a list, numpy array, torch tensor or TensorData, with the anchors' per-key dtype."""
+        dtype: Literal["int64", "float32"] | None = "int64" if key in INT_KEYS else "float32" if key in FLOAT_KEYS else None
+        if isinstance(value, TensorData):
+            if dtype is not None and value.dtype != dtype:
+                return cls.from_list(value.data, dtype)
+            return value
+        if isinstance(value, dict):
+            return cls.coerce(key, cls.model_validate(value))
+        if type(value).__module__.startswith("torch"):
+            return cls.from_torch(value, dtype)
+        if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
+            return cls.from_numpy(value, dtype)
+        if isinstance(value, (list, tuple)):
+            if value and isinstance(value[0], (list, tuple)):
+                return cls.from_numpy(value, dtype)
+            return cls.from_list(value, dtype)
+        raise TypeError(f"loss_fn_inputs[{key!r}]: cannot make a tensor from {type(value).__name__}")
+
+    def tolist(self) -> list[float] | list[int]:
+        return list(self.data)
+
+    def to_numpy(self) -> Any:
+        import numpy as np
+
+        arr = np.asarray(self.data, dtype=np.int64 if self.dtype == "int64" else np.float32)
+        return arr.reshape(self.shape) if self.shape else arr
+
+    def to_torch(self) -> Any:
+        import torch
+
+        return torch.from_numpy(self.to_numpy())
+
+
+class Datum(_Model):
+    """One training example: model input plus named per-token tensors for the loss."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            values = dict(values)
+            if "prompt" in values and "model_input" not in values:
+                values["model_input"] = values.pop("prompt")
+            mi = values.get("model_input")
+            if mi is not None and not isinstance(mi, ModelInput):
+                values["model_input"] = ModelInput.from_any(mi)
+            lfi = values.get("loss_fn_inputs")
+            if lfi:
+                values["loss_fn_inputs"] = {k: TensorData.coerce(k, v) for k, v in lfi.items()}
+        return values
+
+
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LOSS_FUNCTIONS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+
+
+class SamplingParams(_Model):
+    """Decoding parameters. Defaults follow Tinker; ``max_tokens=None`` means the backend's limit.
+
+    ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
+    """
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: str | list[str] | list[int] | None = None
+    seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (disabled) or a positive count")
+        return v
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _temperature_none(cls, v: Any) -> Any:
+        return 1.0 if v is None else v  # SageMaker spells "server default" as None
+
+    @field_validator("top_p", mode="before")
+    @classmethod
+    def _top_p_none(cls, v: Any) -> Any:
+        return 1.0 if v is None else v
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_none(cls, v: Any) -> Any:
+        return -1 if v is None else v
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return [s for s in self.stop if isinstance(s, str)]
+
+    def stop_token_ids(self) -> list[int]:
+        if isinstance(self.stop, list):
+            return [s for s in self.stop if isinstance(s, int)]
+        return []
+
+
+class AdamParams(_Model):
+    """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip)."""
+
+    learning_rate: float = Field(default=1e-4, ge=0.0)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    eps: float = Field(default=1e-12, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    grad_clip_norm: float = Field(default=0.0, ge=0.0)
+    lora_plus_lr_ratio: float | None = Field(default=None, ge=1.0)
+
+    @field_validator("grad_clip_norm", mode="before")
+    @classmethod
+    def _clip_none(cls, v: Any) -> Any:
+        return 0.0 if v is None else v  # SageMaker spells "off" as None
+
+
+# -------------------------------------------------------------------------------------- outputs
+
+
+class Usage(_Model):
+    """Tokens an operation consumed (SageMaker's ``tokenUsage``; Tinker's billing buckets)."""
+
+    training_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage.model_construct(
+            training_tokens=self.training_tokens + other.training_tokens,
+            prefill_tokens=self.prefill_tokens + other.prefill_tokens,
+            decode_tokens=self.decode_tokens + other.decode_tokens,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.training_tokens + self.prefill_tokens + self.decode_tokens
+
+
+class ForwardBackwardOutput(_Model):
+    """Per-datum outputs (``logprobs``) and metrics; the loss is ``metrics["loss:sum"]``."""
+
+    loss_fn_output_type: str = ""
+    loss_fn_outputs: list[dict[str, TensorData]] = Field(default_factory=list)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    usage: Usage = Field(default_factory=Usage)
+
+    @property
+    def loss(self) -> float:
+        """``metrics["loss:sum"]`` (the anchors' docs print ``result.loss``)."""
+        return self.metrics["loss:sum"]
+
+
+class OptimStepResponse(_Model):
+    metrics: dict[str, float] | None = None
+    step: int = 0
+
+
+class SampledSequence(_Model):
+    stop_reason: Literal["length", "stop"]
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    sequence_id: str | None = None
+    usage: Usage = Field(default_factory=Usage)
+
+
+class SampleResponse(_Model):
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    usage: Usage = Field(default_factory=Usage)
+
+
+CheckpointKind = Literal["state", "sampler", "merged"]
+
+
+class CheckpointResponse(_Model):
+    """Where a save landed. ``path`` is a URI the client can pass back (Tinker ``path``, SageMaker ARN)."""
+
+    path: str
+    kind: CheckpointKind = "state"
+    step: int = 0
+
+    @property
+    def model_package_arn(self) -> str:
+        return self.path
+
+
+# Both anchors' names for the one result type (they swap the meaning of SaveWeightsResponse).
+SaveStateResponse = CheckpointResponse
+SaveWeightsResponse = CheckpointResponse
+SaveWeightsForSamplerResponse = CheckpointResponse
+
+
+class LoadWeightsResponse(_Model):
+    path: str
+    step: int = 0
+
+
+LoadStateResponse = LoadWeightsResponse
+
+
+class Checkpoint(_Model):
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler", "merged"]
+    path: str
+    time: float
+    step: int = 0
+    size_bytes: int | None = None
+
+
+class SupportedModel(_Model):
+    model_name: str
+    max_context_length: int
+    trainable: bool = True
+    sampleable: bool = True
+    vocab_size: int | None = None
+
+
+class ServerCapabilities(_Model):
+    supported_models: list[SupportedModel]
+    loss_functions: list[str] = Field(default_factory=lambda: list(LOSS_FUNCTIONS))
+    max_lora_rank: int = 256
+    max_batch_datums: int = 1024
+
+
+class GetInfoResponse(_Model):
+    model_id: str
+    base_model: str
+    lora_rank: int
+    lora_alpha: float
+    seed: int | None = None
+    step: int = 0
+
+
+TrainingResult = Union[ForwardBackwardOutput, OptimStepResponse, CheckpointResponse, LoadWeightsResponse]
