@@ -179,13 +179,17 @@ def _typed(url: ParsedURL, key: str, default: Any, kind: type) -> Any:
     try:
         return kind(url.query[key])
     except ValueError:
-        raise InvalidInputError(f"{url.query[key]!r} is not a {kind.__name__}", field=f"url ?{key}=", fix=f"e.g. ?{key}={default}") from None
+        raise InvalidInputError(
+            f"{url.query[key]!r} is not a {kind.__name__}", field=f"url ?{key}=", fix=f"e.g. ?{key}={default}"
+        ) from None
 
 
 def parse_url(url: str) -> ParsedURL:
     parts = urlsplit(url)
     if not parts.scheme:
-        raise InvalidInputError(f"{url!r} has no scheme", field="url", fix="use e.g. mock://, local://, http://host:port or sagemaker://region")
+        raise InvalidInputError(
+            f"{url!r} has no scheme", field="url", fix="use e.g. mock://, local://, http://host:port or sagemaker://region"
+        )
     return ParsedURL(
         raw=url,
         scheme=parts.scheme.lower(),

@@ -17,6 +17,7 @@ __all__ = [
     "ServerError",
     "SessionGoneError",
     "PoisonedError",
+    "OperationCancelledError",
     "FacadeMisuseError",
 ]
 
@@ -107,6 +108,10 @@ class PoisonedError(AsyncSessError):
     def __init__(self, message: str, *, cause: BaseException | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.cause = cause
+
+
+class OperationCancelledError(AsyncSessError):
+    """The future was cancelled before the op finished."""
 
 
 class FacadeMisuseError(RuntimeError):

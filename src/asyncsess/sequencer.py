@@ -72,7 +72,9 @@ class Sequencer(Generic[R]):
             await slot.done.wait()
             return self._outcome(slot)
         if op.seq < self._next:
-            raise ConflictError(f"sequence number {op.seq} is behind the session ({self._next})", field="seq", operation=op.kind, seq=op.seq)
+            raise ConflictError(
+                f"sequence number {op.seq} is behind the session ({self._next})", field="seq", operation=op.kind, seq=op.seq
+            )
         if self._stopped is not None:
             raise SessionGoneError(f"session {self._stopped}", operation=op.kind, seq=op.seq)
         slot = _Slot(key=op.idempotency_key, done=anyio.Event())

@@ -410,4 +410,4 @@ class GetInfoResponse(_Model):
     step: int = 0
 
 
-TrainingResult = Union[ForwardBackwardOutput, OptimStepResponse, CheckpointResponse, LoadWeightsResponse]
+TrainingResult = Union[ForwardBackwardOutput, OptimStepResponse, CheckpointResponse, LoadWeightsResponse]  # noqa: UP007 (3.10 runtime alias)

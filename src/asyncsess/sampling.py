@@ -1,0 +1,81 @@
+"""The bounded pool that concurrent sampling requests pass through (count and bytes in flight)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+
+__all__ = ["SamplingLimiter", "SamplingStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingStats:
+    """What callers can observe of the backpressure."""
+
+    in_flight: int
+    queued: int
+    bytes_in_flight: int
+    max_in_flight: int
+    max_bytes: int
+    completed: int
+
+
+class SamplingLimiter:
+    """Admits requests FIFO while fewer than ``max_in_flight`` run and their bytes fit in ``max_bytes``.
+
+    A single request larger than ``max_bytes`` is still admitted when nothing else runs, so it cannot
+    wait forever.
+    """
+
+    def __init__(self, max_in_flight: int = 256, max_bytes: int = 64 * 2**20) -> None:
+        self.max_in_flight = max_in_flight
+        self.max_bytes = max_bytes
+        self._in_flight = 0
+        self._bytes = 0
+        self._completed = 0
+        self._waiters: deque[tuple[int, anyio.Event]] = deque()
+
+    def stats(self) -> SamplingStats:
+        return SamplingStats(self._in_flight, len(self._waiters), self._bytes, self.max_in_flight, self.max_bytes, self._completed)
+
+    def _fits(self, nbytes: int) -> bool:
+        if self._in_flight >= self.max_in_flight:
+            return False
+        return self._in_flight == 0 or self._bytes + nbytes <= self.max_bytes
+
+    @asynccontextmanager
+    async def slot(self, nbytes: int) -> AsyncIterator[None]:
+        if self._waiters or not self._fits(nbytes):
+            entry = (nbytes, anyio.Event())
+            self._waiters.append(entry)
+            try:
+                await entry[1].wait()
+            except BaseException:
+                if entry in self._waiters:
+                    self._waiters.remove(entry)
+                else:  # admitted while being cancelled: give the slot back
+                    self._release(nbytes)
+                raise
+        else:
+            self._admit(nbytes)
+        try:
+            yield
+        finally:
+            self._completed += 1
+            self._release(nbytes)
+
+    def _admit(self, nbytes: int) -> None:
+        self._in_flight += 1
+        self._bytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        self._in_flight -= 1
+        self._bytes -= nbytes
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, ev = self._waiters.popleft()
+            self._admit(n)
+            ev.set()
