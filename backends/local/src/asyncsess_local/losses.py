@@ -1,0 +1,99 @@
+"""The built-in losses in torch, exactly as ``spec/losses.md``: per datum, summed over tokens.
+
+Every function takes ``p`` (the trainer's fp32 log-probs of the target tokens, shape ``(N,)``, with
+gradient) and the datum's other inputs as fp32 tensors, and returns a scalar. Datums are summed by the
+caller. Weights and advantages are used as given (any real value, never clamped). The RL losses accept
+an optional ``weights`` mask (SageMaker datums carry one) that multiplies each token's term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = ["LOSSES", "DEFAULT_CLIP_LOW", "DEFAULT_CLIP_HIGH", "DEFAULT_DRO_BETA", "datum_loss"]
+
+DEFAULT_CLIP_LOW = 0.8
+DEFAULT_CLIP_HIGH = 1.2
+DEFAULT_DRO_BETA = 0.1  # not published by Tinker; the miles Tinker executor uses 0.1
+
+Inputs = Mapping[str, Tensor]
+Config = Mapping[str, float]
+
+
+def _mask(inputs: Inputs) -> Tensor | float:
+    w = inputs.get("weights")
+    return 1.0 if w is None else w
+
+
+def _clip(config: Config) -> tuple[float, float]:
+    return float(config.get("clip_low_threshold", DEFAULT_CLIP_LOW)), float(config.get("clip_high_threshold", DEFAULT_CLIP_HIGH))
+
+
+def cross_entropy(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
+    """``L = Σ −w·p``."""
+    return -(inputs["weights"] * p).sum()
+
+
+def importance_sampling(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
+    """``L = −Σ r·A`` with ``r = exp(p − q)`` unclipped."""
+    ratio = torch.exp(p - inputs["logprobs"])
+    return -(ratio * inputs["advantages"] * _mask(inputs)).sum()
+
+
+def ppo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
+    """``L = −Σ min(r·A, clamp(r, lo, hi)·A)`` (absolute ratio bounds)."""
+    lo, hi = _clip(config)
+    adv = inputs["advantages"]
+    ratio = torch.exp(p - inputs["logprobs"])
+    objective = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+    return -(objective * _mask(inputs)).sum()
+
+
+def cispo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
+    """``L = −Σ sg[clamp(r, lo, hi)]·p·A``: the clip bounds the coefficient, the gradient always flows."""
+    lo, hi = _clip(config)
+    coef = torch.exp(p - inputs["logprobs"]).clamp(lo, hi).detach()
+    return -(coef * p * inputs["advantages"] * _mask(inputs)).sum()
+
+
+def dro(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
+    """``L = −Σ (p·A − ½β(p − q)²)``; the ``weights`` mask (when given) also masks the penalty."""
+    beta = float(config.get("beta", DEFAULT_DRO_BETA))
+    objective = p * inputs["advantages"] - 0.5 * beta * (p - inputs["logprobs"]) ** 2
+    return -(objective * _mask(inputs)).sum()
+
+
+def gspo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
+    """GSPO-token: one sequence ratio ``s = exp(mean_M(sg[p] − q))`` per datum, clipped like PPO.
+
+    ``M`` is ``sequence_ratio_mask`` (default: every token). Per token ``s_t = sg[s]·exp(p − sg[p])``
+    has value ``s`` and the gradient of the token's own log-prob.
+    """
+    lo, hi = _clip(config)
+    adv = inputs["advantages"]
+    mask = inputs.get("sequence_ratio_mask")
+    if mask is None:
+        mask = torch.ones_like(p)
+    count = mask.sum()
+    log_ratio = ((p.detach() - inputs["logprobs"]) * mask).sum() / count.clamp(min=1.0)
+    s_t = torch.exp(log_ratio) * torch.exp(p - p.detach())
+    objective = torch.minimum(s_t * adv, s_t.clamp(lo, hi) * adv)
+    return -(objective * _mask(inputs)).sum()
+
+
+LOSSES: dict[str, Callable[[Tensor, Inputs, Config], Tensor]] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
+}
+
+
+def datum_loss(loss_fn: str, p: Tensor, inputs: Inputs, config: Config | None = None) -> Tensor:
+    """The loss of one datum (a scalar), summed over its tokens."""
+    return LOSSES[loss_fn](p, inputs, config or {})
