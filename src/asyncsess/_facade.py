@@ -1,0 +1,129 @@
+"""Runtime of the generated sync facade: one background event loop per process, and blocking futures.
+
+The loop (an anyio blocking portal on a daemon thread) starts on first use and is shut down at
+interpreter exit, after every facade ServiceClient still open has been closed. Calls hop onto it with
+``portal.call``; no thread is made per call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Generic, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from .errors import FacadeMisuseError
+from .futures import APIFuture
+
+__all__ = ["SyncFuture", "call", "open_service", "close_service", "shutdown"]
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_portal: BlockingPortal | None = None
+_portal_cm: AbstractContextManager[BlockingPortal] | None = None
+_loop_thread: int | None = None
+_services: dict[int, AbstractContextManager[Any]] = {}
+
+
+def _get_portal() -> BlockingPortal:
+    global _portal, _portal_cm, _loop_thread
+    if _portal is None:
+        with _lock:
+            if _portal is None:
+                cm = start_blocking_portal(backend="asyncio", name="asyncsess-loop")
+                portal = cm.__enter__()
+                _loop_thread = portal.call(threading.get_ident)
+                _portal_cm, _portal = cm, portal
+                atexit.register(shutdown)
+    return _portal
+
+
+def _check_thread(what: str) -> None:
+    if _loop_thread is not None and threading.get_ident() == _loop_thread:
+        raise FacadeMisuseError(
+            f"{what} was called on the asyncsess.sync event loop, where blocking would deadlock; "
+            "inside async code use the async API (`await fut`) instead of asyncsess.sync"
+        )
+
+
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` (sync or async) on the facade's loop and return its result."""
+    _check_thread(getattr(fn, "__qualname__", "a blocking call"))
+    return _get_portal().call(functools.partial(fn, *args, **kwargs))
+
+
+def open_service(service: Any) -> Any:
+    """Enter an async ServiceClient on the loop; it stays open until :func:`close_service`."""
+    _check_thread("ServiceClient()")
+    cm = _get_portal().wrap_async_context_manager(service)
+    cm.__enter__()
+    _services[id(service)] = cm
+    return service
+
+
+def close_service(service: Any, exc_info: tuple[Any, Any, Any] = (None, None, None)) -> None:
+    cm = _services.pop(id(service), None)
+    if cm is not None:
+        _check_thread("ServiceClient.close()")
+        cm.__exit__(*exc_info)
+
+
+def shutdown() -> None:
+    """Close open facade ServiceClients (stopping their sessions) and stop the loop thread."""
+    global _portal, _portal_cm, _loop_thread
+    for key in list(_services):
+        cm = _services.pop(key)
+        try:
+            cm.__exit__(None, None, None)
+        except Exception:  # noqa: S110 - best effort at interpreter exit
+            pass
+    with _lock:
+        if _portal_cm is not None:
+            _portal_cm.__exit__(None, None, None)
+        _portal = _portal_cm = _loop_thread = None
+
+
+class SyncFuture(Generic[T]):
+    """Blocking view of an :class:`APIFuture`: the op was submitted, in order, when it was created."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: APIFuture[T]) -> None:
+        self._fut = fut
+
+    def __repr__(self) -> str:
+        return repr(self._fut).replace("APIFuture", "SyncFuture", 1)
+
+    @property
+    def seq(self) -> int | None:
+        return self._fut.seq
+
+    def result(self, timeout: float | None = None) -> T:
+        """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds."""
+        if self._fut.done():
+            return self._fut.result()
+        return call(self._fut.result_async, timeout)  # type: ignore[no-any-return]
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until done; return the op's error (or None). Raise ``DeadlineExceededError`` on timeout."""
+        try:
+            self.result(timeout)
+        except Exception as err:
+            if not self._fut.done():
+                raise
+            return err
+        return None
+
+    def cancel(self) -> bool:
+        return bool(call(self._fut.cancel))
+
+    def cancelled(self) -> bool:
+        return self._fut.cancelled()

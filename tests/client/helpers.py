@@ -1,0 +1,33 @@
+"""Datum builders shared by the client tests."""
+
+from __future__ import annotations
+
+import random
+
+from asyncsess import Datum, ModelInput, TensorData
+
+
+def sft_datum(tokens: list[int]) -> Datum:
+    """Train on every next token of ``tokens``."""
+    n = len(tokens) - 1
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n},
+    )
+
+
+def rl_datum(tokens: list[int], logprobs: list[float], advantage: float, prompt_len: int = 1) -> Datum:
+    n = len(tokens) - 1
+    adv = [0.0 if i < prompt_len - 1 else advantage for i in range(n)]
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": TensorData.from_list(tokens[1:], "int64"),
+            "logprobs": [0.0 if i < prompt_len - 1 else lp for i, lp in enumerate(logprobs[:n])] + [0.0] * max(0, n - len(logprobs)),
+            "advantages": adv,
+        },
+    )
+
+
+def random_tokens(rng: random.Random, n: int, lo: int = 5, hi: int = 90) -> list[int]:
+    return [rng.randrange(lo, hi) for _ in range(n)]

@@ -1,0 +1,51 @@
+import pytest
+
+from asyncsess import AdamParams, DeadlineExceededError, InvalidStateError, OperationCancelledError, SamplingParams, ServiceClient
+
+from .helpers import sft_datum
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_future_exists_at_call_time_and_pipelines():
+    async with ServiceClient("mock://?latency_ms=30") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        f1 = tc.forward_backward([sft_datum([1, 40, 41, 42])], "cross_entropy")
+        f2 = tc.optim_step(AdamParams(learning_rate=0.1))
+        assert (f1.seq, f2.seq) == (1, 2) and not f1.done()
+        with pytest.raises(InvalidStateError):
+            f1.result()
+        out, step = await f1, await f2
+        assert out.metrics["loss:sum"] > 0 and out.loss == out.metrics["loss:sum"]
+        assert f1.done() and f1.exception() is None and step.metrics is not None
+        assert out.usage.training_tokens == 3
+
+
+async def test_result_async_timeout_and_cancel():
+    async with ServiceClient("mock://?latency_ms=300") as svc:
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        fut = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        with pytest.raises(DeadlineExceededError):
+            await fut.result_async(timeout=0.01)
+        assert fut.cancel() is True
+        with pytest.raises(OperationCancelledError):
+            await fut
+        assert fut.cancelled() and fut.cancel() is False
+
+
+async def test_ordered_training_ops_cannot_be_withdrawn():
+    async with ServiceClient("mock://?latency_ms=50") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fut = tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")
+        assert fut.cancel() is False
+        assert (await fut).metrics["loss:sum"] > 0
+
+
+async def test_done_callbacks_run_once_settled():
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        seen = []
+        fut = tc.forward([sft_datum([1, 40, 41])], "cross_entropy")
+        fut.add_done_callback(lambda f: seen.append(f.seq))
+        await fut
+        assert seen == [1]

@@ -1,0 +1,73 @@
+"""Concurrent sampling through the bounded pool, with observable backpressure."""
+
+import anyio
+import pytest
+
+from asyncsess import SamplingParams, ServiceClient
+
+pytestmark = pytest.mark.anyio
+
+
+def _count_concurrency(backend, monkeypatch):
+    state = {"now": 0, "peak": 0}
+    real = backend.sample
+
+    async def counting(sampler_id, request):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        try:
+            return await real(sampler_id, request)
+        finally:
+            state["now"] -= 1
+
+    monkeypatch.setattr(backend, "sample", counting)
+    return state
+
+
+async def test_32_samples_are_in_flight_at_once(monkeypatch):
+    async with ServiceClient("mock://?latency_ms=100") as svc:
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        state = _count_concurrency(svc.backend, monkeypatch)
+        futures = [sc.sample([1, 40, 41], 2, SamplingParams(max_tokens=4, seed=i)) for i in range(32)]
+        assert sc.stats().in_flight + sc.stats().queued <= 32
+        results = [await f for f in futures]
+        assert state["peak"] == 32, "all 32 requests must reach the backend concurrently"
+        assert all(len(r.sequences) == 2 for r in results)  # wall time vs serial: bench/bench_client.py
+
+
+async def test_pool_bounds_in_flight_requests_and_reports_the_queue(monkeypatch):
+    async with ServiceClient("mock://?latency_ms=30", max_samples_in_flight=4) as svc:
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        state = _count_concurrency(svc.backend, monkeypatch)
+        futures = [sc.sample([1, 40], 1, SamplingParams(max_tokens=2)) for _ in range(12)]
+        await anyio.sleep(0.01)
+        stats = sc.stats()
+        assert stats.in_flight == 4 and stats.queued == 8
+        for f in futures:
+            await f
+        assert state["peak"] == 4
+        assert sc.stats().completed == 12 and sc.stats().in_flight == 0
+
+
+async def test_pool_bounds_bytes(monkeypatch):
+    async with ServiceClient("mock://?latency_ms=20", max_sample_bytes=8 * 10) as svc:
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        state = _count_concurrency(svc.backend, monkeypatch)
+        futures = [sc.sample([1] + [40] * 5, 1, SamplingParams(max_tokens=1)) for _ in range(6)]  # 6 tokens = 48 bytes each
+        for f in futures:
+            await f
+        assert state["peak"] == 1
+
+
+async def test_cancelled_sample_frees_its_slot():
+    async with ServiceClient("mock://?latency_ms=200", max_samples_in_flight=1) as svc:
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        slow = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        queued = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        await anyio.sleep(0.01)
+        assert slow.cancel() and queued.cancel()
+        await anyio.sleep(0.01)
+        assert slow.cancelled() and queued.cancelled()
+        assert sc.stats().in_flight == 0 and sc.stats().queued == 0
+        ok = await sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        assert len(ok.sequences) == 1

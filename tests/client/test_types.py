@@ -1,0 +1,59 @@
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from asyncsess import AdamParams, CheckpointResponse, Datum, ModelInput, SamplingParams, TensorData
+
+
+def test_model_input_round_trip_and_forms():
+    mi = ModelInput.from_ints([1, 2, 3])
+    assert mi.to_ints() == [1, 2, 3] and mi.length == 3
+    assert ModelInput.from_any([4, 5]).to_ints() == [4, 5]
+    assert ModelInput.from_any({"prompt": [7]}).to_ints() == [7]
+    assert ModelInput.from_any({"chunks": [{"tokens": [1], "type": "encoded_text"}, {"tokens": [2, 3]}]}).to_ints() == [1, 2, 3]
+    assert mi.append_int(9).to_ints() == [1, 2, 3, 9]
+    assert ModelInput.from_any(np.array([3, 4])).to_ints() == [3, 4]
+    with pytest.raises(TypeError):
+        ModelInput.from_any([1.5])
+
+
+def test_tensor_data_coercion_by_key():
+    assert TensorData.coerce("target_tokens", [1.0, 2.0]).dtype == "int64"
+    assert TensorData.coerce("weights", [1, 0]).dtype == "float32"
+    t = TensorData.coerce("advantages", np.array([0.5, 1.5], dtype=np.float64))
+    assert t.dtype == "float32" and t.shape == [2] and t.data == [0.5, 1.5]
+    assert TensorData.from_numpy(np.zeros((2, 3))).shape == [2, 3]
+    assert TensorData.coerce("weights", [1, 2]).to_numpy().dtype == np.float32
+    with pytest.raises(ValidationError):
+        TensorData(data=[1, 2, 3], dtype="int64", shape=[2])
+
+
+def test_datum_accepts_both_anchor_forms():
+    d = Datum.model_validate({"prompt": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [1, 1]}})
+    assert d.model_input.to_ints() == [1, 2]
+    assert d.loss_fn_inputs["target_tokens"].dtype == "int64"
+    d2 = Datum(model_input=[1, 2], loss_fn_inputs={"weights": np.ones(2)})
+    assert d2.loss_fn_inputs["weights"].data == [1.0, 1.0]
+
+
+def test_params_validate_ranges_and_accept_sagemaker_nones():
+    with pytest.raises(ValidationError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValidationError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValidationError, match="top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValidationError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    sp = SamplingParams(temperature=None, top_p=None, top_k=None, stop=["\n", 5])
+    assert (sp.temperature, sp.top_p, sp.top_k) == (1.0, 1.0, -1)
+    assert sp.stop_strings() == ["\n"] and sp.stop_token_ids() == [5]
+    assert SamplingParams(stop="x").stop_strings() == ["x"]
+    assert AdamParams(grad_clip_norm=None).grad_clip_norm == 0.0
+    with pytest.raises(ValidationError, match="beta2"):
+        AdamParams(beta2=1.0)
+
+
+def test_checkpoint_response_speaks_both_names():
+    r = CheckpointResponse(path="mock://s/weights/a")
+    assert r.model_package_arn == r.path

@@ -1,0 +1,91 @@
+"""Bad input fails before sending, with a typed error naming the field; no sequence number is used."""
+
+import pytest
+
+from asyncsess import Datum, InvalidInputError, ModelInput, ServiceClient
+
+from .helpers import rl_datum, sft_datum
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def tc():
+    async with ServiceClient("mock://") as svc:
+        yield await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+
+
+def _bad(field_part: str):
+    return pytest.raises(InvalidInputError, match=field_part.replace("[", r"\[").replace("]", r"\]"))
+
+
+async def test_mismatched_shapes(tc):
+    d = Datum(model_input=ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    with _bad("data[0].loss_fn_inputs['target_tokens']") as err:
+        tc.forward_backward([d], "cross_entropy")
+    assert err.value.field == "data[0].loss_fn_inputs['target_tokens']" and "shape" in str(err.value)
+
+
+async def test_missing_keys_for_the_loss(tc):
+    with _bad("data[0].loss_fn_inputs") as err:
+        tc.forward_backward([sft_datum([1, 2, 3])], "ppo")
+    assert "advantages" in str(err.value) and err.value.fix
+
+
+async def test_unknown_loss_and_unknown_config(tc):
+    with _bad("loss_fn"):
+        tc.forward_backward([sft_datum([1, 2, 3])], "dpo")
+    with _bad("loss_fn_config['beta']"):
+        tc.forward_backward([rl_datum([1, 2, 3], [-1.0, -1.0], 1.0)], "ppo", {"beta": 0.1})
+
+
+async def test_wrong_dtype(tc):
+    d = Datum(
+        model_input=ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]},
+    )
+    d.loss_fn_inputs["target_tokens"].dtype = "float32"  # type: ignore[misc]
+    with _bad("data[0].loss_fn_inputs['target_tokens']") as err:
+        tc.forward_backward([d], "cross_entropy")
+    assert "int64" in str(err.value)
+
+
+async def test_empty_prompts(tc):
+    with _bad("data"):
+        tc.forward_backward([], "cross_entropy")
+    with _bad("data[0].model_input"):
+        tc.forward_backward([Datum(model_input=ModelInput.empty(), loss_fn_inputs={})], "cross_entropy")
+    sc = await tc.save_weights_and_get_sampling_client()
+    with _bad("prompt"):
+        sc.sample([], 1)
+
+
+async def test_out_of_range_sampling_params(tc):
+    sc = await tc.save_weights_and_get_sampling_client()
+    with _bad("sampling_params.temperature"):
+        sc.sample([1, 2], 1, {"temperature": -0.5})
+    with _bad("num_samples"):
+        sc.sample([1, 2], 0)
+    with _bad("adam_params.learning_rate"):
+        tc.optim_step({"learning_rate": -1})
+
+
+async def test_rejected_op_consumes_no_sequence_number(tc):
+    before = tc.current_sequence_number
+    for call in (lambda: tc.forward_backward([sft_datum([1])], "ppo"), lambda: tc.optim_step({"beta1": 2})):
+        with pytest.raises(InvalidInputError):
+            call()
+    assert tc.current_sequence_number == before
+    out = await tc.forward_backward([sft_datum([1, 2, 3])], "cross_entropy")
+    assert tc.current_sequence_number == before + 1 and out.metrics["loss:sum"] > 0
+
+
+async def test_backend_rejects_out_of_vocab_tokens_with_a_typed_error(tc):
+    with pytest.raises(InvalidInputError):
+        await tc.forward_backward([sft_datum([1, 2, 10**6])], "cross_entropy")
+
+
+async def test_unknown_scheme_names_the_fix():
+    with pytest.raises(InvalidInputError, match="no backend for scheme 'nope'"):
+        async with ServiceClient("nope://x"):
+            pass
