@@ -1,0 +1,344 @@
+"""``mock://``: the Backend driver around the numpy engine, with seeded latency and fault injection.
+
+Training ops of a session run through :class:`asyncsess.sequencer.Sequencer` (ordered, exactly once,
+poisoned after a failure). Checkpoints live in a process-wide store, so another ``ServiceClient`` in the
+same process can resume from them. The introspection members (``applied_log``, ``calls``,
+``weights``, ``optimizer_state``, ``open_sessions``) exist for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import anyio
+import numpy as np
+
+from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.errors import ConflictError, InvalidInputError, SessionGoneError
+from asyncsess.sequencer import Sequencer
+from asyncsess.types import (
+    Checkpoint,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    LOSS_FUNCTIONS,
+    SampleResponse,
+    ServerCapabilities,
+    SupportedModel,
+    TrainingResult,
+)
+
+from .checkpoints import StoredCheckpoint, check_name, checkpoint_path
+from .engine import MockTrainer
+from .faults import Faults, MockConfig
+from .model import base_table, log_softmax_table
+from .sampler import MockSampler
+from .tokenizer import CharTokenizer
+
+__all__ = ["MockBackend"]
+
+DEFAULT_MODEL = "mock/bigram-tiny"
+_TOKENIZER = CharTokenizer()
+
+
+@dataclass
+class _TrainingSession:
+    id: str
+    seed: int | None
+    trainer: MockTrainer
+    faults: Faults
+    sequencer: Sequencer[TrainingResult]
+    stopped: str | None = None
+    ops_applied: int = 0
+
+
+@dataclass
+class _Sampler:
+    id: str
+    sampler: MockSampler
+    faults: Faults
+    stopped: bool = False
+    requests: int = 0
+
+
+class MockBackend(Backend):
+    """A tiny real model: bigram logits ``W[prev] + D[prev]`` over a char-level vocabulary, trained by AdamW."""
+
+    scheme: ClassVar[str] = "mock"
+    _checkpoints: ClassVar[dict[str, StoredCheckpoint]] = {}
+    _open: ClassVar[dict[str, str]] = {}  # id -> "training" | "sampler", for every session not yet stopped
+    _ids: ClassVar[itertools.count] = itertools.count(1)
+
+    def __init__(self, config: MockConfig | None = None) -> None:
+        self.config = config or MockConfig()
+        self.tokenizer = _TOKENIZER
+        self.applied_log: list[tuple[str, int, str]] = []  # (session_id, seq, kind) of every op actually applied
+        self.calls: Counter[str] = Counter()  # backend method name -> number of calls
+        self._sessions: dict[str, _TrainingSession] = {}
+        self._samplers: dict[str, _Sampler] = {}
+        self._models_used: dict[str, None] = {}
+        self._ordinal = itertools.count()
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, **options: Any) -> MockBackend:
+        return cls(MockConfig.from_url(url, options))
+
+    # ------------------------------------------------------------------------------ introspection
+
+    @classmethod
+    def open_sessions(cls, kind: Literal["training", "sampler"] | None = None) -> list[str]:
+        """Ids of sessions (and samplers) in this process that nobody stopped."""
+        return [sid for sid, k in cls._open.items() if kind is None or k == kind]
+
+    def weights(self, session_id: str) -> np.ndarray:
+        """A copy of the trainable delta table ``D``."""
+        return self._session(session_id).trainer.delta.copy()
+
+    def optimizer_state(self, session_id: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """Copies of the AdamW moments and the step count."""
+        adam = self._session(session_id).trainer.adam
+        return adam.m.copy(), adam.v.copy(), adam.step
+
+    def trainer(self, session_id: str) -> MockTrainer:
+        """The live engine behind a session (for benchmarks and white-box tests)."""
+        return self._session(session_id).trainer
+
+    # ---------------------------------------------------------------------------------- sessions
+
+    async def capabilities(self) -> ServerCapabilities:
+        self.calls["capabilities"] += 1
+        v = self.tokenizer.vocab_size
+        names = dict.fromkeys([DEFAULT_MODEL, *self._models_used])
+        return ServerCapabilities.model_construct(
+            supported_models=[SupportedModel.model_construct(model_name=n, max_context_length=self.config.max_context, trainable=True,
+                                                             sampleable=True, vocab_size=v) for n in names],
+            loss_functions=list(LOSS_FUNCTIONS),
+            max_lora_rank=256,
+            max_batch_datums=1024,
+        )
+
+    async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        self.calls["create_training_session"] += 1
+        if spec.rank < 1:
+            raise InvalidInputError(f"rank={spec.rank}", field="rank", fix="use a rank >= 1")
+        ckpt = None
+        base_model = spec.base_model
+        if spec.from_path is not None:
+            ckpt = self._checkpoint(spec.from_path, "from_path", state_only=True)
+            if base_model and base_model != ckpt.base_model:
+                raise InvalidInputError(
+                    f"{spec.from_path} was trained from {ckpt.base_model!r}, not {base_model!r}", field="base_model", fix="omit base_model or match it"
+                )
+            base_model = ckpt.base_model
+        if not base_model:
+            raise InvalidInputError("empty base model name", field="base_model", fix=f"e.g. {DEFAULT_MODEL!r} (any name works)")
+        ordinal = next(self._ordinal)
+        trainer = MockTrainer(base_model, self.tokenizer.vocab_size, self.config.max_context)
+        if ckpt is not None:
+            trainer.load(ckpt.delta, ckpt.adam if spec.with_optimizer else None)
+        sid = f"mock-train-{next(self._ids)}"
+        sess = _TrainingSession(
+            id=sid,
+            seed=spec.seed,
+            trainer=trainer,
+            faults=Faults(self.config, f"train-{ordinal}"),
+            sequencer=Sequencer(functools.partial(self._apply, sid), gap_timeout=self.config.gap_timeout_s),
+        )
+        self._sessions[sess.id] = sess
+        self._open[sess.id] = "training"
+        self._models_used[base_model] = None
+        return GetInfoResponse.model_construct(
+            model_id=sess.id,
+            base_model=base_model,
+            lora_rank=spec.rank,
+            lora_alpha=spec.alpha if spec.alpha is not None else 32.0,
+            seed=spec.seed,
+            step=trainer.adam.step,
+        )
+
+    async def stop_session(self, session_id: str) -> None:
+        self.calls["stop_session"] += 1
+        if session_id in self._sessions:
+            self._stop(self._sessions[session_id], "stopped by the client")
+        elif session_id in self._samplers:
+            self._samplers[session_id].stopped = True
+            self._open.pop(session_id, None)
+        else:
+            raise InvalidInputError(f"no session {session_id!r} on this backend", field="session_id")
+
+    async def heartbeat(self, session_id: str) -> None:
+        self.calls["heartbeat"] += 1
+        if session_id in self._samplers:
+            self._sampler(session_id)
+        else:
+            self._live_session(session_id)
+
+    def _stop(self, sess: _TrainingSession, reason: str) -> None:
+        if sess.stopped is None:
+            sess.stopped = reason
+            sess.sequencer.stop(reason)
+        self._open.pop(sess.id, None)
+
+    def _session(self, session_id: str) -> _TrainingSession:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise InvalidInputError(f"no training session {session_id!r}", field="session_id", fix="use the model_id from create_training_session") from None
+
+    def _live_session(self, session_id: str) -> _TrainingSession:
+        sess = self._session(session_id)
+        if sess.stopped is not None:
+            raise SessionGoneError(f"session {session_id} was {sess.stopped}")
+        return sess
+
+    # ---------------------------------------------------------------------------------- training
+
+    async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        self.calls["execute_training"] += 1
+        sess = self._live_session(session_id)
+        await sess.faults.before(op.kind)
+        if sess.faults.duplicate():
+            result = await _deliver_twice(sess.sequencer, op)
+        else:
+            result = await sess.sequencer.execute(op)
+        sess.faults.drop_response(op.kind)
+        return result
+
+    async def _apply(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        """The sequencer's executor: runs one op on the engine, in order, once."""
+        sess = self._sessions[session_id]
+        trainer = sess.trainer
+        result: TrainingResult
+        if op.kind == "forward":
+            result = trainer.forward(op.data, op.loss_fn or "", op.loss_fn_config)
+        elif op.kind == "forward_backward":
+            result = trainer.forward_backward(op.data, op.loss_fn or "", op.loss_fn_config)
+        elif op.kind == "optim_step":
+            result = trainer.optim_step(op.adam_params)
+        elif op.kind == "save_state":
+            result = self._save(sess, "state", op.name or f"{op.seq:06d}", ephemeral=False).response()
+        elif op.kind == "save_weights":
+            name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
+            result = self._save(sess, "merged" if op.merge_weights else "sampler", name, ephemeral=op.ephemeral).response()
+        elif op.kind == "load_state":
+            ckpt = self._checkpoint(op.path or "", "path", state_only=True)
+            if ckpt.base_model != trainer.base_model:
+                raise InvalidInputError(f"{op.path} holds {ckpt.base_model!r}, this session trains {trainer.base_model!r}", field="path")
+            trainer.load(ckpt.delta, ckpt.adam if op.with_optimizer else None)
+            result = LoadWeightsResponse.model_construct(path=ckpt.path, step=trainer.adam.step)
+        else:
+            raise InvalidInputError(f"unknown op kind {op.kind!r}", field="kind")
+        self.applied_log.append((sess.id, op.seq, op.kind))
+        sess.ops_applied += 1
+        if self.config.stop_after_ops and sess.ops_applied >= self.config.stop_after_ops:
+            self._stop(sess, f"stopped by the server after {sess.ops_applied} ops (stop_after_ops)")
+        return result
+
+    def _save(self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, *, ephemeral: bool) -> StoredCheckpoint:
+        path = checkpoint_path(sess.id, kind, check_name(name))
+        if path in self._checkpoints:
+            raise ConflictError(f"{path} already exists", field="name", fix="pick another name")
+        trainer = sess.trainer
+        ckpt = StoredCheckpoint(
+            path=path,
+            session_id=sess.id,
+            name=name,
+            kind=kind,
+            base_model=trainer.base_model,
+            seed=sess.seed,
+            delta=trainer.delta.copy(),
+            adam=trainer.adam.copy() if kind == "state" else None,
+            step=trainer.adam.step,
+            time=time.time(),
+            ephemeral=ephemeral,
+        )
+        self._checkpoints[path] = ckpt
+        return ckpt
+
+    def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
+        ckpt = self._checkpoints.get(path)
+        if ckpt is None:
+            raise InvalidInputError(f"no checkpoint at {path!r}", field=field, fix="use a path returned by save_state / save_weights in this process")
+        if state_only and ckpt.kind != "state":
+            raise InvalidInputError(f"{path} holds sampler weights, not training state", field=field, fix="use a path from save_state (…/weights/…)")
+        return ckpt
+
+    async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
+        self.calls["list_checkpoints"] += 1
+        return [c.record() for c in self._checkpoints.values() if not c.ephemeral and session_id in (None, c.session_id)]
+
+    # ---------------------------------------------------------------------------------- sampling
+
+    async def create_sampler(self, spec: SamplerSpec) -> str:
+        self.calls["create_sampler"] += 1
+        v = self.tokenizer.vocab_size
+        if spec.model_path:
+            ckpt = self._checkpoint(spec.model_path, "model_path")
+            base_model, seed = ckpt.base_model, ckpt.seed
+            logp = log_softmax_table(base_table(base_model, v) + ckpt.delta)
+        elif spec.base_model:
+            base_model, seed = spec.base_model, None
+            logp = log_softmax_table(base_table(base_model, v))
+        else:
+            raise InvalidInputError("neither model_path nor base_model", field="model_path", fix="pass a saved path or a base model name")
+        ordinal = next(self._ordinal)
+        rng = np.random.default_rng([self.config.seed % 2**64, (seed or 0) % 2**64, ordinal])
+        sampler = MockSampler(logp, self.tokenizer.pieces, self.tokenizer.eos_token_id, rng=rng,
+                              max_context=self.config.max_context, default_max_tokens=self.config.default_max_tokens)
+        handle = _Sampler(id=f"mock-sampler-{next(self._ids)}", sampler=sampler, faults=Faults(self.config, f"sampler-{ordinal}"))
+        self._samplers[handle.id] = handle
+        self._open[handle.id] = "sampler"
+        self._models_used[base_model] = None
+        return handle.id
+
+    def _sampler(self, sampler_id: str) -> _Sampler:
+        handle = self._samplers.get(sampler_id)
+        if handle is None:
+            raise InvalidInputError(f"no sampler {sampler_id!r}", field="sampler_id", fix="use an id from create_sampler")
+        if handle.stopped:
+            raise SessionGoneError(f"sampler {sampler_id} was stopped")
+        return handle
+
+    async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
+        self.calls["sample"] += 1
+        handle = self._sampler(sampler_id)
+        await handle.faults.before("sample")
+        response = handle.sampler.sample(request, handle.requests, handle.id)
+        handle.requests += 1
+        handle.faults.drop_response("sample")
+        return response
+
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
+        self.calls["compute_logprobs"] += 1
+        handle = self._sampler(sampler_id)
+        await handle.faults.before("compute_logprobs")
+        result = handle.sampler.compute_logprobs(tokens)
+        handle.faults.drop_response("compute_logprobs")
+        return result
+
+    def get_tokenizer(self, base_model: str) -> CharTokenizer:
+        return self.tokenizer
+
+
+async def _deliver_twice(sequencer: Sequencer[TrainingResult], op: TrainingOp) -> TrainingResult:
+    """Hand the same op to the sequencer twice at once, as a duplicated network delivery would."""
+
+    async def duplicate() -> None:
+        with contextlib.suppress(Exception):
+            await sequencer.execute(op)
+
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(duplicate)
+        try:
+            result = await sequencer.execute(op)
+        except Exception as err:
+            error = err
+    if error is not None:
+        raise error
+    return result

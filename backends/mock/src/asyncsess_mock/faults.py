@@ -1,0 +1,98 @@
+"""Seeded latency and fault injection, configured from the ``mock://`` URL query.
+
+Each training session and sampler gets its own :class:`Faults` with a generator seeded from the URL's
+``seed`` and the object's ordinal in its backend, so a run with the same calls sees the same faults.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+import anyio
+
+from asyncsess.backend import ParsedURL
+from asyncsess.errors import InvalidInputError, TransientError
+
+__all__ = ["MockConfig", "Faults"]
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    """Every ``mock://`` query parameter (documented in docs/backend-mock.md)."""
+
+    seed: int = 0
+    latency_ms: float = 0.0
+    jitter_ms: float = 0.0
+    slow_rate: float = 0.0
+    slow_ms: float = 0.0
+    fail_rate: float = 0.0
+    drop_response_rate: float = 0.0
+    timeout_rate: float = 0.0
+    hang_s: float = 3600.0
+    duplicate_rate: float = 0.0
+    stop_after_ops: int = 0
+    gap_timeout_s: float = 60.0
+    max_context: int = 512
+    default_max_tokens: int = 32
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, options: dict[str, Any]) -> MockConfig:
+        """Read the query; keyword ``options`` with the same names override it, other options are not ours."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(url.query) - set(known))
+        if unknown:
+            raise InvalidInputError(f"unknown parameter(s) {', '.join(unknown)}", field="url", fix=f"known: {', '.join(known)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            kind = int if f.type in ("int", int) else float
+            values[name] = url.get_int(name, f.default) if kind is int else url.get_float(name, f.default)
+            if name in options:
+                values[name] = kind(options[name])
+        cfg = cls(**values)
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_rate") and not 0.0 <= value <= 1.0:
+                raise InvalidInputError(f"{f.name}={value} is not a probability", field=f"url ?{f.name}=", fix="use a value in [0, 1]")
+            if f.name != "seed" and value < 0:
+                raise InvalidInputError(f"{f.name}={value} is negative", field=f"url ?{f.name}=", fix="use a value >= 0")
+        if self.max_context < 2 or self.default_max_tokens < 1:
+            raise InvalidInputError("context too small", field="url ?max_context=", fix="use max_context >= 2 and default_max_tokens >= 1")
+
+
+class Faults:
+    """Draws the faults for one session or sampler, in call order."""
+
+    def __init__(self, cfg: MockConfig, key: str) -> None:
+        self.cfg = cfg
+        self._rng = random.Random(f"{cfg.seed}:{key}")
+
+    def _hit(self, rate: float) -> bool:
+        return rate > 0 and self._rng.random() < rate
+
+    async def before(self, what: str) -> None:
+        """Latency, then maybe a failure before anything is applied, or a hang the caller's deadline must end."""
+        cfg = self.cfg
+        delay = cfg.latency_ms + cfg.jitter_ms * self._rng.random() if cfg.jitter_ms else cfg.latency_ms
+        if self._hit(cfg.slow_rate):
+            delay += cfg.slow_ms
+        if delay:
+            await anyio.sleep(delay / 1000)
+        if self._hit(cfg.fail_rate):
+            raise TransientError(f"injected failure before {what} (fail_rate={cfg.fail_rate})", operation=what)
+        if self._hit(cfg.timeout_rate):
+            await anyio.sleep(cfg.hang_s)
+            raise TransientError(f"injected timeout: no answer to {what} for {cfg.hang_s:g}s", operation=what)
+
+    def duplicate(self) -> bool:
+        return self._hit(self.cfg.duplicate_rate)
+
+    def drop_response(self, what: str) -> None:
+        """After the op was applied: maybe lose the answer, as a dropped connection would."""
+        if self._hit(self.cfg.drop_response_rate):
+            raise TransientError(f"injected lost response after {what} was applied (drop_response_rate={self.cfg.drop_response_rate})", operation=what)
