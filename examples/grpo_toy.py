@@ -15,16 +15,16 @@ import anyio
 from asyncsess import AdamParams, SamplingParams, ServiceClient
 from asyncsess.rl import center_advantages, rl_datum
 
-PROMPTS = ["Code:", "PIN:", "Number:", "Digits:"]
+try:
+    from .toy_task import PROMPTS, reward, sample_seed
+except ImportError:  # run as a script
+    from toy_task import PROMPTS, reward, sample_seed  # type: ignore[no-redef]
 
 
-def reward(text: str) -> float:
-    """Fraction of characters that are digits."""
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-
-
-async def train(url: str = "mock://", steps: int = 20, group_size: int = 8, lr: float = 0.05, seed: int = 0, base_model: str = "mock/bigram-tiny") -> list[float]:
-    """Run GRPO; return the mean reward of each step's samples."""
+async def train(
+    url: str = "mock://", steps: int = 20, group_size: int = 8, lr: float = 0.3, seed: int = 0, base_model: str = "mock/bigram-tiny"
+) -> tuple[list[float], str]:
+    """Run GRPO; return the mean reward of each step's samples and the final state's path."""
     history = []
     async with ServiceClient(url) as svc:
         tc = await svc.create_lora_training_client(base_model, rank=8)
@@ -33,7 +33,7 @@ async def train(url: str = "mock://", steps: int = 20, group_size: int = 8, lr: 
         params = SamplingParams(max_tokens=8, temperature=1.0, stop=[])
         for step in range(steps):
             prompts = [tok.encode(p) for p in PROMPTS]
-            futures = [sampler.sample(p, group_size, params.model_copy(update={"seed": seed * 10_000 + step * 100 + i})) for i, p in enumerate(prompts)]
+            futures = [sampler.sample(p, group_size, params.model_copy(update={"seed": sample_seed(seed, step, i)})) for i, p in enumerate(prompts)]
             datums, rewards = [], []
             for prompt, fut in zip(prompts, futures):
                 result = await fut
@@ -50,14 +50,15 @@ async def train(url: str = "mock://", steps: int = 20, group_size: int = 8, lr: 
                 await fb
                 await opt
             print(f"step {step:3d}  mean reward {history[-1]:.3f}")
-    return history
+        final = await tc.save_state("final")
+    return history, final.path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="mock://")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     anyio.run(lambda: train(a.url, a.steps, lr=a.lr, seed=a.seed))

@@ -1,10 +1,39 @@
-"""Shared fixtures: the anyio backend under test comes from $ASYNCSESS_ANYIO_BACKEND (asyncio|trio)."""
+"""Shared fixtures. The anyio backend under test comes from $ASYNCSESS_ANYIO_BACKEND (asyncio|trio).
+
+Suites whose dependencies are absent are not collected at all (the nox session that installs them
+runs them), so a torch-free run reports no skips: see ``noxfile.py`` for which session runs what.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
+
+# test path (relative to tests/) -> modules it needs
+_NEEDS = {
+    "local": ("torch", "asyncsess_local"),
+    "sagemaker": ("boto3", "asyncsess_sagemaker"),
+    "client/test_custom_loss.py": ("torch",),
+}
+_HERE = Path(__file__).parent
+
+
+def _missing(modules: tuple[str, ...]) -> bool:
+    return any(importlib.util.find_spec(m) is None for m in modules)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    try:
+        rel = collection_path.relative_to(_HERE).as_posix()
+    except ValueError:
+        return None
+    for prefix, modules in _NEEDS.items():
+        if (rel == prefix or rel.startswith(prefix + "/")) and _missing(modules):
+            return True
+    return None
 
 
 @pytest.fixture(params=[os.environ.get("ASYNCSESS_ANYIO_BACKEND", "asyncio")])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -54,7 +55,11 @@ def _check_thread(what: str) -> None:
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` (sync or async) on the facade's loop and return its result."""
     _check_thread(getattr(fn, "__qualname__", "a blocking call"))
-    return _get_portal().call(functools.partial(fn, *args, **kwargs))
+    portal = _get_portal()
+    if inspect.iscoroutinefunction(fn):
+        return portal.call(functools.partial(fn, *args, **kwargs))
+    # Boxed, so that an awaitable result (an APIFuture) comes back as is instead of being awaited.
+    return portal.call(lambda: (fn(*args, **kwargs),))[0]
 
 
 def open_service(service: Any) -> Any:
@@ -105,6 +110,7 @@ class SyncFuture(Generic[T]):
 
     def result(self, timeout: float | None = None) -> T:
         """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds."""
+        _check_thread("SyncFuture.result()")
         if self._fut.done():
             return self._fut.result()
         return call(self._fut.result_async, timeout)  # type: ignore[no-any-return]

@@ -1,0 +1,67 @@
+"""The one interface every sandbox offers, and the test runner they share."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import anyio
+
+from asyncsess.errors import InvalidInputError
+from asyncsess.sandbox.results import ExecutionResult, TestCase, TestReport, TestResult, outputs_match
+
+__all__ = ["Files", "Sandbox", "BaseSandbox"]
+
+Files = Mapping[str, "str | bytes"]
+"""Extra files placed in the program's working directory: relative path -> content."""
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """Runs untrusted Python. Many runs may be awaited at once; the sandbox bounds how many execute together."""
+
+    async def run(
+        self,
+        code: str,
+        *,
+        stdin: str = "",
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        files: Files | None = None,
+    ) -> ExecutionResult: ...
+
+    async def run_tests(
+        self, code: str, tests: Sequence[TestCase], *, timeout_s: float | None = None, memory_mb: int | None = None
+    ) -> TestReport: ...
+
+
+class BaseSandbox(abc.ABC):
+    """Implements :meth:`run_tests` on top of :meth:`run`: every test runs (in parallel), none is skipped."""
+
+    @abc.abstractmethod
+    async def run(
+        self,
+        code: str,
+        *,
+        stdin: str = "",
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        files: Files | None = None,
+    ) -> ExecutionResult: ...
+
+    async def run_tests(
+        self, code: str, tests: Sequence[TestCase], *, timeout_s: float | None = None, memory_mb: int | None = None
+    ) -> TestReport:
+        if not tests:
+            raise InvalidInputError("no tests to run", field="tests", fix="give at least one TestCase")
+        results: list[TestResult | None] = [None] * len(tests)
+
+        async def one(i: int, test: TestCase) -> None:
+            res = await self.run(code, stdin=test.stdin, timeout_s=timeout_s, memory_mb=memory_mb)
+            results[i] = TestResult(passed=res.ok and outputs_match(res.stdout, test.expected_stdout), result=res)
+
+        async with anyio.create_task_group() as tg:
+            for i, test in enumerate(tests):
+                tg.start_soon(one, i, test)
+        return TestReport(results=[r for r in results if r is not None])

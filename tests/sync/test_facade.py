@@ -1,0 +1,154 @@
+"""The generated blocking facade: fresh, faithful to the async API, ordered, concurrent, thread-safe."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncsess import FacadeMisuseError, client
+from asyncsess import sync as sync_api
+from asyncsess.rl import sft_datum
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_file_is_up_to_date():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_sync
+    finally:
+        sys.path.pop(0)
+    assert gen_sync.generate() == (ROOT / "src/asyncsess/sync.py").read_text(), "run: python scripts/gen_sync.py"
+
+
+@pytest.mark.parametrize("name", ["ServiceClient", "TrainingClient", "SamplingClient"])
+def test_every_public_async_method_has_a_twin_with_the_same_parameters(name):
+    async_cls, sync_cls = getattr(client, name), getattr(sync_api, name)
+    renames = {"aclose": "close"}
+    for attr, member in async_cls.__dict__.items():
+        if attr.startswith("_") or not inspect.isfunction(member):
+            continue
+        twin = getattr(sync_cls, renames.get(attr, attr))
+        if attr in renames:
+            continue
+        a, s = inspect.signature(member), inspect.signature(twin)
+        assert [(p.name, p.kind, p.default) for p in a.parameters.values()] == [(p.name, p.kind, p.default) for p in s.parameters.values()], attr
+        assert inspect.getdoc(member) == inspect.getdoc(twin)
+        assert not inspect.iscoroutinefunction(twin)
+    a_init, s_init = inspect.signature(async_cls.__init__), inspect.signature(sync_cls.__init__)
+    if name == "ServiceClient":
+        assert list(a_init.parameters.items()) == list(s_init.parameters.items())
+
+
+def _final_weights(path: str) -> np.ndarray:
+    with sync_api.ServiceClient("mock://") as svc:
+        tc = svc.create_training_client_from_state(path)
+        return svc.backend.weights(tc.model_id)
+
+
+def test_blocking_loop_gives_the_same_weights_as_the_async_loop():
+    from examples.grpo_toy import train
+    from examples.sagemaker_grpo_sync import run
+
+    sync_path = run("mock://", num_steps=4, learning_rate=0.3, seed=7)
+    _, async_path = anyio.run(lambda: train("mock://", steps=4, lr=0.3, seed=7))
+    w_sync, w_async = _final_weights(sync_path), _final_weights(async_path)
+    assert np.abs(w_sync).max() > 0
+    assert np.array_equal(w_sync, w_async)
+
+
+def test_futures_execute_in_call_order_and_samples_run_concurrently(monkeypatch):
+    with sync_api.ServiceClient("mock://?latency_ms=100") as svc:
+        tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        futs = [tc.forward_backward([sft_datum([1, 40], [41 + i])]) if i % 2 == 0 else tc.optim_step() for i in range(6)]
+        assert [f.seq for f in futs] == [1, 2, 3, 4, 5, 6]
+        for f in futs:
+            f.result()
+        assert [seq for sid, seq, _ in svc.backend.applied_log if sid == tc.model_id] == [1, 2, 3, 4, 5, 6]
+
+        sc = svc.create_sampling_client(base_model="mock/bigram-tiny")
+        state = {"now": 0, "peak": 0}
+        real = svc.backend.sample
+
+        async def counting(sampler_id, request):
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+            try:
+                return await real(sampler_id, request)
+            finally:
+                state["now"] -= 1
+
+        monkeypatch.setattr(svc.backend, "sample", counting)
+        samples = [sc.sample([1, 40], 1, sync_api.SamplingParams(max_tokens=2)) for _ in range(32)]
+        assert all(not f.done() for f in samples), "submission must not wait for the result"
+        results = [f.result() for f in samples]
+        assert len(results) == 32 and all(len(r.sequences) == 1 for r in results)
+        assert state["peak"] == 32, "all 32 were in flight at once: about one latency, not 32 (timed in bench/)"
+
+
+def test_eight_threads_drive_their_own_training_clients():
+    errors: list[BaseException] = []
+    results: dict[int, float] = {}
+
+    def worker(i: int) -> None:
+        try:
+            with sync_api.ServiceClient("mock://?latency_ms=5") as svc:
+                tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+                losses = []
+                for _ in range(5):
+                    out = tc.forward_backward([sft_datum([1, 40 + i], [50 + i, 51 + i])])
+                    tc.optim_step(sync_api.AdamParams(learning_rate=0.2))
+                    losses.append(out.result().metrics["loss:sum"])
+                assert losses[-1] < losses[0]
+                results[i] = losses[-1]
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(results) == list(range(8))
+
+
+def test_result_on_the_facades_own_loop_raises_instead_of_deadlocking():
+    from asyncsess import _facade
+
+    with sync_api.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fut = tc.forward_backward([sft_datum([1, 40], [41])])
+        fut.result()
+        pending = tc.optim_step()
+
+        def misuse():  # runs on the facade's loop thread, as a callback in user code would
+            return pending.result()
+
+        with pytest.raises(FacadeMisuseError, match="deadlock"):
+            _facade.call(lambda: _facade._get_portal() and misuse())
+        pending.result()
+
+
+def test_works_in_a_fresh_interpreter_and_under_a_running_loop():
+    """A plain script, and a 'notebook' whose main thread already runs an event loop."""
+    code = (
+        "import asyncio\n"
+        "from asyncsess.sync import ServiceClient\n"
+        "from asyncsess.rl import sft_datum\n"
+        "async def cell():\n"
+        "    svc = ServiceClient('mock://')\n"
+        "    tc = svc.create_lora_training_client('m', rank=4)\n"
+        "    print(tc.forward_backward([sft_datum([1, 40], [41])]).result().metrics['loss:sum'] > 0)\n"
+        "asyncio.run(cell())\n"  # the session is stopped at interpreter exit
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
