@@ -1,0 +1,235 @@
+"""The ASGI app: both wire protocols on one port, routed from the botocore service models.
+
+- Control plane (awsJson1.1): ``POST /`` with ``X-Amz-Target: SageMaker.<Operation>``.
+- Runtime (rest-json): the paths in the runtime model's ``requestUri`` fields.
+- ``/_emulator/...``: test hooks (fault settings, remote failure, per-session execution log).
+
+Every request body is checked against the operation's input shape (limits, enums and patterns included);
+with ``check_responses`` every answer is checked against its output shape too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from asyncsess.backend import Backend, load_backend
+from botocore.model import OperationModel
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS, TRAINING_SESSION_OPERATIONS, operation, runtime_model
+from ..shape_check import ShapeError, check_shape
+from .config import EmulatorConfig, FaultConfig
+from .errors import AwsError, control_error_response, runtime_error_response
+from .service import EmulatedService
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("asyncsess_sagemaker.emulator")
+
+CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + HUB_OPERATIONS
+_JSON11 = "application/x-amz-json-1.1"
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class _Faults:
+    def __init__(self, config: FaultConfig) -> None:
+        self.set(config)
+
+    def set(self, config: FaultConfig) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+
+    def applies(self, op_name: str) -> bool:
+        ops = self.config.operations
+        return ops is None or op_name in ops
+
+    async def before(self, op_name: str) -> None:
+        if not self.applies(op_name):
+            return
+        if self.config.latency_s:
+            await anyio.sleep(self.config.latency_s)
+        if self.config.throttle_rate and self.rng.random() < self.config.throttle_rate:
+            raise AwsError.throttling()
+        if self.config.internal_error_rate and self.rng.random() < self.config.internal_error_rate:
+            raise AwsError.internal("Injected internal error")
+
+    def lose_response(self, op_name: str) -> bool:
+        return self.applies(op_name) and bool(self.config.lost_response_rate) and self.rng.random() < self.config.lost_response_rate
+
+
+def _validate(model: OperationModel, params: dict[str, Any]) -> None:
+    try:
+        check_shape(params, model.input_shape)
+    except ShapeError as err:
+        raise AwsError.validation(str(err)) from None
+
+
+def _check_output(model: OperationModel, out: dict[str, Any]) -> None:
+    try:
+        check_shape(out, model.output_shape)
+    except ShapeError as err:
+        raise AssertionError(f"emulator answer for {model.name} does not match the service model: {err}") from None
+
+
+def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None = None) -> Starlette:
+    """The emulator over ``inner`` (a Backend, or a URL for :func:`asyncsess.backend.load_backend`)."""
+    config = config or EmulatorConfig()
+    backend = load_backend(inner) if isinstance(inner, str) else inner
+    service = EmulatedService(backend, config)
+    faults = _Faults(config.faults)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await backend.open()
+        async with anyio.create_task_group() as tg:
+            await service.start(tg)
+            app.state.service = service
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await service.shutdown()
+                    await backend.aclose()
+
+    # ------------------------------------------------------------------------ control plane
+
+    control_ops = {name: operation(CONTROL, name) for name in CONTROL_OPERATIONS}
+
+    async def control_plane(request: Request) -> Response:
+        target = request.headers.get("x-amz-target", "")
+        prefix, _, op_name = target.partition(".")
+        model = control_ops.get(op_name)
+        try:
+            if prefix != "SageMaker" or model is None:
+                raise AwsError("UnknownOperationException", f"Operation {target or '(no X-Amz-Target)'} is not supported by this emulator")
+            await faults.before(op_name)
+            try:
+                body = json.loads(await request.body() or b"{}")
+            except json.JSONDecodeError:
+                raise AwsError("SerializationException", "The request body is not valid JSON") from None
+            _validate(model, body)
+            out = await getattr(service, _snake(op_name))(body)
+            if config.check_responses:
+                _check_output(model, out)
+            if faults.lose_response(op_name):
+                raise AwsError.internal("Injected lost response (the request was applied)")
+        except AwsError as err:
+            return control_error_response(err)
+        except Exception as err:
+            log.exception("emulator bug in %s", op_name)
+            return control_error_response(AwsError.internal(f"Emulator error: {err!r}"))
+        return Response(json.dumps(out), media_type=_JSON11)
+
+    # ------------------------------------------------------------------------------ runtime
+
+    def runtime_route(model: OperationModel, handler: Callable[[Request, dict[str, Any]], Awaitable[Response]]) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                await faults.before(model.name)
+                params: dict[str, Any] = dict(request.path_params)
+                if model.input_shape.serialization.get("payload") is None and request.method == "POST":
+                    try:
+                        params.update(json.loads(await request.body() or b"{}"))
+                    except json.JSONDecodeError:
+                        raise AwsError.validation("The request body is not valid JSON") from None
+                _validate(model, params)
+                response = await handler(request, params)
+                if faults.lose_response(model.name):
+                    raise AwsError.internal("Injected lost response (the request was applied)")
+                return response
+            except AwsError as err:
+                return runtime_error_response(err)
+            except Exception as err:
+                log.exception("emulator bug in %s", model.name)
+                return runtime_error_response(AwsError.internal(f"Emulator error: {err!r}"))
+
+        path = model.http["requestUri"]
+        return Route(path, endpoint, methods=[model.http["method"]], name=model.name)
+
+    def json_handler(model: OperationModel) -> Callable[[Request, dict[str, Any]], Awaitable[Response]]:
+        method = getattr(service, _snake(model.name))
+
+        async def handle(request: Request, params: dict[str, Any]) -> Response:
+            out = await method(params)
+            if config.check_responses:
+                _check_output(model, out)
+            return JSONResponse(out)
+
+        return handle
+
+    async def chat_request(request: Request) -> tuple[dict[str, Any], str | None]:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except json.JSONDecodeError:
+            raise AwsError.validation("The request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise AwsError.validation("The request body must be a JSON object")
+        return body, request.headers.get("x-amzn-sagemaker-model-package")
+
+    async def sample_handler(request: Request, params: dict[str, Any]) -> Response:
+        body, package = await chat_request(request)
+        prompt, completion, finish, tok = await service.chat(params["trainingSessionName"], body, package)
+        text = tok.decode(completion)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)}
+        return JSONResponse(
+            {
+                "object": "chat.completion",
+                "model": body.get("model") or "training-session",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                "usage": usage,
+            }
+        )
+
+    async def stream_handler(request: Request, params: dict[str, Any]) -> Response:
+        body, package = await chat_request(request)
+        events = await service.chat_stream(params["trainingSessionName"], body, package)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    runtime = runtime_model()
+    special = {"SampleTrainingSession": sample_handler, "SampleTrainingSessionWithResponseStream": stream_handler}
+    routes = [
+        runtime_route(runtime.operation_model(name), special.get(name) or json_handler(runtime.operation_model(name)))
+        for name in runtime.operation_names
+    ]
+
+    # -------------------------------------------------------------------------------- admin
+
+    async def set_faults(request: Request) -> Response:
+        faults.set(FaultConfig.model_validate(await request.json()))
+        return JSONResponse(faults.config.model_dump())
+
+    async def session_state(request: Request) -> Response:
+        try:
+            return JSONResponse(service.session_state(request.path_params["name"]))
+        except AwsError as err:
+            return runtime_error_response(err)
+
+    async def end_session(request: Request) -> Response:
+        payload = await request.json()
+        try:
+            service.fail_session(request.path_params["name"], payload.get("reason", "Failed by the emulator's test hook"), payload.get("status", "Failed"))
+        except AwsError as err:
+            return runtime_error_response(err)
+        return JSONResponse(service.session_state(request.path_params["name"]))
+
+    routes += [
+        Route("/", control_plane, methods=["POST"]),
+        Route("/_emulator/faults", set_faults, methods=["POST"]),
+        Route("/_emulator/sessions/{name}", session_state, methods=["GET"]),
+        Route("/_emulator/sessions/{name}/end", end_session, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,707 @@
+"""The emulated service: state machines, ordering, deduplication, usage and model packages.
+
+Operations run on an inner asyncsess backend (``mock://``, ``local://``, ...). Training ops of one session
+go through an :class:`asyncsess.sequencer.Sequencer`, so they run in sequence-number order, each at most
+once; a gap leaves the session ``Blocked`` until the number arrives or ``gap_timeout_s`` passes (then the
+session ``Failed`` and its queue is ``Skipped``). A failed op fails the session the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from asyncsess.backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError, TransientError
+from asyncsess.sequencer import Sequencer
+from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
+
+from .. import arns
+from ..shape_check import ShapeError
+from ..wire import (
+    adam_from_wire,
+    check_operation_config,
+    check_sample_config,
+    datum_from_wire,
+    forward_result_to_wire,
+    logprobs_to_wire,
+    model_input_from_wire,
+    sample_response_to_wire,
+    sampling_params_from_wire,
+)
+from .config import EmulatorConfig
+from .errors import AwsError
+from .state import (
+    ACCEPTS_WORK,
+    DELETABLE,
+    STOPPABLE,
+    TERMINAL,
+    HubModel,
+    ModelPackageGroupRecord,
+    ModelPackageRecord,
+    OperationRecord,
+    SessionRecord,
+)
+
+__all__ = ["EmulatedService", "DEFAULT_GROUP"]
+
+log = logging.getLogger("asyncsess_sagemaker.emulator")
+
+DEFAULT_GROUP = "sagemaker-default"
+HUB_VERSION = "1.0.0"
+
+
+class EmulatedService:
+    def __init__(self, inner: Backend, config: EmulatorConfig) -> None:
+        self.inner = inner
+        self.config = config
+        self.sessions: dict[str, SessionRecord] = {}
+        self.groups: dict[str, ModelPackageGroupRecord] = {}
+        self.packages: dict[str, ModelPackageRecord] = {}
+        self.hub: dict[str, HubModel] = {}
+        self._tg: TaskGroup | None = None
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    async def start(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        caps = await self.inner.capabilities()
+        for m in caps.supported_models:
+            name = arns.hub_content_name_for(m.model_name)
+            self.hub[name] = HubModel(
+                hub_name=name,
+                version=HUB_VERSION,
+                model_id=m.model_name,
+                arn=arns.hub_content_arn(self.config.region, name, HUB_VERSION),
+                max_context_length=m.max_context_length,
+                vocab_size=m.vocab_size,
+            )
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        assert self._tg is not None, "EmulatedService.start() was not called"
+        self._tg.start_soon(fn, *args)
+
+    def _arn_account(self) -> tuple[str, str]:
+        return self.config.region, self.config.account_id
+
+    # --------------------------------------------------------------------------- control plane
+
+    def _session(self, name: str, *, runtime: bool) -> SessionRecord:
+        sess = self.sessions.get(name)
+        if sess is None:
+            raise AwsError.not_found(f"Training session {name} not found")
+        self._check_idle(sess)
+        if runtime:
+            sess.last_activity = time.monotonic()
+        return sess
+
+    def _check_idle(self, sess: SessionRecord) -> None:
+        idle = self.config.idle_timeout_s
+        if idle is not None and sess.status in ACCEPTS_WORK and time.monotonic() - sess.last_activity > idle:
+            self._end_session(sess, "Expired", f"The training session expired after {idle:g}s without activity")
+
+    def _hub_model(self, base_model_arn: str) -> HubModel:
+        ref = arns.parse_hub_content_arn(base_model_arn)
+        model = self.hub.get(ref.name) if ref else None
+        if ref is None or model is None or (ref.version is not None and ref.version != model.version):
+            raise AwsError("ResourceNotFound", f"Hub content {base_model_arn} not found")
+        return model
+
+    async def create_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["TrainingSessionName"]
+        existing = self.sessions.get(name)
+        if existing is not None:
+            raise AwsError("ResourceInUse", f"Training session {name} already exists")
+        model = self._hub_model(body["ModelConfig"]["BaseModelArn"])
+        group_arn = body.get("ModelPackageGroupArn")
+        if group_arn is not None:
+            group = arns.name_from_arn(group_arn)
+            if group not in self.groups:
+                raise AwsError("ResourceNotFound", f"Model package group {group_arn} not found")
+        else:
+            group = self._ensure_group(DEFAULT_GROUP).name
+        region, account = self._arn_account()
+        sess = SessionRecord(
+            name=name,
+            arn=arns.session_arn(region, account, name),
+            request=body,
+            model=model,
+            group=group,
+            sequencer=Sequencer(self._make_runner(name), gap_timeout=self.config.gap_timeout_s),
+        )
+        self.sessions[name] = sess
+        self._spawn(self._bring_up, sess)
+        return {"TrainingSessionArn": sess.arn}
+
+    async def _bring_up(self, sess: SessionRecord) -> None:
+        await anyio.sleep(self.config.startup_s / 2)
+        if sess.status != "Created":
+            return
+        sess.set_status("Scheduled")
+        lora = sess.request["LoraConfig"]
+        spec = TrainingSessionSpec(base_model=sess.model.model_id, rank=lora["Rank"], alpha=float(lora["Alpha"]))
+        try:
+            info = await self.inner.create_training_session(spec)
+        except Exception as err:  # the engine refused: the session fails, as a real one would
+            sess.set_status("Failed", f"Could not start the training engine: {err}")
+            return
+        sess.inner_id = info.model_id
+        await anyio.sleep(self.config.startup_s / 2)
+        if sess.status == "Scheduled":
+            sess.last_activity = time.monotonic()
+            sess.set_status("Running")
+        else:
+            await self._stop_inner(sess)
+
+    def _detail(self, sess: SessionRecord) -> dict[str, Any]:
+        status = sess.status
+        if status == "Running" and sess.is_blocked():
+            status = "Blocked"
+        out: dict[str, Any] = {
+            "TrainingSessionArn": sess.arn,
+            "TrainingSessionName": sess.name,
+            "TrainingSessionStatus": status,
+            "CreationTime": sess.created,
+            "LastModifiedTime": sess.last_modified,
+            "RoleArn": sess.request["RoleArn"],
+            "LoraConfig": sess.request["LoraConfig"],
+            "ModelConfig": sess.request["ModelConfig"],
+            "OutputConfig": sess.request["OutputConfig"],
+            "ModelPackageGroupArn": self.groups[sess.group].arn,
+            "BillableTokenUsage": {
+                "PrefillTokenCount": sess.prefill_tokens,
+                "SampleTokenCount": sess.sample_tokens,
+                "TrainingTokenCount": sess.training_tokens,
+            },
+        }
+        for key in ("VpcConfig", "Tags"):
+            if key in sess.request:
+                out[key] = sess.request[key]
+        if sess.end_time is not None:
+            out["EndTime"] = sess.end_time
+        if sess.error_details is not None:
+            out["ErrorDetails"] = sess.error_details
+        elif status == "Blocked":
+            out["ErrorDetails"] = f"Waiting for the operation with sequence number {sess.sequencer.next_seq}"
+        if sess.last_received_seq is not None:
+            out["LastReceivedSequenceNumber"] = sess.last_received_seq
+        return out
+
+    async def describe_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"TrainingSessionDetail": self._detail(self._session(body["TrainingSessionName"], runtime=False))}
+
+    async def list_training_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
+        rows = []
+        for sess in sorted(self.sessions.values(), key=lambda s: s.created, reverse=True):
+            self._check_idle(sess)
+            detail = self._detail(sess)
+            if body.get("NameContains") and body["NameContains"] not in sess.name:
+                continue
+            if body.get("StatusEquals") and detail["TrainingSessionStatus"] != body["StatusEquals"]:
+                continue
+            if body.get("CreationTimeAfter") is not None and sess.created <= _epoch(body["CreationTimeAfter"]):
+                continue
+            if body.get("CreationTimeBefore") is not None and sess.created >= _epoch(body["CreationTimeBefore"]):
+                continue
+            rows.append(
+                {
+                    "TrainingSessionArn": sess.arn,
+                    "TrainingSessionStatus": detail["TrainingSessionStatus"],
+                    "CreationTime": sess.created,
+                    "LastModifiedTime": sess.last_modified,
+                }
+            )
+        return _page(rows, body, "TrainingSessionSummaries")
+
+    async def stop_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sess = self._session(body["TrainingSessionName"], runtime=False)
+        if sess.status not in STOPPABLE:
+            raise AwsError.validation(f"Training session {sess.name}: invalid session state transition from {sess.status} to Stopping")
+        self._end_session(sess, "Stopping", None)
+        return {}
+
+    async def delete_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sess = self._session(body["TrainingSessionName"], runtime=False)
+        if sess.status not in DELETABLE:
+            raise AwsError.validation(f"Training session {sess.name}: invalid session state transition from {sess.status} to Deleting")
+        sess.set_status("Deleting")
+        self._spawn(self._finish_delete, sess)
+        return {}
+
+    async def _finish_delete(self, sess: SessionRecord) -> None:
+        await anyio.sleep(self.config.stop_s)
+        self.sessions.pop(sess.name, None)
+
+    def _end_session(self, sess: SessionRecord, status: str, error: str | None) -> None:
+        """Leave Running for good: refuse queued ops (``Skipped``) and release the engine."""
+        if sess.status in TERMINAL or sess.status == "Stopping":
+            return
+        sess.set_status(status, error)
+        sess.sequencer.stop(status.lower())
+        reason = error or f"The training session is {status}"
+        for op in sess.pending_training_ops():
+            if op.status == "Pending":
+                op.finish("Skipped", error=reason)
+        self._spawn(self._wind_down, sess, status == "Stopping")
+
+    async def _wind_down(self, sess: SessionRecord, stopping: bool) -> None:
+        await self._stop_inner(sess)
+        if stopping:
+            await anyio.sleep(self.config.stop_s)
+            sess.set_status("Stopped")
+
+    async def _stop_inner(self, sess: SessionRecord) -> None:
+        if sess.inner_id is None:
+            return
+        inner_id, sess.inner_id = sess.inner_id, None
+        for sampler in sess.samplers.values():
+            await _quietly(self.inner.stop_session(sampler))
+        await _quietly(self.inner.stop_session(inner_id))
+
+    def fail_session(self, name: str, reason: str, status: str = "Failed") -> None:
+        """Test hook (admin endpoint): fail or expire a session from the service side."""
+        self._end_session(self._session(name, runtime=False), status, reason)
+
+    # ------------------------------------------------------------------------- model registry
+
+    def _ensure_group(self, name: str, description: str | None = None) -> ModelPackageGroupRecord:
+        group = self.groups.get(name)
+        if group is None:
+            region, account = self._arn_account()
+            group = ModelPackageGroupRecord(name=name, arn=arns.model_package_group_arn(region, account, name), description=description)
+            self.groups[name] = group
+        return group
+
+    async def create_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["ModelPackageGroupName"]
+        if name in self.groups:
+            raise AwsError("ResourceInUse", f"Model Package Group already exists: {self.groups[name].arn}")
+        return {"ModelPackageGroupArn": self._ensure_group(name, body.get("ModelPackageGroupDescription")).arn}
+
+    def _group(self, name_or_arn: str) -> ModelPackageGroupRecord:
+        group = self.groups.get(arns.name_from_arn(name_or_arn))
+        if group is None:
+            raise AwsError.validation(f"ModelPackageGroup {name_or_arn} does not exist.")
+        return group
+
+    async def describe_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        g = self._group(body["ModelPackageGroupName"])
+        out = {"ModelPackageGroupName": g.name, "ModelPackageGroupArn": g.arn, "CreationTime": g.created, "CreatedBy": {}, "ModelPackageGroupStatus": "Completed"}
+        if g.description:
+            out["ModelPackageGroupDescription"] = g.description
+        return out
+
+    async def list_model_package_groups(self, body: dict[str, Any]) -> dict[str, Any]:
+        rows = [
+            {"ModelPackageGroupName": g.name, "ModelPackageGroupArn": g.arn, "CreationTime": g.created, "ModelPackageGroupStatus": "Completed"}
+            for g in sorted(self.groups.values(), key=lambda g: g.created, reverse=True)
+            if not body.get("NameContains") or body["NameContains"] in g.name
+        ]
+        return _page(rows, body, "ModelPackageGroupSummaryList")
+
+    async def delete_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        g = self._group(body["ModelPackageGroupName"])
+        if any(p.group == g.name for p in self.packages.values()):
+            raise AwsError.validation(f"Model package group {g.name} still has model packages")
+        del self.groups[g.name]
+        return {}
+
+    def _package(self, arn: str) -> ModelPackageRecord:
+        pkg = self.packages.get(arn)
+        if pkg is None:
+            raise AwsError.validation(f"Model package {arn} does not exist.")
+        return pkg
+
+    async def describe_model_package(self, body: dict[str, Any]) -> dict[str, Any]:
+        p = self._package(body["ModelPackageName"])
+        container: dict[str, Any] = {
+            "BaseModel": {"HubContentName": p.model.hub_name, "HubContentVersion": p.model.version},
+            "ModelDataSource": {"S3DataSource": {"S3Uri": p.s3_uri, "S3DataType": "S3Prefix", "CompressionType": "None"}},
+        }
+        if p.is_checkpoint:
+            container["IsCheckpoint"] = True
+        out = {
+            "ModelPackageName": p.group,
+            "ModelPackageGroupName": p.group,
+            "ModelPackageVersion": p.version,
+            "ModelPackageArn": p.arn,
+            "CreationTime": p.created,
+            "ModelPackageStatus": "Completed",
+            "ModelPackageStatusDetails": {"ValidationStatuses": []},
+            "InferenceSpecification": {"Containers": [container]},
+        }
+        if p.description:
+            out["ModelPackageDescription"] = p.description
+        return out
+
+    async def list_model_packages(self, body: dict[str, Any]) -> dict[str, Any]:
+        group = body.get("ModelPackageGroupName")
+        wanted = self._group(group).name if group else None
+        pkgs = [p for p in self.packages.values() if wanted is None or p.group == wanted]
+        pkgs.sort(key=lambda p: (p.created, p.version), reverse=body.get("SortOrder", "Ascending") == "Descending")
+        rows = []
+        for p in pkgs:
+            row: dict[str, Any] = {
+                "ModelPackageName": p.group,
+                "ModelPackageGroupName": p.group,
+                "ModelPackageVersion": p.version,
+                "ModelPackageArn": p.arn,
+                "CreationTime": p.created,
+                "ModelPackageStatus": "Completed",
+            }
+            if p.description:
+                row["ModelPackageDescription"] = p.description
+            rows.append(row)
+        return _page(rows, body, "ModelPackageSummaryList")
+
+    async def delete_model_package(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.packages.pop(self._package(body["ModelPackageName"]).arn)
+        return {}
+
+    # ----------------------------------------------------------------------------------- hub
+
+    def _hub_info(self, m: HubModel) -> dict[str, Any]:
+        return {
+            "HubContentName": m.hub_name,
+            "HubContentArn": m.arn,
+            "HubContentVersion": m.version,
+            "HubContentType": "Model",
+            "DocumentSchemaVersion": "2.4.0",
+            "HubContentDisplayName": m.model_id,
+            "HubContentStatus": "Available",
+            "CreationTime": 0.0,
+            "HubContentSearchKeywords": ["@capability:training_session", f"@huggingface-id:{m.model_id.lower()}"],
+        }
+
+    async def list_hub_contents(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body["HubName"] != arns.PUBLIC_HUB or body["HubContentType"] != "Model":
+            return {"HubContentSummaries": []}
+        rows = [self._hub_info(m) for m in self.hub.values() if not body.get("NameContains") or body["NameContains"] in m.hub_name]
+        return _page(rows, body, "HubContentSummaries")
+
+    async def describe_hub_content(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.hub.get(body["HubContentName"])
+        if body["HubName"] != arns.PUBLIC_HUB or m is None:
+            raise AwsError("ResourceNotFound", f"Hub content {body['HubContentName']} not found in hub {body['HubName']}")
+        info = self._hub_info(m)
+        info.update(
+            HubName=arns.PUBLIC_HUB,
+            HubArn=f"arn:aws:sagemaker:{self.config.region}:aws:hub/{arns.PUBLIC_HUB}",
+            HubContentDocument=json.dumps({"HuggingfaceId": m.model_id, "MaxContextLength": m.max_context_length}),
+        )
+        return info
+
+    # -------------------------------------------------------------------------------- runtime
+
+    def _accepting(self, name: str) -> SessionRecord:
+        sess = self._session(name, runtime=True)
+        if sess.status not in ACCEPTS_WORK:
+            raise AwsError.conflict(f"Training session {name} is {sess.status}; operations are accepted only while it is Running or Blocked")
+        return sess
+
+    def _known_package(self, arn: str) -> ModelPackageRecord:
+        pkg = self.packages.get(arn)
+        if pkg is None:
+            raise AwsError.not_found(f"Model package {arn} not found")
+        if arns.account_of(arn) != self.config.account_id:
+            raise AwsError.validation(f"Model package {arn} belongs to another account")
+        return pkg
+
+    async def execute_training_operation(self, body: dict[str, Any]) -> dict[str, Any]:
+        sess = self._accepting(body["trainingSessionName"])
+        config = body["operationConfig"]
+        kind, op_body = next(iter(config.items()))
+        try:
+            check_operation_config(config, sess.model.vocab_size)
+        except ShapeError as err:
+            raise AwsError.validation(str(err)) from None
+        seq, token = body["sequenceNumber"], body.get("clientToken")
+        if token is not None and token in sess.by_token:
+            op = sess.by_token[token]
+            if op.seq != seq or op.config != config:
+                raise AwsError.validation(f"Client token {token} was already used with different parameters")
+            return {"operationId": op.id}
+        if seq in sess.by_seq:
+            raise AwsError.validation(f"Sequence number {seq} was already used by operation {sess.by_seq[seq].id}")
+        if kind == "loadState":
+            self._known_package(op_body["modelPackageArn"])
+        op = OperationRecord(id=str(uuid.uuid4()), kind=kind, config=config, seq=seq, client_token=token)
+        sess.training_ops[op.id] = op
+        sess.by_seq[seq] = op
+        if token is not None:
+            sess.by_token[token] = op
+        sess.last_received_seq = max(seq, sess.last_received_seq or 0)
+        self._spawn(self._run_training, sess, op)
+        return {"operationId": op.id}
+
+    def _make_runner(self, name: str) -> Any:
+        async def run(top: TrainingOp) -> dict[str, Any]:
+            sess = self.sessions[name]
+            return await self._apply(sess, sess.by_seq[top.seq])
+
+        return run
+
+    async def _run_training(self, sess: SessionRecord, op: OperationRecord) -> None:
+        top = TrainingOp(kind="forward", seq=op.seq or 0, idempotency_key=op.id)  # only seq and key matter to the sequencer
+        try:
+            result = await sess.sequencer.execute(top)
+        except (PoisonedError, SessionGoneError) as err:
+            op.finish("Skipped", error=str(err))
+        except TransientError:  # the sequencer gave up waiting for a missing sequence number
+            missing = sess.sequencer.next_seq
+            self._end_session(sess, "Failed", f"The operation with sequence number {missing} never arrived within {self.config.gap_timeout_s:g}s")
+            op.finish("Skipped", error=sess.error_details)
+        except Exception as err:
+            op.finish("Failed", error=_details(err))
+        else:
+            op.finish("Completed", result=result)
+
+    async def _apply(self, sess: SessionRecord, op: OperationRecord) -> dict[str, Any]:
+        """Run one training op on the engine (called by the sequencer, in order)."""
+        if sess.inner_id is None or sess.status not in ACCEPTS_WORK:
+            raise SessionGoneError(f"session {sess.status}")
+        op.status = "InProgress"
+        body = op.config[op.kind]
+        try:
+            return await self._apply_on_engine(sess, op, body)
+        except Exception as err:
+            op.finish("Failed", error=_details(err))
+            self._end_session(sess, "Failed", f"Operation {op.id} (sequence number {op.seq}) failed: {_details(err)}")
+            raise
+
+    async def _apply_on_engine(self, sess: SessionRecord, op: OperationRecord, body: dict[str, Any]) -> dict[str, Any]:
+        assert sess.inner_id is not None and op.seq is not None
+        key = op.client_token or op.id
+        if op.kind in ("forward", "forwardBackward"):
+            data = tuple(datum_from_wire(d) for d in body["datumList"])
+            top = TrainingOp(
+                kind="forward" if op.kind == "forward" else "forward_backward",
+                seq=op.seq,
+                idempotency_key=key,
+                data=data,
+                loss_fn=body["lossFnName"],
+                loss_fn_config=body.get("lossFnConfig"),
+            )
+            out = await self.inner.execute_training(sess.inner_id, top)
+            assert isinstance(out, ForwardBackwardOutput)
+            tokens = sum(d.model_input.length for d in data)
+            sess.training_tokens += tokens
+            op.token_usage = {"trainingTokens": tokens}
+            return forward_result_to_wire(out, tokens)
+        if op.kind == "optimizerStep":
+            top = TrainingOp(kind="optim_step", seq=op.seq, idempotency_key=key, adam_params=adam_from_wire(body["adamParamsConfig"]))
+            step = await self.inner.execute_training(sess.inner_id, top)
+            assert isinstance(step, OptimStepResponse)
+            return {"metrics": dict(step.metrics or {})}
+        if op.kind in ("saveWeights", "saveState"):
+            group = self.groups[sess.group]
+            version = group.next_version
+            group.next_version += 1
+            merged = bool(body.get("mergeWeights"))
+            top = TrainingOp(
+                kind="save_state" if op.kind == "saveState" else "save_weights",
+                seq=op.seq,
+                idempotency_key=key,
+                name=f"{sess.name}-{group.name}-{version}",
+                merge_weights=merged,
+            )
+            saved = await self.inner.execute_training(sess.inner_id, top)
+            assert isinstance(saved, CheckpointResponse)
+            region, account = self._arn_account()
+            arn = arns.model_package_arn(region, account, group.name, version)
+            output = sess.request["OutputConfig"]["S3Location"]["Path"].rstrip("/")
+            self.packages[arn] = ModelPackageRecord(
+                arn=arn,
+                group=group.name,
+                version=version,
+                description=body.get("description"),
+                is_checkpoint=op.kind == "saveState",
+                merged=merged,
+                inner_path=saved.path,
+                model=sess.model,
+                session_name=sess.name,
+                s3_uri=f"{output}/checkpoints/{version}/" + ("hf_merged/" if merged else ""),
+            )
+            sess.latest_checkpoint = arn
+            return {"modelPackageArn": arn}
+        if op.kind == "loadState":
+            pkg = self._known_package(body["modelPackageArn"])
+            top = TrainingOp(kind="load_state", seq=op.seq, idempotency_key=key, path=pkg.inner_path, with_optimizer=bool(body["loadOptimizer"]))
+            await self.inner.execute_training(sess.inner_id, top)
+            return {}
+        raise AssertionError(f"unhandled operation {op.kind}")
+
+    async def get_training_operation_result(self, body: dict[str, Any]) -> dict[str, Any]:
+        sess = self._session(body["trainingSessionName"], runtime=True)
+        return await self._result(sess.training_ops, body["operationId"], sess.name)
+
+    async def _result(self, ops: dict[str, OperationRecord], op_id: str, name: str) -> dict[str, Any]:
+        op = ops.get(op_id)
+        if op is None:
+            raise AwsError.not_found(f"Operation {op_id} not found in training session {name}")
+        if self.config.result_wait_s > 0 and not op.done.is_set():
+            with anyio.move_on_after(self.config.result_wait_s):
+                await op.done.wait()
+        return op.output()
+
+    # ------------------------------------------------------------------------------- sampling
+
+    async def execute_sampling_operation(self, body: dict[str, Any]) -> dict[str, Any]:
+        sess = self._accepting(body["trainingSessionName"])
+        config = body["operationConfig"]
+        kind, op_body = next(iter(config.items()))
+        try:
+            check_sample_config(config, sess.model.vocab_size)
+        except ShapeError as err:
+            raise AwsError.validation(str(err)) from None
+        if op_body.get("topkPromptLogprobs"):
+            raise AwsError.validation("topkPromptLogprobs is not supported by this emulator's engine")
+        if op_body.get("modelPackageArn") is not None:
+            self._known_package(op_body["modelPackageArn"])
+        op = OperationRecord(id=str(uuid.uuid4()), kind=kind, config=config)
+        sess.sampling_ops[op.id] = op
+        self._spawn(self._run_sampling, sess, op)
+        return {"operationId": op.id}
+
+    async def _sampler(self, sess: SessionRecord, arn: str | None) -> str:
+        sampler = sess.samplers.get(arn)
+        if sampler is None:
+            spec = SamplerSpec(model_path=self._known_package(arn).inner_path) if arn else SamplerSpec(base_model=sess.model.model_id)
+            sampler = await self.inner.create_sampler(spec)
+            sess.samplers[arn] = sampler
+        return sampler
+
+    async def _run_sampling(self, sess: SessionRecord, op: OperationRecord) -> None:
+        body = op.config[op.kind]
+        op.status = "InProgress"
+        try:
+            arn = body.get("modelPackageArn")
+            if op.kind == "loadWeightsForSampling":
+                await self._sampler(sess, arn)
+                op.finish("Completed", result={})
+                return
+            sampler = await self._sampler(sess, arn if arn is not None else sess.latest_checkpoint)
+            prompt = model_input_from_wire(body["prompt"]).to_ints()
+            if op.kind == "computeLogprobs":
+                values = await self.inner.compute_logprobs(sampler, prompt)
+                op.finish("Completed", result={"logprobs": logprobs_to_wire(values)})
+                return
+            include = bool(body.get("includePromptLogprobs"))
+            request = SampleRequest(
+                prompt=tuple(prompt),
+                num_samples=body["numSamples"],
+                sampling_params=sampling_params_from_wire(body["samplingParams"]),
+                include_prompt_logprobs=include,
+                request_id=op.id,
+            )
+            resp = await self.inner.sample(sampler, request)
+            wire = sample_response_to_wire(resp, len(prompt), include)
+            sess.prefill_tokens += len(prompt) * len(resp.sequences)
+            sess.sample_tokens += sum(len(s.tokens) for s in resp.sequences)
+            op.finish("Completed", result=wire)
+        except Exception as err:
+            op.finish("Failed", error=_details(err))
+
+    async def get_sampling_operation_result(self, body: dict[str, Any]) -> dict[str, Any]:
+        sess = self._session(body["trainingSessionName"], runtime=True)
+        return await self._result(sess.sampling_ops, body["operationId"], sess.name)
+
+    # -------------------------------------------------------------- OpenAI-compatible chat
+
+    async def chat(self, name: str, request: dict[str, Any], model_package: str | None) -> tuple[list[int], list[int], str, Any]:
+        """Run one chat completion: (prompt ids, completion ids, finish reason, tokenizer)."""
+        sess = self._accepting(name)
+        if model_package is not None:
+            self._known_package(model_package)
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise AwsError.validation("The request body must be a JSON chat-completions request with a non-empty 'messages' list")
+        tok = self.inner.get_tokenizer(sess.model.model_id)
+        if hasattr(tok, "apply_chat_template"):
+            prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        else:
+            prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
+        try:
+            params = SamplingParams(
+                max_tokens=request.get("max_tokens") or request.get("max_completion_tokens") or 64,
+                temperature=request.get("temperature"),
+                top_p=request.get("top_p"),
+                seed=request.get("seed"),
+                stop=request.get("stop"),
+            )
+        except ValueError as err:
+            raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
+        sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
+        resp = await self.inner.sample(sampler, SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=params))
+        seq = resp.sequences[0]
+        sess.prefill_tokens += len(prompt)
+        sess.sample_tokens += len(seq.tokens)
+        return prompt, list(seq.tokens), "stop" if seq.stop_reason == "stop" else "length", tok
+
+    async def chat_stream(self, name: str, request: dict[str, Any], model_package: str | None) -> AsyncIterator[bytes]:
+        prompt, completion, finish, tok = await self.chat(name, request, model_package)
+        chat_id = f"chatcmpl-{uuid.uuid4().hex[:12]}"
+
+        async def events() -> AsyncIterator[bytes]:
+            for i, token in enumerate(completion):
+                delta = {"role": "assistant", "content": tok.decode([token])} if i == 0 else {"content": tok.decode([token])}
+                yield _sse({"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)}
+            yield _sse({"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage})
+            yield b"data: [DONE]\n\n"
+
+        return events()
+
+    # -------------------------------------------------------------------------------- admin
+
+    def session_state(self, name: str) -> dict[str, Any]:
+        sess = self._session(name, runtime=False)
+        return {
+            "status": self._detail(sess)["TrainingSessionStatus"],
+            "applied": list(sess.sequencer.applied),
+            "operations": {op.id: {"seq": op.seq, "kind": op.kind, "status": op.status} for op in sess.training_ops.values()},
+            "inner_id": sess.inner_id,
+        }
+
+    async def shutdown(self) -> None:
+        for sess in list(self.sessions.values()):
+            await self._stop_inner(sess)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _details(err: BaseException) -> str:
+    text = err.message if isinstance(err, AsyncSessError) else str(err) or type(err).__name__
+    return text[:1024]
+
+
+async def _quietly(awaitable: Any) -> None:
+    try:
+        await awaitable
+    except Exception as err:  # releasing an engine session is best effort
+        log.debug("ignored while releasing an engine session: %r", err)
+
+
+def _epoch(value: Any) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
+    start = int(body.get("NextToken") or 0)
+    size = body.get("MaxResults") or 100
+    out: dict[str, Any] = {key: rows[start : start + size]}
+    if start + size < len(rows):
+        out["NextToken"] = str(start + size)
+    return out

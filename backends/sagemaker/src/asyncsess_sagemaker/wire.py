@@ -1,0 +1,345 @@
+"""asyncsess types <-> the runtime's JSON, and the rules the service states in prose, written once.
+
+The driver uses the ``*_to_wire`` / ``*_from_wire`` pairs in one direction and the emulator in the other,
+so the two cannot drift apart. The rules the service model states only in its documentation (supported
+``lossFnInputs`` keys, the keys each loss requires, the ``lossFnConfig`` keys and ranges) are read from
+that documentation, not copied.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+from asyncsess.types import (
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    ModelInput,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    TensorData,
+    Usage,
+)
+
+from .arns import parse_model_package_arn
+from .service_models import RUNTIME, enum_values, runtime_model
+from .shape_check import ShapeError
+
+__all__ = [
+    "WIRE_LOSSES",
+    "LossRules",
+    "loss_rules",
+    "check_operation_config",
+    "check_sample_config",
+    "model_input_to_wire",
+    "model_input_from_wire",
+    "tensor_to_wire",
+    "tensor_from_wire",
+    "datum_to_wire",
+    "datum_from_wire",
+    "adam_to_wire",
+    "adam_from_wire",
+    "sampling_params_to_wire",
+    "sampling_params_from_wire",
+    "forward_result_to_wire",
+    "forward_result_from_wire",
+    "sample_response_to_wire",
+    "sample_response_from_wire",
+    "logprobs_to_wire",
+    "logprobs_from_wire",
+    "SDK_ADAM_DEFAULTS",
+]
+
+WIRE_LOSSES: tuple[str, ...] = enum_values(RUNTIME, "LossFnName")
+
+# What the service does with an omitted optional AdamParamsConfig member is unpublished; the emulator
+# uses the official SDK's defaults (which the SDK always sends).
+SDK_ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weightDecay": 0.01}
+
+_CODE = re.compile(r"<code>([^<]+)</code>")
+
+
+class LossRules:
+    """The ``lossFnInputs`` / ``lossFnConfig`` rules, parsed from the service model's documentation."""
+
+    def __init__(self) -> None:
+        shapes = runtime_model()._shape_resolver._shape_map  # the raw model keeps member documentation
+        doc = shapes["Datum"]["members"]["lossFnInputs"]["documentation"]
+        supported, required = doc.split("Required keys", 1)
+        self.supported_keys: frozenset[str] = frozenset(_CODE.findall(supported.split("Supported keys:", 1)[1]))
+        self.required_keys: dict[str, frozenset[str]] = {}
+        for losses, keys in re.findall(r"\(([^)]*)\) requires (.*?)(?:;|</p>|\.\s)", required):
+            for loss in _CODE.findall(losses):
+                self.required_keys[loss] = frozenset(_CODE.findall(keys))
+        cfg_doc = shapes["ForwardBackwardConfig"]["members"]["lossFnConfig"]["documentation"]
+        self.config_ranges: dict[str, tuple[float, float]] = {
+            key: (float(lo), float(hi)) for key, lo, hi in re.findall(r"<code>(\w+)</code> \(valid range: ([\d.]+) to ([\d.]+)\)", cfg_doc)
+        }
+        missing = set(WIRE_LOSSES) - set(self.required_keys)
+        if not self.supported_keys or missing or not self.config_ranges:
+            raise RuntimeError(f"could not read the loss rules from the service model documentation (no rules for {missing})")
+
+
+@lru_cache(maxsize=1)
+def loss_rules() -> LossRules:
+    return LossRules()
+
+
+# ----------------------------------------------------------------------------------- semantics
+
+
+def _model_input_length(mi: dict[str, Any]) -> int:
+    return sum(len(c.get("tokens") or []) for c in mi.get("chunks") or [])
+
+
+def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> None:
+    rules = loss_rules()
+    loss = config["lossFnName"]
+    datums = config["datumList"]
+    if not datums:
+        raise ShapeError(f"{path}.datumList", "Member must contain at least one datum", datums)
+    for i, datum in enumerate(datums):
+        where = f"{path}.datumList[{i}]"
+        n = _model_input_length(datum["modelInput"])
+        if not datum["modelInput"]["chunks"] or n == 0:
+            raise ShapeError(f"{where}.modelInput", "Member must have at least one chunk with at least one token", datum["modelInput"])
+        inputs = datum.get("lossFnInputs") or {}
+        unsupported = sorted(set(inputs) - rules.supported_keys)
+        if unsupported:
+            raise ShapeError(f"{where}.lossFnInputs", f"Unsupported key {unsupported[0]!r}; supported keys: {', '.join(sorted(rules.supported_keys))}", sorted(inputs))
+        missing = sorted(rules.required_keys[loss] - set(inputs))
+        if missing:
+            raise ShapeError(f"{where}.lossFnInputs", f"{loss} requires {', '.join(sorted(rules.required_keys[loss]))}; missing {', '.join(missing)}", sorted(inputs))
+        for key, tensor in inputs.items():
+            tpath = f"{where}.lossFnInputs[{key!r}]"
+            data = tensor["data"]
+            if tensor["dtype"] not in ("int64", "float32"):
+                raise ShapeError(f"{tpath}.dtype", "Member must be int64 or float32", tensor["dtype"])
+            if not isinstance(data, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in data):
+                raise ShapeError(f"{tpath}.data", "Member must be a flat list of numbers", data)
+            if tensor["dtype"] == "int64" and not all(isinstance(v, int) or float(v).is_integer() for v in data):
+                raise ShapeError(f"{tpath}.data", "int64 data must hold integers", data)
+            shape = tensor.get("shape")
+            if shape is not None:
+                size = 1
+                for s in shape:
+                    size *= s
+                if size != len(data):
+                    raise ShapeError(f"{tpath}.shape", f"shape {shape} holds {size} values but data has {len(data)}", shape)
+            if len(data) != n:
+                raise ShapeError(f"{tpath}.data", f"Member must hold one value per input token ({n})", len(data))
+        if vocab_size is not None:
+            tokens = [t for c in datum["modelInput"]["chunks"] for t in c["tokens"]]
+            tokens += [int(t) for t in (inputs.get("target_tokens") or {}).get("data", [])]
+            bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ShapeError(where, f"token id must be in [0, {vocab_size})", bad)
+    cfg = config.get("lossFnConfig")
+    if cfg is not None:
+        if not isinstance(cfg, dict):
+            raise ShapeError(f"{path}.lossFnConfig", "Member must be an object", cfg)
+        for key, value in cfg.items():
+            if key not in rules.config_ranges:
+                raise ShapeError(f"{path}.lossFnConfig", f"Unsupported key {key!r}; supported keys: {', '.join(sorted(rules.config_ranges))}", key)
+            lo, hi = rules.config_ranges[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise ShapeError(f"{path}.lossFnConfig.{key}", f"Member must be a number in [{lo:g}, {hi:g}]", value)
+
+
+def _check_package_arn(arn: str, path: str) -> None:
+    if parse_model_package_arn(arn) is None:
+        raise ShapeError(path, "Member must be a model package version ARN (arn:aws:sagemaker:REGION:ACCOUNT:model-package/NAME/VERSION)", arn)
+
+
+def check_operation_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
+    """The prose rules of ``OperationConfig`` (run after the shape check)."""
+    kind, body = next(iter(config.items()))
+    path = f"operationConfig.{kind}"
+    if kind in ("forward", "forwardBackward"):
+        _check_datums(body, path, vocab_size)
+    elif kind == "optimizerStep":
+        if body["adamParamsConfig"]["learningRate"] <= 0:
+            raise ShapeError(f"{path}.adamParamsConfig.learningRate", "Member must be greater than 0", body["adamParamsConfig"]["learningRate"])
+    elif kind == "loadState":
+        _check_package_arn(body["modelPackageArn"], f"{path}.modelPackageArn")
+
+
+def check_sample_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
+    """The prose rules of ``SampleOperationConfig`` (run after the shape check)."""
+    kind, body = next(iter(config.items()))
+    path = f"operationConfig.{kind}"
+    if body.get("modelPackageArn") is not None:
+        _check_package_arn(body["modelPackageArn"], f"{path}.modelPackageArn")
+    if "prompt" in body:
+        tokens = [t for c in body["prompt"]["chunks"] for t in c["tokens"]]
+        if not tokens:
+            raise ShapeError(f"{path}.prompt", "Member must hold at least one token", body["prompt"])
+        if vocab_size is not None:
+            bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ShapeError(f"{path}.prompt", f"token id must be in [0, {vocab_size})", bad)
+
+
+# ---------------------------------------------------------------------------------- conversions
+
+
+def model_input_to_wire(mi: ModelInput | list[int] | tuple[int, ...]) -> dict[str, Any]:
+    chunks = mi.chunks if isinstance(mi, ModelInput) else [EncodedTextChunk.model_construct(tokens=list(mi), type="encoded_text")]
+    return {"chunks": [{"tokens": [int(t) for t in c.tokens], "type": "encoded_text"} for c in chunks]}
+
+
+def model_input_from_wire(wire: dict[str, Any]) -> ModelInput:
+    return ModelInput.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=list(c["tokens"]), type="encoded_text") for c in wire["chunks"]])
+
+
+def tensor_to_wire(tensor: TensorData) -> dict[str, Any]:
+    out: dict[str, Any] = {"data": list(tensor.data), "dtype": tensor.dtype}
+    out["shape"] = list(tensor.shape) if tensor.shape is not None else [len(tensor.data)]
+    return out
+
+
+def tensor_from_wire(wire: dict[str, Any]) -> TensorData:
+    dtype = wire["dtype"]
+    data = [int(v) for v in wire["data"]] if dtype == "int64" else [float(v) for v in wire["data"]]
+    return TensorData.model_construct(data=data, dtype=dtype, shape=list(wire["shape"]) if wire.get("shape") is not None else None)
+
+
+def datum_to_wire(datum: Datum, fill_weights: bool = False) -> dict[str, Any]:
+    """``fill_weights`` adds all-ones ``weights`` when absent (Tinker's RL losses do not take them; the wire needs them)."""
+    inputs = {k: tensor_to_wire(v) for k, v in datum.loss_fn_inputs.items()}
+    if fill_weights and "weights" not in inputs:
+        n = datum.model_input.length
+        inputs["weights"] = {"data": [1.0] * n, "dtype": "float32", "shape": [n]}
+    out: dict[str, Any] = {"modelInput": model_input_to_wire(datum.model_input)}
+    if inputs:
+        out["lossFnInputs"] = inputs
+    return out
+
+
+def datum_from_wire(wire: dict[str, Any]) -> Datum:
+    return Datum.model_construct(
+        model_input=model_input_from_wire(wire["modelInput"]),
+        loss_fn_inputs={k: tensor_from_wire(v) for k, v in (wire.get("lossFnInputs") or {}).items()},
+    )
+
+
+def adam_to_wire(params: AdamParams) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "learningRate": params.learning_rate,
+        "beta1": params.beta1,
+        "beta2": params.beta2,
+        "eps": params.eps,
+        "weightDecay": params.weight_decay,
+    }
+    if params.grad_clip_norm > 0:  # 0 means off in asyncsess; the wire spells off by omission
+        out["gradClipNorm"] = params.grad_clip_norm
+    if params.lora_plus_lr_ratio is not None:
+        out["loraPlusLrRatio"] = params.lora_plus_lr_ratio
+    return out
+
+
+def adam_from_wire(wire: dict[str, Any]) -> AdamParams:
+    merged = {**SDK_ADAM_DEFAULTS, **wire}
+    return AdamParams.model_construct(
+        learning_rate=merged["learningRate"],
+        beta1=merged["beta1"],
+        beta2=merged["beta2"],
+        eps=merged["eps"],
+        weight_decay=merged["weightDecay"],
+        grad_clip_norm=merged.get("gradClipNorm", 0.0),
+        lora_plus_lr_ratio=merged.get("loraPlusLrRatio"),
+    )
+
+
+def sampling_params_to_wire(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """``max_tokens`` is the wire value (the caller raises short requests to the wire minimum)."""
+    out: dict[str, Any] = {"maxTokens": max_tokens, "temperature": params.temperature, "topP": params.top_p}
+    if params.top_k != -1:
+        out["topK"] = params.top_k
+    if params.seed is not None:
+        out["seed"] = params.seed
+    stops = params.stop_strings()
+    if stops:
+        out["stop"] = stops
+    return out
+
+
+def sampling_params_from_wire(wire: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=wire["maxTokens"],
+        temperature=wire.get("temperature"),
+        top_p=wire.get("topP") or None,  # the wire allows 0; asyncsess needs > 0
+        top_k=wire.get("topK"),
+        seed=wire.get("seed"),
+        stop=wire.get("stop"),
+    )
+
+
+def forward_result_to_wire(out: ForwardBackwardOutput, training_tokens: int) -> dict[str, Any]:
+    return {
+        "lossFnOutputType": out.loss_fn_output_type or "TensorData",
+        "lossFnOutputs": [{k: tensor_to_wire(v) for k, v in d.items()} for d in out.loss_fn_outputs],
+        "metrics": {k: float(v) for k, v in out.metrics.items()},
+        "tokenUsage": {"trainingTokens": training_tokens},
+    }
+
+
+def forward_result_from_wire(wire: dict[str, Any], op_token_usage: dict[str, Any] | None = None) -> ForwardBackwardOutput:
+    usage = wire.get("tokenUsage") or op_token_usage or {}
+    return ForwardBackwardOutput.model_construct(
+        loss_fn_output_type=wire.get("lossFnOutputType") or "",
+        loss_fn_outputs=[{k: tensor_from_wire(v) for k, v in d.items()} for d in wire.get("lossFnOutputs") or []],
+        metrics=dict(wire.get("metrics") or {}),
+        usage=Usage.model_construct(training_tokens=int(usage.get("trainingTokens") or 0), prefill_tokens=0, decode_tokens=0),
+    )
+
+
+def logprobs_to_wire(values: list[float | None]) -> list[float]:
+    """The wire list cannot hold null: the first prompt token (no context) is left out."""
+    return [float(v) for v in (values[1:] if values and values[0] is None else values) if v is not None]
+
+
+def logprobs_from_wire(values: list[float], prompt_length: int) -> list[float | None]:
+    """Back to one entry per prompt token, ``None`` for the first when the wire left it out."""
+    out: list[float | None] = list(values)
+    if len(out) == prompt_length - 1:
+        out.insert(0, None)
+    return out
+
+
+def sample_response_to_wire(resp: SampleResponse, prompt_length: int, include_prompt_logprobs: bool) -> dict[str, Any]:
+    seqs = []
+    for s in resp.sequences:
+        item: dict[str, Any] = {"stopReason": s.stop_reason, "tokens": list(s.tokens), "tokenUsage": {"prefill": prompt_length, "decode": len(s.tokens)}}
+        if s.logprobs is not None:
+            item["logprobs"] = [float(v) for v in s.logprobs]
+        seqs.append(item)
+    out: dict[str, Any] = {"sequences": seqs}
+    if include_prompt_logprobs and resp.prompt_logprobs is not None:
+        out["promptLogprobs"] = logprobs_to_wire(resp.prompt_logprobs)
+    return out
+
+
+def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_tokens: int | None) -> SampleResponse:
+    """``max_tokens`` below the wire minimum is enforced here: longer sequences are cut and marked ``length``."""
+    seqs = []
+    total = Usage()
+    for s in wire["sequences"]:
+        tokens, logprobs, reason = list(s["tokens"]), s.get("logprobs"), s["stopReason"]
+        if max_tokens is not None and len(tokens) > max_tokens:
+            tokens, reason = tokens[:max_tokens], "length"
+            logprobs = logprobs[:max_tokens] if logprobs is not None else None
+        tu = s.get("tokenUsage") or {}
+        usage = Usage.model_construct(training_tokens=0, prefill_tokens=int(tu.get("prefill") or 0), decode_tokens=int(tu.get("decode") or 0))
+        total = total + usage
+        seqs.append(SampledSequence.model_construct(stop_reason=reason, tokens=tokens, logprobs=logprobs, sequence_id=None, usage=usage))
+    prompt_lp = wire.get("promptLogprobs")
+    return SampleResponse.model_construct(
+        sequences=seqs,
+        prompt_logprobs=logprobs_from_wire(prompt_lp, prompt_length) if prompt_lp is not None else None,
+        usage=total,
+    )
