@@ -39,3 +39,15 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 @pytest.fixture(params=[os.environ.get("ASYNCSESS_ANYIO_BACKEND", "asyncio")])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_session_left_open():
+    """After the whole suite, no mock:// session may still be open (leaks fail the run)."""
+    yield
+    if importlib.util.find_spec("asyncsess_mock") is None:
+        return
+    from asyncsess_mock import MockBackend
+
+    leaked = MockBackend.open_sessions()
+    assert not leaked, f"sessions left open by the test suite: {leaked}"

@@ -80,7 +80,7 @@ class ServiceClient:
         self._backend: Backend | None = None
         self._tg: TaskGroup | None = None
         self._closed = False
-        self._training: dict[str, TrainingClient] = {}
+        self._training: weakref.WeakValueDictionary[str, TrainingClient] = weakref.WeakValueDictionary()
         self._samplers: set[str] = set()
         self._orphans: list[str] = []  # sessions whose client was garbage-collected; stopped on the next call
 
@@ -453,6 +453,8 @@ class TrainingClient:
         except PoisonedError:
             raise
         except Exception as err:
+            if isinstance(err, AsyncSessError) and err.request_id is None:
+                err.request_id = op.idempotency_key
             self._poison_after(op.seq, err)
             raise
 

@@ -1,0 +1,139 @@
+"""Fault recovery: retried ops are applied exactly once; nothing hangs; only transient faults are retried."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncsess import (
+    DeadlineExceededError,
+    InvalidInputError,
+    RetriesExhaustedError,
+    RetryPolicy,
+    ServiceClient,
+    SessionGoneError,
+    TransientError,
+)
+from asyncsess.rl import sft_datum
+
+pytestmark = pytest.mark.anyio
+
+FAST = RetryPolicy(max_attempts=12, initial_backoff=0.001, max_backoff=0.005, jitter=0.001)
+
+
+async def _grpo(url: str, steps: int) -> tuple[np.ndarray, list]:
+    from examples.grpo_toy import train
+
+    history, path = await train(url, steps=steps, seed=5)
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_training_client_from_state(path)
+        return svc.backend.weights(tc.model_id), history
+
+
+async def test_50_step_grpo_under_faults_is_bit_identical_and_applies_each_op_once(monkeypatch):
+    import examples.grpo_toy as grpo
+
+    logs = []
+    retries = []
+    real_cls = grpo.ServiceClient
+
+    def recording(url, **kw):
+        svc = real_cls(url, retry=FAST, on_retry=retries.append, **kw)
+        logs.append(svc)
+        return svc
+
+    monkeypatch.setattr(grpo, "ServiceClient", recording)
+    clean, hist_clean = await _grpo("mock://", 50)
+    faulty, hist_faulty = await _grpo("mock://?fail_rate=0.2&drop_response_rate=0.1&seed=11", 50)
+    assert np.array_equal(clean, faulty), "faults must not change a single bit of the weights"
+    assert hist_clean == hist_faulty
+    assert len(retries) > 50, "the faults were real and were retried"
+    applied = logs[1].backend.applied_log
+    counts = Counter((sid, seq) for sid, seq, _ in applied)
+    assert counts and max(counts.values()) == 1, "each (client, seq) applied exactly once"
+    assert {e.error.__class__ for e in retries} == {TransientError}
+
+
+async def test_a_backend_that_never_answers_times_out_at_the_deadline():
+    policy = RetryPolicy(max_attempts=100, initial_backoff=0.001, max_backoff=0.002, jitter=0.0, attempt_timeout=0.05, deadline=0.3)
+    async with ServiceClient("mock://?timeout_rate=1.0", retry=policy) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        with pytest.raises(DeadlineExceededError) as err:
+            await tc.forward_backward([sft_datum([1, 40], [41])])
+        assert err.value.seq == 1 and err.value.operation == "forward_backward"
+        sc = await svc.create_sampling_client(base_model="m")
+        with pytest.raises(DeadlineExceededError):
+            await sc.sample([1, 40], 1)
+
+
+async def test_retryable_faults_are_retried_up_to_the_limit():
+    seen = []
+    policy = RetryPolicy(max_attempts=4, initial_backoff=0.001, max_backoff=0.002, jitter=0.0)
+    async with ServiceClient("mock://?fail_rate=1.0", retry=policy, on_retry=seen.append) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        with pytest.raises(RetriesExhaustedError) as err:
+            await tc.forward_backward([sft_datum([1, 40], [41])])
+        assert err.value.attempts == 4 and isinstance(err.value.__cause__, TransientError)
+        assert [e.attempt for e in seen] == [1, 2, 3] and svc.retries == 3
+        assert svc.backend.applied_log == []
+
+
+async def test_non_retryable_errors_are_not_retried(monkeypatch):
+    seen = []
+    async with ServiceClient("mock://", retry=FAST, on_retry=seen.append) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        calls = []
+        real = svc.backend.execute_training
+
+        async def counting(session_id, op):
+            calls.append(op.seq)
+            return await real(session_id, op)
+
+        monkeypatch.setattr(svc.backend, "execute_training", counting)
+        with pytest.raises(InvalidInputError) as err:
+            await tc.forward_backward([sft_datum([1, 40], [10**6])])
+        assert calls == [1] and seen == []
+        assert err.value.seq == 1 and err.value.request_id
+
+
+async def test_retry_after_hint_is_honoured(monkeypatch):
+    seen = []
+    async with ServiceClient("mock://", retry=FAST, on_retry=seen.append) as svc:
+        sc = await svc.create_sampling_client(base_model="m")
+        real = svc.backend.sample
+        state = {"n": 0}
+
+        async def throttled(sampler_id, request):
+            state["n"] += 1
+            if state["n"] == 1:
+                raise TransientError("slow down", retry_after=0.05)
+            return await real(sampler_id, request)
+
+        monkeypatch.setattr(svc.backend, "sample", throttled)
+        await sc.sample([1, 40], 1)
+        assert len(seen) == 1 and seen[0].sleep >= 0.05
+
+
+async def test_remote_stop_surfaces_as_session_gone_not_a_hang():
+    async with ServiceClient("mock://?stop_after_ops=2", retry=FAST) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        await tc.forward_backward([sft_datum([1, 40], [41])])
+        await tc.optim_step()
+        with pytest.raises(SessionGoneError):
+            await tc.forward_backward([sft_datum([1, 40], [41])])
+        with pytest.raises(SessionGoneError):
+            tc.optim_step()  # known gone: fails at call time
+
+
+async def test_duplicated_and_slow_deliveries_are_harmless():
+    async with ServiceClient("mock://?duplicate_rate=0.5&slow_rate=0.3&slow_ms=5&jitter_ms=3&seed=2", retry=FAST) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        futs = [tc.forward_backward([sft_datum([1, 40 + i], [41])]) for i in range(10)]
+        for f in futs:
+            await f
+        seqs = [seq for sid, seq, _ in svc.backend.applied_log if sid == tc.model_id]
+        assert seqs == list(range(1, 11))
+        await anyio.sleep(0)

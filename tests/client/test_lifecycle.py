@@ -1,0 +1,115 @@
+"""Sessions stop on every exit path; stop() is idempotent; a garbage-collected client warns and stops."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import pytest
+
+from asyncsess import ServiceClient, SessionGoneError
+from asyncsess.rl import sft_datum
+from asyncsess_mock import MockBackend
+
+pytestmark = pytest.mark.anyio
+
+
+def _open() -> set[str]:
+    return set(MockBackend.open_sessions())
+
+
+async def _open_two(svc: ServiceClient) -> set[str]:
+    tc = await svc.create_lora_training_client("m", rank=4)
+    sc = await tc.save_weights_and_get_sampling_client()
+    return {tc.model_id, sc.sampler_id}
+
+
+async def test_normal_exit_stops_every_session():
+    async with ServiceClient("mock://") as svc:
+        ids = await _open_two(svc)
+        assert ids <= _open()
+    assert not ids & _open()
+
+
+async def test_exception_exit_stops_every_session():
+    ids: set[str] = set()
+    with pytest.raises(ZeroDivisionError):
+        async with ServiceClient("mock://") as svc:
+            ids = await _open_two(svc)
+            1 / 0  # noqa: B018
+    assert ids and not ids & _open()
+
+
+async def test_task_cancellation_stops_every_session():
+    ids: set[str] = set()
+    with anyio.move_on_after(0.2):
+        async with ServiceClient("mock://?latency_ms=20") as svc:
+            ids = await _open_two(svc)
+            tc = await svc.create_lora_training_client("m", rank=4)
+            ids.add(tc.model_id)
+            while True:
+                await tc.forward_backward([sft_datum([1, 40], [41])])
+    assert ids and not ids & _open()
+
+
+async def test_keyboard_interrupt_stops_every_session():
+    ids: set[str] = set()
+    with pytest.raises(KeyboardInterrupt):
+        async with ServiceClient("mock://") as svc:
+            ids = await _open_two(svc)
+            raise KeyboardInterrupt
+    assert ids and not ids & _open()
+
+
+async def test_stop_is_idempotent_and_later_ops_fail_typed():
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        async with tc:
+            await tc.forward_backward([sft_datum([1, 40], [41])])
+        assert tc.model_id not in _open()
+        await tc.stop()
+        await tc.stop()
+        with pytest.raises(SessionGoneError):
+            tc.forward_backward([sft_datum([1, 40], [41])])
+
+
+async def test_garbage_collected_client_warns_and_its_session_is_stopped():
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        model_id = tc.model_id
+        with pytest.warns(ResourceWarning, match=model_id):
+            del tc
+            gc.collect()
+        other = await svc.create_lora_training_client("m", rank=4)  # the next call stops orphans
+        await anyio.sleep(0.01)
+        assert model_id not in _open()
+        await other.stop()
+
+
+def test_ctrl_c_in_a_blocking_script_stops_the_session(tmp_path):
+    """A real SIGINT while the sync facade blocks in .result(): the `with` block stops the session."""
+    marker = tmp_path / "state"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from asyncsess.sync import ServiceClient
+        from asyncsess_mock import MockBackend
+        from asyncsess.rl import sft_datum
+        try:
+            with ServiceClient("mock://?latency_ms=60000") as svc:
+                tc = svc.create_lora_training_client("m", rank=4)
+                print("ready", flush=True)
+                tc.forward_backward([sft_datum([1, 40], [41])]).result()
+        except KeyboardInterrupt:
+            open({str(marker)!r}, "w").write(",".join(MockBackend.open_sessions()) or "none")
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    assert marker.read_text() == "none"
