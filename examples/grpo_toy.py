@@ -33,7 +33,9 @@ async def train(
         params = SamplingParams(max_tokens=8, temperature=1.0, stop=[])
         for step in range(steps):
             prompts = [tok.encode(p) for p in PROMPTS]
-            futures = [sampler.sample(p, group_size, params.model_copy(update={"seed": sample_seed(seed, step, i)})) for i, p in enumerate(prompts)]
+            futures = [
+                sampler.sample(p, group_size, params.model_copy(update={"seed": sample_seed(seed, step, i)})) for i, p in enumerate(prompts)
+            ]
             datums, rewards = [], []
             for prompt, fut in zip(prompts, futures):
                 result = await fut

@@ -115,7 +115,7 @@ def _method(cls: type, name: str, fn: object) -> str:
 
 
 def _class(cls: type) -> str:
-    out = [f"class {cls.__name__}:\n", _doc(cls, "    "), "\n    _async: _client.{0}\n\n".format(cls.__name__)]
+    out = [f"class {cls.__name__}:\n", _doc(cls, "    "), f"\n    _async: _client.{cls.__name__}\n\n"]
     if cls is client.ServiceClient:
         params, args = _signature(cls.__init__)
         out.append(
@@ -145,7 +145,9 @@ def _class(cls: type) -> str:
             continue
         if isinstance(member, property):
             ret = inspect.signature(member.fget).return_annotation  # type: ignore[arg-type]
-            out.append(f"    @property\n    def {name}(self) -> {_annotation(ret)}:\n{_doc(member, ' ' * 8)}        return self._async.{name}\n\n")
+            out.append(
+                f"    @property\n    def {name}(self) -> {_annotation(ret)}:\n{_doc(member, ' ' * 8)}        return self._async.{name}\n\n"
+            )
         elif inspect.isfunction(member):
             out.append(_method(cls, name, member) + "\n")
     return "".join(out).rstrip() + "\n"

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 
 from asyncsess import AdamParams, Datum, ServiceClient
 from asyncsess.rl import rl_datum
 
-import torch
 pytestmark = [pytest.mark.anyio, pytest.mark.torch]
 
 ADAM = AdamParams(learning_rate=0.1)

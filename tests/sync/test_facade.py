@@ -39,7 +39,9 @@ def test_every_public_async_method_has_a_twin_with_the_same_parameters(name):
         if attr in renames:
             continue
         a, s = inspect.signature(member), inspect.signature(twin)
-        assert [(p.name, p.kind, p.default) for p in a.parameters.values()] == [(p.name, p.kind, p.default) for p in s.parameters.values()], attr
+        assert [(p.name, p.kind, p.default) for p in a.parameters.values()] == [
+            (p.name, p.kind, p.default) for p in s.parameters.values()
+        ], attr
         assert inspect.getdoc(member) == inspect.getdoc(twin)
         assert not inspect.iscoroutinefunction(twin)
     a_init, s_init = inspect.signature(async_cls.__init__), inspect.signature(sync_cls.__init__)
