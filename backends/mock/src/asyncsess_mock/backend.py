@@ -23,10 +23,10 @@ from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tr
 from asyncsess.errors import ConflictError, InvalidInputError, SessionGoneError
 from asyncsess.sequencer import Sequencer
 from asyncsess.types import (
+    LOSS_FUNCTIONS,
     Checkpoint,
     GetInfoResponse,
     LoadWeightsResponse,
-    LOSS_FUNCTIONS,
     SampleResponse,
     ServerCapabilities,
     SupportedModel,
@@ -115,8 +115,12 @@ class MockBackend(Backend):
         v = self.tokenizer.vocab_size
         names = dict.fromkeys([DEFAULT_MODEL, *self._models_used])
         return ServerCapabilities.model_construct(
-            supported_models=[SupportedModel.model_construct(model_name=n, max_context_length=self.config.max_context, trainable=True,
-                                                             sampleable=True, vocab_size=v) for n in names],
+            supported_models=[
+                SupportedModel.model_construct(
+                    model_name=n, max_context_length=self.config.max_context, trainable=True, sampleable=True, vocab_size=v
+                )
+                for n in names
+            ],
             loss_functions=list(LOSS_FUNCTIONS),
             max_lora_rank=256,
             max_batch_datums=1024,
@@ -132,7 +136,9 @@ class MockBackend(Backend):
             ckpt = self._checkpoint(spec.from_path, "from_path", state_only=True)
             if base_model and base_model != ckpt.base_model:
                 raise InvalidInputError(
-                    f"{spec.from_path} was trained from {ckpt.base_model!r}, not {base_model!r}", field="base_model", fix="omit base_model or match it"
+                    f"{spec.from_path} was trained from {ckpt.base_model!r}, not {base_model!r}",
+                    field="base_model",
+                    fix="omit base_model or match it",
                 )
             base_model = ckpt.base_model
         if not base_model:
@@ -188,7 +194,9 @@ class MockBackend(Backend):
         try:
             return self._sessions[session_id]
         except KeyError:
-            raise InvalidInputError(f"no training session {session_id!r}", field="session_id", fix="use the model_id from create_training_session") from None
+            raise InvalidInputError(
+                f"no training session {session_id!r}", field="session_id", fix="use the model_id from create_training_session"
+            ) from None
 
     def _live_session(self, session_id: str) -> _TrainingSession:
         sess = self._session(session_id)
@@ -263,9 +271,13 @@ class MockBackend(Backend):
     def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
         ckpt = self._checkpoints.get(path)
         if ckpt is None:
-            raise InvalidInputError(f"no checkpoint at {path!r}", field=field, fix="use a path returned by save_state / save_weights in this process")
+            raise InvalidInputError(
+                f"no checkpoint at {path!r}", field=field, fix="use a path returned by save_state / save_weights in this process"
+            )
         if state_only and ckpt.kind != "state":
-            raise InvalidInputError(f"{path} holds sampler weights, not training state", field=field, fix="use a path from save_state (…/weights/…)")
+            raise InvalidInputError(
+                f"{path} holds sampler weights, not training state", field=field, fix="use a path from save_state (…/weights/…)"
+            )
         return ckpt
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
@@ -288,8 +300,14 @@ class MockBackend(Backend):
             raise InvalidInputError("neither model_path nor base_model", field="model_path", fix="pass a saved path or a base model name")
         ordinal = next(self._ordinal)
         rng = np.random.default_rng([self.config.seed % 2**64, (seed or 0) % 2**64, ordinal])
-        sampler = MockSampler(logp, self.tokenizer.pieces, self.tokenizer.eos_token_id, rng=rng,
-                              max_context=self.config.max_context, default_max_tokens=self.config.default_max_tokens)
+        sampler = MockSampler(
+            logp,
+            self.tokenizer.pieces,
+            self.tokenizer.eos_token_id,
+            rng=rng,
+            max_context=self.config.max_context,
+            default_max_tokens=self.config.default_max_tokens,
+        )
         handle = _Sampler(id=f"mock-sampler-{next(self._ids)}", sampler=sampler, faults=Faults(self.config, f"sampler-{ordinal}"))
         self._samplers[handle.id] = handle
         self._open[handle.id] = "sampler"

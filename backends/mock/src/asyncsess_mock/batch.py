@@ -36,7 +36,7 @@ class Batch:
 
 def _array(value: object, dtype: type) -> np.ndarray:
     td = value if isinstance(value, TensorData) else TensorData.coerce("", value)
-    arr = np.asarray(td.data, dtype=dtype)
+    arr: np.ndarray = np.asarray(td.data, dtype=dtype)
     return arr.reshape(td.shape) if td.shape else arr
 
 
@@ -74,7 +74,9 @@ def pack_batch(data: Sequence[Datum], loss_fn: str, vocab_size: int, max_context
             if key == "target_tokens":
                 continue
             if key not in _KNOWN_KEYS:
-                raise InvalidInputError(f"unknown key {key!r}", field=f"data[{i}].loss_fn_inputs", fix=f"known keys: {', '.join(sorted(_KNOWN_KEYS))}")
+                raise InvalidInputError(
+                    f"unknown key {key!r}", field=f"data[{i}].loss_fn_inputs", fix=f"known keys: {', '.join(sorted(_KNOWN_KEYS))}"
+                )
             arr = _array(value, np.float64)
             if arr.size != target.size:
                 raise InvalidInputError(
@@ -85,7 +87,9 @@ def pack_batch(data: Sequence[Datum], loss_fn: str, vocab_size: int, max_context
             columns.setdefault(key, []).append(arr.ravel())
     for key, parts in columns.items():
         if len(parts) != len(data):
-            raise InvalidInputError(f"only some datums carry {key!r}", field=f"data[*].loss_fn_inputs[{key!r}]", fix="give it on every datum or on none")
+            raise InvalidInputError(
+                f"only some datums carry {key!r}", field=f"data[*].loss_fn_inputs[{key!r}]", fix="give it on every datum or on none"
+            )
     x = np.concatenate(xs)
     y = np.concatenate(ys)
     _check_range(x, xs, vocab_size, "model_input")

@@ -95,4 +95,6 @@ class Faults:
     def drop_response(self, what: str) -> None:
         """After the op was applied: maybe lose the answer, as a dropped connection would."""
         if self._hit(self.cfg.drop_response_rate):
-            raise TransientError(f"injected lost response after {what} was applied (drop_response_rate={self.cfg.drop_response_rate})", operation=what)
+            raise TransientError(
+                f"injected lost response after {what} was applied (drop_response_rate={self.cfg.drop_response_rate})", operation=what
+            )

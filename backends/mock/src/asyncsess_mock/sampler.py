@@ -22,8 +22,16 @@ _SEED_MOD = 2**64
 class MockSampler:
     """Samples and scores token sequences under a fixed (V, V) log-prob table."""
 
-    def __init__(self, logp: np.ndarray, pieces: tuple[str, ...], eos_token_id: int, *, rng: np.random.Generator,
-                 max_context: int, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        logp: np.ndarray,
+        pieces: tuple[str, ...],
+        eos_token_id: int,
+        *,
+        rng: np.random.Generator,
+        max_context: int,
+        default_max_tokens: int,
+    ) -> None:
         self.logp = logp
         self.pieces = pieces
         self.eos_token_id = eos_token_id
@@ -38,7 +46,9 @@ class MockSampler:
             raise InvalidInputError("needs at least one token id", field=field, fix="start from e.g. the tokenizer's bos_token_id")
         if arr.min() < 0 or arr.max() >= v:
             bad = int(arr[(arr < 0) | (arr >= v)][0])
-            raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {v})", field=field, fix="use ids from this backend's tokenizer")
+            raise InvalidInputError(
+                f"token id {bad} is outside the vocabulary [0, {v})", field=field, fix="use ids from this backend's tokenizer"
+            )
         if arr.size > self.max_context:
             raise InvalidInputError(f"{arr.size} tokens exceed the context of {self.max_context}", field=field, fix="shorten it")
         return arr
@@ -54,7 +64,9 @@ class MockSampler:
         params = request.sampling_params
         room = self.max_context - prompt.size
         if room < 1:
-            raise InvalidInputError(f"a {prompt.size}-token prompt leaves no room in the {self.max_context}-token context", field="prompt", fix="shorten it")
+            raise InvalidInputError(
+                f"a {prompt.size}-token prompt leaves no room in the {self.max_context}-token context", field="prompt", fix="shorten it"
+            )
         max_tokens = min(params.max_tokens or self.default_max_tokens, room)
         stop_ids, stop_strings = self._stops(params)
         tokens, lps, lengths, stopped = self._generate(prompt[-1], request.num_samples, max_tokens, params, stop_ids, stop_strings)
@@ -90,7 +102,7 @@ class MockSampler:
 
     def _generate(self, last: int, n: int, max_tokens: int, params: SamplingParams, stop_ids: np.ndarray, stop_strings: list[str]):
         greedy = params.temperature == 0
-        uniforms = None if greedy else self._uniforms(n, max_tokens, params.seed)
+        uniforms = np.empty((0, 0)) if greedy else self._uniforms(n, max_tokens, params.seed)
         tokens = np.zeros((n, max_tokens), dtype=np.int64)
         lps = np.zeros((n, max_tokens))
         lengths = np.full(n, max_tokens)
@@ -109,7 +121,7 @@ class MockSampler:
                 for j, (i, k) in enumerate(zip(active.tolist(), tok.tolist())):
                     piece = self.pieces[k]
                     texts[i] += piece
-                    hit[j] |= any(s in texts[i][-(len(s) + len(piece) - 1):] for s in stop_strings)
+                    hit[j] |= any(s in texts[i][-(len(s) + len(piece) - 1) :] for s in stop_strings)
             if hit.any():
                 done = active[hit]
                 stopped[done] = True
@@ -133,7 +145,7 @@ def _draw(rows: np.ndarray, u: np.ndarray, params: SamplingParams) -> np.ndarray
         logits = np.take_along_axis(logits, order, axis=1)
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     if params.top_k > 0:
-        probs[:, params.top_k:] = 0.0
+        probs[:, params.top_k :] = 0.0
     if params.top_p < 1.0:
         probs /= probs.sum(axis=1, keepdims=True)
         before = np.cumsum(probs, axis=1) - probs

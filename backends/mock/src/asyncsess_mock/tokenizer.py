@@ -63,7 +63,9 @@ class CharTokenizer:
         out = []
         for i in ids:
             if not 0 <= i < n:
-                raise InvalidInputError(f"token id {i} is outside the vocabulary [0, {n})", field="ids", fix="decode ids this tokenizer produced")
+                raise InvalidInputError(
+                    f"token id {i} is outside the vocabulary [0, {n})", field="ids", fix="decode ids this tokenizer produced"
+                )
             if i >= first:
                 out.append(self._pieces[i])
         return "".join(out)
