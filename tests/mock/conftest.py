@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import anyio
 import pytest
 
 from asyncsess.backend import TrainingOp, TrainingSessionSpec
 from asyncsess.types import Datum
 from asyncsess_mock import MockBackend
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def arun(request) -> Callable:
-    """Run an async test body under both event loops."""
-    return lambda fn, *args: anyio.run(fn, *args, backend=request.param)
 
 
 @pytest.fixture(autouse=True)

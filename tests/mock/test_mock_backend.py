@@ -10,81 +10,73 @@ from asyncsess.types import AdamParams, Datum, SamplingParams
 from asyncsess_mock import MockBackend
 
 
-def test_entry_point_and_capabilities(arun, open_session):
+@pytest.mark.anyio
+async def test_entry_point_and_capabilities(open_session):
     assert "mock" in available_schemes()
 
-    async def main():
-        b = load_backend("mock://")
-        caps = await b.capabilities()
-        assert [m.model_name for m in caps.supported_models] == ["mock/bigram-tiny"]
-        s = await open_session(b, "Qwen/Qwen3-8B")
-        caps = await b.capabilities()
-        assert [m.model_name for m in caps.supported_models] == ["mock/bigram-tiny", "Qwen/Qwen3-8B"]
-        assert caps.supported_models[0].vocab_size == b.get_tokenizer("x").vocab_size
-        assert "gspo" in caps.loss_functions and "dro" in caps.loss_functions
-        await b.stop_session(s.id)
-
-    arun(main)
+    b = load_backend("mock://")
+    caps = await b.capabilities()
+    assert [m.model_name for m in caps.supported_models] == ["mock/bigram-tiny"]
+    s = await open_session(b, "Qwen/Qwen3-8B")
+    caps = await b.capabilities()
+    assert [m.model_name for m in caps.supported_models] == ["mock/bigram-tiny", "Qwen/Qwen3-8B"]
+    assert caps.supported_models[0].vocab_size == b.get_tokenizer("x").vocab_size
+    assert "gspo" in caps.loss_functions and "dro" in caps.loss_functions
+    await b.stop_session(s.id)
 
 
-def test_session_lifecycle_and_registry(arun):
-    async def main():
-        b = MockBackend()
-        info = await b.create_training_session(TrainingSessionSpec("any/name", rank=8, seed=3))
-        assert (info.base_model, info.lora_rank, info.seed, info.step) == ("any/name", 8, 3, 0)
-        sid = await b.create_sampler(SamplerSpec(base_model="any/name"))
-        assert set(MockBackend.open_sessions()) >= {info.model_id, sid}
-        assert info.model_id in MockBackend.open_sessions("training") and sid in MockBackend.open_sessions("sampler")
+@pytest.mark.anyio
+async def test_session_lifecycle_and_registry():
+    b = MockBackend()
+    info = await b.create_training_session(TrainingSessionSpec("any/name", rank=8, seed=3))
+    assert (info.base_model, info.lora_rank, info.seed, info.step) == ("any/name", 8, 3, 0)
+    sid = await b.create_sampler(SamplerSpec(base_model="any/name"))
+    assert set(MockBackend.open_sessions()) >= {info.model_id, sid}
+    assert info.model_id in MockBackend.open_sessions("training") and sid in MockBackend.open_sessions("sampler")
+    await b.heartbeat(info.model_id)
+    await b.stop_session(info.model_id)
+    await b.stop_session(info.model_id)  # idempotent
+    await b.stop_session(sid)
+    assert not {info.model_id, sid} & set(MockBackend.open_sessions())
+    with pytest.raises(SessionGoneError):
         await b.heartbeat(info.model_id)
-        await b.stop_session(info.model_id)
-        await b.stop_session(info.model_id)  # idempotent
-        await b.stop_session(sid)
-        assert not {info.model_id, sid} & set(MockBackend.open_sessions())
-        with pytest.raises(SessionGoneError):
-            await b.heartbeat(info.model_id)
-        with pytest.raises(InvalidInputError) as err:
-            await b.stop_session("mock-train-never")
-        assert err.value.field == "session_id"
-        assert b.calls["stop_session"] == 4 and b.calls["create_training_session"] == 1
-
-    arun(main)
+    with pytest.raises(InvalidInputError) as err:
+        await b.stop_session("mock-train-never")
+    assert err.value.field == "session_id"
+    assert b.calls["stop_session"] == 4 and b.calls["create_training_session"] == 1
 
 
-def test_fresh_session_equals_the_base_model_and_outputs_are_float32(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        s = await open_session(b)
-        seq = b.tokenizer.encode("abc")
-        out = await s.run("forward_backward", data=(datum(seq), datum(seq[:3])), loss_fn="cross_entropy")
-        assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[3], [2]]
-        assert all(o["logprobs"].dtype == "float32" for o in out.loss_fn_outputs)
-        assert out.usage.training_tokens == 5
-        base = await b.create_sampler(SamplerSpec(base_model="mock/bigram-tiny"))
-        lps = await b.compute_logprobs(base, seq)
-        assert out.loss_fn_outputs[0]["logprobs"].data == pytest.approx(lps[1:], abs=1e-6)
-        assert out.metrics["loss:sum"] == pytest.approx(-(sum(lps[1:]) + sum(lps[1:3])))
-        assert not b.weights(s.id).any()
-        await b.stop_session(base)
-        await b.stop_session(s.id)
-
-    arun(main)
+@pytest.mark.anyio
+async def test_fresh_session_equals_the_base_model_and_outputs_are_float32(open_session, datum):
+    b = MockBackend()
+    s = await open_session(b)
+    seq = b.tokenizer.encode("abc")
+    out = await s.run("forward_backward", data=(datum(seq), datum(seq[:3])), loss_fn="cross_entropy")
+    assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[3], [2]]
+    assert all(o["logprobs"].dtype == "float32" for o in out.loss_fn_outputs)
+    assert out.usage.training_tokens == 5
+    base = await b.create_sampler(SamplerSpec(base_model="mock/bigram-tiny"))
+    lps = await b.compute_logprobs(base, seq)
+    assert out.loss_fn_outputs[0]["logprobs"].data == pytest.approx(lps[1:], abs=1e-6)
+    assert out.metrics["loss:sum"] == pytest.approx(-(sum(lps[1:]) + sum(lps[1:3])))
+    assert not b.weights(s.id).any()
+    await b.stop_session(base)
+    await b.stop_session(s.id)
 
 
-def test_training_reduces_the_loss(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        s = await open_session(b)
-        data = (datum(b.tokenizer.encode("to be or not to be")),)
-        losses = []
-        for _ in range(10):
-            out = await s.run("forward_backward", data=data, loss_fn="cross_entropy")
-            losses.append(out.metrics["loss:sum"])
-            step = await s.run("optim_step", adam_params=AdamParams(learning_rate=0.1))
-        assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0]
-        assert step.step == 10 and step.metrics["learning_rate"] == 0.1 and step.metrics["grad_norm"] > 0
-        await b.stop_session(s.id)
-
-    arun(main)
+@pytest.mark.anyio
+async def test_training_reduces_the_loss(open_session, datum):
+    b = MockBackend()
+    s = await open_session(b)
+    data = (datum(b.tokenizer.encode("to be or not to be")),)
+    losses = []
+    for _ in range(10):
+        out = await s.run("forward_backward", data=data, loss_fn="cross_entropy")
+        losses.append(out.metrics["loss:sum"])
+        step = await s.run("optim_step", adam_params=AdamParams(learning_rate=0.1))
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0]
+    assert step.step == 10 and step.metrics["learning_rate"] == 0.1 and step.metrics["grad_norm"] > 0
+    await b.stop_session(s.id)
 
 
 def _bad(data, loss_fn="cross_entropy", config=None):
@@ -141,50 +133,46 @@ BAD_TRAINING_INPUTS = [
 
 
 @pytest.mark.parametrize(("make", "error", "field"), [c[1:] for c in BAD_TRAINING_INPUTS], ids=[c[0] for c in BAD_TRAINING_INPUTS])
-def test_bad_training_input_raises_a_typed_error_naming_the_field(arun, open_session, datum, make, error, field):
-    async def main():
-        for kind in ("forward", "forward_backward"):
-            b = MockBackend()
-            s = await open_session(b)
-            with pytest.raises(error) as err:
-                await s.run(kind, **make(datum))
-            assert err.value.field == field and err.value.fix
-            assert b.applied_log == []
-            await b.stop_session(s.id)
-
-    arun(main)
-
-
-def test_bad_session_and_sampling_input(arun):
-    async def main():
+@pytest.mark.anyio
+async def test_bad_training_input_raises_a_typed_error_naming_the_field(open_session, datum, make, error, field):
+    for kind in ("forward", "forward_backward"):
         b = MockBackend()
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_training_session(TrainingSessionSpec("m", rank=0))
-        assert err.value.field == "rank"
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_training_session(TrainingSessionSpec(""))
-        assert err.value.field == "base_model"
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_sampler(SamplerSpec())
-        assert err.value.field == "model_path"
-        with pytest.raises(InvalidInputError) as err:
-            await b.sample("mock-sampler-never", SampleRequest((1,), 1, SamplingParams()))
-        assert err.value.field == "sampler_id"
-        sid = await b.create_sampler(SamplerSpec(base_model="m"))
-        cases = [
-            (SampleRequest((1, 500), 1, SamplingParams()), "prompt"),
-            (SampleRequest((), 1, SamplingParams()), "prompt"),
-            (SampleRequest((1,), 0, SamplingParams()), "num_samples"),
-            (SampleRequest((1,), 1, SamplingParams(stop=[999])), "sampling_params.stop"),
-            (SampleRequest((1,), 1, SamplingParams(stop=[""])), "sampling_params.stop"),
-        ]
-        for request, field in cases:
-            with pytest.raises(InvalidInputError) as err:
-                await b.sample(sid, request)
-            assert err.value.field == field
-        with pytest.raises(InvalidInputError) as err:
-            await b.compute_logprobs(sid, [1, -3])
-        assert err.value.field == "tokens"
-        await b.stop_session(sid)
+        s = await open_session(b)
+        with pytest.raises(error) as err:
+            await s.run(kind, **make(datum))
+        assert err.value.field == field and err.value.fix
+        assert b.applied_log == []
+        await b.stop_session(s.id)
 
-    arun(main)
+
+@pytest.mark.anyio
+async def test_bad_session_and_sampling_input():
+    b = MockBackend()
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_training_session(TrainingSessionSpec("m", rank=0))
+    assert err.value.field == "rank"
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_training_session(TrainingSessionSpec(""))
+    assert err.value.field == "base_model"
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_sampler(SamplerSpec())
+    assert err.value.field == "model_path"
+    with pytest.raises(InvalidInputError) as err:
+        await b.sample("mock-sampler-never", SampleRequest((1,), 1, SamplingParams()))
+    assert err.value.field == "sampler_id"
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+    cases = [
+        (SampleRequest((1, 500), 1, SamplingParams()), "prompt"),
+        (SampleRequest((), 1, SamplingParams()), "prompt"),
+        (SampleRequest((1,), 0, SamplingParams()), "num_samples"),
+        (SampleRequest((1,), 1, SamplingParams(stop=[999])), "sampling_params.stop"),
+        (SampleRequest((1,), 1, SamplingParams(stop=[""])), "sampling_params.stop"),
+    ]
+    for request, field in cases:
+        with pytest.raises(InvalidInputError) as err:
+            await b.sample(sid, request)
+        assert err.value.field == field
+    with pytest.raises(InvalidInputError) as err:
+        await b.compute_logprobs(sid, [1, -3])
+    assert err.value.field == "tokens"
+    await b.stop_session(sid)

@@ -24,112 +24,104 @@ async def _train(session, batches):
         await session.run("optim_step", adam_params=HP)
 
 
-def test_resume_with_optimizer_is_bit_exact_and_weights_only_starts_fresh(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        batches = _batches(b.tokenizer, datum)
-        straight = await open_session(b)
-        await _train(straight, batches)
+@pytest.mark.anyio
+async def test_resume_with_optimizer_is_bit_exact_and_weights_only_starts_fresh(open_session, datum):
+    b = MockBackend()
+    batches = _batches(b.tokenizer, datum)
+    straight = await open_session(b)
+    await _train(straight, batches)
 
-        first = await open_session(b)
-        await _train(first, batches[:2])
-        saved = await first.run("save_state", name="half")
-        assert saved.path == f"mock://{first.id}/weights/half" and saved.kind == "state" and saved.step == 2
+    first = await open_session(b)
+    await _train(first, batches[:2])
+    saved = await first.run("save_state", name="half")
+    assert saved.path == f"mock://{first.id}/weights/half" and saved.kind == "state" and saved.step == 2
 
-        other = MockBackend()  # another ServiceClient in the same process
-        resumed = await other.create_training_session(TrainingSessionSpec("", from_path=saved.path, with_optimizer=True))
-        assert resumed.step == 2 and resumed.base_model == "mock/bigram-tiny"
-        m, v, step = other.optimizer_state(resumed.model_id)
-        m0, v0, _ = b.optimizer_state(first.id)
-        assert step == 2 and np.array_equal(m, m0) and np.array_equal(v, v0)
-        r = await open_session(other, from_path=saved.path, with_optimizer=True)
-        await _train(r, batches[2:])
-        np.testing.assert_array_equal(other.weights(r.id), b.weights(straight.id))
-        assert other.optimizer_state(r.id)[2] == 4
+    other = MockBackend()  # another ServiceClient in the same process
+    resumed = await other.create_training_session(TrainingSessionSpec("", from_path=saved.path, with_optimizer=True))
+    assert resumed.step == 2 and resumed.base_model == "mock/bigram-tiny"
+    m, v, step = other.optimizer_state(resumed.model_id)
+    m0, v0, _ = b.optimizer_state(first.id)
+    assert step == 2 and np.array_equal(m, m0) and np.array_equal(v, v0)
+    r = await open_session(other, from_path=saved.path, with_optimizer=True)
+    await _train(r, batches[2:])
+    np.testing.assert_array_equal(other.weights(r.id), b.weights(straight.id))
+    assert other.optimizer_state(r.id)[2] == 4
 
-        w = await open_session(other, from_path=saved.path)  # weights only
-        m, v, step = other.optimizer_state(w.id)
-        assert step == 0 and not m.any() and not v.any()
-        np.testing.assert_array_equal(other.weights(w.id), b.weights(first.id))
-        await _train(w, batches[2:])
-        assert not np.array_equal(other.weights(w.id), b.weights(straight.id))
+    w = await open_session(other, from_path=saved.path)  # weights only
+    m, v, step = other.optimizer_state(w.id)
+    assert step == 0 and not m.any() and not v.any()
+    np.testing.assert_array_equal(other.weights(w.id), b.weights(first.id))
+    await _train(w, batches[2:])
+    assert not np.array_equal(other.weights(w.id), b.weights(straight.id))
 
-        for backend, sid in [(b, straight.id), (b, first.id), (other, resumed.model_id), (other, r.id), (other, w.id)]:
-            await backend.stop_session(sid)
-
-    arun(main)
+    for backend, sid in [(b, straight.id), (b, first.id), (other, resumed.model_id), (other, r.id), (other, w.id)]:
+        await backend.stop_session(sid)
 
 
-def test_load_state_op_with_and_without_optimizer(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        batches = _batches(b.tokenizer, datum)
-        s = await open_session(b)
-        await _train(s, batches[:1])
-        saved = await s.run("save_state")
-        assert saved.path == f"mock://{s.id}/weights/000003"  # default name: the op's seq
-        snapshot = b.weights(s.id), b.optimizer_state(s.id)
-        await _train(s, batches[1:])
-        loaded = await s.run("load_state", path=saved.path, with_optimizer=True)
-        assert loaded.step == 1
-        np.testing.assert_array_equal(b.weights(s.id), snapshot[0])
-        np.testing.assert_array_equal(b.optimizer_state(s.id)[0], snapshot[1][0])
-        loaded = await s.run("load_state", path=saved.path, with_optimizer=False)
-        assert loaded.step == 0 and not b.optimizer_state(s.id)[0].any()
-        await b.stop_session(s.id)
-
-    arun(main)
+@pytest.mark.anyio
+async def test_load_state_op_with_and_without_optimizer(open_session, datum):
+    b = MockBackend()
+    batches = _batches(b.tokenizer, datum)
+    s = await open_session(b)
+    await _train(s, batches[:1])
+    saved = await s.run("save_state")
+    assert saved.path == f"mock://{s.id}/weights/000003"  # default name: the op's seq
+    snapshot = b.weights(s.id), b.optimizer_state(s.id)
+    await _train(s, batches[1:])
+    loaded = await s.run("load_state", path=saved.path, with_optimizer=True)
+    assert loaded.step == 1
+    np.testing.assert_array_equal(b.weights(s.id), snapshot[0])
+    np.testing.assert_array_equal(b.optimizer_state(s.id)[0], snapshot[1][0])
+    loaded = await s.run("load_state", path=saved.path, with_optimizer=False)
+    assert loaded.step == 0 and not b.optimizer_state(s.id)[0].any()
+    await b.stop_session(s.id)
 
 
-def test_sampler_weights_list_checkpoints_and_errors(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        s = await open_session(b)
-        await _train(s, _batches(b.tokenizer, datum)[:1])
-        named = await s.run("save_weights", name="for-eval")
-        merged = await s.run("save_weights", name="merged", merge_weights=True)
-        eph = await s.run("save_weights", ephemeral=True)
-        state = await s.run("save_state", name="ckpt")
-        assert named.path == f"mock://{s.id}/sampler_weights/for-eval" and named.kind == "sampler"
-        assert merged.kind == "merged"
-        listed = await b.list_checkpoints(s.id)
-        assert sorted((c.checkpoint_id, c.checkpoint_type) for c in listed) == [
-            ("sampler_weights/for-eval", "sampler"),
-            ("sampler_weights/merged", "merged"),
-            ("weights/ckpt", "training"),
-        ]
-        assert eph.path not in {c.path for c in await b.list_checkpoints()}
-        assert all(c.step == 1 and c.size_bytes for c in listed)
+@pytest.mark.anyio
+async def test_sampler_weights_list_checkpoints_and_errors(open_session, datum):
+    b = MockBackend()
+    s = await open_session(b)
+    await _train(s, _batches(b.tokenizer, datum)[:1])
+    named = await s.run("save_weights", name="for-eval")
+    merged = await s.run("save_weights", name="merged", merge_weights=True)
+    eph = await s.run("save_weights", ephemeral=True)
+    state = await s.run("save_state", name="ckpt")
+    assert named.path == f"mock://{s.id}/sampler_weights/for-eval" and named.kind == "sampler"
+    assert merged.kind == "merged"
+    listed = await b.list_checkpoints(s.id)
+    assert sorted((c.checkpoint_id, c.checkpoint_type) for c in listed) == [
+        ("sampler_weights/for-eval", "sampler"),
+        ("sampler_weights/merged", "merged"),
+        ("weights/ckpt", "training"),
+    ]
+    assert eph.path not in {c.path for c in await b.list_checkpoints()}
+    assert all(c.step == 1 and c.size_bytes for c in listed)
 
-        sampler = await b.create_sampler(SamplerSpec(model_path=state.path))  # state paths sample too
-        await b.stop_session(sampler)
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_training_session(TrainingSessionSpec("mock/bigram-tiny", from_path=named.path))
-        assert err.value.field == "from_path"
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_training_session(TrainingSessionSpec("mock/bigram-tiny", from_path="mock://nope/weights/x"))
-        assert err.value.field == "from_path"
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_training_session(TrainingSessionSpec("other-model", from_path=state.path))
-        assert err.value.field == "base_model"
-        with pytest.raises(InvalidInputError) as err:
-            await b.create_sampler(SamplerSpec(model_path="mock://nope/sampler_weights/x"))
-        assert err.value.field == "model_path"
-        with pytest.raises(ConflictError) as err:
-            await s.run("save_state", name="ckpt")
-        assert err.value.field == "name"
-        await b.stop_session(s.id)
-
-    arun(main)
+    sampler = await b.create_sampler(SamplerSpec(model_path=state.path))  # state paths sample too
+    await b.stop_session(sampler)
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_training_session(TrainingSessionSpec("mock/bigram-tiny", from_path=named.path))
+    assert err.value.field == "from_path"
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_training_session(TrainingSessionSpec("mock/bigram-tiny", from_path="mock://nope/weights/x"))
+    assert err.value.field == "from_path"
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_training_session(TrainingSessionSpec("other-model", from_path=state.path))
+    assert err.value.field == "base_model"
+    with pytest.raises(InvalidInputError) as err:
+        await b.create_sampler(SamplerSpec(model_path="mock://nope/sampler_weights/x"))
+    assert err.value.field == "model_path"
+    with pytest.raises(ConflictError) as err:
+        await s.run("save_state", name="ckpt")
+    assert err.value.field == "name"
+    await b.stop_session(s.id)
 
 
-def test_bad_checkpoint_name(arun, open_session):
-    async def main():
-        b = MockBackend()
-        s = await open_session(b)
-        with pytest.raises(InvalidInputError) as err:
-            await s.run("save_state", name="a/b")
-        assert err.value.field == "name"
-        await b.stop_session(s.id)
-
-    arun(main)
+@pytest.mark.anyio
+async def test_bad_checkpoint_name(open_session):
+    b = MockBackend()
+    s = await open_session(b)
+    with pytest.raises(InvalidInputError) as err:
+        await s.run("save_state", name="a/b")
+    assert err.value.field == "name"
+    await b.stop_session(s.id)

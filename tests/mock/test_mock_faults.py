@@ -33,7 +33,8 @@ def test_url_parameters_are_parsed_and_checked():
         load_backend("mock://?stop_after_ops=two")
 
 
-def test_latency_jitter_and_slow_calls_sleep(arun, open_session, datum, monkeypatch):
+@pytest.mark.anyio
+async def test_latency_jitter_and_slow_calls_sleep(open_session, datum, monkeypatch):
     slept: list[float] = []
     real_sleep = anyio.sleep
 
@@ -43,59 +44,55 @@ def test_latency_jitter_and_slow_calls_sleep(arun, open_session, datum, monkeypa
 
     monkeypatch.setattr(faults_module.anyio, "sleep", spy)
 
-    async def main():
-        b = MockBackend(MockConfig(latency_ms=20))
-        s = await open_session(b)
+    b = MockBackend(MockConfig(latency_ms=20))
+    s = await open_session(b)
+    await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+    await b.sample(sid, SampleRequest((1,), 1, SamplingParams(max_tokens=2)))
+    await b.compute_logprobs(sid, [1, 2])
+    assert slept == [0.02, 0.02, 0.02]  # create/stop calls are not delayed
+    slept.clear()
+    j = MockBackend(MockConfig(latency_ms=20, jitter_ms=10, slow_rate=1.0, slow_ms=100))
+    t = await open_session(j)
+    for _ in range(5):
+        await j.execute_training(t.id, _fb(t, j.tokenizer, datum))
+    assert all(0.12 <= d <= 0.13 for d in slept) and len(set(slept)) == 5
+    for backend, x in [(b, s.id), (b, sid), (j, t.id)]:
+        await backend.stop_session(x)
+
+
+@pytest.mark.anyio
+async def test_fail_rate_fails_before_applying(open_session, datum):
+    b = MockBackend(MockConfig(fail_rate=1.0))
+    s = await open_session(b)
+    with pytest.raises(TransientError):
         await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        sid = await b.create_sampler(SamplerSpec(base_model="m"))
-        await b.sample(sid, SampleRequest((1,), 1, SamplingParams(max_tokens=2)))
+    assert b.applied_log == []
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+    with pytest.raises(TransientError):
+        await b.sample(sid, SampleRequest((1,), 1, SamplingParams()))
+    with pytest.raises(TransientError):
         await b.compute_logprobs(sid, [1, 2])
-        assert slept == [0.02, 0.02, 0.02]  # create/stop calls are not delayed
-        slept.clear()
-        j = MockBackend(MockConfig(latency_ms=20, jitter_ms=10, slow_rate=1.0, slow_ms=100))
-        t = await open_session(j)
-        for _ in range(5):
-            await j.execute_training(t.id, _fb(t, j.tokenizer, datum))
-        assert all(0.12 <= d <= 0.13 for d in slept) and len(set(slept)) == 5
-        for backend, x in [(b, s.id), (b, sid), (j, t.id)]:
-            await backend.stop_session(x)
+    await b.stop_session(sid)
 
-    arun(main)
-
-
-def test_fail_rate_fails_before_applying(arun, open_session, datum):
-    async def main():
-        b = MockBackend(MockConfig(fail_rate=1.0))
-        s = await open_session(b)
-        with pytest.raises(TransientError):
-            await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        assert b.applied_log == []
-        sid = await b.create_sampler(SamplerSpec(base_model="m"))
-        with pytest.raises(TransientError):
-            await b.sample(sid, SampleRequest((1,), 1, SamplingParams()))
-        with pytest.raises(TransientError):
-            await b.compute_logprobs(sid, [1, 2])
-        await b.stop_session(sid)
-
-        half = MockBackend(MockConfig(fail_rate=0.5, seed=1))
-        t = await open_session(half)
-        failures = 0
-        for _ in range(6):
-            op = _fb(t, half.tokenizer, datum)
-            while True:  # the client's retry loop
-                try:
-                    await half.execute_training(t.id, op)
-                    break
-                except TransientError:
-                    failures += 1
-        assert failures >= 1 and [seq for _, seq, _ in half.applied_log] == [1, 2, 3, 4, 5, 6]
-        await b.stop_session(s.id)
-        await half.stop_session(t.id)
-
-    arun(main)
+    half = MockBackend(MockConfig(fail_rate=0.5, seed=1))
+    t = await open_session(half)
+    failures = 0
+    for _ in range(6):
+        op = _fb(t, half.tokenizer, datum)
+        while True:  # the client's retry loop
+            try:
+                await half.execute_training(t.id, op)
+                break
+            except TransientError:
+                failures += 1
+    assert failures >= 1 and [seq for _, seq, _ in half.applied_log] == [1, 2, 3, 4, 5, 6]
+    await b.stop_session(s.id)
+    await half.stop_session(t.id)
 
 
-def test_fault_pattern_is_reproducible_from_the_seed(arun, open_session, datum):
+@pytest.mark.anyio
+async def test_fault_pattern_is_reproducible_from_the_seed(open_session, datum):
     async def pattern(seed):
         b = MockBackend(MockConfig(fail_rate=0.5, seed=seed))
         s = await open_session(b)
@@ -110,82 +107,71 @@ def test_fault_pattern_is_reproducible_from_the_seed(arun, open_session, datum):
         await b.stop_session(s.id)
         return out
 
-    async def main():
-        assert await pattern(5) == await pattern(5)
-        assert await pattern(5) != await pattern(6)
-
-    arun(main)
+    assert await pattern(5) == await pattern(5)
+    assert await pattern(5) != await pattern(6)
 
 
-def test_timeout_rate_hangs_until_the_caller_gives_up(arun, open_session, datum):
-    async def main():
-        b = MockBackend(MockConfig(timeout_rate=1.0))
-        s = await open_session(b)
-        with anyio.move_on_after(0.05) as scope:
-            await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        assert scope.cancelled_caught and b.applied_log == []
-        short = MockBackend(MockConfig(timeout_rate=1.0, hang_s=0.01))
-        t = await open_session(short)
-        with pytest.raises(TransientError, match="timeout"):
-            await short.execute_training(t.id, _fb(t, short.tokenizer, datum))
-        await b.stop_session(s.id)
-        await short.stop_session(t.id)
-
-    arun(main)
-
-
-def test_duplicate_rate_delivers_twice_and_applies_once(arun, open_session, datum):
-    async def main():
-        b = MockBackend(MockConfig(duplicate_rate=1.0))
-        s = await open_session(b)
-        sequencer = b._sessions[s.id].sequencer
-        deliveries = []
-        real = sequencer.execute
-
-        async def counting(op):
-            deliveries.append(op.seq)
-            return await real(op)
-
-        sequencer.execute = counting
-        for _ in range(3):
-            await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        assert sorted(deliveries) == [1, 1, 2, 2, 3, 3]
-        assert [seq for _, seq, _ in b.applied_log] == [1, 2, 3]
-        await b.stop_session(s.id)
-
-    arun(main)
-
-
-def test_drop_response_rate_applies_then_raises(arun, open_session, datum):
-    async def main():
-        b = MockBackend(MockConfig(drop_response_rate=1.0))
-        s = await open_session(b)
-        with pytest.raises(TransientError, match="lost response"):
-            await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        assert len(b.applied_log) == 1 and b.trainer(s.id).grad.any()
-        sid = await b.create_sampler(SamplerSpec(base_model="m"))
-        with pytest.raises(TransientError):
-            await b.sample(sid, SampleRequest((1,), 1, SamplingParams()))
-        assert b.calls["sample"] == 1
-        await b.stop_session(sid)
-        await b.stop_session(s.id)
-
-    arun(main)
-
-
-def test_stop_after_ops_stops_the_session_server_side(arun, open_session, datum):
-    async def main():
-        b = MockBackend(MockConfig(stop_after_ops=2))
-        s = await open_session(b)
+@pytest.mark.anyio
+async def test_timeout_rate_hangs_until_the_caller_gives_up(open_session, datum):
+    b = MockBackend(MockConfig(timeout_rate=1.0))
+    s = await open_session(b)
+    with anyio.move_on_after(0.05) as scope:
         await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    assert scope.cancelled_caught and b.applied_log == []
+    short = MockBackend(MockConfig(timeout_rate=1.0, hang_s=0.01))
+    t = await open_session(short)
+    with pytest.raises(TransientError, match="timeout"):
+        await short.execute_training(t.id, _fb(t, short.tokenizer, datum))
+    await b.stop_session(s.id)
+    await short.stop_session(t.id)
+
+
+@pytest.mark.anyio
+async def test_duplicate_rate_delivers_twice_and_applies_once(open_session, datum):
+    b = MockBackend(MockConfig(duplicate_rate=1.0))
+    s = await open_session(b)
+    sequencer = b._sessions[s.id].sequencer
+    deliveries = []
+    real = sequencer.execute
+
+    async def counting(op):
+        deliveries.append(op.seq)
+        return await real(op)
+
+    sequencer.execute = counting
+    for _ in range(3):
+        await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    assert sorted(deliveries) == [1, 1, 2, 2, 3, 3]
+    assert [seq for _, seq, _ in b.applied_log] == [1, 2, 3]
+    await b.stop_session(s.id)
+
+
+@pytest.mark.anyio
+async def test_drop_response_rate_applies_then_raises(open_session, datum):
+    b = MockBackend(MockConfig(drop_response_rate=1.0))
+    s = await open_session(b)
+    with pytest.raises(TransientError, match="lost response"):
+        await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    assert len(b.applied_log) == 1 and b.trainer(s.id).grad.any()
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+    with pytest.raises(TransientError):
+        await b.sample(sid, SampleRequest((1,), 1, SamplingParams()))
+    assert b.calls["sample"] == 1
+    await b.stop_session(sid)
+    await b.stop_session(s.id)
+
+
+@pytest.mark.anyio
+async def test_stop_after_ops_stops_the_session_server_side(open_session, datum):
+    b = MockBackend(MockConfig(stop_after_ops=2))
+    s = await open_session(b)
+    await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    await b.heartbeat(s.id)
+    await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    assert s.id not in MockBackend.open_sessions()  # gone server-side, not leaked
+    with pytest.raises(SessionGoneError):
+        await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
+    with pytest.raises(SessionGoneError):
         await b.heartbeat(s.id)
-        await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        assert s.id not in MockBackend.open_sessions()  # gone server-side, not leaked
-        with pytest.raises(SessionGoneError):
-            await b.execute_training(s.id, _fb(s, b.tokenizer, datum))
-        with pytest.raises(SessionGoneError):
-            await b.heartbeat(s.id)
-        await b.stop_session(s.id)  # the client's stop is still fine
-        assert len(b.applied_log) == 2
-
-    arun(main)
+    await b.stop_session(s.id)  # the client's stop is still fine
+    assert len(b.applied_log) == 2

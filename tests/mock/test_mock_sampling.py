@@ -26,7 +26,8 @@ async def _with_sampler(body, config: MockConfig | None = None, spec: SamplerSpe
         await backend.stop_session(sid)
 
 
-def test_greedy_is_deterministic_and_follows_the_argmax(arun):
+@pytest.mark.anyio
+async def test_greedy_is_deterministic_and_follows_the_argmax():
     async def body(b, sid):
         prompt = b.tokenizer.encode("The ")
         r1 = await b.sample(sid, _req(prompt, 3, temperature=0.0, max_tokens=12, stop=[]))
@@ -41,10 +42,11 @@ def test_greedy_is_deterministic_and_follows_the_argmax(arun):
             assert nxt == int(np.argmax(logp[prev]))
             assert lp == logp[prev].max()
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_seed_makes_sampling_reproducible_and_independent_of_num_samples(arun):
+@pytest.mark.anyio
+async def test_seed_makes_sampling_reproducible_and_independent_of_num_samples():
     async def body(b, sid):
         prompt = b.tokenizer.encode("ab")
         a = await b.sample(sid, _req(prompt, 4, seed=11, max_tokens=10, stop=[]))
@@ -59,10 +61,11 @@ def test_seed_makes_sampling_reproducible_and_independent_of_num_samples(arun):
         assert toks != [s.tokens for s in other.sequences]
         assert len({tuple(t) for t in toks}) > 1  # samples within a request differ
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_unseeded_sampling_is_reproducible_per_backend_seed(arun):
+@pytest.mark.anyio
+async def test_unseeded_sampling_is_reproducible_per_backend_seed():
     async def draw(config):
         async def body(b, sid):
             r = await b.sample(sid, _req(b.tokenizer.encode("x"), 2, max_tokens=8, stop=[]))
@@ -70,14 +73,12 @@ def test_unseeded_sampling_is_reproducible_per_backend_seed(arun):
 
         return await _with_sampler(body, config)
 
-    async def main():
-        assert await draw(MockConfig(seed=1)) == await draw(MockConfig(seed=1))
-        assert await draw(MockConfig(seed=1)) != await draw(MockConfig(seed=2))
-
-    arun(main)
+    assert await draw(MockConfig(seed=1)) == await draw(MockConfig(seed=1))
+    assert await draw(MockConfig(seed=1)) != await draw(MockConfig(seed=2))
 
 
-def test_top_k_1_equals_greedy_and_top_k_top_p_restrict_support(arun):
+@pytest.mark.anyio
+async def test_top_k_1_equals_greedy_and_top_k_top_p_restrict_support():
     async def body(b, sid):
         prompt = b.tokenizer.encode("q")
         greedy = await b.sample(sid, _req(prompt, 1, temperature=0.0, max_tokens=15, stop=[]))
@@ -95,10 +96,11 @@ def test_top_k_1_equals_greedy_and_top_k_top_p_restrict_support(arun):
         r = await b.sample(sid, _req(prompt, 300, top_p=0.5, seed=6, max_tokens=1, stop=[]))
         assert {s.tokens[0] for s in r.sequences} <= nucleus
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_temperature_one_draws_follow_the_model_distribution(arun):
+@pytest.mark.anyio
+async def test_temperature_one_draws_follow_the_model_distribution():
     async def body(b, sid):
         prompt = b.tokenizer.encode("z")
         n = 4000
@@ -110,10 +112,11 @@ def test_temperature_one_draws_follow_the_model_distribution(arun):
         top = int(np.argmax(p))
         assert sum(s.tokens[0] == top for s in cold.sequences) > counts[top]
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_sampled_logprobs_equal_compute_logprobs(arun):
+@pytest.mark.anyio
+async def test_sampled_logprobs_equal_compute_logprobs():
     async def body(b, sid):
         prompt = b.tokenizer.encode("hello")
         r = await b.sample(sid, _req(prompt, 3, temperature=0.7, top_k=20, top_p=0.9, seed=4, max_tokens=16, include_prompt_logprobs=True))
@@ -123,10 +126,11 @@ def test_sampled_logprobs_equal_compute_logprobs(arun):
         assert r.prompt_logprobs == full[: len(prompt)]
         assert r.prompt_logprobs[0] is None
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_stops(arun):
+@pytest.mark.anyio
+async def test_stops():
     async def body(b, sid):
         tok = b.tokenizer
         prompt = tok.encode("s")
@@ -144,10 +148,11 @@ def test_stops(arun):
         assert s.stop_reason == "stop" and tok.decode(s.tokens).endswith(stop)
         assert tok.decode(s.tokens) == text[: text.index(stop) + len(stop)]
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_eos_stops_unless_stop_is_empty(arun):
+@pytest.mark.anyio
+async def test_eos_stops_unless_stop_is_empty():
     async def body(b, sid):
         eos = b.tokenizer.eos_token_id
         prompt = [eos]  # find a seed whose free run hits EOS
@@ -164,10 +169,11 @@ def test_eos_stops_unless_stop_is_empty(arun):
         assert with_strings.tokens == free.tokens[:cut]
         assert free.stop_reason == "length" and len(free.tokens) == 60
 
-    arun(_with_sampler, body)
+    await _with_sampler(body)
 
 
-def test_max_tokens_default_and_context_cap(arun):
+@pytest.mark.anyio
+async def test_max_tokens_default_and_context_cap():
     async def body(b, sid):
         r = await b.sample(sid, _req([1], 2, stop=[]))
         assert [len(s.tokens) for s in r.sequences] == [8, 8]
@@ -180,46 +186,42 @@ def test_max_tokens_default_and_context_cap(arun):
             await b.sample(sid, _req([1] * 64, 1))
         assert err.value.field == "prompt"
 
-    arun(_with_sampler, body, MockConfig(default_max_tokens=8, max_context=64))
+    await _with_sampler(body, MockConfig(default_max_tokens=8, max_context=64))
 
 
-def test_sampler_from_trained_weights_differs_from_base_and_snapshots(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        s = await open_session(b)
-        prompt = b.tokenizer.encode("ab", add_special_tokens=False)
-        data = [datum([prompt[0], prompt[1]] * 4)]
-        for _ in range(5):
-            await s.run("forward_backward", data=tuple(data), loss_fn="cross_entropy")
-            await s.run("optim_step", adam_params=AdamParams(learning_rate=0.5))
-        saved = await s.run("save_weights", ephemeral=True)
-        trained = await b.create_sampler(SamplerSpec(model_path=saved.path))
-        base = await b.create_sampler(SamplerSpec(base_model=MODEL))
-        lp_trained = await b.compute_logprobs(trained, [prompt[0], prompt[1]])
-        lp_base = await b.compute_logprobs(base, [prompt[0], prompt[1]])
-        assert lp_trained[1] > lp_base[1] + 1.0
+@pytest.mark.anyio
+async def test_sampler_from_trained_weights_differs_from_base_and_snapshots(open_session, datum):
+    b = MockBackend()
+    s = await open_session(b)
+    prompt = b.tokenizer.encode("ab", add_special_tokens=False)
+    data = [datum([prompt[0], prompt[1]] * 4)]
+    for _ in range(5):
         await s.run("forward_backward", data=tuple(data), loss_fn="cross_entropy")
         await s.run("optim_step", adam_params=AdamParams(learning_rate=0.5))
-        assert await b.compute_logprobs(trained, [prompt[0], prompt[1]]) == lp_trained  # snapshot, not live
-        for sid in (trained, base, s.id):
-            await b.stop_session(sid)
-        with pytest.raises(SessionGoneError):
-            await b.sample(trained, _req(prompt, 1))
-
-    arun(main)
-
-
-def test_training_forward_logprobs_match_the_sampler(arun, open_session, datum):
-    async def main():
-        b = MockBackend()
-        s = await open_session(b)
-        seq = b.tokenizer.encode("on-policy check")
-        out = await s.run("forward", data=(datum(seq),), loss_fn="cross_entropy")
-        saved = await s.run("save_weights", name="w0")
-        sid = await b.create_sampler(SamplerSpec(model_path=saved.path))
-        lps = await b.compute_logprobs(sid, seq)
-        assert out.loss_fn_outputs[0]["logprobs"].data == np.float32(lps[1:]).tolist()
+    saved = await s.run("save_weights", ephemeral=True)
+    trained = await b.create_sampler(SamplerSpec(model_path=saved.path))
+    base = await b.create_sampler(SamplerSpec(base_model=MODEL))
+    lp_trained = await b.compute_logprobs(trained, [prompt[0], prompt[1]])
+    lp_base = await b.compute_logprobs(base, [prompt[0], prompt[1]])
+    assert lp_trained[1] > lp_base[1] + 1.0
+    await s.run("forward_backward", data=tuple(data), loss_fn="cross_entropy")
+    await s.run("optim_step", adam_params=AdamParams(learning_rate=0.5))
+    assert await b.compute_logprobs(trained, [prompt[0], prompt[1]]) == lp_trained  # snapshot, not live
+    for sid in (trained, base, s.id):
         await b.stop_session(sid)
-        await b.stop_session(s.id)
+    with pytest.raises(SessionGoneError):
+        await b.sample(trained, _req(prompt, 1))
 
-    arun(main)
+
+@pytest.mark.anyio
+async def test_training_forward_logprobs_match_the_sampler(open_session, datum):
+    b = MockBackend()
+    s = await open_session(b)
+    seq = b.tokenizer.encode("on-policy check")
+    out = await s.run("forward", data=(datum(seq),), loss_fn="cross_entropy")
+    saved = await s.run("save_weights", name="w0")
+    sid = await b.create_sampler(SamplerSpec(model_path=saved.path))
+    lps = await b.compute_logprobs(sid, seq)
+    assert out.loss_fn_outputs[0]["logprobs"].data == np.float32(lps[1:]).tolist()
+    await b.stop_session(sid)
+    await b.stop_session(s.id)
