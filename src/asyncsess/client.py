@@ -9,6 +9,7 @@ are ``async def``.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import uuid
 import warnings
@@ -265,6 +266,7 @@ class TrainingClient:
         self.model_id = info.model_id
         self.base_model = info.base_model
         self._next_seq = 1
+        self._key_prefix = uuid.uuid4().hex  # idempotency key of op n: "<prefix>-<n>", reused on every retry
         self._inflight: dict[int, APIFuture[Any]] = {}
         self._poison: AsyncSessError | None = None
         self._gone: SessionGoneError | None = None
@@ -423,7 +425,7 @@ class TrainingClient:
     def _reserve(self) -> tuple[int, str]:
         seq = self._next_seq
         self._next_seq += 1
-        return seq, uuid.uuid4().hex
+        return seq, f"{self._key_prefix}-{seq}"
 
     def _make_op(self, kind: Any, **fields: Any) -> TrainingOp:
         seq, key = self._reserve()
@@ -567,8 +569,20 @@ class SamplingClient:
         return self.get_tokenizer().encode(text)
 
     async def _run(self, operation: str, ntokens: int, call: Callable[[], Awaitable[T]]) -> T:
-        async with self._limiter.slot(8 * ntokens):
+        nbytes = 8 * ntokens
+        await self._limiter.acquire(nbytes)
+        try:
             return await self._svc._call(operation, call)
+        finally:
+            self._limiter.release(nbytes)
+
+
+_request_ids = itertools.count(1)
+_request_prefix = uuid.uuid4().hex[:12]
+
+
+def _request_id() -> str:
+    return f"{_request_prefix}-{next(_request_ids)}"
 
 
 def _release_sampler(svc_ref: weakref.ref[ServiceClient], sampler_id: str) -> None:

@@ -31,7 +31,7 @@ class APIFuture(Generic[T]):
     def __init__(self, operation: str, seq: int | None = None) -> None:
         self.operation = operation
         self.seq = seq
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None  # made on first wait: most pipelined results are done by then
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -52,6 +52,8 @@ class APIFuture(Generic[T]):
     async def result_async(self, timeout: float | None = None) -> T:
         """Wait for the value; raise :class:`DeadlineExceededError` after ``timeout`` seconds."""
         if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
             if timeout is None:
                 await self._event.wait()
             else:
@@ -107,7 +109,8 @@ class APIFuture(Generic[T]):
 
     def _settle(self) -> None:
         self._done = True
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
         for fn in self._callbacks:
             fn(self)
         self._callbacks.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -61,6 +62,12 @@ def is_retryable(err: BaseException) -> bool:
     return isinstance(err, (TransientError, TimeoutError, ConnectionError, httpx.TimeoutException, httpx.NetworkError))
 
 
+def _delay(policy: RetryPolicy, attempt: int, err: BaseException | None) -> float:
+    delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (attempt - 1)) + random.uniform(0, policy.jitter)
+    hint = getattr(err, "retry_after", None)
+    return max(delay, hint) if hint else delay
+
+
 async def call_with_retry(
     policy: RetryPolicy,
     fn: Callable[[], Awaitable[T]],
@@ -69,51 +76,66 @@ async def call_with_retry(
     seq: int | None = None,
     on_retry: Callable[[RetryEvent], None] | None = None,
 ) -> T:
-    """Call ``fn`` until it succeeds, fails for good, or the policy runs out."""
-    def wait(state: RetryCallState) -> float:
-        delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (state.attempt_number - 1)) + random.uniform(0, policy.jitter)
-        err = state.outcome.exception() if state.outcome else None
-        hint = getattr(err, "retry_after", None)
-        return max(delay, hint) if hint else delay
+    """Call ``fn`` until it succeeds, fails for good, or the policy runs out.
+
+    The first attempt takes a fast path (one cancel scope, no retry machinery); tenacity drives the
+    attempts after a retryable failure.
+    """
+    deadline_at = anyio.current_time() + policy.deadline if policy.deadline is not None else math.inf
+
+    async def attempt() -> T:
+        remaining = deadline_at - anyio.current_time()
+        limit = min(policy.attempt_timeout or math.inf, remaining)
+        if limit == math.inf:
+            return await fn()
+        with anyio.move_on_after(limit):
+            return await fn()
+        if limit >= remaining:
+            raise DeadlineExceededError(f"not done within the {policy.deadline:g}s deadline", operation=operation, seq=seq)
+        raise TransientError(f"no answer within {policy.attempt_timeout:g}s", operation=operation, seq=seq)
+
+    try:
+        return await attempt()
+    except Exception as err:
+        if not is_retryable(err):
+            raise
+        first_error: BaseException = err
+
+    def exhausted(last: BaseException | None) -> RetriesExhaustedError:
+        n = policy.max_attempts
+        return RetriesExhaustedError(f"gave up after {n} attempts: {last}", attempts=n, operation=operation, seq=seq)
+
+    def announce(attempt_number: int, err: BaseException, sleep: float) -> None:
+        log.info("retrying %s (seq %s) after attempt %d: %r; sleeping %.3fs", operation, seq, attempt_number, err, sleep)
+        if on_retry is not None:
+            on_retry(RetryEvent(operation, seq, attempt_number, err, sleep))
+
+    if policy.max_attempts <= 1:
+        raise exhausted(first_error) from first_error
+    # Attempt 1 already failed: tenacity's attempt k is our attempt k + 1.
+    first_sleep = _delay(policy, 1, first_error)
+    if anyio.current_time() + first_sleep >= deadline_at:
+        raise DeadlineExceededError(f"not done within the {policy.deadline:g}s deadline", operation=operation, seq=seq) from first_error
+    announce(1, first_error, first_sleep)
+    await anyio.sleep(first_sleep)
 
     def before_sleep(state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome else None
-        sleep = state.upcoming_sleep
-        log.info("retrying %s (seq %s) after attempt %d: %r; sleeping %.3fs", operation, seq, state.attempt_number, err, sleep)
-        if on_retry is not None and err is not None:
-            on_retry(RetryEvent(operation, seq, state.attempt_number, err, sleep))
-
-    async def attempt() -> T:
-        if policy.attempt_timeout is None:
-            return await fn()
-        with anyio.move_on_after(policy.attempt_timeout) as scope:
-            return await fn()
-        assert scope.cancelled_caught
-        raise TransientError(f"no answer within {policy.attempt_timeout:g}s", operation=operation, seq=seq)
+        if err is not None:
+            announce(state.attempt_number + 1, err, state.upcoming_sleep)
 
     retrying = AsyncRetrying(
-        stop=stop_after_attempt(policy.max_attempts),
-        wait=wait,
+        stop=stop_after_attempt(policy.max_attempts - 1),
+        wait=lambda s: _delay(policy, s.attempt_number + 1, s.outcome.exception() if s.outcome else None),
         retry=retry_if_exception(is_retryable),
         before_sleep=before_sleep,
         sleep=anyio.sleep,
     )
-
-    async def run() -> T:
-        try:
-            async for tries in retrying:
-                with tries:
-                    return await attempt()
-        except RetryError as err:
-            last = err.last_attempt.exception()
-            raise RetriesExhaustedError(
-                f"gave up after {policy.max_attempts} attempts: {last}", attempts=policy.max_attempts, operation=operation, seq=seq
-            ) from last
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    if policy.deadline is None:
-        return await run()
-    with anyio.move_on_after(policy.deadline) as scope:
-        return await run()
-    assert scope.cancelled_caught
-    raise DeadlineExceededError(f"not done within the {policy.deadline:g}s deadline", operation=operation, seq=seq)
+    try:
+        async for tries in retrying:
+            with tries:
+                return await attempt()
+    except RetryError as err:
+        last = err.last_attempt.exception()
+        raise exhausted(last) from last
+    raise AssertionError("unreachable")  # pragma: no cover

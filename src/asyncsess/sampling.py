@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -47,26 +45,25 @@ class SamplingLimiter:
             return False
         return self._in_flight == 0 or self._bytes + nbytes <= self.max_bytes
 
-    @asynccontextmanager
-    async def slot(self, nbytes: int) -> AsyncIterator[None]:
-        if self._waiters or not self._fits(nbytes):
-            entry = (nbytes, anyio.Event())
-            self._waiters.append(entry)
-            try:
-                await entry[1].wait()
-            except BaseException:
-                if entry in self._waiters:
-                    self._waiters.remove(entry)
-                else:  # admitted while being cancelled: give the slot back
-                    self._release(nbytes)
-                raise
-        else:
+    async def acquire(self, nbytes: int) -> None:
+        """Wait for a slot for a request of ``nbytes``; pair with :meth:`release`."""
+        if not self._waiters and self._fits(nbytes):
             self._admit(nbytes)
+            return
+        entry = (nbytes, anyio.Event())
+        self._waiters.append(entry)
         try:
-            yield
-        finally:
-            self._completed += 1
-            self._release(nbytes)
+            await entry[1].wait()
+        except BaseException:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            else:  # admitted while being cancelled: give the slot back
+                self._release(nbytes)
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self._completed += 1
+        self._release(nbytes)
 
     def _admit(self, nbytes: int) -> None:
         self._in_flight += 1

@@ -64,7 +64,8 @@ class ModelInput(_Model):
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=[int(t) for t in tokens], type="encoded_text")])
+        ints = list(tokens) if all(type(t) is int for t in tokens) else [int(t) for t in tokens]
+        return cls.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=ints, type="encoded_text")])
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -85,6 +86,8 @@ class ModelInput(_Model):
             return cls.model_validate({"chunks": [c if isinstance(c, dict) else {"tokens": list(c.tokens)} for c in value.chunks]})
         if hasattr(value, "tolist"):
             value = value.tolist()
+        if isinstance(value, list) and all(type(t) is int for t in value):  # the common case, fast
+            return cls.from_ints(value)
         if isinstance(value, (list, tuple)):
             if not all(isinstance(t, int) or (hasattr(t, "__index__") and not isinstance(t, bool)) for t in value):
                 raise TypeError("a prompt given as a list must hold token ids (int)")

@@ -167,7 +167,9 @@ def check_datums(
 
 
 def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None, field: str = "prompt") -> list[int]:
-    if isinstance(prompt, str):
+    if type(prompt) is list and all(type(t) is int for t in prompt):  # the common case, fast
+        tokens = prompt
+    elif isinstance(prompt, str):
         if encode is None:
             raise InvalidInputError("text needs a tokenizer", field=field, fix="pass token ids")
         tokens = encode(prompt)

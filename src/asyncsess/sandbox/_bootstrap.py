@@ -53,7 +53,7 @@ def _on_term(signum, frame):
 def _call(name, *args):
     if getattr(_libc, name)(*args) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, "%s: %s" % (name, os.strerror(err)))
+        raise OSError(err, f"{name}: {os.strerror(err)}")
 
 
 def _mount(source, target, fstype, flags, data):
@@ -71,8 +71,8 @@ def _enter_namespaces(workdir, size_mb, uid, gid):
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=2")  # kernels before 5.8
-    owner = "" if uid is None else ",uid=%d,gid=%d" % (uid, gid)
-    _mount(b"tmpfs", workdir, b"tmpfs", flags, ("size=%dm,nr_inodes=4096,mode=0700%s" % (size_mb, owner)).encode())
+    owner = "" if uid is None else f",uid={uid},gid={gid}"
+    _mount(b"tmpfs", workdir, b"tmpfs", flags, f"size={size_mb}m,nr_inodes=4096,mode=0700{owner}".encode())
 
 
 def _read_tree(root):
@@ -131,7 +131,7 @@ def _set_limits(cfg):
 
 def _socket_guard(event, args):
     if event in _NETWORK_EVENTS or (event == "socket.__new__" and args[1] != _AF_UNIX):
-        raise PermissionError("network access is disabled in this sandbox (%s)" % event)
+        raise PermissionError(f"network access is disabled in this sandbox ({event})")
 
 
 def _child(cfg, source, sync_w):
@@ -177,7 +177,7 @@ def _exit_fields(wait_status, rusage):
 
 def _children():
     try:
-        with open("/proc/self/task/%d/children" % os.getpid()) as f:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
             return [int(pid) for pid in f.read().split()]
     except FileNotFoundError:  # kernel without CONFIG_PROC_CHILDREN: only the uid kill applies
         return []
@@ -246,7 +246,7 @@ def main():
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until _supervise is ready to handle it
         pid = os.fork()
     except BaseException as exc:
-        _emit(status_fd, {"started": False, "error": "sandbox setup failed: %r" % (exc,)})
+        _emit(status_fd, {"started": False, "error": f"sandbox setup failed: {exc!r}"})
         return
     if pid == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

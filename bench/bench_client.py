@@ -1,0 +1,170 @@
+"""Client benchmarks on mock://, each against its baseline in the same run (ratios, not absolutes).
+
+1. Overhead per op: the async client vs calling the mock backend directly (no latency).
+2. One GRPO step at 50 ms injected latency: pipelined vs awaited one by one (in latencies).
+3. The sync facade vs the async API, per op.
+4. GRPO steps/s under 0 %, 5 % and 20 % injected faults (ratio to fault-free).
+
+    python bench/bench_client.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncsess import AdamParams, RetryPolicy, SamplingParams, ServiceClient  # noqa: E402
+from asyncsess import sync as sync_api  # noqa: E402
+from asyncsess.backend import SamplerSpec, SampleRequest, TrainingOp, TrainingSessionSpec  # noqa: E402
+from asyncsess.rl import sft_datum  # noqa: E402
+
+DATUM = sft_datum([1, 40, 41], [42, 43])
+SP = SamplingParams(max_tokens=1, seed=0)
+
+
+def _best(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+async def overhead(n: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    async with ServiceClient("mock://", heartbeat_interval=0) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        sc = await svc.create_sampling_client(base_model="m")
+        backend = svc.backend
+        sid = (await backend.create_training_session(TrainingSessionSpec("m"))).model_id
+        sampler = await backend.create_sampler(SamplerSpec(base_model="m"))
+        seq = 0
+
+        async def direct_fb() -> None:
+            nonlocal seq
+            seq += 1
+            await backend.execute_training(sid, TrainingOp("forward", seq, uuid.uuid4().hex, (DATUM,), "cross_entropy"))
+
+        async def client_fb() -> None:
+            await tc.forward([DATUM], "cross_entropy")
+
+        async def direct_sample() -> None:
+            await backend.sample(sampler, SampleRequest((1, 40), 1, SP, False, "r"))
+
+        async def client_sample() -> None:
+            await sc.sample([1, 40], 1, SP)
+
+        for name, fn in [("train_direct", direct_fb), ("train_client", client_fb), ("sample_direct", direct_sample), ("sample_client", client_sample)]:
+            runs = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    await fn()
+                runs.append((time.perf_counter() - t0) / n * 1e6)
+            out[name] = _best(runs)
+        # pipelined: all submitted, then awaited (what a real loop does)
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            futs = [tc.forward([DATUM], "cross_entropy") for _ in range(n)]
+            for f in futs:
+                await f
+            runs.append((time.perf_counter() - t0) / n * 1e6)
+        out["train_client_pipelined"] = _best(runs)
+        await backend.stop_session(sid)
+        await backend.stop_session(sampler)
+    return out
+
+
+def sync_overhead(n: int) -> float:
+    with sync_api.ServiceClient("mock://", heartbeat_interval=0) as svc:
+        tc = svc.create_lora_training_client("m", rank=4)
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tc.forward([DATUM], "cross_entropy").result()
+            runs.append((time.perf_counter() - t0) / n * 1e6)
+        return _best(runs)
+
+
+async def grpo_step(latency_ms: int, pipelined: bool) -> float:
+    async with ServiceClient(f"mock://?latency_ms={latency_ms}", heartbeat_interval=0) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        sampler = await tc.save_weights_and_get_sampling_client()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            if pipelined:
+                futs = [sampler.sample([1, 40], 4, SamplingParams(max_tokens=4, seed=i)) for i in range(32)]
+                results = [await f for f in futs]
+                fb = tc.forward_backward([DATUM] * len(results), "cross_entropy")
+                opt = tc.optim_step(AdamParams(learning_rate=1e-3))
+                sampler = await tc.save_weights_and_get_sampling_client()
+                await fb
+                await opt
+            else:
+                results = [await sampler.sample([1, 40], 4, SamplingParams(max_tokens=4, seed=i)) for i in range(32)]
+                await tc.forward_backward([DATUM] * len(results), "cross_entropy")
+                await tc.optim_step(AdamParams(learning_rate=1e-3))
+                sampler = await tc.save_weights_and_get_sampling_client()
+            times.append(time.perf_counter() - t0)
+        return _best(times)
+
+
+async def grpo_under_faults(rate: float, steps: int) -> float:
+    from examples import grpo_toy
+
+    real = grpo_toy.ServiceClient
+    policy = RetryPolicy(initial_backoff=0.001, max_backoff=0.01, jitter=0.001)
+    grpo_toy.ServiceClient = lambda url, **kw: real(url, retry=policy, heartbeat_interval=0, **kw)  # type: ignore[assignment,misc]
+    try:
+        url = f"mock://?latency_ms=2&fail_rate={rate}&drop_response_rate={rate / 2}&seed=3"
+        t0 = time.perf_counter()
+        await grpo_toy.train(url, steps=steps, seed=1)
+        return steps / (time.perf_counter() - t0)
+    finally:
+        grpo_toy.ServiceClient = real  # type: ignore[misc]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    args = ap.parse_args()
+    n = 200 if args.quick else 1000
+
+    ov = anyio.run(overhead, n)
+    sync_us = sync_overhead(n // 2)
+    lat = 50
+    pipe = anyio.run(grpo_step, lat, True)
+    serial = anyio.run(grpo_step, lat, False)
+    steps = 10 if args.quick else 30
+    with contextlib.redirect_stdout(io.StringIO()):
+        rates = {r: anyio.run(grpo_under_faults, r, steps) for r in (0.0, 0.05, 0.2)}
+
+    train_over = ov["train_client"] - ov["train_direct"]
+    sample_over = ov["sample_client"] - ov["sample_direct"]
+    sync_over = sync_us - ov["train_direct"]
+    lines = [
+        "| measure | value | baseline | ratio / overhead |",
+        "|---|---|---|---|",
+        f"| training op (`forward`, awaited each) | {ov['train_client']:.1f} µs/op | direct backend {ov['train_direct']:.1f} µs/op | +{train_over:.1f} µs/op ({ov['train_client'] / ov['train_direct']:.2f}×) |",
+        f"| training op, pipelined (submit all, then await) | {ov['train_client_pipelined']:.1f} µs/op ({1e6 / ov['train_client_pipelined']:.0f} ops/s) | direct backend {ov['train_direct']:.1f} µs/op | +{ov['train_client_pipelined'] - ov['train_direct']:.1f} µs/op |",
+        f"| sample op (1 token) | {ov['sample_client']:.1f} µs/op ({1e6 / ov['sample_client']:.0f} ops/s) | direct backend {ov['sample_direct']:.1f} µs/op | +{sample_over:.1f} µs/op |",
+        f"| sync facade training op (`.result()` each) | {sync_us:.1f} µs/op | async client {ov['train_client']:.1f} µs/op | facade overhead {sync_over:.1f} µs = {sync_over / max(train_over, 1e-9):.2f}× the async overhead |",
+        f"| GRPO step at {lat} ms latency (32 samples + fb + optim + refresh), pipelined | {pipe * 1000:.0f} ms = {pipe * 1000 / lat:.1f} latencies | awaited one by one {serial * 1000:.0f} ms = {serial * 1000 / lat:.1f} latencies | {serial / pipe:.1f}× faster |",
+    ]
+    for r, sps in rates.items():
+        lines.append(f"| GRPO toy steps/s, {r:.0%} injected faults (+{r / 2:.1%} dropped responses) | {sps:.2f} steps/s | fault-free {rates[0.0]:.2f} steps/s | {sps / rates[0.0]:.2f} |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

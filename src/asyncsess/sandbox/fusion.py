@@ -1,0 +1,171 @@
+"""SandboxFusionClient: the Sandbox interface over a SandboxFusion server (``POST /run_code``).
+
+Request and response follow SandboxFusion's ``RunCodeRequest`` / ``RunCodeResponse``
+(bytedance/SandboxFusion, sandbox/server/sandbox_api.py): the response's ``status`` is ``Success``, ``Failed`` or
+``SandboxError`` and ``run_result`` is a ``CommandRunResult{status: Finished|Error|TimeLimitExceeded,
+execution_time, return_code, stdout, stderr}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+
+import anyio
+import httpx
+from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from asyncsess.sandbox.base import BaseSandbox, Files
+from asyncsess.sandbox.results import ExecutionResult
+
+__all__ = ["SandboxFusionClient"]
+
+DEFAULT_URL = "http://localhost:8080/run_code"
+
+
+class _CommandRunResult(BaseModel):
+    status: str
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class _RunCodeResponse(BaseModel):
+    status: str
+    message: str = ""
+    compile_result: _CommandRunResult | None = None
+    run_result: _CommandRunResult | None = None
+
+
+class _RetryableStatus(Exception):
+    """The server answered 429 or 5xx."""
+
+
+class SandboxFusionClient(BaseSandbox):
+    """Runs Python on a SandboxFusion server; at most ``max_concurrency`` requests are in flight.
+
+    ``url`` defaults to ``$SANDBOX_URL`` or ``http://localhost:8080/run_code``; a base URL gets ``/run_code``
+    appended. Transport errors, 429 and 5xx are retried ``retries`` times; a request that still fails, and a
+    server-side ``SandboxError``, become an ``ExecutionResult`` with status ``sandbox_error``. SandboxFusion does
+    not report memory exhaustion or CPU time: ``memory`` is inferred from a ``MemoryError`` at the end of stderr,
+    and ``cpu_s`` is ``None``. Output past ``max_output_bytes`` is cut here and reported as ``output_limit``.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        max_concurrency: int = 32,
+        timeout_s: float = 6.0,
+        memory_mb: int = 1024,
+        max_output_bytes: int = 1 << 20,
+        retries: int = 3,
+        request_slack_s: float = 30.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        url = (url or os.environ.get("SANDBOX_URL") or DEFAULT_URL).rstrip("/")
+        self.url = url if url.endswith("/run_code") else url + "/run_code"
+        self._timeout_s = timeout_s
+        self._memory_mb = memory_mb
+        self._max_output_bytes = max_output_bytes
+        self._retries = retries
+        self._request_slack_s = request_slack_s
+        self._client = client or httpx.AsyncClient()
+        self._owns_client = client is None
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> SandboxFusionClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def run(
+        self,
+        code: str,
+        *,
+        stdin: str = "",
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        files: Files | None = None,
+    ) -> ExecutionResult:
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        body = {
+            "code": code,
+            "language": "python",
+            "compile_timeout": timeout_s,
+            "run_timeout": timeout_s,
+            "memory_limit_MB": self._memory_mb if memory_mb is None else memory_mb,
+            "stdin": stdin,
+            "files": {name: _b64(content) for name, content in (files or {}).items()},
+            "fetch_files": [],
+        }
+        async with self._limiter:
+            started = time.monotonic()
+            try:
+                response = await self._post(body, timeout_s + self._request_slack_s)
+            except (httpx.HTTPError, _RetryableStatus, ValueError) as exc:
+                wall_s = time.monotonic() - started
+                return ExecutionResult(
+                    status="sandbox_error", stderr=f"SandboxFusion request to {self.url} failed: {exc!r}\n", wall_s=wall_s
+                )
+            wall_s = time.monotonic() - started
+        return self._to_result(response, wall_s)
+
+    async def _post(self, body: dict, timeout_s: float) -> _RunCodeResponse:
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._retries + 1),
+            wait=wait_exponential(multiplier=0.2, max=5.0),
+            retry=retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                response = await self._client.post(self.url, json=body, timeout=timeout_s)
+                if response.status_code == 429 or response.status_code >= 500:
+                    raise _RetryableStatus(f"HTTP {response.status_code}: {response.text[:500]}")
+                response.raise_for_status()
+                return _RunCodeResponse.model_validate_json(response.content)
+        raise AssertionError("unreachable")
+
+    def _cap(self, text: str | None) -> tuple[str, bool]:
+        data = (text or "").encode()
+        if len(data) <= self._max_output_bytes:
+            return text or "", False
+        return data[: self._max_output_bytes].decode(errors="ignore"), True
+
+    def _to_result(self, response: _RunCodeResponse, wall_s: float) -> ExecutionResult:
+        run = response.run_result
+        if response.status == "SandboxError" or run is None or run.status == "Error":
+            detail = response.message or (run.stderr if run else "") or "no run result"
+            return ExecutionResult(status="sandbox_error", stderr=f"SandboxFusion: {detail}\n", wall_s=wall_s)
+        stdout, cut_out = self._cap(run.stdout)
+        stderr, cut_err = self._cap(run.stderr)
+        if run.status == "TimeLimitExceeded":
+            status = "timeout"
+        elif cut_out or cut_err:
+            status = "output_limit"
+        elif run.return_code == 0:
+            status = "ok"
+        elif stderr.rstrip().rsplit("\n", 1)[-1].startswith("MemoryError"):
+            status = "memory"
+        else:
+            status = "runtime_error"
+        return ExecutionResult(
+            status=status,
+            exit_code=run.return_code,
+            stdout=stdout,
+            stderr=stderr,
+            wall_s=run.execution_time if run.execution_time is not None else wall_s,
+        )
+
+
+def _b64(content: str | bytes) -> str:
+    return base64.b64encode(content.encode() if isinstance(content, str) else content).decode()

@@ -1,0 +1,361 @@
+"""LocalSandbox: runs untrusted Python in a confined child process on this machine.
+
+Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
+rlimits on CPU time, address space, processes, file size and open files; a wall-clock timeout and an output
+cap enforced here; when run as root, a dedicated unprivileged uid per run and fresh network + mount
+namespaces (read-only filesystem, tmpfs working directory, /proc limited to the run's own processes); an
+in-process socket guard; and a supervisor that kills and reaps everything the program started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+
+import anyio
+from anyio.abc import ByteReceiveStream, Process
+from pydantic import BaseModel
+
+from asyncsess.errors import InvalidInputError
+from asyncsess.sandbox._uids import UidLease, acquire_uid
+from asyncsess.sandbox.base import BaseSandbox, Files
+from asyncsess.sandbox.results import ExecutionResult
+
+__all__ = ["Isolation", "LocalSandbox"]
+
+log = logging.getLogger(__name__)
+
+CODE_FILE = "solution.py"
+EXIT_MEMORY = 100  # exit status the supervisor gives a program that ran out of memory
+_BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+_STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
+_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class Isolation(BaseModel):
+    """Which isolation layers a LocalSandbox applies on this host; ``notes`` explains each missing one."""
+
+    privilege_drop: bool
+    namespaces: bool
+    socket_guard: bool
+    notes: list[str]
+
+
+class LocalSandbox(BaseSandbox):
+    """Runs untrusted Python in a child process, at most ``max_concurrency`` at a time.
+
+    ``namespaces=None`` probes on first use whether network and mount namespaces work (they need root) and
+    degrades with a logged warning if not; ``True`` fails closed (every run is a ``sandbox_error``) if they
+    don't. ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_concurrency: int | None = None,
+        timeout_s: float = 6.0,
+        memory_mb: int = 1024,
+        max_output_bytes: int = 1 << 20,
+        max_processes: int = 32,
+        workdir_mb: int = 64,
+        python: str | None = None,
+        namespaces: bool | None = None,
+        socket_guard: bool = True,
+        uids: range = range(200_000, 204_096),
+    ) -> None:
+        for field, value in (
+            ("max_concurrency", max_concurrency or 1),
+            ("timeout_s", timeout_s),
+            ("memory_mb", memory_mb),
+            ("max_output_bytes", max_output_bytes),
+            ("max_processes", max_processes),
+            ("workdir_mb", workdir_mb),
+        ):
+            _check_positive(field, value)
+        self._root = os.geteuid() == 0
+        self._timeout_s = timeout_s
+        self._memory_mb = memory_mb
+        self._max_output_bytes = max_output_bytes
+        self._max_processes = max_processes
+        self._workdir_mb = workdir_mb
+        self._python = python or _default_python(self._root)
+        self._namespaces = namespaces if self._root or namespaces else False
+        self._socket_guard = socket_guard
+        self._uids = uids
+        self._kill = shutil.which("kill")
+        self._limiter = anyio.CapacityLimiter(max_concurrency or os.cpu_count() or 4)
+        self._probe_lock = anyio.Lock()
+        self._notes: list[str] = []
+        if not self._root:
+            self._notes.append(
+                "not root: the program runs as the calling user (no privilege drop, no namespaces); RLIMIT_NPROC "
+                "counts all of that user's processes, and a process that leaves the run's process group may survive"
+            )
+        elif namespaces is False:
+            self._notes.append("namespaces turned off: network is blocked only by the socket guard")
+        if not socket_guard:
+            self._notes.append("socket guard turned off")
+
+    async def isolation(self) -> Isolation:
+        """The layers in force (probing namespaces if that has not happened yet)."""
+        namespaces = await self._namespaces_available()
+        return Isolation(privilege_drop=self._root, namespaces=namespaces, socket_guard=self._socket_guard, notes=list(self._notes))
+
+    async def run(
+        self,
+        code: str,
+        *,
+        stdin: str = "",
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        files: Files | None = None,
+    ) -> ExecutionResult:
+        timeout_s = self._timeout_s if timeout_s is None else _check_positive("timeout_s", timeout_s)
+        memory_mb = self._memory_mb if memory_mb is None else _check_positive("memory_mb", memory_mb)
+        contents = self._check_files(code, files)
+        namespaces = await self._namespaces_available()
+        async with self._limiter:
+            return await self._execute(contents, stdin.encode(), timeout_s, memory_mb, namespaces)
+
+    async def _namespaces_available(self) -> bool:
+        if self._namespaces is not None:
+            return self._namespaces
+        async with self._probe_lock:
+            if self._namespaces is None:
+                async with self._limiter:
+                    probe = await self._execute({CODE_FILE: b""}, b"", max(self._timeout_s, 10.0), self._memory_mb, True)
+                self._namespaces = probe.ok
+                if not probe.ok:
+                    reason = probe.stderr.strip().splitlines()[-1:] or [probe.status]
+                    note = f"network/mount namespaces unavailable ({reason[0]}): network is blocked only by the socket guard"
+                    self._notes.append(note + ", and the program can write wherever its uid may")
+                    log.warning("LocalSandbox: %s", note)
+        return self._namespaces
+
+    def _check_files(self, code: str, files: Files | None) -> dict[str, bytes]:
+        contents = {CODE_FILE: code.encode()}
+        for name, content in (files or {}).items():
+            path = PurePosixPath(name)
+            if path.is_absolute() or ".." in path.parts or not path.parts or str(path) == CODE_FILE:
+                raise InvalidInputError(
+                    f"bad file name {name!r}", field="files", fix=f"use relative paths without '..', other than {CODE_FILE}"
+                )
+            contents[str(path)] = content.encode() if isinstance(content, str) else bytes(content)
+        if sum(map(len, contents.values())) > self._workdir_mb << 20:
+            raise InvalidInputError(
+                f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
+            )
+        return contents
+
+    async def _execute(
+        self, contents: Mapping[str, bytes], stdin: bytes, timeout_s: float, memory_mb: int, namespaces: bool
+    ) -> ExecutionResult:
+        workdir = await anyio.to_thread.run_sync(_make_workdir, contents)
+        status_r, status_w = os.pipe()
+        lease: UidLease | None = None
+        try:
+            if self._root:
+                lease = acquire_uid(self._uids)
+            uid = lease.uid if lease else None
+            cpu_s = max(1, math.ceil(timeout_s))
+            config = {
+                "workdir": workdir,
+                "uid": uid,
+                "gid": uid,
+                "namespaces": namespaces,
+                "workdir_mb": self._workdir_mb,
+                "memory_mb": memory_mb,
+                "cpu_s": cpu_s,
+                "max_processes": self._max_processes,
+                "socket_guard": self._socket_guard,
+                "status_fd": status_w,
+                "code_file": CODE_FILE,
+                "exit_memory": EXIT_MEMORY,
+            }
+            started = time.monotonic()
+            proc = await anyio.open_process(
+                [self._python, "-I", "-S", "-B", str(_BOOTSTRAP), json.dumps(config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env={"PATH": _PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir},
+                start_new_session=True,
+                pass_fds=(status_w,),
+            )
+            os.close(status_w)
+            status_w = -1
+            try:
+                stop_reason, out, err = await self._supervise(proc, stdin, timeout_s, uid)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if proc.returncode is None:  # we were cancelled: stop the run as on a timeout
+                        await self._stop(proc, uid)
+                    await proc.aclose()
+            wall_s = time.monotonic() - started
+            return _verdict(_read_report(status_r), stop_reason, out, err, wall_s, cpu_s)
+        finally:
+            for fd in (status_r, status_w):
+                if fd >= 0:
+                    os.close(fd)
+            if lease:
+                lease.release()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
+
+    async def _supervise(self, proc: Process, stdin: bytes, timeout_s: float, uid: int | None) -> tuple[str | None, bytearray, bytearray]:
+        """Feed stdin, collect capped output, enforce the wall clock; returns why we stopped the run, if we did."""
+        out, err = bytearray(), bytearray()
+        reasons: list[str] = []
+        stopped = anyio.Event()
+
+        def stop(reason: str) -> None:
+            if not reasons:
+                reasons.append(reason)
+                _terminate(proc)
+                stopped.set()
+
+        async def feed() -> None:
+            assert proc.stdin is not None
+            try:
+                if stdin:
+                    await proc.stdin.send(stdin)
+                await proc.stdin.aclose()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+        async def pump(stream: ByteReceiveStream | None, buf: bytearray) -> None:
+            assert stream is not None
+            async for chunk in stream:
+                room = self._max_output_bytes - len(buf)
+                buf += chunk[: max(room, 0)]
+                if len(chunk) > room:
+                    stop("output_limit")
+
+        async def watchdog() -> None:
+            with anyio.move_on_after(timeout_s):
+                await stopped.wait()
+            stop("timeout")
+            await self._stop(proc, uid)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watchdog)
+            async with anyio.create_task_group() as io:
+                io.start_soon(feed)
+                io.start_soon(pump, proc.stdout, out)
+                io.start_soon(pump, proc.stderr, err)
+            await proc.wait()
+            tg.cancel_scope.cancel()
+        return (reasons[0] if reasons else None), out, err
+
+    async def _stop(self, proc: Process, uid: int | None) -> None:
+        """Ask the supervisor to kill, reap and report; if it has not exited after a grace period, kill it all."""
+        _terminate(proc)
+        with anyio.move_on_after(_STOP_GRACE_S):
+            await proc.wait()
+        if proc.returncode is not None:
+            return
+        log.warning("LocalSandbox: supervisor %d did not stop in %.0f s; killing it", proc.pid, _STOP_GRACE_S)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if uid is not None and self._kill:  # processes that left the group; they stay as zombies if init does not reap
+            await anyio.run_process([self._kill, "-s", "KILL", "--", "-1"], user=uid, group=uid, extra_groups=[], check=False)
+
+
+def _terminate(proc: Process) -> None:
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def _check_positive(field: str, value):
+    if not value > 0:
+        raise InvalidInputError(f"must be positive, got {value!r}", field=field, fix=f"pass {field} > 0")
+    return value
+
+
+def _usable_by_anyone(executable: str) -> bool:
+    """Whether an unprivileged user can run this interpreter and read its standard library (``<prefix>/lib``)."""
+    real = Path(os.path.realpath(executable))
+    for path, need in ((real, stat.S_IROTH | stat.S_IXOTH), (real.parent.parent / "lib", stat.S_IROTH | stat.S_IXOTH)):
+        try:
+            if any(not os.stat(d).st_mode & stat.S_IXOTH for d in path.parents) or os.stat(path).st_mode & need != need:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _default_python(root: bool) -> str:
+    if not root:
+        return sys.executable
+    candidates = [sys.executable, getattr(sys, "_base_executable", None), "/usr/bin/python3", "/usr/local/bin/python3"]
+    for candidate in candidates:
+        if candidate and _usable_by_anyone(candidate):
+            return candidate
+    raise InvalidInputError(
+        "no Python interpreter that an unprivileged user can run was found",
+        field="python",
+        fix="install a system python3 or pass python=<an interpreter readable and executable by all users>",
+    )
+
+
+def _make_workdir(contents: Mapping[str, bytes]) -> str:
+    workdir = tempfile.mkdtemp(prefix="asyncsess-sandbox-")
+    for name, data in contents.items():
+        path = os.path.join(workdir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return workdir
+
+
+def _read_report(fd: int) -> dict:
+    """The supervisor's JSON report; every writer is gone by now, so this never blocks."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    lines = data.decode(errors="replace").splitlines()
+    try:
+        return json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _verdict(report: dict, stop_reason: str | None, out: bytes, err: bytes, wall_s: float, cpu_limit: int) -> ExecutionResult:
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    if not report.get("started"):
+        why = report.get("error") or ("stopped before the program started" if report.get("stopped") else "no report from the supervisor")
+        return ExecutionResult(status="sandbox_error", stdout=stdout, stderr=f"{why}\n{stderr}".rstrip() + "\n", wall_s=wall_s)
+    sig = report.get("signal")
+    exit_code = -sig if sig else report.get("exit_code")
+    cpu_s = report.get("cpu_s")
+    if stop_reason is not None:
+        status = stop_reason
+    elif exit_code is None:
+        status = "sandbox_error"
+    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s is not None and cpu_s >= cpu_limit):
+        status = "timeout"
+    elif exit_code == EXIT_MEMORY:
+        status = "memory"
+    else:
+        status = "ok" if exit_code == 0 else "runtime_error"
+    return ExecutionResult(status=status, exit_code=exit_code, stdout=stdout, stderr=stderr, wall_s=wall_s, cpu_s=cpu_s)
