@@ -1,0 +1,129 @@
+"""Calling boto3 from async code: worker threads, AWS errors -> asyncsess errors, retries, adaptive polling."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError, TransientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError, NoCredentialsError, NoRegionError, ParamValidationError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+__all__ = ["AwsCalls", "translate", "error_code", "TRANSIENT_CODES", "field_of"]
+
+log = logging.getLogger("asyncsess_sagemaker")
+T = TypeVar("T")
+
+TRANSIENT_CODES = frozenset(
+    {
+        "ThrottlingException",
+        "Throttling",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "InternalServerException",
+        "InternalFailure",
+        "ServiceUnavailable",
+        "ServiceUnavailableException",
+    }
+)
+DONE = frozenset({"Completed", "Failed", "Skipped"})
+
+
+def error_code(err: BaseException) -> str | None:
+    return err.response.get("Error", {}).get("Code") if isinstance(err, ClientError) else None
+
+
+def field_of(message: str) -> str | None:
+    """The member path in an AWS validation message (``... at 'operationConfig.x' failed ...``)."""
+    head, sep, rest = message.partition(" at '")
+    return rest.split("'", 1)[0] if sep else None
+
+
+def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessError] = SessionGoneError) -> AsyncSessError:
+    """An asyncsess error for a botocore failure. ``not_found`` is what a missing resource means here."""
+    if isinstance(err, ClientError):
+        info, meta = err.response.get("Error", {}), err.response.get("ResponseMetadata", {})
+        code, message, request_id = info.get("Code", "Unknown"), info.get("Message", str(err)), meta.get("RequestId")
+        status = meta.get("HTTPStatusCode") or 0
+        text = f"{code}: {message}"
+        if code in TRANSIENT_CODES or status in (429, 500, 502, 503, 504):
+            hint = (meta.get("HTTPHeaders") or {}).get("retry-after")
+            retry_after = float(hint) if hint and hint.replace(".", "", 1).isdigit() else (0.5 if "hrottl" in code or status == 429 else None)
+            return TransientError(text, retry_after=retry_after, operation=operation, request_id=request_id)
+        if code == "ValidationException":
+            return InvalidInputError(text, field=field_of(message), fix="see the SageMaker limits in the message", operation=operation, request_id=request_id)
+        if code in ("ResourceNotFound", "ResourceNotFoundException"):
+            if not_found is InvalidInputError:
+                return InvalidInputError(text, operation=operation, request_id=request_id)
+            return not_found(text, operation=operation, request_id=request_id)
+        if code == "ConflictException":
+            return SessionGoneError(text, operation=operation, request_id=request_id)
+        return ServerError(text, operation=operation, request_id=request_id)
+    if isinstance(err, (ConnectionError, HTTPClientError)):
+        return TransientError(f"{type(err).__name__}: {err}", operation=operation)
+    if isinstance(err, (NoCredentialsError, NoRegionError)):
+        return InvalidInputError(str(err), field="credentials", fix="configure AWS credentials (env, profile= option, or instance role)", operation=operation)
+    if isinstance(err, ParamValidationError):
+        return InvalidInputError(str(err), fix="see the SageMaker limits in the message", operation=operation)
+    if isinstance(err, BotoCoreError):
+        return ServerError(f"{type(err).__name__}: {err}", operation=operation)
+    raise err
+
+
+class AwsCalls:
+    """Runs boto3 calls in worker threads (bounded), retries transient failures, polls for results."""
+
+    def __init__(self, *, threads: int, retry_base_s: float, retry_budget_s: float, poll_initial_s: float, poll_max_s: float) -> None:
+        self._limiter = anyio.CapacityLimiter(threads)
+        self.retry_base_s = retry_base_s
+        self.retry_budget_s = retry_budget_s
+        self.poll_initial_s = poll_initial_s
+        self.poll_max_s = poll_max_s
+
+    async def once(self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any) -> T:
+        """One call, errors translated."""
+        try:
+            return await anyio.to_thread.run_sync(functools.partial(fn, **kwargs), limiter=self._limiter)
+        except (ClientError, BotoCoreError) as err:
+            raise translate(err, operation, not_found=not_found) from err
+
+    async def retried(self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any) -> T:
+        """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(TransientError),
+            wait=wait_random_exponential(multiplier=self.retry_base_s, max=4.0),
+            stop=stop_after_delay(self.retry_budget_s),
+            sleep=anyio.sleep,
+            reraise=True,
+            before_sleep=lambda state: log.debug("retrying %s after %r", operation, state.outcome.exception() if state.outcome else None),
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self.once(fn, operation=operation, not_found=not_found, **kwargs)
+        except TransientError as err:
+            err.attempts = retrying.statistics.get("attempt_number", 1)  # type: ignore[attr-defined]
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def poll(
+        self, fn: Callable[..., dict[str, Any]], *, operation: str, check: Callable[[], Awaitable[None]] | None = None, check_every_s: float = 5.0, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Poll a Get*OperationResult until the status is final: fast at first, backing off to ``poll_max_s``.
+
+        ``check`` (e.g. "is the session still alive?") runs every ``check_every_s`` while the op is unfinished.
+        """
+        delay = self.poll_initial_s
+        checked = anyio.current_time()
+        while True:
+            resp = await self.retried(fn, operation=operation, **kwargs)
+            if resp.get("status") in DONE:
+                return resp
+            if check is not None and anyio.current_time() - checked >= check_every_s:
+                await check()
+                checked = anyio.current_time()
+            await anyio.sleep(delay)
+            delay = min(delay * 1.5, self.poll_max_s)

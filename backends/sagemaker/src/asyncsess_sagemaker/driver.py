@@ -1,0 +1,699 @@
+"""``sagemaker://region``: drive Amazon SageMaker AI training sessions through boto3.
+
+Ordering: each session's ops pass through an :class:`asyncsess.sequencer.Sequencer` that only *submits*
+(``ExecuteTrainingOperation``) in ``op.seq`` order; results are then polled concurrently, so pipelined ops
+cost one round trip. The wire sequence number is the session's own counter, advanced only when the
+service accepted a submission: an op rejected here or by validation leaves no gap. A submission whose
+fate stays unknown after every retry would leave one, so the session is stopped and reported gone.
+The client token is derived from ``op.idempotency_key``, so every retry of one op carries the same token.
+
+Sampling ops run concurrently. Checkpoints are model-package version ARNs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import anyio
+import boto3
+from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.errors import (
+    AsyncSessError,
+    DeadlineExceededError,
+    InvalidInputError,
+    PoisonedError,
+    RetriesExhaustedError,
+    ServerError,
+    SessionGoneError,
+    TransientError,
+    UnsupportedError,
+)
+from asyncsess.sequencer import Sequencer
+from asyncsess.types import (
+    Checkpoint,
+    CheckpointResponse,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    ServerCapabilities,
+    SupportedModel,
+    TrainingResult,
+    Usage,
+)
+from botocore.config import Config
+
+from . import arns
+from .calls import AwsCalls, error_code
+from .options import SageMakerOptions
+from .service_models import CONTROL, RUNTIME, control_model, operation, runtime_model
+from .shape_check import ShapeError, check_shape
+from .tokenizers import load_tokenizer
+from .wire import (
+    WIRE_LOSSES,
+    adam_to_wire,
+    check_operation_config,
+    check_sample_config,
+    datum_to_wire,
+    forward_result_from_wire,
+    logprobs_from_wire,
+    model_input_to_wire,
+    sample_response_from_wire,
+    sampling_params_to_wire,
+)
+
+__all__ = ["SageMakerBackend"]
+
+log = logging.getLogger("asyncsess_sagemaker")
+
+DEFAULT_GROUP = "sagemaker-default"  # the official SDK's shared default model package group
+GONE = frozenset({"Failed", "Stopping", "Stopped", "Expired", "Deleting", "DeletionFailed", "Blocked"})
+_TOKEN = re.compile(r"[a-zA-Z0-9-]{1,128}")
+_RUNTIME_SHAPES = runtime_model()
+_OPERATION_CONFIG = _RUNTIME_SHAPES.shape_for("OperationConfig")
+_SAMPLE_CONFIG = _RUNTIME_SHAPES.shape_for("SampleOperationConfig")
+_MAX_TOKENS = _RUNTIME_SHAPES.shape_for("SamplingParamsMaxTokensInteger").metadata
+_TEMPERATURE = _RUNTIME_SHAPES.shape_for("SamplingParamsTemperatureDouble").metadata
+_RANK_MAX = control_model().shape_for("Rank").metadata["max"]
+
+
+@dataclass
+class _Session:
+    name: str
+    base_model: str  # what the caller named (an id or an ARN)
+    hub_arn: str
+    hf_id: str | None
+    rank: int
+    alpha: int
+    sequencer: Sequencer[tuple[str, int]]
+    next_wire_seq: int = 1
+    steps: int = 0
+    gone: SessionGoneError | None = None
+    poison: AsyncSessError | None = None
+    packages: list[Checkpoint] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Sampler:
+    session: str
+    model_package: str | None
+    owned: bool
+
+
+class SageMakerBackend(Backend):
+    """A driver for the SageMaker training-session control plane and runtime (boto3)."""
+
+    scheme: ClassVar[str] = "sagemaker"
+
+    def __init__(self, options: SageMakerOptions) -> None:
+        self.options = options
+        self._calls = AwsCalls(
+            threads=options.max_pool_connections,
+            retry_base_s=options.retry_base_s,
+            retry_budget_s=options.retry_budget_s,
+            poll_initial_s=options.poll_initial_s,
+            poll_max_s=options.poll_max_s,
+        )
+        self._control: Any = None
+        self._runtime: Any = None
+        self._sessions: dict[str, _Session] = {}
+        self._samplers: dict[str, _Sampler] = {}
+        self._package_session: dict[str, str] = {}  # model package ARN -> the live session that saved it
+        self._hub: dict[str, tuple[str, str | None]] = {}  # base model as given -> (hub content ARN, HF id)
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._group_arn: str | None = options.model_package_group_arn
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, **options: Any) -> SageMakerBackend:
+        return cls(SageMakerOptions.resolve(url, options))
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        def build() -> tuple[Any, Any]:
+            session = boto3.session.Session(region_name=self.options.region, profile_name=self.options.profile)
+            no_retries = {"total_max_attempts": 1}  # this driver owns retries (one policy, same client token)
+            control = session.client(
+                CONTROL, endpoint_url=self.options.endpoint_url, config=Config(retries=no_retries, connect_timeout=10, read_timeout=60)
+            )
+            runtime = session.client(
+                RUNTIME,
+                endpoint_url=self.options.runtime_url,
+                config=Config(retries=no_retries, max_pool_connections=self.options.max_pool_connections, connect_timeout=10, read_timeout=60),
+            )
+            return control, runtime
+
+        self._control, self._runtime = await anyio.to_thread.run_sync(build)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for name, sess in list(self._sessions.items()):
+                if sess.gone is None:
+                    await self._stop_quietly(name)
+        for client in (self._control, self._runtime):
+            if client is not None:
+                client.close()
+
+    @property
+    def control(self) -> Any:
+        if self._control is None:
+            raise RuntimeError("SageMakerBackend.open() was not called")
+        return self._control
+
+    @property
+    def runtime(self) -> Any:
+        if self._runtime is None:
+            raise RuntimeError("SageMakerBackend.open() was not called")
+        return self._runtime
+
+    # ----------------------------------------------------------------------- hub and models
+
+    async def _hub_contents(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {"HubName": arns.PUBLIC_HUB, "HubContentType": "Model"}
+        while True:
+            resp = await self._calls.retried(self.control.list_hub_contents, operation="ListHubContents", not_found=InvalidInputError, **kwargs)
+            rows += resp.get("HubContentSummaries", [])
+            if not resp.get("NextToken"):
+                return rows
+            kwargs["NextToken"] = resp["NextToken"]
+
+    @staticmethod
+    def _keyword_id(row: dict[str, Any]) -> str | None:
+        for kw in row.get("HubContentSearchKeywords") or []:
+            if kw.startswith("@huggingface-id:"):
+                return kw.split(":", 1)[1]
+        return None
+
+    async def _describe_hub(self, name: str, version: str | None = None) -> tuple[str, str | None]:
+        kwargs = {"HubName": arns.PUBLIC_HUB, "HubContentType": "Model", "HubContentName": name}
+        if version:
+            kwargs["HubContentVersion"] = version
+        resp = await self._calls.retried(self.control.describe_hub_content, operation="DescribeHubContent", not_found=InvalidInputError, **kwargs)
+        try:
+            hf_id = json.loads(resp.get("HubContentDocument") or "{}").get("HuggingfaceId")
+        except json.JSONDecodeError:
+            hf_id = None
+        return resp["HubContentArn"], hf_id
+
+    async def _resolve_base_model(self, base_model: str) -> tuple[str, str | None]:
+        """(versioned hub content ARN, Hugging Face id) for a model id, a hub content name, or an ARN."""
+        if base_model in self._hub:
+            return self._hub[base_model]
+        ref = arns.parse_hub_content_arn(base_model)
+        if ref is not None:
+            try:
+                resolved = (base_model, (await self._describe_hub(ref.name, ref.version))[1])
+            except AsyncSessError:  # the ARN is usable even when the hub cannot be read
+                resolved = (base_model, None)
+        else:
+            wanted = base_model.lower()
+            rows = await self._hub_contents()
+            match = next(
+                (r for r in rows if wanted in (r["HubContentName"].lower(), (self._keyword_id(r) or "").lower(), str(r.get("HubContentDisplayName", "")).lower())),
+                None,
+            )
+            if match is None:
+                known = ", ".join(sorted(self._keyword_id(r) or r["HubContentName"] for r in rows)) or "none"
+                raise InvalidInputError(f"{base_model!r} is not a SageMaker Public Hub model here", field="base_model", fix=f"use one of: {known}, or a hub content ARN")
+            hub_arn, hf_id = await self._describe_hub(match["HubContentName"])
+            resolved = (hub_arn, hf_id or self._keyword_id(match))
+        self._hub[base_model] = resolved
+        return resolved
+
+    async def capabilities(self) -> ServerCapabilities:
+        rows = await self._hub_contents()
+        trainable = [r for r in rows if "@capability:training_session" in (r.get("HubContentSearchKeywords") or [])] or rows
+        models = [
+            SupportedModel(model_name=self._keyword_id(r) or r["HubContentName"], max_context_length=int(_MAX_TOKENS["max"]))
+            for r in trainable
+        ]
+        return ServerCapabilities(supported_models=models, loss_functions=list(WIRE_LOSSES), max_lora_rank=int(_RANK_MAX))
+
+    def get_tokenizer(self, base_model: str) -> Tokenizer:
+        if base_model not in self._tokenizers:
+            hf_id = self._hub.get(base_model, (None, None))[1] or base_model
+            self._tokenizers[base_model] = load_tokenizer(hf_id, tokenizer_path=self.options.tokenizer_path, tokenizer_backend=self.options.tokenizer_backend)
+        return self._tokenizers[base_model]
+
+    # ----------------------------------------------------------------------- control plane
+
+    async def _model_package_group(self) -> str:
+        if self._group_arn is None:
+            try:
+                resp = await self._calls.retried(
+                    self.control.create_model_package_group,
+                    operation="CreateModelPackageGroup",
+                    ModelPackageGroupName=DEFAULT_GROUP,
+                    ModelPackageGroupDescription="Default group for SageMaker training session checkpoints.",
+                )
+                self._group_arn = resp["ModelPackageGroupArn"]
+            except ServerError as err:
+                if "ResourceInUse" not in str(err) and "already exists" not in str(err):
+                    raise
+                resp = await self._calls.retried(self.control.describe_model_package_group, operation="DescribeModelPackageGroup", ModelPackageGroupName=DEFAULT_GROUP)
+                self._group_arn = resp["ModelPackageGroupArn"]
+        return self._group_arn
+
+    def _create_request(self, name: str, hub_arn: str, rank: int, alpha: int, group_arn: str) -> dict[str, Any]:
+        opts = self.options
+        if not opts.role_arn:
+            raise InvalidInputError("creating a session needs an execution role", field="role_arn", fix="pass role_arn=arn:aws:iam::<account>:role/<name> in the URL query or as a keyword")
+        s3 = opts.s3_output_path
+        if not s3:
+            account = arns.account_of(opts.role_arn) or "unknown"
+            s3 = f"s3://sagemaker-{opts.region}-{account}/{name}/output"
+        location: dict[str, Any] = {"Path": s3}
+        if opts.kms_key_arn:
+            location["KmsKeyArn"] = opts.kms_key_arn
+        request: dict[str, Any] = {
+            "TrainingSessionName": name,
+            "ModelPackageGroupArn": group_arn,
+            "LoraConfig": {"Rank": rank, "Alpha": alpha},
+            "RoleArn": opts.role_arn,
+            "ModelConfig": {"BaseModelArn": hub_arn},
+            "OutputConfig": {"S3Location": location},
+        }
+        if opts.vpc_config:
+            request["VpcConfig"] = opts.vpc_config
+        _check("CreateTrainingSession", request, CONTROL)
+        return request
+
+    async def _describe(self, name: str) -> dict[str, Any]:
+        resp = await self._calls.retried(self.control.describe_training_session, operation="DescribeTrainingSession", TrainingSessionName=name)
+        return resp["TrainingSessionDetail"]
+
+    async def _wait_running(self, name: str) -> None:
+        deadline = anyio.current_time() + self.options.create_timeout_s
+        started, delay, last = time.monotonic(), 0.05, None
+        while True:
+            detail = await self._describe(name)
+            status = detail["TrainingSessionStatus"]
+            if status != last:
+                log.info("training session %s: %s (%.1fs)", name, status, time.monotonic() - started)
+                last = status
+            if status == "Running":
+                return
+            if status in GONE:
+                raise SessionGoneError(f"training session {name} became {status} while starting: {detail.get('ErrorDetails') or 'no details'}", operation="create")
+            if anyio.current_time() >= deadline:
+                raise DeadlineExceededError(f"training session {name} was still {status} after {self.options.create_timeout_s:g}s", operation="create")
+            await anyio.sleep(delay)
+            delay = min(delay * 1.5, 10.0)
+
+    async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        if spec.seed is not None or not (spec.train_mlp and spec.train_attn and spec.train_unembed):
+            log.warning("SageMaker training sessions ignore seed and train_mlp/train_attn/train_unembed; the service picks them")
+        if spec.rank > _RANK_MAX:
+            raise InvalidInputError(f"rank {spec.rank} is above the service maximum {_RANK_MAX}", field="rank", fix=f"use a rank <= {_RANK_MAX}")
+        base_model = spec.base_model
+        if not base_model and spec.from_path:
+            base_model = await self._base_model_of(spec.from_path)
+        if not base_model:
+            raise InvalidInputError("no base model", field="base_model", fix="name a base model (or resume from a model package ARN)")
+        hub_arn, hf_id = await self._resolve_base_model(base_model)
+        alpha = int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
+        name = f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
+        request = self._create_request(name, hub_arn, spec.rank, alpha, await self._model_package_group())
+        await self._calls.retried(self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request)
+        sess = _Session(name=name, base_model=base_model, hub_arn=hub_arn, hf_id=hf_id, rank=spec.rank, alpha=alpha, sequencer=Sequencer(self._submitter(name), gap_timeout=300.0))
+        self._sessions[name] = sess
+        try:
+            await self._wait_running(name)
+            if spec.from_path:
+                await self._load_state(sess, spec.from_path, spec.with_optimizer)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._stop_quietly(name)
+            raise
+        self._hub.setdefault(hf_id or base_model, (hub_arn, hf_id))
+        return GetInfoResponse(model_id=name, base_model=hf_id or base_model, lora_rank=spec.rank, lora_alpha=float(alpha), seed=spec.seed)
+
+    async def _base_model_of(self, model_package_arn: str) -> str:
+        self._require_package_arn(model_package_arn, "path")
+        desc = await self._calls.retried(self.control.describe_model_package, operation="DescribeModelPackage", not_found=InvalidInputError, ModelPackageName=model_package_arn)
+        containers = (desc.get("InferenceSpecification") or {}).get("Containers") or [{}]
+        base = containers[0].get("BaseModel") or {}
+        if not base.get("HubContentName"):
+            raise InvalidInputError(f"{model_package_arn} names no base model", field="base_model", fix="pass base_model=...")
+        return arns.hub_content_arn(self.options.region, base["HubContentName"], base.get("HubContentVersion") or "1.0.0")
+
+    @staticmethod
+    def _require_package_arn(arn: str, field: str) -> None:
+        if arns.parse_model_package_arn(arn) is None:
+            raise InvalidInputError(f"{arn!r} is not a model package version ARN", field=field, fix="use the path a save_state/save_weights call returned (arn:aws:sagemaker:REGION:ACCOUNT:model-package/GROUP/VERSION)")
+
+    async def _stop_quietly(self, name: str) -> None:
+        try:
+            await self.stop_session(name)
+        except Exception as err:  # stopping is best effort on the way out
+            log.warning("could not stop training session %s: %r", name, err)
+
+    async def stop_session(self, session_id: str) -> None:
+        sampler = self._samplers.pop(session_id, None)
+        if sampler is not None:
+            if sampler.owned:
+                await self.stop_session(sampler.session)
+            return
+        sess = self._sessions.get(session_id)
+        if sess is not None:
+            sess.sequencer.stop("stopped")
+            sess.gone = sess.gone or SessionGoneError(f"training session {session_id} was stopped")
+            for arn in [a for a, s in self._package_session.items() if s == session_id]:
+                del self._package_session[arn]
+        try:
+            await self._calls.retried(self.control.stop_training_session, operation="StopTrainingSession", TrainingSessionName=session_id)
+        except InvalidInputError as err:
+            if "invalid session state transition" not in str(err):
+                raise
+        except SessionGoneError:  # not found: nothing to stop
+            pass
+
+    async def heartbeat(self, session_id: str) -> None:
+        sampler = self._samplers.get(session_id)
+        await self._check_alive(self._sessions.get(sampler.session if sampler else session_id) or _orphan(session_id))
+
+    async def _check_alive(self, sess: _Session) -> None:
+        if sess.gone is not None:
+            raise sess.gone
+        detail = await self._describe(sess.name)
+        status = detail["TrainingSessionStatus"]
+        if status in GONE:
+            sess.gone = SessionGoneError(f"training session {sess.name} is {status}: {detail.get('ErrorDetails') or 'no details'}")
+            sess.sequencer.stop(status.lower())
+            if status == "Blocked":  # a gap this driver never leaves: another writer; stop rather than wait
+                await self._stop_quietly(sess.name)
+            raise sess.gone
+
+    async def session_usage(self, session_id: str) -> Usage:
+        """The session's billable token totals (``DescribeTrainingSession.BillableTokenUsage``)."""
+        usage = (await self._describe(session_id)).get("BillableTokenUsage") or {}
+        return Usage(
+            training_tokens=usage.get("TrainingTokenCount") or 0,
+            prefill_tokens=usage.get("PrefillTokenCount") or 0,
+            decode_tokens=usage.get("SampleTokenCount") or 0,
+        )
+
+    # ---------------------------------------------------------------------- training ops
+
+    def _operation_config(self, op: TrainingOp) -> dict[str, Any]:
+        if op.kind in ("forward", "forward_backward"):
+            if op.loss_fn not in WIRE_LOSSES:
+                raise UnsupportedError(
+                    f"SageMaker training sessions offer {', '.join(WIRE_LOSSES)}, not {op.loss_fn!r}",
+                    field="loss_fn",
+                    fix="use forward_backward_custom, which lowers any loss to cross_entropy",
+                )
+            body: dict[str, Any] = {"lossFnName": op.loss_fn, "datumList": [datum_to_wire(d, fill_weights=True) for d in op.data]}
+            if op.loss_fn_config:
+                body["lossFnConfig"] = dict(op.loss_fn_config)
+            return {"forward" if op.kind == "forward" else "forwardBackward": body}
+        if op.kind == "optim_step":
+            if op.adam_params is None:
+                raise InvalidInputError("optim_step without AdamParams", field="adam_params")
+            return {"optimizerStep": {"adamParamsConfig": adam_to_wire(op.adam_params)}}
+        if op.kind == "save_weights":
+            body = {"mergeWeights": True} if op.merge_weights else {}
+            if op.name:
+                body["description"] = op.name
+            return {"saveWeights": body}
+        if op.kind == "save_state":
+            return {"saveState": {"description": op.name} if op.name else {}}
+        if op.kind == "load_state":
+            self._require_package_arn(op.path or "", "path")
+            return {"loadState": {"modelPackageArn": op.path, "loadOptimizer": op.with_optimizer}}
+        raise UnsupportedError(f"unknown op kind {op.kind!r}", field="kind")
+
+    def _submitter(self, name: str) -> Any:
+        async def submit(op: TrainingOp) -> tuple[str, int]:
+            sess = self._sessions[name]
+            if sess.poison is not None:
+                raise PoisonedError(f"an earlier op failed on this session: {sess.poison}", cause=sess.poison)
+            if sess.gone is not None:
+                raise sess.gone
+            config = self._operation_config(op)
+            _check_config(config, _OPERATION_CONFIG, check_operation_config)
+            return await self._submit(sess, config, _client_token(name, op.idempotency_key)), sess.next_wire_seq - 1
+
+        return submit
+
+    async def _submit(self, sess: _Session, config: dict[str, Any], token: str) -> str:
+        """``ExecuteTrainingOperation`` with the session's next wire number; retried with the same token."""
+        seq = sess.next_wire_seq
+        try:
+            resp = await self._calls.retried(
+                self.runtime.execute_training_operation,
+                operation="ExecuteTrainingOperation",
+                trainingSessionName=sess.name,
+                sequenceNumber=seq,
+                clientToken=token,
+                operationConfig=config,
+            )
+        except InvalidInputError:
+            raise  # rejected: the number was not consumed
+        except TransientError as err:  # delivered or not, nobody knows: a gap may be open; end the session cleanly
+            with anyio.CancelScope(shield=True):
+                await self._stop_quietly(sess.name)
+            raise RetriesExhaustedError(f"sequence number {seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)) from err
+        except SessionGoneError:
+            await self._check_alive(sess)
+            raise
+        sess.next_wire_seq = seq + 1
+        return resp["operationId"]
+
+    async def _training_outcome(self, sess: _Session, op_id: str, operation_name: str) -> dict[str, Any]:
+        resp = await self._calls.poll(
+            self.runtime.get_training_operation_result,
+            operation=operation_name,
+            check=lambda: self._check_alive(sess),
+            trainingSessionName=sess.name,
+            operationId=op_id,
+        )
+        status = resp["status"]
+        if status == "Completed":
+            return resp
+        details = resp.get("errorDetails") or "no details"
+        if status == "Failed":
+            sess.poison = ServerError(f"operation {op_id} failed: {details}", operation=operation_name, request_id=op_id)
+            raise sess.poison
+        await self._check_alive(sess)  # Skipped: gone, or behind a failure
+        raise PoisonedError(f"operation {op_id} was skipped: {details}", cause=sess.poison, operation=operation_name, request_id=op_id)
+
+    async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        sess = self._sessions.get(session_id)
+        if sess is None:
+            raise InvalidInputError(f"no training session {session_id!r} on this client", field="session_id")
+        op_id, wire_seq = await sess.sequencer.execute(op)
+        resp = await self._training_outcome(sess, op_id, op.kind)
+        return self._training_result(sess, op, resp)
+
+    def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any]) -> TrainingResult:
+        result = resp.get("operationResult") or {}
+        if op.kind in ("forward", "forward_backward"):
+            body = result.get("forward" if op.kind == "forward" else "forwardBackward") or {}
+            return forward_result_from_wire(body, resp.get("tokenUsage"))
+        if op.kind == "optim_step":
+            sess.steps += 1
+            return OptimStepResponse(metrics=(result.get("optimizerStep") or {}).get("metrics"), step=sess.steps)
+        if op.kind in ("save_weights", "save_state"):
+            body = result.get("saveWeights" if op.kind == "save_weights" else "saveState") or {}
+            arn = body.get("modelPackageArn")
+            if not arn:
+                raise ServerError("the service saved the weights but returned no model package ARN", operation=op.kind, seq=op.seq)
+            kind = "state" if op.kind == "save_state" else "merged" if op.merge_weights else "sampler"
+            self._package_session[arn] = sess.name
+            ref = arns.parse_model_package_arn(arn)
+            sess.packages.append(
+                Checkpoint(
+                    checkpoint_id=str(ref.version if ref else arn),
+                    checkpoint_type="training" if kind == "state" else kind,
+                    path=arn,
+                    time=time.time(),
+                    step=sess.steps,
+                )
+            )
+            return CheckpointResponse(path=arn, kind=kind, step=sess.steps)
+        return LoadWeightsResponse(path=op.path or "", step=sess.steps)
+
+    async def _load_state(self, sess: _Session, arn: str, with_optimizer: bool) -> None:
+        """The resume op of a session created from a checkpoint (wire number 1, before any client op)."""
+        self._require_package_arn(arn, "path")
+        config = {"loadState": {"modelPackageArn": arn, "loadOptimizer": with_optimizer}}
+        op_id = await self._submit(sess, config, _client_token(sess.name, "resume"))
+        await self._training_outcome(sess, op_id, "load_state")
+
+    async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
+        if session_id is not None:
+            sess = self._sessions.get(session_id)
+            return list(sess.packages) if sess else []
+        return [c for s in self._sessions.values() for c in s.packages]
+
+    # -------------------------------------------------------------------------------- sampling
+
+    async def _sampling(self, session: str, config: dict[str, Any], operation_name: str) -> dict[str, Any]:
+        _check_config(config, _SAMPLE_CONFIG, check_sample_config)
+        sess = self._sessions.get(session) or _orphan(session)
+        if sess.gone is not None:
+            raise sess.gone
+        resp = await self._calls.retried(self.runtime.execute_sampling_operation, operation=operation_name, trainingSessionName=session, operationConfig=config)
+        result = await self._calls.poll(
+            self.runtime.get_sampling_operation_result,
+            operation=operation_name,
+            check=lambda: self._check_alive(sess),
+            trainingSessionName=session,
+            operationId=resp["operationId"],
+        )
+        if result["status"] == "Completed":
+            return result.get("operationResult") or {}
+        if result["status"] == "Skipped":
+            await self._check_alive(sess)
+        raise ServerError(f"{operation_name} {result['status'].lower()}: {result.get('errorDetails') or 'no details'}", operation=operation_name, request_id=resp["operationId"])
+
+    async def create_sampler(self, spec: SamplerSpec) -> str:
+        arn = spec.model_path
+        if arn is not None:
+            self._require_package_arn(arn, "model_path")
+        owner = self._package_session.get(arn) if arn else None
+        if owner is not None and self._sessions[owner].gone is None:
+            session, owned = owner, False
+        else:  # like the official SDK: a sampler on a checkpoint from elsewhere, or on the base model, gets its own session
+            base = spec.base_model or (await self._base_model_of(arn) if arn else "")
+            info = await self.create_training_session(TrainingSessionSpec(base_model=base))
+            session, owned = info.model_id, True
+        if arn is not None:
+            try:
+                await self._sampling(session, {"loadWeightsForSampling": {"modelPackageArn": arn}}, "load_weights_for_sampling")
+            except BaseException:
+                if owned:
+                    with anyio.CancelScope(shield=True):
+                        await self._stop_quietly(session)
+                raise
+        sampler_id = f"{session}.{uuid.uuid4().hex[:8]}"
+        self._samplers[sampler_id] = _Sampler(session=session, model_package=arn, owned=owned)
+        return sampler_id
+
+    def _sampler(self, sampler_id: str) -> _Sampler:
+        sampler = self._samplers.get(sampler_id)
+        if sampler is None:
+            raise SessionGoneError(f"sampler {sampler_id} is stopped or unknown")
+        return sampler
+
+    @staticmethod
+    def _wire_sampling_params(params: SamplingParams) -> dict[str, Any]:
+        if params.stop_token_ids():
+            raise UnsupportedError("stop token ids", field="sampling_params.stop", fix="SageMaker takes stop strings only; pass stop=['...']")
+        if params.temperature > _TEMPERATURE["max"]:
+            raise InvalidInputError(f"temperature {params.temperature} is above {_TEMPERATURE['max']}", field="sampling_params.temperature", fix=f"use <= {_TEMPERATURE['max']}")
+        lo, hi = int(_MAX_TOKENS["min"]), int(_MAX_TOKENS["max"])
+        if params.max_tokens is not None and params.max_tokens > hi:
+            raise InvalidInputError(f"max_tokens {params.max_tokens} is above {hi}", field="sampling_params.max_tokens", fix=f"use <= {hi}")
+        # The wire minimum is 512: shorter requests are generated at 512 and cut here (billed as generated).
+        return sampling_params_to_wire(params, max(lo, params.max_tokens or lo))
+
+    async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
+        sampler = self._sampler(sampler_id)
+        body: dict[str, Any] = {
+            "prompt": model_input_to_wire(request.prompt),
+            "numSamples": request.num_samples,
+            "samplingParams": self._wire_sampling_params(request.sampling_params),
+        }
+        if sampler.model_package:
+            body["modelPackageArn"] = sampler.model_package
+        if request.include_prompt_logprobs:
+            body["includePromptLogprobs"] = True
+        result = await self._sampling(sampler.session, {"sample": body}, "sample")
+        return sample_response_from_wire(result["sample"], len(request.prompt), request.sampling_params.max_tokens)
+
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
+        sampler = self._sampler(sampler_id)
+        body: dict[str, Any] = {"prompt": model_input_to_wire(tokens)}
+        if sampler.model_package:
+            body["modelPackageArn"] = sampler.model_package
+        result = await self._sampling(sampler.session, {"computeLogprobs": body}, "compute_logprobs")
+        return logprobs_from_wire(result["computeLogprobs"]["logprobs"], len(tokens))
+
+    # ------------------------------------------------------------------ OpenAI-compatible chat
+
+    def _chat_args(self, session_id: str, body: dict[str, Any], model_package_arn: str | None) -> dict[str, Any]:
+        sampler = self._samplers.get(session_id)
+        kwargs: dict[str, Any] = {
+            "trainingSessionName": sampler.session if sampler else session_id,
+            "body": json.dumps(body).encode(),
+            "contentType": "application/json",
+        }
+        package = model_package_arn or (sampler.model_package if sampler else None)
+        if package:
+            kwargs["modelPackage"] = package
+        return kwargs
+
+    async def chat_completion(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> dict[str, Any]:
+        """``SampleTrainingSession``: an OpenAI chat-completions body in, the service's JSON answer out."""
+        kwargs = self._chat_args(session_id, body, model_package_arn)
+        resp = await self._calls.retried(self.runtime.sample_training_session, operation="chat_completion", **kwargs)
+        return json.loads(await anyio.to_thread.run_sync(resp["body"].read))
+
+    async def chat_completion_stream(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """``SampleTrainingSessionWithResponseStream``: yields each SSE chunk; an in-stream error raises ``ServerError``."""
+        kwargs = self._chat_args(session_id, {**body, "stream": True}, model_package_arn)
+        resp = await self._calls.retried(self.runtime.sample_training_session_with_response_stream, operation="chat_completion_stream", **kwargs)
+        lines = resp["body"].iter_lines()
+        done = False
+        try:
+            while True:
+                line = await anyio.to_thread.run_sync(next, lines, None)
+                if line is None:
+                    break
+                text = line.decode().strip()
+                if not text.startswith("data:"):
+                    continue
+                data = text[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ServerError(f"the stream failed: {chunk['error']}", operation="chat_completion_stream")
+                yield chunk
+        finally:
+            resp["body"].close()
+        if not done:
+            raise TransientError("the stream ended without [DONE]", operation="chat_completion_stream")
+
+
+def _orphan(name: str) -> _Session:
+    """A stand-in record for a session this driver did not create (liveness checks only)."""
+    return _Session(name=name, base_model="", hub_arn="", hf_id=None, rank=0, alpha=0, sequencer=Sequencer(_refuse))
+
+
+async def _refuse(op: TrainingOp) -> Any:
+    raise InvalidInputError("this session was not created by this client", field="session_id")
+
+
+def _client_token(session: str, key: str) -> str:
+    """One client token per op, stable across retries: the idempotency key when it fits the wire pattern."""
+    return key if _TOKEN.fullmatch(key) else hashlib.sha256(f"{session}/{key}".encode()).hexdigest()
+
+
+def _check(operation_name: str, request: dict[str, Any], service: str) -> None:
+    try:
+        check_shape(request, operation(service, operation_name).input_shape)
+    except ShapeError as err:
+        raise InvalidInputError(str(err), field=err.path, fix="see the SageMaker limits in the message") from None
+
+
+def _check_config(config: dict[str, Any], shape: Any, rules: Any) -> None:
+    """The service's limits, checked before sending, so bad input fails with the member's path."""
+    try:
+        check_shape(config, shape, "operationConfig")
+        rules(config)
+    except ShapeError as err:
+        raise InvalidInputError(str(err), field=err.path, fix="see the SageMaker limits in the message") from None

@@ -1,0 +1,305 @@
+"""Unmodified boto3 clients against the emulator: state machines, ordering, dedup, AWS-shaped errors."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+from botocore.exceptions import ClientError
+from smhelpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
+
+pytestmark = pytest.mark.sagemaker
+
+
+def _name() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def _code(err: pytest.ExceptionInfo[ClientError]) -> tuple[str, int]:
+    return err.value.response["Error"]["Code"], err.value.response["ResponseMetadata"]["HTTPStatusCode"]
+
+
+def test_session_lifecycle_create_describe_list_stop_delete(sm, emulator):
+    name = _name()
+    arn = sm.create_training_session(
+        TrainingSessionName=name,
+        LoraConfig={"Rank": 4, "Alpha": 8},
+        RoleArn=ROLE,
+        ModelConfig={"BaseModelArn": hub_arn(sm)},
+        OutputConfig={"S3Location": {"Path": "s3://bucket/out", "KmsKeyArn": "arn:aws:kms:us-west-2:111122223333:key/abc-123"}},
+        VpcConfig={"SecurityGroupIds": ["sg-1"], "Subnets": ["subnet-1"]},
+    )["TrainingSessionArn"]
+    assert arn == f"arn:aws:sagemaker:us-west-2:111122223333:training-session/{name}"
+    first = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"]
+    assert first in ("Created", "Scheduled")
+    detail = wait_status(sm, name, {"Running"})
+    assert detail["TrainingSessionStatus"] == "Running"
+    assert detail["LoraConfig"] == {"Rank": 4, "Alpha": 8}
+    assert detail["VpcConfig"]["Subnets"] == ["subnet-1"]
+    assert detail["BillableTokenUsage"] == {"PrefillTokenCount": 0, "SampleTokenCount": 0, "TrainingTokenCount": 0}
+
+    listed = sm.list_training_sessions(NameContains=name)["TrainingSessionSummaries"]
+    assert [s["TrainingSessionArn"] for s in listed] == [arn]
+    assert sm.list_training_sessions(NameContains=name, StatusEquals="Stopped")["TrainingSessionSummaries"] == []
+
+    with pytest.raises(ClientError) as err:  # delete needs a stopped session
+        sm.delete_training_session(TrainingSessionName=name)
+    assert _code(err) == ("ValidationException", 400)
+    assert "invalid session state transition from Running to Deleting" in str(err.value)
+
+    sm.stop_training_session(TrainingSessionName=name)
+    assert wait_status(sm, name, {"Stopped"})["TrainingSessionStatus"] == "Stopped"
+    with pytest.raises(ClientError) as err:  # the official SDK treats this exact text as "already stopped"
+        sm.stop_training_session(TrainingSessionName=name)
+    assert "invalid session state transition from Stopped to " in err.value.response["Error"]["Message"]
+
+    sm.delete_training_session(TrainingSessionName=name)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            sm.describe_training_session(TrainingSessionName=name)
+        except ClientError as gone:
+            assert gone.response["Error"]["Code"] == "ResourceNotFound"
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the deleted session is still describable")
+
+
+def test_list_paginates_with_the_botocore_paginator(sm, emulator):
+    prefix = f"pg{uuid.uuid4().hex[:6]}"
+    for i in range(3):
+        new_session(sm, f"{prefix}-{i}")
+    pages = list(sm.get_paginator("list_training_sessions").paginate(NameContains=prefix, PaginationConfig={"PageSize": 2}))
+    assert [len(p["TrainingSessionSummaries"]) for p in pages] == [2, 1]
+    for i in range(3):
+        sm.stop_training_session(TrainingSessionName=f"{prefix}-{i}")
+
+
+def test_training_ops_run_in_order_with_usage_and_checkpoints(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    ids = [
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=i + 1, clientToken=f"tok-{i}", operationConfig=cfg)["operationId"]
+        for i, cfg in enumerate([fb([1, 40, 41, 42, 43]), OPTIM, {"saveState": {"description": "after one step"}}])
+    ]
+    results = [wait_op(rt.get_training_operation_result, name, op_id) for op_id in ids]
+    assert [r["status"] for r in results] == ["Completed"] * 3
+    fwd = results[0]["operationResult"]["forwardBackward"]
+    assert fwd["tokenUsage"] == {"trainingTokens": 4} == results[0]["tokenUsage"]
+    assert len(fwd["lossFnOutputs"][0]["logprobs"]["data"]) == 4
+    assert fwd["metrics"]["loss:sum"] > 0
+    pkg = results[2]["operationResult"]["saveState"]["modelPackageArn"]
+    assert pkg.startswith("arn:aws:sagemaker:us-west-2:111122223333:model-package/sagemaker-default/")
+    described = sm.describe_model_package(ModelPackageName=pkg)
+    container = described["InferenceSpecification"]["Containers"][0]
+    assert container["IsCheckpoint"] is True and container["BaseModel"]["HubContentName"] == "mock-bigram-tiny"
+    listed = sm.list_model_packages(ModelPackageGroupName="sagemaker-default", SortBy="CreationTime", SortOrder="Descending")
+    assert listed["ModelPackageSummaryList"][0]["ModelPackageArn"] == pkg
+
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["LastReceivedSequenceNumber"] == 3
+    assert detail["BillableTokenUsage"]["TrainingTokenCount"] == 4
+    assert emulator.session_state(name)["applied"] == [1, 2, 3]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_gap_blocks_the_session_until_the_missing_number_arrives(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    late = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=OPTIM)["operationId"]
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Blocked"
+    assert "sequence number 1" in detail["ErrorDetails"]
+    assert rt.get_training_operation_result(trainingSessionName=name, operationId=late)["status"] == "Pending"
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=fb([1, 50, 51]))["operationId"]
+    assert wait_op(rt.get_training_operation_result, name, late)["status"] == "Completed"
+    assert wait_op(rt.get_training_operation_result, name, first)["status"] == "Completed"
+    assert wait_status(sm, name, {"Running"})["TrainingSessionStatus"] == "Running"
+    assert emulator.session_state(name)["applied"] == [1, 2]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_gap_that_never_fills_fails_the_session_and_skips_its_queue(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    queued = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=OPTIM)["operationId"]
+    resp = wait_op(rt.get_training_operation_result, name, queued)  # the fixture's gap timeout is 1 s
+    assert resp["status"] == "Skipped"
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Failed"
+    assert "sequence number 1 never arrived" in detail["ErrorDetails"]
+    with pytest.raises(ClientError) as err:
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=OPTIM)
+    assert _code(err) == ("ConflictException", 409)
+    assert emulator.session_state(name)["applied"] == []
+
+
+def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="same", operationConfig=fb([1, 60, 61]))
+    again = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="same", operationConfig=fb([1, 60, 61]))
+    assert again["operationId"] == first["operationId"]
+    with pytest.raises(ClientError) as err:  # same token, other parameters
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="same", operationConfig=OPTIM)
+    assert _code(err) == ("ValidationException", 400) and "different parameters" in str(err.value)
+    with pytest.raises(ClientError) as err:  # same number, other token
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="other", operationConfig=fb([1, 60, 61]))
+    assert _code(err) == ("ValidationException", 400) and "already used" in str(err.value)
+    wait_op(rt.get_training_operation_result, name, first["operationId"])
+    assert emulator.session_state(name)["applied"] == [1]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize(
+    ("config", "where"),
+    [
+        (OPTIM | {"optimizerStep": {"adamParamsConfig": {"learningRate": 0.5}}}, "learningRate"),
+        ({"optimizerStep": {"adamParamsConfig": {"learningRate": 0.0}}}, "greater than 0"),
+        ({"forwardBackward": {"lossFnName": "dro", "datumList": [fb([1, 2, 3])["forwardBackward"]["datumList"][0]]}}, "enum"),
+        ({"forwardBackward": {**fb([1, 2, 3])["forwardBackward"], "lossFnConfig": {"beta": 0.1}}}, "Unsupported key 'beta'"),
+        ({"forwardBackward": {**fb([1, 2, 3])["forwardBackward"], "lossFnConfig": {"clip_high_threshold": 20}}}, "[1, 10]"),
+        ({"forwardBackward": {"lossFnName": "ppo", "datumList": fb([1, 2, 3])["forwardBackward"]["datumList"]}}, "missing advantages, logprobs"),
+        ({"forwardBackward": {"lossFnName": "cross_entropy", "datumList": []}}, "at least one datum"),
+        ({"loadState": {"modelPackageArn": "arn:aws:sagemaker:us-west-2:111122223333:model-package-group/g", "loadOptimizer": True}}, "version ARN"),
+        ({"forward": fb([1, 2, 3])["forwardBackward"], "optimizerStep": OPTIM["optimizerStep"]}, "exactly one"),
+        ({"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [fb([1, 2, 9999])["forwardBackward"]["datumList"][0]]}}, "token id"),
+    ],
+)
+def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
+    name = _name()
+    new_session(sm, name)
+    _, rt = clients(emulator.url, validate=False)  # send what botocore would refuse, as another client might
+    with pytest.raises(ClientError) as err:
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=config)
+    assert _code(err) == ("ValidationException", 400)
+    assert where in err.value.response["Error"]["Message"]
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"].get("LastReceivedSequenceNumber") is None
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_limits_from_the_control_plane_model_are_enforced(sm, emulator):
+    raw_sm, _ = clients(emulator.url, validate=False)
+    base = {
+        "TrainingSessionName": "ok-name",
+        "LoraConfig": {"Rank": 8, "Alpha": 16},
+        "RoleArn": ROLE,
+        "ModelConfig": {"BaseModelArn": hub_arn(sm)},
+        "OutputConfig": {"S3Location": {"Path": "s3://bucket/out"}},
+    }
+    for change, where in [
+        ({"TrainingSessionName": "bad_name!"}, "regular expression"),
+        ({"LoraConfig": {"Rank": 512, "Alpha": 16}}, "less than or equal to 256"),
+        ({"RoleArn": "not-a-role-arn-at-all"}, "RoleArn"),
+        ({"OutputConfig": {"S3Location": {"Path": "ftp://x"}}}, "Path"),
+    ]:
+        with pytest.raises(ClientError) as err:
+            raw_sm.create_training_session(**(base | change))
+        assert _code(err) == ("ValidationException", 400), change
+        assert where in err.value.response["Error"]["Message"]
+    with pytest.raises(ClientError) as err:
+        sm.create_training_session(**(base | {"ModelConfig": {"BaseModelArn": "arn:aws:sagemaker:us-west-2:aws:hub-content/SageMakerPublicHub/Model/nope/1.0.0"}}))
+    assert _code(err) == ("ResourceNotFound", 400)
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName="no-such-session")
+    name = _name()
+    new_session(sm, name)
+    with pytest.raises(sm.exceptions.ResourceInUse):
+        sm.create_training_session(**(base | {"TrainingSessionName": name}))
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.get_training_operation_result(trainingSessionName="nobody", operationId="op-1")
+    name = _name()
+    new_session(sm, name)
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.get_training_operation_result(trainingSessionName=name, operationId="op-1")
+    _, raw_rt = clients(emulator.url, validate=False)
+    with pytest.raises(ClientError) as err:
+        raw_rt.execute_sampling_operation(
+            trainingSessionName=name,
+            operationConfig={"sample": {"prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]}, "numSamples": 1, "samplingParams": {"maxTokens": 16}}},
+        )
+    assert _code(err) == ("ValidationException", 400) and "greater than or equal to 512" in str(err.value)
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    with pytest.raises(rt.exceptions.ConflictException):
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=OPTIM)
+
+
+def test_throttling_is_injected_with_the_runtime_status_and_code(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    emulator.set_faults(throttle_rate=1.0, operations=["ExecuteTrainingOperation"])
+    with pytest.raises(rt.exceptions.ThrottlingException) as err:
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=OPTIM)
+    assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 429
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"].get("LastReceivedSequenceNumber") is None
+    emulator.set_faults(lost_response_rate=1.0, operations=["ExecuteTrainingOperation"])
+    with pytest.raises(rt.exceptions.InternalServerException):  # applied, but the answer is lost
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=OPTIM)
+    emulator.set_faults()
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=OPTIM)["operationId"]
+    assert wait_op(rt.get_training_operation_result, name, op)["status"] == "Completed"
+    assert emulator.session_state(name)["applied"] == [1]  # the retry did not run it twice
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_sampling_compute_logprobs_and_weights_for_sampling(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    save = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="s", operationConfig={"saveWeights": {}})
+    pkg = wait_op(rt.get_training_operation_result, name, save["operationId"])["operationResult"]["saveWeights"]["modelPackageArn"]
+    prompt = {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}
+    ops = {
+        "load": {"loadWeightsForSampling": {"modelPackageArn": pkg}},
+        "sample": {"sample": {"prompt": prompt, "numSamples": 3, "samplingParams": {"maxTokens": 512, "seed": 7}, "includePromptLogprobs": True, "modelPackageArn": pkg}},
+        "logprobs": {"computeLogprobs": {"prompt": prompt}},
+    }
+    ids = {k: rt.execute_sampling_operation(trainingSessionName=name, operationConfig=cfg)["operationId"] for k, cfg in ops.items()}
+    out = {k: wait_op(rt.get_sampling_operation_result, name, op_id) for k, op_id in ids.items()}
+    assert {r["status"] for r in out.values()} == {"Completed"}
+    seqs = out["sample"]["operationResult"]["sample"]["sequences"]
+    assert len(seqs) == 3 and all(s["tokenUsage"]["prefill"] == 3 and s["tokenUsage"]["decode"] == len(s["tokens"]) for s in seqs)
+    assert len(out["sample"]["operationResult"]["sample"]["promptLogprobs"]) == 2
+    assert len(out["logprobs"]["operationResult"]["computeLogprobs"]["logprobs"]) == 2
+    usage = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"]
+    assert usage["PrefillTokenCount"] == 9 and usage["SampleTokenCount"] == sum(len(s["tokens"]) for s in seqs)
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.execute_sampling_operation(trainingSessionName=name, operationConfig={"loadWeightsForSampling": {"modelPackageArn": pkg[:-1] + "99"}})
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1}).encode()
+    resp = rt.sample_training_session(trainingSessionName=name, body=body, contentType="application/json", accept="application/json")
+    answer = json.loads(resp["body"].read())
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert 1 <= answer["usage"]["completion_tokens"] <= 4
+    stream = rt.sample_training_session_with_response_stream(trainingSessionName=name, body=body, contentType="application/json")
+    assert stream["contentType"].startswith("text/event-stream")
+    lines = [line for line in stream["body"].iter_lines() if line.startswith(b"data:")]
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [json.loads(line[5:]) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    with pytest.raises(rt.exceptions.ValidationException):
+        rt.sample_training_session(trainingSessionName=name, body=b'{"prompt": "no messages"}', contentType="application/json")
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
+    resp = httpx.post(emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}")
+    assert resp.status_code == 400 and resp.json()["__type"] == "UnknownOperationException"
+    name = _name()
+    new_session(sm, name)
+    emulator.end_session(name, status="Expired", reason="idle")
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Expired" and detail["ErrorDetails"] == "idle" and "EndTime" in detail
