@@ -104,7 +104,7 @@ def _method(cls: type, name: str, fn: object) -> str:
     ret_text = _annotation(ret) if ret is not inspect.Signature.empty else "Any"
     call = f"_facade.call(self._async.{name}{', ' if args else ''}{args})"
     if ret_text.startswith("SyncFuture["):
-        body = f"return SyncFuture({call})"
+        body = f"return _facade.submit(self._async.{name}{', ' if args else ''}{args})"
     elif ret_text in TWINS:
         body = f"return {ret_text}._wrap({call})"
     elif ret_text == "None":

@@ -7,7 +7,9 @@ interpreter exit, after every facade ServiceClient still open has been closed. C
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import functools
 import inspect
 import threading
@@ -17,28 +19,30 @@ from typing import Any, Generic, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .errors import FacadeMisuseError
+from .errors import DeadlineExceededError, FacadeMisuseError
 from .futures import APIFuture
 
-__all__ = ["SyncFuture", "call", "open_service", "close_service", "shutdown"]
+__all__ = ["SyncFuture", "call", "submit", "open_service", "close_service", "shutdown"]
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _portal: BlockingPortal | None = None
 _portal_cm: AbstractContextManager[BlockingPortal] | None = None
+_loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: int | None = None
 _services: dict[int, AbstractContextManager[Any]] = {}
 
 
 def _get_portal() -> BlockingPortal:
-    global _portal, _portal_cm, _loop_thread
+    global _portal, _portal_cm, _loop, _loop_thread
     if _portal is None:
         with _lock:
             if _portal is None:
                 cm = start_blocking_portal(backend="asyncio", name="asyncsess-loop")
                 portal = cm.__enter__()
                 _loop_thread = portal.call(threading.get_ident)
+                _loop = portal.call(asyncio.get_running_loop)
                 _portal_cm, _portal = cm, portal
                 atexit.register(shutdown)
     return _portal
@@ -52,14 +56,38 @@ def _check_thread(what: str) -> None:
         )
 
 
+def _on_loop(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """Run a plain function on the loop thread (one hop, no task); its outcome lands in the future."""
+    _get_portal()
+    assert _loop is not None
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as err:
+            done.set_exception(err)
+
+    _loop.call_soon_threadsafe(run)
+    return done
+
+
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` (sync or async) on the facade's loop and return its result."""
     _check_thread(getattr(fn, "__qualname__", "a blocking call"))
-    portal = _get_portal()
     if inspect.iscoroutinefunction(fn):
-        return portal.call(functools.partial(fn, *args, **kwargs))
-    # Boxed, so that an awaitable result (an APIFuture) comes back as is instead of being awaited.
-    return portal.call(lambda: (fn(*args, **kwargs),))[0]
+        return _get_portal().call(functools.partial(fn, *args, **kwargs))
+    return _on_loop(lambda: fn(*args, **kwargs)).result()
+
+
+def submit(method: Callable[..., APIFuture[T]], *args: Any, **kwargs: Any) -> SyncFuture[T]:
+    """Call an op method on the loop (it is numbered and sent now) and return its blocking future."""
+    _check_thread(getattr(method, "__qualname__", "an op"))
+
+    def start() -> SyncFuture[T]:
+        return SyncFuture(method(*args, **kwargs))
+
+    return _on_loop(start).result()  # type: ignore[no-any-return]
 
 
 def open_service(service: Any) -> Any:
@@ -80,26 +108,39 @@ def close_service(service: Any, exc_info: tuple[Any, Any, Any] = (None, None, No
 
 def shutdown() -> None:
     """Close open facade ServiceClients (stopping their sessions) and stop the loop thread."""
-    global _portal, _portal_cm, _loop_thread
+    global _portal, _portal_cm, _loop, _loop_thread
     for key in list(_services):
         cm = _services.pop(key)
         try:
             cm.__exit__(None, None, None)
-        except Exception:
+        except Exception:  # noqa: S110 - best effort at interpreter exit
             pass
     with _lock:
         if _portal_cm is not None:
             _portal_cm.__exit__(None, None, None)
-        _portal = _portal_cm = _loop_thread = None
+        _portal = _portal_cm = _loop = _loop_thread = None
 
 
 class SyncFuture(Generic[T]):
-    """Blocking view of an :class:`APIFuture`: the op was submitted, in order, when it was created."""
+    """Blocking view of an :class:`APIFuture`: the op was submitted, in order, when it was created.
 
-    __slots__ = ("_fut",)
+    Made on the loop thread; the op's outcome is mirrored into a ``concurrent.futures.Future``, so
+    ``result()`` waits without another hop onto the loop.
+    """
+
+    __slots__ = ("_done", "_fut")
 
     def __init__(self, fut: APIFuture[T]) -> None:
         self._fut = fut
+        self._done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        fut.add_done_callback(self._mirror)
+
+    def _mirror(self, fut: APIFuture[T]) -> None:
+        err = fut.exception()
+        if err is None:
+            self._done.set_result(fut.result())
+        else:
+            self._done.set_exception(err)
 
     def __repr__(self) -> str:
         return repr(self._fut).replace("APIFuture", "SyncFuture", 1)
@@ -111,25 +152,25 @@ class SyncFuture(Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds."""
         _check_thread("SyncFuture.result()")
-        if self._fut.done():
-            return self._fut.result()
-        return call(self._fut.result_async, timeout)  # type: ignore[no-any-return]
+        try:
+            return self._done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq) from None
 
     def done(self) -> bool:
-        return self._fut.done()
+        return self._done.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until done; return the op's error (or None). Raise ``DeadlineExceededError`` on timeout."""
+        _check_thread("SyncFuture.exception()")
         try:
-            self.result(timeout)
-        except Exception as err:
-            if not self._fut.done():
-                raise
-            return err
-        return None
+            return self._done.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceededError(f"not done within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq) from None
 
     def cancel(self) -> bool:
-        return bool(call(self._fut.cancel))
+        """Withdraw the work if it can still be withdrawn (see ``APIFuture.cancel``)."""
+        return bool(_on_loop(self._fut.cancel).result())
 
     def cancelled(self) -> bool:
         return self._fut.cancelled()

@@ -8,6 +8,7 @@ are ``async def``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import logging
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
+import sniffio
 from anyio.abc import TaskGroup
 
 from .backend import Backend, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, load_backend
@@ -80,6 +82,8 @@ class ServiceClient:
         self._heartbeat_interval = heartbeat_interval
         self._backend: Backend | None = None
         self._tg: TaskGroup | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set on asyncio: op tasks are plain tasks there
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._training: weakref.WeakValueDictionary[str, TrainingClient] = weakref.WeakValueDictionary()
         self._samplers: set[str] = set()
@@ -93,6 +97,8 @@ class ServiceClient:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._backend, self._tg = backend, tg
+        if sniffio.current_async_library() == "asyncio":
+            self._loop = asyncio.get_running_loop()
         if self._heartbeat_interval > 0:
             tg.start_soon(self._heartbeat_loop)
         return self
@@ -114,6 +120,11 @@ class ServiceClient:
                 await self._stop_quietly(sid)
             self._samplers.clear()
             self._orphans.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*self._tasks, return_exceptions=True)
         tg, self._tg = self._tg, None
         tg.cancel_scope.cancel()
         await tg.__aexit__(None, None, None)
@@ -195,7 +206,7 @@ class ServiceClient:
         if self._tg is None or self._closed:
             raise RuntimeError("ServiceClient is not open: use `async with ServiceClient(url) as svc:`")
         while self._orphans:
-            self._tg.start_soon(self._stop_quietly, self._orphans.pop())
+            self._start(self._stop_quietly, self._orphans.pop())
 
     async def _call(self, operation: str, fn: Callable[[], Awaitable[T]], seq: int | None = None) -> T:
         return await call_with_retry(self.retry_policy, fn, operation=operation, seq=seq, on_retry=self._record_retry)
@@ -207,9 +218,18 @@ class ServiceClient:
 
     def _spawn(self, fut: APIFuture[T], fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         self._require_open()
-        assert self._tg is not None
-        self._tg.start_soon(self._drive, fut, fn, args)
+        self._start(self._drive, fut, fn, args)
         return fut
+
+    def _start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Start a background task owned by this client (cancelled at close)."""
+        if self._loop is not None:  # asyncio: a plain task costs ~5 µs, anyio's start_soon ~30 µs
+            task = self._loop.create_task(fn(*args))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            assert self._tg is not None
+            self._tg.start_soon(fn, *args)
 
     @staticmethod
     async def _drive(fut: APIFuture[T], fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:

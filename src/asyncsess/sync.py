@@ -125,38 +125,38 @@ class TrainingClient:
 
     def forward(self, data: Any, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, float] | None = None, *, loss_fn_inputs: Mapping[str, Any] | None = None) -> SyncFuture[ForwardBackwardOutput]:
         """Log-probs and loss without gradients."""
-        return SyncFuture(_facade.call(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs=loss_fn_inputs))
+        return _facade.submit(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs=loss_fn_inputs)
 
     def forward_backward(self, data: Any, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, float] | None = None, *, loss_fn_inputs: Mapping[str, Any] | None = None) -> SyncFuture[ForwardBackwardOutput]:
         """Log-probs, loss, and gradients accumulated until the next ``optim_step``."""
-        return SyncFuture(_facade.call(self._async.forward_backward, data, loss_fn, loss_fn_config, loss_fn_inputs=loss_fn_inputs))
+        return _facade.submit(self._async.forward_backward, data, loss_fn, loss_fn_config, loss_fn_inputs=loss_fn_inputs)
 
     def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn) -> SyncFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
         ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
         Two sequence numbers are reserved now, so later ops stay behind both passes."""
-        return SyncFuture(_facade.call(self._async.forward_backward_custom, data, loss_fn))
+        return _facade.submit(self._async.forward_backward_custom, data, loss_fn)
 
     def optim_step(self, adam_params: AdamParams | Mapping[str, float] | None = None) -> SyncFuture[OptimStepResponse]:
         """Apply the accumulated gradients with AdamW."""
-        return SyncFuture(_facade.call(self._async.optim_step, adam_params))
+        return _facade.submit(self._async.optim_step, adam_params)
 
     def save_state(self, name: str | None = None, *, description: str | None = None, ttl_seconds: int | None = None) -> SyncFuture[CheckpointResponse]:
         """Save weights + optimizer state (resumable). ``description`` is SageMaker's spelling."""
-        return SyncFuture(_facade.call(self._async.save_state, name, description=description, ttl_seconds=ttl_seconds))
+        return _facade.submit(self._async.save_state, name, description=description, ttl_seconds=ttl_seconds)
 
     def save_weights_for_sampler(self, name: str | None = None, merge_weights: bool = False, *, description: str | None = None, ttl_seconds: int | None = None) -> SyncFuture[CheckpointResponse]:
         """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model."""
-        return SyncFuture(_facade.call(self._async.save_weights_for_sampler, name, merge_weights, description=description, ttl_seconds=ttl_seconds))
+        return _facade.submit(self._async.save_weights_for_sampler, name, merge_weights, description=description, ttl_seconds=ttl_seconds)
 
     def load_state(self, path: str) -> SyncFuture[LoadWeightsResponse]:
         """Load weights from ``path`` and reset the optimizer."""
-        return SyncFuture(_facade.call(self._async.load_state, path))
+        return _facade.submit(self._async.load_state, path)
 
     def load_state_with_optimizer(self, path: str) -> SyncFuture[LoadWeightsResponse]:
         """Load weights and optimizer state from ``path``."""
-        return SyncFuture(_facade.call(self._async.load_state_with_optimizer, path))
+        return _facade.submit(self._async.load_state_with_optimizer, path)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False) -> SamplingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them."""
@@ -204,11 +204,11 @@ class SamplingClient:
 
     def sample(self, prompt: ModelInput | list[int] | str, num_samples: int = 1, sampling_params: SamplingParams | Mapping[str, Any] | None = None, include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SyncFuture[SampleResponse]:
         """Draw ``num_samples`` continuations of ``prompt``."""
-        return SyncFuture(_facade.call(self._async.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs))
+        return _facade.submit(self._async.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
 
     def compute_logprobs(self, prompt: ModelInput | list[int] | str) -> SyncFuture[list[float | None]]:
         """Log-prob of each prompt token given the ones before it; the first is ``None``."""
-        return SyncFuture(_facade.call(self._async.compute_logprobs, prompt))
+        return _facade.submit(self._async.compute_logprobs, prompt)
 
     def stats(self) -> SamplingStats:
         """Backpressure figures of the pool this client shares with its ServiceClient."""
