@@ -84,7 +84,9 @@ def test_two_datums_sum_and_caller_normalisation():
         out = 0.0
         for d in (d1, d2):
             inputs = (
-                {"weights": [w * weight_scale(d) for w in d["w"]]} if loss_fn == "cross_entropy" else {"logprobs": d["q"], "advantages": d["A"]}
+                {"weights": [w * weight_scale(d) for w in d["w"]]}
+                if loss_fn == "cross_entropy"
+                else {"logprobs": d["q"], "advantages": d["A"]}
             )
             out += _loss_and_g(loss_fn, config, d["p"], inputs)[0]
         return out

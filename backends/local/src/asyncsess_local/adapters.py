@@ -1,0 +1,165 @@
+"""One frozen base model hosting many LoRA adapters (peft multi-adapter), isolated from each other.
+
+Training sessions and sampler snapshots are peft adapters of one ``PeftModel``; exactly one is active
+(and trainable) per training pass, and sampling batches may mix adapters row by row. A permanent rank-1
+zero adapter keeps peft's bookkeeping valid when no session is open. Adapter weights cross the
+boundary under portable keys: peft's own (``base_model.model.<module>.lora_A.weight``), without the
+adapter name, so a checkpoint fits any adapter of the same shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .models import ModelSource
+
+__all__ = ["LoraHost", "BASE", "linear_groups", "target_modules"]
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+_ANCHOR = "anchor"
+_ATTN = re.compile(r"attn|attention", re.IGNORECASE)
+
+
+def linear_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Names (last path component) of the model's linear layers by role: ``attn``, ``mlp``, ``unembed``.
+
+    Call it on the plain model, before peft wraps it.
+    """
+    head = model.get_output_embeddings()
+    groups: dict[str, set[str]] = {"attn": set(), "mlp": set(), "unembed": set()}
+    for full, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            role = "unembed" if module is head else "attn" if _ATTN.search(full) else "mlp"
+            groups[role].add(full.rsplit(".", 1)[-1])
+    return {k: sorted(v) for k, v in groups.items()}
+
+
+def target_modules(
+    groups: dict[str, list[str]], *, train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True
+) -> list[str]:
+    """The layers to adapt for the given switches."""
+    chosen = (groups["attn"] if train_attn else []) + (groups["mlp"] if train_mlp else []) + (groups["unembed"] if train_unembed else [])
+    return sorted(set(chosen))
+
+
+@dataclass
+class AdapterInfo:
+    rank: int
+    alpha: float
+    targets: list[str]
+
+
+class LoraHost:
+    """A base model wrapped once by peft; adapters are added, activated and removed by name."""
+
+    def __init__(self, model: nn.Module, source: ModelSource) -> None:
+        from peft import LoraConfig, PeftModel
+
+        self.source = source
+        self.groups = linear_groups(model)
+        first = next(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+        anchor = LoraConfig(r=1, lora_alpha=1, target_modules=[first], lora_dropout=0.0, init_lora_weights=False)
+        self.peft = PeftModel(model, anchor, adapter_name=_ANCHOR)
+        with torch.no_grad():
+            for p in self._raw_params(_ANCHOR).values():
+                p.zero_()
+        self.peft.eval()
+        self.info: dict[str, AdapterInfo] = {}
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def add(self, name: str, *, rank: int, alpha: float, targets: list[str], seed: int | None) -> dict[str, nn.Parameter]:
+        """Add a fresh adapter (A random, B zero: a no-op until trained); return its parameters."""
+        from peft import LoraConfig
+
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+        config.base_model_name_or_path = self.source.name
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.peft.add_adapter(name, config)
+        self.peft.set_adapter(_ANCHOR)
+        self.peft.eval()
+        self.info[name] = AdapterInfo(rank, alpha, list(targets))
+        return self.params(name)
+
+    def remove(self, name: str) -> None:
+        if name in self.info:
+            self.peft.set_adapter(_ANCHOR)
+            self.peft.delete_adapter(name)
+            del self.info[name]
+
+    def activate(self, name: str, *, trainable: bool) -> None:
+        """Make ``name`` the adapter every forward uses (trainable: its parameters get gradients)."""
+        self.peft.set_adapter(name, inference_mode=not trainable)
+
+    def config(self, name: str) -> Any:
+        return self.peft.peft_config[name]
+
+    # -------------------------------------------------------------------------------- weights
+
+    def _raw_params(self, name: str) -> dict[str, nn.Parameter]:
+        tag = f".{name}."
+        return {n.replace(tag, "."): p for n, p in self.peft.named_parameters() if tag in n and ".lora_" in n}
+
+    def params(self, name: str) -> dict[str, nn.Parameter]:
+        """The adapter's parameters under portable keys, in a fixed order."""
+        return dict(sorted(self._raw_params(name).items()))
+
+    def state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        return {k: p.detach().clone().contiguous() for k, p in self.params(name).items()}
+
+    def load_state_dict(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        params = self.params(name)
+        if set(params) != set(tensors):
+            missing, extra = sorted(set(params) - set(tensors))[:3], sorted(set(tensors) - set(params))[:3]
+            raise ValueError(f"adapter keys do not match (missing {missing}, unexpected {extra})")
+        with torch.no_grad():
+            for k, p in params.items():
+                t = tensors[k]
+                if t.shape != p.shape:
+                    raise ValueError(f"{k}: shape {tuple(t.shape)} does not fit {tuple(p.shape)}")
+                p.copy_(t.to(p.device, p.dtype))
+
+    def copy(self, src: str, dst: str) -> None:
+        """Add ``dst`` as a frozen copy of ``src`` (a sampler snapshot)."""
+        info = self.info[src]
+        self.add(dst, rank=info.rank, alpha=info.alpha, targets=info.targets, seed=None)
+        self.load_state_dict(dst, self.state_dict(src))
+        for p in self.params(dst).values():
+            p.requires_grad_(False)
+
+    def export_peft(self, name: str, path: Path) -> None:
+        """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` (and vLLM) load."""
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.cpu() for k, v in self.state_dict(name).items()}
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = copy.deepcopy(self.config(name))
+        config.base_model_name_or_path = self.source.path if Path(self.source.path).exists() else self.source.name
+        config.inference_mode = True
+        config.save_pretrained(str(path))
+
+    def import_peft(self, name: str, path: Path) -> None:
+        """Add adapter ``name`` (frozen) from a PEFT adapter directory."""
+        from safetensors.torch import load_file
+
+        config = json.loads((path / "adapter_config.json").read_text())
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        self.add(name, rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=sorted(config["target_modules"]), seed=None)
+        try:
+            self.load_state_dict(name, tensors)
+        except ValueError:
+            self.remove(name)
+            raise
+        for p in self.params(name).values():
+            p.requires_grad_(False)

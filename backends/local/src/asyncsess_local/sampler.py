@@ -1,0 +1,162 @@
+"""The torch sampler: batched generation with a KV cache across concurrent requests and adapters.
+
+Each request's prompt is prefilled once (left-padded with the others), its cache rows are repeated
+``num_samples`` times, then all rows decode together; rows from different adapters share the batch
+through peft's mixed-adapter forward. Finished rows leave the cache, so a long sample does not make
+short ones pay. Returned log-probs are the model's own (temperature 1, before top-k/top-p), the same
+quantity ``compute_logprobs`` and the trainer report.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, Usage
+
+from .adapters import BASE, LoraHost
+
+__all__ = ["SampleJob", "TorchSampler"]
+
+
+@dataclass
+class SampleJob:
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    adapter: str = BASE
+    max_tokens: int = 1
+
+
+@dataclass
+class _Row:
+    job: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+class TorchSampler:
+    def __init__(self, host: LoraHost, tokenizer, device: torch.device, eos_ids: list[int]) -> None:
+        self.host = host
+        self.tokenizer = tokenizer
+        self.device = device
+        self.eos_ids = eos_ids
+        self._seeds = torch.Generator().manual_seed(torch.initial_seed())
+        forward = inspect.signature(type(host.peft.get_base_model()).forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"  # renamed in transformers 5
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
+        return g
+
+    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache, adapters: list[str]) -> Tensor:
+        model = self.host.peft
+        kwargs = {}
+        if len(set(adapters)) == 1 and adapters[0] != BASE:
+            self.host.activate(adapters[0], trainable=False)
+        else:
+            kwargs["adapter_names"] = adapters
+        kwargs[self._cache_arg] = cache
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[:, -1].float()
+
+    def _choose(self, logits: Tensor, rows: list[_Row], jobs: list[SampleJob]) -> Tensor:
+        out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        for i, row in enumerate(rows):
+            p = jobs[row.job].params
+            if p.temperature == 0.0:
+                out[i] = logits[i].argmax()
+                continue
+            lg = _filter(logits[i : i + 1] / p.temperature, p.top_k, p.top_p)
+            out[i] = torch.multinomial(lg.softmax(-1), 1, generator=row.generator)[0, 0]
+        return out
+
+    def _stops(self, job: SampleJob) -> tuple[set[int], list[str]]:
+        if job.params.stop is None:
+            return set(self.eos_ids), []
+        return set(job.params.stop_token_ids()), job.params.stop_strings()
+
+    @torch.no_grad()
+    def run(self, jobs: list[SampleJob]) -> list[SampleResponse]:
+        from transformers import DynamicCache
+
+        dev = self.device
+        width = max(len(j.prompt) for j in jobs)
+        ids = torch.zeros(len(jobs), width, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(jobs), width, dtype=torch.long, device=dev)
+        for i, j in enumerate(jobs):
+            ids[i, width - len(j.prompt) :] = torch.tensor(j.prompt, device=dev)
+            mask[i, width - len(j.prompt) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, pos, cache, [j.adapter for j in jobs])
+
+        expand = torch.repeat_interleave(torch.arange(len(jobs), device=dev), torch.tensor([j.num_samples for j in jobs], device=dev))
+        cache.batch_select_indices(expand)
+        logits, mask = logits[expand], mask[expand]
+        rows: list[_Row] = []
+        for ji, j in enumerate(jobs):
+            gen = self._generator(j.params.seed)
+            rows.extend(_Row(job=ji, generator=gen) for _ in range(j.num_samples))
+        stops = [self._stops(j) for j in jobs]
+        live = list(range(len(rows)))
+        while True:
+            chosen = self._choose(logits, [rows[r] for r in live], jobs)
+            logp = logits.log_softmax(-1).gather(-1, chosen[:, None])[:, 0]
+            keep: list[int] = []
+            for i, r in enumerate(live):
+                row, job = rows[r], jobs[rows[r].job]
+                tok = int(chosen[i])
+                row.tokens.append(tok)
+                row.logprobs.append(float(logp[i]))
+                ids_stop, str_stop = stops[row.job]
+                if tok in ids_stop or (str_stop and any(s in self.tokenizer.decode(row.tokens) for s in str_stop)):
+                    row.stop_reason = "stop"
+                elif len(row.tokens) >= job.max_tokens:
+                    row.stop_reason = "length"
+                else:
+                    keep.append(i)
+            if not keep:
+                break
+            if len(keep) < len(live):
+                sel = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(sel)
+                mask, chosen = mask[sel], chosen[sel]
+                live = [live[i] for i in keep]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+            pos = mask.sum(-1, keepdim=True) - 1
+            logits = self._forward(chosen[:, None], mask, pos, cache, [jobs[rows[r].job].adapter for r in live])
+
+        out = []
+        for ji, j in enumerate(jobs):
+            seqs = [
+                SampledSequence(
+                    stop_reason=row.stop_reason,  # type: ignore[arg-type]
+                    tokens=row.tokens,
+                    logprobs=row.logprobs,
+                    usage=Usage(prefill_tokens=len(j.prompt), decode_tokens=len(row.tokens)),
+                )
+                for row in rows
+                if row.job == ji
+            ]
+            usage = Usage(prefill_tokens=len(j.prompt), decode_tokens=sum(len(s.tokens) for s in seqs))
+            out.append(SampleResponse(sequences=seqs, usage=usage))
+        return out

@@ -1,0 +1,154 @@
+"""Training on one LoRA adapter: packed forward(-backward) over many ops at once, and AdamW steps.
+
+Gradients accumulate in the adapter's parameters until ``optim_step``. Several ``forward_backward``
+ops queued together run as one pass split into token-budget micro-batches; since every loss is a sum,
+that yields the same gradient as running them one by one (up to float rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from asyncsess.backend import TrainingOp
+from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse, TensorData, Usage
+
+from .adapters import LoraHost
+from .logprobs import packed_logprobs
+from .losses import datum_loss
+
+__all__ = ["TrainSession", "run_ops", "optim_step", "new_optimizer", "optimizer_tensors", "load_optimizer_tensors"]
+
+
+@dataclass
+class TrainSession:
+    """One training session: a trainable adapter with its own AdamW state."""
+
+    model_id: str
+    base_model: str
+    adapter: str
+    rank: int
+    alpha: float
+    targets: list[str]
+    seed: int | None
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    failed: BaseException | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
+    """Full-precision AdamW with two groups (LoRA A, LoRA B) so LoRA+ can scale B's learning rate."""
+    a = [p for k, p in params.items() if ".lora_B." not in k]
+    b = [p for k, p in params.items() if ".lora_B." in k]
+    return torch.optim.AdamW([{"params": a}, {"params": b}], lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+
+
+def _pack_budget(lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy micro-batches of datum indices with at most ``budget`` tokens each (a longer datum goes alone)."""
+    batches: list[list[int]] = []
+    used = budget
+    for i, n in enumerate(lengths):
+        if used + n > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(i)
+        used += n
+    return batches
+
+
+def run_ops(
+    host: LoraHost,
+    sess: TrainSession,
+    ops: list[TrainingOp],
+    *,
+    backward: bool,
+    device: torch.device,
+    token_budget: int,
+    chunk: int,
+    plain_head: bool,
+) -> list[ForwardBackwardOutput]:
+    """Run ``forward`` (``backward=False``) or ``forward_backward`` ops of one session in one pass."""
+    host.activate(sess.adapter, trainable=backward)
+    model = host.peft.get_base_model()
+    items: list[tuple[int, Any]] = [(oi, d) for oi, op in enumerate(ops) for d in op.data]
+    lengths = [d.model_input.length for _, d in items]
+    logprobs: list[Tensor | None] = [None] * len(items)
+    loss_sums = [0.0] * len(ops)
+    for batch in _pack_budget(lengths, token_budget):
+        seqs, inputs = [], []
+        for i in batch:
+            d = items[i][1]
+            ids = torch.tensor(d.model_input.to_ints(), dtype=torch.long, device=device)
+            lfi = d.loss_fn_inputs
+            seqs.append((ids, torch.tensor(lfi["target_tokens"].data, dtype=torch.long, device=device)))
+            inputs.append({k: torch.tensor(v.data, dtype=torch.float32, device=device) for k, v in lfi.items() if k != "target_tokens"})
+        with torch.set_grad_enabled(backward):
+            lps = packed_logprobs(model, seqs, chunk=chunk, plain_head=plain_head)
+            total = None
+            for i, lp, inp in zip(batch, lps, inputs):
+                op = ops[items[i][0]]
+                loss = datum_loss(op.loss_fn or "cross_entropy", lp, inp, op.loss_fn_config)
+                loss_sums[items[i][0]] += float(loss.detach())
+                total = loss if total is None else total + loss
+            if backward and total is not None and total.requires_grad:
+                total.backward()
+        for i, lp in zip(batch, lps):
+            logprobs[i] = lp.detach().float().cpu()
+    outputs = []
+    for oi in range(len(ops)):
+        mine = [i for i, (o, _) in enumerate(items) if o == oi]
+        outputs.append(
+            ForwardBackwardOutput(
+                loss_fn_output_type="TensorData",
+                loss_fn_outputs=[{"logprobs": TensorData.from_torch(logprobs[i])} for i in mine],  # type: ignore[arg-type]
+                metrics={"loss:sum": loss_sums[oi]},
+                usage=Usage(training_tokens=sum(lengths[i] for i in mine)),
+            )
+        )
+    return outputs
+
+
+def optim_step(sess: TrainSession, adam: AdamParams) -> OptimStepResponse:
+    """One AdamW step with ``adam``'s settings (weight decay, grad-norm clip, LoRA+ ratio); zero the grads."""
+    params = list(sess.params.values())
+    grads = [p.grad for p in params if p.grad is not None]
+    if adam.grad_clip_norm > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm))
+    else:
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    ratio = adam.lora_plus_lr_ratio or 1.0
+    for gi, group in enumerate(sess.optimizer.param_groups):
+        group.update(
+            lr=adam.learning_rate * (ratio if gi == 1 else 1.0),
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+    sess.optimizer.step()
+    sess.optimizer.zero_grad(set_to_none=True)
+    sess.step += 1
+    return OptimStepResponse(step=sess.step, metrics={"grad_norm": norm, "learning_rate": adam.learning_rate})
+
+
+def optimizer_tensors(sess: TrainSession) -> dict[str, Tensor]:
+    """AdamW moments and step counts under ``<param key>::<field>`` (safetensors-friendly)."""
+    out: dict[str, Tensor] = {}
+    for key, p in sess.params.items():
+        for name, value in sess.optimizer.state.get(p, {}).items():
+            out[f"{key}::{name}"] = value.detach().cpu().contiguous()
+    return out
+
+
+def load_optimizer_tensors(sess: TrainSession, tensors: dict[str, Tensor]) -> None:
+    sess.optimizer.state.clear()
+    for key, p in sess.params.items():
+        state = {name.split("::", 1)[1]: t for name, t in tensors.items() if name.split("::", 1)[0] == key}
+        if state:
+            sess.optimizer.state[p] = {
+                name: (t.clone() if name == "step" else t.to(p.device, p.dtype).clone()) for name, t in state.items()
+            }

@@ -1,0 +1,31 @@
+"""Fixtures for the local backend: a tiny offline Llama and an embedded engine on it (CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from asyncsess_local.testing import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir: Path) -> str:
+    """The base model name the tests use: the tiny model's directory."""
+    return str(tiny_dir)
+
+
+@pytest.fixture
+def backend_factory(tiny: str, tmp_path: Path):
+    """Build LocalBackends on the tiny model; each is closed at teardown (by the test's own event loop)."""
+    from asyncsess_local.embedded import LocalBackend
+
+    def make(**kw):
+        return LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"), **kw)
+
+    return make

@@ -1,0 +1,26 @@
+"""Helpers shared by the local backend tests."""
+
+from __future__ import annotations
+
+from asyncsess.backend import TrainingOp
+from asyncsess.types import Datum, ModelInput
+
+
+def sft_datum(tokens: list[int], weights: list[float] | None = None) -> Datum:
+    """Next-token SFT datum on ``tokens``."""
+    n = len(tokens) - 1
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights if weights is not None else [1.0] * n},
+    )
+
+
+class Ops:
+    """Builds ``TrainingOp``s with consecutive sequence numbers for one session."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **kw) -> TrainingOp:
+        self.seq += 1
+        return TrainingOp(kind, self.seq, f"key-{self.seq}", **kw)  # type: ignore[arg-type]
