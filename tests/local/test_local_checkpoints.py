@@ -1,0 +1,167 @@
+"""Checkpoints: bit-exact resume with the optimizer, weights-only resume, PEFT and merged exports that the
+real peft/transformers loaders read, listing, and paths outside the storage root refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from local_helpers import Ops, sft_datum  # noqa: E402
+
+from asyncsess.backend import SamplerSpec, TrainingSessionSpec  # noqa: E402
+from asyncsess.errors import InvalidInputError, PoisonedError  # noqa: E402
+from asyncsess.types import AdamParams  # noqa: E402
+
+pytestmark = [pytest.mark.local, pytest.mark.anyio]
+
+TEXTS = ["what is 2 plus 3? the answer is 5.", "hello world the cat and the dog", "one two three four"]
+
+
+async def _steps(b, model_id, ops, data, n):
+    for i in range(n):
+        await b.execute_training(model_id, ops("forward_backward", data=(data[i % len(data)],), loss_fn="cross_entropy"))
+        await b.execute_training(model_id, ops("optim_step", adam_params=AdamParams(learning_rate=2e-2, weight_decay=0.01)))
+
+
+def _params(b, model_id):
+    return {k: p.detach().clone() for k, p in b.engine.sessions[model_id].params.items()}
+
+
+def _path(uri: str) -> Path:
+    assert uri.startswith("local:///")
+    return Path(uri[len("local://") :])
+
+
+async def test_resume_with_optimizer_is_bit_exact_and_weights_only_is_not(backend_factory, tiny):
+    b = backend_factory()
+    try:
+        await b.open()
+        tok = b.get_tokenizer(tiny)
+        data = [sft_datum(tok.encode(t)) for t in TEXTS]
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=7))
+        ops = Ops()
+        await _steps(b, a.model_id, ops, data, 3)
+        saved = await b.execute_training(a.model_id, ops("save_state", name="mid"))
+        assert saved.step == 3 and saved.kind == "state"
+        at_save = _params(b, a.model_id)
+        await _steps(b, a.model_id, ops, data[1:] + data[:1], 3)
+        continued = _params(b, a.model_id)
+
+        r = await b.create_training_session(TrainingSessionSpec(base_model=tiny, from_path=saved.path, with_optimizer=True))
+        assert r.step == 3 and r.lora_rank == 4
+        assert all(torch.equal(at_save[k], v) for k, v in _params(b, r.model_id).items())
+        await _steps(b, r.model_id, Ops(), data[1:] + data[:1], 3)
+        resumed = _params(b, r.model_id)
+        assert all(torch.equal(continued[k], resumed[k]) for k in continued)
+
+        w = await b.create_training_session(TrainingSessionSpec(base_model=tiny, from_path=saved.path, with_optimizer=False))
+        assert all(torch.equal(at_save[k], v) for k, v in _params(b, w.model_id).items())
+        assert not b.engine.sessions[w.model_id].optimizer.state  # a fresh optimizer
+        await _steps(b, w.model_id, Ops(), data[1:] + data[:1], 3)
+        assert any(not torch.equal(continued[k], v) for k, v in _params(b, w.model_id).items())
+
+        files = sorted(p.name for p in _path(saved.path).iterdir())
+        assert files == ["adapter.safetensors", "asyncsess.json", "optimizer.safetensors"]
+    finally:
+        await b.aclose()
+
+
+async def test_load_state_op_restores_weights_and_optimizer(backend_factory, tiny):
+    b = backend_factory()
+    try:
+        await b.open()
+        tok = b.get_tokenizer(tiny)
+        data = [sft_datum(tok.encode(t)) for t in TEXTS]
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=1))
+        ops = Ops()
+        await _steps(b, a.model_id, ops, data, 2)
+        saved = await b.execute_training(a.model_id, ops("save_state", name="two"))
+        before = _params(b, a.model_id)
+        await _steps(b, a.model_id, ops, data, 2)
+        loaded = await b.execute_training(a.model_id, ops("load_state", path=saved.path, with_optimizer=True))
+        assert loaded.step == 2
+        assert all(torch.equal(before[k], v) for k, v in _params(b, a.model_id).items())
+        other = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=8, seed=1))
+        o = Ops()
+        with pytest.raises(InvalidInputError, match="rank"):
+            await b.execute_training(other.model_id, o("load_state", path=saved.path, with_optimizer=True))
+        with pytest.raises(PoisonedError):
+            await b.execute_training(other.model_id, o("optim_step", adam_params=AdamParams()))
+    finally:
+        await b.aclose()
+
+
+async def test_sampler_export_is_a_peft_dir_and_merged_export_is_a_transformers_dir(backend_factory, tiny, tiny_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    b = backend_factory()
+    try:
+        await b.open()
+        tok = b.get_tokenizer(tiny)
+        data = [sft_datum(tok.encode(t)) for t in TEXTS]
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=2))
+        ops = Ops()
+        await _steps(b, a.model_id, ops, data, 3)
+        peft_ckpt = await b.execute_training(a.model_id, ops("save_weights", name="for-peft"))
+        merged_ckpt = await b.execute_training(a.model_id, ops("save_weights", name="merged", merge_weights=True))
+        assert (peft_ckpt.kind, merged_ckpt.kind) == ("sampler", "merged")
+
+        probe = tok.encode("the answer is 5. hello world")
+        sampler = await b.create_sampler(SamplerSpec(model_path=peft_ckpt.path))
+        engine_lp = await b.compute_logprobs(sampler, probe)
+        assert engine_lp[0] is None and len(engine_lp) == len(probe)
+
+        def logprobs(model):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([probe])).logits[0].float()
+            return logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(probe[1:])[:, None])[:, 0].tolist()
+
+        d = _path(peft_ckpt.path)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), str(d)).eval()
+        assert logprobs(peft_model) == pytest.approx(engine_lp[1:], abs=1e-4)
+
+        merged = AutoModelForCausalLM.from_pretrained(str(_path(merged_ckpt.path))).eval()
+        assert logprobs(merged) == pytest.approx(engine_lp[1:], abs=1e-4)
+        base = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+        assert logprobs(base) != pytest.approx(engine_lp[1:], abs=1e-4)  # the adapter really changed the model
+
+        listed = {c.checkpoint_id.split("/")[-1]: c for c in await b.list_checkpoints(a.model_id)}
+        assert {k: c.checkpoint_type for k, c in listed.items()} == {"for-peft": "sampler", "merged": "merged"}
+        assert listed["merged"].path == merged_ckpt.path and listed["for-peft"].step == 3
+        assert listed["merged"].size_bytes > listed["for-peft"].size_bytes > 0
+    finally:
+        await b.aclose()
+
+
+async def test_paths_outside_the_root_and_bad_names_are_refused(backend_factory, tiny, tmp_path):
+    b = backend_factory()
+    try:
+        await b.open()
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "asyncsess.json").write_text('{"kind": "sampler", "base_model": "x"}')
+        root = b.engine.store.root
+        for bad in [
+            f"local://{outside}",
+            "local://../outside",
+            f"local://{root}/../outside",
+            "/etc",
+            "s3://bucket/x",
+            "local://nothing/here",
+        ]:
+            with pytest.raises(InvalidInputError, match="path"):
+                await b.create_sampler(SamplerSpec(model_path=bad))
+            with pytest.raises(InvalidInputError):
+                await b.create_training_session(TrainingSessionSpec(base_model=tiny, from_path=bad))
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=2))
+        with pytest.raises(InvalidInputError, match="name"):
+            await b.execute_training(a.model_id, Ops()("save_state", name="../escape"))
+    finally:
+        await b.aclose()
