@@ -94,7 +94,7 @@ class _Session:
     hf_id: str | None
     rank: int
     alpha: int
-    sequencer: Sequencer[tuple[str, int]]
+    sequencer: Sequencer[tuple[str, int]]  # (operation id, optimizer steps submitted so far), in submission order
     next_wire_seq: int = 1
     steps: int = 0
     gone: SessionGoneError | None = None
@@ -442,7 +442,10 @@ class SageMakerBackend(Backend):
                 raise sess.gone
             config = self._operation_config(op)
             _check_config(config, _OPERATION_CONFIG, check_operation_config)
-            return await self._submit(sess, config, _client_token(name, op.idempotency_key)), sess.next_wire_seq - 1
+            op_id = await self._submit(sess, config, _client_token(name, op.idempotency_key))
+            if op.kind == "optim_step":
+                sess.steps += 1
+            return op_id, sess.steps
 
         return submit
 
@@ -483,6 +486,7 @@ class SageMakerBackend(Backend):
             return resp
         details = resp.get("errorDetails") or "no details"
         if status == "Failed":
+            await self._check_alive(sess)  # an op cut short by the session's end is "gone", not "failed"
             sess.poison = ServerError(f"operation {op_id} failed: {details}", operation=operation_name, request_id=op_id)
             raise sess.poison
         await self._check_alive(sess)  # Skipped: gone, or behind a failure
@@ -492,18 +496,17 @@ class SageMakerBackend(Backend):
         sess = self._sessions.get(session_id)
         if sess is None:
             raise InvalidInputError(f"no training session {session_id!r} on this client", field="session_id")
-        op_id, wire_seq = await sess.sequencer.execute(op)
+        op_id, step = await sess.sequencer.execute(op)
         resp = await self._training_outcome(sess, op_id, op.kind)
-        return self._training_result(sess, op, resp)
+        return self._training_result(sess, op, resp, step)
 
-    def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any]) -> TrainingResult:
+    def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any], step: int) -> TrainingResult:
         result = resp.get("operationResult") or {}
         if op.kind in ("forward", "forward_backward"):
             body = result.get("forward" if op.kind == "forward" else "forwardBackward") or {}
             return forward_result_from_wire(body, resp.get("tokenUsage"))
         if op.kind == "optim_step":
-            sess.steps += 1
-            return OptimStepResponse(metrics=(result.get("optimizerStep") or {}).get("metrics"), step=sess.steps)
+            return OptimStepResponse(metrics=(result.get("optimizerStep") or {}).get("metrics"), step=step)
         if op.kind in ("save_weights", "save_state"):
             body = result.get("saveWeights" if op.kind == "save_weights" else "saveState") or {}
             arn = body.get("modelPackageArn")
@@ -518,11 +521,11 @@ class SageMakerBackend(Backend):
                     checkpoint_type="training" if kind == "state" else kind,
                     path=arn,
                     time=time.time(),
-                    step=sess.steps,
+                    step=step,
                 )
             )
-            return CheckpointResponse(path=arn, kind=kind, step=sess.steps)
-        return LoadWeightsResponse(path=op.path or "", step=sess.steps)
+            return CheckpointResponse(path=arn, kind=kind, step=step)
+        return LoadWeightsResponse(path=op.path or "", step=step)
 
     async def _load_state(self, sess: _Session, arn: str, with_optimizer: bool) -> None:
         """The resume op of a session created from a checkpoint (wire number 1, before any client op)."""

@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import re
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -51,6 +52,7 @@ class _Faults:
     def set(self, config: FaultConfig) -> None:
         self.config = config
         self.rng = random.Random(config.seed)
+        self.injected: Counter[str] = Counter()  # "ThrottlingException", ... -> how many were answered
 
     def applies(self, op_name: str) -> bool:
         ops = self.config.operations
@@ -62,12 +64,20 @@ class _Faults:
         if self.config.latency_s:
             await anyio.sleep(self.config.latency_s)
         if self.config.throttle_rate and self.rng.random() < self.config.throttle_rate:
+            self.injected["ThrottlingException"] += 1
             raise AwsError.throttling()
         if self.config.internal_error_rate and self.rng.random() < self.config.internal_error_rate:
+            self.injected["InternalServerException"] += 1
             raise AwsError.internal("Injected internal error")
 
     def lose_response(self, op_name: str) -> bool:
-        return self.applies(op_name) and bool(self.config.lost_response_rate) and self.rng.random() < self.config.lost_response_rate
+        lost = self.applies(op_name) and bool(self.config.lost_response_rate) and self.rng.random() < self.config.lost_response_rate
+        if lost:
+            self.injected["lost response"] += 1
+        return lost
+
+    def report(self) -> dict[str, Any]:
+        return {"config": self.config.model_dump(), "injected": dict(self.injected)}
 
 
 def _validate(model: OperationModel, params: dict[str, Any]) -> None:
@@ -209,8 +219,9 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     # -------------------------------------------------------------------------------- admin
 
     async def set_faults(request: Request) -> Response:
-        faults.set(FaultConfig.model_validate(await request.json()))
-        return JSONResponse(faults.config.model_dump())
+        if request.method == "POST":
+            faults.set(FaultConfig.model_validate(await request.json()))
+        return JSONResponse(faults.report())
 
     async def session_state(request: Request) -> Response:
         try:
@@ -228,7 +239,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
 
     routes += [
         Route("/", control_plane, methods=["POST"]),
-        Route("/_emulator/faults", set_faults, methods=["POST"]),
+        Route("/_emulator/faults", set_faults, methods=["GET", "POST"]),
         Route("/_emulator/sessions/{name}", session_state, methods=["GET"]),
         Route("/_emulator/sessions/{name}/end", end_session, methods=["POST"]),
     ]

@@ -35,6 +35,10 @@ class RunningEmulator:
         """Replace the fault settings (see :class:`FaultConfig`); no argument clears them."""
         httpx.post(f"{self.url}/_emulator/faults", json=FaultConfig(**faults).model_dump()).raise_for_status()
 
+    def injected_faults(self) -> dict[str, int]:
+        """How many faults were injected since the last :meth:`set_faults`, by kind."""
+        return httpx.get(f"{self.url}/_emulator/faults").json()["injected"]
+
     def session_state(self, name: str) -> dict[str, Any]:
         """Status, the sequence numbers the engine applied (in order), and every operation's status."""
         resp = httpx.get(f"{self.url}/_emulator/sessions/{name}")

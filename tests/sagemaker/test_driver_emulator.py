@@ -1,0 +1,191 @@
+"""The driver end to end through ``asyncsess.ServiceClient("sagemaker://...")`` against the emulator over mock://."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from smhelpers import clients, driver_url, wait_status
+
+from asyncsess_sagemaker.emulator import running_emulator
+
+import asyncsess
+from asyncsess.errors import InvalidInputError, RetriesExhaustedError, SessionGoneError, UnsupportedError
+from asyncsess.rl import rl_datum
+from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
+
+pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
+
+BASE = "mock/bigram-tiny"
+
+
+def sft(tokens: list[int]) -> Datum:
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+BATCH = [sft([1, 40, 41, 42, 43, 2]), sft([1, 50, 51, 52, 2])]
+
+
+async def _loop(url: str, steps: int, seed: int) -> tuple[list[list[list[int]]], list[float]]:
+    """A small GRPO-shaped loop: sample, score, ppo + optim (pipelined), fresh sampler; then the final log-probs."""
+    samples = []
+    async with asyncsess.ServiceClient(url) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8)
+        sc = await tc.save_weights_and_get_sampling_client()
+        prompt = [1, 40, 41]
+        for step in range(steps):
+            resp = await sc.sample(prompt, 4, SamplingParams(max_tokens=6, temperature=1.0, seed=seed + step))
+            seqs = [s.tokens for s in resp.sequences]
+            samples.append(seqs)
+            rewards = [float(sum(t % 2 == 0 for t in s)) for s in seqs]
+            mean = sum(rewards) / len(rewards)
+            datums = [rl_datum(prompt, s.tokens, s.logprobs or [], r - mean) for s, r in zip(resp.sequences, rewards) if s.tokens and r != mean]
+            if datums:
+                fb = tc.forward_backward(datums, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+                opt = tc.optim_step(AdamParams(learning_rate=0.01))
+                await fb
+                await opt
+            sc = await tc.save_weights_and_get_sampling_client()
+        final = await tc.forward(BATCH, "cross_entropy")
+    return samples, [v for out in final.loss_fn_outputs for v in out["logprobs"].data]
+
+
+async def test_the_sagemaker_path_is_a_faithful_transport(emulator):
+    """The same seeded loop over sagemaker://(emulator over mock://) and over mock:// directly: same samples, same weights."""
+    via_sm = await _loop(driver_url(emulator), steps=3, seed=11)
+    direct = await _loop("mock://", steps=3, seed=11)
+    assert via_sm[0] == direct[0]
+    assert np.allclose(via_sm[1], direct[1], atol=1e-6)
+
+
+async def test_grpo_example_runs_end_to_end(emulator):
+    from examples.grpo_toy import train
+
+    history, final_path = await train(driver_url(emulator), steps=3, lr=0.01, seed=1)
+    assert len(history) == 3 and all(0.0 <= r <= 1.0 for r in history)
+    assert final_path.startswith("arn:aws:sagemaker:us-west-2:111122223333:model-package/")
+    detail = clients(emulator.url)[0].describe_model_package(ModelPackageName=final_path)
+    assert detail["InferenceSpecification"]["Containers"][0]["IsCheckpoint"] is True
+
+
+async def test_pipelined_ops_survive_throttling_and_lost_replies_exactly_once(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        emulator.set_faults(throttle_rate=0.3, lost_response_rate=0.3, seed=5, operations=["ExecuteTrainingOperation", "GetTrainingOperationResult"])
+        futures = []
+        for _ in range(6):
+            futures.append(tc.forward_backward(BATCH, "cross_entropy"))
+            futures.append(tc.optim_step(AdamParams(learning_rate=0.005)))
+        results = [await f for f in futures]
+        injected = emulator.injected_faults()
+        emulator.set_faults()
+        assert injected.get("ThrottlingException", 0) > 0 and injected.get("lost response", 0) > 0
+        assert [r.step for r in results[1::2]] == [1, 2, 3, 4, 5, 6]
+        state = emulator.session_state(tc.model_id)
+        assert state["applied"] == list(range(1, 13))  # every op ran once, in order, despite the retries
+        assert len(state["operations"]) == 12
+        usage = await svc.backend.session_usage(tc.model_id)
+        assert usage.training_tokens == 6 * sum(d.model_input.length for d in BATCH)
+
+
+async def test_a_session_stopped_remotely_surfaces_as_session_gone(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        await tc.forward_backward(BATCH, "cross_entropy")
+        sm, _ = clients(emulator.url)
+        sm.stop_training_session(TrainingSessionName=tc.model_id)
+        with pytest.raises(SessionGoneError) as err:
+            await tc.optim_step(AdamParams(learning_rate=0.001))
+        assert tc.model_id in str(err.value) and ("Stopp" in str(err.value))
+        with pytest.raises(SessionGoneError):
+            await svc.backend.heartbeat(tc.model_id)
+
+
+async def test_a_session_failed_remotely_fails_its_queued_ops_as_session_gone():
+    with running_emulator("mock://?latency_ms=300") as slow:  # engine ops take 0.3 s, so the second one is still queued
+        async with asyncsess.ServiceClient(driver_url(slow)) as svc:
+            tc = await svc.create_lora_training_client(BASE, rank=4)
+            running = tc.forward_backward(BATCH, "cross_entropy")
+            queued = tc.optim_step(AdamParams(learning_rate=0.001))
+            while not slow.session_state(tc.model_id)["operations"]:
+                await anyio.sleep(0.01)
+            slow.end_session(tc.model_id, status="Failed", reason="engine crashed")
+            for fut in (running, queued):
+                with pytest.raises(SessionGoneError) as err:
+                    await fut
+                assert "Failed" in str(err.value) and "engine crashed" in str(err.value)
+            with pytest.raises(SessionGoneError):
+                await tc.optim_step(AdamParams(learning_rate=0.001))
+
+
+async def test_checkpoint_saved_as_arn_resumes_exactly(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8)
+        for _ in range(2):
+            tc.forward_backward(BATCH, "cross_entropy")
+            await tc.optim_step(AdamParams(learning_rate=0.01))
+        saved = await tc.save_state("two steps")
+        assert saved.kind == "state" and saved.path.startswith("arn:aws:sagemaker:")
+        tc.forward_backward(BATCH, "cross_entropy")
+        await tc.optim_step(AdamParams(learning_rate=0.01))
+        expected = (await tc.forward(BATCH, "cross_entropy")).loss_fn_outputs
+
+        resumed = await svc.create_training_client_from_state_with_optimizer(saved.path)
+        assert resumed.base_model == BASE
+        resumed.forward_backward(BATCH, "cross_entropy")
+        await resumed.optim_step(AdamParams(learning_rate=0.01))
+        got = (await resumed.forward(BATCH, "cross_entropy")).loss_fn_outputs
+        for a, b in zip(expected, got):
+            assert np.array_equal(a["logprobs"].data, b["logprobs"].data)  # weights and Adam moments came back, bit for bit
+
+        fresh_opt = await svc.create_training_client_from_state(saved.path)
+        fresh_opt.forward_backward(BATCH, "cross_entropy")
+        await fresh_opt.optim_step(AdamParams(learning_rate=0.01))
+        other = (await fresh_opt.forward(BATCH, "cross_entropy")).loss_fn_outputs
+        assert not np.array_equal(expected[0]["logprobs"].data, other[0]["logprobs"].data)  # a reset optimizer differs
+        assert [c.path for c in await svc.list_checkpoints(tc.model_id)] == [saved.path]
+
+
+async def test_samplers_on_foreign_checkpoints_get_their_own_session(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        saved = await tc.save_weights_for_sampler("for later")
+        await tc.stop()
+        sc = await svc.create_sampling_client(model_path=saved.path)
+        out = await sc.sample([1, 40], 2, SamplingParams(max_tokens=3, seed=0))
+        assert len(out.sequences) == 2 and all(len(s.tokens) <= 3 for s in out.sequences)
+        logprobs = await sc.compute_logprobs([1, 40, 41])
+        assert logprobs[0] is None and len(logprobs) == 3
+        sampler_session = next(iter(svc.backend._samplers.values())).session
+        assert sampler_session != tc.model_id
+    sm, _ = clients(emulator.url)
+    assert wait_status(sm, sampler_session, {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # closed with the client
+
+
+async def test_bad_input_is_a_typed_error_naming_the_field(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        with pytest.raises(InvalidInputError) as err:
+            await tc.optim_step(AdamParams(learning_rate=0.5))
+        assert "learningRate" in (err.value.field or "")
+        assert emulator.session_state(tc.model_id)["operations"] == {}  # nothing was sent
+        tc2 = await svc.create_lora_training_client(BASE, rank=4)
+        datums = [rl_datum([1, 40], [41, 42], [-1.0, -1.0], 1.0)]
+        with pytest.raises(UnsupportedError) as err2:
+            await tc2.forward_backward(datums, "dro")
+        assert "forward_backward_custom" in (err2.value.fix or "")
+        caps = await svc.get_server_capabilities()
+        assert caps.loss_functions == ["cross_entropy", "importance_sampling", "ppo", "cispo"]
+        with pytest.raises(InvalidInputError):
+            await svc.create_lora_training_client("no/such-model", rank=4)
+
+
+async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator, retry_budget_s="0.3"), retry=asyncsess.RetryPolicy(max_attempts=1)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        emulator.set_faults(throttle_rate=1.0, operations=["ExecuteTrainingOperation"])
+        with pytest.raises(RetriesExhaustedError):
+            await tc.forward_backward(BATCH, "cross_entropy")
+        emulator.set_faults()
+        sm, _ = clients(emulator.url)
+        assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"
