@@ -34,16 +34,20 @@ class Sequencer(Generic[R]):
     - An op that arrives early waits for its predecessors (at most ``gap_timeout`` seconds, then it
       fails with a retryable error and the slot is freed so a retry can wait again).
     - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running.
-    - The same ``seq`` with another key is a :class:`ConflictError`.
+    - The same ``seq`` with another key is a :class:`ConflictError`, and so is a re-delivery of an op
+      more than ``keep_results`` ops old (its result is no longer kept).
     - After an op fails, every later op fails with :class:`PoisonedError` naming the cause.
     """
 
-    def __init__(self, run: Callable[[TrainingOp], Awaitable[R]], *, first_seq: int = 1, gap_timeout: float = 60.0) -> None:
+    def __init__(
+        self, run: Callable[[TrainingOp], Awaitable[R]], *, first_seq: int = 1, gap_timeout: float = 60.0, keep_results: int = 1024
+    ) -> None:
         self._run = run
         self._next = first_seq
         self._slots: dict[int, _Slot[R]] = {}
         self._turn: dict[int, anyio.Event] = {}
         self._gap_timeout = gap_timeout
+        self._keep = keep_results  # results kept for re-delivery; older duplicates get a ConflictError
         self._poison: tuple[int, BaseException] | None = None
         self._stopped: str | None = None
         self.applied: list[int] = []  # seqs actually executed, in order (for tests and logs)
@@ -123,6 +127,7 @@ class Sequencer(Generic[R]):
             )
 
     def _advance(self) -> None:
+        self._slots.pop(self._next - self._keep, None)
         self._next += 1
         ev = self._turn.get(self._next)
         if ev is not None:

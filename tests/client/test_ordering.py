@@ -67,3 +67,19 @@ async def test_failed_op_poisons_the_ops_queued_behind_it(monkeypatch):
         with pytest.raises(PoisonedError, match="disk on fire"):
             await late
         assert [seq for _, seq, _ in svc.backend.applied_log] == [1]
+
+
+async def test_sequencer_keeps_a_bounded_window_of_results():
+    from asyncsess import ConflictError
+    from asyncsess.sequencer import Sequencer
+
+    async def run(op):
+        return op.seq * 10
+
+    seqr = Sequencer(run, keep_results=3)
+    ops = [TrainingOp("optim_step", i, f"k{i}") for i in range(1, 7)]
+    assert [await seqr.execute(op) for op in ops] == [10, 20, 30, 40, 50, 60]
+    assert await seqr.execute(ops[-1]) == 60 and await seqr.execute(ops[3]) == 40  # recent: stored result
+    with pytest.raises(ConflictError):
+        await seqr.execute(ops[0])  # pruned: refused, never re-run
+    assert seqr.applied == [1, 2, 3, 4, 5, 6]
