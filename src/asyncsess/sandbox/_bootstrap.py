@@ -21,6 +21,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 
 _CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
@@ -179,7 +180,7 @@ def _children():
     try:
         with open(f"/proc/self/task/{os.getpid()}/children") as f:
             return [int(pid) for pid in f.read().split()]
-    except FileNotFoundError:  # kernel without CONFIG_PROC_CHILDREN: only the uid kill applies
+    except FileNotFoundError:  # kernel without CONFIG_PROC_CHILDREN
         return []
 
 
@@ -196,39 +197,45 @@ def _kill_uid(uid):
 
 
 def _reap_all(main_pid, uid, report):
-    """Kill the program and everything it started (orphans are re-parented to us), and reap them all."""
+    """Kill the program and everything it started, and reap it all.
+
+    We are a subreaper, so a living descendant always has us as an ancestor of its parent chain: when wait4(-1)
+    reports no children left, nothing the program started is left either.
+    """
     if uid is not None:
-        _kill_uid(uid)
-    kids = _children()
-    while kids:
-        for pid in kids:
+        _kill_uid(uid)  # all of them are doomed now; we only wait
+    flags = 0 if uid is not None else os.WNOHANG  # without a uid, keep killing what shows up
+    while True:
+        for pid in _children():  # orphans of the program, re-parented to us (a hint: this file may lag)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid in kids:
-            try:
-                _, wait_status, rusage = os.wait4(pid, 0)
-            except ChildProcessError:
-                continue
-            if pid == main_pid and "cpu_s" not in report:
-                report.update(_exit_fields(wait_status, rusage))
-        kids = _children()
+        try:
+            pid, wait_status, rusage = os.wait4(-1, flags)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.005)
+        elif pid == main_pid and "cpu_s" not in report:
+            report.update(_exit_fields(wait_status, rusage))
 
 
 def _supervise(pid, sync_r, cfg, report):
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        report["started"] = os.read(sync_r, 1) == b"1"
-        if report["started"]:
+        if os.read(sync_r, 1) == b"1":
+            report["started"] = True
             _, wait_status, rusage = os.wait4(pid, 0)
             report.update(_exit_fields(wait_status, rusage))
-        else:
-            report["error"] = "the program's process failed to set up (see stderr)"
     except _Stop:
         report["stopped"] = True
     finally:
         _reap_all(pid, cfg["uid"], report)
+    if not report["started"]:  # the child is gone, so this read cannot block
+        report["started"] = os.read(sync_r, 1) == b"1"
+    if not report["started"] and not report.get("stopped"):
+        report["error"] = "the program's process failed to set up (see stderr)"
 
 
 def _emit(fd, report):

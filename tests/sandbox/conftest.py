@@ -1,0 +1,52 @@
+"""Fixtures for the sandbox tests: a LocalSandbox factory whose runs must leave no process behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from asyncsess.sandbox import LocalSandbox
+
+ROOT = os.geteuid() == 0
+root_only = pytest.mark.skipif(
+    not ROOT, reason="privilege drop and namespaces need root; as a normal user LocalSandbox runs degraded (docs/sandbox.md)"
+)
+TEST_UIDS = range(210_000, 210_064)  # a pool of its own, so the suite never shares uids with a running application
+
+
+def processes_of(uids: range) -> list[tuple[int, int, str]]:
+    """(pid, uid, state) of every process, zombies included, whose real uid is in ``uids``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # exited meanwhile
+            continue
+        uid = int(fields["Uid"].split()[0])
+        if uid in uids:
+            found.append((int(entry), uid, fields["State"].strip()))
+    return found
+
+
+@pytest.fixture
+def make_sandbox():
+    """Build LocalSandboxes on the test uid pool; afterwards, no process of that pool may exist (not even a zombie)."""
+
+    def make(**kwargs) -> LocalSandbox:
+        kwargs.setdefault("uids", TEST_UIDS)
+        kwargs.setdefault("timeout_s", 5.0)
+        kwargs.setdefault("memory_mb", 256)
+        return LocalSandbox(**kwargs)
+
+    yield make
+    assert processes_of(TEST_UIDS) == []
+
+
+async def assert_healthy(sandbox: LocalSandbox) -> None:
+    """The sandbox still runs an ordinary program correctly."""
+    result = await sandbox.run("print(sum(map(int, input().split())))", stdin="2 3\n")
+    assert (result.status, result.stdout) == ("ok", "5\n"), result

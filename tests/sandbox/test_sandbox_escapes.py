@@ -1,0 +1,318 @@
+"""Escape attempts against LocalSandbox. Each must fail, leave the host untouched and the sandbox healthy.
+
+Where a layer is tested on its own, a control run with that layer off shows the attack is real.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import tempfile
+import uuid
+
+import anyio
+import pytest
+
+from .conftest import ROOT, TEST_UIDS, assert_healthy, processes_of, root_only
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on the host's loopback; yields (port, accepted) where accepted() says whether anyone connected."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.setblocking(False)
+
+    def accepted() -> bool:
+        return bool(select.select([server], [], [], 0)[0])
+
+    yield server.getsockname()[1], accepted
+    server.close()
+
+
+def _connect(port: int) -> str:
+    return f"import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\ns.settimeout(3)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+
+
+# -- network ---------------------------------------------------------------------------------------------------------
+
+
+async def test_network_connection_fails(make_sandbox, listener):
+    port, accepted = listener
+    sandbox = make_sandbox()
+    for code in (
+        _connect(port),
+        "import socket\nsocket.getaddrinfo('example.com', 80)",
+        "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=3)",
+        "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 53))",
+    ):
+        result = await sandbox.run(code)
+        assert result.status == "runtime_error" and "connected" not in result.stdout, (code, result)
+    assert not accepted()
+    await assert_healthy(sandbox)
+
+
+async def test_socket_guard_alone_blocks_python_sockets(make_sandbox, listener):
+    port, accepted = listener
+    guarded = make_sandbox(namespaces=False)
+    result = await guarded.run(_connect(port))
+    assert result.status == "runtime_error" and "network access is disabled" in result.stderr
+    assert not accepted()
+    control = await make_sandbox(namespaces=False, socket_guard=False).run(_connect(port))
+    assert (control.status, control.stdout) == ("ok", "connected\n") and accepted()
+    await assert_healthy(guarded)
+
+
+@root_only
+async def test_network_namespace_alone_blocks_connections_even_past_the_guard(make_sandbox, listener):
+    port, accepted = listener
+    sandbox = make_sandbox(socket_guard=False)
+    assert (await sandbox.isolation()).namespaces
+    result = await sandbox.run(_connect(port))
+    assert result.status == "runtime_error" and "unreachable" in result.stderr.lower(), result
+    # a fresh interpreter is not under the in-process guard; only the namespace stops it
+    guarded = make_sandbox()
+    escaped = await guarded.run(f"import subprocess, sys\nsubprocess.run(['python3', '-c', {_connect(port)!r}], check=True)")
+    assert escaped.status == "runtime_error" and "connected" not in escaped.stdout, escaped
+    assert not accepted()
+    await assert_healthy(guarded)
+
+
+# -- filesystem ------------------------------------------------------------------------------------------------------
+
+
+@root_only
+async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_path):
+    sandbox = make_sandbox()
+    token = uuid.uuid4().hex
+    targets = [
+        os.path.join(tempfile.gettempdir(), f"escape-{token}"),  # world-writable (1777) on the host
+        f"/dev/shm/escape-{token}",
+        f"/var/tmp/escape-{token}",
+        f"/work/escape-{token}",
+        f"/root/escape-{token}",
+        str(tmp_path / f"escape-{token}"),
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), f"escape-{token}"),
+    ]
+    for target in targets:
+        result = await sandbox.run(f"open({target!r}, 'w').write('pwned')\nprint('wrote')")
+        assert result.status == "runtime_error" and "wrote" not in result.stdout, (target, result)
+        assert not os.path.exists(target), target
+    rename = await sandbox.run("import os\nos.mkdir('d')\nos.rename('d', '../escape-dir')")
+    assert rename.status == "runtime_error"
+    await assert_healthy(sandbox)
+
+
+@root_only
+async def test_world_writable_dirs_are_writable_without_the_mount_namespace(make_sandbox):
+    """Control: the read-only mount is what stops writes to /tmp, which the sandbox uid could otherwise use."""
+    target = f"/dev/shm/escape-{uuid.uuid4().hex}"
+    try:
+        result = await make_sandbox(namespaces=False).run(f"open({target!r}, 'w').write('x')\nprint('wrote')")
+        assert result.stdout == "wrote\n" and os.stat(target).st_uid in TEST_UIDS
+    finally:
+        if os.path.exists(target):
+            os.unlink(target)
+    blocked = await make_sandbox().run(f"open({target!r}, 'w').write('x')")
+    assert blocked.status == "runtime_error" and not os.path.exists(target)
+
+
+@root_only
+async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
+    sandbox = make_sandbox(max_concurrency=2)
+    results = {}
+
+    async def victim() -> None:
+        results["victim"] = await sandbox.run(
+            "import os, time\nopen('secret.txt', 'w').write('v-secret')\nprint(os.getcwd(), flush=True)\ntime.sleep(2)"
+        )
+
+    async def thief() -> None:
+        await anyio.sleep(1.0)
+        code = (
+            "import glob, os\n"
+            "for d in glob.glob(os.path.join(os.path.dirname(os.getcwd()), 'asyncsess-sandbox-*')):\n"
+            "    if d != os.getcwd():\n"
+            "        try:\n"
+            "            print(open(os.path.join(d, 'secret.txt')).read())\n"
+            "        except OSError as e:\n"
+            "            print('denied', type(e).__name__)\n"
+        )
+        results["thief"] = await sandbox.run(code)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(victim)
+        tg.start_soon(thief)
+    assert results["victim"].status == "ok"
+    assert results["thief"].status == "ok" and "v-secret" not in results["thief"].stdout
+
+
+# -- secrets ---------------------------------------------------------------------------------------------------------
+
+
+async def test_host_environment_is_not_visible(make_sandbox, monkeypatch):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ASYNCSESS_TEST_SECRET", secret)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    result = await make_sandbox().run("import os\nprint(sorted(os.environ))\nprint(os.environ.get('ASYNCSESS_TEST_SECRET'))")
+    assert result.status == "ok"
+    assert secret not in result.stdout
+    assert eval(result.stdout.splitlines()[0]) == ["HOME", "LANG", "PATH", "TMPDIR"]
+
+
+@root_only
+async def test_host_secrets_in_files_and_proc_are_unreadable(make_sandbox, monkeypatch, tmp_path):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ASYNCSESS_TEST_SECRET", secret)
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text(secret)
+    secret_file.chmod(0o600)
+    sandbox = make_sandbox()
+    attempts = [
+        f"print(open({str(secret_file)!r}).read())",
+        "print(open('/root/.bashrc').read())",
+        "import os\nprint(os.listdir('/root'))",
+        f"print(open('/proc/{os.getpid()}/environ', 'rb').read())",
+        "print(open('/proc/1/environ', 'rb').read())",
+        "print(open('/etc/shadow').read())",
+    ]
+    for code in attempts:
+        result = await sandbox.run(code)
+        assert result.status == "runtime_error", (code, result)
+        assert secret not in result.stdout + result.stderr
+    # the host's processes are not even listed
+    listing = await sandbox.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    assert listing.status == "ok" and os.getpid() not in eval(listing.stdout) and 1 not in eval(listing.stdout)
+    await assert_healthy(sandbox)
+
+
+# -- time and memory -------------------------------------------------------------------------------------------------
+
+
+async def test_time_and_memory_escapes_fail_and_the_sandbox_recovers(make_sandbox):
+    sandbox = make_sandbox(timeout_s=1.5, memory_mb=128)
+    attempts = {
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass": "timeout",
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)": "timeout",
+        "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\nx = bytearray(1 << 30)": "runtime_error",
+        "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (-1, -1))": "runtime_error",
+        "x = ' ' * (1 << 30)": "memory",
+    }
+    for code, status in attempts.items():
+        result = await sandbox.run(code)
+        assert result.status == status, (code, result)
+    await assert_healthy(sandbox)
+
+
+# -- processes -------------------------------------------------------------------------------------------------------
+
+
+BOUNDED_FORKS = (
+    "import os, time\n"
+    "made = 0\n"
+    "for _ in range(40):\n"
+    "    try:\n"
+    "        pid = os.fork()\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    if pid == 0:\n"
+    "        time.sleep(1)\n"
+    "        os._exit(0)\n"
+    "    made += 1\n"
+    "print(made)\n"
+)
+
+
+@root_only
+async def test_bounded_fork_loop_hits_the_process_limit(make_sandbox):
+    """A bounded loop first: it shows RLIMIT_NPROC holds before anything unbounded is tried."""
+    result = await make_sandbox(max_processes=8).run(BOUNDED_FORKS)
+    assert result.status == "ok", result
+    assert 0 < int(result.stdout) < 8  # the program itself is one of the 8
+
+
+@root_only
+async def test_fork_bomb_stays_bounded_and_is_cleaned_up(make_sandbox):
+    sandbox = make_sandbox(max_processes=8, timeout_s=2.0)
+    probe = await sandbox.run(BOUNDED_FORKS)
+    assert probe.status == "ok" and 0 < int(probe.stdout) < 8, probe  # the limit holds: only now go unbounded
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len([p for p in processes_of(TEST_UIDS) if p[2][0] != "Z"]))
+            await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        bomb = await sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+        tg.cancel_scope.cancel()
+    assert bomb.status == "timeout"
+    assert 2 <= peak <= 8 + 1  # it forked, and never past the limit (+1: the supervisor's killer, briefly)
+    assert processes_of(TEST_UIDS) == []
+    await assert_healthy(sandbox)
+
+
+@root_only
+async def test_background_processes_are_gone_after_the_run(make_sandbox):
+    sandbox = make_sandbox()
+    code = (
+        "import os, subprocess, sys, time\n"
+        "print(subprocess.Popen(['sleep', '300']).pid)\n"
+        "print(subprocess.Popen(['sleep', '300'], start_new_session=True).pid)\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"  # a classic double-forked daemon in its own session
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.write(w, str(os.getpid()).encode())\n"
+        "        os.close(w)\n"
+        "        time.sleep(300)\n"
+        "    os._exit(0)\n"
+        "os.close(w)\n"
+        "print(os.read(r, 32).decode())\n"
+    )
+    result = await sandbox.run(code)
+    assert result.status == "ok", result
+    pids = [int(line) for line in result.stdout.split()]
+    assert len(pids) == 3
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), pid  # killed and reaped, not even a zombie
+    await assert_healthy(sandbox)
+
+
+async def test_background_process_in_the_group_is_gone_after_the_run(make_sandbox):
+    """Holds without root too: the supervisor kills its process group and reaps what is re-parented to it."""
+    sandbox = make_sandbox()
+    result = await sandbox.run("import subprocess\nprint(subprocess.Popen(['sleep', '300']).pid)")
+    assert result.status == "ok"
+    assert not os.path.exists(f"/proc/{int(result.stdout)}")
+
+
+@root_only
+async def test_runs_get_distinct_unprivileged_uids(make_sandbox):
+    sandbox = make_sandbox(max_concurrency=4)
+    seen = []
+
+    async def one() -> None:
+        result = await sandbox.run("import os, time\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())\ntime.sleep(0.5)")
+        seen.append(result.stdout.strip())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(one)
+    uids = {line.split()[0] for line in seen}
+    assert len(uids) == 4 and all(int(u) in TEST_UIDS for u in uids)
+    assert all(line.endswith("[]") for line in seen)
+
+
+async def test_isolation_report_names_the_layers(make_sandbox):
+    report = await make_sandbox().isolation()
+    assert report.privilege_drop == ROOT and report.socket_guard
+    assert report.namespaces == ROOT  # this host supports them as root
+    degraded = await make_sandbox(namespaces=False, socket_guard=False).isolation()
+    assert not degraded.namespaces and not degraded.socket_guard and len(degraded.notes) >= 2

@@ -1,0 +1,191 @@
+"""LocalSandbox verdicts on known programs, limits, files, concurrency and cleanup."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import anyio
+import pytest
+
+from asyncsess.errors import InvalidInputError
+from asyncsess.sandbox import Sandbox, TestCase
+
+from .conftest import ROOT, assert_healthy
+
+pytestmark = pytest.mark.anyio
+
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+ADD_TESTS = [
+    TestCase(stdin="1 2\n", expected_stdout="3\n"),
+    TestCase(stdin="10 -4\n", expected_stdout="6"),
+    TestCase(stdin="0 0", expected_stdout="0\n"),
+]
+
+
+async def test_known_programs_get_the_right_status(make_sandbox):
+    sandbox = make_sandbox(timeout_s=2.0)
+    assert isinstance(sandbox, Sandbox)
+    cases = {
+        "print(input()[::-1])": ("ok", 0),
+        "import sys\nsys.exit(3)": ("runtime_error", 3),
+        "raise ValueError('boom')": ("runtime_error", 1),
+        "def broken(:\n  pass": ("runtime_error", 1),
+        "while True:\n    pass": ("timeout", None),
+        "import time\ntime.sleep(60)": ("timeout", None),
+        "x = bytearray(1 << 30)": ("memory", None),
+    }
+    for code, (status, exit_code) in cases.items():
+        result = await sandbox.run(code, stdin="abc\n")
+        assert result.status == status, (code, result)
+        if exit_code is not None:
+            assert result.exit_code == exit_code, (code, result)
+    ok = await sandbox.run("print(input()[::-1])", stdin="abc\n")
+    assert ok.stdout == "cba\n" and ok.stderr == "" and ok.cpu_s is not None and ok.wall_s > 0
+    err = await sandbox.run("raise ValueError('boom')")
+    assert "ValueError: boom" in err.stderr and "solution.py" in err.stderr and "_bootstrap" not in err.stderr
+
+
+async def test_run_tests_verdicts_pass_fail_and_timeout(make_sandbox):
+    sandbox = make_sandbox(timeout_s=1.5)
+    passing = await sandbox.run_tests(ADD, ADD_TESTS)
+    assert passing.all_passed and (passing.passed, passing.total) == (3, 3)
+
+    wrong = await sandbox.run_tests("a, b = map(int, input().split())\nprint(a - b)\n", ADD_TESTS)
+    assert (wrong.passed, wrong.all_passed) == (1, False)  # only 0 0 agrees
+    assert [r.passed for r in wrong.results] == [False, False, True]
+
+    slow = await sandbox.run_tests("import time\nif input() == '1 2':\n    time.sleep(30)\nprint(6)", ADD_TESTS[:2])
+    assert [r.result.status for r in slow.results] == ["timeout", "ok"]
+    assert [r.passed for r in slow.results] == [False, True] and not slow.all_passed
+
+    crashing = await sandbox.run_tests("print(3)\nraise SystemExit(1)", ADD_TESTS[:1])
+    assert crashing.results[0].result.stdout == "3\n" and not crashing.all_passed  # right output, failing exit
+
+
+async def test_memory_limit_holds_for_gradual_growth(make_sandbox):
+    sandbox = make_sandbox(memory_mb=128)
+    result = await sandbox.run("chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 20))")
+    assert result.status == "memory" and "MemoryError" in result.stderr
+    small = await sandbox.run("x = bytearray(64 << 20)\nprint(len(x))")
+    assert (small.status, small.stdout) == ("ok", f"{64 << 20}\n")
+    await assert_healthy(sandbox)
+
+
+async def test_cpu_bound_program_is_stopped_by_the_limits(make_sandbox):
+    sandbox = make_sandbox(timeout_s=1.0)
+    result = await sandbox.run("n = 0\nwhile True:\n    n += 1")
+    assert result.status == "timeout" and result.exit_code is not None and result.exit_code < 0
+    assert result.cpu_s is not None and result.cpu_s > 0.3  # it did burn CPU until stopped
+
+
+async def test_rlimits_are_set_in_the_program(make_sandbox):
+    sandbox = make_sandbox(timeout_s=2.5, memory_mb=300, max_processes=12, workdir_mb=20)
+    code = (
+        "import resource as r\n"
+        "for name in ('RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_NPROC', 'RLIMIT_FSIZE', 'RLIMIT_CORE'):\n"
+        "    print(name, *r.getrlimit(getattr(r, name)))\n"
+    )
+    result = await sandbox.run(code)
+    assert result.status == "ok", result
+    limits = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in result.stdout.splitlines()}
+    cpu = math.ceil(2.5)
+    assert limits["RLIMIT_CPU"] == (cpu, cpu + 1)
+    assert limits["RLIMIT_AS"] == (300 << 20, 300 << 20)
+    assert limits["RLIMIT_FSIZE"] == (20 << 20, 20 << 20)
+    assert limits["RLIMIT_CORE"] == (0, 0)
+    if ROOT:  # as a normal user the limit is capped by the user's own hard limit
+        assert limits["RLIMIT_NPROC"] == (12, 12)
+
+
+async def test_huge_output_is_capped(make_sandbox):
+    sandbox = make_sandbox(max_output_bytes=10_000)
+    result = await sandbox.run("while True:\n    print('x' * 999)")
+    assert result.status == "output_limit"
+    assert len(result.stdout) == 10_000 and set(result.stdout) <= {"x", "\n"}
+    flood = await sandbox.run("import sys\nwhile True:\n    sys.stderr.write('e' * 4096)")
+    assert flood.status == "output_limit" and len(flood.stderr) == 10_000
+    under = await sandbox.run("print('y' * 5000)")
+    assert (under.status, len(under.stdout)) == ("ok", 5001)
+    await assert_healthy(sandbox)
+
+
+async def test_large_stdin_and_output_round_trip(make_sandbox):
+    sandbox = make_sandbox()
+    data = "".join(f"{i}\n" for i in range(100_000))  # ~600 kB, far beyond a pipe buffer
+    result = await sandbox.run("import sys\ntotal = sum(int(line) for line in sys.stdin)\nprint(total)", stdin=data)
+    assert (result.status, result.stdout) == ("ok", f"{sum(range(100_000))}\n")
+    echo = await sandbox.run("import sys\nsys.stdout.write(sys.stdin.read())", stdin=data)
+    assert echo.status == "ok" and echo.stdout == data
+
+
+async def test_files_are_placed_in_the_private_working_directory(make_sandbox):
+    sandbox = make_sandbox()
+    code = (
+        "import os, helper\n"
+        "print(open('data/in.txt').read().strip(), helper.VALUE, open('blob.bin', 'rb').read())\n"
+        "open('scratch.txt', 'w').write('mine')\n"
+        "print(open('scratch.txt').read(), os.getcwd())\n"
+    )
+    files = {"data/in.txt": "42\n", "helper.py": "VALUE = 'h'\n", "blob.bin": b"\x00\x01"}
+    result = await sandbox.run(code, files=files)
+    assert result.status == "ok", result
+    first, second = result.stdout.splitlines()
+    assert first == "42 h b'\\x00\\x01'"
+    word, cwd = second.split()
+    assert word == "mine" and os.path.basename(cwd).startswith("asyncsess-sandbox-")
+    assert not os.path.exists(cwd)  # deleted after the run
+    with pytest.raises(InvalidInputError, match="files"):
+        await sandbox.run("pass", files={"../evil.py": "x"})
+    with pytest.raises(InvalidInputError, match="files"):
+        await sandbox.run("pass", files={"/etc/evil": "x"})
+
+
+async def test_fifty_executions_in_parallel_complete(make_sandbox):
+    sandbox = make_sandbox(max_concurrency=8)
+    results: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await sandbox.run("n = int(input())\nprint(n * n)", stdin=f"{i}\n")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(50):
+            tg.start_soon(one, i)
+    assert len(results) == 50
+    for i, result in results.items():
+        assert (result.status, result.stdout) == ("ok", f"{i * i}\n"), (i, result)
+
+
+async def test_concurrency_is_bounded_by_max_concurrency(make_sandbox):
+    sandbox = make_sandbox(max_concurrency=3)
+    code = "import time\nprint(time.time())\ntime.sleep(0.4)\nprint(time.time())"
+    spans = []
+
+    async def one() -> None:
+        result = await sandbox.run(code)
+        assert result.status == "ok", result
+        start, end = map(float, result.stdout.split())
+        spans.append((start, end))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(9):
+            tg.start_soon(one)
+    most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+    assert 2 <= most <= 3  # runs overlap, but never more than the limit
+
+
+async def test_cancelled_run_is_cleaned_up(make_sandbox):
+    sandbox = make_sandbox()
+    code = "import subprocess, time\nsubprocess.Popen(['sleep', '300'])\nprint('started', flush=True)\ntime.sleep(300)"
+    with anyio.move_on_after(1.0) as scope:
+        await sandbox.run(code)
+    assert scope.cancelled_caught
+    await assert_healthy(sandbox)  # and the fixture checks that nothing of the run is left
+
+
+async def test_invalid_limits_are_rejected(make_sandbox):
+    with pytest.raises(InvalidInputError, match="timeout_s"):
+        make_sandbox(timeout_s=0)
+    sandbox = make_sandbox()
+    with pytest.raises(InvalidInputError, match="memory_mb"):
+        await sandbox.run("pass", memory_mb=-1)
