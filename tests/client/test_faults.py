@@ -137,3 +137,16 @@ async def test_duplicated_and_slow_deliveries_are_harmless():
         seqs = [seq for sid, seq, _ in svc.backend.applied_log if sid == tc.model_id]
         assert seqs == list(range(1, 11))
         await anyio.sleep(0)
+
+
+async def test_heartbeat_notices_a_remote_stop_before_the_next_op():
+    async with ServiceClient("mock://?stop_after_ops=1", retry=FAST, heartbeat_interval=0.02) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        await tc.forward_backward([sft_datum([1, 40], [41])])
+        for _ in range(100):
+            if svc.backend.calls["heartbeat"] >= 2:
+                break
+            await anyio.sleep(0.02)
+        with pytest.raises(SessionGoneError):
+            tc.optim_step()  # refused at call time: the heartbeat already saw the session go
+        assert tc.current_sequence_number == 1
