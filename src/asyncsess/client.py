@@ -23,6 +23,7 @@ import sniffio
 from anyio.abc import TaskGroup
 
 from .backend import Backend, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, load_backend
+from .batching import chunk_datums, merge_outputs
 from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
 from .errors import AsyncSessError, InvalidInputError, OperationCancelledError, PoisonedError, SessionGoneError
 from .futures import APIFuture
@@ -58,8 +59,9 @@ class ServiceClient:
 
     Keyword options: ``retry`` (a :class:`RetryPolicy`), ``on_retry`` (called with a
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
-    sampling pool's bounds), ``heartbeat_interval`` (seconds; 0 disables); everything else goes to the
-    backend (e.g. ``role_arn`` for SageMaker).
+    sampling pool's bounds), ``heartbeat_interval`` (seconds; 0 disables), ``max_chunk_datums`` /
+    ``max_chunk_bytes`` (larger ``forward``/``forward_backward`` batches are split into consecutive ops
+    and merged back); everything else goes to the backend (e.g. ``role_arn`` for SageMaker).
     """
 
     def __init__(
@@ -71,6 +73,8 @@ class ServiceClient:
         max_samples_in_flight: int = 256,
         max_sample_bytes: int = 64 * 2**20,
         heartbeat_interval: float = 10.0,
+        max_chunk_datums: int = 1024,
+        max_chunk_bytes: int = 5_000_000,
         **options: Any,
     ) -> None:
         self.url = url
@@ -80,6 +84,8 @@ class ServiceClient:
         self._options = options
         self._limiter = SamplingLimiter(max_samples_in_flight, max_sample_bytes)
         self._heartbeat_interval = heartbeat_interval
+        self.max_chunk_datums = max_chunk_datums
+        self.max_chunk_bytes = max_chunk_bytes
         self._backend: Backend | None = None
         self._tg: TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set on asyncio: op tasks are plain tasks there
@@ -320,7 +326,7 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Log-probs and loss without gradients."""
         datums, config = self._check(data, loss_fn, loss_fn_config, loss_fn_inputs)
-        return self._submit("forward", data=datums, loss_fn=loss_fn, loss_fn_config=config)
+        return self._submit_batch("forward", datums, loss_fn, config)
 
     def forward_backward(
         self,
@@ -332,7 +338,7 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Log-probs, loss, and gradients accumulated until the next ``optim_step``."""
         datums, config = self._check(data, loss_fn, loss_fn_config, loss_fn_inputs)
-        return self._submit("forward_backward", data=datums, loss_fn=loss_fn, loss_fn_config=config)
+        return self._submit_batch("forward_backward", datums, loss_fn, config)
 
     def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
@@ -458,6 +464,18 @@ class TrainingClient:
         fut._withdrawable = False  # an ordered op keeps its place once numbered
         return self._track(fut, self._run_op, op)
 
+    def _submit_batch(
+        self, kind: Any, datums: tuple[Datum, ...], loss_fn: str, config: dict[str, float] | None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """One op, or consecutive ops for a batch over the chunk limits, merged into one future."""
+        chunks = chunk_datums(datums, self._svc.max_chunk_datums, self._svc.max_chunk_bytes)
+        if len(chunks) == 1:
+            return self._submit(kind, data=datums, loss_fn=loss_fn, loss_fn_config=config)
+        parts = [self._submit(kind, data=c, loss_fn=loss_fn, loss_fn_config=config) for c in chunks]
+        fut: APIFuture[ForwardBackwardOutput] = APIFuture(kind, parts[0].seq)
+        fut._withdrawable = False
+        return self._svc._spawn(fut, _merge_parts, parts)
+
     def _track(self, fut: APIFuture[T], fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         assert fut.seq is not None
         if self._poison is not None:
@@ -511,6 +529,10 @@ class TrainingClient:
                 fut._set_exception(PoisonedError(f"op {seq} failed earlier: {err}", cause=err, operation=fut.operation, seq=later_seq))
                 if fut._cancel_scope is not None:
                     fut._cancel_scope.cancel()
+
+
+async def _merge_parts(parts: list[APIFuture[ForwardBackwardOutput]]) -> ForwardBackwardOutput:
+    return merge_outputs([await p for p in parts])
 
 
 def _check_path(path: Any) -> str:

@@ -83,3 +83,27 @@ async def test_sequencer_keeps_a_bounded_window_of_results():
     with pytest.raises(ConflictError):
         await seqr.execute(ops[0])  # pruned: refused, never re-run
     assert seqr.applied == [1, 2, 3, 4, 5, 6]
+
+
+async def test_large_batches_are_chunked_and_train_like_one_batch():
+    import numpy as np
+
+    rng = random.Random(0)
+    batch = [sft_datum(random_tokens(rng, 8)) for _ in range(25)]
+    async with ServiceClient("mock://", max_chunk_datums=10) as svc:
+        whole = await svc.create_lora_training_client("m", rank=4)
+        chunked = await svc.create_lora_training_client("m", rank=4)
+        svc.max_chunk_datums = 1024
+        out_whole = await whole.forward_backward(batch, "cross_entropy")
+        await whole.optim_step(AdamParams(learning_rate=0.1))
+        svc.max_chunk_datums = 10
+        fut = chunked.forward_backward(batch, "cross_entropy")
+        assert fut.seq == 1 and chunked.current_sequence_number == 3, "25 datums in chunks of 10: three ops"
+        out_chunked = await fut
+        await chunked.optim_step(AdamParams(learning_rate=0.1))
+        assert len(out_chunked.loss_fn_outputs) == 25
+        assert out_chunked.metrics["loss:sum"] == pytest.approx(out_whole.metrics["loss:sum"], rel=1e-9)
+        assert out_chunked.usage.training_tokens == out_whole.usage.training_tokens
+        for a, b in zip(out_chunked.loss_fn_outputs, out_whole.loss_fn_outputs):
+            assert a["logprobs"].data == b["logprobs"].data
+        np.testing.assert_allclose(svc.backend.weights(chunked.model_id), svc.backend.weights(whole.model_id), atol=1e-12)
