@@ -31,3 +31,20 @@ def rl_datum(tokens: list[int], logprobs: list[float], advantage: float, prompt_
 
 def random_tokens(rng: random.Random, n: int, lo: int = 5, hi: int = 90) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def count_concurrency(backend, monkeypatch, method: str = "sample") -> dict[str, int]:
+    """Wrap ``backend.<method>`` to record how many calls were in flight at once (``peak``)."""
+    state = {"now": 0, "peak": 0}
+    real = getattr(backend, method)
+
+    async def counting(*args, **kwargs):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        try:
+            return await real(*args, **kwargs)
+        finally:
+            state["now"] -= 1
+
+    monkeypatch.setattr(backend, method, counting)
+    return state

@@ -5,29 +5,15 @@ import pytest
 
 from asyncsess import SamplingParams, ServiceClient
 
+from .helpers import count_concurrency
+
 pytestmark = pytest.mark.anyio
-
-
-def _count_concurrency(backend, monkeypatch):
-    state = {"now": 0, "peak": 0}
-    real = backend.sample
-
-    async def counting(sampler_id, request):
-        state["now"] += 1
-        state["peak"] = max(state["peak"], state["now"])
-        try:
-            return await real(sampler_id, request)
-        finally:
-            state["now"] -= 1
-
-    monkeypatch.setattr(backend, "sample", counting)
-    return state
 
 
 async def test_32_samples_are_in_flight_at_once(monkeypatch):
     async with ServiceClient("mock://?latency_ms=100") as svc:
         sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
-        state = _count_concurrency(svc.backend, monkeypatch)
+        state = count_concurrency(svc.backend, monkeypatch)
         futures = [sc.sample([1, 40, 41], 2, SamplingParams(max_tokens=4, seed=i)) for i in range(32)]
         assert sc.stats().in_flight + sc.stats().queued <= 32
         results = [await f for f in futures]
@@ -38,7 +24,7 @@ async def test_32_samples_are_in_flight_at_once(monkeypatch):
 async def test_pool_bounds_in_flight_requests_and_reports_the_queue(monkeypatch):
     async with ServiceClient("mock://?latency_ms=30", max_samples_in_flight=4) as svc:
         sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
-        state = _count_concurrency(svc.backend, monkeypatch)
+        state = count_concurrency(svc.backend, monkeypatch)
         futures = [sc.sample([1, 40], 1, SamplingParams(max_tokens=2)) for _ in range(12)]
         await anyio.sleep(0.01)
         stats = sc.stats()
@@ -52,7 +38,7 @@ async def test_pool_bounds_in_flight_requests_and_reports_the_queue(monkeypatch)
 async def test_pool_bounds_bytes(monkeypatch):
     async with ServiceClient("mock://?latency_ms=20", max_sample_bytes=8 * 10) as svc:
         sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
-        state = _count_concurrency(svc.backend, monkeypatch)
+        state = count_concurrency(svc.backend, monkeypatch)
         futures = [sc.sample([1] + [40] * 5, 1, SamplingParams(max_tokens=1)) for _ in range(6)]  # 6 tokens = 48 bytes each
         for f in futures:
             await f

@@ -16,6 +16,8 @@ from asyncsess import FacadeMisuseError, client
 from asyncsess import sync as sync_api
 from asyncsess.rl import sft_datum
 
+from ..client.helpers import count_concurrency
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -76,18 +78,7 @@ def test_futures_execute_in_call_order_and_samples_run_concurrently(monkeypatch)
         assert [seq for sid, seq, _ in svc.backend.applied_log if sid == tc.model_id] == [1, 2, 3, 4, 5, 6]
 
         sc = svc.create_sampling_client(base_model="mock/bigram-tiny")
-        state = {"now": 0, "peak": 0}
-        real = svc.backend.sample
-
-        async def counting(sampler_id, request):
-            state["now"] += 1
-            state["peak"] = max(state["peak"], state["now"])
-            try:
-                return await real(sampler_id, request)
-            finally:
-                state["now"] -= 1
-
-        monkeypatch.setattr(svc.backend, "sample", counting)
+        state = count_concurrency(svc.backend, monkeypatch)
         samples = [sc.sample([1, 40], 1, sync_api.SamplingParams(max_tokens=2)) for _ in range(32)]
         assert all(not f.done() for f in samples), "submission must not wait for the result"
         results = [f.result() for f in samples]
