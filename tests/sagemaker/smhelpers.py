@@ -18,9 +18,10 @@ REGION = "us-west-2"
 def clients(url: str, *, validate: bool = True) -> tuple[Any, Any]:
     """(control plane, runtime) boto3 clients without botocore retries; ``validate=False`` skips client-side checks."""
     cfg = Config(retries={"total_max_attempts": 1}, parameter_validation=validate)
+    session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
     return (
-        boto3.client("sagemaker", region_name=REGION, endpoint_url=url, config=cfg),
-        boto3.client("sagemakertrainingsessionruntime", region_name=REGION, endpoint_url=url, config=cfg),
+        session.client("sagemaker", endpoint_url=url, config=cfg),
+        session.client("sagemakertrainingsessionruntime", endpoint_url=url, config=cfg),
     )
 
 

@@ -11,6 +11,8 @@ import pytest
 from botocore.exceptions import ClientError
 from smhelpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
 
+from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
+
 pytestmark = pytest.mark.sagemaker
 
 
@@ -22,7 +24,12 @@ def _code(err: pytest.ExceptionInfo[ClientError]) -> tuple[str, int]:
     return err.value.response["Error"]["Code"], err.value.response["ResponseMetadata"]["HTTPStatusCode"]
 
 
-def test_session_lifecycle_create_describe_list_stop_delete(sm, emulator):
+def test_session_lifecycle_create_describe_list_stop_delete():
+    with running_emulator("mock://", EmulatorConfig(check_responses=True, startup_s=1.0)) as slow_start:
+        _lifecycle(*clients(slow_start.url))
+
+
+def _lifecycle(sm, rt):
     name = _name()
     arn = sm.create_training_session(
         TrainingSessionName=name,
@@ -34,7 +41,7 @@ def test_session_lifecycle_create_describe_list_stop_delete(sm, emulator):
     )["TrainingSessionArn"]
     assert arn == f"arn:aws:sagemaker:us-west-2:111122223333:training-session/{name}"
     first = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"]
-    assert first in ("Created", "Scheduled")
+    assert first in ("Created", "Scheduled")  # Running comes after startup_s
     detail = wait_status(sm, name, {"Running"})
     assert detail["TrainingSessionStatus"] == "Running"
     assert detail["LoraConfig"] == {"Rank": 4, "Alpha": 8}
@@ -267,8 +274,10 @@ def test_sampling_compute_logprobs_and_weights_for_sampling(sm, rt, emulator):
     assert {r["status"] for r in out.values()} == {"Completed"}
     seqs = out["sample"]["operationResult"]["sample"]["sequences"]
     assert len(seqs) == 3 and all(s["tokenUsage"]["prefill"] == 3 and s["tokenUsage"]["decode"] == len(s["tokens"]) for s in seqs)
-    assert len(out["sample"]["operationResult"]["sample"]["promptLogprobs"]) == 2
-    assert len(out["logprobs"]["operationResult"]["computeLogprobs"]["logprobs"]) == 2
+    prompt_lp = out["sample"]["operationResult"]["sample"]["promptLogprobs"]
+    computed = out["logprobs"]["operationResult"]["computeLogprobs"]["logprobs"]
+    assert len(prompt_lp) == len(computed) == 3 and prompt_lp[0] is computed[0] is None  # one per token; the first has no context
+    assert all(v < 0 for v in computed[1:])
     usage = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"]
     assert usage["PrefillTokenCount"] == 9 and usage["SampleTokenCount"] == sum(len(s["tokens"]) for s in seqs)
     with pytest.raises(rt.exceptions.ResourceNotFoundException):

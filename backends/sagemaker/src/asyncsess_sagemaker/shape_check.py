@@ -83,6 +83,8 @@ def _check(value: Any, shape: Shape, path: str) -> None:
             raise ShapeError(path, "Member must be a list", value)
         _bounds(len(value), shape, path, value)
         for i, item in enumerate(value):
+            if item is None and shape.member.type_name == "double":  # type: ignore[attr-defined]
+                continue  # log-prob lists carry null for the first prompt token (it has no context)
             _check(item, shape.member, f"{path}[{i}]")  # type: ignore[attr-defined]
     elif kind == "map":
         if not isinstance(value, dict):

@@ -298,13 +298,17 @@ def forward_result_from_wire(wire: dict[str, Any], op_token_usage: dict[str, Any
     )
 
 
-def logprobs_to_wire(values: list[float | None]) -> list[float]:
-    """The wire list cannot hold null: the first prompt token (no context) is left out."""
-    return [float(v) for v in (values[1:] if values and values[0] is None else values) if v is not None]
+def logprobs_to_wire(values: list[float | None]) -> list[float | None]:
+    """One entry per prompt token; the first (no context) is ``null``.
+
+    The official SDK rejects a ``computeLogprobs`` result whose length differs from the prompt's and
+    types the entries ``Optional[float]``; botocore parses ``null`` in a ``DoubleList`` as ``None``.
+    """
+    return [None if v is None else float(v) for v in values]
 
 
-def logprobs_from_wire(values: list[float], prompt_length: int) -> list[float | None]:
-    """Back to one entry per prompt token, ``None`` for the first when the wire left it out."""
+def logprobs_from_wire(values: list[float | None], prompt_length: int) -> list[float | None]:
+    """One entry per prompt token; a list one shorter (the first token left out) gets a leading ``None``."""
     out: list[float | None] = list(values)
     if len(out) == prompt_length - 1:
         out.insert(0, None)

@@ -136,11 +136,15 @@ class EmulatedService:
             sequencer=Sequencer(self._make_runner(name), gap_timeout=self.config.gap_timeout_s),
         )
         self.sessions[name] = sess
-        self._spawn(self._bring_up, sess)
+        if self.config.startup_s == 0:  # Running by the time Create answers
+            await self._bring_up(sess)
+        else:
+            self._spawn(self._bring_up, sess)
         return {"TrainingSessionArn": sess.arn}
 
     async def _bring_up(self, sess: SessionRecord) -> None:
-        await anyio.sleep(self.config.startup_s / 2)
+        if self.config.startup_s:
+            await anyio.sleep(self.config.startup_s / 2)
         if sess.status != "Created":
             return
         sess.set_status("Scheduled")
@@ -152,7 +156,8 @@ class EmulatedService:
             sess.set_status("Failed", f"Could not start the training engine: {err}")
             return
         sess.inner_id = info.model_id
-        await anyio.sleep(self.config.startup_s / 2)
+        if self.config.startup_s:
+            await anyio.sleep(self.config.startup_s / 2)
         if sess.status == "Scheduled":
             sess.last_activity = time.monotonic()
             sess.set_status("Running")

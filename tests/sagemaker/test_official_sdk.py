@@ -1,0 +1,99 @@
+"""The official ``sagemaker-train`` SDK (a client nobody here wrote) runs SFT and GRPO loops against the emulator.
+
+It is pointed at the emulator only through its endpoint environment variables. Needs
+``pip install 'asyncsess-sagemaker[sdk]'`` (the nox 'sagemaker' session installs it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from smhelpers import ROLE, clients
+
+from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
+
+ts = pytest.importorskip("sagemaker.train.training_session", reason="install asyncsess-sagemaker[sdk] (the nox 'sagemaker' session does)")
+
+pytestmark = pytest.mark.sagemaker
+
+GROUP = "arn:aws:sagemaker:us-west-2:111122223333:model-package-group/sdk-runs"
+BASE_ARN = "arn:aws:sagemaker:us-west-2:aws:hub-content/SageMakerPublicHub/Model/mock-bigram-tiny/1.0.0"
+
+
+@pytest.fixture(scope="module")
+def sdk_emulator() -> Iterator[RunningEmulator]:
+    # Running as soon as Create answers, and result polls that wait up to 1 s for completion: the SDK sleeps
+    # 10 s between Describes and 2 s between polls, which would only make this test slow.
+    with running_emulator("mock://", EmulatorConfig(check_responses=True, startup_s=0.0, result_wait_s=1.0)) as emu:
+        clients(emu.url)[0].create_model_package_group(ModelPackageGroupName="sdk-runs")
+        yield emu
+
+
+@pytest.fixture
+def service(sdk_emulator: RunningEmulator, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("SAGEMAKER_TRAINING_SESSION_ENDPOINT", sdk_emulator.url)
+    monkeypatch.setenv("SAGEMAKER_TRAINING_SESSION_RUNTIME_ENDPOINT", sdk_emulator.url)
+    return ts.ServiceClient(region="us-west-2", role_arn=ROLE, model_package_group_arn=GROUP, s3_output_path="s3://bucket/sdk")
+
+
+def _sft_datum(tokens: list[int]) -> Any:
+    n = len(tokens) - 1
+    return ts.Datum(model_input=ts.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n})
+
+
+def test_sdk_sft_loop_lowers_the_loss_and_saves_a_checkpoint(service, sdk_emulator):
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        batch = [_sft_datum([1, 40, 41, 42, 43, 2]), _sft_datum([1, 50, 51, 52, 2])]
+        losses = []
+        for _ in range(4):
+            fb = tc.forward_backward(batch, "cross_entropy")
+            opt = tc.optim_step(ts.AdamParams(learning_rate=0.01))
+            losses.append(fb.result().metrics["loss:sum"])
+            opt.result()
+        assert losses[-1] < losses[0]
+        state = tc.save_state("sft done").result()
+        assert state.model_package_arn.startswith("arn:aws:sagemaker:us-west-2:111122223333:model-package/sdk-runs/")
+        infos = service.list_model_packages(kind=ts.ModelPackageKind.CHECKPOINT)
+        assert state.model_package_arn in [i.model_package_arn for i in infos]
+        assert sdk_emulator.session_state(tc.training_session_name)["applied"] == list(range(1, 10))
+    finally:
+        tc.stop()
+    assert service.list_sessions(name_contains=tc.training_session_name)[0].status in ("Stopping", "Stopped")
+
+
+def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emulator):
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        sampler = tc.save_weights_and_get_sampling_client()
+        prompt = [1, 40, 41]
+        for step in range(2):
+            result = sampler.sample(ts.ModelInput.from_ints(prompt), num_samples=4, sampling_params=ts.SamplingParams(max_tokens=512, seed=step)).result()
+            assert len(result.sequences) == 4
+            rewards = [float(sum(t % 2 == 0 for t in s.tokens[:8])) for s in result.sequences]
+            mean = sum(rewards) / len(rewards)
+            datums = []
+            for seq, r in zip(result.sequences, rewards):
+                tokens = prompt + list(seq.tokens[:8])
+                n = len(tokens) - 1
+                adv = [0.0] * (len(prompt) - 1) + [r - mean] * (n - len(prompt) + 1)
+                old = [0.0] * (len(prompt) - 1) + list(seq.logprobs[:8])
+                datums.append(
+                    ts.Datum(
+                        model_input=ts.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n, "advantages": adv, "logprobs": old},
+                    )
+                )
+            fb = tc.forward_backward(datums, "ppo", loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+            tc.optim_step(ts.AdamParams(learning_rate=0.01)).result()
+            assert fb.result().metrics
+            sampler = tc.save_weights_and_get_sampling_client()
+        logprobs = sampler.compute_logprobs(ts.ModelInput.from_ints(prompt)).result()
+        assert len(logprobs) >= 2
+        state = sdk_emulator.session_state(tc.training_session_name)
+        assert state["applied"] == list(range(1, 8))  # saveWeights, then (fb, optim, saveWeights) twice
+        assert {op["status"] for op in state["operations"].values()} == {"Completed"}
+    finally:
+        tc.stop()
