@@ -12,7 +12,9 @@ ROOT = os.geteuid() == 0
 root_only = pytest.mark.skipif(
     not ROOT, reason="privilege drop and namespaces need root; as a normal user LocalSandbox runs degraded (docs/sandbox.md)"
 )
-TEST_UIDS = range(210_000, 210_064)  # a pool of its own, so the suite never shares uids with a running application
+# A pool of this test process's own (leases are exclusive anyway; a private pool keeps the leftover-process checks
+# below from seeing a concurrent test run's or application's sandboxes).
+TEST_UIDS = range(300_000 + (os.getpid() % 10_000) * 64, 300_000 + (os.getpid() % 10_000 + 1) * 64)
 
 
 def processes_of(uids: range) -> list[tuple[int, int, str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import socket
 import tempfile
 import uuid
@@ -188,6 +189,31 @@ async def test_host_secrets_in_files_and_proc_are_unreadable(make_sandbox, monke
     listing = await sandbox.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
     assert listing.status == "ok" and os.getpid() not in eval(listing.stdout) and 1 not in eval(listing.stdout)
     await assert_healthy(sandbox)
+
+
+@root_only
+async def test_hidden_paths_cover_world_readable_host_files(make_sandbox):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    project = tempfile.mkdtemp(prefix="project-", dir="/var/tmp")  # outside the temp dir runs need
+    try:
+        os.chmod(project, 0o755)
+        with open(os.path.join(project, ".env"), "w") as f:
+            f.write(f"API_KEY={secret}\n")
+        os.chmod(os.path.join(project, ".env"), 0o644)  # the common mistake: a world-readable .env
+        code = f"print(open({os.path.join(project, '.env')!r}).read())"
+        control = await make_sandbox(hidden_paths=[]).run(code)
+        assert control.status == "ok" and secret in control.stdout  # readable unless hidden
+        sandbox = make_sandbox(hidden_paths=[project])
+        assert (await sandbox.isolation()).hidden_paths == [project]
+        hidden = await sandbox.run(code)
+        assert hidden.status == "runtime_error" and secret not in hidden.stdout + hidden.stderr
+        listing = await sandbox.run(f"import os\nprint(os.listdir({project!r}))")
+        assert listing.status == "runtime_error" and "PermissionError" in listing.stderr
+    finally:
+        shutil.rmtree(project)
+    # by default the current directory (here the repository) is hidden
+    default = await make_sandbox().run(f"import os\nprint(os.listdir({os.getcwd()!r}))")
+    assert default.status == "runtime_error" and "PermissionError" in default.stderr
 
 
 # -- time and memory -------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh network and mount namespaces -- no network interfaces but a down loopback,
-   the whole filesystem read-only, the working directory a private size-capped tmpfs, and /proc showing only
-   the viewer's own processes -- and writes the files back into the tmpfs;
+   the whole filesystem read-only, ``hidden_paths`` covered by empty unreadable mounts, the working directory
+   a private size-capped tmpfs, and /proc showing only the viewer's own processes -- and writes the files
+   back into the tmpfs;
 3. becomes a child subreaper and forks the program's process, which sets its rlimits, drops to the sandbox
    uid, installs the socket guard and runs the code;
 4. waits for it, kills and reaps everything the program left behind, and writes one JSON line to the status fd:
@@ -25,7 +26,7 @@ import time
 import traceback
 
 _CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x4000, 0x40000
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
 _PR_SET_CHILD_SUBREAPER = 36
 _AF_UNIX = 1
@@ -61,7 +62,7 @@ def _mount(source, target, fstype, flags, data):
     _call("mount", source, target.encode(), fstype, ctypes.c_ulong(flags), data)
 
 
-def _enter_namespaces(workdir, size_mb, uid, gid):
+def _enter_namespaces(workdir, size_mb, uid, gid, hidden_paths):
     _call("unshare", _CLONE_NEWNS | _CLONE_NEWNET)
     _call("mount", None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None)  # nothing propagates to the host
     attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)
@@ -72,6 +73,8 @@ def _enter_namespaces(workdir, size_mb, uid, gid):
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=2")  # kernels before 5.8
+    for path in hidden_paths:
+        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
     owner = "" if uid is None else f",uid={uid},gid={gid}"
     _mount(b"tmpfs", workdir, b"tmpfs", flags, f"size={size_mb}m,nr_inodes=4096,mode=0700{owner}".encode())
 
@@ -106,7 +109,7 @@ def _prepare(cfg):
     workdir, uid, gid = cfg["workdir"], cfg["uid"], cfg["gid"]
     files = _read_tree(workdir)
     if cfg["namespaces"]:
-        _enter_namespaces(workdir, cfg["workdir_mb"], uid, gid)
+        _enter_namespaces(workdir, cfg["workdir_mb"], uid, gid, cfg["hidden_paths"])
         _write_tree(workdir, files)
     if uid is not None:
         _chown_tree(workdir, uid, gid)
@@ -159,7 +162,7 @@ def _child(cfg, source, sync_w):
     except SystemExit:
         raise
     except BaseException as exc:
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)  # hide this frame
+        traceback.print_exception(type(exc), exc, exc.__traceback__ and exc.__traceback__.tb_next)  # hide this frame
         if isinstance(exc, MemoryError):
             sys.stderr.flush()
             sys.stdout.flush()

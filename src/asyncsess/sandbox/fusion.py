@@ -15,14 +15,16 @@ import time
 import anyio
 import httpx
 from pydantic import BaseModel
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from asyncsess.errors import AsyncSessError, TransientError
+from asyncsess.retry import RetryPolicy, call_with_retry
 from asyncsess.sandbox.base import BaseSandbox, Files
-from asyncsess.sandbox.results import ExecutionResult
+from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
 
 __all__ = ["SandboxFusionClient"]
 
 DEFAULT_URL = "http://localhost:8080/run_code"
+DEFAULT_RETRY = RetryPolicy(max_attempts=4, max_backoff=5.0, attempt_timeout=None, deadline=None)
 
 
 class _CommandRunResult(BaseModel):
@@ -40,18 +42,15 @@ class _RunCodeResponse(BaseModel):
     run_result: _CommandRunResult | None = None
 
 
-class _RetryableStatus(Exception):
-    """The server answered 429 or 5xx."""
-
-
 class SandboxFusionClient(BaseSandbox):
     """Runs Python on a SandboxFusion server; at most ``max_concurrency`` requests are in flight.
 
-    ``url`` defaults to ``$SANDBOX_URL`` or ``http://localhost:8080/run_code``; a base URL gets ``/run_code``
-    appended. Transport errors, 429 and 5xx are retried ``retries`` times; a request that still fails, and a
-    server-side ``SandboxError``, become an ``ExecutionResult`` with status ``sandbox_error``. SandboxFusion does
-    not report memory exhaustion or CPU time: ``memory`` is inferred from a ``MemoryError`` at the end of stderr,
-    and ``cpu_s`` is ``None``. Output past ``max_output_bytes`` is cut here and reported as ``output_limit``.
+        ``url`` defaults to ``$SANDBOX_URL`` or ``http://localhost:8080/run_code``; a base URL gets ``/run_code``
+        appended. Timeouts, network errors, 429 and 5xx are retried under ``retry`` (asyncsess's one retry policy);
+    a request that still fails, and a
+        server-side ``SandboxError``, become an ``ExecutionResult`` with status ``sandbox_error``. SandboxFusion does
+        not report memory exhaustion or CPU time: ``memory`` is inferred from a ``MemoryError`` at the end of stderr,
+        and ``cpu_s`` is ``None``. Output past ``max_output_bytes`` is cut here and reported as ``output_limit``.
     """
 
     def __init__(
@@ -62,7 +61,7 @@ class SandboxFusionClient(BaseSandbox):
         timeout_s: float = 6.0,
         memory_mb: int = 1024,
         max_output_bytes: int = 1 << 20,
-        retries: int = 3,
+        retry: RetryPolicy = DEFAULT_RETRY,
         request_slack_s: float = 30.0,
         client: httpx.AsyncClient | None = None,
     ) -> None:
@@ -71,7 +70,7 @@ class SandboxFusionClient(BaseSandbox):
         self._timeout_s = timeout_s
         self._memory_mb = memory_mb
         self._max_output_bytes = max_output_bytes
-        self._retries = retries
+        self._retry = retry
         self._request_slack_s = request_slack_s
         self._client = client or httpx.AsyncClient()
         self._owns_client = client is None
@@ -111,29 +110,29 @@ class SandboxFusionClient(BaseSandbox):
             started = time.monotonic()
             try:
                 response = await self._post(body, timeout_s + self._request_slack_s)
-            except (httpx.HTTPError, _RetryableStatus, ValueError) as exc:
+            except (httpx.HTTPError, AsyncSessError, ValueError) as exc:
                 wall_s = time.monotonic() - started
                 return ExecutionResult(
-                    status="sandbox_error", stderr=f"SandboxFusion request to {self.url} failed: {exc!r}\n", wall_s=wall_s
+                    status="sandbox_error",
+                    stderr=f"SandboxFusion request to {self.url} failed: {type(exc).__name__}: {exc}\n",
+                    wall_s=wall_s,
                 )
             wall_s = time.monotonic() - started
         return self._to_result(response, wall_s)
 
     async def _post(self, body: dict, timeout_s: float) -> _RunCodeResponse:
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._retries + 1),
-            wait=wait_exponential(multiplier=0.2, max=5.0),
-            retry=retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                response = await self._client.post(self.url, json=body, timeout=timeout_s)
-                if response.status_code == 429 or response.status_code >= 500:
-                    raise _RetryableStatus(f"HTTP {response.status_code}: {response.text[:500]}")
-                response.raise_for_status()
-                return _RunCodeResponse.model_validate_json(response.content)
-        raise AssertionError("unreachable")
+        async def attempt() -> _RunCodeResponse:
+            response = await self._client.post(self.url, json=body, timeout=timeout_s)
+            if response.status_code == 429 or response.status_code >= 500:
+                retry_after = response.headers.get("Retry-After", "")
+                raise TransientError(
+                    f"HTTP {response.status_code}: {response.text[:500]}",
+                    retry_after=float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None,
+                )
+            response.raise_for_status()
+            return _RunCodeResponse.model_validate_json(response.content)
+
+        return await call_with_retry(self._retry, attempt, operation="sandbox_fusion.run_code")
 
     def _cap(self, text: str | None) -> tuple[str, bool]:
         data = (text or "").encode()
@@ -148,6 +147,7 @@ class SandboxFusionClient(BaseSandbox):
             return ExecutionResult(status="sandbox_error", stderr=f"SandboxFusion: {detail}\n", wall_s=wall_s)
         stdout, cut_out = self._cap(run.stdout)
         stderr, cut_err = self._cap(run.stderr)
+        status: ExecutionStatus
         if run.status == "TimeLimitExceeded":
             status = "timeout"
         elif cut_out or cut_err:

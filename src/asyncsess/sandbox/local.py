@@ -3,7 +3,8 @@
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
 rlimits on CPU time, address space, processes, file size and open files; a wall-clock timeout and an output
 cap enforced here; when run as root, a dedicated unprivileged uid per run and fresh network + mount
-namespaces (read-only filesystem, tmpfs working directory, /proc limited to the run's own processes); an
+namespaces (read-only filesystem, hidden host directories, tmpfs working directory, /proc limited to the
+run's own processes); an
 in-process socket guard; and a supervisor that kills and reaps everything the program started.
 """
 
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 import anyio
@@ -30,7 +31,7 @@ from pydantic import BaseModel
 from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox._uids import UidLease, acquire_uid
 from asyncsess.sandbox.base import BaseSandbox, Files
-from asyncsess.sandbox.results import ExecutionResult
+from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
 
 __all__ = ["Isolation", "LocalSandbox"]
 
@@ -49,6 +50,7 @@ class Isolation(BaseModel):
     privilege_drop: bool
     namespaces: bool
     socket_guard: bool
+    hidden_paths: list[str]
     notes: list[str]
 
 
@@ -58,6 +60,9 @@ class LocalSandbox(BaseSandbox):
     ``namespaces=None`` probes on first use whether network and mount namespaces work (they need root) and
     degrades with a logged warning if not; ``True`` fails closed (every run is a ``sandbox_error``) if they
     don't. ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
+    ``hidden_paths`` (default: /home, /root and the current directory, where project files such as ``.env``
+    live) are covered by empty, unreadable directories inside the mount namespace; the rest of the host
+    filesystem stays readable (read-only) wherever file permissions allow.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class LocalSandbox(BaseSandbox):
         namespaces: bool | None = None,
         socket_guard: bool = True,
         uids: range = range(200_000, 204_096),
+        hidden_paths: Sequence[str] | None = None,
     ) -> None:
         for field, value in (
             ("max_concurrency", max_concurrency or 1),
@@ -90,6 +96,11 @@ class LocalSandbox(BaseSandbox):
         self._max_processes = max_processes
         self._workdir_mb = workdir_mb
         self._python = python or _default_python(self._root)
+        needed = [tempfile.gettempdir(), str(Path(os.path.realpath(self._python)).parent.parent)]
+        if hidden_paths is None:
+            self._hidden_paths = _hideable(["/home", "/root", os.getcwd()], needed, strict=False)
+        else:
+            self._hidden_paths = _hideable(hidden_paths, needed, strict=True)
         self._namespaces = namespaces if self._root or namespaces else False
         self._socket_guard = socket_guard
         self._uids = uids
@@ -110,7 +121,13 @@ class LocalSandbox(BaseSandbox):
     async def isolation(self) -> Isolation:
         """The layers in force (probing namespaces if that has not happened yet)."""
         namespaces = await self._namespaces_available()
-        return Isolation(privilege_drop=self._root, namespaces=namespaces, socket_guard=self._socket_guard, notes=list(self._notes))
+        return Isolation(
+            privilege_drop=self._root,
+            namespaces=namespaces,
+            socket_guard=self._socket_guard,
+            hidden_paths=self._hidden_paths if namespaces else [],
+            notes=list(self._notes),
+        )
 
     async def run(
         self,
@@ -179,6 +196,7 @@ class LocalSandbox(BaseSandbox):
                 "cpu_s": cpu_s,
                 "max_processes": self._max_processes,
                 "socket_guard": self._socket_guard,
+                "hidden_paths": self._hidden_paths,
                 "status_fd": status_w,
                 "code_file": CODE_FILE,
                 "exit_memory": EXIT_MEMORY,
@@ -214,13 +232,15 @@ class LocalSandbox(BaseSandbox):
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
 
-    async def _supervise(self, proc: Process, stdin: bytes, timeout_s: float, uid: int | None) -> tuple[str | None, bytearray, bytearray]:
+    async def _supervise(
+        self, proc: Process, stdin: bytes, timeout_s: float, uid: int | None
+    ) -> tuple[ExecutionStatus | None, bytearray, bytearray]:
         """Feed stdin, collect capped output, enforce the wall clock; returns why we stopped the run, if we did."""
         out, err = bytearray(), bytearray()
-        reasons: list[str] = []
+        reasons: list[ExecutionStatus] = []
         stopped = anyio.Event()
 
-        def stop(reason: str) -> None:
+        def stop(reason: ExecutionStatus) -> None:
             if not reasons:
                 reasons.append(reason)
                 _terminate(proc)
@@ -288,6 +308,25 @@ def _check_positive(field: str, value):
     return value
 
 
+def _hideable(paths: Sequence[str], needed: Sequence[str], *, strict: bool) -> list[str]:
+    """The existing directories among ``paths``, minus those holding something a run needs (``needed``)."""
+    hidden = set()
+    for path in paths:
+        real = os.path.realpath(path)
+        if not os.path.isdir(real):
+            continue
+        if any(os.path.commonpath([os.path.realpath(n), real]) == real for n in needed):
+            if strict:
+                raise InvalidInputError(
+                    f"{path!r} holds the temp directory or the interpreter, which runs need",
+                    field="hidden_paths",
+                    fix="hide narrower directories",
+                )
+            continue
+        hidden.add(real)
+    return sorted(hidden)
+
+
 def _usable_by_anyone(executable: str) -> bool:
     """Whether an unprivileged user can run this interpreter and read its standard library (``<prefix>/lib``)."""
     real = Path(os.path.realpath(executable))
@@ -340,7 +379,9 @@ def _read_report(fd: int) -> dict:
         return {}
 
 
-def _verdict(report: dict, stop_reason: str | None, out: bytes, err: bytes, wall_s: float, cpu_limit: int) -> ExecutionResult:
+def _verdict(
+    report: dict, stop_reason: ExecutionStatus | None, out: bytearray, err: bytearray, wall_s: float, cpu_limit: int
+) -> ExecutionResult:
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     if not report.get("started"):
         why = report.get("error") or ("stopped before the program started" if report.get("stopped") else "no report from the supervisor")
@@ -348,6 +389,7 @@ def _verdict(report: dict, stop_reason: str | None, out: bytes, err: bytes, wall
     sig = report.get("signal")
     exit_code = -sig if sig else report.get("exit_code")
     cpu_s = report.get("cpu_s")
+    status: ExecutionStatus
     if stop_reason is not None:
         status = stop_reason
     elif exit_code is None:
