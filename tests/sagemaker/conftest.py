@@ -11,7 +11,6 @@ from smhelpers import REGION, clients
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 
 
-
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dummy credentials (the emulator does not check signatures) and no stray endpoint overrides."""

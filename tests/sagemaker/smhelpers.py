@@ -14,7 +14,6 @@ ROLE = "arn:aws:iam::111122223333:role/TrainingSessionRole"
 REGION = "us-west-2"
 
 
-
 def clients(url: str, *, validate: bool = True) -> tuple[Any, Any]:
     """(control plane, runtime) boto3 clients without botocore retries; ``validate=False`` skips client-side checks."""
     cfg = Config(retries={"total_max_attempts": 1}, parameter_validation=validate)

@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 from smhelpers import clients, driver_url, wait_status
 
-from asyncsess_sagemaker.emulator import running_emulator
-
 import asyncsess
 from asyncsess.errors import InvalidInputError, RetriesExhaustedError, SessionGoneError, UnsupportedError
 from asyncsess.rl import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
+from asyncsess_sagemaker.emulator import running_emulator
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
 
@@ -20,7 +19,9 @@ BASE = "mock/bigram-tiny"
 
 
 def sft(tokens: list[int]) -> Datum:
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)}
+    )
 
 
 BATCH = [sft([1, 40, 41, 42, 43, 2]), sft([1, 50, 51, 52, 2])]
@@ -39,7 +40,9 @@ async def _loop(url: str, steps: int, seed: int) -> tuple[list[list[list[int]]],
             samples.append(seqs)
             rewards = [float(sum(t % 2 == 0 for t in s)) for s in seqs]
             mean = sum(rewards) / len(rewards)
-            datums = [rl_datum(prompt, s.tokens, s.logprobs or [], r - mean) for s, r in zip(resp.sequences, rewards) if s.tokens and r != mean]
+            datums = [
+                rl_datum(prompt, s.tokens, s.logprobs or [], r - mean) for s, r in zip(resp.sequences, rewards) if s.tokens and r != mean
+            ]
             if datums:
                 fb = tc.forward_backward(datums, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
                 opt = tc.optim_step(AdamParams(learning_rate=0.01))
@@ -71,7 +74,9 @@ async def test_grpo_example_runs_end_to_end(emulator):
 async def test_pipelined_ops_survive_throttling_and_lost_replies_exactly_once(emulator):
     async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
         tc = await svc.create_lora_training_client(BASE, rank=4)
-        emulator.set_faults(throttle_rate=0.3, lost_response_rate=0.3, seed=5, operations=["ExecuteTrainingOperation", "GetTrainingOperationResult"])
+        emulator.set_faults(
+            throttle_rate=0.3, lost_response_rate=0.3, seed=5, operations=["ExecuteTrainingOperation", "GetTrainingOperationResult"]
+        )
         futures = []
         for _ in range(6):
             futures.append(tc.forward_backward(BATCH, "cross_entropy"))

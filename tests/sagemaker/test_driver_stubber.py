@@ -99,16 +99,22 @@ class Stubs:
             {"operationId": op_id},
             {"trainingSessionName": self.name, "sequenceNumber": seq, "clientToken": token, "operationConfig": config},
         )
-        self.runtime.add_response("get_training_operation_result", {"status": "InProgress"}, {"trainingSessionName": self.name, "operationId": op_id})
+        self.runtime.add_response(
+            "get_training_operation_result", {"status": "InProgress"}, {"trainingSessionName": self.name, "operationId": op_id}
+        )
         done: dict[str, Any] = {"status": "Completed", **extra}
         if result is not None:
             done["operationResult"] = result
         self.runtime.add_response("get_training_operation_result", done, {"trainingSessionName": self.name, "operationId": op_id})
 
     def sampling(self, n: int, config: dict[str, Any], result: dict[str, Any]) -> None:
-        self.runtime.add_response("execute_sampling_operation", {"operationId": f"s-{n}"}, {"trainingSessionName": self.name, "operationConfig": config})
         self.runtime.add_response(
-            "get_sampling_operation_result", {"status": "Completed", "operationResult": result}, {"trainingSessionName": self.name, "operationId": f"s-{n}"}
+            "execute_sampling_operation", {"operationId": f"s-{n}"}, {"trainingSessionName": self.name, "operationConfig": config}
+        )
+        self.runtime.add_response(
+            "get_sampling_operation_result",
+            {"status": "Completed", "operationResult": result},
+            {"trainingSessionName": self.name, "operationId": f"s-{n}"},
         )
 
 
@@ -182,10 +188,20 @@ async def test_every_op_sends_the_documented_request(stubbed):
         if config:
             body["lossFnConfig"] = config
         stubs.training(seq, f"k{seq}", {"forwardBackward": body}, {"forwardBackward": fwd_result}, tokenUsage={"trainingTokens": 3})
-        await backend.execute_training(name, TrainingOp("forward_backward", seq, f"k{seq}", data=(rl,), loss_fn=loss, loss_fn_config=config))
+        await backend.execute_training(
+            name, TrainingOp("forward_backward", seq, f"k{seq}", data=(rl,), loss_fn=loss, loss_fn_config=config)
+        )
 
     adam = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0, lora_plus_lr_ratio=16.0)
-    wire_adam = {"learningRate": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weightDecay": 0.01, "gradClipNorm": 1.0, "loraPlusLrRatio": 16.0}
+    wire_adam = {
+        "learningRate": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weightDecay": 0.01,
+        "gradClipNorm": 1.0,
+        "loraPlusLrRatio": 16.0,
+    }
     stubs.training(5, "k5", {"optimizerStep": {"adamParamsConfig": wire_adam}}, {"optimizerStep": {"metrics": {"learning_rate": 1e-3}}})
     step = await backend.execute_training(name, TrainingOp("optim_step", 5, "k5", adam_params=adam))
     assert step.step == 1 and step.metrics == {"learning_rate": 1e-3}
@@ -218,14 +234,21 @@ async def test_every_op_sends_the_documented_request(stubbed):
         "sample": {
             "sequences": [
                 {"stopReason": "stop", "tokens": [9, 10], "logprobs": [-0.1, -0.2], "tokenUsage": {"prefill": 3, "decode": 2}},
-                {"stopReason": "stop", "tokens": [9, 10, 11, 12, 13, 14], "logprobs": [-0.1] * 6, "tokenUsage": {"prefill": 3, "decode": 6}},
+                {
+                    "stopReason": "stop",
+                    "tokens": [9, 10, 11, 12, 13, 14],
+                    "logprobs": [-0.1] * 6,
+                    "tokenUsage": {"prefill": 3, "decode": 6},
+                },
             ],
             "promptLogprobs": [-4.0, -5.0],
         }
     }
     stubs.sampling(2, sample_cfg, sample_result)
     params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=20, seed=3, stop=["\n"])
-    resp = await backend.sample(sampler, SampleRequest(prompt=(1, 5, 6), num_samples=2, sampling_params=params, include_prompt_logprobs=True))
+    resp = await backend.sample(
+        sampler, SampleRequest(prompt=(1, 5, 6), num_samples=2, sampling_params=params, include_prompt_logprobs=True)
+    )
     assert resp.sequences[0].tokens == [9, 10] and resp.sequences[0].stop_reason == "stop"
     assert resp.sequences[1].tokens == [9, 10, 11, 12] and resp.sequences[1].stop_reason == "length"  # cut to max_tokens=4
     assert resp.prompt_logprobs == [None, -4.0, -5.0]
@@ -247,9 +270,18 @@ async def test_resume_sends_load_state_as_sequence_number_one(stubbed):
     stubs.runtime.add_response(
         "execute_training_operation",
         {"operationId": "op-resume"},
-        {"trainingSessionName": ANY, "sequenceNumber": 1, "clientToken": ANY, "operationConfig": {"loadState": {"modelPackageArn": PKG, "loadOptimizer": False}}},
+        {
+            "trainingSessionName": ANY,
+            "sequenceNumber": 1,
+            "clientToken": ANY,
+            "operationConfig": {"loadState": {"modelPackageArn": PKG, "loadOptimizer": False}},
+        },
     )
-    stubs.runtime.add_response("get_training_operation_result", {"status": "Completed", "operationResult": {"loadState": {}}}, {"trainingSessionName": ANY, "operationId": "op-resume"})
+    stubs.runtime.add_response(
+        "get_training_operation_result",
+        {"status": "Completed", "operationResult": {"loadState": {}}},
+        {"trainingSessionName": ANY, "operationId": "op-resume"},
+    )
     info = await backend.create_training_session(TrainingSessionSpec(base_model="tiny-model", rank=4, from_path=PKG, with_optimizer=False))
     stubs.name = info.model_id
     stubs.training(2, "first-client-op", {"saveState": {}}, {"saveState": {"modelPackageArn": PKG}})

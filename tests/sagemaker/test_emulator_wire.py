@@ -90,7 +90,9 @@ def test_training_ops_run_in_order_with_usage_and_checkpoints(sm, rt, emulator):
     name = _name()
     new_session(sm, name)
     ids = [
-        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=i + 1, clientToken=f"tok-{i}", operationConfig=cfg)["operationId"]
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=i + 1, clientToken=f"tok-{i}", operationConfig=cfg)[
+            "operationId"
+        ]
         for i, cfg in enumerate([fb([1, 40, 41, 42, 43]), OPTIM, {"saveState": {"description": "after one step"}}])
     ]
     results = [wait_op(rt.get_training_operation_result, name, op_id) for op_id in ids]
@@ -122,7 +124,9 @@ def test_a_gap_blocks_the_session_until_the_missing_number_arrives(sm, rt, emula
     assert detail["TrainingSessionStatus"] == "Blocked"
     assert "sequence number 1" in detail["ErrorDetails"]
     assert rt.get_training_operation_result(trainingSessionName=name, operationId=late)["status"] == "Pending"
-    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=fb([1, 50, 51]))["operationId"]
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=fb([1, 50, 51]))[
+        "operationId"
+    ]
     assert wait_op(rt.get_training_operation_result, name, late)["status"] == "Completed"
     assert wait_op(rt.get_training_operation_result, name, first)["status"] == "Completed"
     assert wait_status(sm, name, {"Running"})["TrainingSessionStatus"] == "Running"
@@ -133,7 +137,9 @@ def test_a_gap_blocks_the_session_until_the_missing_number_arrives(sm, rt, emula
 def test_a_gap_that_never_fills_fails_the_session_and_skips_its_queue(sm, rt, emulator):
     name = _name()
     new_session(sm, name)
-    queued = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=OPTIM)["operationId"]
+    queued = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=OPTIM)[
+        "operationId"
+    ]
     resp = wait_op(rt.get_training_operation_result, name, queued)  # the fixture's gap timeout is 1 s
     assert resp["status"] == "Skipped"
     detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
@@ -170,11 +176,20 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
         ({"forwardBackward": {"lossFnName": "dro", "datumList": [fb([1, 2, 3])["forwardBackward"]["datumList"][0]]}}, "enum"),
         ({"forwardBackward": {**fb([1, 2, 3])["forwardBackward"], "lossFnConfig": {"beta": 0.1}}}, "Unsupported key 'beta'"),
         ({"forwardBackward": {**fb([1, 2, 3])["forwardBackward"], "lossFnConfig": {"clip_high_threshold": 20}}}, "[1, 10]"),
-        ({"forwardBackward": {"lossFnName": "ppo", "datumList": fb([1, 2, 3])["forwardBackward"]["datumList"]}}, "missing advantages, logprobs"),
+        (
+            {"forwardBackward": {"lossFnName": "ppo", "datumList": fb([1, 2, 3])["forwardBackward"]["datumList"]}},
+            "missing advantages, logprobs",
+        ),
         ({"forwardBackward": {"lossFnName": "cross_entropy", "datumList": []}}, "at least one datum"),
-        ({"loadState": {"modelPackageArn": "arn:aws:sagemaker:us-west-2:111122223333:model-package-group/g", "loadOptimizer": True}}, "version ARN"),
+        (
+            {"loadState": {"modelPackageArn": "arn:aws:sagemaker:us-west-2:111122223333:model-package-group/g", "loadOptimizer": True}},
+            "version ARN",
+        ),
         ({"forward": fb([1, 2, 3])["forwardBackward"], "optimizerStep": OPTIM["optimizerStep"]}, "exactly one"),
-        ({"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [fb([1, 2, 9999])["forwardBackward"]["datumList"][0]]}}, "token id"),
+        (
+            {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [fb([1, 2, 9999])["forwardBackward"]["datumList"][0]]}},
+            "token id",
+        ),
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
@@ -209,7 +224,9 @@ def test_limits_from_the_control_plane_model_are_enforced(sm, emulator):
         assert _code(err) == ("ValidationException", 400), change
         assert where in err.value.response["Error"]["Message"]
     with pytest.raises(ClientError) as err:
-        sm.create_training_session(**(base | {"ModelConfig": {"BaseModelArn": "arn:aws:sagemaker:us-west-2:aws:hub-content/SageMakerPublicHub/Model/nope/1.0.0"}}))
+        sm.create_training_session(
+            **(base | {"ModelConfig": {"BaseModelArn": "arn:aws:sagemaker:us-west-2:aws:hub-content/SageMakerPublicHub/Model/nope/1.0.0"}})
+        )
     assert _code(err) == ("ResourceNotFound", 400)
     with pytest.raises(sm.exceptions.ResourceNotFound):
         sm.describe_training_session(TrainingSessionName="no-such-session")
@@ -231,7 +248,13 @@ def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
     with pytest.raises(ClientError) as err:
         raw_rt.execute_sampling_operation(
             trainingSessionName=name,
-            operationConfig={"sample": {"prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]}, "numSamples": 1, "samplingParams": {"maxTokens": 16}}},
+            operationConfig={
+                "sample": {
+                    "prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]},
+                    "numSamples": 1,
+                    "samplingParams": {"maxTokens": 16},
+                }
+            },
         )
     assert _code(err) == ("ValidationException", 400) and "greater than or equal to 512" in str(err.value)
     sm.stop_training_session(TrainingSessionName=name)
@@ -266,7 +289,15 @@ def test_sampling_compute_logprobs_and_weights_for_sampling(sm, rt, emulator):
     prompt = {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}
     ops = {
         "load": {"loadWeightsForSampling": {"modelPackageArn": pkg}},
-        "sample": {"sample": {"prompt": prompt, "numSamples": 3, "samplingParams": {"maxTokens": 512, "seed": 7}, "includePromptLogprobs": True, "modelPackageArn": pkg}},
+        "sample": {
+            "sample": {
+                "prompt": prompt,
+                "numSamples": 3,
+                "samplingParams": {"maxTokens": 512, "seed": 7},
+                "includePromptLogprobs": True,
+                "modelPackageArn": pkg,
+            }
+        },
         "logprobs": {"computeLogprobs": {"prompt": prompt}},
     }
     ids = {k: rt.execute_sampling_operation(trainingSessionName=name, operationConfig=cfg)["operationId"] for k, cfg in ops.items()}
@@ -281,7 +312,9 @@ def test_sampling_compute_logprobs_and_weights_for_sampling(sm, rt, emulator):
     usage = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"]
     assert usage["PrefillTokenCount"] == 9 and usage["SampleTokenCount"] == sum(len(s["tokens"]) for s in seqs)
     with pytest.raises(rt.exceptions.ResourceNotFoundException):
-        rt.execute_sampling_operation(trainingSessionName=name, operationConfig={"loadWeightsForSampling": {"modelPackageArn": pkg[:-1] + "99"}})
+        rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"loadWeightsForSampling": {"modelPackageArn": pkg[:-1] + "99"}}
+        )
     sm.stop_training_session(TrainingSessionName=name)
 
 
@@ -305,7 +338,9 @@ def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
 
 
 def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
-    resp = httpx.post(emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}")
+    resp = httpx.post(
+        emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}"
+    )
     assert resp.status_code == 400 and resp.json()["__type"] == "UnknownOperationException"
     name = _name()
     new_session(sm, name)

@@ -70,7 +70,9 @@ def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emu
         sampler = tc.save_weights_and_get_sampling_client()
         prompt = [1, 40, 41]
         for step in range(2):
-            result = sampler.sample(ts.ModelInput.from_ints(prompt), num_samples=4, sampling_params=ts.SamplingParams(max_tokens=512, seed=step)).result()
+            result = sampler.sample(
+                ts.ModelInput.from_ints(prompt), num_samples=4, sampling_params=ts.SamplingParams(max_tokens=512, seed=step)
+            ).result()
             assert len(result.sequences) == 4
             rewards = [float(sum(t % 2 == 0 for t in s.tokens[:8])) for s in result.sequences]
             mean = sum(rewards) / len(rewards)

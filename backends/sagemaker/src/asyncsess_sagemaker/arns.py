@@ -23,7 +23,9 @@ __all__ = [
 PUBLIC_HUB = "SageMakerPublicHub"
 
 _MODEL_PACKAGE = re.compile(r"arn:(aws[a-z\-]*):sagemaker:([a-z0-9\-]+):(\d{12}):model-package/([^/]+)/(\d+)")
-_HUB_CONTENT = re.compile(r"arn:([a-z0-9\-.]+):sagemaker:([a-zA-Z0-9\-]+):(\d{12}|aws):hub-content/([^/]+)/Model/([^/]+)(?:/(\d+\.\d+\.\d+))?")
+_HUB_CONTENT = re.compile(
+    r"arn:([a-z0-9\-.]+):sagemaker:([a-zA-Z0-9\-]+):(\d{12}|aws):hub-content/([^/]+)/Model/([^/]+)(?:/(\d+\.\d+\.\d+))?"
+)
 _ACCOUNT = re.compile(r"arn:aws[a-z\-]*:[a-z0-9\-]+:[a-z0-9\-]*:(\d{12}):")
 
 

@@ -8,9 +8,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError, TransientError
-from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError, NoCredentialsError, NoRegionError, ParamValidationError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError,
+    HTTPClientError,
+    NoCredentialsError,
+    NoRegionError,
+    ParamValidationError,
+)
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError, TransientError
 
 __all__ = ["AwsCalls", "translate", "error_code", "TRANSIENT_CODES", "field_of"]
 
@@ -51,10 +60,14 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
         text = f"{code}: {message}"
         if code in TRANSIENT_CODES or status in (429, 500, 502, 503, 504):
             hint = (meta.get("HTTPHeaders") or {}).get("retry-after")
-            retry_after = float(hint) if hint and hint.replace(".", "", 1).isdigit() else (0.5 if "hrottl" in code or status == 429 else None)
+            retry_after = (
+                float(hint) if hint and hint.replace(".", "", 1).isdigit() else (0.5 if "hrottl" in code or status == 429 else None)
+            )
             return TransientError(text, retry_after=retry_after, operation=operation, request_id=request_id)
         if code == "ValidationException":
-            return InvalidInputError(text, field=field_of(message), fix="see the SageMaker limits in the message", operation=operation, request_id=request_id)
+            return InvalidInputError(
+                text, field=field_of(message), fix="see the SageMaker limits in the message", operation=operation, request_id=request_id
+            )
         if code in ("ResourceNotFound", "ResourceNotFoundException"):
             if not_found is InvalidInputError:
                 return InvalidInputError(text, operation=operation, request_id=request_id)
@@ -65,7 +78,9 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
     if isinstance(err, (ConnectionError, HTTPClientError)):
         return TransientError(f"{type(err).__name__}: {err}", operation=operation)
     if isinstance(err, (NoCredentialsError, NoRegionError)):
-        return InvalidInputError(str(err), field="credentials", fix="configure AWS credentials (env, profile= option, or instance role)", operation=operation)
+        return InvalidInputError(
+            str(err), field="credentials", fix="configure AWS credentials (env, profile= option, or instance role)", operation=operation
+        )
     if isinstance(err, ParamValidationError):
         return InvalidInputError(str(err), fix="see the SageMaker limits in the message", operation=operation)
     if isinstance(err, BotoCoreError):
@@ -90,7 +105,9 @@ class AwsCalls:
         except (ClientError, BotoCoreError) as err:
             raise translate(err, operation, not_found=not_found) from err
 
-    async def retried(self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any) -> T:
+    async def retried(
+        self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any
+    ) -> T:
         """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``."""
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
@@ -110,7 +127,13 @@ class AwsCalls:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def poll(
-        self, fn: Callable[..., dict[str, Any]], *, operation: str, check: Callable[[], Awaitable[None]] | None = None, check_every_s: float = 5.0, **kwargs: Any
+        self,
+        fn: Callable[..., dict[str, Any]],
+        *,
+        operation: str,
+        check: Callable[[], Awaitable[None]] | None = None,
+        check_every_s: float = 5.0,
+        **kwargs: Any,
     ) -> dict[str, Any]:
         """Poll a Get*OperationResult until the status is final: fast at first, backing off to ``poll_max_s``.
 

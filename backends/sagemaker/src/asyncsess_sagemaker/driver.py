@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import anyio
 import boto3
+from botocore.config import Config
+
 from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import (
     AsyncSessError,
@@ -50,10 +52,9 @@ from asyncsess.types import (
     TrainingResult,
     Usage,
 )
-from botocore.config import Config
 
 from . import arns
-from .calls import AwsCalls, error_code
+from .calls import AwsCalls
 from .options import SageMakerOptions
 from .service_models import CONTROL, RUNTIME, control_model, operation, runtime_model
 from .shape_check import ShapeError, check_shape
@@ -148,7 +149,9 @@ class SageMakerBackend(Backend):
             runtime = session.client(
                 RUNTIME,
                 endpoint_url=self.options.runtime_url,
-                config=Config(retries=no_retries, max_pool_connections=self.options.max_pool_connections, connect_timeout=10, read_timeout=60),
+                config=Config(
+                    retries=no_retries, max_pool_connections=self.options.max_pool_connections, connect_timeout=10, read_timeout=60
+                ),
             )
             return control, runtime
 
@@ -181,7 +184,9 @@ class SageMakerBackend(Backend):
         rows: list[dict[str, Any]] = []
         kwargs: dict[str, Any] = {"HubName": arns.PUBLIC_HUB, "HubContentType": "Model"}
         while True:
-            resp = await self._calls.retried(self.control.list_hub_contents, operation="ListHubContents", not_found=InvalidInputError, **kwargs)
+            resp = await self._calls.retried(
+                self.control.list_hub_contents, operation="ListHubContents", not_found=InvalidInputError, **kwargs
+            )
             rows += resp.get("HubContentSummaries", [])
             if not resp.get("NextToken"):
                 return rows
@@ -198,7 +203,9 @@ class SageMakerBackend(Backend):
         kwargs = {"HubName": arns.PUBLIC_HUB, "HubContentType": "Model", "HubContentName": name}
         if version:
             kwargs["HubContentVersion"] = version
-        resp = await self._calls.retried(self.control.describe_hub_content, operation="DescribeHubContent", not_found=InvalidInputError, **kwargs)
+        resp = await self._calls.retried(
+            self.control.describe_hub_content, operation="DescribeHubContent", not_found=InvalidInputError, **kwargs
+        )
         try:
             hf_id = json.loads(resp.get("HubContentDocument") or "{}").get("HuggingfaceId")
         except json.JSONDecodeError:
@@ -219,12 +226,21 @@ class SageMakerBackend(Backend):
             wanted = base_model.lower()
             rows = await self._hub_contents()
             match = next(
-                (r for r in rows if wanted in (r["HubContentName"].lower(), (self._keyword_id(r) or "").lower(), str(r.get("HubContentDisplayName", "")).lower())),
+                (
+                    r
+                    for r in rows
+                    if wanted
+                    in (r["HubContentName"].lower(), (self._keyword_id(r) or "").lower(), str(r.get("HubContentDisplayName", "")).lower())
+                ),
                 None,
             )
             if match is None:
                 known = ", ".join(sorted(self._keyword_id(r) or r["HubContentName"] for r in rows)) or "none"
-                raise InvalidInputError(f"{base_model!r} is not a SageMaker Public Hub model here", field="base_model", fix=f"use one of: {known}, or a hub content ARN")
+                raise InvalidInputError(
+                    f"{base_model!r} is not a SageMaker Public Hub model here",
+                    field="base_model",
+                    fix=f"use one of: {known}, or a hub content ARN",
+                )
             hub_arn, hf_id = await self._describe_hub(match["HubContentName"])
             resolved = (hub_arn, hf_id or self._keyword_id(match))
         self._hub[base_model] = resolved
@@ -242,7 +258,9 @@ class SageMakerBackend(Backend):
     def get_tokenizer(self, base_model: str) -> Tokenizer:
         if base_model not in self._tokenizers:
             hf_id = self._hub.get(base_model, (None, None))[1] or base_model
-            self._tokenizers[base_model] = load_tokenizer(hf_id, tokenizer_path=self.options.tokenizer_path, tokenizer_backend=self.options.tokenizer_backend)
+            self._tokenizers[base_model] = load_tokenizer(
+                hf_id, tokenizer_path=self.options.tokenizer_path, tokenizer_backend=self.options.tokenizer_backend
+            )
         return self._tokenizers[base_model]
 
     # ----------------------------------------------------------------------- control plane
@@ -260,14 +278,20 @@ class SageMakerBackend(Backend):
             except ServerError as err:
                 if "ResourceInUse" not in str(err) and "already exists" not in str(err):
                     raise
-                resp = await self._calls.retried(self.control.describe_model_package_group, operation="DescribeModelPackageGroup", ModelPackageGroupName=DEFAULT_GROUP)
+                resp = await self._calls.retried(
+                    self.control.describe_model_package_group, operation="DescribeModelPackageGroup", ModelPackageGroupName=DEFAULT_GROUP
+                )
                 self._group_arn = resp["ModelPackageGroupArn"]
         return self._group_arn
 
     def _create_request(self, name: str, hub_arn: str, rank: int, alpha: int, group_arn: str) -> dict[str, Any]:
         opts = self.options
         if not opts.role_arn:
-            raise InvalidInputError("creating a session needs an execution role", field="role_arn", fix="pass role_arn=arn:aws:iam::<account>:role/<name> in the URL query or as a keyword")
+            raise InvalidInputError(
+                "creating a session needs an execution role",
+                field="role_arn",
+                fix="pass role_arn=arn:aws:iam::<account>:role/<name> in the URL query or as a keyword",
+            )
         s3 = opts.s3_output_path
         if not s3:
             account = arns.account_of(opts.role_arn) or "unknown"
@@ -289,7 +313,9 @@ class SageMakerBackend(Backend):
         return request
 
     async def _describe(self, name: str) -> dict[str, Any]:
-        resp = await self._calls.retried(self.control.describe_training_session, operation="DescribeTrainingSession", TrainingSessionName=name)
+        resp = await self._calls.retried(
+            self.control.describe_training_session, operation="DescribeTrainingSession", TrainingSessionName=name
+        )
         return resp["TrainingSessionDetail"]
 
     async def _wait_running(self, name: str) -> None:
@@ -304,9 +330,14 @@ class SageMakerBackend(Backend):
             if status == "Running":
                 return
             if status in GONE:
-                raise SessionGoneError(f"training session {name} became {status} while starting: {detail.get('ErrorDetails') or 'no details'}", operation="create")
+                raise SessionGoneError(
+                    f"training session {name} became {status} while starting: {detail.get('ErrorDetails') or 'no details'}",
+                    operation="create",
+                )
             if anyio.current_time() >= deadline:
-                raise DeadlineExceededError(f"training session {name} was still {status} after {self.options.create_timeout_s:g}s", operation="create")
+                raise DeadlineExceededError(
+                    f"training session {name} was still {status} after {self.options.create_timeout_s:g}s", operation="create"
+                )
             await anyio.sleep(delay)
             delay = min(delay * 1.5, 10.0)
 
@@ -314,7 +345,9 @@ class SageMakerBackend(Backend):
         if spec.seed is not None or not (spec.train_mlp and spec.train_attn and spec.train_unembed):
             log.warning("SageMaker training sessions ignore seed and train_mlp/train_attn/train_unembed; the service picks them")
         if spec.rank > _RANK_MAX:
-            raise InvalidInputError(f"rank {spec.rank} is above the service maximum {_RANK_MAX}", field="rank", fix=f"use a rank <= {_RANK_MAX}")
+            raise InvalidInputError(
+                f"rank {spec.rank} is above the service maximum {_RANK_MAX}", field="rank", fix=f"use a rank <= {_RANK_MAX}"
+            )
         base_model = spec.base_model
         if not base_model and spec.from_path:
             base_model = await self._base_model_of(spec.from_path)
@@ -324,8 +357,18 @@ class SageMakerBackend(Backend):
         alpha = int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
         name = f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         request = self._create_request(name, hub_arn, spec.rank, alpha, await self._model_package_group())
-        await self._calls.retried(self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request)
-        sess = _Session(name=name, base_model=base_model, hub_arn=hub_arn, hf_id=hf_id, rank=spec.rank, alpha=alpha, sequencer=Sequencer(self._submitter(name), gap_timeout=300.0))
+        await self._calls.retried(
+            self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request
+        )
+        sess = _Session(
+            name=name,
+            base_model=base_model,
+            hub_arn=hub_arn,
+            hf_id=hf_id,
+            rank=spec.rank,
+            alpha=alpha,
+            sequencer=Sequencer(self._submitter(name), gap_timeout=300.0),
+        )
         self._sessions[name] = sess
         try:
             await self._wait_running(name)
@@ -340,7 +383,12 @@ class SageMakerBackend(Backend):
 
     async def _base_model_of(self, model_package_arn: str) -> str:
         self._require_package_arn(model_package_arn, "path")
-        desc = await self._calls.retried(self.control.describe_model_package, operation="DescribeModelPackage", not_found=InvalidInputError, ModelPackageName=model_package_arn)
+        desc = await self._calls.retried(
+            self.control.describe_model_package,
+            operation="DescribeModelPackage",
+            not_found=InvalidInputError,
+            ModelPackageName=model_package_arn,
+        )
         containers = (desc.get("InferenceSpecification") or {}).get("Containers") or [{}]
         base = containers[0].get("BaseModel") or {}
         if not base.get("HubContentName"):
@@ -350,7 +398,11 @@ class SageMakerBackend(Backend):
     @staticmethod
     def _require_package_arn(arn: str, field: str) -> None:
         if arns.parse_model_package_arn(arn) is None:
-            raise InvalidInputError(f"{arn!r} is not a model package version ARN", field=field, fix="use the path a save_state/save_weights call returned (arn:aws:sagemaker:REGION:ACCOUNT:model-package/GROUP/VERSION)")
+            raise InvalidInputError(
+                f"{arn!r} is not a model package version ARN",
+                field=field,
+                fix="use the path a save_state/save_weights call returned (arn:aws:sagemaker:REGION:ACCOUNT:model-package/GROUP/VERSION)",
+            )
 
     async def _stop_quietly(self, name: str) -> None:
         try:
@@ -466,7 +518,9 @@ class SageMakerBackend(Backend):
         except TransientError as err:  # delivered or not, nobody knows: a gap may be open; end the session cleanly
             with anyio.CancelScope(shield=True):
                 await self._stop_quietly(sess.name)
-            raise RetriesExhaustedError(f"sequence number {seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)) from err
+            raise RetriesExhaustedError(
+                f"sequence number {seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)
+            ) from err
         except SessionGoneError:
             await self._check_alive(sess)
             raise
@@ -547,7 +601,9 @@ class SageMakerBackend(Backend):
         sess = self._sessions.get(session) or _orphan(session)
         if sess.gone is not None:
             raise sess.gone
-        resp = await self._calls.retried(self.runtime.execute_sampling_operation, operation=operation_name, trainingSessionName=session, operationConfig=config)
+        resp = await self._calls.retried(
+            self.runtime.execute_sampling_operation, operation=operation_name, trainingSessionName=session, operationConfig=config
+        )
         result = await self._calls.poll(
             self.runtime.get_sampling_operation_result,
             operation=operation_name,
@@ -559,7 +615,11 @@ class SageMakerBackend(Backend):
             return result.get("operationResult") or {}
         if result["status"] == "Skipped":
             await self._check_alive(sess)
-        raise ServerError(f"{operation_name} {result['status'].lower()}: {result.get('errorDetails') or 'no details'}", operation=operation_name, request_id=resp["operationId"])
+        raise ServerError(
+            f"{operation_name} {result['status'].lower()}: {result.get('errorDetails') or 'no details'}",
+            operation=operation_name,
+            request_id=resp["operationId"],
+        )
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         arn = spec.model_path
@@ -593,9 +653,15 @@ class SageMakerBackend(Backend):
     @staticmethod
     def _wire_sampling_params(params: SamplingParams) -> dict[str, Any]:
         if params.stop_token_ids():
-            raise UnsupportedError("stop token ids", field="sampling_params.stop", fix="SageMaker takes stop strings only; pass stop=['...']")
+            raise UnsupportedError(
+                "stop token ids", field="sampling_params.stop", fix="SageMaker takes stop strings only; pass stop=['...']"
+            )
         if params.temperature > _TEMPERATURE["max"]:
-            raise InvalidInputError(f"temperature {params.temperature} is above {_TEMPERATURE['max']}", field="sampling_params.temperature", fix=f"use <= {_TEMPERATURE['max']}")
+            raise InvalidInputError(
+                f"temperature {params.temperature} is above {_TEMPERATURE['max']}",
+                field="sampling_params.temperature",
+                fix=f"use <= {_TEMPERATURE['max']}",
+            )
         lo, hi = int(_MAX_TOKENS["min"]), int(_MAX_TOKENS["max"])
         if params.max_tokens is not None and params.max_tokens > hi:
             raise InvalidInputError(f"max_tokens {params.max_tokens} is above {hi}", field="sampling_params.max_tokens", fix=f"use <= {hi}")
@@ -644,10 +710,14 @@ class SageMakerBackend(Backend):
         resp = await self._calls.retried(self.runtime.sample_training_session, operation="chat_completion", **kwargs)
         return json.loads(await anyio.to_thread.run_sync(resp["body"].read))
 
-    async def chat_completion_stream(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def chat_completion_stream(
+        self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """``SampleTrainingSessionWithResponseStream``: yields each SSE chunk; an in-stream error raises ``ServerError``."""
         kwargs = self._chat_args(session_id, {**body, "stream": True}, model_package_arn)
-        resp = await self._calls.retried(self.runtime.sample_training_session_with_response_stream, operation="chat_completion_stream", **kwargs)
+        resp = await self._calls.retried(
+            self.runtime.sample_training_session_with_response_stream, operation="chat_completion_stream", **kwargs
+        )
         lines = resp["body"].iter_lines()
         done = False
         try:

@@ -11,9 +11,10 @@ import json
 import os
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from asyncsess.backend import ParsedURL
 from asyncsess.errors import InvalidInputError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["SageMakerOptions", "ENDPOINT_ENV", "RUNTIME_ENDPOINT_ENV"]
 
@@ -26,12 +27,18 @@ class SageMakerOptions(BaseModel):
 
     region: str
     role_arn: str | None = None
-    model_package_group_arn: str | None = Field(default=None, description="checkpoints land here; default: the SDK's shared 'sagemaker-default' group")
+    model_package_group_arn: str | None = Field(
+        default=None, description="checkpoints land here; default: the SDK's shared 'sagemaker-default' group"
+    )
     s3_output_path: str | None = Field(default=None, description="default: s3://sagemaker-{region}-{account of role_arn}/{session}/output")
     kms_key_arn: str | None = None
-    vpc_config: dict[str, list[str]] | None = Field(default=None, description="{'SecurityGroupIds': [...], 'Subnets': [...]} (snake_case keys accepted)")
+    vpc_config: dict[str, list[str]] | None = Field(
+        default=None, description="{'SecurityGroupIds': [...], 'Subnets': [...]} (snake_case keys accepted)"
+    )
     session_name_prefix: str = "asyncsess"
-    endpoint_url: str | None = Field(default=None, description="control plane (and model registry, hub); also the runtime unless runtime_endpoint_url is set")
+    endpoint_url: str | None = Field(
+        default=None, description="control plane (and model registry, hub); also the runtime unless runtime_endpoint_url is set"
+    )
     runtime_endpoint_url: str | None = None
     profile: str | None = Field(default=None, description="AWS profile name for credentials")
     tokenizer_path: str | None = Field(default=None, description="a local Hugging Face tokenizer directory (offline use)")
@@ -71,7 +78,9 @@ class SageMakerOptions(BaseModel):
         except ValidationError as err:
             e = err.errors()[0]
             known = ", ".join(sorted(cls.model_fields))
-            raise InvalidInputError(e["msg"], field=f"sagemaker option {'.'.join(map(str, e['loc']))}", fix=f"options are: {known}") from None
+            raise InvalidInputError(
+                e["msg"], field=f"sagemaker option {'.'.join(map(str, e['loc']))}", fix=f"options are: {known}"
+            ) from None
 
     @property
     def runtime_url(self) -> str | None:

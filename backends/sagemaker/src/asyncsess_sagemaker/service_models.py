@@ -6,7 +6,7 @@ first ship in botocore 1.43.112. Nothing here copies a limit by hand; callers re
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import botocore
 import botocore.session
@@ -48,7 +48,7 @@ MODEL_REGISTRY_OPERATIONS = (
 HUB_OPERATIONS = ("ListHubContents", "DescribeHubContent")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _model(name: str) -> ServiceModel:
     try:
         model = botocore.session.get_session().get_service_model(name)

@@ -54,9 +54,13 @@ def _join(path: str, name: str) -> str:
 def _bounds(value: float, shape: Shape, path: str, shown: Any) -> None:
     lo, hi = shape.metadata.get("min"), shape.metadata.get("max")
     if lo is not None and value < lo:
-        raise ShapeError(path, f"Member must have {'length' if isinstance(shown, (str, list, dict)) else 'value'} greater than or equal to {lo}", shown)
+        raise ShapeError(
+            path, f"Member must have {'length' if isinstance(shown, (str, list, dict)) else 'value'} greater than or equal to {lo}", shown
+        )
     if hi is not None and value > hi:
-        raise ShapeError(path, f"Member must have {'length' if isinstance(shown, (str, list, dict)) else 'value'} less than or equal to {hi}", shown)
+        raise ShapeError(
+            path, f"Member must have {'length' if isinstance(shown, (str, list, dict)) else 'value'} less than or equal to {hi}", shown
+        )
 
 
 def _check(value: Any, shape: Shape, path: str) -> None:

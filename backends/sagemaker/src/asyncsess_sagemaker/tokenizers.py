@@ -27,7 +27,9 @@ def _hf(name_or_path: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(name_or_path)
     except OSError as err:
-        raise InvalidInputError(f"could not load tokenizer {name_or_path!r}: {err}", field="tokenizer", fix="pass tokenizer_path=<local dir> for offline use") from None
+        raise InvalidInputError(
+            f"could not load tokenizer {name_or_path!r}: {err}", field="tokenizer", fix="pass tokenizer_path=<local dir> for offline use"
+        ) from None
 
 
 def load_tokenizer(hf_id: str, *, tokenizer_path: str | None, tokenizer_backend: str | None) -> Tokenizer:

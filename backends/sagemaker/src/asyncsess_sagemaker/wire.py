@@ -110,10 +110,18 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
         inputs = datum.get("lossFnInputs") or {}
         unsupported = sorted(set(inputs) - rules.supported_keys)
         if unsupported:
-            raise ShapeError(f"{where}.lossFnInputs", f"Unsupported key {unsupported[0]!r}; supported keys: {', '.join(sorted(rules.supported_keys))}", sorted(inputs))
+            raise ShapeError(
+                f"{where}.lossFnInputs",
+                f"Unsupported key {unsupported[0]!r}; supported keys: {', '.join(sorted(rules.supported_keys))}",
+                sorted(inputs),
+            )
         missing = sorted(rules.required_keys[loss] - set(inputs))
         if missing:
-            raise ShapeError(f"{where}.lossFnInputs", f"{loss} requires {', '.join(sorted(rules.required_keys[loss]))}; missing {', '.join(missing)}", sorted(inputs))
+            raise ShapeError(
+                f"{where}.lossFnInputs",
+                f"{loss} requires {', '.join(sorted(rules.required_keys[loss]))}; missing {', '.join(missing)}",
+                sorted(inputs),
+            )
         for key, tensor in inputs.items():
             tpath = f"{where}.lossFnInputs[{key!r}]"
             data = tensor["data"]
@@ -144,7 +152,9 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
             raise ShapeError(f"{path}.lossFnConfig", "Member must be an object", cfg)
         for key, value in cfg.items():
             if key not in rules.config_ranges:
-                raise ShapeError(f"{path}.lossFnConfig", f"Unsupported key {key!r}; supported keys: {', '.join(sorted(rules.config_ranges))}", key)
+                raise ShapeError(
+                    f"{path}.lossFnConfig", f"Unsupported key {key!r}; supported keys: {', '.join(sorted(rules.config_ranges))}", key
+                )
             lo, hi = rules.config_ranges[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise ShapeError(f"{path}.lossFnConfig.{key}", f"Member must be a number in [{lo:g}, {hi:g}]", value)
@@ -152,7 +162,9 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
 
 def _check_package_arn(arn: str, path: str) -> None:
     if parse_model_package_arn(arn) is None:
-        raise ShapeError(path, "Member must be a model package version ARN (arn:aws:sagemaker:REGION:ACCOUNT:model-package/NAME/VERSION)", arn)
+        raise ShapeError(
+            path, "Member must be a model package version ARN (arn:aws:sagemaker:REGION:ACCOUNT:model-package/NAME/VERSION)", arn
+        )
 
 
 def check_operation_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
@@ -163,7 +175,9 @@ def check_operation_config(config: dict[str, Any], vocab_size: int | None = None
         _check_datums(body, path, vocab_size)
     elif kind == "optimizerStep":
         if body["adamParamsConfig"]["learningRate"] <= 0:
-            raise ShapeError(f"{path}.adamParamsConfig.learningRate", "Member must be greater than 0", body["adamParamsConfig"]["learningRate"])
+            raise ShapeError(
+                f"{path}.adamParamsConfig.learningRate", "Member must be greater than 0", body["adamParamsConfig"]["learningRate"]
+            )
     elif kind == "loadState":
         _check_package_arn(body["modelPackageArn"], f"{path}.modelPackageArn")
 
@@ -193,7 +207,9 @@ def model_input_to_wire(mi: ModelInput | list[int] | tuple[int, ...]) -> dict[st
 
 
 def model_input_from_wire(wire: dict[str, Any]) -> ModelInput:
-    return ModelInput.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=list(c["tokens"]), type="encoded_text") for c in wire["chunks"]])
+    return ModelInput.model_construct(
+        chunks=[EncodedTextChunk.model_construct(tokens=list(c["tokens"]), type="encoded_text") for c in wire["chunks"]]
+    )
 
 
 def tensor_to_wire(tensor: TensorData) -> dict[str, Any]:
@@ -318,7 +334,11 @@ def logprobs_from_wire(values: list[float | None], prompt_length: int) -> list[f
 def sample_response_to_wire(resp: SampleResponse, prompt_length: int, include_prompt_logprobs: bool) -> dict[str, Any]:
     seqs = []
     for s in resp.sequences:
-        item: dict[str, Any] = {"stopReason": s.stop_reason, "tokens": list(s.tokens), "tokenUsage": {"prefill": prompt_length, "decode": len(s.tokens)}}
+        item: dict[str, Any] = {
+            "stopReason": s.stop_reason,
+            "tokens": list(s.tokens),
+            "tokenUsage": {"prefill": prompt_length, "decode": len(s.tokens)},
+        }
         if s.logprobs is not None:
             item["logprobs"] = [float(v) for v in s.logprobs]
         seqs.append(item)
@@ -338,7 +358,9 @@ def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_toke
             tokens, reason = tokens[:max_tokens], "length"
             logprobs = logprobs[:max_tokens] if logprobs is not None else None
         tu = s.get("tokenUsage") or {}
-        usage = Usage.model_construct(training_tokens=0, prefill_tokens=int(tu.get("prefill") or 0), decode_tokens=int(tu.get("decode") or 0))
+        usage = Usage.model_construct(
+            training_tokens=0, prefill_tokens=int(tu.get("prefill") or 0), decode_tokens=int(tu.get("decode") or 0)
+        )
         total = total + usage
         seqs.append(SampledSequence.model_construct(stop_reason=reason, tokens=tokens, logprobs=logprobs, sequence_id=None, usage=usage))
     prompt_lp = wire.get("promptLogprobs")

@@ -20,12 +20,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from asyncsess.backend import Backend, load_backend
 from botocore.model import OperationModel
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from asyncsess.backend import Backend, load_backend
 
 from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS, TRAINING_SESSION_OPERATIONS, operation, runtime_model
 from ..shape_check import ShapeError, check_shape
@@ -232,7 +233,9 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     async def end_session(request: Request) -> Response:
         payload = await request.json()
         try:
-            service.fail_session(request.path_params["name"], payload.get("reason", "Failed by the emulator's test hook"), payload.get("status", "Failed"))
+            service.fail_session(
+                request.path_params["name"], payload.get("reason", "Failed by the emulator's test hook"), payload.get("status", "Failed")
+            )
         except AwsError as err:
             return runtime_error_response(err)
         return JSONResponse(service.session_state(request.path_params["name"]))

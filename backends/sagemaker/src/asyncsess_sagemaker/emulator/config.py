@@ -39,6 +39,8 @@ class EmulatorConfig(BaseModel):
     stop_s: float = Field(default=0.02, ge=0.0, description="Stopping -> Stopped, Deleting -> gone")
     gap_timeout_s: float = Field(default=30.0, gt=0.0, description="Blocked on a missing sequence number -> Failed")
     idle_timeout_s: float | None = Field(default=None, gt=0.0, description="no request for this long -> Expired")
-    result_wait_s: float = Field(default=0.0, ge=0.0, description="Get*OperationResult waits this long for completion (0: answer at once, as the service does)")
+    result_wait_s: float = Field(
+        default=0.0, ge=0.0, description="Get*OperationResult waits this long for completion (0: answer at once, as the service does)"
+    )
     check_responses: bool = Field(default=False, description="validate every response against the service model's output shape")
     faults: FaultConfig = Field(default_factory=FaultConfig)

@@ -67,4 +67,6 @@ def control_error_response(err: AwsError) -> Response:
 def runtime_error_response(err: AwsError) -> Response:
     body = json.dumps({"message": err.message})
     headers = {**_request_id(), "x-amzn-ErrorType": f"{err.code}:http://internal.amazon.com/coral/com.amazonaws.sagemaker/"}
-    return Response(body, status_code=_RUNTIME_STATUS.get(err.code, 500 if err.server_fault else 400), media_type="application/json", headers=headers)
+    return Response(
+        body, status_code=_RUNTIME_STATUS.get(err.code, 500 if err.server_fault else 400), media_type="application/json", headers=headers
+    )

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+
 from asyncsess.backend import Backend
 
 from .app import create_app

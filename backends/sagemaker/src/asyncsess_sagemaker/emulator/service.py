@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+
 from asyncsess.backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError, TransientError
 from asyncsess.sequencer import Sequencer
@@ -297,14 +298,25 @@ class EmulatedService:
 
     async def describe_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
         g = self._group(body["ModelPackageGroupName"])
-        out = {"ModelPackageGroupName": g.name, "ModelPackageGroupArn": g.arn, "CreationTime": g.created, "CreatedBy": {}, "ModelPackageGroupStatus": "Completed"}
+        out = {
+            "ModelPackageGroupName": g.name,
+            "ModelPackageGroupArn": g.arn,
+            "CreationTime": g.created,
+            "CreatedBy": {},
+            "ModelPackageGroupStatus": "Completed",
+        }
         if g.description:
             out["ModelPackageGroupDescription"] = g.description
         return out
 
     async def list_model_package_groups(self, body: dict[str, Any]) -> dict[str, Any]:
         rows = [
-            {"ModelPackageGroupName": g.name, "ModelPackageGroupArn": g.arn, "CreationTime": g.created, "ModelPackageGroupStatus": "Completed"}
+            {
+                "ModelPackageGroupName": g.name,
+                "ModelPackageGroupArn": g.arn,
+                "CreationTime": g.created,
+                "ModelPackageGroupStatus": "Completed",
+            }
             for g in sorted(self.groups.values(), key=lambda g: g.created, reverse=True)
             if not body.get("NameContains") or body["NameContains"] in g.name
         ]
@@ -407,7 +419,9 @@ class EmulatedService:
     def _accepting(self, name: str) -> SessionRecord:
         sess = self._session(name, runtime=True)
         if sess.status not in ACCEPTS_WORK:
-            raise AwsError.conflict(f"Training session {name} is {sess.status}; operations are accepted only while it is Running or Blocked")
+            raise AwsError.conflict(
+                f"Training session {name} is {sess.status}; operations are accepted only while it is Running or Blocked"
+            )
         return sess
 
     def _known_package(self, arn: str) -> ModelPackageRecord:
@@ -460,7 +474,9 @@ class EmulatedService:
             op.finish("Skipped", error=str(err))
         except TransientError:  # the sequencer gave up waiting for a missing sequence number
             missing = sess.sequencer.next_seq
-            self._end_session(sess, "Failed", f"The operation with sequence number {missing} never arrived within {self.config.gap_timeout_s:g}s")
+            self._end_session(
+                sess, "Failed", f"The operation with sequence number {missing} never arrived within {self.config.gap_timeout_s:g}s"
+            )
             op.finish("Skipped", error=sess.error_details)
         except Exception as err:
             op.finish("Failed", error=_details(err))
@@ -537,7 +553,9 @@ class EmulatedService:
             return {"modelPackageArn": arn}
         if op.kind == "loadState":
             pkg = self._known_package(body["modelPackageArn"])
-            top = TrainingOp(kind="load_state", seq=op.seq, idempotency_key=key, path=pkg.inner_path, with_optimizer=bool(body["loadOptimizer"]))
+            top = TrainingOp(
+                kind="load_state", seq=op.seq, idempotency_key=key, path=pkg.inner_path, with_optimizer=bool(body["loadOptimizer"])
+            )
             await self.inner.execute_training(sess.inner_id, top)
             return {}
         raise AssertionError(f"unhandled operation {op.kind}")
@@ -656,9 +674,24 @@ class EmulatedService:
         async def events() -> AsyncIterator[bytes]:
             for i, token in enumerate(completion):
                 delta = {"role": "assistant", "content": tok.decode([token])} if i == 0 else {"content": tok.decode([token])}
-                yield _sse({"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+                yield _sse(
+                    {
+                        "id": chat_id,
+                        "object": "chat.completion.chunk",
+                        "created": int(time.time()),
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+                    }
+                )
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)}
-            yield _sse({"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage})
+            yield _sse(
+                {
+                    "id": chat_id,
+                    "object": "chat.completion.chunk",
+                    "created": int(time.time()),
+                    "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+                    "usage": usage,
+                }
+            )
             yield b"data: [DONE]\n\n"
 
         return events()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+
 from asyncsess.sequencer import Sequencer
 
 __all__ = [
