@@ -194,3 +194,26 @@ async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emula
         emulator.set_faults()
         sm, _ = clients(emulator.url)
         assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"
+
+
+async def test_openai_compatible_chat_through_the_driver(emulator):
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        saved = await tc.save_weights_for_sampler("chat")
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "seed": 2}
+        answer = await svc.backend.chat_completion(tc.model_id, body, model_package_arn=saved.path)
+        assert answer["choices"][0]["message"]["role"] == "assistant"
+        chunks = [c async for c in svc.backend.chat_completion_stream(tc.model_id, body, model_package_arn=saved.path)]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == answer["choices"][0]["message"]["content"]  # same seed, same completion, streamed
+        assert chunks[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
+
+
+def test_cli_mounts_an_emulate_command():
+    from typer.testing import CliRunner
+
+    from asyncsess_sagemaker.cli import app
+
+    result = CliRunner().invoke(app, ["emulate", "--help"])
+    assert result.exit_code == 0
+    assert "--backend" in result.output and "--port" in result.output

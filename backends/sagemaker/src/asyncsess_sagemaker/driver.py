@@ -701,7 +701,7 @@ class SageMakerBackend(Backend):
         }
         package = model_package_arn or (sampler.model_package if sampler else None)
         if package:
-            kwargs["modelPackage"] = package
+            kwargs["modelPackageArn"] = package
         return kwargs
 
     async def chat_completion(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> dict[str, Any]:

@@ -182,6 +182,9 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
 
         return handle
 
+    runtime = runtime_model()
+    package_header = runtime.shape_for("SampleTrainingSessionInput").members["modelPackageArn"].serialization["name"]
+
     async def chat_request(request: Request) -> tuple[dict[str, Any], str | None]:
         try:
             body = json.loads(await request.body() or b"{}")
@@ -189,7 +192,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             raise AwsError.validation("The request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise AwsError.validation("The request body must be a JSON object")
-        return body, request.headers.get("x-amzn-sagemaker-model-package")
+        return body, request.headers.get(package_header)
 
     async def sample_handler(request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
@@ -210,7 +213,6 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         events = await service.chat_stream(params["trainingSessionName"], body, package)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    runtime = runtime_model()
     special = {"SampleTrainingSession": sample_handler, "SampleTrainingSessionWithResponseStream": stream_handler}
     routes = [
         runtime_route(runtime.operation_model(name), special.get(name) or json_handler(runtime.operation_model(name)))
