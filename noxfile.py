@@ -43,8 +43,8 @@ def local(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def sagemaker(session: nox.Session) -> None:
-    """The SageMaker driver against the local emulator (boto3, no AWS)."""
-    _install_core(session, "-e", "backends/sagemaker")
+    """The SageMaker driver and the official sagemaker-train SDK against the local emulator (boto3, no AWS)."""
+    _install_core(session, "-e", "backends/sagemaker[sdk]")
     session.run("pytest", "-q", "-m", "sagemaker", *session.posargs)
 
 
