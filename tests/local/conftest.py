@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the suite never reaches a model hub
 
 
 @pytest.fixture(scope="session")

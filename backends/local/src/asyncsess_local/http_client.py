@@ -1,0 +1,113 @@
+"""``http(s)://host:port``: a running worker (``asyncsess-worker``), spoken to with httpx.
+
+The API key comes from the ``api_key`` option or ``$ASYNCSESS_API_KEY``. Errors come back as the
+worker's typed errors; dropped connections and timeouts become :class:`TransientError` (the client's
+retry policy resends, and the worker's sequencer applies each op once).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.errors import TransientError
+from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
+
+from . import wire
+
+__all__ = ["HttpBackend"]
+
+
+class HttpBackend(Backend):
+    scheme = "http"
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 3600.0, transport: Any = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        key = api_key or os.environ.get("ASYNCSESS_API_KEY", "")
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._timeout = httpx.Timeout(timeout, connect=10.0)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._tokenizers: dict[str, Any] = {}
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, **options: Any) -> HttpBackend:
+        port = f":{url.port}" if url.port else ""
+        return cls(f"{url.scheme}://{url.host}{port}{url.path}", **options)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url, headers=self._headers, timeout=self._timeout, transport=self._transport
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = await self.client.request(method, path, **kw)
+        except (httpx.TransportError, httpx.TimeoutException) as err:
+            raise TransientError(f"{method} {path}: {type(err).__name__}: {err}") from err
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text
+            raise wire.decode_error(body, r.status_code)
+        return r.json() if r.content else None
+
+    async def capabilities(self) -> ServerCapabilities:
+        return ServerCapabilities.model_validate(await self._call("GET", "/v1/capabilities"))
+
+    async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        return GetInfoResponse.model_validate(
+            await self._call("POST", "/v1/sessions", json=wire.SESSION_SPEC.dump_python(spec, mode="json"))
+        )
+
+    async def stop_session(self, session_id: str) -> None:
+        await self._call("DELETE", f"/v1/sessions/{session_id}")
+
+    async def heartbeat(self, session_id: str) -> None:
+        await self._call("POST", f"/v1/sessions/{session_id}/heartbeat")
+
+    async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        body = await self._call("POST", f"/v1/sessions/{session_id}/ops", json=wire.OP.dump_python(op, mode="json"))
+        return wire.decode_result(body)
+
+    async def create_sampler(self, spec: SamplerSpec) -> str:
+        return (await self._call("POST", "/v1/samplers", json=wire.SAMPLER_SPEC.dump_python(spec, mode="json")))["sampler_id"]
+
+    async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
+        body = await self._call("POST", f"/v1/samplers/{sampler_id}/sample", json=wire.SAMPLE_REQUEST.dump_python(request, mode="json"))
+        return SampleResponse.model_validate(body)
+
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
+        return (await self._call("POST", f"/v1/samplers/{sampler_id}/logprobs", json={"tokens": list(tokens)}))["logprobs"]
+
+    async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
+        params = {"session_id": session_id} if session_id else {}
+        return [Checkpoint.model_validate(c) for c in await self._call("GET", "/v1/checkpoints", params=params)]
+
+    def get_tokenizer(self, base_model: str) -> Tokenizer:
+        """The worker's tokenizer files, loaded here with transformers (fetched once per base model)."""
+        if base_model not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            r = httpx.get(f"{self.base_url}/v1/tokenizer", params={"base_model": base_model}, headers=self._headers, timeout=60.0)
+            if r.status_code >= 400:
+                raise wire.decode_error(r.json(), r.status_code)
+            with tempfile.TemporaryDirectory() as tmp:
+                for name, text in r.json()["files"].items():
+                    (Path(tmp) / Path(name).name).write_text(text)
+                self._tokenizers[base_model] = AutoTokenizer.from_pretrained(tmp)
+        return self._tokenizers[base_model]

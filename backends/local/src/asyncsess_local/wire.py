@@ -1,0 +1,92 @@
+"""What crosses HTTP between the worker and :class:`~asyncsess_local.http_client.HttpBackend`.
+
+Request bodies are the backend protocol's own records (validated by pydantic on the server); results
+are the shared wire types; errors travel as ``{"error": {"type": <asyncsess.errors class>, ...}}`` and
+are rebuilt as the same typed exception on the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from asyncsess import errors
+from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, TrainingResult
+
+__all__ = [
+    "OP",
+    "SESSION_SPEC",
+    "SAMPLER_SPEC",
+    "SAMPLE_REQUEST",
+    "STATUS",
+    "encode_result",
+    "decode_result",
+    "encode_error",
+    "decode_error",
+]
+
+OP = TypeAdapter(TrainingOp)
+SESSION_SPEC = TypeAdapter(TrainingSessionSpec)
+SAMPLER_SPEC = TypeAdapter(SamplerSpec)
+SAMPLE_REQUEST = TypeAdapter(SampleRequest)
+
+_RESULTS: dict[str, type] = {
+    "forward_backward": ForwardBackwardOutput,
+    "optim_step": OptimStepResponse,
+    "checkpoint": CheckpointResponse,
+    "load": LoadWeightsResponse,
+}
+
+# error class -> HTTP status; bad input is always a 4xx, never a 5xx
+STATUS: dict[type[errors.AsyncSessError], int] = {
+    errors.InvalidInputError: 400,
+    errors.SessionGoneError: 404,
+    errors.PoisonedError: 424,
+    errors.TransientError: 503,
+    errors.DeadlineExceededError: 504,
+    errors.ServerError: 500,
+}
+_FIELDS = ("message", "operation", "seq", "request_id", "field", "fix", "retry_after")
+
+
+def status_for(err: errors.AsyncSessError) -> int:
+    for cls in type(err).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]  # type: ignore[index]
+    return 500
+
+
+def encode_result(result: TrainingResult) -> dict[str, Any]:
+    kind = next(k for k, cls in _RESULTS.items() if isinstance(result, cls))
+    return {"type": kind, "result": result.model_dump(mode="json")}
+
+
+def decode_result(body: dict[str, Any]) -> TrainingResult:
+    return _RESULTS[body["type"]].model_validate(body["result"])  # type: ignore[attr-defined,no-any-return]
+
+
+def encode_error(err: errors.AsyncSessError) -> dict[str, Any]:
+    state = {k: getattr(err, k) for k in _FIELDS if getattr(err, k, None) is not None}
+    if isinstance(err, errors.PoisonedError) and err.cause is not None:
+        state["cause"] = str(err.cause)
+    return {"error": {"type": type(err).__name__, **state}}
+
+
+def decode_error(body: Any, status: int) -> errors.AsyncSessError:
+    """Rebuild the server's typed error (an unknown shape becomes a ServerError or TransientError by status)."""
+    info = body.get("error") if isinstance(body, dict) else None
+    cls = getattr(errors, info.get("type", ""), None) if isinstance(info, dict) else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.AsyncSessError)):
+        text = str(body)[:500]
+        if status in (408, 409, 429) or status >= 500:
+            return errors.TransientError(f"worker answered {status}: {text}")
+        return errors.InvalidInputError(f"worker answered {status}: {text}")
+    err = cls.__new__(cls)
+    Exception.__init__(err, info.get("message", ""))
+    state = {k: info.get(k) for k in _FIELDS}
+    if issubclass(cls, errors.PoisonedError):
+        state["cause"] = errors.ServerError(info["cause"]) if info.get("cause") else None
+    err.__dict__.update(state)
+    return err
