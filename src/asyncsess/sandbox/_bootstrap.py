@@ -20,6 +20,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import sys
 import time
@@ -43,13 +44,8 @@ _NETWORK_EVENTS = {
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class _Stop(Exception):
-    """The host asked the supervisor to stop the program."""
-
-
-def _on_term(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Stop
+def _note_signal(signum, frame):
+    """SIGTERM and SIGCHLD only wake the supervisor up (through the wakeup fd); nothing is raised mid-cleanup."""
 
 
 def _call(name, *args):
@@ -224,21 +220,27 @@ def _reap_all(main_pid, uid, report):
             report.update(_exit_fields(wait_status, rusage))
 
 
-def _supervise(pid, sync_r, cfg, report):
-    try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        if os.read(sync_r, 1) == b"1":
-            report["started"] = True
-            _, wait_status, rusage = os.wait4(pid, 0)
+def _wait(pid, wake_r, report):
+    """Until the program exits (its status goes into ``report``) or the host sends SIGTERM."""
+    while True:
+        done, wait_status, rusage = os.wait4(pid, os.WNOHANG)
+        if done:
             report.update(_exit_fields(wait_status, rusage))
-    except _Stop:
-        report["stopped"] = True
-    finally:
-        _reap_all(pid, cfg["uid"], report)
-    if not report["started"]:  # the child is gone, so this read cannot block
-        report["started"] = os.read(sync_r, 1) == b"1"
+            return
+        select.select([wake_r], [], [])  # a SIGCHLD or SIGTERM arrived (the bytes are signal numbers)
+        if signal.SIGTERM in os.read(wake_r, 256):
+            report["stopped"] = True
+            return
+
+
+def _supervise(pid, sync_r, wake_r, cfg):
+    report: dict = {}
+    _wait(pid, wake_r, report)
+    _reap_all(pid, cfg["uid"], report)
+    report["started"] = os.read(sync_r, 1) == b"1"  # every writer is gone, so this cannot block
     if not report["started"] and not report.get("stopped"):
         report["error"] = "the program's process failed to set up (see stderr)"
+    return report
 
 
 def _emit(fd, report):
@@ -248,27 +250,29 @@ def _emit(fd, report):
 def main():
     cfg = json.loads(sys.argv[1])
     status_fd = cfg["status_fd"]
-    signal.signal(signal.SIGTERM, _on_term)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGTERM, _note_signal)
+    signal.signal(signal.SIGCHLD, _note_signal)
     try:
         source = _prepare(cfg)
         _call("prctl", _PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         sync_r, sync_w = os.pipe()
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until _supervise is ready to handle it
         pid = os.fork()
-    except BaseException as exc:
+    except Exception as exc:
         _emit(status_fd, {"started": False, "error": f"sandbox setup failed: {exc!r}"})
         return
     if pid == 0:
+        signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        os.close(status_fd)
-        os.close(sync_r)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (status_fd, sync_r, wake_r, wake_w):
+            os.close(fd)
         _child(cfg, source, sync_w)
         return
     os.close(sync_w)
-    report = {"started": False}
-    _supervise(pid, sync_r, cfg, report)
-    _emit(status_fd, report)
+    _emit(status_fd, _supervise(pid, sync_r, wake_r, cfg))
 
 
 if __name__ == "__main__":

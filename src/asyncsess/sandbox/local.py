@@ -111,7 +111,7 @@ class LocalSandbox(BaseSandbox):
         if not self._root:
             self._notes.append(
                 "not root: the program runs as the calling user (no privilege drop, no namespaces); RLIMIT_NPROC "
-                "counts all of that user's processes, and a process that leaves the run's process group may survive"
+                "counts all of that user's processes, and the program could signal its own supervisor"
             )
         elif namespaces is False:
             self._notes.append("namespaces turned off: network is blocked only by the socket guard")
