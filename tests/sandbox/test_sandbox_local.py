@@ -11,7 +11,7 @@ import pytest
 from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import Sandbox, TestCase
 
-from .conftest import ROOT, assert_healthy
+from .conftest import ROOT, TEST_UIDS, assert_healthy
 
 pytestmark = pytest.mark.anyio
 
@@ -189,3 +189,13 @@ async def test_invalid_limits_are_rejected(make_sandbox):
     sandbox = make_sandbox()
     with pytest.raises(InvalidInputError, match="memory_mb"):
         await sandbox.run("pass", memory_mb=-1)
+
+
+async def test_a_broken_interpreter_is_a_sandbox_error(make_sandbox):
+    last_uid = TEST_UIDS[-1]
+    broken = make_sandbox(python="/bin/false", namespaces=False, uids=range(last_uid, last_uid + 1))
+    result = await broken.run("print(1)")
+    assert result.status == "sandbox_error" and "no report" in result.stderr and result.exit_code is None
+    if ROOT:  # the uid of a run whose supervisor vanished is retired, so this one-uid pool is now empty
+        again = await broken.run("print(1)")
+        assert again.status == "sandbox_error" and "in use" in again.stderr

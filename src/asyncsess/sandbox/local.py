@@ -81,7 +81,7 @@ class LocalSandbox(BaseSandbox):
         hidden_paths: Sequence[str] | None = None,
     ) -> None:
         for field, value in (
-            ("max_concurrency", max_concurrency or 1),
+            ("max_concurrency", 1 if max_concurrency is None else max_concurrency),
             ("timeout_s", timeout_s),
             ("memory_mb", memory_mb),
             ("max_output_bytes", max_output_bytes),
@@ -183,7 +183,10 @@ class LocalSandbox(BaseSandbox):
         lease: UidLease | None = None
         try:
             if self._root:
-                lease = acquire_uid(self._uids)
+                try:
+                    lease = acquire_uid(self._uids)
+                except RuntimeError as exc:  # every uid of the pool is in use
+                    return ExecutionResult(status="sandbox_error", stderr=f"{exc}\n")
             uid = lease.uid if lease else None
             cpu_s = max(1, math.ceil(timeout_s))
             config = {
@@ -222,7 +225,11 @@ class LocalSandbox(BaseSandbox):
                         await self._stop(proc, uid)
                     await proc.aclose()
             wall_s = time.monotonic() - started
-            return _verdict(_read_report(status_r), stop_reason, out, err, wall_s, cpu_s)
+            report = _read_report(status_r)
+            if lease and not report:  # the supervisor died: keep its uid out of use while its processes may linger
+                log.warning("LocalSandbox: retiring uid %d after a run without a supervisor report", lease.uid)
+                lease = None
+            return _verdict(report, stop_reason, out, err, wall_s, cpu_s)
         finally:
             for fd in (status_r, status_w):
                 if fd >= 0:
