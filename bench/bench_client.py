@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncsess import AdamParams, RetryPolicy, SamplingParams, ServiceClient  # noqa: E402
 from asyncsess import sync as sync_api  # noqa: E402
-from asyncsess.backend import SamplerSpec, SampleRequest, TrainingOp, TrainingSessionSpec  # noqa: E402
+from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec  # noqa: E402
 from asyncsess.rl import sft_datum  # noqa: E402
 
 DATUM = sft_datum([1, 40, 41], [42, 43])
@@ -61,7 +61,12 @@ async def overhead(n: int) -> dict[str, float]:
         async def client_sample() -> None:
             await sc.sample([1, 40], 1, SP)
 
-        for name, fn in [("train_direct", direct_fb), ("train_client", client_fb), ("sample_direct", direct_sample), ("sample_client", client_sample)]:
+        for name, fn in [
+            ("train_direct", direct_fb),
+            ("train_client", client_fb),
+            ("sample_direct", direct_sample),
+            ("sample_client", client_sample),
+        ]:
             runs = []
             for _ in range(5):
                 t0 = time.perf_counter()
@@ -162,7 +167,9 @@ def main() -> None:
         f"| GRPO step at {lat} ms latency (32 samples + fb + optim + refresh), pipelined | {pipe * 1000:.0f} ms = {pipe * 1000 / lat:.1f} latencies | awaited one by one {serial * 1000:.0f} ms = {serial * 1000 / lat:.1f} latencies | {serial / pipe:.1f}× faster |",
     ]
     for r, sps in rates.items():
-        lines.append(f"| GRPO toy steps/s, {r:.0%} injected faults (+{r / 2:.1%} dropped responses) | {sps:.2f} steps/s | fault-free {rates[0.0]:.2f} steps/s | {sps / rates[0.0]:.2f} |")
+        lines.append(
+            f"| GRPO toy steps/s, {r:.0%} injected faults (+{r / 2:.1%} dropped responses) | {sps:.2f} steps/s | fault-free {rates[0.0]:.2f} steps/s | {sps / rates[0.0]:.2f} |"
+        )
     print("\n".join(lines))
 
 

@@ -113,7 +113,7 @@ def shutdown() -> None:
         cm = _services.pop(key)
         try:
             cm.__exit__(None, None, None)
-        except Exception:  # noqa: S110 - best effort at interpreter exit
+        except Exception:
             pass
     with _lock:
         if _portal_cm is not None:
