@@ -37,7 +37,7 @@ def torch(session: nox.Session) -> None:
 def local(session: nox.Session) -> None:
     """The local torch+peft+transformers backend on a tiny offline model (CPU)."""
     session.install(TORCH)
-    _install_core(session, "-e", "backends/local[server]")
+    _install_core(session, "-e", "backends/local[server,test]")
     session.run("pytest", "-q", "-m", "local", *session.posargs)
 
 
