@@ -55,7 +55,9 @@ class RunningEmulator:
 def running_emulator(backend: Backend | str = "mock://", config: EmulatorConfig | None = None, port: int = 0) -> Iterator[RunningEmulator]:
     """Start the emulator on ``127.0.0.1`` (a free port unless given) in a thread; stop it on exit."""
     config = config or EmulatorConfig()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (with proto 0 every
+    # answer waits ~40 ms for the client's delayed ACK)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level="warning", lifespan="on"))
