@@ -333,3 +333,26 @@ async def test_isolation_report_names_the_layers(make_sandbox):
     assert report.namespaces == ROOT  # this host supports them as root
     degraded = await make_sandbox(namespaces=False, socket_guard=False).isolation()
     assert not degraded.namespaces and not degraded.socket_guard and len(degraded.notes) >= 2
+
+
+@root_only
+async def test_without_cap_sys_admin_the_sandbox_degrades_and_says_so(make_sandbox, tmp_path):
+    """As in a container without CAP_SYS_ADMIN: namespaces fail, the probe degrades (or, if asked, fails closed)."""
+    wrapper = tmp_path / "python-without-sys-admin"
+    wrapper.write_text('#!/bin/sh\nexec setpriv --bounding-set=-sys_admin /usr/bin/python3 "$@"\n')
+    wrapper.chmod(0o755)
+    sandbox = make_sandbox(python=str(wrapper))
+    report = await sandbox.isolation()
+    assert report.privilege_drop and not report.namespaces and report.hidden_paths == []
+    assert any("namespaces unavailable" in note for note in report.notes)
+    ok = await sandbox.run("import os\nprint(os.getuid())")
+    assert ok.status == "ok" and int(ok.stdout) in TEST_UIDS  # still an unprivileged uid
+    strict = await make_sandbox(python=str(wrapper), namespaces=True).run("print(1)")
+    assert strict.status == "sandbox_error" and "namespaces unavailable" in strict.stderr
+
+
+@root_only
+async def test_a_probe_failing_for_another_reason_fails_closed(make_sandbox):
+    sandbox = make_sandbox(python="/bin/false", uids=range(TEST_UIDS[-3], TEST_UIDS[-1]))
+    assert (await sandbox.isolation()).namespaces  # not silently degraded
+    assert (await sandbox.run("print(1)")).status == "sandbox_error"

@@ -105,7 +105,10 @@ def _prepare(cfg):
     workdir, uid, gid = cfg["workdir"], cfg["uid"], cfg["gid"]
     files = _read_tree(workdir)
     if cfg["namespaces"]:
-        _enter_namespaces(workdir, cfg["workdir_mb"], uid, gid, cfg["hidden_paths"])
+        try:
+            _enter_namespaces(workdir, cfg["workdir_mb"], uid, gid, cfg["hidden_paths"])
+        except OSError as exc:  # the host degrades on this message only, never on other setup failures
+            raise RuntimeError(f"namespaces unavailable: {exc}") from exc
         _write_tree(workdir, files)
     if uid is not None:
         _chown_tree(workdir, uid, gid)
@@ -261,7 +264,7 @@ def main():
         sync_r, sync_w = os.pipe()
         pid = os.fork()
     except Exception as exc:
-        _emit(status_fd, {"started": False, "error": f"sandbox setup failed: {exc!r}"})
+        _emit(status_fd, {"started": False, "error": f"sandbox setup failed: {type(exc).__name__}: {exc}"})
         return
     if pid == 0:
         signal.set_wakeup_fd(-1)

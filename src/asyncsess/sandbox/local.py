@@ -152,12 +152,15 @@ class LocalSandbox(BaseSandbox):
             if self._namespaces is None:
                 async with self._limiter:
                     probe = await self._execute({CODE_FILE: b""}, b"", max(self._timeout_s, 10.0), self._memory_mb, True)
-                self._namespaces = probe.ok
-                if not probe.ok:
-                    reason = probe.stderr.strip().splitlines()[-1:] or [probe.status]
-                    note = f"network/mount namespaces unavailable ({reason[0]}): network is blocked only by the socket guard"
+                unavailable = "namespaces unavailable" in probe.stderr
+                self._namespaces = not unavailable  # any other failure: keep them, so runs fail closed, loudly
+                if unavailable:
+                    reason = probe.stderr.strip().splitlines()[0]
+                    note = f"{reason[reason.index('namespaces unavailable') :]}; network is blocked only by the socket guard"
                     self._notes.append(note + ", and the program can write wherever its uid may")
                     log.warning("LocalSandbox: %s", note)
+                elif not probe.ok:
+                    log.error("LocalSandbox: the isolation probe failed (%s): %s", probe.status, probe.stderr.strip())
         return self._namespaces
 
     def _check_files(self, code: str, files: Files | None) -> dict[str, bytes]:
