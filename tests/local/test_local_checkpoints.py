@@ -165,3 +165,32 @@ async def test_paths_outside_the_root_and_bad_names_are_refused(backend_factory,
             await b.execute_training(a.model_id, Ops()("save_state", name="../escape"))
     finally:
         await b.aclose()
+
+
+async def test_merged_export_of_a_tied_embedding_model_keeps_the_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from asyncsess_local.embedded import LocalBackend
+    from asyncsess_local.testing import build_tiny_llama
+
+    tied = str(build_tiny_llama(tmp_path / "tied", tie_embeddings=True))
+    b = LocalBackend(model=tied, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        await b.open()
+        tok = b.get_tokenizer(tied)
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tied, rank=4, seed=2))
+        ops = Ops()
+        await _steps(b, a.model_id, ops, [sft_datum(tok.encode(t)) for t in TEXTS], 3)
+        merged_ckpt = await b.execute_training(a.model_id, ops("save_weights", name="merged", merge_weights=True))
+        sampler = await b.create_sampler(SamplerSpec(model_path=merged_ckpt.path))
+        probe = tok.encode("the answer is 5. hello world")
+        engine_lp = await b.compute_logprobs(sampler, probe)
+        merged = AutoModelForCausalLM.from_pretrained(str(_path(merged_ckpt.path))).eval()
+        with torch.no_grad():
+            logits = merged(input_ids=torch.tensor([probe])).logits[0].float()
+        got = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(probe[1:])[:, None])[:, 0].tolist()
+        assert got == pytest.approx(engine_lp[1:], abs=1e-4)
+        base = AutoModelForCausalLM.from_pretrained(tied)
+        assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)
+    finally:
+        await b.aclose()

@@ -23,7 +23,9 @@ async def test_grpo_raises_mean_reward(tiny, tmp_path):
         rewards = []
         for step in range(8):
             sc = await tc.save_weights_and_get_sampling_client()
-            groups = [sc.sample(prompt, num_samples=8, sampling_params=params.model_copy(update={"seed": 100 * step + g})) for g in range(2)]
+            groups = [
+                sc.sample(prompt, num_samples=8, sampling_params=params.model_copy(update={"seed": 100 * step + g})) for g in range(2)
+            ]
             data, step_rewards = [], []
             for fut in groups:
                 res = await fut

@@ -505,6 +505,11 @@ class Engine:
         from peft import PeftModel
 
         base = load_model(slot.source, torch.device("cpu"), self.dtype)
+        head = base.get_output_embeddings()
+        if getattr(base.config, "tie_word_embeddings", False) and head is not None:
+            # merging a LoRA on a tied LM head would also change the input embeddings: untie first
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+            base.config.tie_word_embeddings = False
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged.save_pretrained(str(out), safe_serialization=True)
         slot.tokenizer.save_pretrained(str(out))

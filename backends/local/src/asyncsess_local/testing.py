@@ -66,6 +66,7 @@ def build_tiny_llama(
     num_layers: int = 2,
     vocab_size: int = 384,
     max_position_embeddings: int = 512,
+    tie_embeddings: bool = False,
     seed: int = 0,
 ) -> Path:
     """Write a random-init Llama (``head_dim = hidden_size // num_heads``) and its tokenizer to ``path``."""
@@ -86,14 +87,14 @@ def build_tiny_llama(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
         # a larger output scale than the default init, so that sampling is not uniform noise
-        torch.nn.init.normal_(model.lm_head.weight, std=0.5)
+        torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.5)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
