@@ -1,11 +1,13 @@
 """``sagemaker://region``: drive Amazon SageMaker AI training sessions through boto3.
 
-Ordering: each session's ops pass through an :class:`asyncsess.sequencer.Sequencer` that only *submits*
-(``ExecuteTrainingOperation``) in ``op.seq`` order; results are then polled concurrently, so pipelined ops
-cost one round trip. The wire sequence number is the session's own counter, advanced only when the
-service accepted a submission: an op rejected here or by validation leaves no gap. A submission whose
-fate stays unknown after every retry would leave one, so the session is stopped and reported gone.
-The client token is derived from ``op.idempotency_key``, so every retry of one op carries the same token.
+Ordering: each session's ops pass through an :class:`asyncsess.sequencer.Sequencer` that only *numbers*
+them, in ``op.seq`` order, with the session's own wire counter; each op is then delivered
+(``ExecuteTrainingOperation``) without waiting for its predecessors' acknowledgement, and results are
+polled concurrently, so pipelined ops cost one round trip. The service runs them in number order (an
+early arrival waits, the session showing ``Blocked``). An op rejected by the service gives its number
+back when no later op was numbered; otherwise, and when a delivery's fate stays unknown after every
+retry, a gap would remain, so the session is stopped and reported gone. The client token is derived
+from ``op.idempotency_key``, so every retry of one op carries the same token.
 
 Sampling ops run concurrently. Checkpoints are model-package version ARNs.
 """
@@ -88,6 +90,20 @@ _RANK_MAX = control_model().shape_for("Rank").metadata["max"]
 
 
 @dataclass
+class _Submission:
+    """One numbered training op; :meth:`SageMakerBackend._deliver` sends it once (retries reuse the token)."""
+
+    seq: int  # the wire sequence number
+    token: str
+    config: dict[str, Any]
+    step: int  # optimizer steps numbered so far, this op included
+    delivered: anyio.Event = field(default_factory=anyio.Event)
+    started: bool = False
+    op_id: str | None = None
+    error: BaseException | None = None
+
+
+@dataclass
 class _Session:
     name: str
     base_model: str  # what the caller named (an id or an ARN)
@@ -95,9 +111,10 @@ class _Session:
     hf_id: str | None
     rank: int
     alpha: int
-    sequencer: Sequencer[tuple[str, int]]  # (operation id, optimizer steps submitted so far), in submission order
+    sequencer: Sequencer[_Submission]
     next_wire_seq: int = 1
     steps: int = 0
+    undelivered: set[int] = field(default_factory=set)  # wire numbers given out and not yet acknowledged
     gone: SessionGoneError | None = None
     poison: AsyncSessError | None = None
     packages: list[Checkpoint] = field(default_factory=list)
@@ -367,7 +384,7 @@ class SageMakerBackend(Backend):
             hf_id=hf_id,
             rank=spec.rank,
             alpha=alpha,
-            sequencer=Sequencer(self._submitter(name), gap_timeout=300.0),
+            sequencer=Sequencer(self._numberer(name), gap_timeout=300.0),
         )
         self._sessions[name] = sess
         try:
@@ -437,8 +454,11 @@ class SageMakerBackend(Backend):
     async def _check_alive(self, sess: _Session) -> None:
         if sess.gone is not None:
             raise sess.gone
+        ours_in_flight = bool(sess.undelivered)  # taken before asking: a gap of our own explains "Blocked"
         detail = await self._describe(sess.name)
         status = detail["TrainingSessionStatus"]
+        if status == "Blocked" and ours_in_flight:
+            return
         if status in GONE:
             sess.gone = SessionGoneError(f"training session {sess.name} is {status}: {detail.get('ErrorDetails') or 'no details'}")
             sess.sequencer.stop(status.lower())
@@ -485,8 +505,9 @@ class SageMakerBackend(Backend):
             return {"loadState": {"modelPackageArn": op.path, "loadOptimizer": op.with_optimizer}}
         raise UnsupportedError(f"unknown op kind {op.kind!r}", field="kind")
 
-    def _submitter(self, name: str) -> Any:
-        async def submit(op: TrainingOp) -> tuple[str, int]:
+    def _numberer(self, name: str) -> Any:
+        async def number(op: TrainingOp) -> _Submission:
+            """Called in ``op.seq`` order: check the op and give it the session's next wire number."""
             sess = self._sessions[name]
             if sess.poison is not None:
                 raise PoisonedError(f"an earlier op failed on this session: {sess.poison}", cause=sess.poison)
@@ -494,38 +515,78 @@ class SageMakerBackend(Backend):
                 raise sess.gone
             config = self._operation_config(op)
             _check_config(config, _OPERATION_CONFIG, check_operation_config)
-            op_id = await self._submit(sess, config, _client_token(name, op.idempotency_key))
             if op.kind == "optim_step":
                 sess.steps += 1
-            return op_id, sess.steps
+            return self._number(sess, config, _client_token(name, op.idempotency_key))
 
-        return submit
+        return number
 
-    async def _submit(self, sess: _Session, config: dict[str, Any], token: str) -> str:
-        """``ExecuteTrainingOperation`` with the session's next wire number; retried with the same token."""
-        seq = sess.next_wire_seq
+    @staticmethod
+    def _number(sess: _Session, config: dict[str, Any], token: str) -> _Submission:
+        sub = _Submission(seq=sess.next_wire_seq, token=token, config=config, step=sess.steps)
+        sess.next_wire_seq += 1
+        sess.undelivered.add(sub.seq)
+        return sub
+
+    async def _deliver(self, sess: _Session, sub: _Submission) -> str:
+        """Send a numbered op once (a retried caller waits for the first delivery) and return its operation id.
+
+        Shielded: a number given out must reach the service, or the session is stopped.
+        """
+        if sub.started:
+            await sub.delivered.wait()
+        else:
+            sub.started = True
+            with anyio.CancelScope(shield=True):
+                try:
+                    sub.op_id = await self._send(sess, sub)
+                except BaseException as err:
+                    sub.error = err
+                finally:
+                    sess.undelivered.discard(sub.seq)
+                    sub.delivered.set()
+        if sub.error is not None:
+            raise sub.error
+        assert sub.op_id is not None
+        return sub.op_id
+
+    async def _send(self, sess: _Session, sub: _Submission) -> str:
+        """``ExecuteTrainingOperation`` for one numbered op, retried with the same token and number."""
+        if sess.gone is not None:
+            raise sess.gone
         try:
             resp = await self._calls.retried(
                 self.runtime.execute_training_operation,
                 operation="ExecuteTrainingOperation",
                 trainingSessionName=sess.name,
-                sequenceNumber=seq,
-                clientToken=token,
-                operationConfig=config,
+                sequenceNumber=sub.seq,
+                clientToken=sub.token,
+                operationConfig=sub.config,
             )
-        except InvalidInputError:
-            raise  # rejected: the number was not consumed
-        except TransientError as err:  # delivered or not, nobody knows: a gap may be open; end the session cleanly
-            with anyio.CancelScope(shield=True):
-                await self._stop_quietly(sess.name)
+        except InvalidInputError as err:
+            sess.poison = sess.poison or err  # later ops must not run, as after any failed op
+            if sess.next_wire_seq == sub.seq + 1:  # nothing numbered after it: give the number back, no gap
+                sess.next_wire_seq = sub.seq
+                sess.steps = sub.step - ("optimizerStep" in sub.config)
+            else:
+                await self._end_for_gap(sess, f"sequence number {sub.seq} was rejected after later ops were numbered: {err}")
+            raise
+        except TransientError as err:  # delivered or not, nobody knows: a gap may be open
+            await self._end_for_gap(sess, f"sequence number {sub.seq} could not be delivered: {err}")
             raise RetriesExhaustedError(
-                f"sequence number {seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)
+                f"sequence number {sub.seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)
             ) from err
         except SessionGoneError:
             await self._check_alive(sess)
             raise
-        sess.next_wire_seq = seq + 1
         return resp["operationId"]
+
+    async def _end_for_gap(self, sess: _Session, why: str) -> None:
+        """A number that will never arrive would block the session: stop it rather than leave the gap."""
+        sess.gone = sess.gone or SessionGoneError(f"training session {sess.name} was stopped: {why}")
+        sess.sequencer.stop("stopped")
+        with anyio.CancelScope(shield=True):
+            await self._stop_quietly(sess.name)
 
     async def _training_outcome(self, sess: _Session, op_id: str, operation_name: str) -> dict[str, Any]:
         resp = await self._calls.poll(
@@ -550,9 +611,10 @@ class SageMakerBackend(Backend):
         sess = self._sessions.get(session_id)
         if sess is None:
             raise InvalidInputError(f"no training session {session_id!r} on this client", field="session_id")
-        op_id, step = await sess.sequencer.execute(op)
+        sub = await sess.sequencer.execute(op)
+        op_id = await self._deliver(sess, sub)
         resp = await self._training_outcome(sess, op_id, op.kind)
-        return self._training_result(sess, op, resp, step)
+        return self._training_result(sess, op, resp, sub.step)
 
     def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any], step: int) -> TrainingResult:
         result = resp.get("operationResult") or {}
@@ -585,7 +647,7 @@ class SageMakerBackend(Backend):
         """The resume op of a session created from a checkpoint (wire number 1, before any client op)."""
         self._require_package_arn(arn, "path")
         config = {"loadState": {"modelPackageArn": arn, "loadOptimizer": with_optimizer}}
-        op_id = await self._submit(sess, config, _client_token(sess.name, "resume"))
+        op_id = await self._deliver(sess, self._number(sess, config, _client_token(sess.name, "resume")))
         await self._training_outcome(sess, op_id, "load_state")
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
