@@ -119,7 +119,8 @@ class Stubs:
 
 
 @pytest.fixture
-async def stubbed() -> AsyncIterator[tuple[SageMakerBackend, Stubs]]:
+async def stubbed(request: pytest.FixtureRequest) -> AsyncIterator[tuple[SageMakerBackend, Stubs]]:
+    """A driver on stubbed clients; ``@pytest.mark.parametrize("stubbed", [{option: value}], indirect=True)`` adds options."""
     options = SageMakerOptions(
         region=REGION,
         role_arn=ROLE,
@@ -128,6 +129,7 @@ async def stubbed() -> AsyncIterator[tuple[SageMakerBackend, Stubs]]:
         kms_key_arn="arn:aws:kms:us-west-2:111122223333:key/abc",
         vpc_config={"security_group_ids": ["sg-1"], "subnets": ["subnet-1", "subnet-2"]},
         tokenizer_backend="mock://",
+        **getattr(request, "param", {}),
     )
     backend = SageMakerBackend(options)
     await backend.open()
@@ -217,8 +219,7 @@ async def test_every_op_sends_the_documented_request(stubbed):
     stubs.training(9, "k9", {"loadState": {"modelPackageArn": PKG, "loadOptimizer": True}}, {"loadState": {}})
     await backend.execute_training(name, TrainingOp("load_state", 9, "k9", path=PKG, with_optimizer=True))
 
-    # Sampling on a package this session saved: load it for sampling, then name it on every request.
-    stubs.sampling(1, {"loadWeightsForSampling": {"modelPackageArn": PKG}}, {"loadWeightsForSampling": {}})
+    # Sampling on a package this session saved: named on every request (no load first unless asked, see below).
     sampler = await backend.create_sampler(SamplerSpec(model_path=PKG))
     prompt_wire = {"chunks": [{"tokens": [1, 5, 6], "type": "encoded_text"}]}
     sample_cfg = {
@@ -262,6 +263,29 @@ async def test_every_op_sends_the_documented_request(stubbed):
     await backend.stop_session(name)
     stubs.control.assert_no_pending_responses()
     stubs.runtime.assert_no_pending_responses()
+
+
+@pytest.mark.parametrize("stubbed", [{"load_weights_for_sampling": True}], indirect=True)
+async def test_load_weights_for_sampling_is_sent_and_awaited_when_asked(stubbed):
+    backend, stubs = stubbed
+    stubs.create()
+    info = await backend.create_training_session(TrainingSessionSpec(base_model="org/tiny-model", rank=8))
+    stubs.name = info.model_id
+    stubs.training(1, "k1", {"saveWeights": {}}, {"saveWeights": {"modelPackageArn": PKG}})
+    await backend.execute_training(info.model_id, TrainingOp("save_weights", 1, "k1", ephemeral=True))
+    stubs.runtime.add_response(
+        "execute_sampling_operation",
+        {"operationId": "load-1"},
+        {"trainingSessionName": info.model_id, "operationConfig": {"loadWeightsForSampling": {"modelPackageArn": PKG}}},
+    )
+    for status in ("InProgress", "Completed"):
+        stubs.runtime.add_response(
+            "get_sampling_operation_result",
+            {"status": status, **({"operationResult": {"loadWeightsForSampling": {}}} if status == "Completed" else {})},
+            {"trainingSessionName": info.model_id, "operationId": "load-1"},
+        )
+    await backend.create_sampler(SamplerSpec(model_path=PKG))
+    stubs.runtime.assert_no_pending_responses()  # both polls were made: the sampler came back after the load completed
 
 
 async def test_resume_sends_load_state_as_sequence_number_one(stubbed):

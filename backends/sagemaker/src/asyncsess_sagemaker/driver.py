@@ -694,7 +694,10 @@ class SageMakerBackend(Backend):
             base = spec.base_model or (await self._base_model_of(arn) if arn else "")
             info = await self.create_training_session(TrainingSessionSpec(base_model=base))
             session, owned = info.model_id, True
-        if arn is not None:
+        # Every sample names its checkpoint (the service runs it "against" that package), so loading it first is
+        # optional: the official SDK's create_sampling_client(model_package_arn=...) does not; its
+        # save_weights_and_get_sampling_client does (option load_weights_for_sampling), at two round trips per refresh.
+        if arn is not None and self.options.load_weights_for_sampling:
             try:
                 await self._sampling(session, {"loadWeightsForSampling": {"modelPackageArn": arn}}, "load_weights_for_sampling")
             except BaseException:
