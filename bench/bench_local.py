@@ -23,25 +23,27 @@ import anyio
 import torch
 
 
-def _peak(device: torch.device) -> str:
+def _reset_peak(device: torch.device) -> int:
+    """Start a peak-memory window; returns the memory already allocated (CUDA only)."""
     if device.type != "cuda":
-        return "n/a"
-    return f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+def _peak(device: torch.device, start: int) -> str:
+    """Peak extra memory since :func:`_reset_peak` (what the measured step needed on top of resident weights)."""
+    if device.type != "cuda":
+        return "n/a (CPU)"
+    return f"{(torch.cuda.max_memory_allocated(device) - start) / 2**20:.0f} MiB"
 
 
-async def bench_sampling(svc, base_model: str, prompts: list[list[int]], args) -> dict[str, float]:
+async def sample_rates(sc, prompts: list[list[int]], args) -> tuple[float, float]:
+    """(unbatched, batched) tokens/s: one request at a time, then all at once."""
     from asyncsess.types import SamplingParams
 
-    sc = await svc.create_sampling_client(base_model=base_model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[], seed=0)
-    await sc.sample(prompts[0], num_samples=1, sampling_params=params)  # warm-up
-
     t0 = time.perf_counter()
     unbatched = 0
     for p in prompts:
@@ -60,15 +62,12 @@ async def bench_sampling(svc, base_model: str, prompts: list[list[int]], args) -
     async with anyio.create_task_group() as tg:
         for p in prompts:
             tg.start_soon(one, p)
-    t_batched = time.perf_counter() - t0
-    await sc.stop()
-    return {"unbatched_tok_s": unbatched / t_unbatched, "batched_tok_s": batched / t_batched}
+    return unbatched / t_unbatched, batched / (time.perf_counter() - t0)
 
 
 def bench_generate(model, prompts: list[list[int]], args, device) -> float:
     """HF generate, one prompt at a time with num_return_sequences (its usual use)."""
     tokens = 0
-    model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2, do_sample=True)
     t0 = time.perf_counter()
     with torch.no_grad():
         for p in prompts:
@@ -93,10 +92,9 @@ def _train_batch(tok, args, step: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (args.seq_len,), generator=g).tolist() for _ in range(args.batch)]
 
 
-async def bench_training(svc, base_model: str, tok, args) -> float:
+async def train_rate(tc, tok, args, first_step: int) -> float:
+    """tokens/s of ``args.steps`` pipelined forward_backward + optim_step through the client."""
     from asyncsess.types import AdamParams, Datum, ModelInput
-
-    tc = await svc.create_lora_training_client(base_model, rank=args.rank, seed=0)
 
     def datums(step):
         return [
@@ -104,47 +102,45 @@ async def bench_training(svc, base_model: str, tok, args) -> float:
             for s in _train_batch(tok, args, step)
         ]
 
-    await tc.forward_backward(datums(0), "cross_entropy")
-    await tc.optim_step(AdamParams(learning_rate=1e-4))
     t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, first_step + args.steps):
         fb = tc.forward_backward(datums(step), "cross_entropy")
         opt = tc.optim_step(AdamParams(learning_rate=1e-4))
         await fb
         await opt
-    tokens = args.steps * args.batch * (args.seq_len - 1)
-    rate = tokens / (time.perf_counter() - t0)
-    await tc.stop()
-    return rate
+    return args.steps * args.batch * (args.seq_len - 1) / (time.perf_counter() - t0)
 
 
-def bench_raw_training(model_dir: str, tok, args, device, dtype) -> float:
-    """The hand-written reference: transformers + peft + AdamW, one padded-free batch (equal lengths)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+class RawLoop:
+    """The hand-written reference: transformers + peft + AdamW on an unpadded batch (equal lengths)."""
 
-    from asyncsess_local.adapters import linear_groups, target_modules
+    def __init__(self, model_dir: str, tok, args, device, dtype) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
-    targets = target_modules(linear_groups(base))
-    model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, lora_dropout=0.0))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        from asyncsess_local.adapters import linear_groups, target_modules
 
-    def step(i):
-        batch = torch.tensor(_train_batch(tok, args, i), device=device)
-        logits = model(input_ids=batch[:, :-1]).logits.float()
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        targets = target_modules(linear_groups(base))
+        self.model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, lora_dropout=0.0))
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        self.tok, self.args, self.device = tok, args, device
+
+    def step(self, i: int) -> None:
+        batch = torch.tensor(_train_batch(self.tok, self.args, i), device=self.device)
+        logits = self.model(input_ids=batch[:, :-1]).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    step(0)
-    t0 = time.perf_counter()
-    for i in range(1, args.steps + 1):
-        step(i)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return args.steps * args.batch * (args.seq_len - 1) / (time.perf_counter() - t0)
+    def rate(self, first_step: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(first_step, first_step + self.args.steps):
+            self.step(i)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.args.steps * self.args.batch * (self.args.seq_len - 1) / (time.perf_counter() - t0)
 
 
 async def bench_refresh(svc, base_model: str, args) -> dict[str, float]:
@@ -179,35 +175,48 @@ async def main(args) -> dict[str, float]:
     url = f"local://?model={quote(model_dir)}&device={device.type}&dir={quote(tempfile.mkdtemp())}"
     if args.dtype:
         url += f"&dtype={args.dtype}"
-    results: dict[str, float] = {}
-    async with asyncsess.ServiceClient(url, heartbeat_interval=0) as svc:
-        _reset_peak(device)
-        results.update(await bench_sampling(svc, model_dir, prompts, args))
-        _reset_peak(device)
-        results["train_tok_s"] = await bench_training(svc, model_dir, tok, args)
-        peak_engine = _peak(device)
-        results.update(await bench_refresh(svc, model_dir, args))
+    samples: dict[str, list[float]] = {k: [] for k in ("unbatched", "batched", "generate", "train", "raw_train")}
     hf = load_model(source, device, dtype)
-    results["hf_generate_tok_s"] = bench_generate(hf, prompts, args, device)
-    del hf
-    _reset_peak(device)
-    results["raw_train_tok_s"] = bench_raw_training(model_dir, tok, args, device, dtype)
-    peak_raw = _peak(device)
+    raw = RawLoop(model_dir, tok, args, device, dtype)
+    async with asyncsess.ServiceClient(url, heartbeat_interval=0) as svc:
+        sc = await svc.create_sampling_client(base_model=model_dir)
+        tc = await svc.create_lora_training_client(model_dir, rank=args.rank, seed=0)
+        await sample_rates(sc, prompts[:2], args)  # warm-up, every path
+        bench_generate(hf, prompts[:1], args, device)
+        await train_rate(tc, tok, args, 0)
+        raw.rate(0)
+        for r in range(args.rounds):  # interleaved rounds: a busy machine slows both sides alike
+            u, bt = await sample_rates(sc, prompts, args)
+            samples["unbatched"].append(u)
+            samples["batched"].append(bt)
+            samples["generate"].append(bench_generate(hf, prompts, args, device))
+            start = _reset_peak(device)
+            samples["train"].append(await train_rate(tc, tok, args, 1000 * (r + 1)))
+            peak_engine = _peak(device, start)
+            start = _reset_peak(device)
+            samples["raw_train"].append(raw.rate(1000 * (r + 1)))
+            peak_raw = _peak(device, start)
+        await sc.stop()
+        await tc.stop()
+        results = {f"{k}_tok_s": statistics.median(v) for k, v in samples.items()}
+        results.update(await bench_refresh(svc, model_dir, args))
 
     print(f"\nmodel={args.model or 'tiny-llama (hidden 128, 4 layers)'} device={device} dtype={dtype}")
+    print(f"median of {args.rounds} interleaved rounds; training: batch {args.batch} x {args.seq_len} tokens, rank {args.rank}")
     print(f"sampling: {args.requests} requests x {args.num_samples} samples x {args.max_tokens} tokens, prompt {args.prompt_len}")
     print("| measure | asyncsess local | baseline | ratio |")
     print("|---|---|---|---|")
     rows = [
         ("sampling tok/s, batched vs unbatched", results["batched_tok_s"], results["unbatched_tok_s"]),
-        ("sampling tok/s, batched vs HF generate", results["batched_tok_s"], results["hf_generate_tok_s"]),
+        ("sampling tok/s, batched vs HF generate", results["batched_tok_s"], results["generate_tok_s"]),
+        ("sampling tok/s, unbatched vs HF generate", results["unbatched_tok_s"], results["generate_tok_s"]),
         ("train tok/s (fb+optim) vs raw torch+peft", results["train_tok_s"], results["raw_train_tok_s"]),
     ]
     for name, ours, base in rows:
         print(f"| {name} | {ours:,.0f} | {base:,.0f} | {ours / base:.2f}x |")
     print(f"| sampler refresh, in-memory snapshot (median) | {results['refresh_memory_s'] * 1e3:.1f} ms | | |")
     print(f"| sampler refresh, PEFT dir + new sampler (median) | {results['refresh_disk_s'] * 1e3:.1f} ms | | |")
-    print(f"| peak device memory, training | {peak_engine} | {peak_raw} | |")
+    print(f"| peak extra device memory, training step | {peak_engine} | {peak_raw} | |")
     return results
 
 
@@ -224,6 +233,7 @@ if __name__ == "__main__":
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args()
     out = anyio.run(main, args)

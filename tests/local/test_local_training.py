@@ -270,3 +270,26 @@ async def test_bad_input_is_refused_and_poisons_later_ops(backend_factory, tiny)
             await b.execute_training(info.model_id, ops("optim_step", adam_params=AdamParams()))
     finally:
         await b.aclose()
+
+
+def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from asyncsess_local.logprobs import _rows, packed_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 1, 4, 9, 2, 7, 3, 1]
+    seqs = [(torch.randint(0, 384, (n,), generator=g), torch.randint(0, 384, (n,), generator=g)) for n in lengths]
+    rows = _rows(lengths)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert max(sum(lengths[i] for i in r) for r in rows) == 9 and len(rows) < len(lengths)  # really packed, never wider
+    with torch.no_grad():
+        packed = packed_logprobs(model, seqs, chunk=5)
+        for (ids, tgt), got in zip(seqs, packed):
+            logits = model(input_ids=ids[None]).logits[0].float()
+            want = logits.log_softmax(-1).gather(-1, tgt[:, None])[:, 0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        full = packed_logprobs(model, seqs, chunk=5, plain_head=False)
+        for a, b in zip(packed, full):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

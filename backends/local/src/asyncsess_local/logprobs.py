@@ -1,9 +1,12 @@
 """Log-probs of target tokens for packed sequences, in fp32 and in chunks.
 
-Sequences are concatenated into one row (no padding) with ``position_ids`` restarting at 0 for each;
-transformers turns that into a block-causal mask, so sequences never attend to each other. The LM head
-runs over ``chunk`` positions at a time, under activation checkpointing when gradients are needed, so
-the ``[tokens, vocab]`` logits never exist for the whole batch at once.
+Sequences are packed first-fit-decreasing into rows no longer than the longest sequence (so attention
+costs at most about what it would unpacked), with ``position_ids`` restarting at 0 for each; the tail
+of a short row is filled by a throw-away segment rather than an attention mask. transformers turns
+restarting positions into a block-causal mask, so sequences never attend to each other, and a row that
+holds one sequence keeps the plain causal path. The LM head runs over ``chunk`` real positions at a
+time, under activation checkpointing when gradients are needed, so the ``[tokens, vocab]`` logits never
+exist for the whole batch at once.
 """
 
 from __future__ import annotations
@@ -20,11 +23,43 @@ def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
     return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
 
 
-def _pack(seqs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+def _rows(lengths: list[int]) -> list[list[int]]:
+    """First-fit-decreasing bins of sequence indices, each bin at most the longest length."""
+    cap = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            room.append(cap)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
+
+
+def _pack(seqs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor, Tensor, list[int]]:
+    """``[rows, width]`` ids and positions, the flat index of every real token, its target, and the order."""
     device = seqs[0][0].device
-    ids = torch.cat([s for s, _ in seqs])[None]
-    pos = torch.cat([torch.arange(len(s), device=device) for s, _ in seqs])[None]
-    return ids, pos, torch.cat([t for _, t in seqs])
+    lengths = [len(s) for s, _ in seqs]
+    rows = _rows(lengths)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    pos = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    flat, order = [], []
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = lengths[i]
+            ids[r, at : at + n] = seqs[i][0]
+            pos[r, at : at + n] = torch.arange(n, device=device)
+            flat.append(torch.arange(r * width + at, r * width + at + n, device=device))
+            order.append(i)
+            at += n
+        pos[r, at:] = torch.arange(width - at, device=device)  # filler: its own segment, never scored
+    targets = torch.cat([seqs[i][1] for i in order])
+    return ids, pos, torch.cat(flat), targets, order
 
 
 def packed_logprobs(model: nn.Module, seqs: list[tuple[Tensor, Tensor]], *, chunk: int = 1024, plain_head: bool = True) -> list[Tensor]:
@@ -34,10 +69,11 @@ def packed_logprobs(model: nn.Module, seqs: list[tuple[Tensor, Tensor]], *, chun
     autograd is enabled. ``plain_head=False`` is for models whose logits are not just
     ``head(hidden)`` (soft-capping, scaling): their full logits are computed, then reduced in chunks.
     """
-    ids, pos, targets = _pack(seqs)
+    ids, pos, index, targets, order = _pack(seqs)
     grad = torch.is_grad_enabled()
     if plain_head:
-        hidden = model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        hidden = model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])[index]
         head = model.get_output_embeddings()
         parts = []
         for s in range(0, hidden.shape[0], chunk):
@@ -45,14 +81,19 @@ def packed_logprobs(model: nn.Module, seqs: list[tuple[Tensor, Tensor]], *, chun
             parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False) if grad else _chunk_logprobs(head, h, t))
         flat = torch.cat(parts)
     else:
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])[index]
         flat = torch.cat(
             [
                 logits[s : s + chunk].float().gather(-1, targets[s : s + chunk, None])[:, 0] - logits[s : s + chunk].float().logsumexp(-1)
                 for s in range(0, logits.shape[0], chunk)
             ]
         )
-    return list(flat.split([len(s) for s, _ in seqs]))
+    pieces = flat.split([len(seqs[i][0]) for i in order])
+    out: list[Tensor] = [pieces[0]] * len(seqs)
+    for k, i in enumerate(order):
+        out[i] = pieces[k]
+    return out
 
 
 @torch.no_grad()

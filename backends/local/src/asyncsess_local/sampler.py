@@ -67,9 +67,11 @@ class TorchSampler:
         g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
         return g
 
-    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache, adapters: list[str]) -> Tensor:
+    def _forward(self, ids: Tensor, mask: Tensor | None, pos: Tensor, cache, adapters: list[str]) -> Tensor:
         model = self.host.peft
         kwargs = {self._cache_arg: cache}
+        if bool(mask.all()):
+            mask = None  # no padding: let attention take its unmasked causal path
         kinds = set(adapters)
         if kinds == {BASE}:
             with model.disable_adapter():
