@@ -1,10 +1,20 @@
 """One GRPO loop against the SageMaker emulator with injected latency: asyncsess's driver vs the official SDK.
 
-Both clients talk to the same emulator (over mock://) through boto3, with ``--latency-ms`` added to every
-request. Each step: sample ``--group`` completions for each of ``--prompts`` prompts (concurrently), score them,
-``forward_backward(ppo)`` + ``optim_step``, refresh the sampler. Reported: mean seconds per step and the ratio.
+Both clients talk through boto3 to the same emulator (over mock://), which runs in its own process as a
+remote service would, with ``--latency-ms`` added to every request. Each step: sample ``--group``
+completions for each of ``--prompts`` prompts (concurrently), score them, ``forward_backward(ppo)`` +
+``optim_step``, refresh the sampler. Reported: mean seconds per step (first step excluded) and the ratios.
 
-    python bench/bench_sagemaker_grpo.py --steps 4 --latency-ms 50
+Three runs of the same loop:
+- ``asyncsess``: the driver's defaults (ops pipelined; a refreshed sampler names its checkpoint in every
+  request and does not wait for a ``loadWeightsForSampling``).
+- ``asyncsess+load``: the same with ``load_weights_for_sampling=true``, i.e. the official SDK's wire protocol
+  for ``save_weights_and_get_sampling_client`` (two more round trips per step).
+- ``sdk``: sagemaker-train's ``training_session`` (one training submission in flight, results read when
+  ``.result()`` is called, fixed 2 s poll interval).
+
+    python bench/bench_sagemaker_grpo.py --steps 6 --latency-ms 50
+    python bench/bench_sagemaker_grpo.py --steps 4 --latency-ms 50 --engine-ms 100   # ops that take time on the engine
 
 Needs ``pip install -e backends/mock -e 'backends/sagemaker[sdk]'``.
 """
@@ -12,15 +22,20 @@ Needs ``pip install -e backends/mock -e 'backends/sagemaker[sdk]'``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+import httpx
 
-PROMPTS = [[1, 40, 41], [1, 50, 51], [1, 60, 61], [1, 70, 71]]
+PROMPTS = [[1, 40, 41], [1, 50, 51], [1, 60, 61], [1, 70, 71], [1, 80, 81], [1, 90, 91], [1, 45, 46], [1, 55, 56]]
 ROLE = "arn:aws:iam::111122223333:role/BenchRole"
 BASE = "mock/bigram-tiny"
 BASE_ARN = "arn:aws:sagemaker:us-west-2:aws:hub-content/SageMakerPublicHub/Model/mock-bigram-tiny/1.0.0"
@@ -43,7 +58,7 @@ def _rl_inputs(prompt: list[int], tokens: list[int], logprobs: list[float], adv:
     }
 
 
-async def asyncsess_loop(url: str, steps: int, group: int) -> list[float]:
+async def asyncsess_loop(url: str, steps: int, prompts: list[list[int]], group: int) -> list[float]:
     import asyncsess
 
     times = []
@@ -59,7 +74,7 @@ async def asyncsess_loop(url: str, steps: int, group: int) -> list[float]:
                 out.append((p, await sampler.sample(p, group, params)))
 
             async with anyio.create_task_group() as tg:
-                for p in PROMPTS:
+                for p in prompts:
                     tg.start_soon(one, p, sc, params, results)
             datums = []
             for prompt, res in results:
@@ -77,7 +92,7 @@ async def asyncsess_loop(url: str, steps: int, group: int) -> list[float]:
     return times
 
 
-def sdk_loop(url: str, steps: int, group: int) -> list[float]:
+def sdk_loop(url: str, steps: int, prompts: list[list[int]], group: int) -> list[float]:
     os.environ["SAGEMAKER_TRAINING_SESSION_ENDPOINT"] = url
     os.environ["SAGEMAKER_TRAINING_SESSION_RUNTIME_ENDPOINT"] = url
     from sagemaker.train.training_session import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
@@ -91,7 +106,7 @@ def sdk_loop(url: str, steps: int, group: int) -> list[float]:
         for step in range(steps):
             t0 = time.perf_counter()
             params = SamplingParams(max_tokens=512, seed=step)
-            futures = [(p, sc.sample(ModelInput.from_ints(p), num_samples=group, sampling_params=params)) for p in PROMPTS]
+            futures = [(p, sc.sample(ModelInput.from_ints(p), num_samples=group, sampling_params=params)) for p in prompts]
             datums = []
             for prompt, fut in futures:
                 res = fut.result()
@@ -111,36 +126,67 @@ def sdk_loop(url: str, steps: int, group: int) -> list[float]:
     return times
 
 
+@contextlib.contextmanager
+def emulator_process(backend: str, latency_s: float) -> Iterator[str]:
+    """The emulator in a child process (its CPU does not share the clients' interpreter lock); yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "from asyncsess_sagemaker.emulator import EmulatorConfig, FaultConfig, serve; "
+        f"serve({backend!r}, port={port}, config=EmulatorConfig(startup_s=0.0, faults=FaultConfig(latency_s={latency_s!r})))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/_emulator/faults").raise_for_status()
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the emulator did not start") from None
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def _report(name: str, times: list[float]) -> float:
     mean = statistics.fmean(times[1:] or times)  # the first step warms caches and connections
-    print(f"{name:10s} per step: {mean:7.3f} s   (steps: {', '.join(f'{t:.2f}' for t in times)})")
+    print(f"{name:15s} per step: {mean:7.3f} s   (steps: {', '.join(f'{t:.2f}' for t in times)})")
     return mean
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=4, help=f"prompts per step (at most {len(PROMPTS)})")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--latency-ms", type=float, default=50.0, help="added to every request by the emulator")
+    ap.add_argument("--engine-ms", type=float, default=0.0, help="added to every op by the engine (mock://?latency_ms=)")
     args = ap.parse_args()
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     import boto3
 
-    from asyncsess_sagemaker.emulator import EmulatorConfig, FaultConfig, running_emulator
-
-    config = EmulatorConfig(startup_s=0.0, faults=FaultConfig(latency_s=args.latency_ms / 1000))
-    with running_emulator("mock://", config) as emu:
-        boto3.client("sagemaker", region_name="us-west-2", endpoint_url=emu.url).create_model_package_group(ModelPackageGroupName="bench")
-        url = f"sagemaker://us-west-2?endpoint_url={emu.url}&role_arn={ROLE}&s3_output_path=s3://bench/out&tokenizer_backend=mock://"
+    prompts = PROMPTS[: args.prompts]
+    with emulator_process(f"mock://?latency_ms={args.engine_ms:g}", args.latency_ms / 1000) as emu:
+        boto3.client("sagemaker", region_name="us-west-2", endpoint_url=emu).create_model_package_group(ModelPackageGroupName="bench")
+        url = f"sagemaker://us-west-2?endpoint_url={emu}&role_arn={ROLE}&s3_output_path=s3://bench/out&tokenizer_backend=mock://"
         runs: dict[str, Callable[[], list[float]]] = {
-            "asyncsess": lambda: anyio.run(asyncsess_loop, url, args.steps, args.group),
-            "sdk": lambda: sdk_loop(emu.url, args.steps, args.group),
+            "asyncsess": lambda: anyio.run(asyncsess_loop, url, args.steps, prompts, args.group),
+            "asyncsess+load": lambda: anyio.run(asyncsess_loop, url + "&load_weights_for_sampling=true", args.steps, prompts, args.group),
+            "sdk": lambda: sdk_loop(emu, args.steps, prompts, args.group),
         }
         means = {name: _report(name, run()) for name, run in runs.items()}
     print(
-        f"latency {args.latency_ms:g} ms per request: asyncsess is {means['sdk'] / means['asyncsess']:.2f}x faster per step than the official SDK"
+        f"latency {args.latency_ms:g} ms per request, engine {args.engine_ms:g} ms per op, {len(prompts)} prompts x {args.group}: "
+        f"asyncsess is {means['sdk'] / means['asyncsess']:.2f}x faster per step than the official SDK "
+        f"({means['sdk'] / means['asyncsess+load']:.2f}x with the SDK's loadWeightsForSampling round trips)"
     )
 
 
