@@ -155,3 +155,26 @@ async def test_bad_sampling_input_is_refused(env):
     await b.stop_session(base)
     with pytest.raises(SessionGoneError):
         await b.sample(base, _req([5], 1, max_tokens=2))
+
+
+async def test_batches_are_capped_by_rows(env):
+    import threading
+
+    b, tok, base, tuned = env
+    engine = b.engine
+    engine.config.max_sample_rows = 3
+    before = engine.stats["sample_batches"]
+    gate = threading.Event()
+    busy = engine.call_soon(gate.wait)
+
+    async def one():
+        out = await b.sample(base, _req(tok.encode("hello"), 2, max_tokens=2, temperature=0.0, stop=[]))
+        assert len(out.sequences) == 2
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+        await anyio.sleep(0.2)
+        gate.set()
+        await busy.wait()
+    assert engine.stats["sample_batches"] == before + 3  # 2 + 2 rows would exceed 3: one request per batch

@@ -245,8 +245,16 @@ class Engine:
         gens = [w for w in works if w.kind == "sample"]
         for slot in {id(w.slot): w.slot for w in gens}.values():
             mine = [w for w in gens if w.slot is slot]
-            for s in range(0, len(mine), self.config.max_sample_rows):
-                part = mine[s : s + self.config.max_sample_rows]
+            parts: list[list[_Work]] = [[]]
+            rows = 0
+            for w in mine:  # at most max_sample_rows decoding rows per batch (one request is never split)
+                n = w.job.num_samples  # type: ignore[union-attr]
+                if parts[-1] and rows + n > self.config.max_sample_rows:
+                    parts.append([])
+                    rows = 0
+                parts[-1].append(w)
+                rows += n
+            for part in parts:
                 self.stats["sample_batches"] += 1
                 self.stats["sample_rows"] += sum(w.job.num_samples for w in part)  # type: ignore[union-attr]
                 try:
