@@ -347,3 +347,22 @@ def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     emulator.end_session(name, status="Expired", reason="idle")
     detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
     assert detail["TrainingSessionStatus"] == "Expired" and detail["ErrorDetails"] == "idle" and "EndTime" in detail
+
+
+def test_sample_max_tokens_caps_generation_below_the_wire_minimum():
+    with running_emulator("mock://", EmulatorConfig(check_responses=True, startup_s=0.0, sample_max_tokens=5)) as capped:
+        sm, rt = clients(capped.url)
+        name = _name()
+        new_session(sm, name)
+        config = {
+            "sample": {
+                "prompt": {"chunks": [{"tokens": [1, 40], "type": "encoded_text"}]},
+                "numSamples": 8,
+                "samplingParams": {"maxTokens": 512, "seed": 3},
+            }
+        }
+        op = rt.execute_sampling_operation(trainingSessionName=name, operationConfig=config)["operationId"]
+        seqs = wait_op(rt.get_sampling_operation_result, name, op)["operationResult"]["sample"]["sequences"]
+        assert max(len(s["tokens"]) for s in seqs) == 5 and any(s["stopReason"] == "length" for s in seqs)
+        assert all(s["tokenUsage"]["decode"] == len(s["tokens"]) for s in seqs)
+        sm.stop_training_session(TrainingSessionName=name)

@@ -20,6 +20,7 @@ def emulate(
     latency_ms: float = typer.Option(0.0, help="latency added to every request"),
     throttle_rate: float = typer.Option(0.0, help="fraction of requests answered with ThrottlingException"),
     idle_timeout_s: float = typer.Option(None, help="sessions without requests for this long become Expired"),
+    sample_max_tokens: int = typer.Option(None, help="generate at most this many tokens per sequence (default: maxTokens, >= 512)"),
 ) -> None:
     """Serve the control plane and runtime wire protocols on http://HOST:PORT (use it as boto3's endpoint_url)."""
     from .emulator import EmulatorConfig, FaultConfig, serve
@@ -29,6 +30,7 @@ def emulate(
         startup_s=startup_s,
         result_wait_s=result_wait_s,
         idle_timeout_s=idle_timeout_s,
+        sample_max_tokens=sample_max_tokens,
         faults=FaultConfig(latency_s=latency_ms / 1000, throttle_rate=throttle_rate),
     )
     typer.echo(f"SageMaker emulator on http://{host}:{port} over {backend} (Ctrl-C to stop)")

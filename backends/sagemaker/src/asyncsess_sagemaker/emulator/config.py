@@ -43,4 +43,10 @@ class EmulatorConfig(BaseModel):
         default=0.0, ge=0.0, description="Get*OperationResult waits this long for completion (0: answer at once, as the service does)"
     )
     check_responses: bool = Field(default=False, description="validate every response against the service model's output shape")
+    sample_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="generate at most this many tokens per sequence, below the request's maxTokens (None: maxTokens, as the "
+        "service does; the wire's minimum of 512 is slow on a CPU engine in tests)",
+    )
     faults: FaultConfig = Field(default_factory=FaultConfig)

@@ -600,6 +600,12 @@ class EmulatedService:
             sess.samplers[arn] = sampler
         return sampler
 
+    def _capped(self, params: SamplingParams) -> SamplingParams:
+        cap = self.config.sample_max_tokens
+        if cap is None or (params.max_tokens is not None and params.max_tokens <= cap):
+            return params
+        return params.model_copy(update={"max_tokens": cap})
+
     async def _run_sampling(self, sess: SessionRecord, op: OperationRecord) -> None:
         body = op.config[op.kind]
         op.status = "InProgress"
@@ -619,7 +625,7 @@ class EmulatedService:
             request = SampleRequest(
                 prompt=tuple(prompt),
                 num_samples=body["numSamples"],
-                sampling_params=sampling_params_from_wire(body["samplingParams"]),
+                sampling_params=self._capped(sampling_params_from_wire(body["samplingParams"])),
                 include_prompt_logprobs=include,
                 request_id=op.id,
             )
@@ -661,7 +667,7 @@ class EmulatedService:
         except ValueError as err:
             raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
         sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
-        resp = await self.inner.sample(sampler, SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=params))
+        resp = await self.inner.sample(sampler, SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=self._capped(params)))
         seq = resp.sequences[0]
         sess.prefill_tokens += len(prompt)
         sess.sample_tokens += len(seq.tokens)
