@@ -178,3 +178,19 @@ async def test_batches_are_capped_by_rows(env):
         gate.set()
         await busy.wait()
     assert engine.stats["sample_batches"] == before + 3  # 2 + 2 rows would exceed 3: one request per batch
+
+
+async def test_base_sampler_is_the_plain_model(env, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    b, tok, base, tuned = env
+    probe = tok.encode("what is 2 plus 3? the answer is 5.")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([probe])).logits[0].float()
+    want = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(probe[1:])[:, None])[:, 0].tolist()
+    assert (await b.compute_logprobs(base, probe))[1:] == pytest.approx(want, abs=1e-5)
+    assert (await b.compute_logprobs(tuned, probe))[1:] != pytest.approx(want, abs=1e-5)
+    greedy = (await b.sample(base, _req(probe, 1, max_tokens=4, temperature=0.0, stop=[]))).sequences[0].tokens
+    ref = model.generate(torch.tensor([probe]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(probe) :].tolist()
+    assert greedy == ref

@@ -72,6 +72,7 @@ class LoraHost:
             for p in self._raw_params(_ANCHOR).values():
                 p.zero_()
         self.peft.eval()
+        self._active = (_ANCHOR, True)
         self.info: dict[str, AdapterInfo] = {}
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -86,20 +87,29 @@ class LoraHost:
             if seed is not None:
                 torch.manual_seed(seed)
             self.peft.add_adapter(name, config)
-        self.peft.set_adapter(_ANCHOR)
+        self._set(_ANCHOR, trainable=True)
         self.peft.eval()
         self.info[name] = AdapterInfo(rank, alpha, list(targets))
         return self.params(name)
 
     def remove(self, name: str) -> None:
         if name in self.info:
-            self.peft.set_adapter(_ANCHOR)
+            self._set(_ANCHOR, trainable=True)
             self.peft.delete_adapter(name)
             del self.info[name]
 
     def activate(self, name: str, *, trainable: bool) -> None:
         """Make ``name`` the adapter every forward uses (trainable: its parameters get gradients)."""
-        self.peft.set_adapter(name, inference_mode=not trainable)
+        if self._active != (name, trainable):
+            self._set(name, trainable=trainable)
+
+    def activate_base(self) -> None:
+        """Forward through the plain base model (the anchor adapter is all zeros: it adds exactly 0)."""
+        self.activate(_ANCHOR, trainable=False)
+
+    def _set(self, name: str, *, trainable: bool) -> None:
+        self.peft.set_adapter(name, inference_mode=not trainable)  # walks every module: done only on a change
+        self._active = (name, trainable)
 
     def config(self, name: str) -> Any:
         return self.peft.peft_config[name]

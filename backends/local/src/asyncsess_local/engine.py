@@ -410,11 +410,10 @@ class Engine:
         model = host.peft.get_base_model()
         seqs = [(torch.tensor(p[:-1], device=self.device), torch.tensor(p[1:], device=self.device)) for p in prompts if len(p) > 1]
         if adapter == BASE:
-            with host.peft.disable_adapter():
-                lps = packed_logprobs(model, seqs, chunk=self.config.logprob_chunk, plain_head=slot.plain_head) if seqs else []
+            host.activate_base()
         else:
             host.activate(adapter, trainable=False)
-            lps = packed_logprobs(model, seqs, chunk=self.config.logprob_chunk, plain_head=slot.plain_head) if seqs else []
+        lps = packed_logprobs(model, seqs, chunk=self.config.logprob_chunk, plain_head=slot.plain_head) if seqs else []
         it = iter(lps)
         return [[None, *next(it).tolist()] if len(p) > 1 else [None] for p in prompts]
 

@@ -73,26 +73,32 @@ class TorchSampler:
         if bool(mask.all()):
             mask = None  # no padding: let attention take its unmasked causal path
         kinds = set(adapters)
-        if kinds == {BASE}:
-            with model.disable_adapter():
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
-            return out.logits[:, -1].float()
         if len(kinds) == 1:
-            self.host.activate(adapters[0], trainable=False)
+            (name,) = kinds
+            if name == BASE:
+                self.host.activate_base()
+            else:
+                self.host.activate(name, trainable=False)
         else:
             kwargs["adapter_names"] = adapters  # peft's mixed-adapter batch
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[:, -1].float()
 
     def _choose(self, logits: Tensor, rows: list[_Row], jobs: list[SampleJob]) -> Tensor:
+        """Next token per row; the rows of one request are contiguous and share its generator."""
         out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        for i, row in enumerate(rows):
-            p = jobs[row.job].params
+        start = 0
+        while start < len(rows):
+            end = start
+            while end < len(rows) and rows[end].job == rows[start].job:
+                end += 1
+            p = jobs[rows[start].job].params
             if p.temperature == 0.0:
-                out[i] = logits[i].argmax()
-                continue
-            lg = _filter(logits[i : i + 1] / p.temperature, p.top_k, p.top_p)
-            out[i] = torch.multinomial(lg.softmax(-1), 1, generator=row.generator)[0, 0]
+                out[start:end] = logits[start:end].argmax(-1)
+            else:
+                lg = _filter(logits[start:end] / p.temperature, p.top_k, p.top_p)
+                out[start:end] = torch.multinomial(lg.softmax(-1), 1, generator=rows[start].generator)[:, 0]
+            start = end
         return out
 
     def _stops(self, job: SampleJob) -> tuple[set[int], list[str]]:
@@ -126,13 +132,12 @@ class TorchSampler:
         live = list(range(len(rows)))
         while True:
             chosen = self._choose(logits, [rows[r] for r in live], jobs)
-            logp = logits.log_softmax(-1).gather(-1, chosen[:, None])[:, 0]
+            logp = logits.log_softmax(-1).gather(-1, chosen[:, None])[:, 0].tolist()
             keep: list[int] = []
-            for i, r in enumerate(live):
+            for i, (r, tok) in enumerate(zip(live, chosen.tolist())):
                 row, job = rows[r], jobs[rows[r].job]
-                tok = int(chosen[i])
                 row.tokens.append(tok)
-                row.logprobs.append(float(logp[i]))
+                row.logprobs.append(logp[i])
                 ids_stop, str_stop = stops[row.job]
                 if tok in ids_stop or (str_stop and any(s in self.tokenizer.decode(row.tokens) for s in str_stop)):
                     row.stop_reason = "stop"
