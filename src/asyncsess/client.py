@@ -12,6 +12,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import os
 import uuid
 import warnings
 import weakref
@@ -48,6 +49,7 @@ from .validation import check_datums, check_loss_fn, check_loss_fn_config, coerc
 __all__ = ["ServiceClient", "TrainingClient", "SamplingClient"]
 
 log = logging.getLogger("asyncsess")
+DEFAULT_URL = "local://"
 T = TypeVar("T")
 
 
@@ -55,7 +57,8 @@ class ServiceClient:
     """Entry point: picks a backend by URL and creates training and sampling clients.
 
     Use as ``async with ServiceClient("mock://") as svc: ...``; leaving the block (normally, by an
-    exception or by cancellation) stops every session this client opened.
+    exception or by cancellation) stops every session this client opened. Without a URL it uses
+    ``$ASYNCSESS_URL``, else ``local://`` (the embedded torch worker).
 
     Keyword options: ``retry`` (a :class:`RetryPolicy`), ``on_retry`` (called with a
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
@@ -66,7 +69,7 @@ class ServiceClient:
 
     def __init__(
         self,
-        url: str = "mock://",
+        url: str | None = None,
         *,
         retry: RetryPolicy | None = None,
         on_retry: Callable[[RetryEvent], None] | None = None,
@@ -77,7 +80,7 @@ class ServiceClient:
         max_chunk_bytes: int = 5_000_000,
         **options: Any,
     ) -> None:
-        self.url = url
+        self.url = url or os.environ.get("ASYNCSESS_URL") or DEFAULT_URL
         self.retry_policy = retry or RetryPolicy()
         self.retries = 0
         self._on_retry = on_retry

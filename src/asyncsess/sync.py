@@ -33,7 +33,8 @@ class ServiceClient:
     """Entry point: picks a backend by URL and creates training and sampling clients.
 
     Use as ``async with ServiceClient("mock://") as svc: ...``; leaving the block (normally, by an
-    exception or by cancellation) stops every session this client opened.
+    exception or by cancellation) stops every session this client opened. Without a URL it uses
+    ``$ASYNCSESS_URL``, else ``local://`` (the embedded torch worker).
 
     Keyword options: ``retry`` (a :class:`RetryPolicy`), ``on_retry`` (called with a
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
@@ -43,7 +44,7 @@ class ServiceClient:
 
     _async: _client.ServiceClient
 
-    def __init__(self, url: str = 'mock://', *, retry: RetryPolicy | None = None, on_retry: Callable[[RetryEvent], None] | None = None, max_samples_in_flight: int = 256, max_sample_bytes: int = 67108864, heartbeat_interval: float = 10.0, max_chunk_datums: int = 1024, max_chunk_bytes: int = 5000000, **options: Any) -> None:
+    def __init__(self, url: str | None = None, *, retry: RetryPolicy | None = None, on_retry: Callable[[RetryEvent], None] | None = None, max_samples_in_flight: int = 256, max_sample_bytes: int = 67108864, heartbeat_interval: float = 10.0, max_chunk_datums: int = 1024, max_chunk_bytes: int = 5000000, **options: Any) -> None:
         self._async = _facade.open_service(_client.ServiceClient(url, retry=retry, on_retry=on_retry, max_samples_in_flight=max_samples_in_flight, max_sample_bytes=max_sample_bytes, heartbeat_interval=heartbeat_interval, max_chunk_datums=max_chunk_datums, max_chunk_bytes=max_chunk_bytes, **options))
 
     def __enter__(self) -> ServiceClient:

@@ -89,3 +89,10 @@ async def test_unknown_scheme_names_the_fix():
     with pytest.raises(InvalidInputError, match="no backend for scheme 'nope'"):
         async with ServiceClient("nope://x"):
             pass
+
+
+async def test_url_defaults_to_the_environment_then_local(monkeypatch):
+    monkeypatch.setenv("ASYNCSESS_URL", "mock://?latency_ms=1")
+    assert ServiceClient().url == "mock://?latency_ms=1"
+    monkeypatch.delenv("ASYNCSESS_URL")
+    assert ServiceClient().url == "local://"
