@@ -1,4 +1,5 @@
-"""RL loop helpers shared by the recipes: group advantages and datum builders (torch-free)."""
+"""RL math shared by the recipes (torch-free): group advantages, the KL penalty, sampler-vs-trainer
+KL metrics, and datum builders. Formulas: ``spec/losses.md`` §5; checked against its §6 numbers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from .types import Datum, ModelInput, TensorData
 
-__all__ = ["center_advantages", "rl_datum", "sft_datum"]
+__all__ = ["center_advantages", "is_constant", "kl_penalty", "sample_train_kl", "rl_datum", "sft_datum", "datum_tokens"]
 
 
 def center_advantages(rewards: Sequence[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
@@ -18,6 +19,42 @@ def center_advantages(rewards: Sequence[float], normalize_std: bool = False, eps
     if normalize_std:
         a = a / (r.std() + eps)
     return a.tolist()
+
+
+def is_constant(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards are all equal (its centred advantages are all zero: no signal)."""
+    return len(set(rewards)) <= 1
+
+
+def kl_penalty(
+    sampler_logprobs: Sequence[Sequence[float]], ref_logprobs: Sequence[Sequence[float]], masks: Sequence[Sequence[float]], coef: float
+) -> list[list[float]]:
+    """Per-token advantage deltas of the cookbook's KL penalty: with ``d = (q - ref)·mask`` and
+    ``avg = Σd / Σmask`` over the whole batch, ``ΔA = coef · mask · (avg - d)``."""
+    d = [np.asarray(q, np.float64) - np.asarray(r, np.float64) for q, r in zip(sampler_logprobs, ref_logprobs)]
+    m = [np.asarray(x, np.float64) for x in masks]
+    d = [di * mi for di, mi in zip(d, m)]
+    total = sum(float(x.sum()) for x in m)
+    avg = sum(float(x.sum()) for x in d) / total if total else 0.0
+    return [(coef * mi * (avg - di)).tolist() for di, mi in zip(d, m)]
+
+
+def sample_train_kl(
+    sampler_logprobs: Sequence[Sequence[float]], trainer_logprobs: Sequence[Sequence[float]], masks: Sequence[Sequence[float]]
+) -> dict[str, float]:
+    """How far the trainer's log-probs ``p`` moved from the sampler's ``q`` on the masked tokens:
+    ``optim/kl_sample_train_v1 = mean(q - p)``, ``..._v2 = ½·mean((q - p)²)``, ``optim/entropy = -mean(q)``."""
+    m = np.concatenate([np.asarray(x, np.float64) for x in masks]) > 0 if masks else np.zeros(0, bool)
+    if not m.any():
+        return {}
+    q = np.concatenate([np.asarray(x, np.float64) for x in sampler_logprobs])[m]
+    p = np.concatenate([np.asarray(x, np.float64) for x in trainer_logprobs])[m]
+    diff = q - p
+    return {
+        "optim/kl_sample_train_v1": float(diff.mean()),
+        "optim/kl_sample_train_v2": float(0.5 * (diff**2).mean()),
+        "optim/entropy": float(-q.mean()),
+    }
 
 
 def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float], advantage: float) -> Datum:
@@ -53,3 +90,8 @@ def sft_datum(prompt: Sequence[int], completion: Sequence[int], weight: float = 
             "weights": TensorData.model_construct(data=weights, dtype="float32", shape=[n]),
         },
     )
+
+
+def datum_tokens(datum: Datum) -> list[int]:
+    """The whole sequence a next-token datum covers: its input plus the last target token."""
+    return [*datum.model_input.to_ints(), int(datum.loss_fn_inputs["target_tokens"].data[-1])]

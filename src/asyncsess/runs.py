@@ -1,0 +1,126 @@
+"""A run directory: ``config.json``, ``checkpoints.jsonl`` (one record per checkpoint) and resume.
+
+Resume follows tinker-cookbook: read the last record that has a ``state_path``, reopen the session
+with ``create_training_client_from_state_with_optimizer`` and restart the loop at the record's step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from .client import TrainingClient
+from .errors import InvalidInputError
+
+__all__ = [
+    "CHECKPOINTS_FILE",
+    "CONFIG_FILE",
+    "CheckpointRecord",
+    "parse_overrides",
+    "prepare_run_dir",
+    "save_checkpoint",
+    "last_checkpoint",
+]
+
+CHECKPOINTS_FILE = "checkpoints.jsonl"
+CONFIG_FILE = "config.json"
+
+
+class CheckpointRecord(BaseModel):
+    """One line of ``checkpoints.jsonl``. ``step`` is the number of optimizer steps the state holds."""
+
+    name: str
+    step: int
+    final: bool = False
+    state_path: str | None = None
+    sampler_path: str | None = None
+    time: float = Field(default_factory=time.time)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
+    """``["max_steps=20", "url=local://", 'loss_fn_config={"clip_low_threshold": 0.8}']`` as a dict
+    (values parsed as JSON where they are JSON, else kept as strings); a config validates them."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise InvalidInputError(f"{arg!r} is not key=value", field="args", fix="e.g. max_steps=20")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def prepare_run_dir(
+    run_dir: str | Path, config: BaseModel, if_exists: Literal["resume", "overwrite", "raise"] = "resume"
+) -> tuple[Path, CheckpointRecord | None]:
+    """Create ``run_dir`` and write ``config.json``; return the checkpoint to resume from, if any.
+
+    An existing directory is resumed (its config must match), emptied (``overwrite``) or refused (``raise``).
+    """
+    path = Path(run_dir)
+    cfg = json.loads(config.model_dump_json())
+    record = None
+    if path.exists() and any(path.iterdir()):
+        if if_exists == "raise":
+            raise InvalidInputError(f"{path} is not empty", field="run_dir", fix="pick a new directory, or resume/overwrite it")
+        if if_exists == "overwrite":
+            shutil.rmtree(path)
+        else:
+            old = path / CONFIG_FILE
+            if old.exists() and _comparable(json.loads(old.read_text())) != _comparable(cfg):
+                raise InvalidInputError(
+                    f"{path} holds a run with a different config", field="run_dir", fix="use a new run directory or the same settings"
+                )
+            record = last_checkpoint(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+    return path, record
+
+
+def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Settings that may change between a run and its resumption: how long it runs."""
+    return {k: v for k, v in cfg.items() if k not in ("max_steps", "max_minutes")}
+
+
+async def save_checkpoint(
+    tc: TrainingClient,
+    run_dir: str | Path,
+    name: str,
+    step: int,
+    kind: Literal["state", "sampler", "both"] = "state",
+    final: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> CheckpointRecord:
+    """Save the session (``state``: weights + optimizer, resumable; ``sampler``: weights) and append a record."""
+    state = tc.save_state(name) if kind in ("state", "both") else None
+    sampler = tc.save_weights_for_sampler(name) if kind in ("sampler", "both") else None
+    record = CheckpointRecord(
+        name=name,
+        step=step,
+        final=final,
+        state_path=(await state).path if state else None,
+        sampler_path=(await sampler).path if sampler else None,
+        extra=dict(extra or {}),
+    )
+    with (Path(run_dir) / CHECKPOINTS_FILE).open("a") as f:
+        f.write(record.model_dump_json() + "\n")
+    return record
+
+
+def last_checkpoint(run_dir: str | Path, required_key: str = "state_path") -> CheckpointRecord | None:
+    """The last record of ``checkpoints.jsonl`` whose ``required_key`` is set."""
+    path = Path(run_dir) / CHECKPOINTS_FILE
+    if not path.exists():
+        return None
+    records = [CheckpointRecord.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+    usable = [r for r in records if getattr(r, required_key) is not None]
+    return usable[-1] if usable else None

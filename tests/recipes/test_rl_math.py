@@ -1,0 +1,70 @@
+"""RL math against spec/losses.md §5–6, groups, problem batches and the task graders."""
+
+import pytest
+
+from asyncsess.rl import is_constant, kl_penalty, sample_train_kl
+from asyncsess.rollouts import Group, Problem, Rollout, problems_for_step
+from asyncsess.tasks import arithmetic, gsm8k
+
+
+def test_kl_penalty_matches_the_worked_numbers():
+    one = kl_penalty([[-0.7, -1.1, -2.6]], [[-0.9, -1.0, -2.0]], [[1, 1, 1]], 0.1)
+    assert one[0] == pytest.approx([-0.036667, -0.006667, 0.043333], abs=1e-6)
+    two = kl_penalty([[-0.7, -1.1, -2.6], [0, -0.4, -0.3]], [[-0.9, -1.0, -2.0], [0, -0.2, -0.6]], [[1, 1, 1], [0, 1, 1]], 0.1)
+    assert two[0] == pytest.approx([-0.028, 0.002, 0.052], abs=1e-6)
+    assert two[1] == pytest.approx([0, 0.012, -0.038], abs=1e-6)
+
+
+def test_sample_train_kl_uses_only_masked_tokens():
+    m = sample_train_kl([[0.0, -0.5, -0.8], [-9.0, -1.0]], [[5.0, -0.4, -0.9], [7.0, -1.2]], [[0, 1, 1], [0, 1]])
+    diffs = [-0.1, 0.1, 0.2]
+    assert m["optim/kl_sample_train_v1"] == pytest.approx(sum(diffs) / 3)
+    assert m["optim/kl_sample_train_v2"] == pytest.approx(0.5 * sum(d * d for d in diffs) / 3)
+    assert m["optim/entropy"] == pytest.approx((0.5 + 0.8 + 1.0) / 3)
+    assert sample_train_kl([[0.0]], [[0.0]], [[0]]) == {}
+
+
+def test_constant_groups_give_no_datums_and_others_carry_advantages():
+    assert is_constant([1, 1, 1]) and not is_constant([1, 0])
+    p = Problem("q", "4")
+    roll = [Rollout([5, 6], [-0.1, -0.2], "4", "stop", 1.0), Rollout([7], [-0.3], "x", "stop", 0.0)]
+    g = Group(p, [1, 2, 3], roll, sampler_step=0)
+    pairs = g.datums(normalize_std=False)
+    assert [d.loss_fn_inputs["advantages"].data for d, _ in pairs] == [[0, 0, 0.5, 0.5], [0, 0, -0.5]]
+    assert [m for _, m in pairs] == [[0, 0, 1, 1], [0, 0, 1]]
+    same = Group(p, [1, 2, 3], [roll[0], roll[0]], sampler_step=0)
+    assert same.datums() == []
+    assert Group.from_dict(g.to_dict()) == g
+
+
+def test_problem_batches_are_deterministic_and_cover_each_epoch():
+    problems = [Problem(str(i), str(i)) for i in range(10)]
+    epoch = [p for s in range(5) for p in problems_for_step(problems, s, 2, seed=3)]
+    assert sorted(p.question for p in epoch) == sorted(p.question for p in problems)
+    assert problems_for_step(problems, 7, 2, seed=3) == problems_for_step(problems, 7, 2, seed=3)
+    assert problems_for_step(problems, 0, 2, seed=3) != problems_for_step(problems, 0, 2, seed=4)
+
+
+def test_arithmetic_split_is_disjoint_and_graded_by_the_first_number():
+    train, test = arithmetic.split(300, 100, seed=0)
+    assert len(test) == 100 and not {p.question for p in train} & {p.question for p in test}
+    p = test[0]
+    assert p.question.endswith("? Reply with only the number.")
+    a, op, b = p.question.split()[2:5]
+    assert int(p.answer) == (int(a) + int(b.rstrip("?")) if op == "+" else int(a) - int(b.rstrip("?")))
+    assert arithmetic.grade(Problem("q", "68"), " 68") == (1.0, {"correct": 1.0, "format": 1.0})
+    assert arithmetic.grade(Problem("q", "68"), "It is 68.") == (1.0, {"correct": 1.0, "format": 0.0})
+    assert arithmetic.grade(Problem("q", "-3"), "-3")[0] == 1.0
+    assert arithmetic.grade(Problem("q", "68"), "23 + 45 = 68")[0] == 0.0
+
+
+def test_gsm8k_answers_after_hashes(tmp_path):
+    assert gsm8k.final_answer("so 3*4=12\n#### 1,200") == "1200"
+    assert gsm8k.final_answer("#### 7.50") == "7.5" and gsm8k.final_answer("#### $18") == "18"
+    assert gsm8k.final_answer("no marker 12") is None
+    path = tmp_path / "g.jsonl"
+    path.write_text('{"question": "Q?", "answer": "work\\n#### 42"}\n')
+    [p] = gsm8k.load(path=path)
+    assert p.answer == "42" and p.question.startswith("Q?")
+    assert gsm8k.grade(p, "thinking... #### 42")[0] == 1.0
+    assert gsm8k.grade(p, "42") == (0.0, {"correct": 0.0, "format": 0.0})
