@@ -45,7 +45,7 @@ def test_problem_batches_are_deterministic_and_cover_each_epoch():
     assert problems_for_step(problems, 0, 2, seed=3) != problems_for_step(problems, 0, 2, seed=4)
 
 
-def test_arithmetic_split_is_disjoint_and_graded_by_the_first_number():
+def test_arithmetic_split_is_disjoint_and_graded_by_the_final_number():
     train, test = arithmetic.split(300, 100, seed=0)
     assert len(test) == 100 and not {p.question for p in train} & {p.question for p in test}
     p = test[0]
@@ -55,7 +55,9 @@ def test_arithmetic_split_is_disjoint_and_graded_by_the_first_number():
     assert arithmetic.grade(Problem("q", "68"), " 68") == (1.0, {"correct": 1.0, "format": 1.0})
     assert arithmetic.grade(Problem("q", "68"), "It is 68.") == (1.0, {"correct": 1.0, "format": 0.0})
     assert arithmetic.grade(Problem("q", "-3"), "-3")[0] == 1.0
-    assert arithmetic.grade(Problem("q", "68"), "23 + 45 = 68")[0] == 0.0
+    assert arithmetic.grade(Problem("q", "68"), "23 + 45 = 68") == (1.0, {"correct": 1.0, "format": 0.0})
+    assert arithmetic.grade(Problem("q", "68"), "68? No, 23 + 45 = 67")[0] == 0.0
+    assert arithmetic.grade(Problem("q", "68"), "To add 23 and 45, we")[0] == 0.0
 
 
 def test_gsm8k_answers_after_hashes(tmp_path):

@@ -1,7 +1,7 @@
 """Offline arithmetic: "What is 23 + 45? Reply with only the number." with 1–2 digit operands.
 
-Reward 1 when the first integer of the reply equals the answer. ``env/all/format`` records whether
-the reply is only that number.
+Reward 1 when the reply's final number (its last integer, so "23 + 45 = 68" counts) equals the
+answer. ``env/all/format`` records whether the reply is only that number, as the prompt asks.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def split(n_train: int, n_test: int, seed: int, **kwargs: object) -> tuple[list[
 
 
 def grade(problem: Problem, reply: str) -> tuple[float, dict[str, float]]:
-    m = _INT.search(reply)
-    correct = m is not None and m.group() == problem.answer
+    numbers = _INT.findall(reply)
+    correct = bool(numbers) and numbers[-1] == problem.answer
     only = reply.strip() == problem.answer
     return float(correct), {"correct": float(correct), "format": float(only)}

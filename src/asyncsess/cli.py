@@ -1,0 +1,59 @@
+"""The ``asyncsess`` command: ``demo`` (the main job), ``plot`` (curves of a run), and sub-commands that
+installed packages contribute through the ``asyncsess.cli`` entry-point group (e.g. ``sagemaker``)."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import anyio
+import typer
+
+app = typer.Typer(help="asyncsess: LLM training loops against live training sessions.", no_args_is_help=True)
+log = logging.getLogger("asyncsess")
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("smollm2", help="Base model: a local:// alias, a model directory or a hub id."),
+    url: str = typer.Option("local://", help="Backend URL."),
+    minutes: float = typer.Option(5.0, help="Training time limit in minutes (0: none)."),
+    steps: int = typer.Option(1000, help="Maximum number of training steps."),
+    seed: int = typer.Option(0, help="Seed of the problems, the LoRA init and the sampling."),
+    run_dir: Path = typer.Option(Path("runs/demo"), help="Where metrics.jsonl, checkpoints.jsonl and config.json go."),
+    resume: bool = typer.Option(False, help="Resume the run in --run-dir instead of starting over."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """GRPO on offline arithmetic; prints held-out greedy accuracy before and after."""
+    from .demo import run_demo
+
+    anyio.run(lambda: run_demo(model, url, minutes or None, steps, seed, run_dir, resume, progress=progress))
+
+
+@app.command()
+def plot(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run directory with metrics.jsonl."),
+    out: Path | None = typer.Option(None, help="Output directory (default: RUN_DIR/plots)."),
+    mlflow_uri: str | None = typer.Option(None, envvar="MLFLOW_TRACKING_URI", help="Also log the run to this MLflow tracking URI."),
+    experiment: str = typer.Option("asyncsess", help="MLflow experiment name."),
+) -> None:
+    """Write PNG curves (reward, accuracy, loss, sampler-vs-trainer KL, tokens/s) of a recorded run."""
+    from .plot import log_to_mlflow, plot_run
+
+    paths = plot_run(run_dir, out)
+    for p in paths:
+        typer.echo(str(p))
+    if mlflow_uri:
+        typer.echo(f"mlflow run {log_to_mlflow(run_dir, mlflow_uri, experiment, paths)}")
+
+
+def _mount_plugins() -> None:
+    for ep in entry_points(group="asyncsess.cli"):
+        try:
+            app.add_typer(ep.load(), name=ep.name)
+        except ImportError as err:  # a plugin whose own dependencies are missing
+            log.debug("skipping the %s sub-command: %r", ep.name, err)
+
+
+_mount_plugins()
