@@ -134,21 +134,40 @@ def test_a_gap_blocks_the_session_until_the_missing_number_arrives(sm, rt, emula
     sm.stop_training_session(TrainingSessionName=name)
 
 
-def test_a_gap_that_never_fills_fails_the_session_and_skips_its_queue(sm, rt, emulator):
-    name = _name()
-    new_session(sm, name)
-    queued = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=OPTIM)[
-        "operationId"
-    ]
-    resp = wait_op(rt.get_training_operation_result, name, queued)  # the fixture's gap timeout is 1 s
-    assert resp["status"] == "Skipped"
-    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
-    assert detail["TrainingSessionStatus"] == "Failed"
-    assert "sequence number 1 never arrived" in detail["ErrorDetails"]
-    with pytest.raises(ClientError) as err:
-        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=OPTIM)
-    assert _code(err) == ("ConflictException", 409)
-    assert emulator.session_state(name)["applied"] == []
+def test_a_gap_that_never_fills_fails_the_session_and_skips_its_queue():
+    with running_emulator("mock://", EmulatorConfig(check_responses=True, startup_s=0.0, gap_timeout_s=0.5)) as emulator:
+        sm, rt = clients(emulator.url)
+        name = _name()
+        new_session(sm, name)
+        queued = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=OPTIM)[
+            "operationId"
+        ]
+        resp = wait_op(rt.get_training_operation_result, name, queued)
+        assert resp["status"] == "Skipped"
+        detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+        assert detail["TrainingSessionStatus"] == "Failed"
+        assert "sequence number 1 never arrived" in detail["ErrorDetails"]
+        with pytest.raises(ClientError) as err:
+            rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=OPTIM)
+        assert _code(err) == ("ConflictException", 409)
+        assert emulator.session_state(name)["applied"] == []
+
+
+def test_ops_queued_behind_a_slow_op_are_not_a_gap():
+    """Only a missing number is timed: ops waiting for a running predecessor may wait longer than the gap timeout."""
+    config = EmulatorConfig(check_responses=True, startup_s=0.0, gap_timeout_s=0.2)
+    with running_emulator("mock://?latency_ms=300", config) as emulator:  # each engine op takes 0.3 s
+        sm, rt = clients(emulator.url)
+        name = _name()
+        new_session(sm, name)
+        configs = [fb([1, 50, 51]), OPTIM, fb([1, 52, 53])]
+        ids = [
+            rt.execute_training_operation(trainingSessionName=name, sequenceNumber=n, clientToken=f"t{n}", operationConfig=c)["operationId"]
+            for n, c in enumerate(configs, start=1)
+        ]
+        assert [wait_op(rt.get_training_operation_result, name, i)["status"] for i in ids] == ["Completed"] * 3
+        assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+        sm.stop_training_session(TrainingSessionName=name)
 
 
 def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt, emulator):

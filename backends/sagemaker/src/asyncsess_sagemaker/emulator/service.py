@@ -2,14 +2,16 @@
 
 Operations run on an inner asyncsess backend (``mock://``, ``local://``, ...). Training ops of one session
 go through an :class:`asyncsess.sequencer.Sequencer`, so they run in sequence-number order, each at most
-once; a gap leaves the session ``Blocked`` until the number arrives or ``gap_timeout_s`` passes (then the
-session ``Failed`` and its queue is ``Skipped``). A failed op fails the session the same way.
+once; a gap (a missing number with later ones waiting) leaves the session ``Blocked`` until the number
+arrives or ``gap_timeout_s`` passes (then the session ``Failed`` and its queue is ``Skipped``). Ops merely
+queued behind a running one are not a gap. A failed op fails the session the same way.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +21,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from asyncsess.backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
-from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError, TransientError
+from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError
 from asyncsess.sequencer import Sequencer
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
@@ -134,7 +136,7 @@ class EmulatedService:
             request=body,
             model=model,
             group=group,
-            sequencer=Sequencer(self._make_runner(name), gap_timeout=self.config.gap_timeout_s),
+            sequencer=Sequencer(self._make_runner(name), gap_timeout=math.inf),  # gaps are timed by _watch_gap
         )
         self.sessions[name] = sess
         if self.config.startup_s == 0:  # Running by the time Create answers
@@ -457,7 +459,21 @@ class EmulatedService:
             sess.by_token[token] = op
         sess.last_received_seq = max(seq, sess.last_received_seq or 0)
         self._spawn(self._run_training, sess, op)
+        self._watch_gap(sess)
         return {"operationId": op.id}
+
+    def _watch_gap(self, sess: SessionRecord) -> None:
+        """Called whenever an op arrives or finishes: time a newly missing sequence number."""
+        if sess.is_blocked() and sess.gap_watched != sess.sequencer.next_seq:
+            sess.gap_watched = sess.sequencer.next_seq
+            self._spawn(self._gap_timer, sess, sess.gap_watched)
+
+    async def _gap_timer(self, sess: SessionRecord, missing: int) -> None:
+        await anyio.sleep(self.config.gap_timeout_s)
+        if sess.status in ACCEPTS_WORK and sess.sequencer.next_seq == missing and missing not in sess.by_seq:
+            self._end_session(
+                sess, "Failed", f"The operation with sequence number {missing} never arrived within {self.config.gap_timeout_s:g}s"
+            )
 
     def _make_runner(self, name: str) -> Any:
         async def run(top: TrainingOp) -> dict[str, Any]:
@@ -472,16 +488,11 @@ class EmulatedService:
             result = await sess.sequencer.execute(top)
         except (PoisonedError, SessionGoneError) as err:
             op.finish("Skipped", error=str(err))
-        except TransientError:  # the sequencer gave up waiting for a missing sequence number
-            missing = sess.sequencer.next_seq
-            self._end_session(
-                sess, "Failed", f"The operation with sequence number {missing} never arrived within {self.config.gap_timeout_s:g}s"
-            )
-            op.finish("Skipped", error=sess.error_details)
         except Exception as err:
             op.finish("Failed", error=_details(err))
         else:
             op.finish("Completed", result=result)
+        self._watch_gap(sess)
 
     async def _apply(self, sess: SessionRecord, op: OperationRecord) -> dict[str, Any]:
         """Run one training op on the engine (called by the sequencer, in order)."""

@@ -92,6 +92,7 @@ class SessionRecord:
     sampling_ops: dict[str, OperationRecord] = field(default_factory=dict)
     samplers: dict[str | None, str] = field(default_factory=dict)  # model package ARN (None: base) -> inner sampler id
     latest_checkpoint: str | None = None
+    gap_watched: int | None = None  # the missing sequence number whose gap timer runs
     prefill_tokens: int = 0
     sample_tokens: int = 0
     training_tokens: int = 0
