@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import anyio
@@ -57,6 +58,31 @@ async def test_a_later_op_is_sent_before_an_earlier_one_is_acknowledged(emulator
         await fb
         assert (await opt).step == 1
         assert emulator.session_state(tc.model_id)["applied"] == [1, 2]  # run in number order although 2 arrived first
+
+
+@pytest.mark.parametrize(("pipeline", "overlapped"), [("true", True), ("false", False)])
+async def test_pipeline_submissions_false_keeps_one_submission_in_flight(emulator, pipeline, overlapped):
+    events: list[str] = []
+
+    async with asyncsess.ServiceClient(driver_url(emulator, pipeline_submissions=pipeline)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        execute = svc.backend.runtime.execute_training_operation
+
+        def recorded(**kwargs: Any) -> Any:
+            n = kwargs["sequenceNumber"]
+            events.append(f"start {n}")
+            if n == 1:
+                time.sleep(0.3)  # a slow first delivery: number 2 goes out meanwhile only when pipelined
+            out = execute(**kwargs)
+            events.append(f"end {n}")
+            return out
+
+        svc.backend.runtime.execute_training_operation = recorded
+        fb = tc.forward_backward(GOOD, "cross_entropy")
+        opt = tc.optim_step(AdamParams(learning_rate=0.01))
+        await fb
+        await opt
+    assert (events.index("start 2") < events.index("end 1")) is overlapped
 
 
 async def test_a_rejected_op_with_nothing_numbered_after_it_gives_its_number_back(emulator):

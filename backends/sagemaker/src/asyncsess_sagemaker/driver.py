@@ -2,9 +2,9 @@
 
 Ordering: each session's ops pass through an :class:`asyncsess.sequencer.Sequencer` that only *numbers*
 them, in ``op.seq`` order, with the session's own wire counter; each op is then delivered
-(``ExecuteTrainingOperation``) without waiting for its predecessors' acknowledgement, and results are
-polled concurrently, so pipelined ops cost one round trip. The service runs them in number order (an
-early arrival waits, the session showing ``Blocked``). An op rejected by the service gives its number
+(``ExecuteTrainingOperation``) without waiting for its predecessors' acknowledgement (unless
+``pipeline_submissions`` is off), and results are polled concurrently, so pipelined ops cost one round
+trip. The service runs them in number order (an early arrival waits, the session showing ``Blocked``). An op rejected by the service gives its number
 back when no later op was numbered; otherwise, and when a delivery's fate stays unknown after every
 retry, a gap would remain, so the session is stopped and reported gone. The client token is derived
 from ``op.idempotency_key``, so every retry of one op carries the same token.
@@ -97,6 +97,7 @@ class _Submission:
     token: str
     config: dict[str, Any]
     step: int  # optimizer steps numbered so far, this op included
+    after: _Submission | None = None  # delivered first (pipeline_submissions=False)
     delivered: anyio.Event = field(default_factory=anyio.Event)
     started: bool = False
     op_id: str | None = None
@@ -115,6 +116,7 @@ class _Session:
     next_wire_seq: int = 1
     steps: int = 0
     undelivered: set[int] = field(default_factory=set)  # wire numbers given out and not yet acknowledged
+    last_numbered: _Submission | None = None
     gone: SessionGoneError | None = None
     poison: AsyncSessError | None = None
     packages: list[Checkpoint] = field(default_factory=list)
@@ -521,11 +523,12 @@ class SageMakerBackend(Backend):
 
         return number
 
-    @staticmethod
-    def _number(sess: _Session, config: dict[str, Any], token: str) -> _Submission:
-        sub = _Submission(seq=sess.next_wire_seq, token=token, config=config, step=sess.steps)
+    def _number(self, sess: _Session, config: dict[str, Any], token: str) -> _Submission:
+        after = None if self.options.pipeline_submissions else sess.last_numbered
+        sub = _Submission(seq=sess.next_wire_seq, token=token, config=config, step=sess.steps, after=after)
         sess.next_wire_seq += 1
         sess.undelivered.add(sub.seq)
+        sess.last_numbered = sub
         return sub
 
     async def _deliver(self, sess: _Session, sub: _Submission) -> str:
@@ -539,6 +542,9 @@ class SageMakerBackend(Backend):
             sub.started = True
             with anyio.CancelScope(shield=True):
                 try:
+                    if sub.after is not None:
+                        await sub.after.delivered.wait()
+                        sub.after = None
                     sub.op_id = await self._send(sess, sub)
                 except BaseException as err:
                     sub.error = err

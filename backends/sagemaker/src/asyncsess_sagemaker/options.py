@@ -49,6 +49,11 @@ class SageMakerOptions(BaseModel):
     retry_base_s: float = Field(default=0.1, gt=0, description="first backoff of a retried call (full jitter, doubling to 4 s)")
     retry_budget_s: float = Field(default=300.0, gt=0, description="how long one call keeps retrying throttling and 5xx answers")
     max_pool_connections: int = Field(default=64, ge=1)
+    pipeline_submissions: bool = Field(
+        default=True,
+        description="send each training op without waiting for the previous one's acknowledgement (False: one "
+        "ExecuteTrainingOperation in flight, as the official SDK; then a retried delivery never keeps later ops Blocked)",
+    )
     load_weights_for_sampling: bool = Field(
         default=False,
         description="send loadWeightsForSampling and wait for it before returning a sampler on a checkpoint, as the official "
