@@ -1,14 +1,21 @@
-"""Fixtures: one emulator over mock:// on a free 127.0.0.1 port, boto3 clients with dummy credentials."""
+"""Fixtures: one emulator over mock:// on a free 127.0.0.1 port, boto3 clients with dummy credentials.
+
+``test_driver_emulator_local.py`` re-runs some driver tests over local:// by overriding ``emulator``,
+``base_model`` and ``sm_url``; it is collected only where torch and the local backend are installed.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from smhelpers import REGION, clients
+from smhelpers import REGION, clients, driver_url
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
+
+collect_ignore = [] if all(importlib.util.find_spec(m) for m in ("torch", "asyncsess_local")) else ["test_driver_emulator_local.py"]
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +31,20 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def emulator() -> Iterator[RunningEmulator]:
     """Strict: every answer is checked against the service model's output shapes."""
-    with running_emulator("mock://", EmulatorConfig(check_responses=True, gap_timeout_s=1.0)) as emu:
+    with running_emulator("mock://", EmulatorConfig(check_responses=True)) as emu:
         yield emu
+
+
+@pytest.fixture(scope="module")
+def base_model() -> str:
+    """The emulator's model, as the driver names it."""
+    return "mock/bigram-tiny"
+
+
+@pytest.fixture
+def sm_url(emulator: RunningEmulator) -> str:
+    """``sagemaker://`` URL of the driver against ``emulator``."""
+    return driver_url(emulator)
 
 
 @pytest.fixture(autouse=True)

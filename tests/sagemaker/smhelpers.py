@@ -25,7 +25,10 @@ def clients(url: str, *, validate: bool = True) -> tuple[Any, Any]:
 
 
 def driver_url(emu: RunningEmulator, **extra: str) -> str:
-    query = {"endpoint_url": emu.url, "role_arn": ROLE, "tokenizer_backend": "mock://", "s3_output_path": "s3://bucket/out", **extra}
+    """The driver's URL for ``emu``; the tokenizer is mock://'s unless ``tokenizer_path`` names one."""
+    query = {"endpoint_url": emu.url, "role_arn": ROLE, "s3_output_path": "s3://bucket/out", **extra}
+    if "tokenizer_path" not in query:
+        query["tokenizer_backend"] = "mock://"
     return f"sagemaker://{REGION}?" + "&".join(f"{k}={v}" for k, v in query.items())
 
 

@@ -61,19 +61,23 @@ async def test_the_sagemaker_path_is_a_faithful_transport(emulator):
     assert np.allclose(via_sm[1], direct[1], atol=1e-6)
 
 
-async def test_grpo_example_runs_end_to_end(emulator):
+# The next three tests also run over local:// (test_driver_emulator_local.py): they take the emulator's model and
+# the driver's URL from the fixtures base_model and sm_url.
+
+
+async def test_grpo_example_runs_end_to_end(emulator, sm_url, base_model):
     from examples.grpo_toy import train
 
-    history, final_path = await train(driver_url(emulator), steps=3, lr=0.01, seed=1)
+    history, final_path = await train(sm_url, steps=3, lr=0.01, seed=1, base_model=base_model)
     assert len(history) == 3 and all(0.0 <= r <= 1.0 for r in history)
     assert final_path.startswith("arn:aws:sagemaker:us-west-2:111122223333:model-package/")
     detail = clients(emulator.url)[0].describe_model_package(ModelPackageName=final_path)
     assert detail["InferenceSpecification"]["Containers"][0]["IsCheckpoint"] is True
 
 
-async def test_pipelined_ops_survive_throttling_and_lost_replies_exactly_once(emulator):
-    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
-        tc = await svc.create_lora_training_client(BASE, rank=4)
+async def test_pipelined_ops_survive_throttling_and_lost_replies_exactly_once(emulator, sm_url, base_model):
+    async with asyncsess.ServiceClient(sm_url) as svc:
+        tc = await svc.create_lora_training_client(base_model, rank=4)
         emulator.set_faults(
             throttle_rate=0.3, lost_response_rate=0.3, seed=5, operations=["ExecuteTrainingOperation", "GetTrainingOperationResult"]
         )
@@ -93,9 +97,9 @@ async def test_pipelined_ops_survive_throttling_and_lost_replies_exactly_once(em
         assert usage.training_tokens == 6 * sum(d.model_input.length for d in BATCH)
 
 
-async def test_a_session_stopped_remotely_surfaces_as_session_gone(emulator):
-    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
-        tc = await svc.create_lora_training_client(BASE, rank=4)
+async def test_a_session_stopped_remotely_surfaces_as_session_gone(emulator, sm_url, base_model):
+    async with asyncsess.ServiceClient(sm_url) as svc:
+        tc = await svc.create_lora_training_client(base_model, rank=4)
         await tc.forward_backward(BATCH, "cross_entropy")
         sm, _ = clients(emulator.url)
         sm.stop_training_session(TrainingSessionName=tc.model_id)
