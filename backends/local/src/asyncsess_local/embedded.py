@@ -3,7 +3,11 @@
 URL query (keyword options of the same names win): ``model`` (a base model to load at start: a
 directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``cpu``/``cuda``),
 ``dtype`` (``auto``/``float32``/``bfloat16``), ``dir`` (checkpoint root; default a fresh temp dir),
-``token_budget`` (tokens per training micro-batch). E.g. ``local://?model=/models/qwen3-0.6b&dir=./runs``.
+``token_budget`` (tokens per training micro-batch), ``sampler`` (``auto``: vLLM when it is installed
+and the device is CUDA, else torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``,
+``vllm_kv_cache_mb``, ``vllm_max_loras``, ``vllm_max_lora_rank`` (see :class:`VllmOptions`; the keyword
+option ``vllm=VllmOptions(...)`` also takes any other engine argument).
+E.g. ``local://?model=/models/qwen3-0.6b&dir=./runs&sampler=vllm&vllm_memory=0.35``.
 
 Every request is checked here (shapes, vocabulary, context length, loss options, paths) so bad input
 fails with :class:`InvalidInputError` before it reaches the device.
@@ -24,6 +28,7 @@ from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_conf
 from .completion import Completion
 from .engine import MAX_LORA_RANK, Engine, EngineConfig, Slot
 from .sampler import SampleJob
+from .vllm_sampler import VllmOptions
 
 __all__ = ["LocalBackend"]
 
@@ -40,9 +45,18 @@ class LocalBackend(Backend):
         checkpoint_dir: str | None = None,
         token_budget: int = 8192,
         gap_timeout: float = 60.0,
+        sampler: str | None = None,
+        vllm: VllmOptions | None = None,
     ) -> None:
         self.default_model = model
-        self._config = EngineConfig(device=device, dtype=dtype, checkpoint_dir=checkpoint_dir, token_budget=token_budget)
+        self._config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            checkpoint_dir=checkpoint_dir,
+            token_budget=token_budget,
+            sampler=sampler or "auto",
+            vllm=vllm or VllmOptions(),
+        )
         self._gap_timeout = gap_timeout
         self._engine: Engine | None = None
         self._sequencers: dict[str, Sequencer[Completion]] = {}
@@ -57,6 +71,8 @@ class LocalBackend(Backend):
             dtype=options.pop("dtype", q.get("dtype") or None),
             checkpoint_dir=options.pop("checkpoint_dir", q.get("dir") or None),
             token_budget=options.pop("token_budget", url.get_int("token_budget", 8192)),
+            sampler=options.pop("sampler", q.get("sampler") or None),
+            vllm=options.pop("vllm", None) or _vllm_options(url),
         )
 
     @property
@@ -184,6 +200,16 @@ class LocalBackend(Backend):
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
         return self.engine.store.list(session_id)
+
+
+def _vllm_options(url: ParsedURL) -> VllmOptions:
+    kv = url.get_int("vllm_kv_cache_mb", 0)
+    return VllmOptions(
+        memory=url.get_float("vllm_memory", VllmOptions.memory),
+        kv_cache_mb=kv or None,
+        max_loras=url.get_int("vllm_max_loras", VllmOptions.max_loras),
+        max_lora_rank=url.get_int("vllm_max_lora_rank", VllmOptions.max_lora_rank),
+    )
 
 
 def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:

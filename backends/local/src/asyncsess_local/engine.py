@@ -6,7 +6,8 @@ the event loop never blocks on torch. Each time the thread wakes it takes everyt
 - runs a session's ops in arrival order (the backend's sequencers already put them in ``seq`` order);
 - merges each run of consecutive ``forward_backward`` (or ``forward``) ops of one session queued
   before a barrier (``optim_step``, save, load) into one packed pass;
-- batches every pending sampling request, across sessions and adapters, into one generation;
+- batches every pending sampling request, across sessions and adapters, into one generation
+  (unless vLLM samples: then requests go straight to it and never wait for training);
 - after a session's op fails, fails that session's later ops with :class:`PoisonedError`.
 
 State (base models, sessions, sampler snapshots) is touched only on this thread.
@@ -36,6 +37,7 @@ from .completion import Completion
 from .logprobs import head_is_plain, packed_logprobs
 from .models import ModelSource, load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
 from .sampler import SampleJob, TorchSampler
+from .vllm_sampler import VllmOptions, VllmSampler, choose_sampler
 
 __all__ = ["Engine", "EngineConfig", "Slot", "SamplerRef"]
 
@@ -52,6 +54,8 @@ class EngineConfig:
     token_budget: int = 8192  # tokens per packed training micro-batch
     logprob_chunk: int = 1024  # positions per LM-head chunk
     max_sample_rows: int = 256  # rows decoded together
+    sampler: str = "auto"  # torch, vllm, or auto (vllm when installed and on CUDA)
+    vllm: VllmOptions = field(default_factory=VllmOptions)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Slot:
     vocab_size: int
     max_context: int
     plain_head: bool
+    vllm: VllmSampler | None = None  # when set, it samples instead of ``sampler``
 
     def describe(self) -> SupportedModel:
         return SupportedModel(model_name=self.name, max_context_length=self.max_context, vocab_size=self.vocab_size)
@@ -84,6 +89,9 @@ class _Snapshot:
     adapter: str
     owner: str | None  # the training session it was taken from (ephemeral snapshots)
     refs: int = 0
+    lineage: str = ""  # the training session its weights come from (names its vLLM versions)
+    peft_dir: Path | None = None  # a PEFT directory on disk holding these weights, if any
+    in_vllm: bool = False
 
 
 @dataclass
@@ -112,11 +120,13 @@ class Engine:
         self.config = config or EngineConfig()
         self.device = pick_device(self.config.device)
         self.dtype = pick_dtype(self.config.dtype, self.device)
+        self.sampler_kind = choose_sampler(self.config.sampler, self.device)
         self.store = CheckpointStore(self.config.checkpoint_dir)
         self.slots: dict[str, Slot] = {}
         self.sessions: dict[str, trainer.TrainSession] = {}
         self.samplers: dict[str, SamplerRef] = {}
         self._snapshots: dict[str, _Snapshot] = {}  # path -> snapshot adapter
+        self._latest: dict[str, str] = {}  # training session -> path of its newest ephemeral snapshot
         self._names = itertools.count(1)
         self.stats = {"passes": 0, "pass_ops": 0, "sample_batches": 0, "sample_rows": 0}
         self._queue: list[_Work] = []
@@ -148,6 +158,8 @@ class Engine:
     async def sample(self, sampler_id: str, job: SampleJob) -> SampleResponse:
         ref = self._sampler(sampler_id)
         job.adapter = ref.adapter
+        if ref.slot.vllm is not None:
+            return await ref.slot.vllm.submit(job).wait()
         return await self.submit(_Work("sample", slot=ref.slot, job=job)).wait()
 
     async def logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
@@ -159,6 +171,9 @@ class Engine:
             self._closed = True
             self._cv.notify()
         self._thread.join()
+        for slot in {id(s): s for s in self.slots.values()}.values():
+            if slot.vllm is not None:
+                slot.vllm.close()
 
     # ---------------------------------------------------------------------------- the thread
 
@@ -305,9 +320,19 @@ class Engine:
             max_context=max_context,
             plain_head=plain,
         )
+        if self.sampler_kind == "vllm":
+            slot.vllm = self._start_vllm(source, eos_ids, max_context)
         self.slots[name] = slot
         log.info("loaded %s from %s on %s (%s)", name, source.path, self.device, self.dtype)
         return slot
+
+    def _start_vllm(self, source: ModelSource, eos_ids: list[int], max_context: int) -> VllmSampler | None:
+        if source.kwargs:  # e.g. a GGUF file: vLLM gets plain model directories only
+            if self.config.sampler == "vllm":
+                raise InvalidInputError(f"vLLM cannot serve {source.name!r}", field="sampler", fix="use a model directory or sampler=torch")
+            log.warning("sampling %s with torch: vLLM gets plain model directories only", source.name)
+            return None
+        return VllmSampler(source.path, dtype=self.dtype, max_context=max_context, eos_ids=eos_ids, options=self.config.vllm)
 
     def create_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         meta: dict[str, Any] = {}
@@ -326,6 +351,12 @@ class Engine:
                 raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="set at least one to True")
             if not 1 <= spec.rank <= MAX_LORA_RANK:
                 raise InvalidInputError(f"rank {spec.rank} is out of range", field="rank", fix=f"use 1..{MAX_LORA_RANK}")
+            if slot.vllm is not None and spec.rank > slot.vllm.options.max_lora_rank:
+                raise InvalidInputError(
+                    f"rank {spec.rank} exceeds the vLLM sampler's max_lora_rank ({slot.vllm.options.max_lora_rank})",
+                    field="rank",
+                    fix="use a lower rank, or start the backend with a larger vllm_max_lora_rank",
+                )
             rank = spec.rank
             alpha = float(spec.alpha) if spec.alpha is not None else 2.0 * rank
             targets = target_modules(
@@ -358,19 +389,26 @@ class Engine:
         sess = self.sessions.pop(session_id, None)
         if sess is not None:
             self.slots[sess.base_model].host.remove(sess.adapter)
-            for path, snap in list(self._snapshots.items()):
-                if snap.owner == session_id and snap.refs == 0:
-                    self._drop_snapshot(path)
+            self._latest.pop(session_id, None)
+            self._drop_unused(session_id)
         ref = self.samplers.pop(session_id, None)
         if ref is not None and ref.path is not None and ref.path in self._snapshots:
             snap = self._snapshots[ref.path]
             snap.refs -= 1
-            if snap.refs == 0 and (snap.owner is None or snap.owner not in self.sessions):
-                self._drop_snapshot(ref.path)
+            self._drop_unused(snap.owner, only=ref.path)
+
+    def _drop_unused(self, owner: str | None, only: str | None = None) -> None:
+        """Drop ``owner``'s snapshots that no sampler uses, except the newest one of a live session."""
+        for path, snap in list(self._snapshots.items()):
+            if snap.owner == owner and snap.refs == 0 and (only is None or path == only):
+                if owner is None or self._latest.get(owner) != path:
+                    self._drop_snapshot(path)
 
     def _drop_snapshot(self, path: str) -> None:
         snap = self._snapshots.pop(path)
         snap.slot.host.remove(snap.adapter)
+        if snap.in_vllm:
+            snap.slot.vllm.remove_adapter(snap.adapter)  # type: ignore[union-attr]
 
     def create_sampler(self, spec: SamplerSpec) -> str:
         sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
@@ -386,14 +424,24 @@ class Engine:
             meta = self.store.meta(d)
             slot = self.slot(meta["base_model"])
             adapter = f"s{next(self._names)}"
-            if meta["kind"] == "state":
+            peft_dir = None if meta["kind"] == "state" else d / "adapter" if meta["kind"] == "merged" else d
+            if peft_dir is None:
                 from safetensors.torch import load_file
 
                 slot.host.add(adapter, rank=int(meta["rank"]), alpha=float(meta["alpha"]), targets=list(meta["targets"]), seed=None)
                 slot.host.load_state_dict(adapter, load_file(str(d / "adapter.safetensors")))
             else:
-                slot.host.import_peft(adapter, d / "adapter" if meta["kind"] == "merged" else d)
-            snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None)
+                slot.host.import_peft(adapter, peft_dir)
+            snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir)
+        if snap.slot.vllm is not None and not snap.in_vllm:
+            host, adapter = snap.slot.host, snap.adapter
+            try:
+                snap.slot.vllm.add_adapter(adapter, snap.lineage, peft_dir=snap.peft_dir, export=lambda d: host.export_peft(adapter, d))
+            except BaseException:
+                if snap.refs == 0 and snap.owner is None:
+                    self._drop_snapshot(path)
+                raise
+            snap.in_vllm = True
         snap.refs += 1
         self.samplers[sampler_id] = SamplerRef(snap.slot, snap.adapter, path)
         return sampler_id
@@ -495,7 +543,9 @@ class Engine:
             path = f"{EPHEMERAL}{sess.model_id}/{op.seq}"
             adapter = f"s{next(self._names)}"
             slot.host.copy(sess.adapter, adapter)
-            self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id)
+            self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, lineage=sess.model_id)
+            self._latest[sess.model_id] = path
+            self._drop_unused(sess.model_id)  # older snapshots no sampler uses any more
             return CheckpointResponse(path=path, kind="sampler", step=sess.step)
         kind = "merged" if op.merge_weights else "sampler"
         scratch, final = self.store.begin(sess.model_id, kind, op.name or f"step-{sess.step:06d}-{op.seq}")

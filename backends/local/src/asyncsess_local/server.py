@@ -32,6 +32,7 @@ from asyncsess.types import SamplingParams
 from . import wire
 from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
+from .vllm_sampler import VllmOptions
 
 __all__ = ["create_app", "serve_in_thread", "main"]
 
@@ -369,12 +370,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default="./runs/checkpoints", help="checkpoint root")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--sampler", default="auto", choices=["auto", "torch", "vllm"], help="auto: vLLM when installed and on CUDA")
+    p.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's share of the GPU (the trainer keeps the rest)")
     args = p.parse_args(argv)
     keys = args.api_key or ([os.environ["ASYNCSESS_API_KEY"]] if os.environ.get("ASYNCSESS_API_KEY") else [])
     if not keys:
         keys = [secrets.token_urlsafe(24)]
         print(f"API key (set ASYNCSESS_API_KEY to reuse): {keys[0]}", flush=True)
-    backend = LocalBackend(model=args.model, device=args.device, dtype=args.dtype, checkpoint_dir=args.dir)
+    backend = LocalBackend(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        checkpoint_dir=args.dir,
+        sampler=args.sampler,
+        vllm=VllmOptions(memory=args.vllm_memory),
+    )
     logging.basicConfig(level=logging.INFO)
     uvicorn.run(create_app(backend, keys), host=args.host, port=args.port, log_level="info")
 
