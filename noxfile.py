@@ -43,8 +43,10 @@ def local(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def sagemaker(session: nox.Session) -> None:
-    """The SageMaker driver and the official sagemaker-train SDK against the local emulator (boto3, no AWS)."""
-    _install_core(session, "-e", "backends/sagemaker[sdk]")
+    """The SageMaker driver and the official sagemaker-train SDK against the local emulator (boto3, no AWS),
+    over mock:// and over local:// with the tiny model."""
+    session.install(TORCH)
+    _install_core(session, "-e", "backends/local[server,test]", "-e", "backends/sagemaker[sdk]")
     session.run("pytest", "-q", "-m", "sagemaker", *session.posargs)
 
 
