@@ -1,0 +1,193 @@
+"""Competitive programming with stdin/stdout tests, graded in a sandbox: the ``code_rl`` recipe's task.
+
+Two row formats load (JSONL, one problem per line, told apart by their keys):
+
+- bundled (``examples/data/code_problems.jsonl``): ``{"id", "question", "tests": [{"input", "output"}], "solution"}``
+  (``solution``, a reference program, is optional);
+- DeepCoder-style (``agentica-org/DeepCoder-Preview-Dataset``): ``{"problem", "tests"}`` where ``tests`` is a
+  list (or its JSON string) of ``{"input", "output", "testtype": "stdin" | "functional"}`` (primeintellect:
+  ``"type": "stdin_stdout" | "function_call"``) or a TACO dict ``{"inputs", "outputs", "fn_name"?}``. Only
+  stdin/stdout problems are kept; functional ones are skipped.
+
+Reward (cookbook §7), from the last assistant message: 1 when its last ```python block passes every test,
+0 when it fails one, -0.1 when it has no code block (``format_coef · (has_code - 1) + correct``). Before
+answering the model may call ``check_solution(code)``, which runs a program against the same tests and
+returns ``{"passed", "tests_passed", "test_count", "details"}``, with the input, expected and actual output
+of the first failing test, as a judge would show them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..env import Env, EnvGroupBuilder
+from ..sandbox import Sandbox, TestCase, TestReport
+from ..tool_env import ChatRenderer, Tool, ToolEnv
+
+__all__ = [
+    "CodeProblem",
+    "INSTRUCTIONS",
+    "load",
+    "parse_row",
+    "extract_code",
+    "grade",
+    "check_solution_tool",
+    "CodeGroupBuilder",
+]
+
+INSTRUCTIONS = (
+    "Solve the programming problem in Python 3. The program reads standard input and writes standard output. "
+    "Give your final program in one ```python code block. Before answering you may call check_solution once "
+    "to run a program against the problem's tests."
+)
+_CODE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.S)
+_SHOW = 300  # characters of input/output shown per failing test
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    id: str
+    question: str
+    tests: tuple[TestCase, ...]
+    solution: str | None = None
+
+    def messages(self, instructions: str = INSTRUCTIONS) -> list[dict[str, str]]:
+        return [{"role": "system", "content": instructions}, {"role": "user", "content": self.question}]
+
+
+def _stdio_tests(raw: Any) -> list[TestCase] | None:
+    """Tests of a DeepCoder-style row as TestCases, or ``None`` when they are not stdin/stdout tests."""
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    if isinstance(raw, dict):  # TACO
+        if "fn_name" in raw:
+            return None
+        return [TestCase(stdin=str(i), expected_stdout=str(o)) for i, o in zip(raw.get("inputs", []), raw.get("outputs", []))]
+    out = []
+    for t in raw:
+        kind = t.get("testtype", t.get("type", "stdin"))
+        if kind not in ("stdin", "stdin_stdout") or not isinstance(t.get("input"), str):
+            return None
+        out.append(TestCase(stdin=t["input"], expected_stdout=str(t["output"])))
+    return out
+
+
+def parse_row(row: Mapping[str, Any], index: int = 0) -> CodeProblem | None:
+    """One JSONL row of either format, or ``None`` for a problem without stdin/stdout tests."""
+    if "question" in row:
+        tests = [TestCase(stdin=t["input"], expected_stdout=t["output"]) for t in row["tests"]]
+        question, solution = row["question"], row.get("solution")
+    else:
+        tests = _stdio_tests(row["tests"]) or []
+        question, solution = row["problem"], None
+    if not tests:
+        return None
+    return CodeProblem(str(row.get("id", index)), question.strip(), tuple(tests), solution)
+
+
+def load(path: str | Path, limit: int | None = None) -> list[CodeProblem]:
+    """Problems from a JSONL file of either format (see the module docstring)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    problems = [p for i, row in enumerate(rows) if (p := parse_row(row, i)) is not None]
+    return problems[:limit] if limit is not None else problems
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block of a reply (```python, ```py or plain ```), or ``None``."""
+    blocks = _CODE.findall(text)
+    return blocks[-1] if blocks else None
+
+
+def _verdict(tests: Sequence[TestCase], report: TestReport) -> dict[str, Any]:
+    details: list[dict[str, Any]] = []
+    shown = False
+    for i, (test, tr) in enumerate(zip(tests, report.results)):
+        status = "passed" if tr.passed else "wrong_answer" if tr.result.ok else tr.result.status
+        entry: dict[str, Any] = {"test": i, "status": status}
+        if not tr.passed and not shown:
+            shown = True
+            entry.update(
+                input=test.stdin[:_SHOW],
+                expected=test.expected_stdout[:_SHOW],
+                got=tr.result.stdout[:_SHOW],
+                stderr=tr.result.stderr[-_SHOW:],
+            )
+        details.append(entry)
+    return {"passed": report.all_passed, "tests_passed": report.passed, "test_count": report.total, "details": details}
+
+
+async def grade(
+    problem: CodeProblem, reply: str, sandbox: Sandbox, timeout_s: float | None = None, format_coef: float = 0.1
+) -> tuple[float, dict[str, float]]:
+    """The episode's reward from the last assistant message, with ``correct``, ``format``, ``tests_passed``
+    (share of tests) and ``sandbox_errors`` (runs whose verdict is unknown, counted as failures)."""
+    code = extract_code(reply)
+    if code is None:
+        return -format_coef, {"correct": 0.0, "format": 0.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
+    report = await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
+    correct = float(report.all_passed)
+    errors = sum(r.result.status == "sandbox_error" for r in report.results)
+    return correct, {"correct": correct, "format": 1.0, "tests_passed": report.passed / report.total, "sandbox_errors": float(errors)}
+
+
+def check_solution_tool(problem: CodeProblem, sandbox: Sandbox, timeout_s: float | None = None) -> Tool:
+    """``check_solution(code)``: run a program against the problem's tests; metrics ``check/tests_passed``, ``check/test_count``."""
+
+    async def run(arguments: Mapping[str, Any]) -> tuple[str, dict[str, float]]:
+        code = arguments.get("code")
+        if not isinstance(code, str) or not code.strip():
+            return json.dumps({"error": 'check_solution needs {"code": "<python program>"}'}), {}
+        report = await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
+        return json.dumps(_verdict(problem.tests, report)), {
+            "check/tests_passed": float(report.passed),
+            "check/test_count": float(report.total),
+        }
+
+    return Tool(
+        name="check_solution",
+        description="Run a Python 3 program against this problem's tests and report which pass.",
+        parameters={
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the whole program"}},
+            "required": ["code"],
+        },
+        run=run,
+    )
+
+
+@dataclass
+class CodeGroupBuilder(EnvGroupBuilder):
+    """``group_size`` two-turn (by default) episodes on one problem, sharing a renderer and a sandbox."""
+
+    problem: CodeProblem
+    renderer: ChatRenderer
+    sandbox: Sandbox
+    group_size: int
+    max_turns: int = 2
+    timeout_s: float | None = None
+    max_trajectory_tokens: int | None = None
+    instructions: str = INSTRUCTIONS
+    format_coef: float = 0.1
+
+    async def make_envs(self) -> Sequence[Env]:
+        async def final(reply: str) -> tuple[float, dict[str, float]]:
+            return await grade(self.problem, reply, self.sandbox, self.timeout_s, self.format_coef)
+
+        tool = check_solution_tool(self.problem, self.sandbox, self.timeout_s)
+        return [
+            ToolEnv(
+                self.renderer,
+                self.problem.messages(self.instructions),
+                [tool],
+                final,
+                max_turns=self.max_turns,
+                max_trajectory_tokens=self.max_trajectory_tokens,
+                overflow_reward=-self.format_coef,
+            )
+            for _ in range(self.group_size)
+        ]

@@ -1,0 +1,171 @@
+"""code_rl end to end on mock://: scripted two-turn replies graded in the LocalSandbox, training through a real
+TrainingClient (cispo), staleness bounded by k, a well-formed metrics.jsonl, resume; and the scheduler's requeue."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from asyncsess import ServiceClient
+from asyncsess.env import Env, EnvGroupBuilder, ScriptedCompleter, StepResult
+from asyncsess.env_train import EnvRLConfig, train_env_rl
+from asyncsess.metrics import read_metrics
+from asyncsess.runs import last_checkpoint
+from asyncsess.tasks import code
+from asyncsess.types import ModelInput
+from examples import code_rl
+
+from ..recipes.helpers import check_metrics_file
+from .scripted import code_policy
+
+pytestmark = pytest.mark.anyio
+PROBLEMS = code.load(code_rl.BUNDLED)
+ARGS = [
+    "groups_per_batch=2",
+    "group_size=4",
+    "num_minibatches=2",
+    "max_steps_off_policy=1",
+    "n_test=2",
+    "eval_every=2",
+    "learning_rate=0.05",
+    "sandbox_concurrency=4",
+]
+KEYS = {
+    "env/all/reward/total",
+    "env/all/correct",
+    "env/all/format",
+    "env/all/tool_calls",
+    "env/all/check/tests_passed",
+    "env/all/turns_per_episode",
+    "stop/completed",
+    "stop/max_turns",
+    "stop/parse_error",
+    "async/staleness_max",
+    "async/staleness_min",
+    "async/staleness_mean",
+    "async/requeued",
+    "optim/loss",
+    "optim/kl_sample_train_v1",
+    "optim/entropy",
+    "tokens/train",
+    "time/step",
+    "test/env/all/correct",
+    "test/env/all/reward/total",
+}
+
+
+def scripted(seed: int):
+    script = code_policy(PROBLEMS, seed)  # one random stream for the run
+
+    def make(sampler, max_tokens, temperature, context_window):
+        return ScriptedCompleter(sampler, script, max_tokens=max_tokens, temperature=temperature)
+
+    return make
+
+
+async def state(path: str) -> tuple[int, float]:
+    """Optimizer steps held by a mock:// checkpoint, and the weights' total magnitude."""
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_training_client_from_state_with_optimizer(path)
+        _, _, steps = svc.backend.optimizer_state(tc.model_id)
+        return steps, float(abs(svc.backend.weights(tc.model_id)).sum())
+
+
+async def test_code_rl_runs_two_turns_with_bounded_staleness(tmp_path):
+    result = await code_rl.main([*ARGS, "max_steps=6", f"run_dir={tmp_path}"], make_completer=scripted(0))
+    records = check_metrics_file(tmp_path, KEYS)
+    assert result.steps == 6 and [r["step"] for r in records] == list(range(7))
+    steps = [r for r in records if "async/staleness_max" in r]
+    assert all(0 <= r["async/staleness_min"] <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 1 for r in steps)
+    assert steps[0]["async/staleness_max"] == 0 and any(r["async/staleness_max"] == 1 for r in steps)  # sampling ran ahead
+    assert abs(steps[0]["optim/kl_sample_train_v1"]) < 1e-5  # step 0 is on-policy: scripted log-probs match training
+    # two turns: some episodes called check_solution and answered after reading the verdict
+    assert all(1.0 <= r["env/all/turns_per_episode"] <= 2.0 for r in steps)
+    assert any(r["env/all/turns_per_episode"] > 1.0 and r["env/all/tool_calls"] > 0 for r in steps)
+    assert any(r["env/all/check/tests_passed"] > 0 for r in steps)
+    assert any(r["stop/max_turns"] > 0 or r["stop/parse_error"] > 0 for r in steps)
+    # forward_backward streamed in sub-batches, and the reward spans the cookbook's values
+    assert any(r["train/forward_backward_calls"] == 2 for r in steps)
+    assert all(-0.1 <= r["env/all/reward/total"] <= 1.0 for r in steps)
+    assert sum("test/env/all/correct" in r for r in records) == 4  # before, after steps 2 and 4, after
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["loss_fn"] == "cispo" and config["loss_fn_config"] == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    final = result.final_checkpoint
+    assert final.final and final.step == 6 and (await state(final.state_path))[0] == 6
+    # every group started was trained once or is still pending
+    assert final.extra["cursor"] - len(final.extra["pending"]) == 6 * 2
+
+
+async def test_code_rl_resumes_from_its_checkpoint(tmp_path):
+    args = [*ARGS, "save_every=2", f"run_dir={tmp_path}"]
+    first = await code_rl.main([*args, "max_steps=2"], make_completer=scripted(1))
+    assert first.steps == 2 and last_checkpoint(tmp_path).step == 2
+    resumed = await code_rl.main([*args, "max_steps=4"], make_completer=scripted(2))
+    assert resumed.steps == 4 and resumed.before == first.before
+    records = check_metrics_file(tmp_path, KEYS)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert (await state(resumed.final_checkpoint.state_path))[0] == 4
+    extra = resumed.final_checkpoint.extra
+    assert extra["cursor"] - len(extra["pending"]) == 4 * 2
+
+
+class DigitEnv(Env):
+    """One turn; reward = share of digits in the reply. The group with ``gate`` waits until it is opened."""
+
+    def __init__(self, tokenizer, index: int, gate: anyio.Event | None):
+        self.tokenizer, self.index, self.gate = tokenizer, index, gate
+
+    async def initial_observation(self):
+        ob = self.tokenizer.apply_chat_template([{"role": "user", "content": f"Code {self.index}:"}], add_generation_prompt=True)
+        return ModelInput.from_ints(ob), [self.tokenizer.convert_tokens_to_ids("<|end|>")]
+
+    async def step(self, action):
+        if self.gate is not None:
+            await self.gate.wait()
+        text = self.tokenizer.decode(action, skip_special_tokens=True)
+        return StepResult(sum(c.isdigit() for c in text) / max(1, len(text)), True, metrics={"index": float(self.index)})
+
+
+class DigitBuilder(EnvGroupBuilder):
+    def __init__(self, dataset: GatedDataset, index: int):
+        self.dataset, self.index = dataset, index
+
+    async def make_envs(self):
+        plays = self.dataset.plays
+        gate = self.dataset.gate if self.index == 0 and 0 not in plays else None
+        plays.append(self.index)
+        if self.index >= 6:
+            self.dataset.gate.set()
+        return [DigitEnv(self.dataset.tokenizer, self.index, gate) for _ in range(4)]
+
+
+class GatedDataset:
+    """Group 0's first play is held back until group 6 is played (after two optimizer steps, with k = 1 and
+    two groups per batch), so it is two steps old when it finishes and must be requeued."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.gate, self.plays = tokenizer, anyio.Event(), []
+
+    def get_batch(self, index: int):
+        return [DigitBuilder(self, i) for i in (2 * index, 2 * index + 1)]
+
+    def __len__(self) -> int:
+        return 1_000
+
+
+async def test_stale_groups_are_requeued_and_played_again(tmp_path):
+    cfg = EnvRLConfig(groups_per_batch=2, group_size=4, max_tokens=8, learning_rate=0.3, lora_rank=4, max_steps_off_policy=1, max_steps=5)
+    datasets: list[GatedDataset] = []
+
+    def make(tokenizer):
+        datasets.append(GatedDataset(tokenizer))
+        return datasets[0], []
+
+    result = await train_env_rl(cfg, make, tmp_path, progress=False)
+    records = [r for r in read_metrics(tmp_path) if "async/staleness_max" in r]
+    assert [r["async/staleness_max"] for r in records] and all(r["async/staleness_max"] <= 1 for r in records)
+    assert sum(r["async/requeued"] for r in records) == 1
+    assert datasets[0].plays.count(0) == 2  # played again with newer weights
+    assert result.final_checkpoint.extra["cursor"] - len(result.final_checkpoint.extra["pending"]) == 5 * 2
