@@ -113,6 +113,7 @@ class VllmSampler:
             self._llm = self._call(self._start(args))
         except BaseException:
             self._stop_loop()
+            shutil.rmtree(self._staging, ignore_errors=True)
             raise
 
     # ----------------------------------------------------------------- called from other threads
