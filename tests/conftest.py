@@ -18,6 +18,7 @@ _NEEDS = {
     "sagemaker": ("boto3", "asyncsess_sagemaker"),
     "sagemaker/test_official_sdk.py": ("sagemaker.train",),
     "client/test_custom_loss.py": ("torch",),
+    "local/test_vllm_sampler.py": ("vllm",),
 }
 _HERE = Path(__file__).parent
 
