@@ -8,7 +8,7 @@ thresholds. Problems: the bundled ``examples/data/code_problems.jsonl`` (20 easy
 held out) or DeepCoder-style JSONL files. Settings are ``key=value`` overrides of :class:`CodeRLConfig`:
 
     python examples/code_rl.py                                    # mock:// (a bigram model: it writes no code)
-    python examples/code_rl.py url=local:// base_model=Qwen/Qwen3-0.6B max_tokens=1024 context_window=8192 run_dir=runs/code
+    python examples/code_rl.py url=local:// base_model=Qwen/Qwen3-0.6B max_tokens=1024 context_window=32768 run_dir=runs/code
     python examples/code_rl.py train_path=deepcoder_train.jsonl test_path=lcb_test.jsonl sandbox=fusion sandbox_url=http://localhost:8080
 """
 
@@ -43,7 +43,6 @@ class CodeRLConfig(EnvRLConfig):
     sandbox_url: str | None = None  # fusion: default $SANDBOX_URL or http://localhost:8080/run_code
     sandbox_timeout_s: float = 6.0
     sandbox_concurrency: int | None = None  # local: default the CPU count
-    max_trajectory_tokens: int = 32768
 
 
 DEFAULTS = CodeRLConfig(
@@ -56,6 +55,7 @@ DEFAULTS = CodeRLConfig(
     group_size=8,
     max_tokens=512,
     temperature=1.0,
+    context_window=8192,  # an episode ends (context_overflow, reward -0.1) before its conversation reaches this
     loss_fn="cispo",
     loss_fn_config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     max_steps_off_policy=3,
@@ -103,7 +103,7 @@ async def main(args: list[str], *, make_completer: MakeCompleter | None = None) 
                     group_size,
                     max_turns=cfg.max_turns,
                     timeout_s=cfg.sandbox_timeout_s,
-                    max_trajectory_tokens=cfg.context_window or cfg.max_trajectory_tokens,
+                    max_trajectory_tokens=cfg.context_window,
                 )
 
             return ProblemDataset(train, cfg.groups_per_batch, builder, cfg.seed), [builder(p, 1) for p in test]

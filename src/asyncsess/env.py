@@ -152,10 +152,17 @@ class ScriptedCompleter:
     exactly those a sampled reply with the same tokens would give.
     """
 
-    def __init__(self, sampler: SamplingClient, script: Callable[[str], str | None], max_tokens: int, temperature: float = 1.0):
+    def __init__(
+        self,
+        sampler: SamplingClient,
+        script: Callable[[str], str | None],
+        max_tokens: int,
+        temperature: float = 1.0,
+        context_window: int | None = None,
+    ):
         self.sampler, self.script, self.max_tokens = sampler, script, max_tokens
         self.tokenizer = sampler.get_tokenizer()
-        self.fallback = SamplerCompleter(sampler, max_tokens, temperature)
+        self.fallback = SamplerCompleter(sampler, max_tokens, temperature, context_window)
 
     async def __call__(self, model_input: ModelInput, stop: StopCondition) -> TokensWithLogprobs:
         prompt = model_input.to_ints()

@@ -60,7 +60,7 @@ def scripted(seed: int):
     script = code_policy(PROBLEMS, seed)  # one random stream for the run
 
     def make(sampler, max_tokens, temperature, context_window):
-        return ScriptedCompleter(sampler, script, max_tokens=max_tokens, temperature=temperature)
+        return ScriptedCompleter(sampler, script, max_tokens=max_tokens, temperature=temperature, context_window=context_window)
 
     return make
 
@@ -156,7 +156,16 @@ class GatedDataset:
 
 
 async def test_stale_groups_are_requeued_and_played_again(tmp_path):
-    cfg = EnvRLConfig(groups_per_batch=2, group_size=4, max_tokens=8, learning_rate=0.3, lora_rank=4, max_steps_off_policy=1, max_steps=5)
+    cfg = EnvRLConfig(
+        groups_per_batch=2,
+        group_size=4,
+        max_tokens=8,
+        learning_rate=0.3,
+        lora_rank=4,
+        loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        max_steps_off_policy=1,
+        max_steps=5,
+    )
     datasets: list[GatedDataset] = []
 
     def make(tokenizer):

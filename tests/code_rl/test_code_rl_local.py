@@ -48,7 +48,7 @@ async def test_code_rl_runs_on_the_tiny_local_model(tmp_path, tiny_model):
     script = code_policy(problems, seed=0, sample_share=0.5)
 
     def make_completer(sampler, max_tokens, temperature, context_window):
-        return ScriptedCompleter(sampler, script, max_tokens=max_tokens, temperature=temperature)
+        return ScriptedCompleter(sampler, script, max_tokens=max_tokens, temperature=temperature, context_window=context_window)
 
     run_dir = tmp_path / "run"
     args = [
