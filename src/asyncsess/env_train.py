@@ -204,10 +204,10 @@ class _Rollouts:
 
     async def _play(self, index: int, version: int, sampler: SamplingClient) -> None:
         t0 = time.perf_counter()
-        builder = self._dataset.get_batch(index // self._per_batch)[index % self._per_batch]
         group: TrajectoryGroup | None = None
         error: Exception | None = None
         try:
+            builder = self._dataset.get_batch(index // self._per_batch)[index % self._per_batch]
             group = await do_group_rollout(builder, self._policy(sampler), version)
         except Exception as err:
             error = err
@@ -284,7 +284,7 @@ class _Loop:
         else:
             before = next(({k: v for k, v in r.items() if k.startswith("test/")} for r in read_metrics(self.path) if r["step"] == 0), {})
         extra = record.extra if record is not None else {}
-        step, eval_metrics, train_seconds, step_seconds = start, before if start == 0 else {}, 0.0, 0.0
+        eval_metrics = before if start == 0 else {}
         async with anyio.create_task_group() as tg:
             rollouts = _Rollouts(
                 tg,
@@ -297,30 +297,43 @@ class _Loop:
                 [int(i) for i in extra.get("pending", [])],
             )
             tg.start_soon(rollouts.dispatch)
-            with progress_bar("RL", total=cfg.max_steps, enabled=progress) as bar:
-                bar.advance(start)
-                while step < cfg.max_steps:
-                    if cfg.max_minutes is not None and train_seconds + step_seconds > 60 * cfg.max_minutes:
-                        break
-                    t0 = time.perf_counter()
-                    metrics = await self.train_step(step, rollouts)
-                    step += 1
-                    step_seconds = time.perf_counter() - t0
-                    train_seconds += step_seconds
-                    metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics})
-                    self.log.log(step - 1, metrics)
-                    bar.advance(status=f"reward {metrics['env/all/reward/total']:.3f}")
-                    eval_metrics = {}
-                    if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
-                        eval_metrics = await self.evaluate()
-                    if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-                        await self.checkpoint(step, rollouts, final=False)
+            failure: Exception | None = None
+            try:
+                step, train_seconds = await self.steps(start, rollouts, eval_metrics, progress)
+            except Exception as err:  # raised as itself, not inside the task group's ExceptionGroup
+                failure = err
             position = {"cursor": rollouts.cursor, "pending": sorted(rollouts.open)}
             tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         after = await self.evaluate()
         self.log.log(step, {"progress/step": step, **after})
         final = await self.checkpoint(step, position, final=True)
         return EnvRLResult(self.path, step, before, after, train_seconds, final)
+
+    async def steps(self, start: int, rollouts: _Rollouts, eval_metrics: dict[str, float], progress: bool) -> tuple[int, float]:
+        """Train from step ``start`` to ``max_steps`` (or ``max_minutes``); the steps done and their seconds."""
+        cfg = self.cfg
+        step, train_seconds, step_seconds = start, 0.0, 0.0
+        with progress_bar("RL", total=cfg.max_steps, enabled=progress) as bar:
+            bar.advance(start)
+            while step < cfg.max_steps:
+                if cfg.max_minutes is not None and train_seconds + step_seconds > 60 * cfg.max_minutes:
+                    break
+                t0 = time.perf_counter()
+                metrics = await self.train_step(step, rollouts)
+                step += 1
+                step_seconds = time.perf_counter() - t0
+                train_seconds += step_seconds
+                metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics})
+                self.log.log(step - 1, metrics)
+                bar.advance(status=f"reward {metrics['env/all/reward/total']:.3f}")
+                eval_metrics = {}
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+                    eval_metrics = await self.evaluate()
+                if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+                    await self.checkpoint(step, rollouts, final=False)
+        return step, train_seconds
 
     async def train_step(self, step: int, rollouts: _Rollouts) -> dict[str, Any]:
         cfg, tc = self.cfg, self.tc
@@ -331,7 +344,6 @@ class _Loop:
         waiting: list[_Finished] = []
         submitted: list[tuple[APIFuture[ForwardBackwardOutput], list[tuple[Datum, list[float]]]]] = []
         requeued, wait = 0, 0.0
-        t0 = time.perf_counter()
         while len(taken) < per_batch:
             tw = time.perf_counter()
             done = await rollouts.take()
@@ -382,7 +394,6 @@ class _Loop:
         await self.samplers.publish(step + 1, sampler)
         rollouts.trained([f.index for f in taken])
         metrics["time/train"] = time.perf_counter() - t1
-        metrics["time/sample"] = t1 - t0
         return metrics
 
     async def checkpoint(self, step: int, position: _Rollouts | dict[str, Any], final: bool) -> CheckpointRecord:

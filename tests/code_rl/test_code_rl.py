@@ -178,3 +178,22 @@ async def test_stale_groups_are_requeued_and_played_again(tmp_path):
     assert sum(r["async/requeued"] for r in records) == 1
     assert datasets[0].plays.count(0) == 2  # played again with newer weights
     assert result.final_checkpoint.extra["cursor"] - len(result.final_checkpoint.extra["pending"]) == 5 * 2
+
+
+class Broken(EnvGroupBuilder):
+    async def make_envs(self):
+        raise RuntimeError("the task failed")
+
+
+class BrokenDataset:
+    def get_batch(self, index: int):
+        return [Broken(), Broken()]
+
+    def __len__(self) -> int:
+        return 1
+
+
+async def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
+    cfg = EnvRLConfig(groups_per_batch=2, group_size=2, max_steps=3, loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    with pytest.raises(RuntimeError, match="the task failed"):
+        await train_env_rl(cfg, lambda tokenizer: (BrokenDataset(), []), tmp_path, progress=False)
