@@ -13,6 +13,7 @@ import pytest
 
 from asyncsess.env import ScriptedCompleter
 from asyncsess.tasks import code
+from asyncsess.tool_env import ChatRenderer
 from examples import code_rl
 
 from ..recipes.helpers import check_metrics_file
@@ -80,3 +81,33 @@ async def test_code_rl_runs_on_the_tiny_local_model(tmp_path, tiny_model):
     assert sum(r["train/datums"] for r in steps) > 0 and any("optim/loss" in r for r in steps)
     assert any(r["stop/max_tokens"] > 0 for r in steps)  # the model's own replies run to max_tokens
     assert result.final_checkpoint.final and result.final_checkpoint.step == 3
+
+
+# a tool-aware template in the style of Qwen's: tools listed in the system turn, tool results in a user turn
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response><|end|>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_chat_renderer_on_hugging_face_templates(tiny_model):
+    from transformers import AutoTokenizer
+
+    from asyncsess.sandbox import LocalSandbox
+
+    tool = code.check_solution_tool(code.load(code_rl.BUNDLED)[0], LocalSandbox())
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "R"}]
+    tok = AutoTokenizer.from_pretrained(tiny_model)  # its template renders any role and ignores tools
+    plain = ChatRenderer(tok)
+    assert plain.tool_role and plain.stop == [tok.convert_tokens_to_ids("<|end|>")]
+    text = tok.decode(plain.tokens(msgs, [tool]))
+    assert text.startswith("<|system|>You can call these tools:") and text.endswith("<|tool|>R<|end|><|assistant|>")
+    tok.chat_template = TOOL_TEMPLATE
+    native = ChatRenderer(tok)
+    text = tok.decode(native.tokens(msgs, [tool]))
+    assert (
+        text
+        == "<|system|>tools: check_solution<|end|><|user|>q<|end|><|assistant|>a<|end|><|user|><tool_response>R</tool_response><|end|><|assistant|>"
+    )
