@@ -10,24 +10,24 @@ from pathlib import Path
 import anyio
 import typer
 
+from .demo import DEMO, run_demo
+
 app = typer.Typer(help="asyncsess: LLM training loops against live training sessions.", no_args_is_help=True)
 log = logging.getLogger("asyncsess")
 
 
 @app.command()
 def demo(
-    model: str = typer.Option("smollm2", help="Base model: a local:// alias, a model directory or a hub id."),
-    url: str = typer.Option("local://", help="Backend URL."),
-    minutes: float = typer.Option(5.0, help="Training time limit in minutes (0: none)."),
-    steps: int = typer.Option(1000, help="Maximum number of training steps."),
+    model: str = typer.Option(DEMO.base_model, help="Base model: a local:// alias, a model directory or a hub id."),
+    url: str = typer.Option(DEMO.url, help="Backend URL."),
+    minutes: float = typer.Option(DEMO.max_minutes, help="Training time limit in minutes (0: none)."),
+    steps: int = typer.Option(DEMO.max_steps, help="Maximum number of training steps."),
     seed: int = typer.Option(0, help="Seed of the problems, the LoRA init and the sampling."),
     run_dir: Path = typer.Option(Path("runs/demo"), help="Where metrics.jsonl, checkpoints.jsonl and config.json go."),
     resume: bool = typer.Option(False, help="Resume the run in --run-dir instead of starting over."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """GRPO on offline arithmetic; prints held-out greedy accuracy before and after."""
-    from .demo import run_demo
-
     anyio.run(lambda: run_demo(model, url, minutes or None, steps, seed, run_dir, resume, progress=progress))
 
 

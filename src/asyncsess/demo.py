@@ -4,7 +4,8 @@ The settings follow the issue's reference loop: 8 problems × 8 samples per step
 at most 16 new tokens, LoRA rank 16 / alpha 32 on every linear layer of the decoder, AdamW lr 1e-4,
 advantages centred and std-normalised, constant-reward groups skipped, ``ppo`` loss; at most 5 minutes
 of training. Greedy accuracy on 100 held-out problems is measured before and after, in the same
-session and precision.
+session and precision. The default URL asks for bfloat16: on CPUs with native bf16 matrix units
+(AVX512-BF16, AMX) it is several times faster than float32; elsewhere pass ``local://?dtype=float32``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .tasks import arithmetic
 __all__ = ["DEMO", "run_demo"]
 
 DEMO = RLConfig(
-    url="local://",
+    url="local://?dtype=bfloat16",
     base_model="smollm2",
     lora_rank=16,
     lora_alpha=32,

@@ -61,3 +61,18 @@ async def test_sft_chat_resumes_from_its_checkpoint(tmp_path):
     # a longer run in the same directory starts at step 5 (max_steps may change on resume)
     resumed = await sft_chat.main([*args[:-1], "max_steps=14", f"run_dir={tmp_path / 'b'}"])
     assert resumed["test/nll_after"] == whole["test/nll_after"]
+
+
+def test_demo_command_on_mock(tmp_path):
+    from typer.testing import CliRunner
+
+    from asyncsess.cli import app
+
+    args = ["demo", "--url", "mock://", "--model", "mock/bigram-tiny", "--steps", "2", "--run-dir", str(tmp_path), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out greedy accuracy (100 problems) after 2 steps" in result.output and "test/env/all/correct" in result.output
+    assert {p.name for p in tmp_path.iterdir()} >= {"config.json", "metrics.jsonl", "checkpoints.jsonl"}
+    check_metrics_file(tmp_path, RL_KEYS)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["group_size"], config["lora_rank"], config["max_tokens"], config["normalize_std"]) == (8, 16, 16, True)

@@ -1,4 +1,6 @@
-"""Offline arithmetic: "What is 23 + 45? Reply with only the number." with 1–2 digit operands.
+"""Offline arithmetic: "What is 23 + 45? Reply with only the number." with 1–2 digit operands
+(each operand has one or two digits with equal probability, so a quarter of the problems are
+single-digit ones).
 
 Reward 1 when the reply's final number (its last integer, so "23 + 45 = 68" counts) equals the
 answer. ``env/all/format`` records whether the reply is only that number, as the prompt asks.
@@ -21,26 +23,30 @@ def _problem(a: int, op: str, b: int) -> Problem:
     return Problem(QUESTION.format(a=a, op=op, b=b), str(a + b if op == "+" else a - b))
 
 
-def make_problems(n: int, seed: int, max_operand: int = 99, ops: str = "+-", exclude: frozenset[str] = frozenset()) -> list[Problem]:
+def _operand(rng: random.Random) -> int:
+    return rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99)
+
+
+def make_problems(n: int, seed: int, ops: str = "+-", exclude: frozenset[str] = frozenset()) -> list[Problem]:
     """``n`` distinct problems (questions not in ``exclude``), drawn with ``random.Random(seed)``."""
-    space = (max_operand + 1) ** 2 * len(ops) - len(exclude)
+    space = 100 * 100 * len(ops) - len(exclude)
     if n > space:
-        raise ValueError(f"only {space} distinct problems with max_operand={max_operand}, ops={ops!r}")
+        raise ValueError(f"only {space} distinct problems with ops={ops!r}")
     rng = random.Random(seed)
     seen = set(exclude)
     out: list[Problem] = []
     while len(out) < n:
-        p = _problem(rng.randint(0, max_operand), rng.choice(ops), rng.randint(0, max_operand))
+        p = _problem(_operand(rng), rng.choice(ops), _operand(rng))
         if p.question not in seen:
             seen.add(p.question)
             out.append(p)
     return out
 
 
-def split(n_train: int, n_test: int, seed: int, **kwargs: object) -> tuple[list[Problem], list[Problem]]:
+def split(n_train: int, n_test: int, seed: int, ops: str = "+-") -> tuple[list[Problem], list[Problem]]:
     """A held-out test set and a training set that shares no question with it."""
-    test = make_problems(n_test, seed + 1_000_003, **kwargs)  # type: ignore[arg-type]
-    train = make_problems(n_train, seed, exclude=frozenset(p.question for p in test), **kwargs)  # type: ignore[arg-type]
+    test = make_problems(n_test, seed + 1_000_003, ops)
+    train = make_problems(n_train, seed, ops, exclude=frozenset(p.question for p in test))
     return train, test
 
 
