@@ -157,16 +157,19 @@ class _Loop:
         self.samplers.by_step[start] = await tc.save_weights_and_get_sampling_client()
         if cfg.kl_penalty_coef:
             self.reference = await self.svc.create_sampling_client(base_model=tc.base_model)
+        train_seconds = 0.0
         if start == 0:
             before = await self.evaluate(self.samplers.by_step[0])
-        else:
-            before = next((_test(r) for r in read_metrics(self.path) if r["step"] == 0), {})
+        else:  # the evaluation before step 0, and the training time spent so far, from the run's own records
+            records = [r for r in read_metrics(self.path) if r["step"] < start]
+            before = next((_test(r) for r in records if r["step"] == 0), {})
+            train_seconds = next((r["time/total"] for r in reversed(records) if r.get("time/total") is not None), 0.0)
         pending = {}
         if record is not None and "pending_file" in record.extra:
             saved = json.loads((self.path / record.extra["pending_file"]).read_text())
             pending = {int(s): [Group.from_dict(g) for g in gs] for s, gs in saved.items()}
 
-        step, eval_metrics, train_seconds, step_seconds = start, before if start == 0 else {}, 0.0, 0.0
+        step, eval_metrics, step_seconds = start, before if start == 0 else {}, 0.0
         async with anyio.create_task_group() as tg:
             pipe = RolloutPipeline(tg, self.sample_batch, k)
             for s, groups in pending.items():
@@ -174,7 +177,7 @@ class _Loop:
             with progress_bar("GRPO", total=cfg.max_steps, enabled=progress) as bar:
                 bar.advance(start)
                 while step < cfg.max_steps:
-                    if cfg.max_minutes is not None and train_seconds + step_seconds > 60 * cfg.max_minutes:
+                    if cfg.max_minutes is not None and train_seconds + step_seconds >= 60 * cfg.max_minutes:
                         break
                     t0 = time.perf_counter()
                     for b in range(step, step + k + 1):

@@ -11,6 +11,7 @@ import pytest
 _NEEDS = {
     "test_preference.py": ("torch",),
     "test_plot.py": ("matplotlib",),
+    "test_mlflow.py": ("matplotlib", "mlflow"),
     "test_local_learning.py": ("torch", "asyncsess_local"),
 }
 

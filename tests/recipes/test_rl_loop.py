@@ -85,3 +85,10 @@ async def test_kl_penalty_changes_the_update(tmp_path):
     cfg = BASE.model_copy(update={"max_steps": 2, "kl_penalty_coef": 0.5, "max_staleness": 1})
     kl = await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path / "b", progress=False)
     assert not np.array_equal((await state(plain.final_checkpoint.state_path))[0], (await state(kl.final_checkpoint.state_path))[0])
+
+
+async def test_a_spent_time_budget_starts_no_step(tmp_path):
+    cfg = BASE.model_copy(update={"max_steps": 5, "max_minutes": 0.0})
+    result = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path, progress=False)
+    assert result.steps == 0 and result.after == result.before and result.final_checkpoint.step == 0
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0]
