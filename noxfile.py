@@ -27,10 +27,11 @@ def tests(session: nox.Session, anyio_backend: str) -> None:
 
 @nox.session(python="3.11")
 def torch(session: nox.Session) -> None:
-    """Client features that need torch (custom losses) on mock://."""
+    """What needs torch on mock:// (custom losses, DPO/KTO), and the plots and MLflow logging of a run."""
     session.install(TORCH)
-    _install_core(session)
+    _install_core(session, "matplotlib>=3.8", "mlflow-skinny>=2.10")
     session.run("pytest", "-q", "-m", "torch and not local and not sagemaker", *session.posargs)
+    session.run("pytest", "-q", "tests/recipes/test_plot.py", "tests/recipes/test_mlflow.py", *session.posargs)
 
 
 @nox.session(python="3.11")
