@@ -46,7 +46,7 @@ from .futures import APIFuture
 from .metrics import MetricsLogger, read_metrics
 from .progress import progress_bar
 from .rl import is_constant, sample_train_kl
-from .runs import CheckpointRecord, prepare_run_dir, save_checkpoint
+from .runs import CheckpointRecord, open_training_client, prepare_run_dir, save_checkpoint
 from .types import AdamParams, Datum, ForwardBackwardOutput
 
 __all__ = ["EnvRLConfig", "EnvRLResult", "MakeCompleter", "MakeDatasets", "train_env_rl"]
@@ -119,13 +119,7 @@ async def train_env_rl(
     start = record.step if record else 0
     with MetricsLogger(path, resume_step=start if record else None) as log:
         async with ServiceClient(cfg.url) as svc:
-            if record is not None:
-                assert record.state_path is not None
-                tc = await svc.create_training_client_from_state_with_optimizer(record.state_path)
-            else:
-                tc = await svc.create_lora_training_client(
-                    cfg.base_model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, train_unembed=cfg.train_unembed
-                )
+            tc = await open_training_client(svc, cfg, record)
             train, test = make_datasets(tc.get_tokenizer())
             window = cfg.context_window
             if window is None:

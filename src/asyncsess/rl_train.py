@@ -26,7 +26,7 @@ from .progress import progress_bar
 from .rl import datum_tokens, is_constant, kl_penalty, sample_train_kl
 from .rollout_pipeline import RolloutPipeline, sampler_step_for
 from .rollouts import Grader, Group, Problem, PromptRenderer, evaluate, problems_for_step, sample_group
-from .runs import CheckpointRecord, prepare_run_dir, save_checkpoint
+from .runs import CheckpointRecord, open_training_client, prepare_run_dir, save_checkpoint
 from .types import AdamParams, Datum, TensorData
 
 __all__ = ["RLConfig", "RLResult", "train_rl"]
@@ -102,13 +102,7 @@ async def train_rl(
     start = record.step if record else 0
     with MetricsLogger(path, resume_step=start if record else None) as log:
         async with ServiceClient(cfg.url) as svc:
-            if record is not None:
-                assert record.state_path is not None
-                tc = await svc.create_training_client_from_state_with_optimizer(record.state_path)
-            else:
-                tc = await svc.create_lora_training_client(
-                    cfg.base_model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, train_unembed=cfg.train_unembed
-                )
+            tc = await open_training_client(svc, cfg, record)
             loop = _Loop(cfg, svc, tc, PromptRenderer(tc.get_tokenizer()), list(train), list(test), grader, path, log)
             return await loop.run(start, record, progress)
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from .client import TrainingClient
+from .client import ServiceClient, TrainingClient
 from .errors import InvalidInputError
 
 __all__ = [
@@ -124,3 +124,15 @@ def last_checkpoint(run_dir: str | Path, required_key: str = "state_path") -> Ch
     records = [CheckpointRecord.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
     usable = [r for r in records if getattr(r, required_key) is not None]
     return usable[-1] if usable else None
+
+
+async def open_training_client(svc: ServiceClient, cfg: Any, record: CheckpointRecord | None) -> TrainingClient:
+    """Resume exactly from ``record`` (weights and optimizer), or start a LoRA client from ``cfg``'s
+    ``base_model``, ``lora_rank``, ``lora_alpha``, ``seed`` and ``train_unembed``."""
+    if record is not None:
+        if record.state_path is None:
+            raise InvalidInputError("the last checkpoint record has no state_path", field="checkpoints.jsonl", fix="start a new run")
+        return await svc.create_training_client_from_state_with_optimizer(record.state_path)
+    return await svc.create_lora_training_client(
+        cfg.base_model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, train_unembed=cfg.train_unembed
+    )
