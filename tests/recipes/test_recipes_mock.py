@@ -76,3 +76,12 @@ def test_demo_command_on_mock(tmp_path):
     check_metrics_file(tmp_path, RL_KEYS)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["group_size"], config["lora_rank"], config["max_tokens"], config["normalize_std"]) == (8, 16, 16, True)
+
+
+def test_demo_keeps_local_checkpoints_in_the_run_dir(tmp_path):
+    from asyncsess.demo import local_checkpoint_dir
+
+    here = str((tmp_path / "run").resolve() / "checkpoints")
+    assert local_checkpoint_dir("local://?dtype=bfloat16", tmp_path / "run") == f"local://?dtype=bfloat16&dir={here}"
+    assert local_checkpoint_dir("local://?dir=/elsewhere", tmp_path / "run") == "local://?dir=/elsewhere"
+    assert local_checkpoint_dir("mock://?seed=1", tmp_path / "run") == "mock://?seed=1"
