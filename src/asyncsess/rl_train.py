@@ -168,7 +168,7 @@ class _Loop:
             pipe = RolloutPipeline(tg, self.sample_batch, k)
             for s, groups in pending.items():
                 pipe.preload(s, groups)
-            with progress_bar("GRPO", total=cfg.max_steps, enabled=progress) as bar:
+            with progress_bar("GRPO", total=cfg.max_steps if cfg.max_minutes is None else None, enabled=progress) as bar:
                 bar.advance(start)
                 while step < cfg.max_steps:
                     if cfg.max_minutes is not None and train_seconds + step_seconds >= 60 * cfg.max_minutes:
