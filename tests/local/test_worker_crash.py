@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from local_helpers import sft_datum  # noqa: E402
+from local_helpers import sft_datum
 
-from asyncsess import AdamParams, ServiceClient  # noqa: E402
-from asyncsess.errors import DeadlineExceededError, RetriesExhaustedError  # noqa: E402
-from asyncsess.retry import RetryPolicy  # noqa: E402
+from asyncsess import AdamParams, ServiceClient
+from asyncsess.errors import DeadlineExceededError, RetriesExhaustedError
+from asyncsess.retry import RetryPolicy
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 KEY = "crash-key"
