@@ -18,17 +18,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from asyncsess import AdamParams, ServiceClient
 from asyncsess.metrics import MetricsLogger
-from asyncsess.runs import parse_overrides, prepare_run_dir, save_checkpoint
+from asyncsess.runs import RecoveryConfig, parse_overrides, prepare_run_dir, run_recovering, save_checkpoint
 from asyncsess.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 
 
-class SFTConfig(BaseModel):
+class SFTConfig(RecoveryConfig):
+    """Settings of a supervised run; a lost session is recovered from the last checkpoint (RecoveryConfig)."""
+
     model_config = ConfigDict(extra="forbid")
 
     url: str = "mock://"
@@ -71,47 +73,52 @@ async def main(args: list[str]) -> dict[str, Any]:
     opts = parse_overrides(args)
     run_dir = opts.pop("run_dir", "runs/sft_chat")
     cfg = SFTConfig.model_validate(opts)
-    path, record = prepare_run_dir(run_dir, cfg)
-    start = record.step if record else 0
-    async with ServiceClient(cfg.url) as svc:
-        if record is not None and record.state_path:
-            tc = await svc.create_training_client_from_state_with_optimizer(record.state_path)
-        else:
-            tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
-        tok = tc.get_tokenizer()
-        convs = load_conversations(cfg)
-        cut = len(convs) - max(1, len(convs) // 10)
-        train = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[:cut]]
-        test = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[cut:]]
-        plan = batches(len(train), cfg)
-        end = min(len(plan), cfg.max_steps) if cfg.max_steps is not None else len(plan)
-        before = await nll(tc, test)
-        evals = {start: before}  # step -> test/nll of the weights before that step
-        pipe = SubmitAhead(cfg.submit_ahead)
-        with MetricsLogger(path, resume_step=start if record else None) as log:
 
-            def write(done: list) -> None:
-                for s, out, opt in done:
-                    metrics = {"train/nll": mean_nll(out, [train[i] for i in plan[s]]), "optim/lr": opt.metrics["learning_rate"]}
-                    metrics.update({"optim/grad_norm": opt.metrics.get("grad_norm", 0.0), "progress/done_frac": (s + 1) / end})
-                    log.log(s, {**metrics, **({"test/nll": evals.pop(s)} if s in evals else {})})
+    async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> dict[str, Any]:
+        path, record = prepare_run_dir(run_dir, cfg, mode)
+        start = record.step if record else 0
+        async with ServiceClient(cfg.url) as svc:
+            if record is not None and record.state_path:
+                tc = await svc.create_training_client_from_state_with_optimizer(record.state_path)
+            else:
+                tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
+            tok = tc.get_tokenizer()
+            convs = load_conversations(cfg)
+            cut = len(convs) - max(1, len(convs) // 10)
+            train = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[:cut]]
+            test = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[cut:]]
+            plan = batches(len(train), cfg)
+            end = min(len(plan), cfg.max_steps) if cfg.max_steps is not None else len(plan)
+            before = await nll(tc, test)
+            evals = {start: before}  # step -> test/nll of the weights before that step
+            pipe = SubmitAhead(cfg.submit_ahead)
+            with MetricsLogger(path, resume_step=start if record or recovered else None) as log:
 
-            for step in range(start, end):
-                lr = learning_rate(cfg.learning_rate, step, len(plan), cfg.lr_schedule)
-                fb = tc.forward_backward([train[i] for i in plan[step]], "cross_entropy")
-                opt = tc.optim_step(AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8))
-                write(await pipe.push(step, fb, opt))
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                    evals[step + 1] = await nll(tc, test)
-                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
-                    write(await pipe.drain())
-                    await save_checkpoint(tc, path, f"step-{step + 1:06d}", step + 1)
-            write(await pipe.drain())
-            final_nll = evals.pop(end, None)
-            final_nll = await nll(tc, test) if final_nll is None else final_nll
-            log.log(end, {"test/nll": final_nll})
-        await save_checkpoint(tc, path, f"final-{end:06d}", end, kind="both", final=True)
-    summary = {"steps": end, "test/nll_before": before, "test/nll_after": final_nll}
+                def write(done: list) -> None:
+                    for s, out, opt in done:
+                        metrics = {"train/nll": mean_nll(out, [train[i] for i in plan[s]]), "optim/lr": opt.metrics["learning_rate"]}
+                        metrics.update({"optim/grad_norm": opt.metrics.get("grad_norm", 0.0), "progress/done_frac": (s + 1) / end})
+                        log.log(s, {**metrics, **({"test/nll": evals.pop(s)} if s in evals else {}), **recovered})
+                        recovered.clear()
+
+                for step in range(start, end):
+                    lr = learning_rate(cfg.learning_rate, step, len(plan), cfg.lr_schedule)
+                    fb = tc.forward_backward([train[i] for i in plan[step]], "cross_entropy")
+                    opt = tc.optim_step(AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8))
+                    write(await pipe.push(step, fb, opt))
+                    if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                        evals[step + 1] = await nll(tc, test)
+                    if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
+                        write(await pipe.drain())
+                        await save_checkpoint(tc, path, f"step-{step + 1:06d}", step + 1)
+                write(await pipe.drain())
+                final_nll = evals.pop(end, None)
+                final_nll = await nll(tc, test) if final_nll is None else final_nll
+                log.log(end, {"test/nll": final_nll})
+            await save_checkpoint(tc, path, f"final-{end:06d}", end, kind="both", final=True)
+        return {"steps": end, "test/nll_before": before, "test/nll_after": final_nll}
+
+    summary = await run_recovering(attempt, "resume", url=cfg.url, run_dir=run_dir, recovery=cfg)
     print(summary)
     return summary
 

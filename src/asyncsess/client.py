@@ -267,6 +267,8 @@ class ServiceClient:
     async def _heartbeat_loop(self) -> None:
         while True:
             await anyio.sleep(self._heartbeat_interval)
+            while self._orphans:  # sessions of garbage-collected clients stop within one interval
+                await self._stop_quietly(self._orphans.pop())
             for tc in list(self._training.values()):
                 if tc._stopped or tc._gone is not None:
                     continue

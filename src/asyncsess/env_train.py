@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from .backend import Tokenizer
 from .client import SamplingClient, ServiceClient, TrainingClient
@@ -46,7 +46,7 @@ from .futures import APIFuture
 from .metrics import MetricsLogger, read_metrics
 from .progress import progress_bar
 from .rl import is_constant, sample_train_kl
-from .runs import CheckpointRecord, open_training_client, prepare_run_dir, save_checkpoint
+from .runs import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
 from .types import AdamParams, Datum, ForwardBackwardOutput
 
 __all__ = ["EnvRLConfig", "EnvRLResult", "MakeCompleter", "MakeDatasets", "train_env_rl"]
@@ -57,8 +57,8 @@ MakeDatasets = Callable[[Tokenizer], tuple[RLDataset, Sequence[EnvGroupBuilder]]
 MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenCompleter]
 
 
-class EnvRLConfig(BaseModel):
-    """Settings of an environment RL run (written to ``config.json``)."""
+class EnvRLConfig(RecoveryConfig):
+    """Settings of an environment RL run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -115,18 +115,23 @@ async def train_env_rl(
 ) -> EnvRLResult:
     """Run (or resume) RL on the environments of ``make_datasets(tokenizer)``."""
     cfg = config
-    path, record = prepare_run_dir(run_dir, cfg, if_exists)
-    start = record.step if record else 0
-    with MetricsLogger(path, resume_step=start if record else None) as log:
-        async with ServiceClient(cfg.url) as svc:
-            tc = await open_training_client(svc, cfg, record)
-            train, test = make_datasets(tc.get_tokenizer())
-            window = cfg.context_window
-            if window is None:
-                caps = await svc.get_server_capabilities()
-                window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
-            loop = _Loop(cfg, tc, train, list(test), make_completer or _default_completer, window, path, log)
-            return await loop.run(start, record, progress)
+
+    async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> EnvRLResult:
+        path, record = prepare_run_dir(run_dir, cfg, mode)
+        start = record.step if record else 0
+        with MetricsLogger(path, resume_step=start if record or recovered else None) as log:
+            async with ServiceClient(cfg.url) as svc:
+                tc = await open_training_client(svc, cfg, record)
+                train, test = make_datasets(tc.get_tokenizer())
+                window = cfg.context_window
+                if window is None:
+                    caps = await svc.get_server_capabilities()
+                    window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
+                loop = _Loop(cfg, tc, train, list(test), make_completer or _default_completer, window, path, log)
+                loop.pending_metrics = dict(recovered)
+                return await loop.run(start, record, progress)
+
+    return await run_recovering(attempt, if_exists, url=cfg.url, run_dir=run_dir, recovery=cfg)
 
 
 class _Samplers:
@@ -246,6 +251,7 @@ class _Loop:
         self.cfg, self.tc, self.train, self.test = cfg, tc, train, test
         self.make_completer, self.window, self.path, self.log = make_completer, window, path, log
         self.samplers: _Samplers | None = None
+        self.pending_metrics: dict[str, float] = {}  # logged with the next step (a recovery's figures)
 
     def policy(self, sampler: SamplingClient, temperature: float | None = None) -> TokenCompleter:
         t = self.cfg.temperature if temperature is None else temperature
@@ -319,7 +325,8 @@ class _Loop:
                 step += 1
                 step_seconds = time.perf_counter() - t0
                 train_seconds += step_seconds
-                metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics})
+                metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics, **self.pending_metrics})
+                self.pending_metrics = {}
                 self.log.log(step - 1, metrics)
                 bar.advance(status=f"reward {metrics['env/all/reward/total']:.3f}")
                 eval_metrics = {}

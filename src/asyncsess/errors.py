@@ -75,11 +75,17 @@ class ConflictError(InvalidInputError):
 
 
 class TransientError(AsyncSessError):
-    """A fault worth retrying: timeout, dropped connection, throttling, 408/409/429/5xx."""
+    """A fault worth retrying: timeout, dropped connection, throttling, 408/409/429/5xx.
 
-    def __init__(self, message: str, *, retry_after: float | None = None, **kw) -> None:
+    ``lost_response=True`` says the request reached the backend and only its answer was lost (a
+    connection dropped while reading): the backend has, or soon has, the result stored under the op's
+    idempotency key, so the first retry goes out at once instead of after a backoff.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None, lost_response: bool = False, **kw) -> None:
         super().__init__(message, **kw)
         self.retry_after = retry_after
+        self.lost_response = lost_response
 
 
 class RetriesExhaustedError(AsyncSessError):

@@ -63,6 +63,8 @@ def is_retryable(err: BaseException) -> bool:
 
 
 def _delay(policy: RetryPolicy, attempt: int, err: BaseException | None) -> float:
+    if attempt == 1 and getattr(err, "lost_response", False) and not getattr(err, "retry_after", None):
+        return 0.0  # only the answer was lost: fetch the stored result now, a backoff would buy nothing
     delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (attempt - 1)) + random.uniform(0, policy.jitter)
     hint = getattr(err, "retry_after", None)
     return max(delay, hint) if hint else delay

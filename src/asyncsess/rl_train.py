@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from .client import SamplingClient, ServiceClient, TrainingClient
 from .metrics import MetricsLogger, read_metrics
@@ -26,14 +26,14 @@ from .progress import progress_bar
 from .rl import datum_tokens, is_constant, kl_penalty, sample_train_kl
 from .rollout_pipeline import RolloutPipeline, sampler_step_for
 from .rollouts import Grader, Group, Problem, PromptRenderer, evaluate, problems_for_step, sample_group
-from .runs import CheckpointRecord, open_training_client, prepare_run_dir, save_checkpoint
+from .runs import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
 from .types import AdamParams, Datum, TensorData
 
 __all__ = ["RLConfig", "RLResult", "train_rl"]
 
 
-class RLConfig(BaseModel):
-    """Settings of a GRPO run (written to ``config.json``)."""
+class RLConfig(RecoveryConfig):
+    """Settings of a GRPO run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -98,13 +98,18 @@ async def train_rl(
 ) -> RLResult:
     """Run (or resume) GRPO on ``train``, measuring greedy accuracy on ``test`` before and after."""
     cfg = config
-    path, record = prepare_run_dir(run_dir, cfg, if_exists)
-    start = record.step if record else 0
-    with MetricsLogger(path, resume_step=start if record else None) as log:
-        async with ServiceClient(cfg.url) as svc:
-            tc = await open_training_client(svc, cfg, record)
-            loop = _Loop(cfg, svc, tc, PromptRenderer(tc.get_tokenizer()), list(train), list(test), grader, path, log)
-            return await loop.run(start, record, progress)
+
+    async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> RLResult:
+        path, record = prepare_run_dir(run_dir, cfg, mode)
+        start = record.step if record else 0
+        with MetricsLogger(path, resume_step=start if record or recovered else None) as log:
+            async with ServiceClient(cfg.url) as svc:
+                tc = await open_training_client(svc, cfg, record)
+                loop = _Loop(cfg, svc, tc, PromptRenderer(tc.get_tokenizer()), list(train), list(test), grader, path, log)
+                loop.pending_metrics = dict(recovered)
+                return await loop.run(start, record, progress)
+
+    return await run_recovering(attempt, if_exists, url=cfg.url, run_dir=run_dir, recovery=cfg)
 
 
 class _Loop:
@@ -124,6 +129,7 @@ class _Loop:
         self.train, self.test, self.grader, self.path, self.log = train, test, grader, path, log
         self.samplers = _Samplers()
         self.reference: SamplingClient | None = None
+        self.pending_metrics: dict[str, float] = {}  # logged with the next step (a recovery's figures)
 
     async def sample_batch(self, step: int, sampler: SamplingClient, sampler_step: int) -> list[Group]:
         cfg = self.cfg
@@ -184,7 +190,8 @@ class _Loop:
                     await self.samplers.drop_before(sampler_step_for(step, k))
                     step_seconds = time.perf_counter() - t0
                     train_seconds += step_seconds
-                    metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics})
+                    metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics, **self.pending_metrics})
+                    self.pending_metrics = {}
                     self.log.log(step - 1, metrics)
                     bar.advance(status=f"reward {metrics['env/all/reward/total']:.3f}")
                     eval_metrics = {}

@@ -7,16 +7,21 @@ with ``create_training_client_from_state_with_optimizer`` and restart the loop a
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+import anyio
 from pydantic import BaseModel, Field
 
 from .client import ServiceClient, TrainingClient
-from .errors import InvalidInputError
+from .errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
+from .metrics import read_metrics
+from .retry import RetryPolicy
 
 __all__ = [
     "CHECKPOINTS_FILE",
@@ -26,7 +31,17 @@ __all__ = [
     "prepare_run_dir",
     "save_checkpoint",
     "last_checkpoint",
+    "RecoveryConfig",
+    "run_recovering",
+    "wait_for_backend",
 ]
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+log = logging.getLogger("asyncsess.runs")
+T = TypeVar("T")
+IfExists = Literal["resume", "overwrite", "raise"]
 
 CHECKPOINTS_FILE = "checkpoints.jsonl"
 CONFIG_FILE = "config.json"
@@ -88,7 +103,7 @@ def prepare_run_dir(
 
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
     """Settings that may change between a run and its resumption: how long it runs."""
-    return {k: v for k, v in cfg.items() if k not in ("max_steps", "max_minutes")}
+    return {k: v for k, v in cfg.items() if k not in ("max_steps", "max_minutes", *RecoveryConfig.model_fields)}
 
 
 async def save_checkpoint(
@@ -136,3 +151,89 @@ async def open_training_client(svc: ServiceClient, cfg: Any, record: CheckpointR
     return await svc.create_lora_training_client(
         cfg.base_model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, train_unembed=cfg.train_unembed
     )
+
+
+class RecoveryConfig(BaseModel):
+    """How a loop survives the loss of its session or backend (a killed worker, an expired session).
+
+    On such a loss the loop waits up to ``recovery_wait_s`` for the backend to answer again, reopens the
+    session from the last record of ``checkpoints.jsonl`` (weights, optimizer state, data position) and goes
+    on; it does this at most ``max_recoveries`` times. A recovery redoes at most the steps since that
+    checkpoint: ``save_every`` of them (every step so far when ``save_every`` is 0).
+    """
+
+    max_recoveries: int = Field(default=3, ge=0)
+    recovery_wait_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+
+
+def session_lost(err: BaseException) -> bool:
+    """Whether ``err`` (or, in an exception group, every leaf of it) means the session or backend is gone."""
+    if isinstance(err, BaseExceptionGroup):
+        return all(session_lost(e) for e in err.exceptions)
+    if isinstance(err, PoisonedError):
+        return err.cause is not None and session_lost(err.cause)
+    return isinstance(err, (SessionGoneError, RetriesExhaustedError, DeadlineExceededError))
+
+
+async def wait_for_backend(url: str, wait_s: float) -> float:
+    """Probe ``url`` until it answers (``get_server_capabilities``); return the seconds waited.
+
+    Raises ``DeadlineExceededError`` when it has not answered within ``wait_s``.
+    """
+    t0 = anyio.current_time()
+    deadline = t0 + wait_s
+    pause = 0.05
+    while True:
+        remaining = deadline - anyio.current_time()
+        try:
+            policy = RetryPolicy(max_attempts=1, attempt_timeout=max(min(remaining, 10.0), 0.01), deadline=None)
+            async with ServiceClient(url, retry=policy, heartbeat_interval=0) as svc:
+                await svc.get_server_capabilities()
+            return anyio.current_time() - t0
+        except Exception as err:
+            if anyio.current_time() + pause >= deadline:
+                raise DeadlineExceededError(f"the backend at {url} did not come back within {wait_s:g}s: {err!r}") from err
+            log.info("backend %s not back yet (%r); next probe in %.2fs", url, err, pause)
+        await anyio.sleep(pause)
+        pause = min(pause * 2, 5.0)
+
+
+async def run_recovering(
+    attempt: Callable[[IfExists, dict[str, float]], Awaitable[T]],
+    if_exists: IfExists,
+    *,
+    url: str,
+    run_dir: str | Path,
+    recovery: RecoveryConfig,
+) -> T:
+    """Run a loop (``attempt(if_exists, recovery_metrics)``); when its session is lost, wait for the
+    backend and run it again in ``resume`` mode, handing it the metrics to log on its first step."""
+    recoveries = 0
+    mode: IfExists = if_exists
+    metrics: dict[str, float] = {}
+    while True:
+        try:
+            return await attempt(mode, metrics)
+        except Exception as err:
+            if recoveries >= recovery.max_recoveries or not session_lost(err):
+                raise
+            recoveries += 1
+            done = _steps_logged(run_dir)
+            record = last_checkpoint(run_dir)
+            resume_at = record.step if record else 0
+            log.warning("session lost at step %d (%r); recovery %d from the checkpoint at step %d", done, err, recoveries, resume_at)
+            waited = await wait_for_backend(url, recovery.recovery_wait_s)
+            mode = "resume"
+            metrics = {
+                "recovery/count": float(recoveries),
+                "recovery/lost_steps": float(max(done - resume_at, 0)),
+                "recovery/wait_s": waited,
+            }
+
+
+def _steps_logged(run_dir: str | Path) -> int:
+    """How many steps ``metrics.jsonl`` records as done (the closing evaluation line aside)."""
+    path = Path(run_dir)
+    if not (path / "metrics.jsonl").exists():
+        return 0
+    return max((r["step"] for r in read_metrics(path) if "progress/step" not in r), default=-1) + 1

@@ -117,6 +117,35 @@ async def test_retry_after_hint_is_honoured(monkeypatch):
         assert len(seen) == 1 and seen[0].sleep >= 0.05
 
 
+async def test_a_lost_response_is_fetched_at_once_and_applied_once():
+    """Only the answer was lost: the first retry goes out without a backoff and gets the stored result."""
+    seen = []
+    slow = RetryPolicy(initial_backoff=30.0, max_backoff=30.0, jitter=0.0)  # a backoff here would stall the test
+    async with ServiceClient("mock://", retry=slow, on_retry=seen.append) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        faults = svc.backend._sessions[tc.model_id].faults
+        lost = iter([True])
+
+        def drop_first(what: str) -> None:  # the op is applied, then its answer is lost once
+            if next(lost, False):
+                raise TransientError("connection dropped while reading", lost_response=True, operation=what)
+
+        faults.drop_response = drop_first
+        with anyio.fail_after(20):  # guards against a hang only: a 30 s backoff would trip it
+            out = await tc.forward_backward([sft_datum([1, 40], [41])])
+        assert out.metrics
+        assert [e.sleep for e in seen] == [0.0]
+        assert [kind for _, _, kind in svc.backend.applied_log].count("forward_backward") == 1
+
+
+async def test_throttling_is_backed_off_even_when_the_response_was_lost():
+    from asyncsess.retry import _delay
+
+    err = TransientError("lost, and slow down", lost_response=True, retry_after=2.0)
+    assert _delay(RetryPolicy(), 1, err) == 2.0
+    assert _delay(RetryPolicy(jitter=0.0), 2, TransientError("lost", lost_response=True)) == pytest.approx(0.4)
+
+
 async def test_remote_stop_surfaces_as_session_gone_not_a_hang():
     async with ServiceClient("mock://?stop_after_ops=2", retry=FAST) as svc:
         tc = await svc.create_lora_training_client("m", rank=4)

@@ -90,6 +90,26 @@ async def test_garbage_collected_client_warns_and_its_session_is_stopped():
         await other.stop()
 
 
+async def test_a_dropped_client_is_stopped_by_the_heartbeat_without_another_call():
+    """No further call on the ServiceClient: the heartbeat stops orphaned sessions on its next tick."""
+    async with ServiceClient("mock://", heartbeat_interval=0.02) as svc:
+        keep = await svc.create_lora_training_client("m", rank=4)
+        tc = await svc.create_lora_training_client("m", rank=4)
+        sampler = await keep.save_weights_and_get_sampling_client()
+        dropped = {tc.model_id, sampler.sampler_id}
+        assert dropped <= _open()
+        with pytest.warns(ResourceWarning):
+            del tc, sampler
+            gc.collect()
+        for _ in range(500):  # polls until stopped; the bound only keeps a broken build from hanging
+            if not dropped & _open():
+                break
+            await anyio.sleep(0.02)
+        assert not dropped & _open()
+        assert keep.model_id in _open()  # the live client was left alone
+        await keep.forward_backward([sft_datum([1, 40], [41])])
+
+
 def test_ctrl_c_in_a_blocking_script_stops_the_session(tmp_path):
     """A real SIGINT while the sync facade blocks in .result(): the `with` block stops the session."""
     marker = tmp_path / "state"

@@ -197,3 +197,45 @@ async def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
     cfg = EnvRLConfig(groups_per_batch=2, group_size=2, max_steps=3, loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     with pytest.raises(RuntimeError, match="the task failed"):
         await train_env_rl(cfg, lambda tokenizer: (BrokenDataset(), []), tmp_path, progress=False)
+
+
+class DigitDataset:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def get_batch(self, index: int):
+        return [GatedBuilder(self, 2 * index), GatedBuilder(self, 2 * index + 1)]
+
+    def __len__(self) -> int:
+        return 1_000
+
+
+class GatedBuilder(EnvGroupBuilder):
+    def __init__(self, dataset: DigitDataset, index: int):
+        self.dataset, self.index = dataset, index
+
+    async def make_envs(self):
+        return [DigitEnv(self.dataset.tokenizer, self.index, None) for _ in range(4)]
+
+
+async def test_the_env_loop_recovers_a_lost_session_and_finishes(tmp_path):
+    """The server drops the session every 9 ops; the env loop reopens it from its last checkpoint each time."""
+    cfg = EnvRLConfig(
+        url="mock://?stop_after_ops=9",
+        groups_per_batch=2,
+        group_size=4,
+        max_tokens=8,
+        learning_rate=0.3,
+        lora_rank=4,
+        loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+        max_steps=5,
+        save_every=1,
+        max_recoveries=8,
+        recovery_wait_s=5.0,
+    )
+    result = await train_env_rl(cfg, lambda tokenizer: (DigitDataset(tokenizer), []), tmp_path, progress=False)
+    assert result.steps == 5 and (await state(result.final_checkpoint.state_path))[0] == 5
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    recoveries = [r for r in records if "recovery/count" in r]
+    assert recoveries and all(r["recovery/lost_steps"] <= 1 for r in recoveries)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncsess.metrics import read_metrics
 from examples import gsm8k_grpo, math_rl, sft_chat
 
 from .helpers import check_metrics_file
@@ -61,6 +62,18 @@ async def test_sft_chat_resumes_from_its_checkpoint(tmp_path):
     # a longer run in the same directory starts at step 5 (max_steps may change on resume)
     resumed = await sft_chat.main([*args[:-1], "max_steps=14", f"run_dir={tmp_path / 'b'}"])
     assert resumed["test/nll_after"] == whole["test/nll_after"]
+
+
+async def test_sft_chat_recovers_a_lost_session(tmp_path):
+    """The server drops the session every 13 ops; the run reopens from its checkpoints and ends as an
+    uninterrupted one does."""
+    args = ["num_epochs=2", "batch_size=4", "learning_rate=0.05", "save_every=3", "eval_every=0"]
+    whole = await sft_chat.main([*args, f"run_dir={tmp_path / 'a'}"])
+    flaky = await sft_chat.main([*args, "url=mock://?stop_after_ops=13", "max_recoveries=10", f"run_dir={tmp_path / 'b'}"])
+    assert flaky["test/nll_after"] == whole["test/nll_after"]
+    records = read_metrics(tmp_path / "b")
+    assert [r["step"] for r in records] == list(range(15))
+    assert any("recovery/count" in r for r in records)
 
 
 def test_demo_command_on_mock(tmp_path):

@@ -92,3 +92,44 @@ async def test_a_spent_time_budget_starts_no_step(tmp_path):
     result = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path, progress=False)
     assert result.steps == 0 and result.after == result.before and result.final_checkpoint.step == 0
     assert [r["step"] for r in read_metrics(tmp_path)] == [0]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+async def test_a_lost_session_is_recovered_from_the_last_checkpoint_bit_exactly(tmp_path, k):
+    """The server drops the session every 11 ops; the loop reopens from checkpoints.jsonl and ends where an
+    uninterrupted run ends, weights, optimizer state and metrics alike."""
+    cfg = BASE.model_copy(update={"max_steps": 6, "save_every": 2, "max_staleness": k, "seed": 5})
+    whole = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "whole", progress=False)
+    flaky = cfg.model_copy(update={"url": "mock://?stop_after_ops=11", "max_recoveries": 10, "recovery_wait_s": 5.0})
+    recovered = await train_rl(flaky, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "flaky", progress=False)
+    a, b = await state(whole.final_checkpoint.state_path), await state(recovered.final_checkpoint.state_path)
+    assert a[3] == b[3] == 6
+    for x, y in zip(a[:3], b[:3]):
+        assert np.array_equal(x, y)
+    records = read_metrics(tmp_path / "flaky")
+    recoveries = [r for r in records if "recovery/count" in r]
+    assert recoveries and all(0 <= r["recovery/lost_steps"] <= cfg.save_every for r in recoveries)
+    assert [r["step"] for r in records] == list(range(7))  # every step logged once, after the redone ones
+    strip = [{k: v for k, v in r.items() if not k.startswith("recovery/")} for r in comparable(records)]
+    assert strip == comparable(read_metrics(tmp_path / "whole"))
+
+
+async def test_recovery_gives_up_after_max_recoveries(tmp_path, caplog):
+    from asyncsess.runs import session_lost
+
+    cfg = BASE.model_copy(update={"url": "mock://?stop_after_ops=5", "max_steps": 6, "save_every": 1, "max_recoveries": 1})
+    with pytest.raises(Exception) as info:
+        await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path, progress=False)
+    assert session_lost(info.value)
+    assert "stopped by the server" in repr(info.value)
+    assert [r.message for r in caplog.records if "recovery" in r.message][0].count("recovery 1 ") == 1
+    assert sum("recovery" in r.message for r in caplog.records) == 1
+
+
+async def test_other_errors_are_not_recovered(tmp_path):
+    cfg = BASE.model_copy(update={"max_steps": 2, "loss_fn": "no-such-loss", "max_recoveries": 5})
+    with pytest.raises(Exception) as info:
+        await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path, progress=False)
+    from asyncsess.runs import session_lost
+
+    assert "no-such-loss" in repr(info.value) and not session_lost(info.value)

@@ -57,7 +57,9 @@ class HttpBackend(Backend):
         try:
             r = await self.client.request(method, path, **kw)
         except (httpx.TransportError, httpx.TimeoutException) as err:
-            raise TransientError(f"{method} {path}: {type(err).__name__}: {err}") from err
+            # A read that broke off means the worker got the request: its result is stored under the op's key.
+            lost = isinstance(err, (httpx.ReadError, httpx.RemoteProtocolError))
+            raise TransientError(f"{method} {path}: {type(err).__name__}: {err}", lost_response=lost) from err
         if r.status_code >= 400:
             try:
                 body = r.json()

@@ -96,5 +96,7 @@ class Faults:
         """After the op was applied: maybe lose the answer, as a dropped connection would."""
         if self._hit(self.cfg.drop_response_rate):
             raise TransientError(
-                f"injected lost response after {what} was applied (drop_response_rate={self.cfg.drop_response_rate})", operation=what
+                f"injected lost response after {what} was applied (drop_response_rate={self.cfg.drop_response_rate})",
+                operation=what,
+                lost_response=True,
             )
