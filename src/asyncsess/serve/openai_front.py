@@ -44,6 +44,7 @@ ROLLOUT_HEADER = "x-rollout-id"
 VERSION_HEADER = "x-weight-version"
 DEFAULT_ROLLOUT = "default"
 _MAX_REMEMBERED_REPLIES = 100_000
+_GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -170,10 +171,9 @@ class _CompletionRequest(_Sampling):
 
 
 def _validation_error(err: ValidationError) -> FrontError:
-    e = err.errors()[0]
-    loc = [str(x) for x in e["loc"] if not str(x).startswith("function-")]
-    # drop the union branch names pydantic adds (str, list[...], ...)
-    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "list")]
+    e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
+    # drop the union branch names pydantic adds (str, list[...], function-after[...])
+    loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
     param = ".".join(loc) or None
     if e["type"] == "extra_forbidden":
         return FrontError(f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter")
@@ -377,6 +377,8 @@ class OpenAIFront:
                 raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", "messages")
             budget = min(budget, room)
         temperature = binding.temperature if binding.temperature is not None else req.temperature
+        if temperature is not None and temperature < _GREEDY_BELOW:
+            temperature = 0.0  # the limit of softmax(x / T) as T -> 0; tinier T overflows the logits
         return SamplingParams(
             max_tokens=budget,
             temperature=1.0 if temperature is None else temperature,
@@ -521,6 +523,10 @@ class OpenAIFront:
         prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
+        vocab = len(tok)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise FrontError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         params = self._params(req, binding, len(prompt), req.max_tokens or 16, list(stops))
         index = self.captures.reserve(rollout)

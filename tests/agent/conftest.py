@@ -1,0 +1,14 @@
+"""The front needs FastAPI (the ``serve`` extra) and the official openai client (the ``test`` extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path.suffix == ".py" and any(importlib.util.find_spec(m) is None for m in ("fastapi", "openai")):
+        return True
+    return None
