@@ -36,14 +36,14 @@ except ModuleNotFoundError:  # run as a script: its folder is on the path
 class AgentRecipeConfig(AgentRLConfig):
     n_tasks: int = 64
     n_test: int = 8
-    digit_bonus: float = 0.5
+    digit_bonus: float = 1.0
 
 
 DEFAULTS = AgentRecipeConfig(
     url="mock://?max_context=4096",
     base_model="mock/bigram-tiny",
     lora_rank=8,
-    learning_rate=0.3,
+    learning_rate=1.0,
     groups_per_batch=4,
     group_size=8,
     max_tokens=48,

@@ -76,13 +76,19 @@ class _AgentRunner:
         if not isinstance(builder, AgentGroupBuilder):
             raise TypeError(f"expected an AgentGroupBuilder, got {type(builder).__name__}")
         done: list[AgentTrajectory | None] = [None] * builder.group_size
+        errors: list[Exception] = []
 
         async def one(i: int) -> None:
-            done[i] = await self.rollout(builder.task, sampler, temperature, version)
+            try:
+                done[i] = await self.rollout(builder.task, sampler, temperature, version)
+            except Exception as err:  # raised below as itself, not inside an ExceptionGroup
+                errors.append(err)
 
         async with anyio.create_task_group() as tg:
             for i in range(builder.group_size):
                 tg.start_soon(one, i)
+        if errors:
+            raise errors[0]
         trajs = [t for t in done if t is not None]
         with open(self.jsonl, "a", encoding="utf-8") as f:
             for t in trajs:
