@@ -14,7 +14,7 @@ MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
-    session.install("-e", ".[serve]", "-e", "backends/mock", "pytest>=8", "trio>=0.25", *extra)
+    session.install("-e", ".[serve,test]", "-e", "backends/mock", "pytest>=8", "trio>=0.25", *extra)
 
 
 @nox.session(python=PYTHONS)

@@ -113,7 +113,7 @@ class AgentTrajectory(BaseModel):
         """RL datums with ``advantage`` on the sampled tokens, and their masks (1 = trained)."""
         return trajectory_datums(self.trajectory(), advantage)
 
-    def segments(self) -> list[dict[str, list[float] | list[int]]]:
+    def segments(self) -> list[dict[str, Any]]:
         """The merged token sequences: ``tokens``, ``mask`` (1 = sampled by the model) and ``logprobs`` per token."""
         out = []
         for datum, mask in self.datums(1.0):

@@ -256,7 +256,9 @@ class _Loop:
         self.play_group = play_group
         self.samplers: _Samplers | None = None
 
-    async def play(self, builder: EnvGroupBuilder, sampler: SamplingClient, version: int, temperature: float | None = None) -> TrajectoryGroup:
+    async def play(
+        self, builder: EnvGroupBuilder, sampler: SamplingClient, version: int, temperature: float | None = None
+    ) -> TrajectoryGroup:
         t = self.cfg.temperature if temperature is None else temperature
         if self.play_group is not None:
             return await self.play_group(builder, sampler, t, version)

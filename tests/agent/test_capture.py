@@ -72,7 +72,10 @@ async def test_reformatted_tool_call_is_detected_as_drift_and_not_trained(real):
     no longer extends the tokens the model produced."""
 
     def rebuilt(message):
-        calls = [{"id": "mine-" + c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in message.tool_calls or []]
+        calls = [
+            {"id": "mine-" + c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls or []
+        ]
         return {"role": "assistant", "content": message.content, **({"tool_calls": calls} if calls else {})}
 
     front = OpenAIFront(ScriptedSampler(real, ['<tool_call>{"name":"calc","arguments":{"expr":"2+3"}}</tool_call>', "5"]))

@@ -29,8 +29,11 @@ async def test_captured_logprobs_equal_compute_logprobs(sampler):
         reply = await client.chat.completions.create(model="policy", messages=HI, n=3, seed=7, max_tokens=24, logprobs=True)
     [call] = front.captures.calls("r")
     assert call.weight_version == 0 and call.sampler_id == sampler.sampler_id and len(call.choices) == 3
-    assert call.usage == {"prompt_tokens": len(call.prompt_tokens), "completion_tokens": sum(len(c.tokens) for c in call.choices),
-                          "total_tokens": len(call.prompt_tokens) + sum(len(c.tokens) for c in call.choices)}
+    assert call.usage == {
+        "prompt_tokens": len(call.prompt_tokens),
+        "completion_tokens": sum(len(c.tokens) for c in call.choices),
+        "total_tokens": len(call.prompt_tokens) + sum(len(c.tokens) for c in call.choices),
+    }
     assert reply.usage.prompt_tokens == len(call.prompt_tokens)
     assert call.prompt_tokens == sampler.get_tokenizer().apply_chat_template(HI, add_generation_prompt=True)
     for choice, served in zip(call.choices, reply.choices):

@@ -25,7 +25,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -169,14 +169,15 @@ class _CompletionRequest(_Sampling):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
 
-
 def _validation_error(err: ValidationError) -> FrontError:
     e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
     loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
     param = ".".join(loc) or None
     if e["type"] == "extra_forbidden":
-        return FrontError(f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter")
+        return FrontError(
+            f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"
+        )
     if e["type"] == "missing":
         return FrontError(f"missing required parameter {param!r}", param, code="missing_required_parameter")
     return FrontError(f"invalid value for {param!r}: {e['msg']}", param, code="invalid_value")
@@ -266,7 +267,11 @@ class OpenAIFront:
         if binding is not None:
             s = binding.sampler.stats()
             out.update(
-                in_flight=s.in_flight, queued=s.queued, bytes_in_flight=s.bytes_in_flight, max_in_flight=s.max_in_flight, completed=s.completed
+                in_flight=s.in_flight,
+                queued=s.queued,
+                bytes_in_flight=s.bytes_in_flight,
+                max_in_flight=s.max_in_flight,
+                completed=s.completed,
             )
         return out
 
@@ -300,7 +305,9 @@ class OpenAIFront:
             headers[ROLLOUT_HEADER] = rollout_id
         http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front")
         kwargs.setdefault("max_retries", 0)
-        return openai.AsyncOpenAI(base_url="http://asyncsess-front/v1", api_key="asyncsess", http_client=http, default_headers=headers, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url="http://asyncsess-front/v1", api_key="asyncsess", http_client=cast(Any, http), default_headers=headers, **kwargs
+        )
 
     # ------------------------------------------------------------------ routes
 
@@ -405,7 +412,9 @@ class OpenAIFront:
         while len(self._replies) > _MAX_REMEMBERED_REPLIES:
             self._replies.popitem(last=False)
 
-    def _capture(self, rollout: str, index: int, endpoint: Any, req: _Sampling, binding: _Binding, prompt: list[int], choices: list[_Choice]) -> None:
+    def _capture(
+        self, rollout: str, index: int, endpoint: Any, req: _Sampling, binding: _Binding, prompt: list[int], choices: list[_Choice]
+    ) -> None:
         request = req.model_dump(exclude={"stream", "stream_options"}, exclude_none=True)
         self.captures.add(
             CapturedCall(
@@ -417,7 +426,9 @@ class OpenAIFront:
                 weight_version=binding.version,
                 prompt_tokens=list(prompt),
                 choices=[
-                    CapturedChoice(index=c.index, tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish, text=c.text, tool_calls=c.tool_calls)
+                    CapturedChoice(
+                        index=c.index, tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish, text=c.text, tool_calls=c.tool_calls
+                    )
                     for c in choices
                 ],
                 usage=_usage(prompt, choices),
@@ -435,7 +446,10 @@ class OpenAIFront:
                 if raw[0] is not None and all(r == raw[0] for r in raw):
                     out.append({"role": "assistant", "content": raw[0]})  # exactly what the model wrote
                     continue
-                calls = [f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}</tool_call>' for c in m.tool_calls]
+                calls = [
+                    f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}</tool_call>'
+                    for c in m.tool_calls
+                ]
                 out.append({"role": "assistant", "content": (m.text() + "\n" if m.text() else "") + "\n".join(calls)})
             else:
                 out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
@@ -444,7 +458,9 @@ class OpenAIFront:
     async def _chat(self, req: _ChatRequest, rollout: str) -> Response:
         binding = self._binding(rollout, req.model)
         if req.parallel_tool_calls is False:
-            raise FrontError("parallel_tool_calls=false is not supported (a reply may call several tools); leave it unset", "parallel_tool_calls")
+            raise FrontError(
+                "parallel_tool_calls=false is not supported (a reply may call several tools); leave it unset", "parallel_tool_calls"
+            )
         for i, m in enumerate(req.messages):
             for c in m.tool_calls or []:
                 try:
@@ -475,7 +491,9 @@ class OpenAIFront:
         fingerprint = f"asyncsess-w{binding.version}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _chat_chunks(cid, created, req.model, fingerprint, choices, tok, req.logprobs, _usage(prompt, choices) if include_usage else None)
+            chunks = _chat_chunks(
+                cid, created, req.model, fingerprint, choices, tok, req.logprobs, _usage(prompt, choices) if include_usage else None
+            )
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         body = {
             "id": cid,
@@ -487,7 +505,9 @@ class OpenAIFront:
                 {
                     "index": c.index,
                     "message": _message(c),
-                    "logprobs": {"content": [_lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]} if req.logprobs else None,
+                    "logprobs": {"content": [_lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]}
+                    if req.logprobs
+                    else None,
                     "finish_reason": c.finish,
                 }
                 for c in choices
@@ -496,7 +516,9 @@ class OpenAIFront:
         }
         return JSONResponse(body, headers=headers)
 
-    def _chat_choice(self, i: int, seq: SampledSequence, renderer: ChatRenderer, turn_stops: set[int], stops: list[str], parse_tools: bool) -> _Choice:
+    def _chat_choice(
+        self, i: int, seq: SampledSequence, renderer: ChatRenderer, turn_stops: set[int], stops: list[str], parse_tools: bool
+    ) -> _Choice:
         tokens, lps = list(seq.tokens), [float(x) for x in seq.logprobs or []]
         top = [_top_alternatives(seq, j) for j in range(len(tokens))]
         body = tokens[:-1] if seq.stop_reason == "stop" and tokens and tokens[-1] in turn_stops else tokens
@@ -508,7 +530,9 @@ class OpenAIFront:
             if error is None and calls:
                 for call in calls:
                     call_id = f"call_{uuid.uuid4().hex[:24]}"
-                    tool_calls.append({"id": call_id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}})
+                    tool_calls.append(
+                        {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+                    )
                     self._remember(call_id, text)
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
@@ -523,7 +547,7 @@ class OpenAIFront:
         prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
-        vocab = len(tok)
+        vocab = len(cast(Any, tok))  # HF: added tokens included
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise FrontError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
@@ -535,8 +559,8 @@ class OpenAIFront:
         choices = []
         for i, s in enumerate(seqs):
             tokens = list(s.tokens)
-            body = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
-            text = _cut_at_stop(tok.decode(body, skip_special_tokens=True), stops)
+            reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
+            text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
             top = [_top_alternatives(s, j) for j in range(len(tokens))]
             choices.append(_Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, []))
         self._capture(rollout, index, "completions", req, binding, prompt, choices)
@@ -630,7 +654,12 @@ async def _chat_chunks(
     cid: str, created: int, model: str, fingerprint: str, choices: list[_Choice], tok: Any, logprobs: bool, usage: dict[str, int] | None
 ) -> AsyncIterator[str]:
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": {"content": lps} if logprobs and lps is not None else None, "finish_reason": finish}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": {"content": lps} if logprobs and lps is not None else None,
+            "finish_reason": finish,
+        }
         extra = {"usage": None} if usage is not None else {}
         obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint}
         return _sse({**obj, "choices": [choice], **extra})
@@ -667,7 +696,12 @@ async def _completion_chunks(
             lp = None
             if legacy is not None and k < len(c.tokens):
                 top = legacy["top_logprobs"][k : k + 1] if legacy["top_logprobs"] else None
-                lp = {"tokens": legacy["tokens"][k : k + 1], "token_logprobs": c.logprobs[k : k + 1], "top_logprobs": top, "text_offset": [0]}
+                lp = {
+                    "tokens": legacy["tokens"][k : k + 1],
+                    "token_logprobs": c.logprobs[k : k + 1],
+                    "top_logprobs": top,
+                    "text_offset": [0],
+                }
             yield chunk(c.index, piece, None, lp)
         yield chunk(c.index, "", c.finish, None)
     if usage is not None:
