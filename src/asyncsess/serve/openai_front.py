@@ -277,9 +277,9 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ doors
 
-    def router(self) -> APIRouter:
-        """The routes, to mount into a server (``app.include_router(front.router())``)."""
-        r = APIRouter()
+    def router(self, prefix: str = "") -> APIRouter:
+        """The routes, to mount into a server (``app.include_router(front.router())``), under ``prefix``."""
+        r = APIRouter(prefix=prefix)
         r.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
         r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
         r.add_api_route("/v1/models", self._models_route, methods=["GET"])
