@@ -133,6 +133,22 @@ BAD = [
     ({"parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ({"top_logprobs": 5, "logprobs": True}, 400, "top_logprobs"),
     ({"stop": [""]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages.0.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools.0.function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200, None),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+                }
+            ]
+        },
+        400,
+        "messages.0.tool_calls.function.arguments",
+    ),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),

@@ -462,11 +462,16 @@ class OpenAIFront:
                 "parallel_tool_calls=false is not supported (a reply may call several tools); leave it unset", "parallel_tool_calls"
             )
         for i, m in enumerate(req.messages):
-            for c in m.tool_calls or []:
+            if m.name is not None:
+                raise FrontError("message names are not supported (the chat template has no place for them); drop it", f"messages.{i}.name")
+            for j, c in enumerate(m.tool_calls or []):
                 try:
                     json.loads(c.function.arguments)
                 except ValueError:
-                    raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.function.arguments") from None
+                    raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.{j}.function.arguments") from None
+        for i, t in enumerate(req.tools or []):
+            if t.function.strict:
+                raise FrontError("strict (schema-constrained) tool calls are not supported; leave it unset", f"tools.{i}.function.strict")
         topk = top_logprobs_kwargs(binding.sampler, req.top_logprobs, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
