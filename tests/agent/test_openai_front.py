@@ -147,7 +147,7 @@ BAD = [
             ]
         },
         400,
-        "messages.0.tool_calls.function.arguments",
+        "messages.0.tool_calls.0.function.arguments",
     ),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hi"}, 400, "messages"),
