@@ -9,7 +9,11 @@ import pytest
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    needs = ("fastapi", "openai", "torch", "asyncsess_local") if collection_path.name.endswith("_local.py") else ("fastapi", "openai")
+    needs = ("fastapi", "openai")
+    if collection_path.name.endswith("_local.py"):
+        needs += ("torch", "asyncsess_local")
+    if collection_path.name.endswith("_sagemaker.py"):
+        needs += ("boto3", "asyncsess_sagemaker")
     if collection_path.suffix == ".py" and any(importlib.util.find_spec(m) is None for m in needs):
         return True
     return None

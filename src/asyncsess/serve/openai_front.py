@@ -245,6 +245,7 @@ class OpenAIFront:
         self._bindings: dict[str, _Binding] = {}
         self._renderers: dict[str, ChatRenderer] = {}
         self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
+        self._string_stops: set[str] = set()  # samplers that refused stop token ids
         self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
 
     # ------------------------------------------------------------------ binding samplers to rollouts
@@ -398,7 +399,15 @@ class OpenAIFront:
         self, binding: _Binding, prompt: list[int], req: _Sampling, params: SamplingParams, topk: dict[str, Any]
     ) -> list[SampledSequence]:
         sampler = binding.sampler
-        response = await sampler.sample(prompt, req.n, params, **topk)
+        if sampler.sampler_id in self._string_stops:
+            params = _stops_as_strings(params, sampler.get_tokenizer())
+        try:
+            response = await sampler.sample(prompt, req.n, params, **topk)
+        except InvalidInputError as err:  # a backend that takes stop strings only (SageMaker): the stop tokens' text
+            if err.field != "sampling_params.stop" or not params.stop_token_ids():
+                raise
+            self._string_stops.add(sampler.sampler_id)
+            response = await sampler.sample(prompt, req.n, _stops_as_strings(params, sampler.get_tokenizer()), **topk)
         seqs = list(response.sequences)
         for i, seq in enumerate(seqs):
             if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):  # score them: a capture needs log-probs
@@ -593,6 +602,11 @@ class OpenAIFront:
 
 async def _no_run(arguments: Any) -> tuple[str, dict[str, float]]:
     raise RuntimeError("the front renders tools; the agent runs them")
+
+
+def _stops_as_strings(params: SamplingParams, tok: Any) -> SamplingParams:
+    strings = [*params.stop_strings(), *(str(tok.decode([t])) for t in params.stop_token_ids())]
+    return params.model_copy(update={"stop": list(dict.fromkeys(strings))})
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
