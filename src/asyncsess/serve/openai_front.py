@@ -23,20 +23,34 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, cast
+from typing import Any, cast
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import ValidationError
 
 from ..capture import CapturedCall, CapturedChoice, CaptureStore
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError
 from ..tool_env import ChatRenderer, Tool, parse_tool_calls
 from ..types import SampledSequence, SamplingParams
+from .openai_wire import (
+    ChatRequest,
+    Choice,
+    CompletionRequest,
+    FrontError,
+    SamplingRequest,
+    chat_chunks,
+    chat_message,
+    completion_chunks,
+    legacy_logprobs,
+    lp_entry,
+    usage,
+    validation_error,
+)
 
 __all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "top_logprobs_kwargs"]
 
@@ -45,142 +59,6 @@ VERSION_HEADER = "x-weight-version"
 DEFAULT_ROLLOUT = "default"
 _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
-
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class FrontError(Exception):
-    """A request the front refuses: HTTP ``status`` and an OpenAI error body naming ``param``."""
-
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def _check_text(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise ValueError(f"contains a lone surrogate at index {err.start}; send valid Unicode text") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_check_text)]
-
-
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Function(_Req):
-    name: str = Field(min_length=1)
-    description: str = ""
-    parameters: dict[str, Any] = Field(default_factory=dict)
-    strict: StrictBool | None = None
-
-
-class _ToolDef(_Req):
-    type: Literal["function"]
-    function: _Function
-
-
-class _CallFunction(_Req):
-    name: str
-    arguments: str
-
-
-class _ToolCall(_Req):
-    id: str
-    type: Literal["function"] = "function"
-    function: _CallFunction
-
-
-class _TextPart(_Req):
-    type: Literal["text"]
-    text: Text
-
-
-class _Message(_Req):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[_TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[_ToolCall] | None = None
-    tool_call_id: str | None = None
-    # what the openai client echoes back from a reply; only empty values are accepted
-    refusal: None = None
-    function_call: None = None
-    audio: None = None
-    annotations: list[Any] | None = Field(default=None, max_length=0)
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-
-class _StreamOptions(_Req):
-    include_usage: StrictBool = False
-
-
-class _Sampling(_Req):
-    model: str
-    n: StrictInt = Field(default=1, ge=1)
-    stop: str | list[str] | None = Field(default=None)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stream: StrictBool = False
-    stream_options: _StreamOptions | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        for s in [v] if isinstance(v, str) else v or []:
-            _check_text(s)
-            if s == "":
-                raise ValueError("an empty stop string would stop at once; drop it")
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
-
-
-class _ChatRequest(_Sampling):
-    messages: list[_Message] = Field(min_length=1)
-    tools: list[_ToolDef] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    parallel_tool_calls: StrictBool | None = None
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt = Field(default=0, ge=0, le=20)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-
-
-class _CompletionRequest(_Sampling):
-    prompt: Text | list[StrictInt]
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-
-
-def _validation_error(err: ValidationError) -> FrontError:
-    e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
-    # drop the union branch names pydantic adds (str, list[...], function-after[...])
-    loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
-    param = ".".join(loc) or None
-    if e["type"] == "extra_forbidden":
-        return FrontError(
-            f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"
-        )
-    if e["type"] == "missing":
-        return FrontError(f"missing required parameter {param!r}", param, code="missing_required_parameter")
-    return FrontError(f"invalid value for {param!r}: {e['msg']}", param, code="invalid_value")
 
 
 def top_logprobs_kwargs(sampler: SamplingClient, k: int, param: str) -> dict[str, Any]:
@@ -206,18 +84,6 @@ class _Binding:
     sampler: SamplingClient
     version: int
     temperature: float | None = None  # forced for every call of the rollout (the loop's policy), if set
-
-
-@dataclass
-class _Choice:
-    index: int
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]]
-    finish: Literal["stop", "length", "tool_calls"]
-    text: str  # the whole reply as the template renders it back (stop token dropped)
-    content: str | None
-    tool_calls: list[dict[str, Any]]
 
 
 class OpenAIFront:
@@ -321,12 +187,12 @@ class OpenAIFront:
         return JSONResponse(self.stats())
 
     async def _chat_route(self, request: Request) -> Response:
-        return await self._serve(request, _ChatRequest, self._chat)
+        return await self._serve(request, ChatRequest, self._chat)
 
     async def _completions_route(self, request: Request) -> Response:
-        return await self._serve(request, _CompletionRequest, self._completion)
+        return await self._serve(request, CompletionRequest, self._completion)
 
-    async def _serve(self, request: Request, model: type[_Sampling], handler: Any) -> Response:
+    async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any) -> Response:
         self.counts["requests"] += 1
         try:
             try:
@@ -338,7 +204,7 @@ class OpenAIFront:
             try:
                 req = model.model_validate(body)
             except ValidationError as err:
-                raise _validation_error(err) from None
+                raise validation_error(err) from None
             rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
             return await handler(req, rollout)
         except FrontError as err:
@@ -375,7 +241,9 @@ class OpenAIFront:
             self._renderers[key] = ChatRenderer(sampler.get_tokenizer())
         return self._renderers[key]
 
-    def _params(self, req: _Sampling, binding: _Binding, prompt_len: int, max_tokens: int | None, stop: list[str | int]) -> SamplingParams:
+    def _params(
+        self, req: SamplingRequest, binding: _Binding, prompt_len: int, max_tokens: int | None, stop: list[str | int]
+    ) -> SamplingParams:
         if req.n > self.max_n:
             raise FrontError(f"n={req.n} is more than this server allows ({self.max_n})", "n")
         budget = max_tokens or self.max_tokens
@@ -396,7 +264,7 @@ class OpenAIFront:
         )
 
     async def _sample(
-        self, binding: _Binding, prompt: list[int], req: _Sampling, params: SamplingParams, topk: dict[str, Any]
+        self, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any]
     ) -> list[SampledSequence]:
         sampler = binding.sampler
         if sampler.sampler_id in self._string_stops:
@@ -422,7 +290,7 @@ class OpenAIFront:
             self._replies.popitem(last=False)
 
     def _capture(
-        self, rollout: str, index: int, endpoint: Any, req: _Sampling, binding: _Binding, prompt: list[int], choices: list[_Choice]
+        self, rollout: str, index: int, endpoint: Any, req: SamplingRequest, binding: _Binding, prompt: list[int], choices: list[Choice]
     ) -> None:
         request = req.model_dump(exclude={"stream", "stream_options"}, exclude_none=True)
         self.captures.add(
@@ -440,14 +308,14 @@ class OpenAIFront:
                     )
                     for c in choices
                 ],
-                usage=_usage(prompt, choices),
+                usage=usage(prompt, choices),
                 request=request,
             )
         )
 
     # ------------------------------------------------------------------ chat
 
-    def _chat_messages(self, req: _ChatRequest) -> list[dict[str, str]]:
+    def _chat_messages(self, req: ChatRequest) -> list[dict[str, str]]:
         out = []
         for m in req.messages:
             if m.role == "assistant" and m.tool_calls:
@@ -464,7 +332,7 @@ class OpenAIFront:
                 out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
         return out
 
-    async def _chat(self, req: _ChatRequest, rollout: str) -> Response:
+    async def _chat(self, req: ChatRequest, rollout: str) -> Response:
         binding = self._binding(rollout, req.model)
         if req.parallel_tool_calls is False:
             raise FrontError(
@@ -505,8 +373,8 @@ class OpenAIFront:
         fingerprint = f"asyncsess-w{binding.version}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _chat_chunks(
-                cid, created, req.model, fingerprint, choices, tok, req.logprobs, _usage(prompt, choices) if include_usage else None
+            chunks = chat_chunks(
+                cid, created, req.model, fingerprint, choices, tok, req.logprobs, usage(prompt, choices) if include_usage else None
             )
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         body = {
@@ -518,21 +386,21 @@ class OpenAIFront:
             "choices": [
                 {
                     "index": c.index,
-                    "message": _message(c),
-                    "logprobs": {"content": [_lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]}
+                    "message": chat_message(c),
+                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]}
                     if req.logprobs
                     else None,
                     "finish_reason": c.finish,
                 }
                 for c in choices
             ],
-            "usage": _usage(prompt, choices),
+            "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
 
     def _chat_choice(
         self, i: int, seq: SampledSequence, renderer: ChatRenderer, turn_stops: set[int], stops: list[str], parse_tools: bool
-    ) -> _Choice:
+    ) -> Choice:
         tokens, lps = list(seq.tokens), [float(x) for x in seq.logprobs or []]
         top = [_top_alternatives(seq, j) for j in range(len(tokens))]
         body = tokens[:-1] if seq.stop_reason == "stop" and tokens and tokens[-1] in turn_stops else tokens
@@ -550,11 +418,11 @@ class OpenAIFront:
                     self._remember(call_id, text)
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
-        return _Choice(i, tokens, lps, top, finish, text, content if content or not tool_calls else None, tool_calls)  # type: ignore[arg-type]
+        return Choice(i, tokens, lps, top, finish, text, content if content or not tool_calls else None, tool_calls)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ completions
 
-    async def _completion(self, req: _CompletionRequest, rollout: str) -> Response:
+    async def _completion(self, req: CompletionRequest, rollout: str) -> Response:
         binding = self._binding(rollout, req.model)
         topk = top_logprobs_kwargs(binding.sampler, req.logprobs or 0, "logprobs")
         tok = binding.sampler.get_tokenizer()
@@ -576,14 +444,14 @@ class OpenAIFront:
             reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
             text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
             top = [_top_alternatives(s, j) for j in range(len(tokens))]
-            choices.append(_Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, []))
+            choices.append(Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, []))
         self._capture(rollout, index, "completions", req, binding, prompt, choices)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         headers = {VERSION_HEADER: str(binding.version)}
         want_lp = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _completion_chunks(cid, created, req.model, choices, tok, want_lp, _usage(prompt, choices) if include_usage else None)
+            chunks = completion_chunks(cid, created, req.model, choices, tok, want_lp, usage(prompt, choices) if include_usage else None)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         body = {
             "id": cid,
@@ -592,10 +460,10 @@ class OpenAIFront:
             "model": req.model,
             "system_fingerprint": f"asyncsess-w{binding.version}",
             "choices": [
-                {"index": c.index, "text": c.content, "logprobs": _legacy_logprobs(tok, c) if want_lp else None, "finish_reason": c.finish}
+                {"index": c.index, "text": c.content, "logprobs": legacy_logprobs(tok, c) if want_lp else None, "finish_reason": c.finish}
                 for c in choices
             ],
-            "usage": _usage(prompt, choices),
+            "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
 
@@ -613,116 +481,3 @@ def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """OpenAI semantics: the reply ends before the first stop string (which is not returned)."""
     cut = min((text.index(s) for s in stops if s in text), default=len(text))
     return text[:cut]
-
-
-def _usage(prompt: list[int], choices: Sequence[_Choice]) -> dict[str, int]:
-    completion = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
-
-
-def _message(c: _Choice) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": c.content}
-    if c.tool_calls:
-        msg["tool_calls"] = c.tool_calls
-    return msg
-
-
-def _piece(tok: Any, t: int) -> str:
-    return str(tok.decode([t]))
-
-
-def _lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
-    piece = _piece(tok, t)
-    return {
-        "token": piece,
-        "logprob": lp,
-        "bytes": list(piece.encode("utf-8", "replace")),
-        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(_piece(tok, a).encode("utf-8", "replace"))} for a, b in top],
-    }
-
-
-def _legacy_logprobs(tok: Any, c: _Choice) -> dict[str, Any]:
-    pieces = [_piece(tok, t) for t in c.tokens]
-    offsets, at = [], 0
-    for p in pieces:
-        offsets.append(at)
-        at += len(p)
-    top = [{_piece(tok, a): b for a, b in alts} for alts in c.top] if any(c.top) else None
-    return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def _content_pieces(tok: Any, tokens: list[int], content: str) -> list[str]:
-    """Per-token text deltas whose concatenation is ``content`` (incremental decoding, cut at its end)."""
-    pieces, prev = [], ""
-    for i in range(len(tokens)):
-        cur = str(tok.decode(tokens[: i + 1], skip_special_tokens=True))[: len(content)]
-        if not content.startswith(cur):  # a multi-byte character not complete yet
-            cur = prev
-        pieces.append(cur[len(prev) :])
-        prev = cur
-    if prev != content:
-        pieces.append(content[len(prev) :])
-    return pieces
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _chat_chunks(
-    cid: str, created: int, model: str, fingerprint: str, choices: list[_Choice], tok: Any, logprobs: bool, usage: dict[str, int] | None
-) -> AsyncIterator[str]:
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None) -> str:
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": {"content": lps} if logprobs and lps is not None else None,
-            "finish_reason": finish,
-        }
-        extra = {"usage": None} if usage is not None else {}
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint}
-        return _sse({**obj, "choices": [choice], **extra})
-
-    for c in choices:
-        entries = [_lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]
-        yield chunk(c.index, {"role": "assistant", "content": ""})
-        if c.tool_calls:
-            yield chunk(c.index, {"content": c.content or ""}, lps=entries)
-            calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
-            yield chunk(c.index, {"tool_calls": calls})
-        else:
-            pieces = _content_pieces(tok, c.tokens, c.content or "")
-            for k, piece in enumerate(pieces):
-                yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
-        yield chunk(c.index, {}, c.finish)
-    if usage is not None:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint}
-        yield _sse({**obj, "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
-
-
-async def _completion_chunks(
-    cid: str, created: int, model: str, choices: list[_Choice], tok: Any, logprobs: bool, usage: dict[str, int] | None
-) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, finish: str | None, lp: dict[str, Any] | None) -> str:
-        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-        return _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]})
-
-    for c in choices:
-        pieces = _content_pieces(tok, c.tokens, c.content or "")
-        legacy = _legacy_logprobs(tok, c) if logprobs else None
-        for k, piece in enumerate(pieces):
-            lp = None
-            if legacy is not None and k < len(c.tokens):
-                top = legacy["top_logprobs"][k : k + 1] if legacy["top_logprobs"] else None
-                lp = {
-                    "tokens": legacy["tokens"][k : k + 1],
-                    "token_logprobs": c.logprobs[k : k + 1],
-                    "top_logprobs": top,
-                    "text_offset": [0],
-                }
-            yield chunk(c.index, piece, None, lp)
-        yield chunk(c.index, "", c.finish, None)
-    if usage is not None:
-        yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
