@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from asyncsess import ServiceClient
+from asyncsess.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
 
 pytestmark = pytest.mark.anyio
@@ -227,3 +228,16 @@ async def test_64_concurrent_rollouts_share_the_pool_with_visible_backpressure(s
     assert peak["queued"] > 0 and peak["in_flight"] == 8  # bounded by max_samples_in_flight, and callers waited
     assert sorted(front.captures.rollout_ids()) == sorted(f"r{i}" for i in range(64))
     assert all([c.call_index for c in front.captures.calls(f"r{i}")] == [0, 1] for i in range(64))
+
+
+async def test_captures_can_be_fetched_and_dropped_over_http(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("remote") as client:
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=3, seed=1)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        got = (await http.get("/v1/asyncsess/rollouts/remote")).json()
+        assert [CapturedCall.model_validate(c) for c in got["calls"]] == front.captures.calls("remote")
+        dropped = (await http.delete("/v1/asyncsess/rollouts/remote")).json()
+        assert dropped["calls"] == got["calls"]
+        assert (await http.get("/v1/asyncsess/rollouts/remote")).json()["calls"] == []
+    assert front.captures.rollout_ids() == []

@@ -151,6 +151,7 @@ class OpenAIFront:
         r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
         r.add_api_route("/v1/models", self._models_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/stats", self._stats_route, methods=["GET"])
+        r.add_api_route("/v1/asyncsess/rollouts/{rollout_id}", self._rollout_route, methods=["GET", "DELETE"])
         return r
 
     def app(self) -> FastAPI:
@@ -182,6 +183,11 @@ class OpenAIFront:
         names = {self.model_name} | {b.sampler.base_model for b in self._all_bindings()}
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in sorted(names)]
         return JSONResponse({"object": "list", "data": data})
+
+    async def _rollout_route(self, rollout_id: str, request: Request) -> JSONResponse:
+        """The captured calls of a rollout (for a trainer in another process); ``DELETE`` also forgets them."""
+        calls = self.captures.pop(rollout_id) if request.method == "DELETE" else self.captures.calls(rollout_id)
+        return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
 
     async def _stats_route(self) -> JSONResponse:
         return JSONResponse(self.stats())
