@@ -62,3 +62,31 @@ async def test_local_multi_turn_trains_only_sampled_tokens(sampler):
     assert len(segments) == 1 + len(traj.drift)
     trained = [t for s in segments for t, m in zip(s["tokens"], s["mask"]) if m]
     assert trained == [t for c in calls for t in c.choices[0].tokens]
+
+
+async def test_http_backend_captures_match_compute_logprobs(tmp_path):
+    """The same front over http:// (a running worker in a thread): the backend does not matter to it."""
+    from asyncsess_local.embedded import LocalBackend
+    from asyncsess_local.server import serve_in_thread
+    from asyncsess_local.testing import tiny_llama_dir
+
+    tiny = str(tiny_llama_dir())
+    worker = serve_in_thread(LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path)), ["k"])
+    try:
+        async with ServiceClient(worker.url, api_key="k") as svc:
+            sampler = await svc.create_sampling_client(base_model=tiny)
+            front = OpenAIFront(sampler)
+            async with front.openai_client("h") as client:
+                messages = list(HI)
+                for seed in (1, 2):
+                    reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=seed)
+                    messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "so?"}]
+            calls = front.captures.calls("h")
+            for call in calls:
+                scored = await sampler.compute_logprobs(call.prompt_tokens + call.choices[0].tokens)
+                assert call.choices[0].logprobs == pytest.approx(scored[len(call.prompt_tokens) :], abs=TOLERANCE)
+            traj = build_trajectory("h", calls, 1.0)
+            trained = [t for s in traj.segments() for t, m in zip(s["tokens"], s["mask"]) if m]
+            assert trained == [t for c in calls for t in c.choices[0].tokens]
+    finally:
+        worker.stop()
