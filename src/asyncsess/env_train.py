@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,12 +49,14 @@ from .rl import is_constant, sample_train_kl
 from .runs import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
 from .types import AdamParams, Datum, ForwardBackwardOutput
 
-__all__ = ["EnvRLConfig", "EnvRLResult", "MakeCompleter", "MakeDatasets", "train_env_rl"]
+__all__ = ["EnvRLConfig", "EnvRLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_env_rl"]
 
 # (tokenizer) -> (training dataset, held-out group builders: one episode each)
 MakeDatasets = Callable[[Tokenizer], tuple[RLDataset, Sequence[EnvGroupBuilder]]]
 # (sampler, max_tokens, temperature, context_window) -> the policy that plays episodes
 MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenCompleter]
+# (builder, sampler, temperature, sampler_step) -> the played group; default: the envs played by the completer
+PlayGroup = Callable[[EnvGroupBuilder, SamplingClient, float, int], Awaitable[TrajectoryGroup]]
 
 
 class EnvRLConfig(RecoveryConfig):
@@ -110,10 +112,15 @@ async def train_env_rl(
     run_dir: str | Path,
     *,
     make_completer: MakeCompleter | None = None,
+    play_group: PlayGroup | None = None,
     if_exists: Literal["resume", "overwrite", "raise"] = "resume",
     progress: bool = True,
 ) -> EnvRLResult:
-    """Run (or resume) RL on the environments of ``make_datasets(tokenizer)``."""
+    """Run (or resume) RL on the environments of ``make_datasets(tokenizer)``.
+
+    ``play_group`` replaces how a group is played (the agent loop runs the user's agents through the
+    OpenAI front there); by default each env is played with ``make_completer``'s policy.
+    """
     cfg = config
 
     async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> EnvRLResult:
@@ -127,7 +134,7 @@ async def train_env_rl(
                 if window is None:
                     caps = await svc.get_server_capabilities()
                     window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
-                loop = _Loop(cfg, tc, train, list(test), make_completer or _default_completer, window, path, log)
+                loop = _Loop(cfg, tc, train, list(test), make_completer or _default_completer, window, path, log, play_group)
                 loop.pending_metrics = dict(recovered)
                 return await loop.run(start, record, progress)
 
@@ -177,13 +184,13 @@ class _Rollouts:
         groups_per_batch: int,
         slots: int,
         samplers: _Samplers,
-        policy: Callable[[SamplingClient], TokenCompleter],
+        play: Callable[[EnvGroupBuilder, SamplingClient, int], Awaitable[TrajectoryGroup]],
         cursor: int,
         pending: Sequence[int],
     ) -> None:
         self._tg, self._dataset, self._per_batch = tg, dataset, groups_per_batch
         self._slots = anyio.Semaphore(slots)
-        self._samplers, self._policy = samplers, policy
+        self._samplers, self._play_group = samplers, play
         self.cursor = cursor  # the next group never started
         self._queue: deque[int] = deque(pending)  # started before (a checkpoint, a requeue), to play again
         self.open: set[int] = set(pending)  # started and not yet trained
@@ -207,7 +214,7 @@ class _Rollouts:
         error: Exception | None = None
         try:
             builder = self._dataset.get_batch(index // self._per_batch)[index % self._per_batch]
-            group = await do_group_rollout(builder, self._policy(sampler), version)
+            group = await self._play_group(builder, sampler, version)
         except Exception as err:
             error = err
         finally:
@@ -247,11 +254,21 @@ class _Loop:
         window: int | None,
         path: Path,
         log: MetricsLogger,
+        play_group: PlayGroup | None = None,
     ) -> None:
         self.cfg, self.tc, self.train, self.test = cfg, tc, train, test
         self.make_completer, self.window, self.path, self.log = make_completer, window, path, log
+        self.play_group = play_group
         self.samplers: _Samplers | None = None
         self.pending_metrics: dict[str, float] = {}  # logged with the next step (a recovery's figures)
+
+    async def play(
+        self, builder: EnvGroupBuilder, sampler: SamplingClient, version: int, temperature: float | None = None
+    ) -> TrajectoryGroup:
+        t = self.cfg.temperature if temperature is None else temperature
+        if self.play_group is not None:
+            return await self.play_group(builder, sampler, t, version)
+        return await do_group_rollout(builder, self.policy(sampler, t), version)
 
     def policy(self, sampler: SamplingClient, temperature: float | None = None) -> TokenCompleter:
         t = self.cfg.temperature if temperature is None else temperature
@@ -267,7 +284,7 @@ class _Loop:
         try:
 
             async def one(i: int) -> None:
-                groups[i] = await do_group_rollout(self.test[i], self.policy(sampler, 0.0), version)
+                groups[i] = await self.play(self.test[i], sampler, version, 0.0)
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(self.test)):
@@ -292,7 +309,7 @@ class _Loop:
                 cfg.groups_per_batch,
                 cfg.groups_per_batch * (cfg.max_steps_off_policy + 1),
                 self.samplers,
-                self.policy,
+                self.play,
                 int(extra.get("cursor", start * cfg.groups_per_batch)),
                 [int(i) for i in extra.get("pending", [])],
             )

@@ -1,0 +1,132 @@
+"""RL for any OpenAI-speaking agent: ``async def agent(client: openai.AsyncOpenAI, task) -> reward``.
+
+Each rollout gets its own ``openai.AsyncOpenAI`` whose calls go in-process to an
+:class:`~asyncsess.serve.openai_front.OpenAIFront` bound to the sampler (weight version) the loop chose for
+that group, tagged with the rollout's id. When the agent returns its reward, the calls it made are merged into
+a trajectory (:func:`asyncsess.capture.build_trajectory`: only sampled tokens trained, re-tokenization drift
+split and counted), ``group_size`` rollouts of one task form a group with centred advantages, and the datums
+are trained by the same loop as environment RL (:func:`asyncsess.env_train.train_env_rl`): staleness bound,
+``metrics.jsonl`` (plus ``env/all/calls`` and ``env/all/drift`` per episode), checkpoints and resume.
+
+Every finished rollout is appended to ``trajectories.jsonl`` in the run directory (calls, merged segments
+with masks and log-probs, drift, reward) for offline SFT / DPO; read it with
+:func:`asyncsess.capture.read_trajectories`. The loop's ``temperature`` (0 for the held-out evaluation)
+replaces what the agent asks for, so the sampled tokens follow the policy the loop trains.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from .backend import Tokenizer
+from .capture import AgentTrajectory, build_trajectory
+from .client import SamplingClient
+from .env import Env, EnvGroupBuilder, ProblemDataset, RLDataset, TrajectoryGroup
+from .env_train import EnvRLConfig, EnvRLResult, train_env_rl
+
+__all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
+
+# (an openai.AsyncOpenAI for this rollout, the task) -> reward
+Agent = Callable[[Any, Any], Awaitable[float]]
+
+
+class AgentRLConfig(EnvRLConfig):
+    """Environment-RL settings, plus the model name the agent's requests use and the front's ``n`` bound."""
+
+    model_name: str = "policy"
+    max_n: int = 64
+
+
+class AgentGroupBuilder(EnvGroupBuilder):
+    """``group_size`` rollouts of one task; played by the agent loop, not as envs."""
+
+    def __init__(self, task: Any, group_size: int) -> None:
+        self.task, self.group_size = task, group_size
+
+    async def make_envs(self) -> Sequence[Env]:
+        raise TypeError("agent groups are played by train_agent_rl, not as Envs")
+
+
+class _AgentRunner:
+    def __init__(self, cfg: AgentRLConfig, agent: Agent, path: Path) -> None:
+        from .serve.openai_front import OpenAIFront  # needs the serve extra (FastAPI)
+
+        self.cfg, self.agent = cfg, agent
+        self.front = OpenAIFront(model_name=cfg.model_name, max_n=cfg.max_n, max_tokens=cfg.max_tokens, context_window=cfg.context_window)
+        self.jsonl = path / "trajectories.jsonl"
+
+    async def rollout(self, task: Any, sampler: SamplingClient, temperature: float, version: int) -> AgentTrajectory:
+        rid = f"rollout-{uuid.uuid4().hex}"
+        self.front.bind(rid, sampler, version, temperature)
+        try:
+            async with self.front.openai_client(rid) as client:
+                reward = float(await self.agent(client, task))
+        finally:
+            self.front.unbind(rid)
+            calls = self.front.captures.pop(rid)
+        return build_trajectory(rid, calls, reward)
+
+    async def play(self, builder: EnvGroupBuilder, sampler: SamplingClient, temperature: float, version: int) -> TrajectoryGroup:
+        if not isinstance(builder, AgentGroupBuilder):
+            raise TypeError(f"expected an AgentGroupBuilder, got {type(builder).__name__}")
+        done: list[AgentTrajectory | None] = [None] * builder.group_size
+        errors: list[Exception] = []
+
+        async def one(i: int) -> None:
+            try:
+                done[i] = await self.rollout(builder.task, sampler, temperature, version)
+            except Exception as err:  # raised below as itself, not inside an ExceptionGroup
+                errors.append(err)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(builder.group_size):
+                tg.start_soon(one, i)
+        if errors:
+            raise errors[0]
+        trajs = [t for t in done if t is not None]
+        with open(self.jsonl, "a", encoding="utf-8") as f:
+            for t in trajs:
+                f.write(json.dumps({**t.record(), "temperature": temperature, "task": _jsonable(builder.task)}) + "\n")
+        return TrajectoryGroup([t.trajectory() for t in trajs], [0.0] * len(trajs), [{} for _ in trajs], version)
+
+
+def _jsonable(task: Any) -> Any:
+    try:
+        json.dumps(task)
+        return task
+    except TypeError:
+        return repr(task)
+
+
+async def train_agent_rl(
+    config: AgentRLConfig,
+    agent: Agent,
+    tasks: Sequence[Any],
+    test_tasks: Sequence[Any],
+    run_dir: str | Path,
+    *,
+    if_exists: Literal["resume", "overwrite", "raise"] = "resume",
+    progress: bool = True,
+) -> EnvRLResult:
+    """GRPO on ``agent``: ``groups_per_batch`` tasks per step, ``group_size`` rollouts each; ``test_tasks`` are
+    played once each, greedily, before the first step, every ``eval_every`` steps and after the last."""
+    if not tasks:
+        raise ValueError("no tasks")
+    runner: list[_AgentRunner] = []
+
+    def make_datasets(tokenizer: Tokenizer) -> tuple[RLDataset, Sequence[EnvGroupBuilder]]:
+        data = ProblemDataset(tasks, config.groups_per_batch, lambda t: AgentGroupBuilder(t, config.group_size), config.seed)
+        return data, [AgentGroupBuilder(t, 1) for t in test_tasks]
+
+    async def play(builder: EnvGroupBuilder, sampler: SamplingClient, temperature: float, version: int) -> TrajectoryGroup:
+        if not runner:
+            runner.append(_AgentRunner(config, agent, Path(run_dir)))
+        return await runner[0].play(builder, sampler, temperature, version)
+
+    return await train_env_rl(config, make_datasets, run_dir, play_group=play, if_exists=if_exists, progress=progress)

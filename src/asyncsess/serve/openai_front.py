@@ -1,0 +1,489 @@
+"""An OpenAI-compatible front for any :class:`~asyncsess.client.SamplingClient`, with token-faithful capture.
+
+``OpenAIFront(sampler)`` serves ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``
+for whatever backend the sampler runs on (mock, local, http, sagemaker, tinker). Use it in-process (no socket):
+``front.openai_client()`` is an ``openai.AsyncOpenAI`` whose httpx client goes through ``front.transport()``
+(an ``httpx.ASGITransport`` on ``front.app()``); or mount ``front.router()`` into a server.
+
+Chat messages are rendered with the model's own chat template through :class:`asyncsess.tool_env.ChatRenderer`
+(tools included); replies are parsed for Hermes-style ``<tool_call>{...}</tool_call>`` blocks (the convention
+of the templates the project ships) and returned as ``tool_calls``. An assistant message that comes back with
+tool-call ids this front issued is rendered from the exact text the model produced, so the next prompt extends
+the previous one token for token. Every call is captured (:mod:`asyncsess.capture`) under the rollout id the
+caller set: header ``X-Rollout-Id``, else ``metadata["rollout_id"]``, else ``user``, else ``"default"``.
+
+Bad requests get a 400 (404 for an unknown model) with an OpenAI-shaped body naming the parameter; a parameter
+the front does not implement is refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..capture import CapturedCall, CapturedChoice, CaptureStore
+from ..client import SamplingClient
+from ..errors import AsyncSessError, InvalidInputError
+from ..tool_env import ChatRenderer, Tool, parse_tool_calls
+from ..types import SampledSequence, SamplingParams
+from .openai_wire import (
+    ChatRequest,
+    Choice,
+    CompletionRequest,
+    FrontError,
+    SamplingRequest,
+    chat_chunks,
+    chat_message,
+    completion_chunks,
+    legacy_logprobs,
+    lp_entry,
+    usage,
+    validation_error,
+)
+
+__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "top_logprobs_kwargs"]
+
+ROLLOUT_HEADER = "x-rollout-id"
+VERSION_HEADER = "x-weight-version"
+DEFAULT_ROLLOUT = "default"
+_MAX_REMEMBERED_REPLIES = 100_000
+_GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
+
+
+def top_logprobs_kwargs(sampler: SamplingClient, k: int, param: str) -> dict[str, Any]:
+    """The ``sample`` keyword that asks ``sampler`` for ``k`` alternatives per token, or a 400 naming ``param``.
+
+    Top-k sample log-probs come with issue 14 (``topk_sample_logprobs``); until the SamplingClient takes that
+    keyword, asking for them is refused rather than silently answered without them.
+    """
+    if k == 0:
+        return {}
+    if "topk_sample_logprobs" in inspect.signature(sampler.sample).parameters:
+        return {"topk_sample_logprobs": k}
+    raise FrontError(f"{param}={k} is not supported by this sampler (it gives no top-k log-probs); set it to 0", param)
+
+
+def _top_alternatives(seq: SampledSequence, i: int) -> list[tuple[int, float]]:
+    table = getattr(seq, "topk_logprobs", None)
+    return [(int(t), float(lp)) for t, lp in table[i]] if table else []
+
+
+@dataclass
+class _Binding:
+    sampler: SamplingClient
+    version: int
+    temperature: float | None = None  # forced for every call of the rollout (the loop's policy), if set
+
+
+class OpenAIFront:
+    """Serves the OpenAI API from a sampler (or per-rollout samplers) and captures every call's tokens.
+
+    ``model_name`` is the alias clients may use besides the sampler's base model. ``max_n`` bounds ``n``;
+    ``max_tokens`` is the default completion budget; ``context_window`` (if known) caps it to what fits.
+    """
+
+    def __init__(
+        self,
+        sampler: SamplingClient | None = None,
+        *,
+        version: int = 0,
+        model_name: str = "policy",
+        captures: CaptureStore | None = None,
+        max_n: int = 64,
+        max_tokens: int = 256,
+        context_window: int | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.captures = captures if captures is not None else CaptureStore()
+        self.max_n, self.max_tokens, self.context_window = max_n, max_tokens, context_window
+        self._default = _Binding(sampler, version) if sampler is not None else None
+        self._bindings: dict[str, _Binding] = {}
+        self._renderers: dict[str, ChatRenderer] = {}
+        self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
+        self._string_stops: set[str] = set()  # samplers that refused stop token ids
+        self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
+
+    # ------------------------------------------------------------------ binding samplers to rollouts
+
+    def publish(self, sampler: SamplingClient, version: int) -> None:
+        """Serve calls without a bound rollout from ``sampler`` (weights ``version``) from now on."""
+        self._default = _Binding(sampler, version)
+
+    def bind(self, rollout_id: str, sampler: SamplingClient, version: int, temperature: float | None = None) -> None:
+        """Serve every call of ``rollout_id`` from ``sampler``; ``temperature`` overrides what the agent asks."""
+        self._bindings[rollout_id] = _Binding(sampler, version, temperature)
+
+    def unbind(self, rollout_id: str) -> None:
+        self._bindings.pop(rollout_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """Request counts and the sampling pool's backpressure figures (in flight, queued, ...)."""
+        out: dict[str, Any] = dict(self.counts, bound_rollouts=len(self._bindings))
+        binding = self._default or next(iter(self._bindings.values()), None)
+        if binding is not None:
+            s = binding.sampler.stats()
+            out.update(
+                in_flight=s.in_flight,
+                queued=s.queued,
+                bytes_in_flight=s.bytes_in_flight,
+                max_in_flight=s.max_in_flight,
+                completed=s.completed,
+            )
+        return out
+
+    # ------------------------------------------------------------------ doors
+
+    def router(self, prefix: str = "") -> APIRouter:
+        """The routes, to mount into a server (``app.include_router(front.router())``), under ``prefix``."""
+        r = APIRouter(prefix=prefix)
+        r.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
+        r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
+        r.add_api_route("/v1/models", self._models_route, methods=["GET"])
+        r.add_api_route("/v1/asyncsess/stats", self._stats_route, methods=["GET"])
+        r.add_api_route("/v1/asyncsess/rollouts/{rollout_id}", self._rollout_route, methods=["GET", "DELETE"])
+        return r
+
+    def app(self) -> FastAPI:
+        """A standalone ASGI app with the routes."""
+        app = FastAPI(title="asyncsess OpenAI front")
+        app.include_router(self.router())
+        return app
+
+    def transport(self) -> httpx.ASGITransport:
+        """An httpx transport that calls the app in-process (no socket)."""
+        return httpx.ASGITransport(app=self.app())
+
+    def openai_client(self, rollout_id: str | None = None, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` talking to this front in-process; its calls are captured under ``rollout_id``."""
+        import openai  # the test/agent extra; not needed to serve
+
+        headers = dict(kwargs.pop("default_headers", None) or {})
+        if rollout_id is not None:
+            headers[ROLLOUT_HEADER] = rollout_id
+        http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front")
+        kwargs.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(
+            base_url="http://asyncsess-front/v1", api_key="asyncsess", http_client=cast(Any, http), default_headers=headers, **kwargs
+        )
+
+    # ------------------------------------------------------------------ routes
+
+    async def _models_route(self) -> JSONResponse:
+        names = {self.model_name} | {b.sampler.base_model for b in self._all_bindings()}
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in sorted(names)]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _rollout_route(self, rollout_id: str, request: Request) -> JSONResponse:
+        """The captured calls of a rollout (for a trainer in another process); ``DELETE`` also forgets them."""
+        calls = self.captures.pop(rollout_id) if request.method == "DELETE" else self.captures.calls(rollout_id)
+        return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
+
+    async def _stats_route(self) -> JSONResponse:
+        return JSONResponse(self.stats())
+
+    async def _chat_route(self, request: Request) -> Response:
+        return await self._serve(request, ChatRequest, self._chat)
+
+    async def _completions_route(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, self._completion)
+
+    async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any) -> Response:
+        self.counts["requests"] += 1
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError) as err:
+                raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
+            if not isinstance(body, dict):
+                raise FrontError("the body must be a JSON object", None, code="invalid_json")
+            try:
+                req = model.model_validate(body)
+            except ValidationError as err:
+                raise validation_error(err) from None
+            rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
+            return await handler(req, rollout)
+        except FrontError as err:
+            self.counts["errors"] += 1
+            return err.response()
+        except InvalidInputError as err:
+            self.counts["errors"] += 1
+            return FrontError(str(err), err.field).response()
+        except AsyncSessError as err:  # the backend failed, not the request
+            self.counts["errors"] += 1
+            return FrontError(f"the sampler failed: {err}", None, status=503, code="sampler_unavailable").response()
+
+    # ------------------------------------------------------------------ shared steps
+
+    def _all_bindings(self) -> list[_Binding]:
+        return [b for b in [self._default, *self._bindings.values()] if b is not None]
+
+    def _binding(self, rollout: str, model: str) -> _Binding:
+        binding = self._bindings.get(rollout) or self._default
+        if binding is None:
+            raise FrontError(f"no sampler serves rollout {rollout!r}", ROLLOUT_HEADER, status=404, code="rollout_not_found")
+        if model not in (self.model_name, binding.sampler.base_model):
+            raise FrontError(
+                f"the model {model!r} does not exist here; use {self.model_name!r} or {binding.sampler.base_model!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+        return binding
+
+    def _renderer(self, sampler: SamplingClient) -> ChatRenderer:
+        key = sampler.base_model
+        if key not in self._renderers:
+            self._renderers[key] = ChatRenderer(sampler.get_tokenizer())
+        return self._renderers[key]
+
+    def _params(
+        self, req: SamplingRequest, binding: _Binding, prompt_len: int, max_tokens: int | None, stop: list[str | int]
+    ) -> SamplingParams:
+        if req.n > self.max_n:
+            raise FrontError(f"n={req.n} is more than this server allows ({self.max_n})", "n")
+        budget = max_tokens or self.max_tokens
+        if self.context_window is not None:
+            room = self.context_window - prompt_len
+            if room < 1:
+                raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", "messages")
+            budget = min(budget, room)
+        temperature = binding.temperature if binding.temperature is not None else req.temperature
+        if temperature is not None and temperature < _GREEDY_BELOW:
+            temperature = 0.0  # the limit of softmax(x / T) as T -> 0; tinier T overflows the logits
+        return SamplingParams(
+            max_tokens=budget,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=None if req.seed is None else req.seed % 2**63,
+            stop=stop or None,
+        )
+
+    async def _sample(
+        self, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any]
+    ) -> list[SampledSequence]:
+        sampler = binding.sampler
+        if sampler.sampler_id in self._string_stops:
+            params = _stops_as_strings(params, sampler.get_tokenizer())
+        try:
+            response = await sampler.sample(prompt, req.n, params, **topk)
+        except InvalidInputError as err:  # a backend that takes stop strings only (SageMaker): the stop tokens' text
+            if err.field != "sampling_params.stop" or not params.stop_token_ids():
+                raise
+            self._string_stops.add(sampler.sampler_id)
+            response = await sampler.sample(prompt, req.n, _stops_as_strings(params, sampler.get_tokenizer()), **topk)
+        seqs = list(response.sequences)
+        for i, seq in enumerate(seqs):
+            if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):  # score them: a capture needs log-probs
+                lps = await sampler.compute_logprobs(prompt + list(seq.tokens))
+                seqs[i] = seq.model_copy(update={"logprobs": [float(x or 0.0) for x in lps[len(prompt) :]]})
+        self.counts["sampled_tokens"] += sum(len(s.tokens) for s in seqs)
+        return seqs
+
+    def _remember(self, call_id: str, text: str) -> None:
+        self._replies[call_id] = text
+        while len(self._replies) > _MAX_REMEMBERED_REPLIES:
+            self._replies.popitem(last=False)
+
+    def _capture(
+        self, rollout: str, index: int, endpoint: Any, req: SamplingRequest, binding: _Binding, prompt: list[int], choices: list[Choice]
+    ) -> None:
+        request = req.model_dump(exclude={"stream", "stream_options"}, exclude_none=True)
+        self.captures.add(
+            CapturedCall(
+                rollout_id=rollout,
+                call_index=index,
+                endpoint=endpoint,
+                model=req.model,
+                sampler_id=binding.sampler.sampler_id,
+                weight_version=binding.version,
+                prompt_tokens=list(prompt),
+                choices=[
+                    CapturedChoice(
+                        index=c.index, tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish, text=c.text, tool_calls=c.tool_calls
+                    )
+                    for c in choices
+                ],
+                usage=usage(prompt, choices),
+                request=request,
+            )
+        )
+
+    # ------------------------------------------------------------------ chat
+
+    def _chat_messages(self, req: ChatRequest) -> list[dict[str, str]]:
+        out = []
+        for m in req.messages:
+            if m.role == "assistant" and m.tool_calls:
+                raw = [self._replies.get(c.id) for c in m.tool_calls]
+                if raw[0] is not None and all(r == raw[0] for r in raw):
+                    out.append({"role": "assistant", "content": raw[0]})  # exactly what the model wrote
+                    continue
+                calls = [
+                    f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}</tool_call>'
+                    for c in m.tool_calls
+                ]
+                out.append({"role": "assistant", "content": (m.text() + "\n" if m.text() else "") + "\n".join(calls)})
+            else:
+                out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+        return out
+
+    async def _chat(self, req: ChatRequest, rollout: str) -> Response:
+        binding = self._binding(rollout, req.model)
+        if req.parallel_tool_calls is False:
+            raise FrontError(
+                "parallel_tool_calls=false is not supported (a reply may call several tools); leave it unset", "parallel_tool_calls"
+            )
+        for i, m in enumerate(req.messages):
+            if m.name is not None:
+                raise FrontError("message names are not supported (the chat template has no place for them); drop it", f"messages.{i}.name")
+            for j, c in enumerate(m.tool_calls or []):
+                try:
+                    json.loads(c.function.arguments)
+                except ValueError:
+                    raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.{j}.function.arguments") from None
+        for i, t in enumerate(req.tools or []):
+            if t.function.strict:
+                raise FrontError("strict (schema-constrained) tool calls are not supported; leave it unset", f"tools.{i}.function.strict")
+        topk = top_logprobs_kwargs(binding.sampler, req.top_logprobs, "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
+        renderer = self._renderer(binding.sampler)
+        tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
+        try:
+            prompt = renderer.tokens(self._chat_messages(req), tools)
+        except InvalidInputError:
+            raise
+        except Exception as err:  # the template rejected the conversation
+            raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
+        stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
+        params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
+        index = self.captures.reserve(rollout)
+        seqs = await self._sample(binding, prompt, req, params, topk)
+        parse_tools = bool(tools) and req.tool_choice != "none"
+        choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
+        self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
+        tok = renderer.tokenizer
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        headers = {VERSION_HEADER: str(binding.version)}
+        fingerprint = f"asyncsess-w{binding.version}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = chat_chunks(
+                cid, created, req.model, fingerprint, choices, tok, req.logprobs, usage(prompt, choices) if include_usage else None
+            )
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        body = {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": fingerprint,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": chat_message(c),
+                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]}
+                    if req.logprobs
+                    else None,
+                    "finish_reason": c.finish,
+                }
+                for c in choices
+            ],
+            "usage": usage(prompt, choices),
+        }
+        return JSONResponse(body, headers=headers)
+
+    def _chat_choice(
+        self, i: int, seq: SampledSequence, renderer: ChatRenderer, turn_stops: set[int], stops: list[str], parse_tools: bool
+    ) -> Choice:
+        tokens, lps = list(seq.tokens), [float(x) for x in seq.logprobs or []]
+        top = [_top_alternatives(seq, j) for j in range(len(tokens))]
+        body = tokens[:-1] if seq.stop_reason == "stop" and tokens and tokens[-1] in turn_stops else tokens
+        text = str(renderer.tokenizer.decode(body))  # special tokens kept: rendered back, they tokenize the same
+        content, finish = _cut_at_stop(text, stops), "length" if seq.stop_reason == "length" else "stop"
+        tool_calls: list[dict[str, Any]] = []
+        if parse_tools and "<tool_call>" in content:
+            calls, error = parse_tool_calls(content)
+            if error is None and calls:
+                for call in calls:
+                    call_id = f"call_{uuid.uuid4().hex[:24]}"
+                    tool_calls.append(
+                        {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+                    )
+                    self._remember(call_id, text)
+                content = content[: content.index("<tool_call>")].strip()
+                finish = "tool_calls"
+        return Choice(i, tokens, lps, top, finish, text, content if content or not tool_calls else None, tool_calls)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ completions
+
+    async def _completion(self, req: CompletionRequest, rollout: str) -> Response:
+        binding = self._binding(rollout, req.model)
+        topk = top_logprobs_kwargs(binding.sampler, req.logprobs or 0, "logprobs")
+        tok = binding.sampler.get_tokenizer()
+        prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
+        if not prompt:
+            raise FrontError("the prompt is empty", "prompt")
+        vocab = len(cast(Any, tok))  # HF: added tokens included
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise FrontError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        params = self._params(req, binding, len(prompt), req.max_tokens or 16, list(stops))
+        index = self.captures.reserve(rollout)
+        seqs = await self._sample(binding, prompt, req, params, topk)
+        eos = getattr(tok, "eos_token_id", None)
+        choices = []
+        for i, s in enumerate(seqs):
+            tokens = list(s.tokens)
+            reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
+            text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
+            top = [_top_alternatives(s, j) for j in range(len(tokens))]
+            choices.append(Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, []))
+        self._capture(rollout, index, "completions", req, binding, prompt, choices)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        headers = {VERSION_HEADER: str(binding.version)}
+        want_lp = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = completion_chunks(cid, created, req.model, choices, tok, want_lp, usage(prompt, choices) if include_usage else None)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        body = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": f"asyncsess-w{binding.version}",
+            "choices": [
+                {"index": c.index, "text": c.content, "logprobs": legacy_logprobs(tok, c) if want_lp else None, "finish_reason": c.finish}
+                for c in choices
+            ],
+            "usage": usage(prompt, choices),
+        }
+        return JSONResponse(body, headers=headers)
+
+
+async def _no_run(arguments: Any) -> tuple[str, dict[str, float]]:
+    raise RuntimeError("the front renders tools; the agent runs them")
+
+
+def _stops_as_strings(params: SamplingParams, tok: Any) -> SamplingParams:
+    strings = [*params.stop_strings(), *(str(tok.decode([t])) for t in params.stop_token_ids())]
+    return params.model_copy(update={"stop": list(dict.fromkeys(strings))})
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """OpenAI semantics: the reply ends before the first stop string (which is not returned)."""
+    cut = min((text.index(s) for s in stops if s in text), default=len(text))
+    return text[:cut]

@@ -1,0 +1,289 @@
+"""The OpenAI wire format of the front: request schemas (unknown parameters refused), the error body, and the
+encoding of replies, log-probs and server-sent-event streams. Pure data: no sampler here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+__all__ = [
+    "FrontError",
+    "Message",
+    "SamplingRequest",
+    "ChatRequest",
+    "CompletionRequest",
+    "Choice",
+    "validation_error",
+    "usage",
+    "chat_message",
+    "lp_entry",
+    "legacy_logprobs",
+    "chat_chunks",
+    "completion_chunks",
+]
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class FrontError(Exception):
+    """A request the front refuses: HTTP ``status`` and an OpenAI error body naming ``param``."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _check_text(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"contains a lone surrogate at index {err.start}; send valid Unicode text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_check_text)]
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Function(_Req):
+    name: str = Field(min_length=1)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    strict: StrictBool | None = None
+
+
+class _ToolDef(_Req):
+    type: Literal["function"]
+    function: _Function
+
+
+class _CallFunction(_Req):
+    name: str
+    arguments: str
+
+
+class _ToolCall(_Req):
+    id: str
+    type: Literal["function"] = "function"
+    function: _CallFunction
+
+
+class _TextPart(_Req):
+    type: Literal["text"]
+    text: Text
+
+
+class Message(_Req):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[_TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    # what the openai client echoes back from a reply; only empty values are accepted
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _StreamOptions(_Req):
+    include_usage: StrictBool = False
+
+
+class SamplingRequest(_Req):
+    model: str
+    n: StrictInt = Field(default=1, ge=1)
+    stop: str | list[str] | None = Field(default=None)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            _check_text(s)
+            if s == "":
+                raise ValueError("an empty stop string would stop at once; drop it")
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        return v
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[_ToolDef] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt = Field(default=0, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Text | list[StrictInt]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+
+def validation_error(err: ValidationError) -> FrontError:
+    e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
+    # drop the union branch names pydantic adds (str, list[...], function-after[...])
+    loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
+    param = ".".join(loc) or None
+    if e["type"] == "extra_forbidden":
+        return FrontError(
+            f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"
+        )
+    if e["type"] == "missing":
+        return FrontError(f"missing required parameter {param!r}", param, code="missing_required_parameter")
+    return FrontError(f"invalid value for {param!r}: {e['msg']}", param, code="invalid_value")
+
+
+@dataclass
+class Choice:
+    index: int
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    finish: Literal["stop", "length", "tool_calls"]
+    text: str  # the whole reply as the template renders it back (stop token dropped)
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
+def usage(prompt: list[int], choices: Sequence[Choice]) -> dict[str, int]:
+    completion = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+
+def chat_message(c: Choice) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": c.content}
+    if c.tool_calls:
+        msg["tool_calls"] = c.tool_calls
+    return msg
+
+
+def _piece(tok: Any, t: int) -> str:
+    return str(tok.decode([t]))
+
+
+def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+    piece = _piece(tok, t)
+    return {
+        "token": piece,
+        "logprob": lp,
+        "bytes": list(piece.encode("utf-8", "replace")),
+        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(_piece(tok, a).encode("utf-8", "replace"))} for a, b in top],
+    }
+
+
+def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
+    pieces = [_piece(tok, t) for t in c.tokens]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    top = [{_piece(tok, a): b for a, b in alts} for alts in c.top] if any(c.top) else None
+    return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _content_pieces(tok: Any, tokens: list[int], content: str) -> list[str]:
+    """Per-token text deltas whose concatenation is ``content`` (incremental decoding, cut at its end)."""
+    pieces, prev = [], ""
+    for i in range(len(tokens)):
+        cur = str(tok.decode(tokens[: i + 1], skip_special_tokens=True))[: len(content)]
+        if not content.startswith(cur):  # a multi-byte character not complete yet
+            cur = prev
+        pieces.append(cur[len(prev) :])
+        prev = cur
+    if prev != content:
+        pieces.append(content[len(prev) :])
+    return pieces
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def chat_chunks(
+    cid: str, created: int, model: str, fingerprint: str, choices: list[Choice], tok: Any, logprobs: bool, usage: dict[str, int] | None
+) -> AsyncIterator[str]:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None) -> str:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": {"content": lps} if logprobs and lps is not None else None,
+            "finish_reason": finish,
+        }
+        extra = {"usage": None} if usage is not None else {}
+        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint}
+        return _sse({**obj, "choices": [choice], **extra})
+
+    for c in choices:
+        entries = [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+        if c.tool_calls:
+            yield chunk(c.index, {"content": c.content or ""}, lps=entries)
+            calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
+            yield chunk(c.index, {"tool_calls": calls})
+        else:
+            pieces = _content_pieces(tok, c.tokens, c.content or "")
+            for k, piece in enumerate(pieces):
+                yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
+        yield chunk(c.index, {}, c.finish)
+    if usage is not None:
+        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint}
+        yield _sse({**obj, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"
+
+
+async def completion_chunks(
+    cid: str, created: int, model: str, choices: list[Choice], tok: Any, logprobs: bool, usage: dict[str, int] | None
+) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, finish: str | None, lp: dict[str, Any] | None) -> str:
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        return _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]})
+
+    for c in choices:
+        pieces = _content_pieces(tok, c.tokens, c.content or "")
+        legacy = legacy_logprobs(tok, c) if logprobs else None
+        for k, piece in enumerate(pieces):
+            lp = None
+            if legacy is not None and k < len(c.tokens):
+                top = legacy["top_logprobs"][k : k + 1] if legacy["top_logprobs"] else None
+                lp = {
+                    "tokens": legacy["tokens"][k : k + 1],
+                    "token_logprobs": c.logprobs[k : k + 1],
+                    "top_logprobs": top,
+                    "text_offset": [0],
+                }
+            yield chunk(c.index, piece, None, lp)
+        yield chunk(c.index, "", c.finish, None)
+    if usage is not None:
+        yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,95 @@
+"""The agent RL loop on mock://: the recipe learns, captures train only sampled tokens, resume, staleness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncsess.agent_train import AgentRLConfig, train_agent_rl
+from asyncsess.capture import read_trajectories
+from asyncsess.metrics import read_metrics
+from examples import agent_rl
+from tests.recipes.helpers import check_metrics_file
+
+pytestmark = pytest.mark.anyio
+FAST = ["max_steps=12", "eval_every=0", "save_every=0", "n_test=4", "group_size=6"]
+
+
+async def test_recipe_reward_rises_and_metrics_and_trajectories_are_written(tmp_path):
+    result = await agent_rl.main([f"run_dir={tmp_path}", *FAST])
+    records = check_metrics_file(tmp_path, {"env/all/reward/total", "env/all/calls", "env/all/drift", "async/staleness_max", "optim/loss"})
+    rewards = [r["env/all/reward/total"] for r in records if "env/all/reward/total" in r]
+    assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+    assert result.after["test/env/all/reward/total"] > result.before["test/env/all/reward/total"]
+    lines = read_trajectories(tmp_path / "trajectories.jsonl")
+    assert len(lines) == 12 * 4 * 6 + 2 * 4  # every training rollout, and the held-out ones before and after
+    assert {line["temperature"] for line in lines} == {0.0, 1.0}
+    for line in lines:
+        assert line["calls"] and all(c["request"]["tools"][0]["function"]["name"] == "calc" for c in line["calls"])
+
+
+def sampled(line: dict) -> tuple[list[int], list[float]]:
+    """The tokens the model sampled on the rollout's path, and their log-probs, from the raw calls."""
+    tokens, lps = [], []
+    for call, k in zip(line["calls"], line["chosen"]):
+        tokens += call["choices"][k]["tokens"]
+        lps += call["choices"][k]["logprobs"]
+    return tokens, lps
+
+
+async def test_multi_turn_agent_trains_only_what_the_model_sampled(tmp_path):
+    async def chatty(client, task) -> float:
+        messages = [{"role": "user", "content": task}]
+        for turn in range(3):
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=12)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": f"go on {turn}"}]
+        return float(sum(c.isdigit() for m in messages[1::2] for c in m["content"]))
+
+    cfg = AgentRLConfig(url="mock://?max_context=2048", groups_per_batch=2, group_size=4, max_steps=3, learning_rate=0.5, max_tokens=12)
+    await train_agent_rl(cfg, chatty, ["a", "b", "c"], [], tmp_path, progress=False)
+    lines = read_trajectories(tmp_path / "trajectories.jsonl")
+    assert len(lines) == 3 * 2 * 4
+    drifts = 0
+    for line in lines:
+        assert len(line["calls"]) == 3 and [c["call_index"] for c in line["calls"]] == [0, 1, 2]
+        assert len(line["segments"]) == 1 + len(line["drift"])  # every drift splits, nothing else does
+        drifts += len(line["drift"])
+        trained = [t for s in line["segments"] for t, m in zip(s["tokens"], s["mask"]) if m]
+        trained_lps = [lp for s in line["segments"] for lp, m in zip(s["logprobs"], s["mask"]) if m]
+        assert (trained, trained_lps) == sampled(line)  # exactly the sampled tokens, with the sampler's log-probs
+    steps = [r for r in read_metrics(tmp_path) if "env/all/drift" in r]
+    assert sum(r["env/all/drift"] for r in steps) * 8 == pytest.approx(drifts)  # the per-episode mean, 8 episodes a step
+
+
+async def test_resume_continues_the_run(tmp_path):
+    await agent_rl.main([f"run_dir={tmp_path}", "max_steps=4", "save_every=2", "eval_every=0", "n_test=2", "group_size=4"])
+    await agent_rl.main([f"run_dir={tmp_path}", "max_steps=6", "save_every=2", "eval_every=0", "n_test=2", "group_size=4"])
+    records = check_metrics_file(tmp_path, {"env/all/reward/total"})
+    assert [r["step"] for r in records if "env/all/reward/total" in r] == list(range(6))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["max_steps"] == 6 and config["model_name"] == "policy"
+
+
+async def test_staleness_bound_holds_with_async_groups(tmp_path):
+    cfg = AgentRLConfig(url="mock://?max_context=4096", groups_per_batch=2, group_size=4, max_steps=5, max_steps_off_policy=1, max_tokens=8)
+
+    async def agent(client, task) -> float:
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}])
+        return float(len(reply.choices[0].message.content or ""))
+
+    await train_agent_rl(cfg, agent, ["x", "y", "z"], [], tmp_path, progress=False)
+    lines = read_trajectories(tmp_path / "trajectories.jsonl")
+    assert all(len(line["calls"][0]["choices"][0]["tokens"]) <= 8 for line in lines)  # the loop's max_tokens is the default
+    steps = [r for r in read_metrics(tmp_path) if "async/staleness_max" in r]
+    assert len(steps) == 5 and max(r["async/staleness_max"] for r in steps) <= 1
+
+
+async def test_an_agent_error_stops_the_run_with_that_error(tmp_path):
+    async def broken(client, task) -> float:
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        raise RuntimeError("agent bug")
+
+    cfg = AgentRLConfig(url="mock://", groups_per_batch=1, group_size=2, max_steps=2)
+    with pytest.raises(RuntimeError, match="agent bug"):
+        await train_agent_rl(cfg, broken, ["t"], [], tmp_path, progress=False)

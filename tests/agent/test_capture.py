@@ -1,0 +1,131 @@
+"""Captures merged into trajectories: masks token by token over a multi-turn tool conversation, and drift."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncsess import ServiceClient
+from asyncsess.capture import CaptureStore, build_trajectory, read_trajectories
+from asyncsess.serve.openai_front import OpenAIFront
+
+from .helpers import CALC, ScriptedSampler
+
+pytestmark = pytest.mark.anyio
+CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>'
+TASK = [{"role": "user", "content": "What is 2+3? Use the calculator."}]
+
+
+@pytest.fixture
+async def real():
+    async with ServiceClient("mock://?max_context=2048") as svc:
+        yield await svc.create_sampling_client(base_model="mock/bigram-tiny")
+
+
+async def tool_agent(client, echo_back=lambda message: message) -> str:
+    """A plain OpenAI function-calling loop: call the model, run its tool calls, answer with the last reply."""
+    messages = list(TASK)
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], seed=0)
+        message = reply.choices[0].message
+        messages.append(echo_back(message))
+        if not message.tool_calls:
+            return message.content
+        for call in message.tool_calls:
+            result = str(eval(json.loads(call.function.arguments)["expr"]))  # the test's own calculator
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return ""
+
+
+async def test_tool_calls_round_trip_and_masks_are_right_token_by_token(real):
+    front = OpenAIFront(ScriptedSampler(real, ["Let me compute. " + CALL, "It is 5."]))
+    async with front.openai_client("r") as client:
+        assert await tool_agent(client) == "It is 5."
+    first, second = front.captures.calls("r")
+    assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].tool_calls[0]["function"]["name"] == "calc"
+    traj = build_trajectory("r", [first, second], reward=1.0)
+    assert traj.drift == []
+    [seg] = traj.segments()
+    tok = real.get_tokenizer()
+    r1, r2 = first.choices[0].tokens, second.choices[0].tokens
+    assert seg["tokens"] == second.prompt_tokens + r2  # one sequence: the later prompt extends the earlier
+    assert seg["tokens"][: len(first.prompt_tokens) + len(r1)] == first.prompt_tokens + r1
+    expected = [0.0] * len(seg["tokens"])
+    for start, n in ((len(first.prompt_tokens), len(r1)), (len(second.prompt_tokens), len(r2))):
+        expected[start : start + n] = [1.0] * n
+    assert seg["mask"] == expected
+    trained = [t for t, m in zip(seg["tokens"], seg["mask"]) if m]
+    assert tok.decode(trained) == "Let me compute. " + CALL + "<|end|>" + "It is 5.<|end|>"
+    untrained = tok.decode([t for t, m in zip(seg["tokens"], seg["mask"]) if not m])
+    assert "<tool_response>\n5\n</tool_response>" in untrained and "What is 2+3?" in untrained and "calc" in untrained
+    lps = [lp for lp, m in zip(seg["logprobs"], seg["mask"]) if m]
+    assert lps == first.choices[0].logprobs + second.choices[0].logprobs
+    scored = await real.compute_logprobs(seg["tokens"])
+    assert lps == [s for s, m in zip(scored, seg["mask"]) if m]  # the sampler's log-probs on the merged tokens
+    [(datum, mask)] = traj.datums(0.5)
+    assert datum.loss_fn_inputs["advantages"].data == [0.5 * m for m in mask]
+
+
+async def test_reformatted_tool_call_is_detected_as_drift_and_not_trained(real):
+    """The agent rebuilds the assistant message itself (new ids, re-serialised arguments): the next prompt
+    no longer extends the tokens the model produced."""
+
+    def rebuilt(message):
+        calls = [
+            {"id": "mine-" + c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls or []
+        ]
+        return {"role": "assistant", "content": message.content, **({"tool_calls": calls} if calls else {})}
+
+    front = OpenAIFront(ScriptedSampler(real, ['<tool_call>{"name":"calc","arguments":{"expr":"2+3"}}</tool_call>', "5"]))
+    async with front.openai_client("d") as client:
+        assert await tool_agent(client, rebuilt) == "5"
+    first, second = front.captures.calls("d")
+    traj = build_trajectory("d", [first, second], reward=1.0)
+    [drift] = traj.drift
+    assert drift.reason == "completion_retokenized" and drift.call_index == 1 and drift.handling == "split"
+    assert len(first.prompt_tokens) <= drift.position < len(first.prompt_tokens) + len(first.choices[0].tokens)
+    a, b = traj.segments()
+    assert a["tokens"] == first.prompt_tokens + first.choices[0].tokens
+    assert b["tokens"] == second.prompt_tokens + second.choices[0].tokens
+    trained_b = [t for t, m in zip(b["tokens"], b["mask"]) if m]
+    assert trained_b == second.choices[0].tokens  # the re-rendered call in the new prompt is not trained
+    assert traj.trajectory().metrics["drift"] == 1.0
+
+
+async def test_edited_history_is_prompt_changed_drift(real):
+    front = OpenAIFront(real)
+    async with front.openai_client("e") as client:
+        r = await client.chat.completions.create(model="policy", messages=TASK, max_tokens=6, seed=1)
+        edited = [{"role": "user", "content": "Something else."}, {"role": "assistant", "content": r.choices[0].message.content}]
+        await client.chat.completions.create(model="policy", messages=edited, max_tokens=6, seed=1)
+    traj = build_trajectory("e", front.captures.calls("e"), 0.0)
+    assert [d.reason for d in traj.drift] == ["prompt_changed"] and len(traj.segments()) == 2
+
+
+async def test_n_choices_follow_the_one_the_agent_continued(real):
+    front = OpenAIFront(real)
+    async with front.openai_client("n") as client:
+        r = await client.chat.completions.create(model="policy", messages=TASK, n=4, max_tokens=6, seed=2, stop=[])
+        picked = r.choices[2].message.content
+        msgs = [*TASK, {"role": "assistant", "content": picked}, {"role": "user", "content": "ok"}]
+        await client.chat.completions.create(model="policy", messages=msgs, max_tokens=6, seed=3)
+    calls = front.captures.calls("n")
+    traj = build_trajectory("n", calls, 1.0)
+    assert traj.chosen[0] == 2 and traj.drift == [] and len(traj.segments()) == 1
+
+
+async def test_store_jsonl_and_trajectory_records_round_trip(real, tmp_path):
+    store = CaptureStore()
+    front = OpenAIFront(real, captures=store, version=3)
+    async with front.openai_client("j") as client:
+        await client.chat.completions.create(model="policy", messages=TASK, max_tokens=5, seed=4)
+    assert store.write_jsonl(tmp_path / "calls.jsonl") == 1
+    line = json.loads((tmp_path / "calls.jsonl").read_text())
+    assert line["weight_version"] == 3 and line["rollout_id"] == "j" and line["request"]["seed"] == 4
+    traj = build_trajectory("j", store.pop("j"), 0.25)
+    (tmp_path / "t.jsonl").write_text(json.dumps(traj.record()) + "\n")
+    [rec] = read_trajectories(tmp_path / "t.jsonl")
+    assert rec["reward"] == 0.25 and rec["weight_versions"] == [3] and rec["segments"] == traj.segments()
+    assert store.calls("j") == [] and store.reserve("j") == 0

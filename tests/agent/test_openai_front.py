@@ -1,0 +1,243 @@
+"""The OpenAI front on mock:// through the official openai client: exact captures, streaming, bad requests."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from asyncsess import ServiceClient
+from asyncsess.capture import CapturedCall
+from asyncsess.serve.openai_front import OpenAIFront
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture
+async def sampler():
+    async with ServiceClient("mock://?latency_ms=1", max_samples_in_flight=8) as svc:
+        yield await svc.create_sampling_client(base_model="mock/bigram-tiny")
+
+
+async def test_captured_logprobs_equal_compute_logprobs(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("r") as client:
+        reply = await client.chat.completions.create(model="policy", messages=HI, n=3, seed=7, max_tokens=24, logprobs=True)
+    [call] = front.captures.calls("r")
+    assert call.weight_version == 0 and call.sampler_id == sampler.sampler_id and len(call.choices) == 3
+    assert call.usage == {
+        "prompt_tokens": len(call.prompt_tokens),
+        "completion_tokens": sum(len(c.tokens) for c in call.choices),
+        "total_tokens": len(call.prompt_tokens) + sum(len(c.tokens) for c in call.choices),
+    }
+    assert reply.usage.prompt_tokens == len(call.prompt_tokens)
+    assert call.prompt_tokens == sampler.get_tokenizer().apply_chat_template(HI, add_generation_prompt=True)
+    for choice, served in zip(call.choices, reply.choices):
+        scored = await sampler.compute_logprobs(call.prompt_tokens + choice.tokens)
+        assert choice.logprobs == scored[len(call.prompt_tokens) :]  # exact on mock
+        assert [e.logprob for e in served.logprobs.content] == choice.logprobs
+        assert served.finish_reason == choice.finish_reason
+
+
+async def test_streamed_and_plain_captures_are_identical(sampler):
+    front = OpenAIFront(sampler)
+    kwargs = dict(model="policy", messages=HI, n=2, seed=123, max_tokens=30, logprobs=True, temperature=0.8, stop=["xyz"])
+    async with front.openai_client("plain") as client:
+        plain = await client.chat.completions.create(**kwargs)
+    async with front.openai_client("streamed") as client:
+        stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+    [a], [b] = front.captures.calls("plain"), front.captures.calls("streamed")
+    assert a.model_dump(exclude={"rollout_id"}) == b.model_dump(exclude={"rollout_id"})
+    for choice in plain.choices:  # what the stream carried adds up to the plain reply
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [e.logprob for c in mine if c.logprobs for e in c.logprobs.content] == [e.logprob for e in choice.logprobs.content]
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+
+
+async def test_seed_reproduces_and_temperature_zero_is_greedy(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        r1 = await client.chat.completions.create(model="policy", messages=HI, seed=5, max_tokens=16)
+        r2 = await client.chat.completions.create(model="mock/bigram-tiny", messages=HI, seed=5, max_tokens=16)
+        g = await client.chat.completions.create(model="policy", messages=HI, temperature=0, max_tokens=16, n=2)
+    assert r1.choices[0].message.content == r2.choices[0].message.content
+    assert g.choices[0].message.content == g.choices[1].message.content
+    calls = front.captures.calls("default")
+    assert [c.call_index for c in calls] == [0, 1, 2]
+
+
+async def test_stop_strings_end_the_reply_and_max_tokens_reports_length(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("s") as client:
+        long = await client.chat.completions.create(model="policy", messages=HI, seed=3, max_tokens=40, stop=[])
+        text = long.choices[0].message.content
+        stop = text[5:7]
+        cut = await client.chat.completions.create(model="policy", messages=HI, seed=3, max_tokens=40, stop=[stop])
+        short = await client.chat.completions.create(model="policy", messages=HI, seed=3, max_completion_tokens=4)
+    assert stop not in cut.choices[0].message.content and text.startswith(cut.choices[0].message.content)
+    assert cut.choices[0].finish_reason == "stop"
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4
+
+
+async def test_completions_endpoint_captures_and_streams(sampler):
+    front = OpenAIFront(sampler)
+    tok = sampler.get_tokenizer()
+    async with front.openai_client("c") as client:
+        plain = await client.completions.create(model="policy", prompt="Q: 2+2=", max_tokens=12, seed=9, logprobs=0)
+        stream = await client.completions.create(model="policy", prompt="Q: 2+2=", max_tokens=12, seed=9, logprobs=0, stream=True)
+        chunks = [c async for c in stream]
+        ids = await client.completions.create(model="policy", prompt=tok.encode("Q: 2+2="), max_tokens=12, seed=9)
+    a, b, c = front.captures.calls("c")
+    assert a.endpoint == "completions" and a.prompt_tokens == tok.encode("Q: 2+2=")
+    assert a.model_dump(exclude={"call_index", "request"}) == b.model_dump(exclude={"call_index", "request"})
+    assert c.choices[0].tokens == a.choices[0].tokens  # token-id prompts sample the same
+    scored = await sampler.compute_logprobs(a.prompt_tokens + a.choices[0].tokens)
+    assert plain.choices[0].logprobs.token_logprobs == a.choices[0].logprobs == scored[len(a.prompt_tokens) :]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == plain.choices[0].text == ids.choices[0].text
+
+
+async def test_models_and_stats_routes(sampler):
+    front = OpenAIFront(sampler, model_name="agent-policy")
+    async with front.openai_client() as client:
+        models = await client.models.list()
+        assert {m.id for m in models.data} == {"agent-policy", "mock/bigram-tiny"}
+        await client.chat.completions.create(model="agent-policy", messages=HI, max_tokens=4)
+        stats = (await client._client.get("http://asyncsess-front/v1/asyncsess/stats")).json()
+    assert stats["requests"] == 1 and stats["completed"] >= 1 and stats["max_in_flight"] == 8 and stats["queued"] == 0
+
+
+BAD = [
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"n": "two"}, 400, "n"),
+    ({"n": 1000}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": True}, 400, "n"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"temperature": math.nan}, 400, "temperature"),
+    ({"temperature": math.inf}, 400, "temperature"),
+    ({"temperature": 5e-324}, 200, None),  # subnormal, but a valid temperature
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 10**30}, 200, None),  # capped to the context
+    ({"seed": 2**80}, 400, "seed"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+    ({"top_logprobs": 5, "logprobs": True}, 400, "top_logprobs"),
+    ({"stop": [""]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages.0.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools.0.function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200, None),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+                }
+            ]
+        },
+        400,
+        "messages.0.tool_calls.0.function.arguments",
+    ),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "nul \x00 ok"}]}, 200, None),
+    ({"messages": [{"role": "user", "content": "long " * 20000}]}, 400, "prompt"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0.type"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "param"), BAD)
+async def test_bad_requests_get_4xx_naming_the_parameter_and_the_server_keeps_serving(sampler, change, status, param):
+    front = OpenAIFront(sampler)
+    body = {"model": "policy", "messages": HI, "max_tokens": 4, **change}
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        content = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+        r = await http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        if param is not None:
+            err = r.json()["error"]
+            assert err["param"] == param and param.split(".")[-1] in err["message"]
+        ok = await http.post("/v1/chat/completions", json={"model": "policy", "messages": HI, "max_tokens": 4})
+        assert ok.status_code == 200
+
+
+async def test_broken_bodies_get_400(sampler):
+    front = OpenAIFront(sampler)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        for content in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+            r = await http.post("/v1/chat/completions", content=content)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = await http.post("/v1/completions", json={"model": "policy", "prompt": [10**30]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = await http.post("/v1/completions", json={"model": "policy", "prompt": "x", "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+async def test_the_official_client_raises_typed_errors(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await client.chat.completions.create(model="nope", messages=HI)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="policy", messages=HI, n=65)
+        assert info.value.param == "n"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="policy", messages=HI, frequency_penalty=1.0)
+        assert info.value.param == "frequency_penalty" and "unsupported parameter" in info.value.message
+
+
+async def test_64_concurrent_rollouts_share_the_pool_with_visible_backpressure(sampler):
+    front = OpenAIFront(sampler)
+    peak = {"queued": 0, "in_flight": 0}
+    done = anyio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            s = front.stats()
+            peak["queued"], peak["in_flight"] = max(peak["queued"], s["queued"]), max(peak["in_flight"], s["in_flight"])
+            await anyio.sleep(0)
+
+    async def agent(i: int) -> None:
+        async with front.openai_client(f"r{i}") as client:
+            messages = [{"role": "user", "content": f"task {i}"}]
+            for _ in range(2):
+                reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=i)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "again"}]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        async with anyio.create_task_group() as agents:
+            for i in range(64):
+                agents.start_soon(agent, i)
+        done.set()
+    assert front.counts["errors"] == 0 and front.counts["requests"] == 128
+    assert peak["queued"] > 0 and peak["in_flight"] == 8  # bounded by max_samples_in_flight, and callers waited
+    assert sorted(front.captures.rollout_ids()) == sorted(f"r{i}" for i in range(64))
+    assert all([c.call_index for c in front.captures.calls(f"r{i}")] == [0, 1] for i in range(64))
+
+
+async def test_captures_can_be_fetched_and_dropped_over_http(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("remote") as client:
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=3, seed=1)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        got = (await http.get("/v1/asyncsess/rollouts/remote")).json()
+        assert [CapturedCall.model_validate(c) for c in got["calls"]] == front.captures.calls("remote")
+        dropped = (await http.delete("/v1/asyncsess/rollouts/remote")).json()
+        assert dropped["calls"] == got["calls"]
+        assert (await http.get("/v1/asyncsess/rollouts/remote")).json()["calls"] == []
+    assert front.captures.rollout_ids() == []

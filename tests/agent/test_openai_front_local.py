@@ -1,0 +1,92 @@
+"""The OpenAI front on local:// (the tiny offline Llama with a BPE tokenizer and a chat template, CPU).
+
+Tolerance: captured sample log-probs equal ``compute_logprobs`` on the captured tokens within 1e-4 (both are
+fp32 on CPU; they differ only by batching and kernel order)."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import quote
+
+import pytest
+
+from asyncsess import ServiceClient
+from asyncsess.capture import build_trajectory
+from asyncsess.chat import chat_tokens
+from asyncsess.serve.openai_front import OpenAIFront
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = [pytest.mark.local, pytest.mark.anyio]
+TOLERANCE = 1e-4
+HI = [{"role": "user", "content": "what is two plus three?"}]
+
+
+@pytest.fixture
+async def sampler(tmp_path):
+    from asyncsess_local.testing import tiny_llama_dir
+
+    tiny = str(tiny_llama_dir())
+    async with ServiceClient(f"local://?model={quote(tiny)}&device=cpu&dir={quote(str(tmp_path))}") as svc:
+        yield await svc.create_sampling_client(base_model=tiny)
+
+
+async def test_local_captures_match_compute_logprobs_and_stream_equals_plain(sampler):
+    front = OpenAIFront(sampler)
+    kwargs = dict(model="policy", messages=HI, n=2, seed=11, max_tokens=16, logprobs=True)
+    async with front.openai_client("plain") as client:
+        plain = await client.chat.completions.create(**kwargs)
+    async with front.openai_client("streamed") as client:
+        chunks = [c async for c in await client.chat.completions.create(**kwargs, stream=True)]
+    [a], [b] = front.captures.calls("plain"), front.captures.calls("streamed")
+    assert a.prompt_tokens == chat_tokens(sampler.get_tokenizer(), HI, add_generation_prompt=True)
+    for choice in a.choices:
+        scored = await sampler.compute_logprobs(a.prompt_tokens + choice.tokens)
+        assert choice.logprobs == pytest.approx(scored[len(a.prompt_tokens) :], abs=TOLERANCE)
+    assert [c.tokens for c in a.choices] == [c.tokens for c in b.choices]  # same seed, same tokens
+    for x, y in zip(a.choices, b.choices):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=TOLERANCE) and x.text == y.text
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == 0)
+    assert text == plain.choices[0].message.content
+
+
+async def test_local_multi_turn_trains_only_sampled_tokens(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("m") as client:
+        messages = list(HI)
+        for turn in range(3):
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=10, seed=turn)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "and then?"}]
+    calls = front.captures.calls("m")
+    traj = build_trajectory("m", calls, 1.0)
+    segments = traj.segments()
+    assert len(segments) == 1 + len(traj.drift)
+    trained = [t for s in segments for t, m in zip(s["tokens"], s["mask"]) if m]
+    assert trained == [t for c in calls for t in c.choices[0].tokens]
+
+
+async def test_http_backend_captures_match_compute_logprobs(tmp_path):
+    """The same front over http:// (a running worker in a thread): the backend does not matter to it."""
+    from asyncsess_local.embedded import LocalBackend
+    from asyncsess_local.server import serve_in_thread
+    from asyncsess_local.testing import tiny_llama_dir
+
+    tiny = str(tiny_llama_dir())
+    worker = serve_in_thread(LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path)), ["k"])
+    try:
+        async with ServiceClient(worker.url, api_key="k") as svc:
+            sampler = await svc.create_sampling_client(base_model=tiny)
+            front = OpenAIFront(sampler)
+            async with front.openai_client("h") as client:
+                messages = list(HI)
+                for seed in (1, 2):
+                    reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=seed)
+                    messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "so?"}]
+            calls = front.captures.calls("h")
+            for call in calls:
+                scored = await sampler.compute_logprobs(call.prompt_tokens + call.choices[0].tokens)
+                assert call.choices[0].logprobs == pytest.approx(scored[len(call.prompt_tokens) :], abs=TOLERANCE)
+            traj = build_trajectory("h", calls, 1.0)
+            trained = [t for s in traj.segments() for t, m in zip(s["tokens"], s["mask"]) if m]
+            assert trained == [t for c in calls for t in c.choices[0].tokens]
+    finally:
+        worker.stop()
