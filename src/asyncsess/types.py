@@ -33,6 +33,12 @@ __all__ = [
     "LoadWeightsResponse",
     "LoadStateResponse",
     "Checkpoint",
+    "ModelPackageInfo",
+    "SessionSummary",
+    "TrainingSessionSummary",
+    "TrainingRun",
+    "TokenLogprob",
+    "TopkLogprobs",
     "SupportedModel",
     "ServerCapabilities",
     "GetInfoResponse",
@@ -337,18 +343,33 @@ class OptimStepResponse(_Model):
     step: int = 0
 
 
+TopkLogprobs = list[list[tuple[int, float]] | None]
+"""Per position, the ``(token_id, logprob)`` pairs of the k most likely tokens, most likely first (``None``: not scored)."""
+
+
+class TokenLogprob(_Model):
+    """SageMaker's ``(token_id, logprob)`` record."""
+
+    token_id: int
+    logprob: float
+
+
 class SampledSequence(_Model):
     stop_reason: Literal["length", "stop"]
     tokens: list[int]
     logprobs: list[float] | None = None
     sequence_id: str | None = None
     usage: Usage = Field(default_factory=Usage)
+    topk_logprobs: TopkLogprobs | None = None  # one entry per sampled token when topk_sample_logprobs > 0
 
 
 class SampleResponse(_Model):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     usage: Usage = Field(default_factory=Usage)
+    topk_prompt_logprobs: TopkLogprobs | None = None  # one entry per prompt token (the first is None)
+    target_prompt_logprobs: TensorData | None = None  # float32 [len(prompt)-1, K]; 0.0 where the id was -1
+    prompt_cache_hit_tokens: int = 0
 
 
 CheckpointKind = Literal["state", "sampler", "merged"]
@@ -381,12 +402,72 @@ LoadStateResponse = LoadWeightsResponse
 
 
 class Checkpoint(_Model):
+    """A saved checkpoint (Tinker's ``Checkpoint``; SageMaker's ``ModelPackageInfo`` via the aliases)."""
+
     checkpoint_id: str
     checkpoint_type: Literal["training", "sampler", "merged"]
     path: str
     time: float
     step: int = 0
     size_bytes: int | None = None
+    description: str | None = None
+    user_metadata: dict[str, str] | None = None
+    expires_at: float | None = None
+
+    @property
+    def tinker_path(self) -> str:
+        return self.path
+
+    @property
+    def model_package_arn(self) -> str:
+        return self.path
+
+    @property
+    def kind(self) -> str:
+        """SageMaker's ``ModelPackageKind``: ``CHECKPOINT`` (resumable state) or ``MODEL``."""
+        return "CHECKPOINT" if self.checkpoint_type == "training" else "MODEL"
+
+    @property
+    def creation_time(self) -> float:
+        return self.time
+
+
+ModelPackageInfo = Checkpoint
+
+
+class SessionSummary(_Model):
+    """One session this client knows of (SageMaker's ``TrainingSessionSummary``)."""
+
+    session_id: str
+    kind: Literal["training", "sampler"]
+    status: Literal["Running", "Stopped", "Deleted"]
+    base_model: str = ""
+    creation_time: float = 0.0
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def training_session_name(self) -> str:
+        return self.session_id
+
+    @property
+    def training_session_status(self) -> str:
+        return self.status
+
+
+TrainingSessionSummary = SessionSummary
+
+
+class TrainingRun(_Model):
+    """Tinker's ``TrainingRun``: one training session and its checkpoints."""
+
+    training_run_id: str
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int | None = None
+    corrupted: bool = False
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 class SupportedModel(_Model):
@@ -411,6 +492,8 @@ class GetInfoResponse(_Model):
     lora_alpha: float
     seed: int | None = None
     step: int = 0
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+    session_options: dict[str, Any] = Field(default_factory=dict)  # SageMaker per-call options, as given
 
 
 TrainingResult = Union[ForwardBackwardOutput, OptimStepResponse, CheckpointResponse, LoadWeightsResponse]  # noqa: UP007 (3.10 runtime alias)
