@@ -220,8 +220,8 @@ class ServiceClient:
             raise InvalidInputError(f"{alpha!r} must be > 0", field="alpha", fix="e.g. alpha=2*rank, or None for the backend default")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise InvalidInputError(f"{seed!r} is not a seed", field="seed", fix="an int in 0..2**63-1, or None")
-        flags = [True if f is None else f for f in (train_mlp, train_attn, train_unembed)]  # SageMaker spells "default" None
-        if not any(flags):
+        mlp, attn, unembed = (True if f is None else f for f in (train_mlp, train_attn, train_unembed))  # SageMaker: None = default
+        if not (mlp or attn or unembed):
             raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="leave at least one True")
         _check_base_model(base_model)
         options = check_session_options(
@@ -235,7 +235,15 @@ class ServiceClient:
             }
         )
         spec = TrainingSessionSpec(
-            base_model, rank, alpha, seed, *flags, user_metadata=check_user_metadata(user_metadata), session_options=options
+            base_model,
+            rank,
+            alpha,
+            seed,
+            train_mlp=mlp,
+            train_attn=attn,
+            train_unembed=unembed,
+            user_metadata=check_user_metadata(user_metadata),
+            session_options=options,
         )
         return await self._open_training(spec)
 
@@ -564,6 +572,7 @@ class TrainingClient:
         self._stopped = False
         self._tokenizer: Tokenizer | None = None
         self._limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context) for checks before numbering
+        self._saved_names: set[tuple[str, str]] = set()
         self._finalizer = weakref.finalize(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
 
     def __repr__(self) -> str:
@@ -651,7 +660,7 @@ class TrainingClient:
         not a valid name is SageMaker's free-text ``description`` and the backend picks the name.
         ``overwrite=True`` replaces a checkpoint of the same name.
         """
-        fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata)
+        fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_state")
         return self._submit("save_state", **fields)
 
     def save_weights_for_sampler(
@@ -665,7 +674,7 @@ class TrainingClient:
         overwrite: bool = False,
     ) -> APIFuture[CheckpointResponse]:
         """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
-        fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata)
+        fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_weights")
         return self._submit("save_weights", merge_weights=_check_bool(merge_weights, "merge_weights"), **fields)
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
@@ -728,7 +737,7 @@ class TrainingClient:
         """
         if kind != "snapshot":
             raise UnsupportedError(f"kind={kind!r}", field="kind", fix='use kind="snapshot" (samplers pin their weights)')
-        fields = self._save_fields(name, description, None, False, None)
+        fields = self._save_fields(name, description, None, False, None, "save_weights")
         saved = await self._submit(
             "save_weights", merge_weights=_check_bool(merge_weights, "merge_weights"), ephemeral=fields["name"] is None, **fields
         )
@@ -792,15 +801,20 @@ class TrainingClient:
                 raise
             raise InvalidInputError(str(err).splitlines()[0], field="data", fix="pass list[Datum] with per-token loss_fn_inputs") from None
 
-    def _save_fields(self, name: Any, description: Any, ttl: Any, overwrite: Any, meta: Any) -> dict[str, Any]:
+    def _save_fields(self, name: Any, description: Any, ttl: Any, overwrite: Any, meta: Any, kind: str) -> dict[str, Any]:
         name, desc = split_name_and_description(name, description)
-        return {
+        fields = {
             "name": name,
             "description": desc,
             "ttl_seconds": check_ttl_seconds(ttl),
             "overwrite": _check_bool(overwrite, "overwrite"),
             "user_metadata": check_user_metadata(meta) or None,
         }
+        if name is not None:  # a name this client already used would be refused by the backend after numbering
+            if (kind, name) in self._saved_names and not overwrite:
+                raise ConflictError(f"this session already saved {name!r}", field="name", fix="pick another name, or pass overwrite=True")
+            self._saved_names.add((kind, name))
+        return fields
 
     def _coerce_rl_datums(self, data: Any) -> tuple[Datum, ...]:
         """Datums for a custom loss: anything with ``target_tokens`` (other keys are passed to the loss fn)."""
