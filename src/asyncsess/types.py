@@ -243,6 +243,8 @@ class SamplingParams(_Model):
     ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
     """
 
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -287,6 +289,8 @@ class SamplingParams(_Model):
 
 class AdamParams(_Model):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     learning_rate: float = Field(default=1e-4, ge=0.0)
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
