@@ -364,7 +364,9 @@ class ServiceClient:
         row = await self.describe_session(name_or_arn)
         if row.status == "Running":
             if not stop_if_active:
-                raise ConflictError(f"session {name_or_arn} is running", field="name_or_arn", fix="stop it first, or pass stop_if_active=True")
+                raise ConflictError(
+                    f"session {name_or_arn} is running", field="name_or_arn", fix="stop it first, or pass stop_if_active=True"
+                )
             await self.stop_session(name_or_arn)
         self._mark(row.session_id, "Deleted")
 
@@ -422,7 +424,9 @@ class ServiceClient:
         known = {"training_session_name", "model_package_group_arn", "s3_output_path", "kms_key_arn", "vpc_config"}
         unknown = set(options) - known
         if unknown:
-            raise InvalidInputError(f"unexpected option(s) {', '.join(sorted(unknown))}", field="session_options", fix=f"use {sorted(known)}")
+            raise InvalidInputError(
+                f"unexpected option(s) {', '.join(sorted(unknown))}", field="session_options", fix=f"use {sorted(known)}"
+            )
         opts = check_session_options({**options, "optimizer": optimizer})
         return TrainingSessionSpec(
             base_model or "",
@@ -455,8 +459,12 @@ class ServiceClient:
         tc._limits = await self._model_limits(info.base_model)
         self._training[info.model_id] = tc
         self._known[info.model_id] = SessionSummary(
-            session_id=info.model_id, kind="training", status="Running", base_model=info.base_model,
-            creation_time=time.time(), user_metadata=dict(info.user_metadata),
+            session_id=info.model_id,
+            kind="training",
+            status="Running",
+            base_model=info.base_model,
+            creation_time=time.time(),
+            user_metadata=dict(info.user_metadata),
         )
         return tc
 
@@ -464,7 +472,9 @@ class ServiceClient:
         self._require_open()
         sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, spec))
         self._samplers.add(sampler_id)
-        self._known[sampler_id] = SessionSummary(session_id=sampler_id, kind="sampler", status="Running", base_model=base_model, creation_time=time.time())
+        self._known[sampler_id] = SessionSummary(
+            session_id=sampler_id, kind="sampler", status="Running", base_model=base_model, creation_time=time.time()
+        )
         return SamplingClient(self, sampler_id, base_model, spec)
 
     async def _model_limits(self, base_model: str) -> tuple[int | None, int | None]:
@@ -516,6 +526,8 @@ class ServiceClient:
                 fut._cancel_scope = scope
                 fut._set_result(await fn(*args))
         except Exception as err:
+            if isinstance(err, AsyncSessError) and err.operation is None:
+                err.operation = fut.operation  # say which call failed (SageMaker's operation_type)
             fut._set_exception(err)
         finally:
             if not fut.done():
@@ -687,7 +699,9 @@ class TrainingClient:
 
     # The anchors' *_async spellings: coroutines that return the op's future (await the future for the value).
 
-    async def forward_async(self, data: Any, loss_fn: str = "cross_entropy", loss_fn_config: Any = None, loss_fn_inputs: Any = None) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_async(
+        self, data: Any, loss_fn: str = "cross_entropy", loss_fn_config: Any = None, loss_fn_inputs: Any = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """``fut = await tc.forward_async(...)``; then ``await fut``."""
         return self.forward(data, loss_fn, loss_fn_config, loss_fn_inputs)
 
@@ -743,7 +757,9 @@ class TrainingClient:
         )
         return await self._svc._open_sampler(SamplerSpec(model_path=saved.path), self.base_model)
 
-    async def create_sampling_client(self, model_path: str | None = None, retry_config: Any = None, *, model_package_arn: str | None = None) -> SamplingClient:
+    async def create_sampling_client(
+        self, model_path: str | None = None, retry_config: Any = None, *, model_package_arn: str | None = None
+    ) -> SamplingClient:
         """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
         path = model_path if model_path not in (None, "") else model_package_arn
         if path in (None, ""):
@@ -795,7 +811,9 @@ class TrainingClient:
         cfg = check_loss_fn_config(loss_fn, config)
         vocab, context = self._limits
         try:
-            return check_datums(data, loss_fn, shared_inputs=shared, encode=self._encode_or_none(), vocab_size=vocab, max_length=context), cfg
+            return check_datums(
+                data, loss_fn, shared_inputs=shared, encode=self._encode_or_none(), vocab_size=vocab, max_length=context
+            ), cfg
         except (TypeError, ValueError, OverflowError) as err:
             if isinstance(err, InvalidInputError):
                 raise
@@ -946,7 +964,9 @@ def _check_bool(value: Any, field: str) -> bool:
 
 def _check_base_model(base_model: Any) -> str:
     if not isinstance(base_model, str) or not base_model.strip() or len(base_model) > 512 or "\x00" in base_model:
-        raise InvalidInputError(f"{base_model!r} is not a model name", field="base_model", fix="e.g. 'Qwen/Qwen3-0.6B' or see list_base_models()")
+        raise InvalidInputError(
+            f"{base_model!r} is not a model name", field="base_model", fix="e.g. 'Qwen/Qwen3-0.6B' or see list_base_models()"
+        )
     try:
         base_model.encode("utf-8")
     except UnicodeEncodeError:
@@ -1081,14 +1101,14 @@ class SamplingClient:
             raise UnsupportedError("prompt_alt_tokens_k is not offered", field="prompt_alt_tokens_k", fix="leave it 0")
         last_n = _check_last_n(prompt_logprobs_last_n, len(tokens), include_prompt_logprobs or k_prompt > 0)
         target = check_target_prompt_logprobs(target_prompt_logprobs, len(tokens))
-        request = SampleRequest(
-            tuple(tokens), num_samples, params, include_prompt_logprobs, uuid.uuid4().hex, k_prompt, k_sample, target
-        )
+        request = SampleRequest(tuple(tokens), num_samples, params, include_prompt_logprobs, uuid.uuid4().hex, k_prompt, k_sample, target)
         fut: APIFuture[SampleResponse] = APIFuture("sample")
         call = functools.partial(self._sample_checked, request, last_n)
         return self._svc._spawn(fut, self._run, "sample", len(tokens), call)
 
-    def compute_logprobs(self, prompt: ModelInput | list[int] | str, prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
+    def compute_logprobs(
+        self, prompt: ModelInput | list[int] | str, prompt_logprobs_last_n: int | None = None
+    ) -> APIFuture[list[float | None]]:
         """Log-prob of each prompt token given the ones before it; the first is ``None`` (and the ones
         before the last ``prompt_logprobs_last_n``)."""
         self._require_attached("compute_logprobs")

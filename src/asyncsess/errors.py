@@ -163,7 +163,6 @@ class BillingError(APIStatusError):
 class TransientError(AsyncSessError):
     """A fault worth retrying: timeout, dropped connection, throttling, 408/409/429/5xx."""
 
-
     def __init__(self, message: str, *, retry_after: float | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.retry_after = retry_after

@@ -171,7 +171,9 @@ def check_datums(
                 )
         check_finite(d, i)
         if max_length is not None and n > max_length:
-            raise InvalidInputError(f"{n} tokens exceed the model's context of {max_length}", field=f"data[{i}].model_input", fix="shorten it")
+            raise InvalidInputError(
+                f"{n} tokens exceed the model's context of {max_length}", field=f"data[{i}].model_input", fix="shorten it"
+            )
         if vocab_size is not None:
             tokens = d.model_input.to_ints() + list(d.loss_fn_inputs["target_tokens"].data)
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
@@ -320,7 +322,9 @@ def check_session_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if key == "training_session_name":
             if not isinstance(value, str) or not _SESSION_NAME.fullmatch(value):
                 raise InvalidInputError(
-                    f"{value!r} is not a session name", field=key, fix="1-63 of a-z A-Z 0-9 and -, starting and ending with a letter or digit"
+                    f"{value!r} is not a session name",
+                    field=key,
+                    fix="1-63 of a-z A-Z 0-9 and -, starting and ending with a letter or digit",
                 )
         elif key in ("model_package_group_arn", "kms_key_arn"):
             _check_text(value, key, 2048)
@@ -332,7 +336,9 @@ def check_session_options(options: Mapping[str, Any]) -> dict[str, Any]:
                 raise InvalidInputError(f"{value!r} is not an S3 URI", field=key, fix="pass s3://bucket/prefix")
         elif key == "vpc_config":
             if not isinstance(value, Mapping) or not {"Subnets", "SecurityGroupIds"} <= set(value):
-                raise InvalidInputError("needs Subnets and SecurityGroupIds", field=key, fix="{'Subnets': [...], 'SecurityGroupIds': [...]}")
+                raise InvalidInputError(
+                    "needs Subnets and SecurityGroupIds", field=key, fix="{'Subnets': [...], 'SecurityGroupIds': [...]}"
+                )
             value = {k: list(v) for k, v in value.items()}
         elif key == "optimizer":
             kind = value.get("type") if isinstance(value, Mapping) else getattr(value, "type", None)
@@ -358,7 +364,9 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
     try:
         tensor = TensorData.coerce("target_prompt_logprobs", target)
     except (TypeError, ValueError, ValidationError) as err:
-        raise InvalidInputError(str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]") from None
+        raise InvalidInputError(
+            str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]"
+        ) from None
     shape = tensor.shape or [len(tensor.data)]
     if tensor.dtype != "int64" or len(shape) != 2 or shape[0] != prompt_len - 1 or shape[1] < 1:
         raise InvalidInputError(

@@ -54,7 +54,9 @@ async def test_prompt_logprobs_last_n_is_the_tail_of_the_full_pass(prompt, data)
 @SETTINGS
 @given(prompt=prompts, data=st.data())
 async def test_target_prompt_logprobs_score_the_named_ids(prompt, data):
-    ids = data.draw(st.lists(st.lists(st.integers(-1, VOCAB - 1), min_size=2, max_size=2), min_size=len(prompt) - 1, max_size=len(prompt) - 1))
+    ids = data.draw(
+        st.lists(st.lists(st.integers(-1, VOCAB - 1), min_size=2, max_size=2), min_size=len(prompt) - 1, max_size=len(prompt) - 1)
+    )
     async with ServiceClient("mock://") as svc:
         await topk_checks.check_targets(await _trained_sampler(svc), prompt, ids, VOCAB)
 

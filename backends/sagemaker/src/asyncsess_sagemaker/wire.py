@@ -371,5 +371,7 @@ def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_toke
         sequences=seqs,
         prompt_logprobs=logprobs_from_wire(prompt_lp, prompt_length) if prompt_lp is not None else None,
         usage=total,
-        topk_prompt_logprobs=[[(int(x["tokenId"]), float(x["logprob"])) for x in row] or None for row in topk] if topk is not None else None,
+        topk_prompt_logprobs=[[(int(x["tokenId"]), float(x["logprob"])) for x in row] or None for row in topk]
+        if topk is not None
+        else None,
     )
