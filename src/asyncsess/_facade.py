@@ -170,6 +170,10 @@ class SyncFuture(Generic[T]):
     def done(self) -> bool:
         return self._done.done()
 
+    def future(self) -> concurrent.futures.Future[T]:
+        """The op's outcome as a ``concurrent.futures.Future`` (Tinker's ``APIFuture.future()``)."""
+        return self._done
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until done; return the op's error (or None). Raise ``DeadlineExceededError`` on timeout."""
         _check_thread("SyncFuture.exception()")

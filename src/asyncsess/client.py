@@ -284,6 +284,13 @@ class ServiceClient:
         spec = self._from_state_spec(path, model_package_arn, base_model, user_metadata, None, session_options, True)
         return await self._open_training(spec)
 
+    async def create_sampling_client_async(self, model_path: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        """The anchors' spelling of :meth:`create_sampling_client`."""
+        return await self.create_sampling_client(model_path, *args, **kwargs)
+
+    async def get_server_capabilities_async(self) -> ServerCapabilities:
+        return await self.get_server_capabilities()
+
     async def create_training_client_from_state_async(self, path: str | None = None, **kwargs: Any) -> TrainingClient:
         """SageMaker's spelling of :meth:`create_training_client_from_state`."""
         return await self.create_training_client_from_state(path, **kwargs)
@@ -342,16 +349,18 @@ class ServiceClient:
         rows = [r for r in rows if (name_contains is None or name_contains in r.session_id) and status_equals in (None, r.status)]
         return rows[: check_count(max_results, "max_results", low=1, high=10**6)] if max_results is not None else rows
 
-    async def describe_session(self, name_or_arn: str) -> SessionSummary:
-        """The summary of one session this ServiceClient opened."""
-        row = self._known.get(name_or_arn)
+    async def describe_session(self, training_session: str) -> SessionSummary:
+        """The summary of one session this ServiceClient opened (by id, name or ARN)."""
+        row = self._known.get(training_session) if isinstance(training_session, str) else None
         if row is None:
-            raise NotFoundError(f"no session {name_or_arn!r} was opened by this client", field="name_or_arn", fix="see list_sessions()")
+            raise NotFoundError(
+                f"no session {training_session!r} was opened by this client", field="training_session", fix="see list_sessions()"
+            )
         return row
 
-    async def stop_session(self, name_or_arn: str) -> None:
+    async def stop_session(self, training_session: str) -> None:
         """Stop a session. Idempotent."""
-        row = await self.describe_session(name_or_arn)
+        row = await self.describe_session(training_session)
         tc = self._training.get(row.session_id)
         if tc is not None:
             await tc.stop()
@@ -359,15 +368,15 @@ class ServiceClient:
             await self._stop_quietly(row.session_id)
         self._mark(row.session_id, "Stopped")
 
-    async def delete_session(self, name_or_arn: str, *, stop_if_active: bool = False) -> None:
+    async def delete_session(self, training_session: str, *, stop_if_active: bool = False) -> None:
         """Forget a stopped session (``stop_if_active=True`` stops a running one first)."""
-        row = await self.describe_session(name_or_arn)
+        row = await self.describe_session(training_session)
         if row.status == "Running":
-            if not stop_if_active:
+            if not _check_bool(stop_if_active, "stop_if_active"):
                 raise ConflictError(
-                    f"session {name_or_arn} is running", field="name_or_arn", fix="stop it first, or pass stop_if_active=True"
+                    f"session {training_session} is running", field="training_session", fix="stop it first, or pass stop_if_active=True"
                 )
-            await self.stop_session(name_or_arn)
+            await self.stop_session(training_session)
         self._mark(row.session_id, "Deleted")
 
     async def list_model_packages(
@@ -386,9 +395,9 @@ class ServiceClient:
         rows = await self.list_model_packages(kind=kind, max_results=scan_limit)
         return rows[0] if rows else None
 
-    async def delete_model_package(self, arn: str, *, delete_artifacts: bool = False) -> None:
+    async def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
         """Delete a checkpoint (its record and, on backends that store files, its files)."""
-        await self.delete_checkpoint(arn)
+        await self.delete_checkpoint(model_package_arn)
 
     async def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""
@@ -605,32 +614,36 @@ class TrainingClient:
 
     def forward(
         self,
-        data: Any,
+        data: Any = None,
         loss_fn: str = "cross_entropy",
         loss_fn_config: Mapping[str, Any] | None = None,
         loss_fn_inputs: Mapping[str, Any] | None = None,
+        *,
+        batch: Any = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Log-probs and loss without gradients. Argument forms: see :meth:`forward_backward`."""
-        datums, config = self._check(data, loss_fn, loss_fn_config, loss_fn_inputs)
+        datums, config = self._check(_data_or_batch(data, batch), loss_fn, loss_fn_config, loss_fn_inputs)
         return self._submit_batch("forward", datums, loss_fn, config)
 
     def forward_backward(
         self,
-        data: Any,
+        data: Any = None,
         loss_fn: str = "cross_entropy",
         loss_fn_config: Mapping[str, Any] | None = None,
         loss_fn_inputs: Mapping[str, Any] | None = None,
+        *,
+        batch: Any = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Log-probs, loss, and gradients accumulated until the next ``optim_step``.
 
         The third positional argument is Tinker's ``loss_fn_config`` or SageMaker's ``loss_fn_inputs``
         (told apart by content: per-token arrays are inputs, scalars are config); ``loss_fn_inputs``
-        are attached to each datum that has none of its own.
+        are attached to each datum that has none of its own. ``batch=`` is SageMaker's name for ``data``.
         """
-        datums, config = self._check(data, loss_fn, loss_fn_config, loss_fn_inputs)
+        datums, config = self._check(_data_or_batch(data, batch), loss_fn, loss_fn_config, loss_fn_inputs)
         return self._submit_batch("forward_backward", datums, loss_fn, config)
 
-    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
         ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
@@ -689,48 +702,68 @@ class TrainingClient:
         fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_weights")
         return self._submit("save_weights", merge_weights=_check_bool(merge_weights, "merge_weights"), **fields)
 
-    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Load weights from ``path`` and reset the optimizer."""
-        return self._submit("load_state", path=_check_path(path), with_optimizer=False)
+    def load_state(
+        self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        """Load weights from ``path`` (SageMaker: ``model_package_arn``) and reset the optimizer."""
+        return self._submit("load_state", path=_path_or_arn(path, model_package_arn), with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Load weights and optimizer state from ``path``."""
-        return self._submit("load_state", path=_check_path(path), with_optimizer=True)
+    def load_state_with_optimizer(
+        self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        """Load weights and optimizer state from ``path`` (SageMaker: ``model_package_arn``)."""
+        return self._submit("load_state", path=_path_or_arn(path, model_package_arn), with_optimizer=True)
+
+    def save_weights_external(
+        self, name: str | None = None, ttl_seconds: int | None = None, age_encryption_recipients: Any = None
+    ) -> APIFuture[CheckpointResponse]:
+        """Tinker's export: here the same as :meth:`save_weights_for_sampler` (a PEFT adapter where the backend stores files)."""
+        if age_encryption_recipients:
+            raise UnsupportedError("age encryption is not offered", field="age_encryption_recipients", fix="leave it None")
+        return self.save_weights_for_sampler(name, ttl_seconds=ttl_seconds)
 
     # The anchors' *_async spellings: coroutines that return the op's future (await the future for the value).
 
-    async def forward_async(
-        self, data: Any, loss_fn: str = "cross_entropy", loss_fn_config: Any = None, loss_fn_inputs: Any = None
-    ) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_async(self, data: Any = None, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
         """``fut = await tc.forward_async(...)``; then ``await fut``."""
-        return self.forward(data, loss_fn, loss_fn_config, loss_fn_inputs)
+        return self.forward(data, *args, **kwargs)
 
-    async def forward_backward_async(
-        self, data: Any, loss_fn: str = "cross_entropy", loss_fn_config: Any = None, loss_fn_inputs: Any = None
-    ) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_backward_async(self, data: Any = None, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
         """``fut = await tc.forward_backward_async(...)``; then ``await fut``."""
-        return self.forward_backward(data, loss_fn, loss_fn_config, loss_fn_inputs)
+        return self.forward_backward(data, *args, **kwargs)
+
+    async def forward_backward_custom_async(self, data: Any, loss_fn: CustomLossFn, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward_custom(data, loss_fn, **kwargs)
 
     async def optim_step_async(self, optim_params: Any = None, *, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
         """``fut = await tc.optim_step_async(...)``; then ``await fut``."""
         return self.optim_step(optim_params, adam_params=adam_params)
 
-    async def save_state_async(self, name: str | None = None, **kwargs: Any) -> APIFuture[CheckpointResponse]:
+    async def save_state_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[CheckpointResponse]:
         """``fut = await tc.save_state_async(...)``; then ``await fut``."""
-        return self.save_state(name, **kwargs)
+        return self.save_state(name, *args, **kwargs)
 
-    async def save_weights_for_sampler_async(self, name: str | None = None, **kwargs: Any) -> APIFuture[CheckpointResponse]:
+    async def save_weights_for_sampler_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[CheckpointResponse]:
         """``fut = await tc.save_weights_for_sampler_async(...)``; then ``await fut``."""
-        return self.save_weights_for_sampler(name, **kwargs)
+        return self.save_weights_for_sampler(name, *args, **kwargs)
 
-    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        return self.load_state(path)
+    async def save_weights_external_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[CheckpointResponse]:
+        return self.save_weights_external(name, *args, **kwargs)
 
-    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        return self.load_state_with_optimizer(path)
+    async def load_state_async(self, path: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path, *args, **kwargs)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None, **kwargs: Any) -> SamplingClient:
-        return await self.save_weights_and_get_sampling_client(name, **kwargs)
+    async def load_state_with_optimizer_async(self, path: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path, *args, **kwargs)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        return await self.save_weights_and_get_sampling_client(name, *args, **kwargs)
+
+    async def create_sampling_client_async(self, model_path: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        return await self.create_sampling_client(model_path, *args, **kwargs)
+
+    async def get_info_async(self) -> GetInfoResponse:
+        return self.get_info()
 
     # ------------------------------------------------------------------ samplers and info
 
@@ -758,7 +791,12 @@ class TrainingClient:
         return await self._svc._open_sampler(SamplerSpec(model_path=saved.path), self.base_model)
 
     async def create_sampling_client(
-        self, model_path: str | None = None, retry_config: Any = None, *, model_package_arn: str | None = None
+        self,
+        model_path: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        *,
+        model_package_arn: str | None = None,
     ) -> SamplingClient:
         """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
         path = model_path if model_path not in (None, "") else model_package_arn
@@ -786,6 +824,10 @@ class TrainingClient:
     async def stop(self) -> None:
         """Stop the session. Idempotent; ops still queued fail with ``SessionGoneError``."""
         await self._stop_quietly()
+
+    async def delete(self, *, stop_if_active: bool = False) -> None:
+        """SageMaker's ``delete``: forget this session (``stop_if_active=True`` stops it first)."""
+        await self._svc.delete_session(self.model_id, stop_if_active=stop_if_active)
 
     async def _stop_quietly(self) -> None:
         if self._stopped:
@@ -956,6 +998,18 @@ def _check_path(path: Any, field: str = "path") -> str:
     return path
 
 
+def _data_or_batch(data: Any, batch: Any) -> Any:
+    if batch is not None and data is not None:
+        raise InvalidInputError("give data or batch, not both", field="batch", fix="batch= is SageMaker's name for data")
+    return data if batch is None else batch
+
+
+def _path_or_arn(path: Any, arn: Any) -> str:
+    if path is not None and arn is not None:
+        raise InvalidInputError("give path or model_package_arn, not both", field="model_package_arn")
+    return _check_path(path if arn is None else arn)
+
+
 def _check_bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidInputError(f"got {value!r}", field=field, fix="True or False")
@@ -1039,8 +1093,10 @@ class SamplingClient:
         return SamplerHandle(svc.url, _picklable_options(svc), spec, self.base_model)
 
     @classmethod
-    def from_sampler_handle(cls, handle: SamplerHandle) -> SamplingClient:
+    def from_sampler_handle(cls, handle: SamplerHandle, *, api_key: str | None = None) -> SamplingClient:
         """A detached client for ``handle``: use it as ``async with client:`` (or pass it to ``attach``)."""
+        if api_key is not None:
+            handle = SamplerHandle(handle.url, {**handle.options, "api_key": api_key}, handle.spec, handle.base_model)
         sc = cls(None, "", handle.base_model, handle.spec)
         sc._handle = handle
         return sc
@@ -1136,6 +1192,9 @@ class SamplingClient:
         return self._svc.backend.get_tokenizer(self.base_model)
 
     def get_base_model(self) -> str:
+        return self.base_model
+
+    async def get_base_model_async(self) -> str:
         return self.base_model
 
     async def stop(self) -> None:

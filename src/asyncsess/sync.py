@@ -21,14 +21,14 @@ from . import _facade
 from . import client as _client
 from ._facade import SyncFuture
 from .errors import InvalidInputError
-from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, SampleResponse, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
+from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, SampleResponse, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
 from .backend import Backend, Tokenizer  # noqa: F401
 from .client import SamplerHandle  # noqa: F401
 from .custom_loss import CustomLossFn  # noqa: F401
 from .retry import RetryEvent, RetryPolicy  # noqa: F401
 from .sampling import SamplingStats  # noqa: F401
 
-__all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTextChunk', 'ForwardBackwardOutput', 'GetInfoResponse', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'OptimStepResponse', 'RestClient', 'SampleResponse', 'SampledSequence', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServiceClient', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TokenLogprob', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionSummary', 'Usage']
+__all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTextChunk', 'ForwardBackwardOutput', 'GetInfoResponse', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'OptimStepResponse', 'RestClient', 'SampleResponse', 'SampledSequence', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServiceClient', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionSummary', 'Usage']
 
 
 class ServiceClient:
@@ -116,17 +116,17 @@ class ServiceClient:
         """Sessions this ServiceClient opened (training and sampling), newest first."""
         return _facade.call(self._async.list_sessions, name_contains=name_contains, status_equals=status_equals, max_results=max_results)  # type: ignore[no-any-return]
 
-    def describe_session(self, name_or_arn: str) -> SessionSummary:
-        """The summary of one session this ServiceClient opened."""
-        return _facade.call(self._async.describe_session, name_or_arn)  # type: ignore[no-any-return]
+    def describe_session(self, training_session: str) -> SessionSummary:
+        """The summary of one session this ServiceClient opened (by id, name or ARN)."""
+        return _facade.call(self._async.describe_session, training_session)  # type: ignore[no-any-return]
 
-    def stop_session(self, name_or_arn: str) -> None:
+    def stop_session(self, training_session: str) -> None:
         """Stop a session. Idempotent."""
-        _facade.call(self._async.stop_session, name_or_arn)
+        _facade.call(self._async.stop_session, training_session)
 
-    def delete_session(self, name_or_arn: str, *, stop_if_active: bool = False) -> None:
+    def delete_session(self, training_session: str, *, stop_if_active: bool = False) -> None:
         """Forget a stopped session (``stop_if_active=True`` stops a running one first)."""
-        _facade.call(self._async.delete_session, name_or_arn, stop_if_active=stop_if_active)
+        _facade.call(self._async.delete_session, training_session, stop_if_active=stop_if_active)
 
     def list_model_packages(self, *, kind: str | None = None, model_package_group_arn: str | None = None, max_results: int = 10) -> list[Checkpoint]:
         """SageMaker's name for the checkpoint list: newest first, ``kind`` ``CHECKPOINT`` or ``MODEL``."""
@@ -136,9 +136,9 @@ class ServiceClient:
         """The newest checkpoint of ``kind`` (``CHECKPOINT`` or ``MODEL``), or None."""
         return _facade.call(self._async.get_latest_model_package, kind, model_package_group_arn=model_package_group_arn, scan_limit=scan_limit)  # type: ignore[no-any-return]
 
-    def delete_model_package(self, arn: str, *, delete_artifacts: bool = False) -> None:
+    def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
         """Delete a checkpoint (its record and, on backends that store files, its files)."""
-        _facade.call(self._async.delete_model_package, arn, delete_artifacts=delete_artifacts)
+        _facade.call(self._async.delete_model_package, model_package_arn, delete_artifacts=delete_artifacts)
 
     def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""
@@ -179,24 +179,24 @@ class TrainingClient:
         """The last sequence number assigned (0 before the first op)."""
         return self._async.current_sequence_number
 
-    def forward(self, data: Any, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None) -> SyncFuture[ForwardBackwardOutput]:
+    def forward(self, data: Any = None, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None, *, batch: Any = None) -> SyncFuture[ForwardBackwardOutput]:
         """Log-probs and loss without gradients. Argument forms: see :meth:`forward_backward`."""
-        return _facade.submit(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs)
+        return _facade.submit(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs, batch=batch)
 
-    def forward_backward(self, data: Any, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None) -> SyncFuture[ForwardBackwardOutput]:
+    def forward_backward(self, data: Any = None, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None, *, batch: Any = None) -> SyncFuture[ForwardBackwardOutput]:
         """Log-probs, loss, and gradients accumulated until the next ``optim_step``.
 
         The third positional argument is Tinker's ``loss_fn_config`` or SageMaker's ``loss_fn_inputs``
         (told apart by content: per-token arrays are inputs, scalars are config); ``loss_fn_inputs``
-        are attached to each datum that has none of its own."""
-        return _facade.submit(self._async.forward_backward, data, loss_fn, loss_fn_config, loss_fn_inputs)
+        are attached to each datum that has none of its own. ``batch=`` is SageMaker's name for ``data``."""
+        return _facade.submit(self._async.forward_backward, data, loss_fn, loss_fn_config, loss_fn_inputs, batch=batch)
 
-    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn) -> SyncFuture[ForwardBackwardOutput]:
+    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> SyncFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
         ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
         Two sequence numbers are reserved now, so later ops stay behind both passes."""
-        return _facade.submit(self._async.forward_backward_custom, data, loss_fn)
+        return _facade.submit(self._async.forward_backward_custom, data, loss_fn, loss_type_input=loss_type_input)
 
     def optim_step(self, optim_params: AdamParams | Mapping[str, float] | None = None, *, adam_params: AdamParams | Mapping[str, float] | None = None) -> SyncFuture[OptimStepResponse]:
         """Apply the accumulated gradients with AdamW. ``adam_params=`` is the keyword both anchors also take."""
@@ -214,13 +214,17 @@ class TrainingClient:
         """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
         return _facade.submit(self._async.save_weights_for_sampler, name, merge_weights, ttl_seconds=ttl_seconds, user_metadata=user_metadata, description=description, overwrite=overwrite)
 
-    def load_state(self, path: str) -> SyncFuture[LoadWeightsResponse]:
-        """Load weights from ``path`` and reset the optimizer."""
-        return _facade.submit(self._async.load_state, path)
+    def load_state(self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None) -> SyncFuture[LoadWeightsResponse]:
+        """Load weights from ``path`` (SageMaker: ``model_package_arn``) and reset the optimizer."""
+        return _facade.submit(self._async.load_state, path, weights_access_token, model_package_arn=model_package_arn)
 
-    def load_state_with_optimizer(self, path: str) -> SyncFuture[LoadWeightsResponse]:
-        """Load weights and optimizer state from ``path``."""
-        return _facade.submit(self._async.load_state_with_optimizer, path)
+    def load_state_with_optimizer(self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None) -> SyncFuture[LoadWeightsResponse]:
+        """Load weights and optimizer state from ``path`` (SageMaker: ``model_package_arn``)."""
+        return _facade.submit(self._async.load_state_with_optimizer, path, weights_access_token, model_package_arn=model_package_arn)
+
+    def save_weights_external(self, name: str | None = None, ttl_seconds: int | None = None, age_encryption_recipients: Any = None) -> SyncFuture[CheckpointResponse]:
+        """Tinker's export: here the same as :meth:`save_weights_for_sampler` (a PEFT adapter where the backend stores files)."""
+        return _facade.submit(self._async.save_weights_external, name, ttl_seconds, age_encryption_recipients)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False, *, description: str | None = None, retry_config: Any = None, record_stability_info: bool = False, kind: str = 'snapshot') -> SamplingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them.
@@ -229,9 +233,9 @@ class TrainingClient:
         sampler here pins the weights it was made from."""
         return SamplingClient._wrap(_facade.call(self._async.save_weights_and_get_sampling_client, name, merge_weights, description=description, retry_config=retry_config, record_stability_info=record_stability_info, kind=kind))
 
-    def create_sampling_client(self, model_path: str | None = None, retry_config: Any = None, *, model_package_arn: str | None = None) -> SamplingClient:
+    def create_sampling_client(self, model_path: str | None = None, retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str | None = None) -> SamplingClient:
         """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
-        return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, retry_config, model_package_arn=model_package_arn))
+        return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, retry_config, record_stability_info, model_package_arn=model_package_arn))
 
     def list_model_packages(self, *, kind: str | None = None, max_results: int = 10) -> list[Checkpoint]:
         """This session's checkpoints, newest first (SageMaker's per-client listing)."""
@@ -249,6 +253,10 @@ class TrainingClient:
     def stop(self) -> None:
         """Stop the session. Idempotent; ops still queued fail with ``SessionGoneError``."""
         _facade.call(self._async.stop)
+
+    def delete(self, *, stop_if_active: bool = False) -> None:
+        """SageMaker's ``delete``: forget this session (``stop_if_active=True`` stops it first)."""
+        _facade.call(self._async.delete, stop_if_active=stop_if_active)
 
 
 class SamplingClient:

@@ -8,7 +8,7 @@ result has both ``.path`` and ``.model_package_arn``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -39,6 +39,7 @@ __all__ = [
     "TrainingRun",
     "TokenLogprob",
     "TopkLogprobs",
+    "TopkArrays",
     "SupportedModel",
     "ServerCapabilities",
     "GetInfoResponse",
@@ -67,6 +68,16 @@ class ModelInput(_Model):
     """A sequence of chunks fed to the model. Only text chunks are supported."""
 
     chunks: list[EncodedTextChunk] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt(cls, values: Any) -> Any:
+        """SageMaker's ``ModelInput(prompt=[...])``: a token list instead of chunks."""
+        if isinstance(values, dict) and "prompt" in values:
+            if "chunks" in values:
+                raise ValueError("give chunks or prompt, not both")
+            return {"chunks": [{"tokens": list(values["prompt"])}]}
+        return values
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
@@ -358,6 +369,27 @@ class TokenLogprob(_Model):
     logprob: float
 
 
+class TopkArrays(NamedTuple):
+    """Tinker's ``TopkLogprobs``: dense ``(L, k)`` ids (int32) and log-probs (float32); unscored cells are 0 / -99999."""
+
+    token_ids: Any
+    logprobs: Any
+
+
+def _topk_arrays(rows: TopkLogprobs | None) -> TopkArrays | None:
+    if rows is None:
+        return None
+    import numpy as np
+
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), -99999.0, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (t, lp) in enumerate(row or []):
+            ids[i, j], lps[i, j] = t, lp
+    return TopkArrays(ids, lps)
+
+
 class SampledSequence(_Model):
     stop_reason: Literal["length", "stop"]
     tokens: list[int]
@@ -365,6 +397,22 @@ class SampledSequence(_Model):
     sequence_id: str | None = None
     usage: Usage = Field(default_factory=Usage)
     topk_logprobs: TopkLogprobs | None = None  # one entry per sampled token when topk_sample_logprobs > 0
+
+    @property
+    def tokens_np(self) -> Any:
+        import numpy as np
+
+        return np.asarray(self.tokens, dtype=np.int32)
+
+    @property
+    def logprobs_np(self) -> Any:
+        import numpy as np
+
+        return None if self.logprobs is None else np.asarray(self.logprobs, dtype=np.float32)
+
+    @property
+    def topk_logprobs_np(self) -> TopkArrays | None:
+        return _topk_arrays(self.topk_logprobs)
 
 
 class SampleResponse(_Model):
@@ -374,6 +422,19 @@ class SampleResponse(_Model):
     topk_prompt_logprobs: TopkLogprobs | None = None  # one entry per prompt token (the first is None)
     target_prompt_logprobs: TensorData | None = None  # float32 [len(prompt)-1, K]; 0.0 where the id was -1
     prompt_cache_hit_tokens: int = 0
+
+    @property
+    def prompt_logprobs_np(self) -> Any:
+        """float32 array, NaN where a position was not scored."""
+        import numpy as np
+
+        if self.prompt_logprobs is None:
+            return None
+        return np.asarray([np.nan if v is None else v for v in self.prompt_logprobs], dtype=np.float32)
+
+    @property
+    def topk_prompt_logprobs_np(self) -> TopkArrays | None:
+        return _topk_arrays(self.topk_prompt_logprobs)
 
 
 CheckpointKind = Literal["state", "sampler", "merged"]
@@ -389,6 +450,11 @@ class CheckpointResponse(_Model):
     @property
     def model_package_arn(self) -> str:
         return self.path
+
+    @property
+    def type(self) -> str:
+        """Tinker's response tag: ``save_weights`` for state, ``save_weights_for_sampler`` for sampler weights."""
+        return "save_weights" if self.kind == "state" else "save_weights_for_sampler"
 
 
 # Both anchors' names for the one result type (they swap the meaning of SaveWeightsResponse).
@@ -417,6 +483,13 @@ class Checkpoint(_Model):
     description: str | None = None
     user_metadata: dict[str, str] | None = None
     expires_at: float | None = None
+    public: bool = False
+
+    @property
+    def version(self) -> int | None:
+        """SageMaker's model package version: the ARN's last component, when it is a number."""
+        tail = self.path.rsplit("/", 1)[-1]
+        return int(tail) if tail.isdigit() else None
 
     @property
     def tinker_path(self) -> str:
@@ -447,10 +520,16 @@ class SessionSummary(_Model):
     status: Literal["Running", "Stopped", "Deleted"]
     base_model: str = ""
     creation_time: float = 0.0
+    last_modified_time: float = 0.0
     user_metadata: dict[str, str] = Field(default_factory=dict)
 
     @property
     def training_session_name(self) -> str:
+        return self.session_id
+
+    @property
+    def training_session_arn(self) -> str:
+        """The session's id (an ARN on sagemaker://)."""
         return self.session_id
 
     @property
@@ -466,6 +545,8 @@ class TrainingRun(_Model):
 
     training_run_id: str
     base_model: str
+    model_owner: str = ""
+    last_request_time: float = 0.0
     is_lora: bool = True
     lora_rank: int | None = None
     corrupted: bool = False
@@ -498,6 +579,22 @@ class GetInfoResponse(_Model):
     step: int = 0
     user_metadata: dict[str, str] = Field(default_factory=dict)
     session_options: dict[str, Any] = Field(default_factory=dict)  # SageMaker per-call options, as given
+
+    # Tinker's names for the same facts.
+    type: Literal["get_info"] = "get_info"
+    is_lora: bool = True
+
+    @property
+    def model_name(self) -> str:
+        return self.base_model
+
+    @property
+    def model_data(self) -> dict[str, Any]:
+        return {"base_model": self.base_model, "tokenizer_id": self.base_model}
+
+    @property
+    def optimizer_config(self) -> dict[str, Any]:
+        return {"type": self.session_options.get("optimizer", "adamw")}
 
 
 TrainingResult = Union[ForwardBackwardOutput, OptimStepResponse, CheckpointResponse, LoadWeightsResponse]  # noqa: UP007 (3.10 runtime alias)
