@@ -692,9 +692,9 @@ class TrainingClient:
         self,
         name: str | None = None,
         merge_weights: bool = False,
+        user_metadata: Mapping[str, str] | None = None,
         *,
         ttl_seconds: int | None = None,
-        user_metadata: Mapping[str, str] | None = None,
         description: str | None = None,
         overwrite: bool = False,
     ) -> APIFuture[CheckpointResponse]:
@@ -771,11 +771,11 @@ class TrainingClient:
         self,
         name: str | None = None,
         merge_weights: bool = False,
+        record_stability_info: bool = False,
+        kind: str = "snapshot",
         *,
         description: str | None = None,
         retry_config: Any = None,
-        record_stability_info: bool = False,
-        kind: str = "snapshot",
     ) -> SamplingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them.
 
@@ -792,11 +792,11 @@ class TrainingClient:
 
     async def create_sampling_client(
         self,
-        model_path: str | None = None,
+        model_path: str | None = "",
         retry_config: Any = None,
         record_stability_info: bool = False,
         *,
-        model_package_arn: str | None = None,
+        model_package_arn: str = "",
     ) -> SamplingClient:
         """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
         path = model_path if model_path not in (None, "") else model_package_arn
@@ -804,10 +804,10 @@ class TrainingClient:
             return await self.save_weights_and_get_sampling_client()
         return await self._svc._open_sampler(SamplerSpec(model_path=_check_path(path, "model_path")), self.base_model)
 
-    async def list_model_packages(self, *, kind: str | None = None, max_results: int = 10) -> list[Checkpoint]:
-        """This session's checkpoints, newest first (SageMaker's per-client listing)."""
+    async def list_model_packages(self, *, kind: str | None = None, max_results: int | None = None) -> list[Checkpoint]:
+        """This session's checkpoints, newest first (SageMaker's per-client listing; ``max_results=None``: all)."""
         rows = [c for c in await self._svc.list_checkpoints(self.model_id) if kind in (None, c.kind)]
-        return rows[: check_count(max_results, "max_results", low=1, high=10**6)]
+        return rows if max_results is None else rows[: check_count(max_results, "max_results", low=1, high=10**6)]
 
     async def get_latest_model_package(self, kind: str = "CHECKPOINT") -> Checkpoint | None:
         rows = await self.list_model_packages(kind=kind, max_results=1)
@@ -1012,7 +1012,8 @@ def _path_or_arn(path: Any, arn: Any) -> str:
 
 def _check_bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
-        raise InvalidInputError(f"got {value!r}", field=field, fix="True or False")
+        hint = " (a Tinker positional ttl_seconds or retry_config? pass it by keyword)" if field == "merge_weights" else ""
+        raise InvalidInputError(f"got {value!r}{hint}", field=field, fix="True or False")
     return value
 
 

@@ -210,9 +210,9 @@ class TrainingClient:
         ``overwrite=True`` replaces a checkpoint of the same name."""
         return _facade.submit(self._async.save_state, name, ttl_seconds, overwrite, user_metadata, description=description)
 
-    def save_weights_for_sampler(self, name: str | None = None, merge_weights: bool = False, *, ttl_seconds: int | None = None, user_metadata: Mapping[str, str] | None = None, description: str | None = None, overwrite: bool = False) -> SyncFuture[CheckpointResponse]:
+    def save_weights_for_sampler(self, name: str | None = None, merge_weights: bool = False, user_metadata: Mapping[str, str] | None = None, *, ttl_seconds: int | None = None, description: str | None = None, overwrite: bool = False) -> SyncFuture[CheckpointResponse]:
         """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
-        return _facade.submit(self._async.save_weights_for_sampler, name, merge_weights, ttl_seconds=ttl_seconds, user_metadata=user_metadata, description=description, overwrite=overwrite)
+        return _facade.submit(self._async.save_weights_for_sampler, name, merge_weights, user_metadata, ttl_seconds=ttl_seconds, description=description, overwrite=overwrite)
 
     def load_state(self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None) -> SyncFuture[LoadWeightsResponse]:
         """Load weights from ``path`` (SageMaker: ``model_package_arn``) and reset the optimizer."""
@@ -226,19 +226,19 @@ class TrainingClient:
         """Tinker's export: here the same as :meth:`save_weights_for_sampler` (a PEFT adapter where the backend stores files)."""
         return _facade.submit(self._async.save_weights_external, name, ttl_seconds, age_encryption_recipients)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False, *, description: str | None = None, retry_config: Any = None, record_stability_info: bool = False, kind: str = 'snapshot') -> SamplingClient:
+    def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False, record_stability_info: bool = False, kind: str = 'snapshot', *, description: str | None = None, retry_config: Any = None) -> SamplingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them.
 
         Without a name the snapshot is ephemeral (not listed). ``kind="snapshot"`` only: every
         sampler here pins the weights it was made from."""
-        return SamplingClient._wrap(_facade.call(self._async.save_weights_and_get_sampling_client, name, merge_weights, description=description, retry_config=retry_config, record_stability_info=record_stability_info, kind=kind))
+        return SamplingClient._wrap(_facade.call(self._async.save_weights_and_get_sampling_client, name, merge_weights, record_stability_info, kind, description=description, retry_config=retry_config))
 
-    def create_sampling_client(self, model_path: str | None = None, retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str | None = None) -> SamplingClient:
+    def create_sampling_client(self, model_path: str | None = '', retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str = '') -> SamplingClient:
         """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
         return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, retry_config, record_stability_info, model_package_arn=model_package_arn))
 
-    def list_model_packages(self, *, kind: str | None = None, max_results: int = 10) -> list[Checkpoint]:
-        """This session's checkpoints, newest first (SageMaker's per-client listing)."""
+    def list_model_packages(self, *, kind: str | None = None, max_results: int | None = None) -> list[Checkpoint]:
+        """This session's checkpoints, newest first (SageMaker's per-client listing; ``max_results=None``: all)."""
         return _facade.call(self._async.list_model_packages, kind=kind, max_results=max_results)  # type: ignore[no-any-return]
 
     def get_latest_model_package(self, kind: str = 'CHECKPOINT') -> Checkpoint | None:
