@@ -42,8 +42,8 @@ async def check_prompt_topk(sc, prompt: list[int], k: int, vocab: int) -> None:
         assert_topk(rows[i], await full_distribution(sc, prompt[:i], vocab), k)
 
 
-async def check_sample_topk(sc, prompt: list[int], k: int, vocab: int) -> None:
-    resp = await sc.sample(prompt, 2, {"max_tokens": 3, "stop": []}, topk_sample_logprobs=k)
+async def check_sample_topk(sc, prompt: list[int], k: int, vocab: int, num_samples: int = 2, max_tokens: int = 3) -> None:
+    resp = await sc.sample(prompt, num_samples, {"max_tokens": max_tokens, "stop": []}, topk_sample_logprobs=k)
     for seq in resp.sequences:
         assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
         for j, row in enumerate(seq.topk_logprobs):
