@@ -49,3 +49,24 @@ async def test_topk_prompt_logprobs_cross_the_sagemaker_wire(monkeypatch):
     assert got[0] is None and len(got) == len(prompt)
     assert [[t for t, _ in row] for row in got[1:]] == [[t for t, _ in row] for row in want[1:]]
     assert all(abs(a - b) < 1e-6 for r1, r2 in zip(got[1:], want[1:]) for (_, a), (_, b) in zip(r1, r2))
+
+
+async def test_descriptions_and_model_package_deletion_on_sagemaker(monkeypatch):
+    from asyncsess import ServiceClient
+    from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    role = "arn:aws:iam::111122223333:role/TrainingSessionRole"
+    with running_emulator("mock://", EmulatorConfig()) as emu:
+        url = f"sagemaker://us-west-2?endpoint_url={emu.url}&role_arn={role}&s3_output_path=s3://bucket/out&tokenizer_backend=mock://"
+        async with ServiceClient(url) as svc:
+            tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4, training_session_name="my-named-run")
+            assert tc.model_id == "my-named-run"  # the per-call name was sent
+            first = await tc.save_state("final checkpoint")
+            second = await tc.save_state(description="after 10 steps")
+            rows = {c.path: c for c in await svc.list_model_packages(kind="CHECKPOINT")}
+            assert rows[first.path].description == "final checkpoint" and rows[second.path].description == "after 10 steps"
+            await svc.delete_model_package(first.model_package_arn)
+            assert first.path not in [c.path for c in await svc.list_model_packages()]
+            await tc.forward_backward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": [40, 41, 2], "weights": [1.0] * 3})

@@ -237,6 +237,13 @@ class LocalBackend(Backend):
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
         return self.engine.store.list(session_id)
 
+    async def delete_checkpoint(self, path: str) -> None:
+        """Remove a saved checkpoint directory (only under the checkpoint root)."""
+        import shutil
+
+        directory = self.engine.store.resolve(path)
+        await self.engine.call(shutil.rmtree, directory)
+
 
 def _vllm_options(url: ParsedURL) -> VllmOptions:
     kv = url.get_int("vllm_kv_cache_mb", 0)

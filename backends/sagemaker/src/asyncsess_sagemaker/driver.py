@@ -33,6 +33,7 @@ from asyncsess.errors import (
     AsyncSessError,
     DeadlineExceededError,
     InvalidInputError,
+    NotFoundError,
     PoisonedError,
     RetriesExhaustedError,
     ServerError,
@@ -660,6 +661,8 @@ class SageMakerBackend(Backend):
                     path=arn,
                     time=time.time(),
                     step=step,
+                    description=op.description or op.name,
+                    user_metadata=op.user_metadata,
                 )
             )
             return CheckpointResponse(path=arn, kind=kind, step=step)
@@ -677,6 +680,15 @@ class SageMakerBackend(Backend):
             sess = self._sessions.get(session_id)
             return list(sess.packages) if sess else []
         return [c for s in self._sessions.values() for c in s.packages]
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """``DeleteModelPackage`` (the record; its S3 artifacts stay where the service wrote them)."""
+        self._require_package_arn(path, "path")
+        await self._calls.retried(
+            self.control.delete_model_package, operation="DeleteModelPackage", not_found=NotFoundError, ModelPackageName=path
+        )
+        for sess in self._sessions.values():
+            sess.packages[:] = [c for c in sess.packages if c.path != path]
 
     # -------------------------------------------------------------------------------- sampling
 
