@@ -488,15 +488,17 @@ class ServiceClient:
 
     async def _model_limits(self, base_model: str) -> tuple[int | None, int | None]:
         """(vocab size, context length) of ``base_model`` when the backend reports them, for checks before numbering."""
-        if self._caps is None:
-            try:
-                self._caps = await self.get_server_capabilities()
-            except Exception as err:  # limits are an extra check; a backend without them still works
-                log.debug("no capabilities: %r", err)
-                return None, None
-        for m in self._caps.supported_models:
-            if m.model_name == base_model:
-                return m.vocab_size, m.max_context_length
+        for refresh in (self._caps is None, True):  # a model first used just now may be missing from a cached list
+            if refresh:
+                try:
+                    self._caps = await self.get_server_capabilities()
+                except Exception as err:  # limits are an extra check; a backend without them still works
+                    log.debug("no capabilities: %r", err)
+                    return None, None
+            assert self._caps is not None
+            for m in self._caps.supported_models:
+                if m.model_name == base_model:
+                    return m.vocab_size, m.max_context_length
         return None, None
 
     def _require_open(self) -> None:
