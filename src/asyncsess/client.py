@@ -688,7 +688,7 @@ class TrainingClient:
         ``overwrite=True`` replaces a checkpoint of the same name.
         """
         fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_state")
-        return self._submit("save_state", **fields)
+        return self._remember("save_state", fields, self._submit("save_state", **fields))
 
     def save_weights_for_sampler(
         self,
@@ -702,7 +702,8 @@ class TrainingClient:
     ) -> APIFuture[CheckpointResponse]:
         """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
         fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_weights")
-        return self._submit("save_weights", merge_weights=_check_bool(merge_weights, "merge_weights"), **fields)
+        merge = _check_bool(merge_weights, "merge_weights")
+        return self._remember("save_weights", fields, self._submit("save_weights", merge_weights=merge, **fields))
 
     def load_state(
         self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
@@ -787,8 +788,9 @@ class TrainingClient:
         if kind != "snapshot":
             raise UnsupportedError(f"kind={kind!r}", field="kind", fix='use kind="snapshot" (samplers pin their weights)')
         fields = self._save_fields(name, description, None, False, None, "save_weights")
-        saved = await self._submit(
-            "save_weights", merge_weights=_check_bool(merge_weights, "merge_weights"), ephemeral=fields["name"] is None, **fields
+        merge = _check_bool(merge_weights, "merge_weights")
+        saved = await self._remember(
+            "save_weights", fields, self._submit("save_weights", merge_weights=merge, ephemeral=fields["name"] is None, **fields)
         )
         return await self._svc._open_sampler(SamplerSpec(model_path=saved.path), self.base_model)
 
@@ -872,11 +874,15 @@ class TrainingClient:
             "overwrite": _check_bool(overwrite, "overwrite"),
             "user_metadata": check_user_metadata(meta) or None,
         }
-        if name is not None:  # a name this client already used would be refused by the backend after numbering
-            if (kind, name) in self._saved_names and not overwrite:
-                raise ConflictError(f"this session already saved {name!r}", field="name", fix="pick another name, or pass overwrite=True")
-            self._saved_names.add((kind, name))
+        if name is not None and (kind, name) in self._saved_names and not overwrite:  # the backend would refuse it after numbering
+            raise ConflictError(f"this session already saved {name!r}", field="name", fix="pick another name, or pass overwrite=True")
         return fields
+
+    def _remember(self, kind: str, fields: dict[str, Any], fut: APIFuture[T]) -> APIFuture[T]:
+        """Note a name once its save is numbered, so a second save of it is refused before numbering."""
+        if fields["name"] is not None:
+            self._saved_names.add((kind, fields["name"]))
+        return fut
 
     def _coerce_rl_datums(self, data: Any) -> tuple[Datum, ...]:
         """Datums for a custom loss: anything with ``target_tokens`` (other keys are passed to the loss fn)."""

@@ -55,6 +55,9 @@ def test_overwrite_and_conflicts():
         tc.save_state("ckpt").result()
         with pytest.raises(ConflictError, match="overwrite=True"):
             tc.save_state("ckpt")
+        with pytest.raises(InvalidInputError, match="merge_weights"):
+            tc.save_weights_for_sampler("w", 3600)  # a Tinker positional ttl_seconds: refused, and "w" stays free
+        assert tc.save_weights_for_sampler("w").result().path.endswith("/w")
         seq = tc.current_sequence_number
         tc.forward_backward(DATA, "cross_entropy", None, INPUTS)
         tc.optim_step(AdamParams(learning_rate=0.5)).result()
