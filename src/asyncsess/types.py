@@ -111,6 +111,11 @@ class ModelInput(_Model):
             return cls.from_ints([int(t) for t in value])
         raise TypeError(f"cannot make a ModelInput from {type(value).__name__}; pass list[int] or ModelInput")
 
+    @property
+    def prompt(self) -> list[int]:
+        """SageMaker's ``prompt`` spelling: the token ids (``ModelInput(prompt=[...])`` is accepted on input)."""
+        return self.to_ints()
+
     def to_ints(self) -> list[int]:
         out: list[int] = []
         for c in self.chunks:
@@ -227,6 +232,11 @@ class Datum(_Model):
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+
+    @property
+    def prompt(self) -> ModelInput:
+        """SageMaker's ``prompt`` spelling of ``model_input`` (``Datum(prompt=...)`` is accepted on input)."""
+        return self.model_input
 
     @model_validator(mode="before")
     @classmethod
