@@ -54,7 +54,7 @@ def sagemaker(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def compat(session: nox.Session) -> None:
     """docs/compatibility.md is up to date with the pinned official SDKs (tinker, sagemaker-train)."""
-    _install_core(session, "-e", ".[compat]")
+    session.install("-e", ".[serve,compat]", "-e", "backends/mock", "pytest>=8", "trio>=0.25")
     session.run("python", "scripts/gen_compat.py", "--check")
     session.run("pytest", "-q", "-m", "compat", *session.posargs)
 
