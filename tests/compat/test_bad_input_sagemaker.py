@@ -36,7 +36,9 @@ async def test_topk_prompt_logprobs_cross_the_sagemaker_wire(monkeypatch):
     role = "arn:aws:iam::111122223333:role/TrainingSessionRole"
     prompt = [1, 40, 41, 42]
     async with ServiceClient("mock://") as direct:
-        want = (await (await direct.create_sampling_client(base_model="mock/bigram-tiny")).sample(prompt, 1, topk_prompt_logprobs=3)).topk_prompt_logprobs
+        want = (
+            await (await direct.create_sampling_client(base_model="mock/bigram-tiny")).sample(prompt, 1, topk_prompt_logprobs=3)
+        ).topk_prompt_logprobs
     with running_emulator("mock://", EmulatorConfig()) as emu:
         url = f"sagemaker://us-west-2?endpoint_url={emu.url}&role_arn={role}&s3_output_path=s3://bucket/out&tokenizer_backend=mock://"
         async with ServiceClient(url) as svc:

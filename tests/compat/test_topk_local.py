@@ -37,4 +37,6 @@ async def test_topk_and_last_n_on_local(tmp_path):
         assert rows[first.path].description == "final checkpoint" and rows[named.path].user_metadata == {"k": "v"}
         await svc.delete_model_package(named.path)
         assert named.path not in [c.path for c in await svc.list_checkpoints()]
-        assert tc.get_info().session_options == {} and (await svc.create_lora_training_client(tiny, rank=4, s3_output_path="s3://b/p")).get_info().session_options == {"s3_output_path": "s3://b/p"}
+        assert tc.get_info().session_options == {} and (
+            await svc.create_lora_training_client(tiny, rank=4, s3_output_path="s3://b/p")
+        ).get_info().session_options == {"s3_output_path": "s3://b/p"}
