@@ -9,6 +9,18 @@ from asyncsess import ServiceClient
 from . import cases
 
 
+def one_per_kind() -> frozenset[str]:
+    """The names of all cases but the first of each op kind (``fb``, ``optim``, ``save``, ``sample``, ...)."""
+    seen: set[str] = set()
+    skip = set()
+    for name, *_ in cases.CASES:
+        kind = name.split("-")[0]
+        if kind in seen:
+            skip.add(name)
+        seen.add(kind)
+    return frozenset(skip)
+
+
 async def run_all(url: str, base_model: str, options: dict[str, Any] | None = None, skip: frozenset[str] = frozenset()) -> int:
     """Every case in turn, each followed by a forward_backward + optim_step + sample; returns how many ran."""
     cases.BASE = base_model
