@@ -8,11 +8,11 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker"]
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "compat"]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
-MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
+MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not compat"
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
@@ -51,6 +51,14 @@ def sagemaker(session: nox.Session) -> None:
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]", "-e", "backends/sagemaker[sdk]")
     session.run("pytest", "-q", "-m", "sagemaker", *session.posargs)
+
+
+@nox.session(python="3.11")
+def compat(session: nox.Session) -> None:
+    """docs/compatibility.md is up to date with the pinned official SDKs (tinker, sagemaker-train)."""
+    session.install("-e", ".[serve,compat]", "-e", "backends/mock", "pytest>=8", "trio>=0.25")
+    session.run("python", "scripts/gen_compat.py", "--check")
+    session.run("pytest", "-q", "-m", "compat", *session.posargs)
 
 
 @nox.session(python="3.11")

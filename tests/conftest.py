@@ -19,6 +19,10 @@ _NEEDS = {
     "sagemaker/test_official_sdk.py": ("sagemaker.train",),
     "client/test_custom_loss.py": ("torch",),
     "local/test_vllm_sampler.py": ("vllm",),
+    "compat/test_bad_input_local.py": ("torch", "asyncsess_local"),
+    "compat/test_topk_local.py": ("torch", "asyncsess_local"),
+    "compat/test_bad_input_sagemaker.py": ("boto3", "asyncsess_sagemaker"),
+    "compat/test_matrix.py": ("tinker", "sagemaker.train"),
 }
 _HERE = Path(__file__).parent
 

@@ -22,7 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .errors import DeadlineExceededError, FacadeMisuseError
 from .futures import APIFuture
 
-__all__ = ["SyncFuture", "call", "submit", "open_service", "close_service", "shutdown"]
+__all__ = ["SyncFuture", "call", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
 
 T = TypeVar("T")
 
@@ -106,6 +106,16 @@ def close_service(service: Any, exc_info: tuple[Any, Any, Any] = (None, None, No
         cm.__exit__(*exc_info)
 
 
+def reopen_sampler(handle: Any) -> Any:
+    """Unpickle an ``asyncsess.sync.SamplingClient``: open a ServiceClient for the handle's URL on this
+    process's loop (closed at exit) and reopen the sampler on it."""
+    from . import client, sync
+
+    svc = open_service(client.ServiceClient(handle.url, heartbeat_interval=0, **handle.options))
+    inner = call(client.SamplingClient.from_sampler_handle(handle).attach, svc)
+    return sync.SamplingClient._wrap(inner)
+
+
 def shutdown() -> None:
     """Close open facade ServiceClients (stopping their sessions) and stop the loop thread."""
     global _portal, _portal_cm, _loop, _loop_thread
@@ -159,6 +169,10 @@ class SyncFuture(Generic[T]):
 
     def done(self) -> bool:
         return self._done.done()
+
+    def future(self) -> concurrent.futures.Future[T]:
+        """The op's outcome as a ``concurrent.futures.Future`` (Tinker's ``APIFuture.future()``)."""
+        return self._done
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until done; return the op's error (or None). Raise ``DeadlineExceededError`` on timeout."""

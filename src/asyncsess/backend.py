@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, UnsupportedError
 from .types import AdamParams, Checkpoint, Datum, GetInfoResponse, SampleResponse, SamplingParams, ServerCapabilities, TrainingResult
 
 __all__ = [
@@ -54,6 +54,10 @@ class TrainingOp:
     with_optimizer: bool = True
     path: str | None = None
     ephemeral: bool = False
+    description: str | None = None  # free text kept with a checkpoint (SageMaker's model package description)
+    overwrite: bool = False  # replace a checkpoint of the same name instead of failing
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,9 @@ class TrainingSessionSpec:
     from_path: str | None = None
     with_optimizer: bool = False
     user_metadata: dict[str, str] = field(default_factory=dict)
+    # SageMaker's per-call options (training_session_name, model_package_group_arn, s3_output_path,
+    # kms_key_arn, vpc_config) and Tinker's optimizer; backends that have no use for them record them.
+    session_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,7 @@ class SamplerSpec:
 
     base_model: str | None = None
     model_path: str | None = None
+    payload: Any = None  # what Backend.export_sampler returned in another process (see SamplingClient pickling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,9 @@ class SampleRequest:
     sampling_params: SamplingParams
     include_prompt_logprobs: bool = False
     request_id: str = ""
+    topk_prompt_logprobs: int = 0  # k most likely tokens at every prompt position
+    topk_sample_logprobs: int = 0  # k most likely tokens at every sampled position
+    target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None  # [len(prompt)-1][K] ids, -1 = skip
 
 
 @runtime_checkable
@@ -147,6 +158,17 @@ class Backend(abc.ABC):
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
         return []
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """Delete a saved checkpoint. Default: not offered."""
+        raise UnsupportedError("this backend cannot delete checkpoints", field="path", fix="delete it where it is stored")
+
+    def export_sampler(self, sampler_id: str) -> Any:
+        """What another process needs to reopen this sampler (passed back as ``SamplerSpec.payload``).
+
+        Default ``None``: the sampler's ``model_path`` alone is enough (a shared store or service).
+        """
+        return None
 
 
 # ------------------------------------------------------------------------------------- URLs

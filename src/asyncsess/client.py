@@ -13,10 +13,13 @@ import functools
 import itertools
 import logging
 import os
+import pickle
+import time
 import uuid
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -26,7 +29,17 @@ from anyio.abc import TaskGroup
 from .backend import Backend, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, load_backend
 from .batching import chunk_datums, merge_outputs
 from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
-from .errors import AsyncSessError, InvalidInputError, OperationCancelledError, PoisonedError, SessionGoneError
+from .errors import (
+    AsyncSessError,
+    ConflictError,
+    InvalidInputError,
+    NotFoundError,
+    OperationCancelledError,
+    PoisonedError,
+    ResultMismatchError,
+    SessionGoneError,
+    UnsupportedError,
+)
 from .futures import APIFuture
 from .retry import RetryEvent, RetryPolicy, call_with_retry
 from .sampling import SamplingLimiter, SamplingStats
@@ -43,10 +56,27 @@ from .types import (
     SampleResponse,
     SamplingParams,
     ServerCapabilities,
+    SessionSummary,
+    TensorData,
+    TrainingRun,
 )
-from .validation import check_datums, check_loss_fn, check_loss_fn_config, coerce_adam_params, coerce_prompt, coerce_sampling_params
+from .validation import (
+    check_count,
+    check_datums,
+    check_description,
+    check_loss_fn,
+    check_loss_fn_config,
+    check_session_options,
+    check_target_prompt_logprobs,
+    check_ttl_seconds,
+    check_user_metadata,
+    coerce_adam_params,
+    coerce_prompt,
+    coerce_sampling_params,
+    split_name_and_description,
+)
 
-__all__ = ["ServiceClient", "TrainingClient", "SamplingClient"]
+__all__ = ["ServiceClient", "TrainingClient", "SamplingClient", "SamplerHandle", "RestClient"]
 
 log = logging.getLogger("asyncsess")
 DEFAULT_URL = "local://"
@@ -97,6 +127,10 @@ class ServiceClient:
         self._training: weakref.WeakValueDictionary[str, TrainingClient] = weakref.WeakValueDictionary()
         self._samplers: set[str] = set()
         self._orphans: list[str] = []  # sessions whose client was garbage-collected; stopped on the next call
+        self._known: dict[str, SessionSummary] = {}  # every session this client opened, for list_sessions
+        self._caps: ServerCapabilities | None = None
+        self.close_status: str | None = None  # set by close(status, detail): why the run ended
+        self.close_detail: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,56 +194,312 @@ class ServiceClient:
         self,
         base_model: str,
         rank: int = 32,
-        alpha: float | None = None,
         seed: int | None = None,
-        train_mlp: bool = True,
-        train_attn: bool = True,
-        train_unembed: bool = True,
-        user_metadata: dict[str, str] | None = None,
+        train_mlp: bool | None = True,
+        train_attn: bool | None = True,
+        train_unembed: bool | None = True,
+        user_metadata: Mapping[str, str] | None = None,
+        optimizer: Any = None,
+        *,
+        alpha: float | None = None,
+        training_session_name: str | None = None,
+        model_package_group_arn: str | None = None,
+        s3_output_path: str | None = None,
+        kms_key_arn: str | None = None,
+        vpc_config: Mapping[str, Any] | None = None,
     ) -> TrainingClient:
-        """Open a LoRA training session on ``base_model``. ``alpha=None`` lets the backend choose."""
-        if not isinstance(rank, int) or rank < 1:
-            raise InvalidInputError(f"{rank!r} is not a positive integer", field="rank", fix="e.g. rank=32")
-        if alpha is not None and alpha <= 0:
+        """Open a LoRA training session on ``base_model``. ``alpha=None`` lets the backend choose.
+
+        Takes both anchors' parameters: Tinker's (positional order as in ``tinker``) and SageMaker's
+        per-call session options, which ``sagemaker://`` sends and other backends record in
+        ``get_info().session_options``.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1024:
+            raise InvalidInputError(f"{rank!r} is not a LoRA rank", field="rank", fix="an int in 1..1024, e.g. rank=32")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf")):
             raise InvalidInputError(f"{alpha!r} must be > 0", field="alpha", fix="e.g. alpha=2*rank, or None for the backend default")
-        if not (train_mlp or train_attn or train_unembed):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise InvalidInputError(f"{seed!r} is not a seed", field="seed", fix="an int in 0..2**63-1, or None")
+        mlp, attn, unembed = (True if f is None else f for f in (train_mlp, train_attn, train_unembed))  # SageMaker: None = default
+        if not (mlp or attn or unembed):
             raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="leave at least one True")
+        _check_base_model(base_model)
+        options = check_session_options(
+            {
+                "training_session_name": training_session_name,
+                "model_package_group_arn": model_package_group_arn,
+                "s3_output_path": s3_output_path,
+                "kms_key_arn": kms_key_arn,
+                "vpc_config": vpc_config,
+                "optimizer": optimizer,
+            }
+        )
         spec = TrainingSessionSpec(
-            base_model, rank, alpha, seed, train_mlp, train_attn, train_unembed, user_metadata=dict(user_metadata or {})
+            base_model,
+            rank,
+            alpha,
+            seed,
+            train_mlp=mlp,
+            train_attn=attn,
+            train_unembed=unembed,
+            user_metadata=check_user_metadata(user_metadata),
+            session_options=options,
         )
         return await self._open_training(spec)
 
-    async def create_training_client_from_state(self, path: str, base_model: str | None = None) -> TrainingClient:
-        """A new session with the weights saved at ``path`` and a fresh optimizer."""
-        return await self._open_training(TrainingSessionSpec(base_model or "", from_path=path, with_optimizer=False))
+    async def create_lora_training_client_async(self, base_model: str, **kwargs: Any) -> TrainingClient:
+        """SageMaker's spelling of :meth:`create_lora_training_client` (already async here)."""
+        return await self.create_lora_training_client(base_model, **kwargs)
 
-    async def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None) -> TrainingClient:
+    async def create_training_client_from_state(
+        self,
+        path: str | None = None,
+        base_model: str | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: Any = None,
+        *,
+        model_package_arn: str | None = None,
+        **session_options: Any,
+    ) -> TrainingClient:
+        """A new session with the weights saved at ``path`` and a fresh optimizer.
+
+        ``model_package_arn`` is SageMaker's name for ``path``; ``session_options`` are the ones
+        :meth:`create_lora_training_client` takes (``rank``, ``alpha``, ``training_session_name``, ...).
+        """
+        spec = self._from_state_spec(path, model_package_arn, base_model, user_metadata, optimizer, session_options, False)
+        return await self._open_training(spec)
+
+    async def create_training_client_from_state_with_optimizer(
+        self,
+        path: str | None = None,
+        base_model: str | None = None,
+        user_metadata: Mapping[str, str] | None = None,
+        weights_access_token: str | None = None,
+        *,
+        model_package_arn: str | None = None,
+        **session_options: Any,
+    ) -> TrainingClient:
         """A new session resuming exactly: the weights and the optimizer state saved at ``path``."""
-        return await self._open_training(TrainingSessionSpec(base_model or "", from_path=path, with_optimizer=True))
+        spec = self._from_state_spec(path, model_package_arn, base_model, user_metadata, None, session_options, True)
+        return await self._open_training(spec)
 
-    async def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
-        """A sampler on saved weights (``model_path``) or on the plain ``base_model``."""
+    async def create_sampling_client_async(self, model_path: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        """The anchors' spelling of :meth:`create_sampling_client`."""
+        return await self.create_sampling_client(model_path, *args, **kwargs)
+
+    async def get_server_capabilities_async(self) -> ServerCapabilities:
+        return await self.get_server_capabilities()
+
+    async def create_training_client_from_state_async(self, path: str | None = None, **kwargs: Any) -> TrainingClient:
+        """SageMaker's spelling of :meth:`create_training_client_from_state`."""
+        return await self.create_training_client_from_state(path, **kwargs)
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str | None = None, **kwargs: Any) -> TrainingClient:
+        """SageMaker's spelling of :meth:`create_training_client_from_state_with_optimizer`."""
+        return await self.create_training_client_from_state_with_optimizer(path, **kwargs)
+
+    async def create_sampling_client(
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        *,
+        model_package_arn: str | None = None,
+    ) -> SamplingClient:
+        """A sampler on saved weights (``model_path``, SageMaker: ``model_package_arn``) or on the plain ``base_model``.
+
+        ``retry_config`` and ``record_stability_info`` (Tinker) are accepted and ignored: retries follow
+        this ServiceClient's ``retry`` policy.
+        """
+        if model_path is not None and model_package_arn is not None:
+            raise InvalidInputError("give model_path or model_package_arn, not both", field="model_package_arn")
+        model_path = model_path if model_path is not None else model_package_arn
         if (model_path is None) == (base_model is None):
             raise InvalidInputError("give exactly one of model_path and base_model", field="model_path/base_model")
+        if model_path is not None:
+            model_path = _check_path(model_path, "model_path")
+        else:
+            _check_base_model(base_model)
         return await self._open_sampler(SamplerSpec(base_model=base_model, model_path=model_path), base_model or "")
 
     async def list_checkpoints(self, model_id: str | None = None) -> list[Checkpoint]:
-        return await self._call("list_checkpoints", functools.partial(self.backend.list_checkpoints, model_id))
+        """Saved checkpoints, of one training session or of all (newest first)."""
+        found = await self._call("list_checkpoints", functools.partial(self.backend.list_checkpoints, model_id))
+        return sorted(found, key=lambda c: c.time, reverse=True)
+
+    # ------------------------------------------------------------------ sessions and checkpoints (admin)
+
+    async def close(self, status: str = "success", detail: str | None = None) -> None:
+        """Tinker's ``close(status, detail)``: record why the run ended, then stop every session. First reason wins."""
+        if status not in ("success", "errored", "interrupted"):
+            raise InvalidInputError(f"{status!r} is not a status", field="status", fix="success, errored or interrupted")
+        if detail is not None:
+            check_description(detail, field="detail")
+        if self.close_status is None:
+            self.close_status, self.close_detail = status, detail
+        await self.aclose()
+
+    async def list_sessions(
+        self, *, name_contains: str | None = None, status_equals: str | None = None, max_results: int | None = None
+    ) -> list[SessionSummary]:
+        """Sessions this ServiceClient opened (training and sampling), newest first."""
+        rows = sorted(self._known.values(), key=lambda r: r.creation_time, reverse=True)
+        rows = [r for r in rows if (name_contains is None or name_contains in r.session_id) and status_equals in (None, r.status)]
+        return rows[: check_count(max_results, "max_results", low=1, high=10**6)] if max_results is not None else rows
+
+    async def describe_session(self, training_session: str) -> SessionSummary:
+        """The summary of one session this ServiceClient opened (by id, name or ARN)."""
+        row = self._known.get(training_session) if isinstance(training_session, str) else None
+        if row is None:
+            raise NotFoundError(
+                f"no session {training_session!r} was opened by this client", field="training_session", fix="see list_sessions()"
+            )
+        return row
+
+    async def stop_session(self, training_session: str) -> None:
+        """Stop a session. Idempotent."""
+        row = await self.describe_session(training_session)
+        tc = self._training.get(row.session_id)
+        if tc is not None:
+            await tc.stop()
+        else:
+            await self._stop_quietly(row.session_id)
+        self._mark(row.session_id, "Stopped")
+
+    async def delete_session(self, training_session: str, *, stop_if_active: bool = False) -> None:
+        """Forget a stopped session (``stop_if_active=True`` stops a running one first)."""
+        row = await self.describe_session(training_session)
+        if row.status == "Running":
+            if not _check_bool(stop_if_active, "stop_if_active"):
+                raise ConflictError(
+                    f"session {training_session} is running", field="training_session", fix="stop it first, or pass stop_if_active=True"
+                )
+            await self.stop_session(training_session)
+        self._mark(row.session_id, "Deleted")
+
+    async def list_model_packages(
+        self, *, kind: str | None = None, model_package_group_arn: str | None = None, max_results: int = 10
+    ) -> list[Checkpoint]:
+        """SageMaker's name for the checkpoint list: newest first, ``kind`` ``CHECKPOINT`` or ``MODEL``."""
+        if kind is not None and kind not in ("CHECKPOINT", "MODEL"):
+            raise InvalidInputError(f"{kind!r} is not a kind", field="kind", fix="CHECKPOINT (resumable state) or MODEL")
+        rows = [c for c in await self.list_checkpoints() if kind in (None, c.kind)]
+        return rows[: check_count(max_results, "max_results", low=1, high=10**6)]
+
+    async def get_latest_model_package(
+        self, kind: str, *, model_package_group_arn: str | None = None, scan_limit: int = 20
+    ) -> Checkpoint | None:
+        """The newest checkpoint of ``kind`` (``CHECKPOINT`` or ``MODEL``), or None."""
+        rows = await self.list_model_packages(kind=kind, max_results=scan_limit)
+        return rows[0] if rows else None
+
+    async def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
+        """Delete a checkpoint (its record and, on backends that store files, its files)."""
+        await self.delete_checkpoint(model_package_arn)
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """Delete a saved checkpoint by its path."""
+        path = _check_path(path)
+        await self._call("delete_checkpoint", functools.partial(self.backend.delete_checkpoint, path))
+
+    def create_rest_client(self) -> RestClient:
+        """Tinker's REST-style client for runs and checkpoints, over this ServiceClient's backend."""
+        return RestClient(self)
+
+    # ------------------------------------------------------------------ internals
+
+    def _from_state_spec(
+        self,
+        path: str | None,
+        arn: str | None,
+        base_model: str | None,
+        user_metadata: Mapping[str, str] | None,
+        optimizer: Any,
+        options: dict[str, Any],
+        with_optimizer: bool,
+    ) -> TrainingSessionSpec:
+        if (path is None) == (arn is None):
+            raise InvalidInputError("give exactly one of path and model_package_arn", field="path")
+        path = _check_path(path if path is not None else arn)
+        if base_model is not None:
+            _check_base_model(base_model)
+        rank, alpha = options.pop("rank", 32), options.pop("alpha", None)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1024:
+            raise InvalidInputError(f"{rank!r} is not a LoRA rank", field="rank", fix="an int in 1..1024")
+        for ignored in ("seed", "train_mlp", "train_attn", "train_unembed"):
+            options.pop(ignored, None)
+        known = {"training_session_name", "model_package_group_arn", "s3_output_path", "kms_key_arn", "vpc_config"}
+        unknown = set(options) - known
+        if unknown:
+            raise InvalidInputError(
+                f"unexpected option(s) {', '.join(sorted(unknown))}", field="session_options", fix=f"use {sorted(known)}"
+            )
+        opts = check_session_options({**options, "optimizer": optimizer})
+        return TrainingSessionSpec(
+            base_model or "",
+            rank,
+            alpha,
+            from_path=path,
+            with_optimizer=with_optimizer,
+            user_metadata=check_user_metadata(user_metadata),
+            session_options=opts,
+        )
+
+    def _mark(self, session_id: str, status: str) -> None:
+        row = self._known.get(session_id)
+        if row is not None and row.status != "Deleted":
+            self._known[session_id] = row.model_copy(update={"status": status})
 
     # ------------------------------------------------------------------ internals
 
     async def _open_training(self, spec: TrainingSessionSpec) -> TrainingClient:
         self._require_open()
         info = await self._call("create_training_session", functools.partial(self.backend.create_training_session, spec))
+        update: dict[str, Any] = {}
+        if spec.user_metadata and not info.user_metadata:
+            update["user_metadata"] = dict(spec.user_metadata)
+        if spec.session_options and not info.session_options:
+            update["session_options"] = dict(spec.session_options)
+        if update:  # the backend had no use for them: keep them with the session's info
+            info = info.model_copy(update=update)
         tc = TrainingClient(self, info)
+        tc._limits = await self._model_limits(info.base_model)
         self._training[info.model_id] = tc
+        self._known[info.model_id] = SessionSummary(
+            session_id=info.model_id,
+            kind="training",
+            status="Running",
+            base_model=info.base_model,
+            creation_time=time.time(),
+            user_metadata=dict(info.user_metadata),
+        )
         return tc
 
     async def _open_sampler(self, spec: SamplerSpec, base_model: str) -> SamplingClient:
         self._require_open()
         sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, spec))
         self._samplers.add(sampler_id)
-        return SamplingClient(self, sampler_id, base_model)
+        self._known[sampler_id] = SessionSummary(
+            session_id=sampler_id, kind="sampler", status="Running", base_model=base_model, creation_time=time.time()
+        )
+        return SamplingClient(self, sampler_id, base_model, spec)
+
+    async def _model_limits(self, base_model: str) -> tuple[int | None, int | None]:
+        """(vocab size, context length) of ``base_model`` when the backend reports them, for checks before numbering."""
+        for refresh in (self._caps is None, True):  # a model first used just now may be missing from a cached list
+            if refresh:
+                try:
+                    self._caps = await self.get_server_capabilities()
+                except Exception as err:  # limits are an extra check; a backend without them still works
+                    log.debug("no capabilities: %r", err)
+                    return None, None
+            assert self._caps is not None
+            for m in self._caps.supported_models:
+                if m.model_name == base_model:
+                    return m.vocab_size, m.max_context_length
+        return None, None
 
     def _require_open(self) -> None:
         if self._tg is None or self._closed:
@@ -247,6 +537,8 @@ class ServiceClient:
                 fut._cancel_scope = scope
                 fut._set_result(await fn(*args))
         except Exception as err:
+            if isinstance(err, AsyncSessError) and err.operation is None:
+                err.operation = fut.operation  # say which call failed (SageMaker's operation_type)
             fut._set_exception(err)
         finally:
             if not fut.done():
@@ -254,6 +546,7 @@ class ServiceClient:
 
     async def _stop_quietly(self, session_id: str) -> None:
         self._samplers.discard(session_id)
+        self._mark(session_id, "Stopped")
         try:
             with anyio.fail_after(30):
                 await self.backend.stop_session(session_id)
@@ -303,6 +596,8 @@ class TrainingClient:
         self._gone: SessionGoneError | None = None
         self._stopped = False
         self._tokenizer: Tokenizer | None = None
+        self._limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context) for checks before numbering
+        self._saved_names: set[tuple[str, str]] = set()
         self._finalizer = weakref.finalize(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
 
     def __repr__(self) -> str:
@@ -323,29 +618,36 @@ class TrainingClient:
 
     def forward(
         self,
-        data: Any,
+        data: Any = None,
         loss_fn: str = "cross_entropy",
-        loss_fn_config: Mapping[str, float] | None = None,
-        *,
+        loss_fn_config: Mapping[str, Any] | None = None,
         loss_fn_inputs: Mapping[str, Any] | None = None,
+        *,
+        batch: Any = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Log-probs and loss without gradients."""
-        datums, config = self._check(data, loss_fn, loss_fn_config, loss_fn_inputs)
+        """Log-probs and loss without gradients. Argument forms: see :meth:`forward_backward`."""
+        datums, config = self._check(_data_or_batch(data, batch), loss_fn, loss_fn_config, loss_fn_inputs)
         return self._submit_batch("forward", datums, loss_fn, config)
 
     def forward_backward(
         self,
-        data: Any,
+        data: Any = None,
         loss_fn: str = "cross_entropy",
-        loss_fn_config: Mapping[str, float] | None = None,
-        *,
+        loss_fn_config: Mapping[str, Any] | None = None,
         loss_fn_inputs: Mapping[str, Any] | None = None,
+        *,
+        batch: Any = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Log-probs, loss, and gradients accumulated until the next ``optim_step``."""
-        datums, config = self._check(data, loss_fn, loss_fn_config, loss_fn_inputs)
+        """Log-probs, loss, and gradients accumulated until the next ``optim_step``.
+
+        The third positional argument is Tinker's ``loss_fn_config`` or SageMaker's ``loss_fn_inputs``
+        (told apart by content: per-token arrays are inputs, scalars are config); ``loss_fn_inputs``
+        are attached to each datum that has none of its own. ``batch=`` is SageMaker's name for ``data``.
+        """
+        datums, config = self._check(_data_or_batch(data, batch), loss_fn, loss_fn_config, loss_fn_inputs)
         return self._submit_batch("forward_backward", datums, loss_fn, config)
 
-    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
         ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
@@ -354,7 +656,8 @@ class TrainingClient:
         if not callable(loss_fn):
             raise InvalidInputError("must be callable (data, logprobs) -> (loss, metrics)", field="loss_fn")
         original = self._coerce_rl_datums(data)
-        forward_data = check_datums(ce_view(original), "cross_entropy")
+        vocab, context = self._limits
+        forward_data = check_datums(ce_view(original), "cross_entropy", vocab_size=vocab, max_length=context)
         self._raise_if_unusable("forward_backward_custom")
         fwd = self._make_op("forward", data=forward_data, loss_fn="cross_entropy")
         bwd_seq, bwd_key = self._reserve()
@@ -362,42 +665,159 @@ class TrainingClient:
         fut._withdrawable = False
         return self._track(fut, self._run_custom, original, fwd, bwd_seq, bwd_key, loss_fn)
 
-    def optim_step(self, adam_params: AdamParams | Mapping[str, float] | None = None) -> APIFuture[OptimStepResponse]:
-        """Apply the accumulated gradients with AdamW."""
-        return self._submit("optim_step", adam_params=coerce_adam_params(adam_params))
+    def optim_step(
+        self, optim_params: AdamParams | Mapping[str, float] | None = None, *, adam_params: AdamParams | Mapping[str, float] | None = None
+    ) -> APIFuture[OptimStepResponse]:
+        """Apply the accumulated gradients with AdamW. ``adam_params=`` is the keyword both anchors also take."""
+        if optim_params is not None and adam_params is not None:
+            raise InvalidInputError("give optim_params or adam_params, not both", field="adam_params")
+        params = coerce_adam_params(adam_params if adam_params is not None else optim_params)
+        return self._submit("optim_step", adam_params=params)
 
     def save_state(
-        self, name: str | None = None, *, description: str | None = None, ttl_seconds: int | None = None
+        self,
+        name: str | None = None,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        description: str | None = None,
     ) -> APIFuture[CheckpointResponse]:
-        """Save weights + optimizer state (resumable). ``description`` is SageMaker's spelling."""
-        return self._submit("save_state", name=name or description)
+        """Save weights + optimizer state (resumable).
+
+        ``name`` becomes the last path component (1-128 of ``A-Za-z0-9._-``); a first argument that is
+        not a valid name is SageMaker's free-text ``description`` and the backend picks the name.
+        ``overwrite=True`` replaces a checkpoint of the same name.
+        """
+        fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_state")
+        return self._remember("save_state", fields, self._submit("save_state", **fields))
 
     def save_weights_for_sampler(
-        self, name: str | None = None, merge_weights: bool = False, *, description: str | None = None, ttl_seconds: int | None = None
+        self,
+        name: str | None = None,
+        merge_weights: bool = False,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        ttl_seconds: int | None = None,
+        description: str | None = None,
+        overwrite: bool = False,
     ) -> APIFuture[CheckpointResponse]:
-        """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model."""
-        return self._submit("save_weights", name=name or description, merge_weights=merge_weights)
+        """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
+        fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_weights")
+        merge = _check_bool(merge_weights, "merge_weights")
+        return self._remember("save_weights", fields, self._submit("save_weights", merge_weights=merge, **fields))
 
-    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Load weights from ``path`` and reset the optimizer."""
-        return self._submit("load_state", path=_check_path(path), with_optimizer=False)
+    def load_state(
+        self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        """Load weights from ``path`` (SageMaker: ``model_package_arn``) and reset the optimizer."""
+        return self._submit("load_state", path=_path_or_arn(path, model_package_arn), with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Load weights and optimizer state from ``path``."""
-        return self._submit("load_state", path=_check_path(path), with_optimizer=True)
+    def load_state_with_optimizer(
+        self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        """Load weights and optimizer state from ``path`` (SageMaker: ``model_package_arn``)."""
+        return self._submit("load_state", path=_path_or_arn(path, model_package_arn), with_optimizer=True)
+
+    def save_weights_external(
+        self, name: str | None = None, ttl_seconds: int | None = None, age_encryption_recipients: Any = None
+    ) -> APIFuture[CheckpointResponse]:
+        """Tinker's export: here the same as :meth:`save_weights_for_sampler` (a PEFT adapter where the backend stores files)."""
+        if age_encryption_recipients:
+            raise UnsupportedError("age encryption is not offered", field="age_encryption_recipients", fix="leave it None")
+        return self.save_weights_for_sampler(name, ttl_seconds=ttl_seconds)
+
+    # The anchors' *_async spellings: coroutines that return the op's future (await the future for the value).
+
+    async def forward_async(self, data: Any = None, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        """``fut = await tc.forward_async(...)``; then ``await fut``."""
+        return self.forward(data, *args, **kwargs)
+
+    async def forward_backward_async(self, data: Any = None, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        """``fut = await tc.forward_backward_async(...)``; then ``await fut``."""
+        return self.forward_backward(data, *args, **kwargs)
+
+    async def forward_backward_custom_async(self, data: Any, loss_fn: CustomLossFn, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward_custom(data, loss_fn, **kwargs)
+
+    async def optim_step_async(self, optim_params: Any = None, *, adam_params: Any = None) -> APIFuture[OptimStepResponse]:
+        """``fut = await tc.optim_step_async(...)``; then ``await fut``."""
+        return self.optim_step(optim_params, adam_params=adam_params)
+
+    async def save_state_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[CheckpointResponse]:
+        """``fut = await tc.save_state_async(...)``; then ``await fut``."""
+        return self.save_state(name, *args, **kwargs)
+
+    async def save_weights_for_sampler_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[CheckpointResponse]:
+        """``fut = await tc.save_weights_for_sampler_async(...)``; then ``await fut``."""
+        return self.save_weights_for_sampler(name, *args, **kwargs)
+
+    async def save_weights_external_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[CheckpointResponse]:
+        return self.save_weights_external(name, *args, **kwargs)
+
+    async def load_state_async(self, path: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path, *args, **kwargs)
+
+    async def load_state_with_optimizer_async(self, path: str | None = None, *args: Any, **kwargs: Any) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path, *args, **kwargs)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        return await self.save_weights_and_get_sampling_client(name, *args, **kwargs)
+
+    async def create_sampling_client_async(self, model_path: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        return await self.create_sampling_client(model_path, *args, **kwargs)
+
+    async def get_info_async(self) -> GetInfoResponse:
+        return self.get_info()
 
     # ------------------------------------------------------------------ samplers and info
 
-    async def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False) -> SamplingClient:
-        """Snapshot the current weights (an ordered op) and return a sampler on them."""
-        saved = await self._submit("save_weights", name=name, merge_weights=merge_weights, ephemeral=name is None)
+    async def save_weights_and_get_sampling_client(
+        self,
+        name: str | None = None,
+        merge_weights: bool = False,
+        record_stability_info: bool = False,
+        kind: str = "snapshot",
+        *,
+        description: str | None = None,
+        retry_config: Any = None,
+    ) -> SamplingClient:
+        """Snapshot the current weights (an ordered op) and return a sampler on them.
+
+        Without a name the snapshot is ephemeral (not listed). ``kind="snapshot"`` only: every
+        sampler here pins the weights it was made from.
+        """
+        if kind != "snapshot":
+            raise UnsupportedError(f"kind={kind!r}", field="kind", fix='use kind="snapshot" (samplers pin their weights)')
+        fields = self._save_fields(name, description, None, False, None, "save_weights")
+        merge = _check_bool(merge_weights, "merge_weights")
+        saved = await self._remember(
+            "save_weights", fields, self._submit("save_weights", merge_weights=merge, ephemeral=fields["name"] is None, **fields)
+        )
         return await self._svc._open_sampler(SamplerSpec(model_path=saved.path), self.base_model)
 
-    async def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
-        """A sampler on ``model_path``, or on the current weights when no path is given."""
-        if model_path is None:
+    async def create_sampling_client(
+        self,
+        model_path: str | None = "",
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        *,
+        model_package_arn: str = "",
+    ) -> SamplingClient:
+        """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
+        path = model_path if model_path not in (None, "") else model_package_arn
+        if path in (None, ""):
             return await self.save_weights_and_get_sampling_client()
-        return await self._svc._open_sampler(SamplerSpec(model_path=_check_path(model_path)), self.base_model)
+        return await self._svc._open_sampler(SamplerSpec(model_path=_check_path(path, "model_path")), self.base_model)
+
+    async def list_model_packages(self, *, kind: str | None = None, max_results: int | None = None) -> list[Checkpoint]:
+        """This session's checkpoints, newest first (SageMaker's per-client listing; ``max_results=None``: all)."""
+        rows = [c for c in await self._svc.list_checkpoints(self.model_id) if kind in (None, c.kind)]
+        return rows if max_results is None else rows[: check_count(max_results, "max_results", low=1, high=10**6)]
+
+    async def get_latest_model_package(self, kind: str = "CHECKPOINT") -> Checkpoint | None:
+        rows = await self.list_model_packages(kind=kind, max_results=1)
+        return rows[0] if rows else None
 
     def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
@@ -410,6 +830,10 @@ class TrainingClient:
     async def stop(self) -> None:
         """Stop the session. Idempotent; ops still queued fail with ``SessionGoneError``."""
         await self._stop_quietly()
+
+    async def delete(self, *, stop_if_active: bool = False) -> None:
+        """SageMaker's ``delete``: forget this session (``stop_if_active=True`` stops it first)."""
+        await self._svc.delete_session(self.model_id, stop_if_active=stop_if_active)
 
     async def _stop_quietly(self) -> None:
         if self._stopped:
@@ -424,12 +848,43 @@ class TrainingClient:
     def _encode_or_none(self) -> Callable[[str], list[int]] | None:
         return lambda text: self.get_tokenizer().encode(text)
 
-    def _check(
-        self, data: Any, loss_fn: str, config: Mapping[str, float] | None, shared: Mapping[str, Any] | None
-    ) -> tuple[tuple[Datum, ...], dict[str, float] | None]:
+    def _check(self, data: Any, loss_fn: str, config: Any, shared: Any) -> tuple[tuple[Datum, ...], dict[str, float] | None]:
+        if _looks_like_inputs(config) and (shared is None or not _looks_like_inputs(shared)):
+            config, shared = shared, config  # SageMaker's order: (batch, loss_fn, loss_fn_inputs, loss_fn_config)
+        if config is not None and not isinstance(config, Mapping):
+            raise InvalidInputError(f"got {type(config).__name__}", field="loss_fn_config", fix="a dict of str to float, or None")
+        if shared is not None and not isinstance(shared, Mapping):
+            raise InvalidInputError(f"got {type(shared).__name__}", field="loss_fn_inputs", fix="a dict of per-token lists, or None")
         check_loss_fn(loss_fn)
         cfg = check_loss_fn_config(loss_fn, config)
-        return check_datums(data, loss_fn, shared_inputs=shared, encode=self._encode_or_none()), cfg
+        vocab, context = self._limits
+        try:
+            return check_datums(
+                data, loss_fn, shared_inputs=shared, encode=self._encode_or_none(), vocab_size=vocab, max_length=context
+            ), cfg
+        except (TypeError, ValueError, OverflowError) as err:
+            if isinstance(err, InvalidInputError):
+                raise
+            raise InvalidInputError(str(err).splitlines()[0], field="data", fix="pass list[Datum] with per-token loss_fn_inputs") from None
+
+    def _save_fields(self, name: Any, description: Any, ttl: Any, overwrite: Any, meta: Any, kind: str) -> dict[str, Any]:
+        name, desc = split_name_and_description(name, description)
+        fields = {
+            "name": name,
+            "description": desc,
+            "ttl_seconds": check_ttl_seconds(ttl),
+            "overwrite": _check_bool(overwrite, "overwrite"),
+            "user_metadata": check_user_metadata(meta) or None,
+        }
+        if name is not None and (kind, name) in self._saved_names and not overwrite:  # the backend would refuse it after numbering
+            raise ConflictError(f"this session already saved {name!r}", field="name", fix="pick another name, or pass overwrite=True")
+        return fields
+
+    def _remember(self, kind: str, fields: dict[str, Any], fut: APIFuture[T]) -> APIFuture[T]:
+        """Note a name once its save is numbered, so a second save of it is refused before numbering."""
+        if fields["name"] is not None:
+            self._saved_names.add((kind, fields["name"]))
+        return fut
 
     def _coerce_rl_datums(self, data: Any) -> tuple[Datum, ...]:
         """Datums for a custom loss: anything with ``target_tokens`` (other keys are passed to the loss fn)."""
@@ -540,32 +995,148 @@ async def _merge_parts(parts: list[APIFuture[ForwardBackwardOutput]]) -> Forward
     return merge_outputs([await p for p in parts])
 
 
-def _check_path(path: Any) -> str:
-    if not isinstance(path, str) or "://" not in path and not path.startswith("arn:"):
-        raise InvalidInputError(
-            f"{path!r} is not a checkpoint path", field="path", fix="pass the .path of a save_state/save_weights result"
-        )
+def _check_path(path: Any, field: str = "path") -> str:
+    if not isinstance(path, str) or ("://" not in path and not path.startswith("arn:")) or len(path) > 4096:
+        shown = repr(path) if not isinstance(path, str) or len(path) <= 80 else repr(path[:80]) + "..."
+        raise InvalidInputError(f"{shown} is not a checkpoint path", field=field, fix="pass the .path of a save_state/save_weights result")
+    if "\x00" in path or any(ord(c) < 32 for c in path):
+        raise InvalidInputError("contains control characters", field=field, fix="pass the .path of a save_state/save_weights result")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError("is not valid Unicode", field=field, fix="pass the .path of a save_state/save_weights result") from None
     return path
 
 
-class SamplingClient:
-    """Samples from one set of weights. Requests are concurrent, bounded by the client's pool."""
+def _data_or_batch(data: Any, batch: Any) -> Any:
+    if batch is not None and data is not None:
+        raise InvalidInputError("give data or batch, not both", field="batch", fix="batch= is SageMaker's name for data")
+    return data if batch is None else batch
 
-    def __init__(self, service: ServiceClient, sampler_id: str, base_model: str) -> None:
-        self._svc = service
+
+def _path_or_arn(path: Any, arn: Any) -> str:
+    if path is not None and arn is not None:
+        raise InvalidInputError("give path or model_package_arn, not both", field="model_package_arn")
+    return _check_path(path if arn is None else arn)
+
+
+def _check_bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        hint = " (a Tinker positional ttl_seconds or retry_config? pass it by keyword)" if field == "merge_weights" else ""
+        raise InvalidInputError(f"got {value!r}{hint}", field=field, fix="True or False")
+    return value
+
+
+def _check_base_model(base_model: Any) -> str:
+    if not isinstance(base_model, str) or not base_model.strip() or len(base_model) > 512 or "\x00" in base_model:
+        raise InvalidInputError(
+            f"{base_model!r} is not a model name", field="base_model", fix="e.g. 'Qwen/Qwen3-0.6B' or see list_base_models()"
+        )
+    try:
+        base_model.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError("is not valid Unicode", field="base_model", fix="see list_base_models()") from None
+    return base_model
+
+
+def _looks_like_inputs(value: Any) -> bool:
+    """A mapping of per-token arrays (SageMaker's ``loss_fn_inputs``), not of scalars (``loss_fn_config``)."""
+    if not isinstance(value, Mapping) or not value:
+        return False
+    return any(isinstance(v, (list, tuple, TensorData)) or hasattr(v, "__array__") and getattr(v, "ndim", 0) > 0 for v in value.values())
+
+
+@dataclass(frozen=True)
+class SamplerHandle:
+    """What another process needs to reopen a sampler: the backend URL and options, the weights, and
+    whatever the backend exported (``mock://`` puts the weights themselves here)."""
+
+    url: str
+    options: dict[str, Any]
+    spec: SamplerSpec
+    base_model: str
+
+
+class SamplingClient:
+    """Samples from one set of weights. Requests are concurrent, bounded by the client's pool.
+
+    Picklable: a copy in another process reopens the same weights through its own ServiceClient (same
+    URL and options). There, ``async with sc:`` opens and closes that ServiceClient around its use;
+    the copy of an ``asyncsess.sync.SamplingClient`` opens it on first use.
+    """
+
+    def __init__(self, service: ServiceClient | None, sampler_id: str, base_model: str, spec: SamplerSpec | None = None) -> None:
+        self._svc = service  # type: ignore[assignment]
         self.sampler_id = sampler_id
         self.base_model = base_model
-        self._limiter = service._limiter
-        self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), sampler_id)
+        self._spec = spec or SamplerSpec(base_model=base_model)
+        self._handle: SamplerHandle | None = None  # set on an unpickled copy until it is attached
+        self._owned: ServiceClient | None = None
+        if service is not None:
+            self._limiter = service._limiter
+            self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), sampler_id)
+
+    _svc: ServiceClient
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.sampler_id}>"
 
     async def __aenter__(self) -> SamplingClient:
+        if self._handle is not None and self._owned is None:
+            await self._attach(self._handle)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.stop()
+        if self._owned is not None:
+            owned, self._owned = self._owned, None
+            await owned.aclose()
+
+    # ------------------------------------------------------------------ pickling
+
+    def get_sampler_handle(self) -> SamplerHandle:
+        """A picklable handle; :meth:`from_sampler_handle` reopens it (in any process)."""
+        if self._handle is not None:
+            return self._handle
+        svc = self._svc
+        payload = svc.backend.export_sampler(self.sampler_id)
+        spec = SamplerSpec(base_model=self._spec.base_model, model_path=self._spec.model_path, payload=payload)
+        return SamplerHandle(svc.url, _picklable_options(svc), spec, self.base_model)
+
+    @classmethod
+    def from_sampler_handle(cls, handle: SamplerHandle, *, api_key: str | None = None) -> SamplingClient:
+        """A detached client for ``handle``: use it as ``async with client:`` (or pass it to ``attach``)."""
+        if api_key is not None:
+            handle = SamplerHandle(handle.url, {**handle.options, "api_key": api_key}, handle.spec, handle.base_model)
+        sc = cls(None, "", handle.base_model, handle.spec)
+        sc._handle = handle
+        return sc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SamplingClient.from_sampler_handle, (self.get_sampler_handle(),))
+
+    async def attach(self, service: ServiceClient) -> SamplingClient:
+        """Reopen an unpickled client's sampler on an open ``service`` (same backend URL)."""
+        if self._handle is None:
+            raise InvalidInputError("this SamplingClient is already open", field="self")
+        opened = await service._open_sampler(self._handle.spec, self.base_model)
+        self.__dict__.update({k: v for k, v in opened.__dict__.items() if k != "_finalizer"})
+        opened._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), self.sampler_id)
+        self._handle = None
+        return self
+
+    async def _attach(self, handle: SamplerHandle) -> None:
+        svc = ServiceClient(handle.url, heartbeat_interval=0, **handle.options)
+        await svc.__aenter__()
+        try:
+            await self.attach(svc)
+        except BaseException:
+            await svc.aclose()
+            raise
+        self._owned = svc
+
+    # ------------------------------------------------------------------ sampling
 
     def sample(
         self,
@@ -573,47 +1144,112 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
+        topk_prompt_logprobs: int | None = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
-        """Draw ``num_samples`` continuations of ``prompt``."""
-        tokens = coerce_prompt(prompt, self._encode)
-        if not isinstance(num_samples, int) or not 1 <= num_samples <= 1000:
-            raise InvalidInputError(f"{num_samples!r} is out of range", field="num_samples", fix="an int in 1..1000")
-        if topk_prompt_logprobs:
-            raise InvalidInputError("top-k prompt log-probs are not supported", field="topk_prompt_logprobs", fix="leave it 0")
-        request = SampleRequest(
-            tuple(tokens), num_samples, coerce_sampling_params(sampling_params), include_prompt_logprobs, uuid.uuid4().hex
-        )
-        fut: APIFuture[SampleResponse] = APIFuture("sample")
-        return self._svc._spawn(
-            fut, self._run, "sample", len(tokens), functools.partial(self._svc.backend.sample, self.sampler_id, request)
-        )
+        """Draw ``num_samples`` continuations of ``prompt``.
 
-    def compute_logprobs(self, prompt: ModelInput | list[int] | str) -> APIFuture[list[float | None]]:
-        """Log-prob of each prompt token given the ones before it; the first is ``None``."""
+        ``topk_prompt_logprobs=k`` / ``topk_sample_logprobs=k`` return the k most likely tokens and their
+        log-probs at each prompt / sampled position; ``target_prompt_logprobs`` (ids ``[len(prompt)-1, K]``,
+        ``-1`` = skip) scores chosen ids; ``prompt_logprobs_last_n=n`` keeps only the last n prompt
+        positions (earlier entries are ``None``). ``prompt_alt_tokens_k`` is not offered.
+        """
+        self._require_attached("sample")
         tokens = coerce_prompt(prompt, self._encode)
+        check_count(num_samples, "num_samples", low=1, high=1000)
+        params = coerce_sampling_params(sampling_params)
+        _check_bool(include_prompt_logprobs, "include_prompt_logprobs")
+        k_prompt = check_count(topk_prompt_logprobs or 0, "topk_prompt_logprobs", high=MAX_TOPK)
+        k_sample = check_count(topk_sample_logprobs, "topk_sample_logprobs", high=MAX_TOPK)
+        if check_count(prompt_alt_tokens_k, "prompt_alt_tokens_k"):
+            raise UnsupportedError("prompt_alt_tokens_k is not offered", field="prompt_alt_tokens_k", fix="leave it 0")
+        last_n = _check_last_n(prompt_logprobs_last_n, len(tokens), include_prompt_logprobs or k_prompt > 0)
+        target = check_target_prompt_logprobs(target_prompt_logprobs, len(tokens))
+        request = SampleRequest(tuple(tokens), num_samples, params, include_prompt_logprobs, uuid.uuid4().hex, k_prompt, k_sample, target)
+        fut: APIFuture[SampleResponse] = APIFuture("sample")
+        call = functools.partial(self._sample_checked, request, last_n)
+        return self._svc._spawn(fut, self._run, "sample", len(tokens), call)
+
+    def compute_logprobs(
+        self, prompt: ModelInput | list[int] | str, prompt_logprobs_last_n: int | None = None
+    ) -> APIFuture[list[float | None]]:
+        """Log-prob of each prompt token given the ones before it; the first is ``None`` (and the ones
+        before the last ``prompt_logprobs_last_n``)."""
+        self._require_attached("compute_logprobs")
+        tokens = coerce_prompt(prompt, self._encode)
+        last_n = _check_last_n(prompt_logprobs_last_n, len(tokens), True)
         fut: APIFuture[list[float | None]] = APIFuture("compute_logprobs")
-        return self._svc._spawn(
-            fut, self._run, "compute_logprobs", len(tokens), functools.partial(self._svc.backend.compute_logprobs, self.sampler_id, tokens)
-        )
+        call = functools.partial(self._logprobs_checked, tokens, last_n)
+        return self._svc._spawn(fut, self._run, "compute_logprobs", len(tokens), call)
+
+    async def sample_async(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None, **kwargs: Any) -> SampleResponse:
+        """The anchors' ``sample_async``: the response itself."""
+        return await self.sample(prompt, num_samples, sampling_params, **kwargs)
+
+    async def compute_logprobs_async(self, prompt: Any, prompt_logprobs_last_n: int | None = None) -> list[float | None]:
+        """The anchors' ``compute_logprobs_async``: the log-probs themselves."""
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def stats(self) -> SamplingStats:
         """Backpressure figures of the pool this client shares with its ServiceClient."""
+        self._require_attached("stats")
         return self._limiter.stats()
 
     def get_tokenizer(self) -> Tokenizer:
+        self._require_attached("get_tokenizer")
         return self._svc.backend.get_tokenizer(self.base_model)
 
     def get_base_model(self) -> str:
         return self.base_model
 
+    async def get_base_model_async(self) -> str:
+        return self.base_model
+
     async def stop(self) -> None:
         """Release the sampler. Idempotent."""
+        if self._handle is not None:
+            return
         self._finalizer.detach()
         await self._svc._stop_quietly(self.sampler_id)
 
+    def _require_attached(self, operation: str) -> None:
+        if self._handle is not None:
+            raise SessionGoneError(
+                "this SamplingClient was unpickled and is not open here: use `async with sc:` (or `await sc.attach(svc)`)",
+                operation=operation,
+            )
+
     def _encode(self, text: str) -> list[int]:
         return self.get_tokenizer().encode(text)
+
+    async def _sample_checked(self, request: SampleRequest, last_n: int | None) -> SampleResponse:
+        response = await self._svc.backend.sample(self.sampler_id, request)
+        n = len(request.prompt)
+        if request.include_prompt_logprobs and response.prompt_logprobs is not None and len(response.prompt_logprobs) != n:
+            raise ResultMismatchError("sample.prompt_logprobs", n, len(response.prompt_logprobs))
+        if (request.topk_prompt_logprobs or request.topk_sample_logprobs or request.target_prompt_logprobs) and not _has_extras(
+            response, request
+        ):
+            raise UnsupportedError(
+                "this backend does not return top-k or target log-probs", field="topk_prompt_logprobs", fix="leave them 0 on this backend"
+            )
+        if last_n is not None:
+            update: dict[str, Any] = {}
+            if response.prompt_logprobs is not None:
+                update["prompt_logprobs"] = _keep_tail(response.prompt_logprobs, last_n)
+            if response.topk_prompt_logprobs is not None:
+                update["topk_prompt_logprobs"] = _keep_tail(response.topk_prompt_logprobs, last_n)
+            response = response.model_copy(update=update)
+        return response
+
+    async def _logprobs_checked(self, tokens: list[int], last_n: int | None) -> list[float | None]:
+        out = await self._svc.backend.compute_logprobs(self.sampler_id, tokens)
+        if len(out) != len(tokens):
+            raise ResultMismatchError("compute_logprobs", len(tokens), len(out))
+        return _keep_tail(out, last_n) if last_n is not None else out
 
     async def _run(self, operation: str, ntokens: int, call: Callable[[], Awaitable[T]]) -> T:
         nbytes = 8 * ntokens
@@ -622,6 +1258,115 @@ class SamplingClient:
             return await self._svc._call(operation, call)
         finally:
             self._limiter.release(nbytes)
+
+
+MAX_TOPK = 1024
+
+
+def _check_last_n(last_n: Any, prompt_len: int, scoring: bool) -> int | None:
+    if last_n is None:
+        return None
+    if not scoring:
+        raise InvalidInputError("applies to prompt log-probs", field="prompt_logprobs_last_n", fix="set include_prompt_logprobs=True")
+    return check_count(last_n, "prompt_logprobs_last_n", low=1, high=max(1, prompt_len - 1))  # type: ignore[no-any-return]
+
+
+def _keep_tail(values: list[Any], last_n: int) -> list[Any]:
+    cut = len(values) - last_n
+    return [None] * cut + list(values[cut:])
+
+
+def _has_extras(response: SampleResponse, request: SampleRequest) -> bool:
+    if request.topk_prompt_logprobs and response.topk_prompt_logprobs is None:
+        return False
+    if request.target_prompt_logprobs is not None and response.target_prompt_logprobs is None:
+        return False
+    return not (request.topk_sample_logprobs and any(s.topk_logprobs is None for s in response.sequences))
+
+
+def _picklable_options(svc: ServiceClient) -> dict[str, Any]:
+    """The ServiceClient's backend options that survive pickling (callables and live objects do not)."""
+    out: dict[str, Any] = {}
+    for key, value in svc._options.items():
+        try:
+            pickle.dumps(value)
+        except Exception:
+            log.debug("option %s is not picklable; a SamplingClient copy reopens without it", key)
+        else:
+            out[key] = value
+    return out
+
+
+class RestClient:
+    """Tinker's ``RestClient``: runs and checkpoints, over a ServiceClient's backend. Every method returns an APIFuture."""
+
+    def __init__(self, service: ServiceClient) -> None:
+        self._svc = service
+
+    def __repr__(self) -> str:
+        return f"<RestClient {self._svc.url}>"
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[list[TrainingRun]]:
+        """Training sessions this ServiceClient opened, newest first."""
+        check_count(limit, "limit", low=1, high=10**6)
+        check_count(offset, "offset", high=10**9)
+        return self._spawn("list_training_runs", self._runs, limit, offset)
+
+    def get_training_run(self, training_run_id: str) -> APIFuture[TrainingRun]:
+        return self._spawn("get_training_run", self._run, training_run_id)
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[list[Checkpoint]]:
+        """Checkpoints of one training run, newest first."""
+        return self._spawn("list_checkpoints", self._svc.list_checkpoints, _check_id(training_run_id))
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[list[Checkpoint]]:
+        """Every checkpoint on the backend, newest first."""
+        check_count(limit, "limit", low=1, high=10**6)
+        check_count(offset, "offset", high=10**9)
+        return self._spawn("list_user_checkpoints", self._all_checkpoints, limit, offset)
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
+        return self._spawn("delete_checkpoint", self._delete_by_id, _check_id(training_run_id), _check_id(checkpoint_id, "checkpoint_id"))
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return self._spawn("delete_checkpoint", self._svc.delete_checkpoint, _check_path(tinker_path, "tinker_path"))
+
+    def _spawn(self, operation: str, fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
+        return self._svc._spawn(APIFuture(operation), fn, *args)
+
+    async def _runs(self, limit: int, offset: int) -> list[TrainingRun]:
+        rows = [r for r in await self._svc.list_sessions() if r.kind == "training"]
+        return [await self._run(r.session_id) for r in rows[offset : offset + limit]]
+
+    async def _run(self, run_id: str) -> TrainingRun:
+        row = await self._svc.describe_session(_check_id(run_id))
+        if row.kind != "training":
+            raise NotFoundError(f"{run_id} is a sampler, not a training run", field="training_run_id")
+        ckpts = await self._svc.list_checkpoints(run_id)
+        tc = self._svc._training.get(run_id)
+        return TrainingRun(
+            training_run_id=run_id,
+            base_model=row.base_model,
+            lora_rank=tc.get_info().lora_rank if tc is not None else None,
+            last_checkpoint=next((c for c in ckpts if c.checkpoint_type == "training"), None),
+            last_sampler_checkpoint=next((c for c in ckpts if c.checkpoint_type != "training"), None),
+            user_metadata=row.user_metadata or None,
+        )
+
+    async def _all_checkpoints(self, limit: int, offset: int) -> list[Checkpoint]:
+        return (await self._svc.list_checkpoints())[offset : offset + limit]
+
+    async def _delete_by_id(self, run_id: str, checkpoint_id: str) -> None:
+        for c in await self._svc.list_checkpoints(run_id):
+            if c.checkpoint_id == checkpoint_id:
+                return await self._svc.delete_checkpoint(c.path)
+        raise NotFoundError(f"run {run_id} has no checkpoint {checkpoint_id!r}", field="checkpoint_id", fix="see list_checkpoints(run_id)")
+
+
+def _check_id(value: Any, field: str = "training_run_id") -> str:
+    if not isinstance(value, str) or not value or len(value) > 512 or "\x00" in value:
+        raise InvalidInputError(f"{value!r} is not an id", field=field, fix="use an id from a list_* call")
+    return value
 
 
 _request_ids = itertools.count(1)

@@ -2,11 +2,40 @@
 
 Every error carries the operation name, the training sequence number (when there is one) and the
 backend's request id, so a failure in a long pipelined loop can be traced to the call that caused it.
+
+Both anchors' error names are part of this one hierarchy, so ``except`` clauses written for either
+SDK keep working: Tinker's ``TinkerError``/``APIError`` and SageMaker's ``TrainingSessionError`` are the
+base class; ``APIStatusError`` (with ``status_code``) is the parent of every error that maps to an HTTP
+status (``BadRequestError`` = :class:`InvalidInputError`, ``NotFoundError``, ``ConflictError``,
+``RateLimitError``, ``InternalServerError`` = :class:`ServerError`, ...); ``OperationError`` =
+``RequestFailedError`` is the parent of every failure of an accepted op (:class:`ServerError`,
+:class:`PoisonedError`, :class:`SessionGoneError`, ...). :func:`is_retryable` says whether sending the
+call again may succeed.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "APIConnectionError",
+    "APIError",
+    "APIResponseValidationError",
+    "APIStatusError",
+    "APITimeoutError",
+    "ArtifactDeletionError",
+    "AuthenticationError",
+    "BadRequestError",
+    "BillingError",
+    "InternalServerError",
+    "NotFoundError",
+    "OperationError",
+    "PermissionDeniedError",
+    "RateLimitError",
+    "RequestFailedError",
+    "ResultMismatchError",
+    "TinkerError",
+    "TrainingSessionError",
+    "UnprocessableEntityError",
+    "is_retryable",
     "AsyncSessError",
     "InvalidInputError",
     "UnsupportedError",
@@ -46,6 +75,25 @@ class AsyncSessError(Exception):
     def __reduce__(self):  # keep errors picklable across processes
         return (_rebuild, (type(self), self.message, self.__dict__))
 
+    # The anchors' attribute names for the same facts.
+    @property
+    def operation_type(self) -> str | None:
+        """SageMaker's name for :attr:`operation`."""
+        return self.operation
+
+    @property
+    def operation_id(self) -> str | None:
+        """SageMaker's name for :attr:`request_id`."""
+        return self.request_id
+
+    @property
+    def category(self) -> str:
+        """Tinker's ``RequestFailedError.category``: ``user`` for bad input, else ``server``."""
+        return "user" if isinstance(self, InvalidInputError) else "server"
+
+    body: object = None  # Tinker's APIError.body / .request: no HTTP body or request object here
+    request: object = None
+
 
 def _rebuild(cls: type[AsyncSessError], message: str, state: dict) -> AsyncSessError:
     err = cls.__new__(cls)
@@ -54,8 +102,20 @@ def _rebuild(cls: type[AsyncSessError], message: str, state: dict) -> AsyncSessE
     return err
 
 
-class InvalidInputError(AsyncSessError, ValueError):
+class APIStatusError(AsyncSessError):
+    """An error that maps to an HTTP status (Tinker's ``APIStatusError``); ``status_code`` says which."""
+
+    status_code: int = 500
+
+
+class OperationError(AsyncSessError):
+    """An accepted op failed while running (SageMaker's ``OperationError``, Tinker's ``RequestFailedError``)."""
+
+
+class InvalidInputError(APIStatusError, ValueError):
     """Bad input from the caller (a 4xx). ``field`` names what is wrong, ``fix`` says how to mend it."""
+
+    status_code = 400
 
     def __init__(self, message: str, *, field: str | None = None, fix: str | None = None, **kw) -> None:
         text = message if field is None else f"{field}: {message}"
@@ -73,6 +133,32 @@ class UnsupportedError(InvalidInputError):
 class ConflictError(InvalidInputError):
     """A sequence number was reused with a different idempotency key, or a name already exists."""
 
+    status_code = 409
+
+
+class NotFoundError(InvalidInputError):
+    """No such session, sampler or checkpoint (a 404)."""
+
+    status_code = 404
+
+
+class AuthenticationError(APIStatusError):
+    """The backend did not accept the credentials (a 401)."""
+
+    status_code = 401
+
+
+class PermissionDeniedError(APIStatusError):
+    """The credentials may not do this (a 403)."""
+
+    status_code = 403
+
+
+class BillingError(APIStatusError):
+    """The account cannot pay for this (a 402)."""
+
+    status_code = 402
+
 
 class TransientError(AsyncSessError):
     """A fault worth retrying: timeout, dropped connection, throttling, 408/409/429/5xx.
@@ -88,6 +174,20 @@ class TransientError(AsyncSessError):
         self.lost_response = lost_response
 
 
+class APIConnectionError(TransientError):
+    """The request may not have reached the backend (Tinker's ``APIConnectionError``)."""
+
+
+class APITimeoutError(APIConnectionError):
+    """A request timed out on the wire (Tinker's ``APITimeoutError``)."""
+
+
+class RateLimitError(TransientError, APIStatusError):
+    """The backend is throttling (a 429)."""
+
+    status_code = 429
+
+
 class RetriesExhaustedError(AsyncSessError):
     """A transient fault persisted through every retry; ``attempts`` were made, ``__cause__`` is the last."""
 
@@ -100,15 +200,40 @@ class DeadlineExceededError(AsyncSessError, TimeoutError):
     """An operation did not finish within its deadline."""
 
 
-class ServerError(AsyncSessError):
+class ServerError(OperationError, APIStatusError):
     """The backend failed while executing a valid request (not retried)."""
 
+    status_code = 500
 
-class SessionGoneError(AsyncSessError):
+
+class APIResponseValidationError(ServerError):
+    """The backend answered with something that is not a valid response."""
+
+
+class ResultMismatchError(ServerError):
+    """A per-token result does not match its request's length (SageMaker's ``ResultMismatchError``)."""
+
+    def __init__(self, operation_type: str, expected: int, received: int, **kw) -> None:
+        super().__init__(f"{operation_type} returned {received} values for a {expected}-token sequence", operation=operation_type, **kw)
+        self.expected = expected
+        self.received = received
+
+
+class ArtifactDeletionError(AsyncSessError):
+    """Deleting a checkpoint's stored files did not fully succeed; the checkpoint record was kept."""
+
+    def __init__(self, model_package_arn: str, s3_uri: str, failed_keys: list[str], **kw) -> None:
+        super().__init__(f"could not delete every file under {s3_uri} of {model_package_arn}: {', '.join(failed_keys[:5])}", **kw)
+        self.model_package_arn = model_package_arn
+        self.s3_uri = s3_uri
+        self.failed_keys = failed_keys
+
+
+class SessionGoneError(OperationError):
     """The session was stopped, expired or failed; no further operation can run on it."""
 
 
-class PoisonedError(AsyncSessError):
+class PoisonedError(OperationError):
     """An earlier training op on this client failed, so later ops were not run. ``cause`` is that failure."""
 
     def __init__(self, message: str, *, cause: BaseException | None = None, **kw) -> None:
@@ -116,8 +241,31 @@ class PoisonedError(AsyncSessError):
         self.cause = cause
 
 
-class OperationCancelledError(AsyncSessError):
+class OperationCancelledError(OperationError):
     """The future was cancelled before the op finished."""
+
+
+# The anchors' names for the same classes (one hierarchy; aliases, not copies).
+TinkerError = AsyncSessError
+APIError = AsyncSessError
+TrainingSessionError = AsyncSessError
+RequestFailedError = OperationError
+BadRequestError = InvalidInputError
+UnprocessableEntityError = InvalidInputError
+InternalServerError = ServerError
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether sending the failed call again may succeed (SageMaker's ``is_retryable``).
+
+    True for transient faults (throttling, 5xx, dropped connections), also after the retry policy
+    gave up on them; False for rejected input and for failures of an op that ran.
+    """
+    if isinstance(error, RetriesExhaustedError):
+        return isinstance(error.__cause__, TransientError) or error.__cause__ is None
+    if isinstance(error, TransientError):
+        return True
+    return isinstance(error, (ConnectionError, TimeoutError)) and not isinstance(error, AsyncSessError)
 
 
 class FacadeMisuseError(RuntimeError):

@@ -63,8 +63,12 @@ class APIFuture(Generic[T]):
                     raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self.operation, seq=self.seq)
         return self.result()
 
-    def result(self) -> T:
-        """The value of a finished future (use ``await`` to wait for it)."""
+    def coroutine(self) -> Any:
+        """A coroutine that waits for the value (Tinker's ``APIFuture.coroutine()``, for ``create_task``)."""
+        return self.result_async()
+
+    def result(self, timeout: float | None = None) -> T:
+        """The value of a finished future (use ``await`` to wait for it; ``asyncsess.sync`` blocks with ``timeout``)."""
         if not self._done:
             raise InvalidStateError(f"{self!r} is still running: await it (or use asyncsess.sync for blocking calls)")
         if self._error is not None:
@@ -77,7 +81,7 @@ class APIFuture(Generic[T]):
     def cancelled(self) -> bool:
         return self._done and isinstance(self._error, OperationCancelledError)
 
-    def exception(self) -> BaseException | None:
+    def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._done:
             raise InvalidStateError(f"{self!r} is still running")
         return self._error

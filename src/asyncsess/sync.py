@@ -20,13 +20,15 @@ from typing import Any
 from . import _facade
 from . import client as _client
 from ._facade import SyncFuture
-from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, OptimStepResponse, SampleResponse, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SupportedModel, TensorData, Usage  # noqa: F401 (re-exported)
+from .errors import InvalidInputError
+from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, SampleResponse, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
 from .backend import Backend, Tokenizer  # noqa: F401
+from .client import SamplerHandle  # noqa: F401
 from .custom_loss import CustomLossFn  # noqa: F401
 from .retry import RetryEvent, RetryPolicy  # noqa: F401
 from .sampling import SamplingStats  # noqa: F401
 
-__all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTextChunk', 'ForwardBackwardOutput', 'GetInfoResponse', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'OptimStepResponse', 'SampleResponse', 'SampledSequence', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServiceClient', 'SupportedModel', 'SyncFuture', 'TensorData', 'TrainingClient', 'Usage']
+__all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTextChunk', 'ForwardBackwardOutput', 'GetInfoResponse', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'OptimStepResponse', 'RestClient', 'SampleResponse', 'SampledSequence', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServiceClient', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionSummary', 'Usage']
 
 
 class ServiceClient:
@@ -53,8 +55,13 @@ class ServiceClient:
     def __exit__(self, *exc_info: Any) -> None:
         _facade.close_service(self._async, exc_info)  # type: ignore[arg-type]
 
-    def close(self) -> None:
-        """Stop every session this client opened and release the backend. Idempotent."""
+    def close(self, status: str = 'success', detail: str | None = None) -> None:
+        """Record why the run ended (Tinker's ``close(status, detail)``; first reason wins), stop every
+        session this client opened and release the backend. Idempotent."""
+        if status not in ('success', 'errored', 'interrupted'):
+            raise InvalidInputError(f'{status!r} is not a status', field='status', fix='success, errored or interrupted')
+        if self._async.close_status is None:
+            self._async.close_status, self._async.close_detail = status, detail
         _facade.close_service(self._async)
 
     def __repr__(self) -> str:
@@ -75,24 +82,71 @@ class ServiceClient:
     def list_base_models(self) -> list[str]:
         return _facade.call(self._async.list_base_models)  # type: ignore[no-any-return]
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, alpha: float | None = None, seed: int | None = None, train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True, user_metadata: dict[str, str] | None = None) -> TrainingClient:
-        """Open a LoRA training session on ``base_model``. ``alpha=None`` lets the backend choose."""
-        return TrainingClient._wrap(_facade.call(self._async.create_lora_training_client, base_model, rank, alpha, seed, train_mlp, train_attn, train_unembed, user_metadata))
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool | None = True, train_attn: bool | None = True, train_unembed: bool | None = True, user_metadata: Mapping[str, str] | None = None, optimizer: Any = None, *, alpha: float | None = None, training_session_name: str | None = None, model_package_group_arn: str | None = None, s3_output_path: str | None = None, kms_key_arn: str | None = None, vpc_config: Mapping[str, Any] | None = None) -> TrainingClient:
+        """Open a LoRA training session on ``base_model``. ``alpha=None`` lets the backend choose.
 
-    def create_training_client_from_state(self, path: str, base_model: str | None = None) -> TrainingClient:
-        """A new session with the weights saved at ``path`` and a fresh optimizer."""
-        return TrainingClient._wrap(_facade.call(self._async.create_training_client_from_state, path, base_model))
+        Takes both anchors' parameters: Tinker's (positional order as in ``tinker``) and SageMaker's
+        per-call session options, which ``sagemaker://`` sends and other backends record in
+        ``get_info().session_options``."""
+        return TrainingClient._wrap(_facade.call(self._async.create_lora_training_client, base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata, optimizer, alpha=alpha, training_session_name=training_session_name, model_package_group_arn=model_package_group_arn, s3_output_path=s3_output_path, kms_key_arn=kms_key_arn, vpc_config=vpc_config))
 
-    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None) -> TrainingClient:
+    def create_training_client_from_state(self, path: str | None = None, base_model: str | None = None, user_metadata: Mapping[str, str] | None = None, weights_access_token: str | None = None, optimizer: Any = None, *, model_package_arn: str | None = None, **session_options: Any) -> TrainingClient:
+        """A new session with the weights saved at ``path`` and a fresh optimizer.
+
+        ``model_package_arn`` is SageMaker's name for ``path``; ``session_options`` are the ones
+        :meth:`create_lora_training_client` takes (``rank``, ``alpha``, ``training_session_name``, ...)."""
+        return TrainingClient._wrap(_facade.call(self._async.create_training_client_from_state, path, base_model, user_metadata, weights_access_token, optimizer, model_package_arn=model_package_arn, **session_options))
+
+    def create_training_client_from_state_with_optimizer(self, path: str | None = None, base_model: str | None = None, user_metadata: Mapping[str, str] | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None, **session_options: Any) -> TrainingClient:
         """A new session resuming exactly: the weights and the optimizer state saved at ``path``."""
-        return TrainingClient._wrap(_facade.call(self._async.create_training_client_from_state_with_optimizer, path, base_model))
+        return TrainingClient._wrap(_facade.call(self._async.create_training_client_from_state_with_optimizer, path, base_model, user_metadata, weights_access_token, model_package_arn=model_package_arn, **session_options))
 
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
-        """A sampler on saved weights (``model_path``) or on the plain ``base_model``."""
-        return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, base_model))
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str | None = None) -> SamplingClient:
+        """A sampler on saved weights (``model_path``, SageMaker: ``model_package_arn``) or on the plain ``base_model``.
+
+        ``retry_config`` and ``record_stability_info`` (Tinker) are accepted and ignored: retries follow
+        this ServiceClient's ``retry`` policy."""
+        return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, base_model, retry_config, record_stability_info, model_package_arn=model_package_arn))
 
     def list_checkpoints(self, model_id: str | None = None) -> list[Checkpoint]:
+        """Saved checkpoints, of one training session or of all (newest first)."""
         return _facade.call(self._async.list_checkpoints, model_id)  # type: ignore[no-any-return]
+
+    def list_sessions(self, *, name_contains: str | None = None, status_equals: str | None = None, max_results: int | None = None) -> list[SessionSummary]:
+        """Sessions this ServiceClient opened (training and sampling), newest first."""
+        return _facade.call(self._async.list_sessions, name_contains=name_contains, status_equals=status_equals, max_results=max_results)  # type: ignore[no-any-return]
+
+    def describe_session(self, training_session: str) -> SessionSummary:
+        """The summary of one session this ServiceClient opened (by id, name or ARN)."""
+        return _facade.call(self._async.describe_session, training_session)  # type: ignore[no-any-return]
+
+    def stop_session(self, training_session: str) -> None:
+        """Stop a session. Idempotent."""
+        _facade.call(self._async.stop_session, training_session)
+
+    def delete_session(self, training_session: str, *, stop_if_active: bool = False) -> None:
+        """Forget a stopped session (``stop_if_active=True`` stops a running one first)."""
+        _facade.call(self._async.delete_session, training_session, stop_if_active=stop_if_active)
+
+    def list_model_packages(self, *, kind: str | None = None, model_package_group_arn: str | None = None, max_results: int = 10) -> list[Checkpoint]:
+        """SageMaker's name for the checkpoint list: newest first, ``kind`` ``CHECKPOINT`` or ``MODEL``."""
+        return _facade.call(self._async.list_model_packages, kind=kind, model_package_group_arn=model_package_group_arn, max_results=max_results)  # type: ignore[no-any-return]
+
+    def get_latest_model_package(self, kind: str, *, model_package_group_arn: str | None = None, scan_limit: int = 20) -> Checkpoint | None:
+        """The newest checkpoint of ``kind`` (``CHECKPOINT`` or ``MODEL``), or None."""
+        return _facade.call(self._async.get_latest_model_package, kind, model_package_group_arn=model_package_group_arn, scan_limit=scan_limit)  # type: ignore[no-any-return]
+
+    def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
+        """Delete a checkpoint (its record and, on backends that store files, its files)."""
+        _facade.call(self._async.delete_model_package, model_package_arn, delete_artifacts=delete_artifacts)
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Delete a saved checkpoint by its path."""
+        _facade.call(self._async.delete_checkpoint, path)
+
+    def create_rest_client(self) -> RestClient:
+        """Tinker's REST-style client for runs and checkpoints, over this ServiceClient's backend."""
+        return RestClient._wrap(_facade.call(self._async.create_rest_client))
 
 
 class TrainingClient:
@@ -125,48 +179,70 @@ class TrainingClient:
         """The last sequence number assigned (0 before the first op)."""
         return self._async.current_sequence_number
 
-    def forward(self, data: Any, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, float] | None = None, *, loss_fn_inputs: Mapping[str, Any] | None = None) -> SyncFuture[ForwardBackwardOutput]:
-        """Log-probs and loss without gradients."""
-        return _facade.submit(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs=loss_fn_inputs)
+    def forward(self, data: Any = None, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None, *, batch: Any = None) -> SyncFuture[ForwardBackwardOutput]:
+        """Log-probs and loss without gradients. Argument forms: see :meth:`forward_backward`."""
+        return _facade.submit(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs, batch=batch)
 
-    def forward_backward(self, data: Any, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, float] | None = None, *, loss_fn_inputs: Mapping[str, Any] | None = None) -> SyncFuture[ForwardBackwardOutput]:
-        """Log-probs, loss, and gradients accumulated until the next ``optim_step``."""
-        return _facade.submit(self._async.forward_backward, data, loss_fn, loss_fn_config, loss_fn_inputs=loss_fn_inputs)
+    def forward_backward(self, data: Any = None, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None, *, batch: Any = None) -> SyncFuture[ForwardBackwardOutput]:
+        """Log-probs, loss, and gradients accumulated until the next ``optim_step``.
 
-    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn) -> SyncFuture[ForwardBackwardOutput]:
+        The third positional argument is Tinker's ``loss_fn_config`` or SageMaker's ``loss_fn_inputs``
+        (told apart by content: per-token arrays are inputs, scalars are config); ``loss_fn_inputs``
+        are attached to each datum that has none of its own. ``batch=`` is SageMaker's name for ``data``."""
+        return _facade.submit(self._async.forward_backward, data, loss_fn, loss_fn_config, loss_fn_inputs, batch=batch)
+
+    def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> SyncFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
         ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
         Two sequence numbers are reserved now, so later ops stay behind both passes."""
-        return _facade.submit(self._async.forward_backward_custom, data, loss_fn)
+        return _facade.submit(self._async.forward_backward_custom, data, loss_fn, loss_type_input=loss_type_input)
 
-    def optim_step(self, adam_params: AdamParams | Mapping[str, float] | None = None) -> SyncFuture[OptimStepResponse]:
-        """Apply the accumulated gradients with AdamW."""
-        return _facade.submit(self._async.optim_step, adam_params)
+    def optim_step(self, optim_params: AdamParams | Mapping[str, float] | None = None, *, adam_params: AdamParams | Mapping[str, float] | None = None) -> SyncFuture[OptimStepResponse]:
+        """Apply the accumulated gradients with AdamW. ``adam_params=`` is the keyword both anchors also take."""
+        return _facade.submit(self._async.optim_step, optim_params, adam_params=adam_params)
 
-    def save_state(self, name: str | None = None, *, description: str | None = None, ttl_seconds: int | None = None) -> SyncFuture[CheckpointResponse]:
-        """Save weights + optimizer state (resumable). ``description`` is SageMaker's spelling."""
-        return _facade.submit(self._async.save_state, name, description=description, ttl_seconds=ttl_seconds)
+    def save_state(self, name: str | None = None, ttl_seconds: int | None = None, overwrite: bool = False, user_metadata: Mapping[str, str] | None = None, *, description: str | None = None) -> SyncFuture[CheckpointResponse]:
+        """Save weights + optimizer state (resumable).
 
-    def save_weights_for_sampler(self, name: str | None = None, merge_weights: bool = False, *, description: str | None = None, ttl_seconds: int | None = None) -> SyncFuture[CheckpointResponse]:
-        """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model."""
-        return _facade.submit(self._async.save_weights_for_sampler, name, merge_weights, description=description, ttl_seconds=ttl_seconds)
+        ``name`` becomes the last path component (1-128 of ``A-Za-z0-9._-``); a first argument that is
+        not a valid name is SageMaker's free-text ``description`` and the backend picks the name.
+        ``overwrite=True`` replaces a checkpoint of the same name."""
+        return _facade.submit(self._async.save_state, name, ttl_seconds, overwrite, user_metadata, description=description)
 
-    def load_state(self, path: str) -> SyncFuture[LoadWeightsResponse]:
-        """Load weights from ``path`` and reset the optimizer."""
-        return _facade.submit(self._async.load_state, path)
+    def save_weights_for_sampler(self, name: str | None = None, merge_weights: bool = False, user_metadata: Mapping[str, str] | None = None, *, ttl_seconds: int | None = None, description: str | None = None, overwrite: bool = False) -> SyncFuture[CheckpointResponse]:
+        """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
+        return _facade.submit(self._async.save_weights_for_sampler, name, merge_weights, user_metadata, ttl_seconds=ttl_seconds, description=description, overwrite=overwrite)
 
-    def load_state_with_optimizer(self, path: str) -> SyncFuture[LoadWeightsResponse]:
-        """Load weights and optimizer state from ``path``."""
-        return _facade.submit(self._async.load_state_with_optimizer, path)
+    def load_state(self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None) -> SyncFuture[LoadWeightsResponse]:
+        """Load weights from ``path`` (SageMaker: ``model_package_arn``) and reset the optimizer."""
+        return _facade.submit(self._async.load_state, path, weights_access_token, model_package_arn=model_package_arn)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False) -> SamplingClient:
-        """Snapshot the current weights (an ordered op) and return a sampler on them."""
-        return SamplingClient._wrap(_facade.call(self._async.save_weights_and_get_sampling_client, name, merge_weights))
+    def load_state_with_optimizer(self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None) -> SyncFuture[LoadWeightsResponse]:
+        """Load weights and optimizer state from ``path`` (SageMaker: ``model_package_arn``)."""
+        return _facade.submit(self._async.load_state_with_optimizer, path, weights_access_token, model_package_arn=model_package_arn)
 
-    def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
-        """A sampler on ``model_path``, or on the current weights when no path is given."""
-        return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path))
+    def save_weights_external(self, name: str | None = None, ttl_seconds: int | None = None, age_encryption_recipients: Any = None) -> SyncFuture[CheckpointResponse]:
+        """Tinker's export: here the same as :meth:`save_weights_for_sampler` (a PEFT adapter where the backend stores files)."""
+        return _facade.submit(self._async.save_weights_external, name, ttl_seconds, age_encryption_recipients)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False, record_stability_info: bool = False, kind: str = 'snapshot', *, description: str | None = None, retry_config: Any = None) -> SamplingClient:
+        """Snapshot the current weights (an ordered op) and return a sampler on them.
+
+        Without a name the snapshot is ephemeral (not listed). ``kind="snapshot"`` only: every
+        sampler here pins the weights it was made from."""
+        return SamplingClient._wrap(_facade.call(self._async.save_weights_and_get_sampling_client, name, merge_weights, record_stability_info, kind, description=description, retry_config=retry_config))
+
+    def create_sampling_client(self, model_path: str | None = '', retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str = '') -> SamplingClient:
+        """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
+        return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, retry_config, record_stability_info, model_package_arn=model_package_arn))
+
+    def list_model_packages(self, *, kind: str | None = None, max_results: int | None = None) -> list[Checkpoint]:
+        """This session's checkpoints, newest first (SageMaker's per-client listing; ``max_results=None``: all)."""
+        return _facade.call(self._async.list_model_packages, kind=kind, max_results=max_results)  # type: ignore[no-any-return]
+
+    def get_latest_model_package(self, kind: str = 'CHECKPOINT') -> Checkpoint | None:
+        return _facade.call(self._async.get_latest_model_package, kind)  # type: ignore[no-any-return]
 
     def get_tokenizer(self) -> Tokenizer:
         return _facade.call(self._async.get_tokenizer)  # type: ignore[no-any-return]
@@ -178,9 +254,17 @@ class TrainingClient:
         """Stop the session. Idempotent; ops still queued fail with ``SessionGoneError``."""
         _facade.call(self._async.stop)
 
+    def delete(self, *, stop_if_active: bool = False) -> None:
+        """SageMaker's ``delete``: forget this session (``stop_if_active=True`` stops it first)."""
+        _facade.call(self._async.delete, stop_if_active=stop_if_active)
+
 
 class SamplingClient:
-    """Samples from one set of weights. Requests are concurrent, bounded by the client's pool."""
+    """Samples from one set of weights. Requests are concurrent, bounded by the client's pool.
+
+    Picklable: a copy in another process reopens the same weights through its own ServiceClient (same
+    URL and options). There, ``async with sc:`` opens and closes that ServiceClient around its use;
+    the copy of an ``asyncsess.sync.SamplingClient`` opens it on first use."""
 
     _async: _client.SamplingClient
 
@@ -196,6 +280,10 @@ class SamplingClient:
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles to a handle; the copy reopens the sampler through this process's facade loop."""
+        return (_facade.reopen_sampler, (self._async.get_sampler_handle(),))
+
     def __repr__(self) -> str:
         return repr(self._async)
 
@@ -204,13 +292,23 @@ class SamplingClient:
             raise AttributeError(name)
         return getattr(self._async, name)
 
-    def sample(self, prompt: ModelInput | list[int] | str, num_samples: int = 1, sampling_params: SamplingParams | Mapping[str, Any] | None = None, include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SyncFuture[SampleResponse]:
-        """Draw ``num_samples`` continuations of ``prompt``."""
-        return _facade.submit(self._async.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
+    def get_sampler_handle(self) -> SamplerHandle:
+        """A picklable handle; :meth:`from_sampler_handle` reopens it (in any process)."""
+        return _facade.call(self._async.get_sampler_handle)  # type: ignore[no-any-return]
 
-    def compute_logprobs(self, prompt: ModelInput | list[int] | str) -> SyncFuture[list[float | None]]:
-        """Log-prob of each prompt token given the ones before it; the first is ``None``."""
-        return _facade.submit(self._async.compute_logprobs, prompt)
+    def sample(self, prompt: ModelInput | list[int] | str, num_samples: int = 1, sampling_params: SamplingParams | Mapping[str, Any] | None = None, include_prompt_logprobs: bool = False, topk_prompt_logprobs: int | None = 0, topk_sample_logprobs: int = 0, target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0, prompt_logprobs_last_n: int | None = None) -> SyncFuture[SampleResponse]:
+        """Draw ``num_samples`` continuations of ``prompt``.
+
+        ``topk_prompt_logprobs=k`` / ``topk_sample_logprobs=k`` return the k most likely tokens and their
+        log-probs at each prompt / sampled position; ``target_prompt_logprobs`` (ids ``[len(prompt)-1, K]``,
+        ``-1`` = skip) scores chosen ids; ``prompt_logprobs_last_n=n`` keeps only the last n prompt
+        positions (earlier entries are ``None``). ``prompt_alt_tokens_k`` is not offered."""
+        return _facade.submit(self._async.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k, prompt_logprobs_last_n)
+
+    def compute_logprobs(self, prompt: ModelInput | list[int] | str, prompt_logprobs_last_n: int | None = None) -> SyncFuture[list[float | None]]:
+        """Log-prob of each prompt token given the ones before it; the first is ``None`` (and the ones
+        before the last ``prompt_logprobs_last_n``)."""
+        return _facade.submit(self._async.compute_logprobs, prompt, prompt_logprobs_last_n)
 
     def stats(self) -> SamplingStats:
         """Backpressure figures of the pool this client shares with its ServiceClient."""
@@ -225,3 +323,44 @@ class SamplingClient:
     def stop(self) -> None:
         """Release the sampler. Idempotent."""
         _facade.call(self._async.stop)
+
+
+class RestClient:
+    """Tinker's ``RestClient``: runs and checkpoints, over a ServiceClient's backend. Every method returns an APIFuture."""
+
+    _async: _client.RestClient
+
+    @classmethod
+    def _wrap(cls, inner: _client.RestClient) -> RestClient:
+        twin = cls.__new__(cls)
+        twin._async = inner
+        return twin
+
+    def __repr__(self) -> str:
+        return repr(self._async)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith('_'):
+            raise AttributeError(name)
+        return getattr(self._async, name)
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> SyncFuture[list[TrainingRun]]:
+        """Training sessions this ServiceClient opened, newest first."""
+        return _facade.submit(self._async.list_training_runs, limit, offset)
+
+    def get_training_run(self, training_run_id: str) -> SyncFuture[TrainingRun]:
+        return _facade.submit(self._async.get_training_run, training_run_id)
+
+    def list_checkpoints(self, training_run_id: str) -> SyncFuture[list[Checkpoint]]:
+        """Checkpoints of one training run, newest first."""
+        return _facade.submit(self._async.list_checkpoints, training_run_id)
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> SyncFuture[list[Checkpoint]]:
+        """Every checkpoint on the backend, newest first."""
+        return _facade.submit(self._async.list_user_checkpoints, limit, offset)
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> SyncFuture[None]:
+        return _facade.submit(self._async.delete_checkpoint, training_run_id, checkpoint_id)
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
+        return _facade.submit(self._async.delete_checkpoint_from_tinker_path, tinker_path)

@@ -8,7 +8,7 @@ result has both ``.path`` and ``.model_package_arn``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,6 +33,13 @@ __all__ = [
     "LoadWeightsResponse",
     "LoadStateResponse",
     "Checkpoint",
+    "ModelPackageInfo",
+    "SessionSummary",
+    "TrainingSessionSummary",
+    "TrainingRun",
+    "TokenLogprob",
+    "TopkLogprobs",
+    "TopkArrays",
     "SupportedModel",
     "ServerCapabilities",
     "GetInfoResponse",
@@ -61,6 +68,16 @@ class ModelInput(_Model):
     """A sequence of chunks fed to the model. Only text chunks are supported."""
 
     chunks: list[EncodedTextChunk] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt(cls, values: Any) -> Any:
+        """SageMaker's ``ModelInput(prompt=[...])``: a token list instead of chunks."""
+        if isinstance(values, dict) and "prompt" in values:
+            if "chunks" in values:
+                raise ValueError("give chunks or prompt, not both")
+            return {"chunks": [{"tokens": list(values["prompt"])}]}
+        return values
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
@@ -93,6 +110,11 @@ class ModelInput(_Model):
                 raise TypeError("a prompt given as a list must hold token ids (int)")
             return cls.from_ints([int(t) for t in value])
         raise TypeError(f"cannot make a ModelInput from {type(value).__name__}; pass list[int] or ModelInput")
+
+    @property
+    def prompt(self) -> list[int]:
+        """SageMaker's ``prompt`` spelling: the token ids (``ModelInput(prompt=[...])`` is accepted on input)."""
+        return self.to_ints()
 
     def to_ints(self) -> list[int]:
         out: list[int] = []
@@ -211,6 +233,11 @@ class Datum(_Model):
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
 
+    @property
+    def prompt(self) -> ModelInput:
+        """SageMaker's ``prompt`` spelling of ``model_input`` (``Datum(prompt=...)`` is accepted on input)."""
+        return self.model_input
+
     @model_validator(mode="before")
     @classmethod
     def _coerce(cls, values: Any) -> Any:
@@ -236,6 +263,8 @@ class SamplingParams(_Model):
 
     ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
     """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
@@ -281,6 +310,8 @@ class SamplingParams(_Model):
 
 class AdamParams(_Model):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     learning_rate: float = Field(default=1e-4, ge=0.0)
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
@@ -337,18 +368,83 @@ class OptimStepResponse(_Model):
     step: int = 0
 
 
+TopkLogprobs = list[list[tuple[int, float]] | None]
+"""Per position, the ``(token_id, logprob)`` pairs of the k most likely tokens, most likely first (``None``: not scored)."""
+
+
+class TokenLogprob(_Model):
+    """SageMaker's ``(token_id, logprob)`` record."""
+
+    token_id: int
+    logprob: float
+
+
+class TopkArrays(NamedTuple):
+    """Tinker's ``TopkLogprobs``: dense ``(L, k)`` ids (int32) and log-probs (float32); unscored cells are 0 / -99999."""
+
+    token_ids: Any
+    logprobs: Any
+
+
+def _topk_arrays(rows: TopkLogprobs | None) -> TopkArrays | None:
+    if rows is None:
+        return None
+    import numpy as np
+
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), -99999.0, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (t, lp) in enumerate(row or []):
+            ids[i, j], lps[i, j] = t, lp
+    return TopkArrays(ids, lps)
+
+
 class SampledSequence(_Model):
     stop_reason: Literal["length", "stop"]
     tokens: list[int]
     logprobs: list[float] | None = None
     sequence_id: str | None = None
     usage: Usage = Field(default_factory=Usage)
+    topk_logprobs: TopkLogprobs | None = None  # one entry per sampled token when topk_sample_logprobs > 0
+
+    @property
+    def tokens_np(self) -> Any:
+        import numpy as np
+
+        return np.asarray(self.tokens, dtype=np.int32)
+
+    @property
+    def logprobs_np(self) -> Any:
+        import numpy as np
+
+        return None if self.logprobs is None else np.asarray(self.logprobs, dtype=np.float32)
+
+    @property
+    def topk_logprobs_np(self) -> TopkArrays | None:
+        return _topk_arrays(self.topk_logprobs)
 
 
 class SampleResponse(_Model):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     usage: Usage = Field(default_factory=Usage)
+    topk_prompt_logprobs: TopkLogprobs | None = None  # one entry per prompt token (the first is None)
+    target_prompt_logprobs: TensorData | None = None  # float32 [len(prompt)-1, K]; 0.0 where the id was -1
+    prompt_cache_hit_tokens: int = 0
+
+    @property
+    def prompt_logprobs_np(self) -> Any:
+        """float32 array, NaN where a position was not scored."""
+        import numpy as np
+
+        if self.prompt_logprobs is None:
+            return None
+        return np.asarray([np.nan if v is None else v for v in self.prompt_logprobs], dtype=np.float32)
+
+    @property
+    def topk_prompt_logprobs_np(self) -> TopkArrays | None:
+        return _topk_arrays(self.topk_prompt_logprobs)
 
 
 CheckpointKind = Literal["state", "sampler", "merged"]
@@ -364,6 +460,11 @@ class CheckpointResponse(_Model):
     @property
     def model_package_arn(self) -> str:
         return self.path
+
+    @property
+    def type(self) -> str:
+        """Tinker's response tag: ``save_weights`` for state, ``save_weights_for_sampler`` for sampler weights."""
+        return "save_weights" if self.kind == "state" else "save_weights_for_sampler"
 
 
 # Both anchors' names for the one result type (they swap the meaning of SaveWeightsResponse).
@@ -381,12 +482,87 @@ LoadStateResponse = LoadWeightsResponse
 
 
 class Checkpoint(_Model):
+    """A saved checkpoint (Tinker's ``Checkpoint``; SageMaker's ``ModelPackageInfo`` via the aliases)."""
+
     checkpoint_id: str
     checkpoint_type: Literal["training", "sampler", "merged"]
     path: str
     time: float
     step: int = 0
     size_bytes: int | None = None
+    description: str | None = None
+    user_metadata: dict[str, str] | None = None
+    expires_at: float | None = None
+    public: bool = False
+
+    @property
+    def version(self) -> int | None:
+        """SageMaker's model package version: the ARN's last component, when it is a number."""
+        tail = self.path.rsplit("/", 1)[-1]
+        return int(tail) if tail.isdigit() else None
+
+    @property
+    def tinker_path(self) -> str:
+        return self.path
+
+    @property
+    def model_package_arn(self) -> str:
+        return self.path
+
+    @property
+    def kind(self) -> str:
+        """SageMaker's ``ModelPackageKind``: ``CHECKPOINT`` (resumable state) or ``MODEL``."""
+        return "CHECKPOINT" if self.checkpoint_type == "training" else "MODEL"
+
+    @property
+    def creation_time(self) -> float:
+        return self.time
+
+
+ModelPackageInfo = Checkpoint
+
+
+class SessionSummary(_Model):
+    """One session this client knows of (SageMaker's ``TrainingSessionSummary``)."""
+
+    session_id: str
+    kind: Literal["training", "sampler"]
+    status: Literal["Running", "Stopped", "Deleted"]
+    base_model: str = ""
+    creation_time: float = 0.0
+    last_modified_time: float = 0.0
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def training_session_name(self) -> str:
+        return self.session_id
+
+    @property
+    def training_session_arn(self) -> str:
+        """The session's id (an ARN on sagemaker://)."""
+        return self.session_id
+
+    @property
+    def training_session_status(self) -> str:
+        return self.status
+
+
+TrainingSessionSummary = SessionSummary
+
+
+class TrainingRun(_Model):
+    """Tinker's ``TrainingRun``: one training session and its checkpoints."""
+
+    training_run_id: str
+    base_model: str
+    model_owner: str = ""
+    last_request_time: float = 0.0
+    is_lora: bool = True
+    lora_rank: int | None = None
+    corrupted: bool = False
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 class SupportedModel(_Model):
@@ -411,6 +587,24 @@ class GetInfoResponse(_Model):
     lora_alpha: float
     seed: int | None = None
     step: int = 0
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+    session_options: dict[str, Any] = Field(default_factory=dict)  # SageMaker per-call options, as given
+
+    # Tinker's names for the same facts.
+    type: Literal["get_info"] = "get_info"
+    is_lora: bool = True
+
+    @property
+    def model_name(self) -> str:
+        return self.base_model
+
+    @property
+    def model_data(self) -> dict[str, Any]:
+        return {"base_model": self.base_model, "tokenizer_id": self.base_model}
+
+    @property
+    def optimizer_config(self) -> dict[str, Any]:
+        return {"type": self.session_options.get("optimizer", "adamw")}
 
 
 TrainingResult = Union[ForwardBackwardOutput, OptimStepResponse, CheckpointResponse, LoadWeightsResponse]  # noqa: UP007 (3.10 runtime alias)

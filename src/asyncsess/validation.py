@@ -5,12 +5,14 @@ A rejected op consumes no sequence number, because these run before one is assig
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, UnsupportedError
 from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = [
@@ -22,6 +24,15 @@ __all__ = [
     "coerce_prompt",
     "coerce_sampling_params",
     "coerce_adam_params",
+    "check_checkpoint_name",
+    "split_name_and_description",
+    "check_description",
+    "check_ttl_seconds",
+    "check_user_metadata",
+    "check_session_options",
+    "check_count",
+    "check_target_prompt_logprobs",
+    "is_checkpoint_name",
 ]
 
 # loss name -> (required keys, optional keys)
@@ -117,6 +128,7 @@ def check_datums(
     shared_inputs: Mapping[str, Any] | None = None,
     encode: Callable[[str], list[int]] | None = None,
     vocab_size: int | None = None,
+    max_length: int | None = None,
 ) -> tuple[Datum, ...]:
     """Coerce every accepted datum form and check keys, dtypes and lengths for ``loss_fn``."""
     if isinstance(data, (Datum, Mapping)):
@@ -157,6 +169,11 @@ def check_datums(
                 raise InvalidInputError(
                     f"shape {shape} does not match the {n} input tokens", field=where, fix=f"give one value per input token: shape [{n}]"
                 )
+        check_finite(d, i)
+        if max_length is not None and n > max_length:
+            raise InvalidInputError(
+                f"{n} tokens exceed the model's context of {max_length}", field=f"data[{i}].model_input", fix="shorten it"
+            )
         if vocab_size is not None:
             tokens = d.model_input.to_ints() + list(d.loss_fn_inputs["target_tokens"].data)
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
@@ -209,3 +226,170 @@ def coerce_adam_params(params: Any) -> AdamParams:
             e = err.errors()[0]
             raise InvalidInputError(e["msg"], field=f"adam_params.{'.'.join(map(str, e['loc']))}", fix="see AdamParams") from None
     raise InvalidInputError(f"got {type(params).__name__}", field="adam_params", fix="pass AdamParams(...)")
+
+
+# ------------------------------------------------------------------ names, descriptions, metadata
+
+_CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME_FIX = "1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit (free text goes in description=)"
+MAX_DESCRIPTION = 1024  # SageMaker's limit on a model package description
+MAX_METADATA_ITEMS = 64
+MAX_METADATA_CHARS = 1024
+_SESSION_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # SageMaker's TrainingSessionName
+
+
+def is_checkpoint_name(name: object) -> bool:
+    """True when ``name`` can be a checkpoint's path component."""
+    return isinstance(name, str) and _CHECKPOINT_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def check_checkpoint_name(name: Any, field: str = "name") -> str:
+    if not is_checkpoint_name(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:80]) + "..."
+        raise InvalidInputError(f"{shown} is not a checkpoint name", field=field, fix=_NAME_FIX)
+    return name  # type: ignore[no-any-return]
+
+
+def _check_text(value: Any, field: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise InvalidInputError(f"got {type(value).__name__}", field=field, fix="pass a str")
+    if len(value) > limit:
+        raise InvalidInputError(f"is {len(value)} characters long", field=field, fix=f"keep it to {limit} characters")
+    if "\x00" in value:
+        raise InvalidInputError("contains a NUL character", field=field, fix="remove the \\x00")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError("is not valid Unicode (a lone surrogate?)", field=field, fix="pass UTF-8-encodable text") from None
+    return value
+
+
+def check_description(description: Any, field: str = "description") -> str | None:
+    """Free text (≤1024 characters, valid Unicode, no NUL); ``None`` and ``""`` mean none."""
+    if description is None or description == "":
+        return None
+    return _check_text(description, field, MAX_DESCRIPTION)
+
+
+def split_name_and_description(name: Any, description: Any) -> tuple[str | None, str | None]:
+    """Both anchors' ``save_state`` first argument: Tinker's ``name`` or SageMaker's ``description``.
+
+    A first argument that is a valid checkpoint name is the name; any other text is SageMaker's free-text
+    description (the backend then names the checkpoint). ``description=`` is always the description, and
+    with it the first argument must be a valid name.
+    """
+    desc = check_description(description)
+    if name is None or name == "":
+        return None, desc
+    if is_checkpoint_name(name):
+        return name, desc
+    if desc is None and isinstance(name, str):
+        return None, check_description(name, field="name (taken as SageMaker's description)")
+    return check_checkpoint_name(name), desc
+
+
+def check_ttl_seconds(ttl: Any) -> int | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1 or ttl > 10 * 366 * 86400:
+        raise InvalidInputError(f"{ttl!r} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
+    return ttl
+
+
+def check_user_metadata(meta: Any, field: str = "user_metadata") -> dict[str, str]:
+    """A small ``dict[str, str]`` (≤64 items of ≤1024 characters each)."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, Mapping):
+        raise InvalidInputError(f"got {type(meta).__name__}", field=field, fix="pass a dict of str to str")
+    if len(meta) > MAX_METADATA_ITEMS:
+        raise InvalidInputError(f"has {len(meta)} items", field=field, fix=f"keep it to {MAX_METADATA_ITEMS}")
+    out: dict[str, str] = {}
+    for k, v in meta.items():
+        key = _check_text(k, f"{field} key", MAX_METADATA_CHARS)
+        if not key:
+            raise InvalidInputError("empty key", field=field, fix="name every item")
+        out[key] = _check_text(v, f"{field}[{key!r}]", MAX_METADATA_CHARS)
+    return out
+
+
+def check_session_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """SageMaker's per-call session options; ``None`` values are dropped."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key == "training_session_name":
+            if not isinstance(value, str) or not _SESSION_NAME.fullmatch(value):
+                raise InvalidInputError(
+                    f"{value!r} is not a session name",
+                    field=key,
+                    fix="1-63 of a-z A-Z 0-9 and -, starting and ending with a letter or digit",
+                )
+        elif key in ("model_package_group_arn", "kms_key_arn"):
+            _check_text(value, key, 2048)
+            if not value.startswith("arn:"):
+                raise InvalidInputError(f"{value!r} is not an ARN", field=key, fix="pass arn:aws:...")
+        elif key == "s3_output_path":
+            _check_text(value, key, 1024)
+            if not value.startswith("s3://") or len(value) <= 5:
+                raise InvalidInputError(f"{value!r} is not an S3 URI", field=key, fix="pass s3://bucket/prefix")
+        elif key == "vpc_config":
+            if not isinstance(value, Mapping) or not {"Subnets", "SecurityGroupIds"} <= set(value):
+                raise InvalidInputError(
+                    "needs Subnets and SecurityGroupIds", field=key, fix="{'Subnets': [...], 'SecurityGroupIds': [...]}"
+                )
+            value = {k: list(v) for k, v in value.items()}
+        elif key == "optimizer":
+            kind = value.get("type") if isinstance(value, Mapping) else getattr(value, "type", None)
+            if kind not in ("adam", "adamw", None):
+                raise UnsupportedError(f"optimizer {kind!r} is not offered", field=key, fix="use AdamW (the default)")
+            value = "adamw"
+        out[key] = value
+    return out
+
+
+def check_count(value: Any, field: str, *, low: int = 0, high: int = 10_000, none_ok: bool = False) -> Any:
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidInputError(f"{value!r} is out of range", field=field, fix=f"an int in {low}..{high}")
+    return value
+
+
+def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[int, ...], ...] | None:
+    """Tinker's ``target_prompt_logprobs``: int ids of shape ``[len(prompt) - 1, K]``, ``-1`` = skip."""
+    if target is None:
+        return None
+    try:
+        tensor = TensorData.coerce("target_prompt_logprobs", target)
+    except (TypeError, ValueError, ValidationError) as err:
+        raise InvalidInputError(
+            str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]"
+        ) from None
+    shape = tensor.shape or [len(tensor.data)]
+    if tensor.dtype != "int64" or len(shape) != 2 or shape[0] != prompt_len - 1 or shape[1] < 1:
+        raise InvalidInputError(
+            f"dtype {tensor.dtype}, shape {shape}", field="target_prompt_logprobs", fix=f"int64 of shape [{prompt_len - 1}, K] with K >= 1"
+        )
+    k = shape[1]
+    rows = tuple(tuple(int(x) for x in tensor.data[i * k : (i + 1) * k]) for i in range(shape[0]))
+    if any(x < -1 for row in rows for x in row):
+        raise InvalidInputError("ids must be >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
+    return rows
+
+
+def check_finite(d: Datum, i: int) -> None:
+    """Float loss inputs must be finite; token ids must be non-negative int64."""
+    for key, tensor in d.loss_fn_inputs.items():
+        if tensor.dtype == "float32":
+            bad = next((v for v in tensor.data if not math.isfinite(v)), None)
+            if bad is not None:
+                raise InvalidInputError(f"holds {bad}", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="only finite numbers")
+        else:
+            bad = next((v for v in tensor.data if not 0 <= v < 2**63), None)
+            if bad is not None:
+                raise InvalidInputError(f"id {bad} is not a token id", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="ids in 0..2**63-1")
+    bad = next((t for t in d.model_input.to_ints() if not 0 <= t < 2**63), None)
+    if bad is not None:
+        raise InvalidInputError(f"id {bad} is not a token id", field=f"data[{i}].model_input", fix="ids in 0..2**63-1")

@@ -94,7 +94,7 @@ async def test_non_retryable_errors_are_not_retried(monkeypatch):
 
         monkeypatch.setattr(svc.backend, "execute_training", counting)
         with pytest.raises(InvalidInputError) as err:
-            await tc.forward_backward([sft_datum([1, 40], [10**6])])
+            await tc.load_state("mock://no-such-session/weights/x")  # only the backend knows the path is unknown
         assert calls == [1] and seen == []
         assert err.value.seq == 1 and err.value.request_id
 

@@ -90,6 +90,9 @@ class CheckpointStore:
                     time=meta.get("time", 0.0),
                     step=meta.get("step", 0),
                     size_bytes=sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
+                    description=meta.get("description"),
+                    user_metadata=meta.get("user_metadata"),
+                    expires_at=meta["time"] + meta["ttl_seconds"] if meta.get("ttl_seconds") and "time" in meta else None,
                 )
             )
         return sorted(out, key=lambda c: c.time)

@@ -25,6 +25,7 @@ from asyncsess.sequencer import Sequencer
 from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config
 
+from .adapters import BASE
 from .completion import Completion
 from .engine import MAX_LORA_RANK, Engine, EngineConfig, Slot
 from .sampler import SampleJob
@@ -176,12 +177,47 @@ class LocalBackend(Backend):
             if not 0 <= t < ref.slot.vocab_size:
                 raise InvalidInputError(f"stop token {t} is outside the vocabulary", field="sampling_params.stop")
         job = SampleJob(prompt=prompt, num_samples=request.num_samples, params=params, max_tokens=max_tokens)
+        if request.target_prompt_logprobs is not None and max(max(r) for r in request.target_prompt_logprobs) >= ref.slot.vocab_size:
+            raise InvalidInputError(f"an id is outside the vocabulary [0, {ref.slot.vocab_size})", field="target_prompt_logprobs")
         out = await self.engine.sample(sampler_id, job)
         if request.include_prompt_logprobs:
             out.prompt_logprobs = await self.engine.logprobs(sampler_id, prompt)
+        if request.topk_prompt_logprobs or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
+            await self.engine.call(self._logprob_extras, ref, prompt, request, out)
         for i, s in enumerate(out.sequences):
             s.sequence_id = f"{request.request_id or sampler_id}:{i}"
         return out
+
+    def _logprob_extras(self, ref: Any, prompt: list[int], request: SampleRequest, out: SampleResponse) -> None:
+        """Top-k prompt / sample log-probs and target log-probs from full fp32 passes (on the engine thread)."""
+        import numpy as np
+        import torch
+
+        from asyncsess.types import TensorData
+
+        from .logprobs import next_token_logprobs, topk_rows
+
+        host = ref.slot.host
+        if ref.adapter == BASE:
+            host.activate_base()
+        else:
+            host.activate(ref.adapter, trainable=False)
+        model, dev = host.peft.get_base_model(), self.engine.device
+        if request.topk_prompt_logprobs or request.target_prompt_logprobs is not None:
+            dist = next_token_logprobs(model, prompt, dev)[:-1]  # row i-1 predicts prompt[i]
+            if request.topk_prompt_logprobs:
+                out.topk_prompt_logprobs = [None, *topk_rows(dist, request.topk_prompt_logprobs)]
+            if request.target_prompt_logprobs is not None:
+                ids = torch.tensor(request.target_prompt_logprobs, device=dev)
+                picked = torch.where(ids >= 0, dist.gather(1, ids.clamp(min=0)), torch.zeros((), device=dev))
+                out.target_prompt_logprobs = TensorData.from_numpy(picked.cpu().numpy().astype(np.float32), "float32")
+        if request.topk_sample_logprobs:
+            for seq in out.sequences:
+                if not seq.tokens:
+                    seq.topk_logprobs = []
+                    continue
+                dist = next_token_logprobs(model, prompt + seq.tokens[:-1], dev)[len(prompt) - 1 :]
+                seq.topk_logprobs = topk_rows(dist, request.topk_sample_logprobs)
 
     async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
         ref = self.engine._sampler(sampler_id)
@@ -200,6 +236,13 @@ class LocalBackend(Backend):
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
         return self.engine.store.list(session_id)
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """Remove a saved checkpoint directory (only under the checkpoint root)."""
+        import shutil
+
+        directory = self.engine.store.resolve(path)
+        await self.engine.call(shutil.rmtree, directory)
 
 
 def _vllm_options(url: ParsedURL) -> VllmOptions:

@@ -107,6 +107,11 @@ class _Work:
     adapter: str = BASE
 
 
+def _save_meta(op: TrainingOp) -> dict[str, Any]:
+    """What the caller asked to keep with a checkpoint (description, user metadata, lifetime)."""
+    return {k: v for k, v in (("description", op.description), ("user_metadata", op.user_metadata), ("ttl_seconds", op.ttl_seconds)) if v}
+
+
 def _as_api_error(err: BaseException) -> BaseException:
     if isinstance(err, AsyncSessError):
         return err
@@ -514,7 +519,7 @@ class Engine:
         scratch, final = self.store.begin(sess.model_id, "state", op.name or f"step-{sess.step:06d}-{op.seq}")
         save_file({k: v.cpu() for k, v in host.state_dict(sess.adapter).items()}, str(scratch / "adapter.safetensors"))
         save_file(trainer.optimizer_tensors(sess), str(scratch / "optimizer.safetensors"))
-        uri = self.store.commit(scratch, final, self._meta(sess, "state"))
+        uri = self.store.commit(scratch, final, {**self._meta(sess, "state"), **_save_meta(op)})
         return CheckpointResponse(path=uri, kind="state", step=sess.step)
 
     def _load_state(self, sess: trainer.TrainSession, path: Path, *, with_optimizer: bool) -> None:
@@ -554,7 +559,7 @@ class Engine:
             self._write_merged(slot, scratch / "adapter", scratch)
         else:
             slot.host.export_peft(sess.adapter, scratch)
-        uri = self.store.commit(scratch, final, self._meta(sess, kind))
+        uri = self.store.commit(scratch, final, {**self._meta(sess, kind), **_save_meta(op)})
         return CheckpointResponse(path=uri, kind=kind, step=sess.step)  # type: ignore[arg-type]
 
     def _write_merged(self, slot: Slot, adapter_dir: Path, out: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["packed_logprobs", "head_is_plain"]
+__all__ = ["packed_logprobs", "head_is_plain", "next_token_logprobs", "topk_rows"]
 
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
@@ -103,3 +103,16 @@ def head_is_plain(model: nn.Module, device: torch.device) -> bool:
     full = model(input_ids=ids, use_cache=False).logits
     hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
     return bool(torch.allclose(model.get_output_embeddings()(hidden).float(), full.float(), atol=1e-5, rtol=1e-4))
+
+
+@torch.no_grad()
+def next_token_logprobs(model: nn.Module, tokens: list[int], device: torch.device) -> Tensor:
+    """fp32 log-softmax of the next-token distribution after every prefix ``tokens[:i+1]``: ``[len(tokens), vocab]``."""
+    ids = torch.tensor(tokens, device=device)[None]
+    return model(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)
+
+
+def topk_rows(dist: Tensor, k: int) -> list[list[tuple[int, float]] | None]:
+    """The ``k`` largest entries of each row as ``(token_id, logprob)``, largest first."""
+    values, ids = dist.topk(min(k, dist.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

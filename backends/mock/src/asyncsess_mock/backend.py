@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 
 from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
-from asyncsess.errors import ConflictError, InvalidInputError, SessionGoneError
+from asyncsess.errors import ConflictError, InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.sequencer import Sequencer
 from asyncsess.types import (
     LOSS_FUNCTIONS,
@@ -64,6 +64,9 @@ class _Sampler:
     faults: Faults
     stopped: bool = False
     requests: int = 0
+    base_model: str = ""
+    seed: int | None = None
+    delta: np.ndarray | None = None
 
 
 class MockBackend(Backend):
@@ -165,6 +168,8 @@ class MockBackend(Backend):
             lora_alpha=spec.alpha if spec.alpha is not None else 32.0,
             seed=spec.seed,
             step=trainer.adam.step,
+            user_metadata=dict(spec.user_metadata),
+            session_options=dict(spec.session_options),
         )
 
     async def stop_session(self, session_id: str) -> None:
@@ -229,10 +234,10 @@ class MockBackend(Backend):
         elif op.kind == "optim_step":
             result = trainer.optim_step(op.adam_params)
         elif op.kind == "save_state":
-            result = self._save(sess, "state", op.name or f"{op.seq:06d}", ephemeral=False).response()
+            result = self._save(sess, "state", op.name or f"{op.seq:06d}", op).response()
         elif op.kind == "save_weights":
             name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
-            result = self._save(sess, "merged" if op.merge_weights else "sampler", name, ephemeral=op.ephemeral).response()
+            result = self._save(sess, "merged" if op.merge_weights else "sampler", name, op).response()
         elif op.kind == "load_state":
             ckpt = self._checkpoint(op.path or "", "path", state_only=True)
             if ckpt.base_model != trainer.base_model:
@@ -247,10 +252,10 @@ class MockBackend(Backend):
             self._stop(sess, f"stopped by the server after {sess.ops_applied} ops (stop_after_ops)")
         return result
 
-    def _save(self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, *, ephemeral: bool) -> StoredCheckpoint:
+    def _save(self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, op: TrainingOp) -> StoredCheckpoint:
         path = checkpoint_path(sess.id, kind, check_name(name))
-        if path in self._checkpoints:
-            raise ConflictError(f"{path} already exists", field="name", fix="pick another name")
+        if path in self._checkpoints and not op.overwrite:
+            raise ConflictError(f"{path} already exists", field="name", fix="pick another name, or pass overwrite=True")
         trainer = sess.trainer
         ckpt = StoredCheckpoint(
             path=path,
@@ -263,7 +268,10 @@ class MockBackend(Backend):
             adam=trainer.adam.copy() if kind == "state" else None,
             step=trainer.adam.step,
             time=time.time(),
-            ephemeral=ephemeral,
+            ephemeral=op.ephemeral,
+            description=op.description,
+            user_metadata=dict(op.user_metadata) if op.user_metadata else None,
+            ttl_seconds=op.ttl_seconds,
         )
         self._checkpoints[path] = ckpt
         return ckpt
@@ -284,17 +292,30 @@ class MockBackend(Backend):
         self.calls["list_checkpoints"] += 1
         return [c.record() for c in self._checkpoints.values() if not c.ephemeral and session_id in (None, c.session_id)]
 
+    async def delete_checkpoint(self, path: str) -> None:
+        self.calls["delete_checkpoint"] += 1
+        if self._checkpoints.pop(path, None) is None:
+            raise NotFoundError(f"no checkpoint at {path!r}", field="path", fix="see list_checkpoints()")
+
+    def export_sampler(self, sampler_id: str) -> dict[str, Any]:
+        """The weights themselves: the process-wide store does not reach another process."""
+        handle = self._sampler(sampler_id)
+        return {"base_model": handle.base_model, "seed": handle.seed, "delta": handle.delta}
+
     # ---------------------------------------------------------------------------------- sampling
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         self.calls["create_sampler"] += 1
         v = self.tokenizer.vocab_size
-        if spec.model_path:
+        if spec.payload is not None and (not spec.model_path or spec.model_path not in self._checkpoints):
+            base_model, seed, delta = spec.payload["base_model"], spec.payload["seed"], spec.payload["delta"]
+            logp = log_softmax_table(base_table(base_model, v) + (delta if delta is not None else 0.0))
+        elif spec.model_path:
             ckpt = self._checkpoint(spec.model_path, "model_path")
-            base_model, seed = ckpt.base_model, ckpt.seed
+            base_model, seed, delta = ckpt.base_model, ckpt.seed, ckpt.delta
             logp = log_softmax_table(base_table(base_model, v) + ckpt.delta)
         elif spec.base_model:
-            base_model, seed = spec.base_model, None
+            base_model, seed, delta = spec.base_model, None, None
             logp = log_softmax_table(base_table(base_model, v))
         else:
             raise InvalidInputError("neither model_path nor base_model", field="model_path", fix="pass a saved path or a base model name")
@@ -308,7 +329,14 @@ class MockBackend(Backend):
             max_context=self.config.max_context,
             default_max_tokens=self.config.default_max_tokens,
         )
-        handle = _Sampler(id=f"mock-sampler-{next(self._ids)}", sampler=sampler, faults=Faults(self.config, f"sampler-{ordinal}"))
+        handle = _Sampler(
+            id=f"mock-sampler-{next(self._ids)}",
+            sampler=sampler,
+            faults=Faults(self.config, f"sampler-{ordinal}"),
+            base_model=base_model,
+            seed=seed,
+            delta=delta,
+        )
         self._samplers[handle.id] = handle
         self._open[handle.id] = "sampler"
         self._models_used[base_model] = None

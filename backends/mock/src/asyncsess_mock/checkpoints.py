@@ -47,6 +47,9 @@ class StoredCheckpoint:
     step: int
     time: float
     ephemeral: bool = False
+    description: str | None = None
+    user_metadata: dict[str, str] | None = None
+    ttl_seconds: int | None = None
 
     def response(self) -> CheckpointResponse:
         return CheckpointResponse.model_construct(path=self.path, kind=self.kind, step=self.step)
@@ -60,4 +63,7 @@ class StoredCheckpoint:
             time=self.time,
             step=self.step,
             size_bytes=size,
+            description=self.description,
+            user_metadata=self.user_metadata,
+            expires_at=self.time + self.ttl_seconds if self.ttl_seconds else None,
         )

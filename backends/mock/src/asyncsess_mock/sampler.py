@@ -12,7 +12,7 @@ import numpy as np
 
 from asyncsess.backend import SampleRequest
 from asyncsess.errors import InvalidInputError
-from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, Usage
+from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, TensorData, Usage
 
 __all__ = ["MockSampler"]
 
@@ -73,6 +73,7 @@ class MockSampler:
         sequences = []
         for i in range(request.num_samples):
             n = int(lengths[i])
+            context = np.concatenate([prompt[-1:], tokens[i, : n - 1]]) if n else prompt[:0]
             sequences.append(
                 SampledSequence.model_construct(
                     stop_reason="stop" if stopped[i] else "length",
@@ -80,11 +81,40 @@ class MockSampler:
                     logprobs=lps[i, :n].tolist(),
                     sequence_id=f"{sampler_id}:{request_no}:{i}",
                     usage=Usage.model_construct(training_tokens=0, prefill_tokens=int(prompt.size), decode_tokens=n),
+                    topk_logprobs=self._topk(context, request.topk_sample_logprobs) if request.topk_sample_logprobs else None,
                 )
             )
         prompt_logprobs = [None, *self.logp[prompt[:-1], prompt[1:]].tolist()] if request.include_prompt_logprobs else None
+        topk_prompt = [None, *self._topk(prompt[:-1], request.topk_prompt_logprobs)] if request.topk_prompt_logprobs else None
         usage = Usage.model_construct(training_tokens=0, prefill_tokens=int(prompt.size), decode_tokens=int(lengths.sum()))
-        return SampleResponse.model_construct(sequences=sequences, prompt_logprobs=prompt_logprobs, usage=usage)
+        return SampleResponse.model_construct(
+            sequences=sequences,
+            prompt_logprobs=prompt_logprobs,
+            usage=usage,
+            topk_prompt_logprobs=topk_prompt,
+            target_prompt_logprobs=self._targets(prompt, request.target_prompt_logprobs),
+            prompt_cache_hit_tokens=0,
+        )
+
+    def _topk(self, context: np.ndarray, k: int) -> list[list[tuple[int, float]] | None]:
+        """For each context token, the k most likely next tokens and their log-probs, most likely first (ties: lower id)."""
+        k = min(k, self.logp.shape[1])
+        rows = self.logp[context]
+        order = np.argsort(-rows, axis=1, kind="stable")[:, :k]
+        values = np.take_along_axis(rows, order, axis=1)
+        return [list(zip(ids, lps)) for ids, lps in zip(order.tolist(), values.tolist())]
+
+    def _targets(self, prompt: np.ndarray, target: tuple[tuple[int, ...], ...] | None) -> TensorData | None:
+        """Log-probs of the requested ids at prompt positions 1..; 0.0 where the id is -1."""
+        if target is None:
+            return None
+        ids = np.asarray(target, dtype=np.int64)
+        v = self.logp.shape[1]
+        if ids.max() >= v:
+            raise InvalidInputError(f"token id {int(ids.max())} is outside the vocabulary [0, {v})", field="target_prompt_logprobs")
+        rows = self.logp[prompt[:-1]]
+        out = np.where(ids >= 0, np.take_along_axis(rows, np.maximum(ids, 0), axis=1), 0.0)
+        return TensorData.from_numpy(out.astype(np.float32), "float32")
 
     def _stops(self, params: SamplingParams) -> tuple[np.ndarray, list[str]]:
         """Token ids and strings that end a sequence; EOS is one unless ``stop == []``."""

@@ -33,6 +33,7 @@ from asyncsess.errors import (
     AsyncSessError,
     DeadlineExceededError,
     InvalidInputError,
+    NotFoundError,
     PoisonedError,
     RetriesExhaustedError,
     ServerError,
@@ -303,8 +304,12 @@ class SageMakerBackend(Backend):
                 self._group_arn = resp["ModelPackageGroupArn"]
         return self._group_arn
 
-    def _create_request(self, name: str, hub_arn: str, rank: int, alpha: int, group_arn: str) -> dict[str, Any]:
-        opts = self.options
+    def _create_request(
+        self, name: str, hub_arn: str, rank: int, alpha: int, group_arn: str, per_call: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The CreateTrainingSession request; ``per_call`` options (from create_lora_training_client) win over the client's."""
+        per_call = {k: v for k, v in (per_call or {}).items() if k in ("s3_output_path", "kms_key_arn", "vpc_config")}
+        opts = self.options.model_copy(update=per_call) if per_call else self.options
         if not opts.role_arn:
             raise InvalidInputError(
                 "creating a session needs an execution role",
@@ -374,8 +379,10 @@ class SageMakerBackend(Backend):
             raise InvalidInputError("no base model", field="base_model", fix="name a base model (or resume from a model package ARN)")
         hub_arn, hf_id = await self._resolve_base_model(base_model)
         alpha = int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
-        name = f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
-        request = self._create_request(name, hub_arn, spec.rank, alpha, await self._model_package_group())
+        per_call = spec.session_options
+        name = per_call.get("training_session_name") or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
+        group = per_call.get("model_package_group_arn") or await self._model_package_group()
+        request = self._create_request(name, hub_arn, spec.rank, alpha, group, per_call)
         await self._calls.retried(
             self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request
         )
@@ -398,7 +405,15 @@ class SageMakerBackend(Backend):
                 await self._stop_quietly(name)
             raise
         self._hub.setdefault(hf_id or base_model, (hub_arn, hf_id))
-        return GetInfoResponse(model_id=name, base_model=hf_id or base_model, lora_rank=spec.rank, lora_alpha=float(alpha), seed=spec.seed)
+        return GetInfoResponse(
+            model_id=name,
+            base_model=hf_id or base_model,
+            lora_rank=spec.rank,
+            lora_alpha=float(alpha),
+            seed=spec.seed,
+            user_metadata=dict(spec.user_metadata),
+            session_options=dict(per_call),
+        )
 
     async def _base_model_of(self, model_package_arn: str) -> str:
         self._require_package_arn(model_package_arn, "path")
@@ -497,11 +512,13 @@ class SageMakerBackend(Backend):
             return {"optimizerStep": {"adamParamsConfig": adam_to_wire(op.adam_params)}}
         if op.kind == "save_weights":
             body = {"mergeWeights": True} if op.merge_weights else {}
-            if op.name:
-                body["description"] = op.name
+            description = op.description or op.name  # model packages have no names: a name is kept as the description
+            if description:
+                body["description"] = description
             return {"saveWeights": body}
         if op.kind == "save_state":
-            return {"saveState": {"description": op.name} if op.name else {}}
+            description = op.description or op.name
+            return {"saveState": {"description": description} if description else {}}
         if op.kind == "load_state":
             self._require_package_arn(op.path or "", "path")
             return {"loadState": {"modelPackageArn": op.path, "loadOptimizer": op.with_optimizer}}
@@ -644,6 +661,8 @@ class SageMakerBackend(Backend):
                     path=arn,
                     time=time.time(),
                     step=step,
+                    description=op.description or op.name,
+                    user_metadata=op.user_metadata,
                 )
             )
             return CheckpointResponse(path=arn, kind=kind, step=step)
@@ -661,6 +680,15 @@ class SageMakerBackend(Backend):
             sess = self._sessions.get(session_id)
             return list(sess.packages) if sess else []
         return [c for s in self._sessions.values() for c in s.packages]
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """``DeleteModelPackage`` (the record; its S3 artifacts stay where the service wrote them)."""
+        self._require_package_arn(path, "path")
+        await self._calls.retried(
+            self.control.delete_model_package, operation="DeleteModelPackage", not_found=NotFoundError, ModelPackageName=path
+        )
+        for sess in self._sessions.values():
+            sess.packages[:] = [c for c in sess.packages if c.path != path]
 
     # -------------------------------------------------------------------------------- sampling
 
@@ -750,6 +778,12 @@ class SageMakerBackend(Backend):
             body["modelPackageArn"] = sampler.model_package
         if request.include_prompt_logprobs:
             body["includePromptLogprobs"] = True
+        if request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
+            raise UnsupportedError(
+                "the SageMaker wire carries top-k prompt log-probs only", field="topk_sample_logprobs", fix="leave it 0 on sagemaker://"
+            )
+        if request.topk_prompt_logprobs:
+            body["topkPromptLogprobs"] = request.topk_prompt_logprobs
         result = await self._sampling(sampler.session, {"sample": body}, "sample")
         return sample_response_from_wire(result["sample"], len(request.prompt), request.sampling_params.max_tokens)
 

@@ -345,6 +345,8 @@ def sample_response_to_wire(resp: SampleResponse, prompt_length: int, include_pr
     out: dict[str, Any] = {"sequences": seqs}
     if include_prompt_logprobs and resp.prompt_logprobs is not None:
         out["promptLogprobs"] = logprobs_to_wire(resp.prompt_logprobs)
+    if resp.topk_prompt_logprobs is not None:  # list<list<TokenLogprob>>; [] where a position was not scored
+        out["topkPromptLogprobs"] = [[{"tokenId": t, "logprob": float(lp)} for t, lp in row or []] for row in resp.topk_prompt_logprobs]
     return out
 
 
@@ -364,8 +366,12 @@ def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_toke
         total = total + usage
         seqs.append(SampledSequence.model_construct(stop_reason=reason, tokens=tokens, logprobs=logprobs, sequence_id=None, usage=usage))
     prompt_lp = wire.get("promptLogprobs")
+    topk = wire.get("topkPromptLogprobs")
     return SampleResponse.model_construct(
         sequences=seqs,
         prompt_logprobs=logprobs_from_wire(prompt_lp, prompt_length) if prompt_lp is not None else None,
         usage=total,
+        topk_prompt_logprobs=[[(int(x["tokenId"]), float(x["logprob"])) for x in row] or None for row in topk]
+        if topk is not None
+        else None,
     )

@@ -594,8 +594,9 @@ class EmulatedService:
             check_sample_config(config, sess.model.vocab_size)
         except ShapeError as err:
             raise AwsError.validation(str(err)) from None
-        if op_body.get("topkPromptLogprobs"):
-            raise AwsError.validation("topkPromptLogprobs is not supported by this emulator's engine")
+        topk = op_body.get("topkPromptLogprobs")
+        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= 1024):
+            raise AwsError.validation("topkPromptLogprobs must be an integer in 0..1024")
         if op_body.get("modelPackageArn") is not None:
             self._known_package(op_body["modelPackageArn"])
         op = OperationRecord(id=str(uuid.uuid4()), kind=kind, config=config)
@@ -639,6 +640,7 @@ class EmulatedService:
                 sampling_params=self._capped(sampling_params_from_wire(body["samplingParams"])),
                 include_prompt_logprobs=include,
                 request_id=op.id,
+                topk_prompt_logprobs=int(body.get("topkPromptLogprobs") or 0),
             )
             resp = await self.inner.sample(sampler, request)
             wire = sample_response_to_wire(resp, len(prompt), include)
