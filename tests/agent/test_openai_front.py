@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from asyncsess import ServiceClient
+from asyncsess import SamplingParams, ServiceClient
 from asyncsess.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
 
@@ -42,6 +42,24 @@ async def test_captured_logprobs_equal_compute_logprobs(sampler):
         assert choice.logprobs == scored[len(call.prompt_tokens) :]  # exact on mock
         assert [e.logprob for e in served.logprobs.content] == choice.logprobs
         assert served.finish_reason == choice.finish_reason
+
+
+async def test_top_logprobs_relay_the_samplers_top_k(sampler):
+    """``top_logprobs=k`` serves exactly what ``sample(..., topk_sample_logprobs=k)`` gives for the same seeded call
+    (that those are the k largest of the full softmax is tested in tests/compat)."""
+    front = OpenAIFront(sampler)
+    async with front.openai_client("r") as client:
+        reply = await client.chat.completions.create(model="policy", messages=HI, seed=11, max_tokens=12, logprobs=True, top_logprobs=5)
+    [call] = front.captures.calls("r")
+    params = SamplingParams(max_tokens=12, seed=11, temperature=1.0)
+    direct = (await sampler.sample(call.prompt_tokens, 1, params, topk_sample_logprobs=5)).sequences[0]
+    n = len(call.choices[0].tokens)  # the front also stops at the end of the turn
+    assert direct.tokens[:n] == call.choices[0].tokens and direct.topk_logprobs is not None
+    served = reply.choices[0].logprobs.content
+    assert len(served) == n > 0
+    for entry, top in zip(served, direct.topk_logprobs):
+        assert top is not None and [a.logprob for a in entry.top_logprobs] == [lp for _, lp in top]
+        assert [a.logprob for a in entry.top_logprobs] == sorted((a.logprob for a in entry.top_logprobs), reverse=True)
 
 
 async def test_streamed_and_plain_captures_are_identical(sampler):
@@ -132,7 +150,7 @@ BAD = [
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"parallel_tool_calls": False}, 400, "parallel_tool_calls"),
-    ({"top_logprobs": 5, "logprobs": True}, 400, "top_logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
     ({"stop": [""]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages.0.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools.0.function.strict"),

@@ -18,7 +18,6 @@ the front does not implement is refused by name, never ignored.
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 import uuid
@@ -52,7 +51,7 @@ from .openai_wire import (
     validation_error,
 )
 
-__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "top_logprobs_kwargs"]
+__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER"]
 
 ROLLOUT_HEADER = "x-rollout-id"
 VERSION_HEADER = "x-weight-version"
@@ -61,17 +60,9 @@ _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 
 
-def top_logprobs_kwargs(sampler: SamplingClient, k: int, param: str) -> dict[str, Any]:
-    """The ``sample`` keyword that asks ``sampler`` for ``k`` alternatives per token, or a 400 naming ``param``.
-
-    Top-k sample log-probs come with issue 14 (``topk_sample_logprobs``); until the SamplingClient takes that
-    keyword, asking for them is refused rather than silently answered without them.
-    """
-    if k == 0:
-        return {}
-    if "topk_sample_logprobs" in inspect.signature(sampler.sample).parameters:
-        return {"topk_sample_logprobs": k}
-    raise FrontError(f"{param}={k} is not supported by this sampler (it gives no top-k log-probs); set it to 0", param)
+def _topk(k: int) -> dict[str, Any]:
+    """The ``sample`` keyword that asks for ``k`` alternatives per sampled token."""
+    return {"topk_sample_logprobs": k} if k else {}
 
 
 def _top_alternatives(seq: SampledSequence, i: int) -> list[tuple[int, float]]:
@@ -355,7 +346,7 @@ class OpenAIFront:
         for i, t in enumerate(req.tools or []):
             if t.function.strict:
                 raise FrontError("strict (schema-constrained) tool calls are not supported; leave it unset", f"tools.{i}.function.strict")
-        topk = top_logprobs_kwargs(binding.sampler, req.top_logprobs, "top_logprobs")
+        topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
         renderer = self._renderer(binding.sampler)
@@ -430,7 +421,7 @@ class OpenAIFront:
 
     async def _completion(self, req: CompletionRequest, rollout: str) -> Response:
         binding = self._binding(rollout, req.model)
-        topk = top_logprobs_kwargs(binding.sampler, req.logprobs or 0, "logprobs")
+        topk = _topk(req.logprobs or 0)
         tok = binding.sampler.get_tokenizer()
         prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
         if not prompt:
