@@ -19,6 +19,7 @@ __all__ = [
     "PoisonedError",
     "OperationCancelledError",
     "FacadeMisuseError",
+    "ResourceExhaustedError",
 ]
 
 
@@ -116,3 +117,15 @@ class OperationCancelledError(AsyncSessError):
 
 class FacadeMisuseError(RuntimeError):
     """A blocking call was made from the sync facade's own event loop, where it would deadlock."""
+
+
+class ResourceExhaustedError(ServerError):
+    """The backend ran out of a resource (device memory) on a valid request; the session stays usable.
+
+    ``budget`` names the limit in force when it happened (e.g. tokens per micro-batch); send less
+    (fewer or shorter datums) or let the backend's lowered budget take effect.
+    """
+
+    def __init__(self, message: str, *, budget: int | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.budget = budget
