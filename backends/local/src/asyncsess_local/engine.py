@@ -282,7 +282,7 @@ class Engine:
         except ResourceExhaustedError as err:  # a pass that did not fit: nothing was applied, the session lives on
             self._oom = True
             for w in group:
-                w.done.set_error(err)
+                w.done.set_error(ResourceExhaustedError(err.message, budget=err.budget, operation=w.op.kind, seq=w.op.seq))  # type: ignore[union-attr]
             return
         except BaseException as err:
             sess.failed = self._api_error(err)
