@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker"]
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "local_vllm_pins", "sagemaker"]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
 MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
+VLLM_PIN = "vllm==0.33.0"  # the vLLM the local backend's `vllm` extra is checked against (on a GPU machine)
+# a representative part of the local suite (training, checkpoints, sampling, memory, vLLM options: ~1 min)
+LOCAL_CORE = [
+    "tests/local/test_local_training.py",
+    "tests/local/test_local_checkpoints.py",
+    "tests/local/test_local_sampler.py",
+    "tests/local/test_local_memory.py",
+    "tests/local/test_local_vllm_options.py",
+]
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
@@ -40,6 +52,34 @@ def local(session: nox.Session) -> None:
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]")
     session.run("pytest", "-q", "-m", "local and not vllm", *session.posargs)
+
+
+@nox.session(python="3.11")
+def local_vllm_pins(session: nox.Session) -> None:
+    """The local backend on the transformers/peft that `vllm==0.33.0` + `backends/local[server,vllm]` resolve to.
+
+    Fails when the `vllm` extra stops resolving (pip's resolver, metadata only: vLLM and its CUDA torch are
+    not installed), then runs the core of the local suite on the resolved transformers and peft (CPU torch).
+    """
+    report = Path(session.create_tmp()) / "vllm-resolve.json"
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--dry-run",
+        "--ignore-installed",
+        "--report",
+        str(report),
+        VLLM_PIN,
+        "./backends/local[server,vllm]",
+    )
+    got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    session.log(f"{VLLM_PIN} resolves to transformers {got['transformers']}, peft {got['peft']}, torch {got['torch']}")
+    session.install(TORCH)
+    _install_core(session, "-e", "backends/local[server,test]", f"transformers=={got['transformers']}", f"peft=={got['peft']}")
+    session.run("pytest", "-q", "-m", "local and not vllm", *(session.posargs or LOCAL_CORE))
 
 
 @nox.session(python="3.11")
