@@ -327,8 +327,8 @@ async def bench_model(shape: str, args, workdir: Path) -> None:
                 f"max {max(diffs):.4f}",
                 f"mean {statistics.fmean(diffs):.5f} over {len(diffs)} tokens ({args.dtype})",
             )
-            alone = await sc.sample(prompt, 1, params)
-            same = alone.sequences[0].tokens == outs[0].sequences[0].tokens
+            alone = await sc.sample(prompt, args.samples, params)  # the same request, decoded on its own
+            same = [s.tokens for s in alone.sequences] == [s.tokens for s in outs[0].sequences]
             row(f"{shape}: seeded sample batch-invariant", "yes" if same else "no", f"seed 1 alone vs in a batch of {args.requests}")
         except Exception as err:
             row(f"{shape}: sampling", f"FAILED {type(err).__name__}", str(err)[:160])
