@@ -158,7 +158,9 @@ def test_vllm_options_from_the_url_and_their_checks():
     from asyncsess_local.embedded import _vllm_options
     from asyncsess_local.vllm_sampler import VllmOptions
 
-    o = _vllm_options(parse_url("local://?vllm_max_model_len=8192&vllm_memory=0.3&vllm_max_loras=8&vllm_max_cpu_loras=32&vllm_unembed=refuse"))
+    o = _vllm_options(
+        parse_url("local://?vllm_max_model_len=8192&vllm_memory=0.3&vllm_max_loras=8&vllm_max_cpu_loras=32&vllm_unembed=refuse")
+    )
     assert (o.max_model_len, o.memory, o.max_loras, o.cpu_loras, o.unembed) == (8192, 0.3, 8, 32, "refuse")
     assert VllmOptions().cpu_loras == 16 and VllmOptions(max_loras=24).cpu_loras == 24
     for field, kw in [
@@ -190,7 +192,15 @@ def test_vllm_engine_arguments(monkeypatch, tiny_dir, tmp_path):
     monkeypatch.setattr(VllmSampler, "_start", start)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     opts = VllmOptions(memory=0.3, max_model_len=4096, max_loras=2, engine_args={"enforce_eager": True})
-    s = VllmSampler(str(tiny_dir), dtype=torch.bfloat16, max_context=131072, eos_ids=[2], options=opts, device=torch.device("cuda:1"), fallback_staging=tmp_path)
+    s = VllmSampler(
+        str(tiny_dir),
+        dtype=torch.bfloat16,
+        max_context=131072,
+        eos_ids=[2],
+        options=opts,
+        device=torch.device("cuda:1"),
+        fallback_staging=tmp_path,
+    )
     try:
         assert seen["max_model_len"] == 4096 == s.max_model_len  # capped, not the model's 131072 positions
         assert (seen["gpu_memory_utilization"], seen["max_loras"], seen["max_cpu_loras"]) == (0.3, 2, 16)

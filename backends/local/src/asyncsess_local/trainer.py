@@ -104,7 +104,8 @@ def restore_grads(sess: TrainSession, saved: dict[str, Tensor | None]) -> None:
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    decoder: nn.Module = get_decoder() if callable(get_decoder) else model
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList):
         return layers
