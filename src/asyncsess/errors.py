@@ -126,6 +126,8 @@ class ResourceExhaustedError(ServerError):
     (fewer or shorter datums) or let the backend's lowered budget take effect.
     """
 
+    budget: int | None = None  # also when rebuilt from a wire body that does not carry it
+
     def __init__(self, message: str, *, budget: int | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.budget = budget
