@@ -15,6 +15,8 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
 MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
 VLLM_PIN = "vllm==0.33.0"  # the vLLM the local backend's `vllm` extra is checked against (on a GPU machine)
+# what VLLM_PIN + backends/local[server,vllm] resolve to (checked by `nox -s vllm_resolve`)
+VLLM_RESOLVES = {"transformers": "5.20.2", "peft": "0.21.2", "torch": "2.14.0"}
 # a representative part of the local suite (training, checkpoints, sampling, memory, vLLM options: ~1 min)
 LOCAL_CORE = [
     "tests/local/test_local_training.py",
@@ -56,10 +58,21 @@ def local(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def local_vllm_pins(session: nox.Session) -> None:
-    """The local backend on the transformers/peft that `vllm==0.33.0` + `backends/local[server,vllm]` resolve to.
+    """The core of the local suite on the transformers and peft that vLLM's pins resolve to (CPU torch).
 
-    Fails when the `vllm` extra stops resolving (pip's resolver, metadata only: vLLM and its CUDA torch are
-    not installed), then runs the core of the local suite on the resolved transformers and peft (CPU torch).
+    `nox -s vllm_resolve` checks that VLLM_RESOLVES is still what pip resolves for VLLM_PIN.
+    """
+    session.install(TORCH)
+    pins = [f"{k}=={v}" for k, v in VLLM_RESOLVES.items() if k != "torch"]
+    _install_core(session, "-e", "backends/local[server,test]", *pins)
+    session.run("pytest", "-q", "-m", "local and not vllm", *(session.posargs or LOCAL_CORE))
+
+
+@nox.session(python="3.11")
+def vllm_resolve(session: nox.Session) -> None:
+    """Opt-in (2-5 min): `vllm==0.33.0` + `backends/local[server,vllm]` still resolve, to VLLM_RESOLVES.
+
+    pip's resolver on metadata only: vLLM and its CUDA torch are not installed.
     """
     report = Path(session.create_tmp()) / "vllm-resolve.json"
     session.run(
@@ -76,10 +89,10 @@ def local_vllm_pins(session: nox.Session) -> None:
         "./backends/local[server,vllm]",
     )
     got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-    session.log(f"{VLLM_PIN} resolves to transformers {got['transformers']}, peft {got['peft']}, torch {got['torch']}")
-    session.install(TORCH)
-    _install_core(session, "-e", "backends/local[server,test]", f"transformers=={got['transformers']}", f"peft=={got['peft']}")
-    session.run("pytest", "-q", "-m", "local and not vllm", *(session.posargs or LOCAL_CORE))
+    session.log(f"{VLLM_PIN} resolves to " + ", ".join(f"{k} {got.get(k)}" for k in VLLM_RESOLVES))
+    changed = {k: (v, got.get(k)) for k, v in VLLM_RESOLVES.items() if got.get(k) != v}
+    if changed:
+        session.error(f"update VLLM_RESOLVES in noxfile.py (pinned, resolved): {changed}")
 
 
 @nox.session(python="3.11")
