@@ -246,3 +246,22 @@ async def test_adapters_are_staged_in_bf16(backend_factory, tiny, tmp_path):
         assert host.nbytes(adapter, torch.bfloat16) * 2 == host.nbytes(adapter) == sum(t.numel() * 4 for t in trained.values())
     finally:
         await b.aclose()
+
+
+def test_worker_cli_passes_the_memory_options(monkeypatch, tmp_path):
+    pytest.importorskip("fastapi")
+    import uvicorn
+
+    from asyncsess_local import server
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(server, "create_app", lambda backend, keys: seen.update(backend=backend))
+    argv = ["--dir", str(tmp_path), "--api-key", "k", "--token-budget", "2048", "--checkpoint-layers", "on"]
+    argv += ["--vllm-max-model-len", "16384", "--vllm-max-loras", "6", "--vllm-max-cpu-loras", "24", "--vllm-unembed", "refuse"]
+    server.main(argv)
+    config = seen["backend"]._config
+    assert (config.token_budget, config.checkpoint_layers) == (2048, "on")
+    assert (config.vllm.max_model_len, config.vllm.max_loras, config.vllm.cpu_loras, config.vllm.unembed) == (16384, 6, 24, "refuse")
+    with pytest.raises(SystemExit):  # argparse refuses an unknown policy before anything starts
+        server.main([*argv[:4], "--vllm-unembed", "sometimes"])
