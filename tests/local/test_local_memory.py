@@ -173,3 +173,37 @@ async def test_bad_memory_options_are_refused(backend_factory):
     with pytest.raises(InvalidInputError) as info:
         b.engine  # noqa: B018 - the engine is built on first use
     assert info.value.field == "checkpoint_layers"
+
+
+async def test_oom_over_http_arrives_typed_and_the_worker_session_lives_on(backend_factory, tiny, oom_above):
+    pytest.importorskip("fastapi")
+    from asyncsess_local.http_client import HttpBackend
+    from asyncsess_local.server import serve_in_thread
+
+    worker = serve_in_thread(backend_factory(), ["k"])
+    client = HttpBackend(worker.url, api_key="k")
+    try:
+        tok = client.get_tokenizer(tiny)
+        small, big = sft_datum(tok.encode(TEXT)), sft_datum(tok.encode(LONG + " " + LONG))
+        oom_above(small.model_input.length)
+        model_id = (await client.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=0))).model_id
+        ops = Ops()
+        with pytest.raises(ResourceExhaustedError) as info:
+            await client.execute_training(model_id, ops("forward_backward", data=(big,), loss_fn="cross_entropy"))
+        assert "token budget" in str(info.value) and info.value.seq == 1
+        out = await client.execute_training(model_id, ops("forward_backward", data=(small,), loss_fn="cross_entropy"))
+        assert len(out.loss_fn_outputs[0]["logprobs"].data) == small.model_input.length
+    finally:
+        await client.aclose()
+        worker.stop()
+
+
+def test_free_memory_empties_the_cuda_cache(monkeypatch):
+    from asyncsess_local import trainer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    trainer.free_memory(torch.device("cpu"))
+    assert calls == []
+    trainer.free_memory(torch.device("cuda"))
+    assert calls == ["empty"]
