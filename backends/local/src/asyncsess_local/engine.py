@@ -437,7 +437,7 @@ class Engine:
             targets=targets,
             seed=spec.seed,
             params=params,
-            optimizer=trainer.new_optimizer(params),
+            optimizer=trainer.new_optimizer(params, fused=self.device.type == "cuda"),
         )
         try:
             if ckpt is not None:

@@ -56,11 +56,15 @@ class TrainSession:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
-    """Full-precision AdamW with two groups (LoRA A, LoRA B) so LoRA+ can scale B's learning rate."""
+def new_optimizer(params: dict[str, nn.Parameter], *, fused: bool = False) -> torch.optim.AdamW:
+    """Full-precision AdamW with two groups (LoRA A, LoRA B) so LoRA+ can scale B's learning rate.
+
+    ``fused`` (the engine sets it on CUDA) runs one kernel over all parameters instead of a loop of them.
+    """
     a = [p for k, p in params.items() if ".lora_B." not in k]
     b = [p for k, p in params.items() if ".lora_B." in k]
-    return torch.optim.AdamW([{"params": a}, {"params": b}], lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    kw: dict[str, Any] = {"fused": True} if fused else {}
+    return torch.optim.AdamW([{"params": a}, {"params": b}], lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, **kw)
 
 
 def _pack_budget(lengths: list[int], budget: int) -> list[list[int]]:
@@ -226,9 +230,11 @@ def optimizer_tensors(sess: TrainSession) -> dict[str, Tensor]:
 
 def load_optimizer_tensors(sess: TrainSession, tensors: dict[str, Tensor]) -> None:
     sess.optimizer.state.clear()
+    fused = bool(sess.optimizer.defaults.get("fused"))  # the fused kernel keeps the step count on the device
     for key, p in sess.params.items():
         state = {name.split("::", 1)[1]: t for name, t in tensors.items() if name.split("::", 1)[0] == key}
         if state:
             sess.optimizer.state[p] = {
-                name: (t.clone() if name == "step" else t.to(p.device, p.dtype).clone()) for name, t in state.items()
+                name: ((t.to(p.device) if fused else t).clone() if name == "step" else t.to(p.device, p.dtype).clone())
+                for name, t in state.items()
             }
