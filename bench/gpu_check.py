@@ -87,11 +87,11 @@ def row(check: str, result: object, note: str = "") -> None:
 # ------------------------------------------------------------------------------------ bootstrap
 
 
-def bootstrap() -> dict[str, str]:
-    """Install .whl/*.whl into SITE, register the backends' entry points, return the environment to run in."""
+def bootstrap(wheel_dir: Path) -> dict[str, str]:
+    """Install ``wheel_dir/*.whl`` into SITE, register the backends' entry points, return the environment to run in."""
     import tomllib
 
-    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    wheels = sorted(wheel_dir.glob("*.whl"))
     if wheels:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--target", str(SITE)]
         subprocess.run([*cmd, *map(str, wheels)], check=True)
@@ -105,7 +105,7 @@ def bootstrap() -> dict[str, str]:
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: asyncsess-gpu-check\nVersion: 0.0.0\n")
     (info / "entry_points.txt").write_text("".join(f"[{g}]\n" + "\n".join(v) + "\n\n" for g, v in groups.items()))
-    sources = [ROOT / "src", ROOT / "backends" / "local" / "src", ROOT / "backends" / "mock" / "src", ROOT, SITE]
+    sources = [ROOT / "src", *sorted((ROOT / "backends").glob("*/src")), ROOT, SITE]
     env = dict(os.environ, ASYNCSESS_GPU_CHECK_READY="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([*map(str, sources), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
@@ -353,11 +353,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.json (default $OUT)")
     p.add_argument("--no-bootstrap", action="store_true", help="run in this environment as it is")
+    p.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the wheels to bootstrap from (bench/gpu_wheels.sh)")
     args = p.parse_args()
     args.budgets = [int(b) for b in args.budgets.split(",")]
 
     if not args.no_bootstrap and not os.environ.get("ASYNCSESS_GPU_CHECK_READY"):
-        sys.exit(subprocess.run([sys.executable, *sys.argv], env=bootstrap()).returncode)
+        sys.exit(subprocess.run([sys.executable, *sys.argv], env=bootstrap(args.wheels)).returncode)
 
     import torch
 
