@@ -11,7 +11,8 @@ PKGS=(
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
   tenacity==9.2.1 sniffio==1.3.1 anyio==4.16.0
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 annotated-doc==0.0.7
-  openai==3.57.0 jiter==0.19.0 distro==1.9.0
+  opentelemetry-api==1.45.2
+  openai==3.57.0 jiter==0.19.0 distro==1.9.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 )
 WHL=${WHL:-.whl}
 mkdir -p "$WHL"
