@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "compat"]
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "local_vllm_pins", "sagemaker", "compat"]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
 MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not compat"
+VLLM_PIN = "vllm==0.33.0"  # the vLLM the local backend's `vllm` extra is checked against (on a GPU machine)
+# what VLLM_PIN + backends/local[server,vllm] resolve to (checked by `nox -s vllm_resolve`)
+VLLM_RESOLVES = {"transformers": "5.20.2", "peft": "0.21.2", "torch": "2.14.0"}
+# a representative part of the local suite (training, checkpoints, sampling, memory, vLLM options: ~1 min)
+LOCAL_CORE = [
+    "tests/local/test_local_training.py",
+    "tests/local/test_local_checkpoints.py",
+    "tests/local/test_local_sampler.py",
+    "tests/local/test_local_memory.py",
+    "tests/local/test_local_vllm_options.py",
+]
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
@@ -42,6 +55,45 @@ def local(session: nox.Session) -> None:
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]")
     session.run("pytest", "-q", "-m", "local and not vllm", *session.posargs)
+
+
+@nox.session(python="3.11")
+def local_vllm_pins(session: nox.Session) -> None:
+    """The core of the local suite on the transformers and peft that vLLM's pins resolve to (CPU torch).
+
+    `nox -s vllm_resolve` checks that VLLM_RESOLVES is still what pip resolves for VLLM_PIN.
+    """
+    session.install(TORCH)
+    pins = [f"{k}=={v}" for k, v in VLLM_RESOLVES.items() if k != "torch"]
+    _install_core(session, "-e", "backends/local[server,test]", *pins)
+    session.run("pytest", "-q", "-m", "local and not vllm", *(session.posargs or LOCAL_CORE))
+
+
+@nox.session(python="3.11")
+def vllm_resolve(session: nox.Session) -> None:
+    """Opt-in (2-5 min): `vllm==0.33.0` + `backends/local[server,vllm]` still resolve, to VLLM_RESOLVES.
+
+    pip's resolver on metadata only: vLLM and its CUDA torch are not installed.
+    """
+    report = Path(session.create_tmp()) / "vllm-resolve.json"
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--dry-run",
+        "--ignore-installed",
+        "--report",
+        str(report),
+        VLLM_PIN,
+        "./backends/local[server,vllm]",
+    )
+    got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    session.log(f"{VLLM_PIN} resolves to " + ", ".join(f"{k} {got.get(k)}" for k in VLLM_RESOLVES))
+    changed = {k: (v, got.get(k)) for k, v in VLLM_RESOLVES.items() if got.get(k) != v}
+    if changed:
+        session.error(f"update VLLM_RESOLVES in noxfile.py (pinned, resolved): {changed}")
 
 
 @nox.session(python="3.11")

@@ -48,6 +48,7 @@ __all__ = [
     "PoisonedError",
     "OperationCancelledError",
     "FacadeMisuseError",
+    "ResourceExhaustedError",
 ]
 
 
@@ -270,3 +271,17 @@ def is_retryable(error: BaseException) -> bool:
 
 class FacadeMisuseError(RuntimeError):
     """A blocking call was made from the sync facade's own event loop, where it would deadlock."""
+
+
+class ResourceExhaustedError(ServerError):
+    """The backend ran out of a resource (device memory) on a valid request; the session stays usable.
+
+    ``budget`` names the limit in force when it happened (e.g. tokens per micro-batch); send less
+    (fewer or shorter datums) or let the backend's lowered budget take effect.
+    """
+
+    budget: int | None = None  # also when rebuilt from a wire body that does not carry it
+
+    def __init__(self, message: str, *, budget: int | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.budget = budget

@@ -1,4 +1,8 @@
-"""Fixtures for the local backend: a tiny offline Llama and an embedded engine on it (CPU)."""
+"""Fixtures for the local backend: a tiny offline Llama and an embedded engine on it.
+
+The device is ``$ASYNCSESS_TEST_DEVICE`` (default ``cpu``) in ``$ASYNCSESS_TEST_DTYPE`` (default ``float32``):
+see ``local_helpers.py``.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ def backend_factory(tiny: str, tmp_path: Path):
     from asyncsess_local.embedded import LocalBackend
 
     def make(**kw):
-        return LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"), **kw)
+        from local_helpers import DEVICE_KW
+
+        return LocalBackend(model=tiny, checkpoint_dir=str(tmp_path / "ckpt"), **{**DEVICE_KW, **kw})
 
     return make

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from asyncsess.backend import TrainingOp
 from asyncsess.types import Datum, ModelInput
 
@@ -24,3 +26,13 @@ class Ops:
     def __call__(self, kind: str, **kw) -> TrainingOp:
         self.seq += 1
         return TrainingOp(kind, self.seq, f"key-{self.seq}", **kw)  # type: ignore[arg-type]
+
+
+# The device and dtype the local suite runs on: ASYNCSESS_TEST_DEVICE (default cpu; e.g. cuda, cuda:1) and
+# ASYNCSESS_TEST_DTYPE (default float32; bfloat16 on a GPU), so the same suite runs on a GPU unchanged.
+TEST_DEVICE = os.environ.get("ASYNCSESS_TEST_DEVICE") or "cpu"
+TEST_DTYPE = os.environ.get("ASYNCSESS_TEST_DTYPE") or "float32"
+DEVICE_KW = {"device": TEST_DEVICE, "dtype": TEST_DTYPE}  # LocalBackend(**DEVICE_KW, ...)
+DEVICE_QUERY = f"device={TEST_DEVICE}&dtype={TEST_DTYPE}"  # local://?...&{DEVICE_QUERY}
+# absolute tolerance for comparing log-probs or weights of two runs that round differently (another packing)
+TOL = 1e-5 if TEST_DTYPE in ("float32", "fp32") else 5e-2

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_helpers import Ops, sft_datum  # noqa: E402
+from local_helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
 from asyncsess.backend import SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError  # noqa: E402
@@ -174,7 +174,7 @@ async def test_merged_export_of_a_tied_embedding_model_keeps_the_embeddings(tmp_
     from asyncsess_local.testing import build_tiny_llama
 
     tied = str(build_tiny_llama(tmp_path / "tied", tie_embeddings=True))
-    b = LocalBackend(model=tied, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"))
+    b = LocalBackend(model=tied, **DEVICE_KW, checkpoint_dir=str(tmp_path / "ckpt"))
     try:
         await b.open()
         tok = b.get_tokenizer(tied)

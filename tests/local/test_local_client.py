@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from local_helpers import DEVICE_KW, DEVICE_QUERY  # noqa: E402
+
 import asyncsess  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams  # noqa: E402
 
@@ -19,12 +21,12 @@ TEXT = "what is 2 plus 3? the answer is 5."
 @pytest.fixture(params=["local", "http"])
 def url(request, tiny, tmp_path):
     if request.param == "local":
-        yield f"local://?model={quote(tiny)}&device=cpu&dir={quote(str(tmp_path))}", {}
+        yield f"local://?model={quote(tiny)}&{DEVICE_QUERY}&dir={quote(str(tmp_path))}", {}
         return
     from asyncsess_local.embedded import LocalBackend
     from asyncsess_local.server import serve_in_thread
 
-    worker = serve_in_thread(LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path)), ["secret"])
+    worker = serve_in_thread(LocalBackend(model=tiny, **DEVICE_KW, checkpoint_dir=str(tmp_path)), ["secret"])
     try:
         yield worker.url, {"api_key": "secret"}
     finally:

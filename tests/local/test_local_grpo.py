@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from local_helpers import DEVICE_QUERY  # noqa: E402
+
 import asyncsess  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams  # noqa: E402
 
@@ -15,7 +17,7 @@ pytestmark = [pytest.mark.local, pytest.mark.anyio]
 
 
 async def test_grpo_raises_mean_reward(tiny, tmp_path):
-    async with asyncsess.ServiceClient(f"local://?model={quote(tiny)}&device=cpu&dir={quote(str(tmp_path))}") as svc:
+    async with asyncsess.ServiceClient(f"local://?model={quote(tiny)}&{DEVICE_QUERY}&dir={quote(str(tmp_path))}") as svc:
         tc = await svc.create_lora_training_client(tiny, rank=8, seed=0)
         tok = tc.get_tokenizer()
         prompt = tok.encode("what is 2 plus 3? the answer is")

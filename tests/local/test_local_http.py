@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from local_helpers import Ops, sft_datum  # noqa: E402
+from local_helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
 from asyncsess.backend import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError  # noqa: E402
@@ -26,7 +26,7 @@ def worker(tiny, tmp_path_factory):
     from asyncsess_local.embedded import LocalBackend
     from asyncsess_local.server import serve_in_thread
 
-    backend = LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path_factory.mktemp("worker-ckpt")), gap_timeout=5)
+    backend = LocalBackend(model=tiny, **DEVICE_KW, checkpoint_dir=str(tmp_path_factory.mktemp("worker-ckpt")), gap_timeout=5)
     w = serve_in_thread(backend, [KEY, OTHER])
     w.backend = backend
     yield w

@@ -147,12 +147,20 @@ class LoraHost:
         for p in self.params(dst).values():
             p.requires_grad_(False)
 
-    def export_peft(self, name: str, path: Path) -> None:
-        """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` (and vLLM) load."""
+    def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
+        """The adapter's size in bytes (in ``dtype`` if given)."""
+        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+        return sum(p.numel() * (size or p.element_size()) for p in self.params(name).values())
+
+    def export_peft(self, name: str, path: Path, *, dtype: torch.dtype | None = None) -> None:
+        """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` (and vLLM) load.
+
+        ``dtype`` casts the tensors (vLLM stages them in bf16, the precision it computes in); default: as trained.
+        """
         from safetensors.torch import save_file
 
         path.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.cpu() for k, v in self.state_dict(name).items()}
+        tensors = {k: (v if dtype is None else v.to(dtype)).cpu() for k, v in self.state_dict(name).items()}
         save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = copy.deepcopy(self.config(name))
         config.base_model_name_or_path = self.source.path if Path(self.source.path).exists() else self.source.name

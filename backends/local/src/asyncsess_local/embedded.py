@@ -3,10 +3,13 @@
 URL query (keyword options of the same names win): ``model`` (a base model to load at start: a
 directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``cpu``/``cuda``),
 ``dtype`` (``auto``/``float32``/``bfloat16``), ``dir`` (checkpoint root; default a fresh temp dir),
-``token_budget`` (tokens per training micro-batch), ``sampler`` (``auto``: vLLM when it is installed
-and the device is CUDA, else torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``,
-``vllm_kv_cache_mb``, ``vllm_max_loras``, ``vllm_max_lora_rank`` (see :class:`VllmOptions`; the keyword
-option ``vllm=VllmOptions(...)`` also takes any other engine argument).
+``token_budget`` (tokens per training micro-batch; halved after running out of memory),
+``checkpoint_layers`` (``auto``/``on``/``off``: recompute decoder layers in backward; auto = CUDA and
+>= 1B parameters), ``sampler`` (``auto``: vLLM when it is installed and the device is CUDA, else
+torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``, ``vllm_kv_cache_mb``,
+``vllm_max_loras``, ``vllm_max_cpu_loras``, ``vllm_max_lora_rank``, ``vllm_max_model_len``,
+``vllm_unembed`` (see :class:`VllmOptions`; the keyword option ``vllm=VllmOptions(...)`` also takes
+any other engine argument).
 E.g. ``local://?model=/models/qwen3-0.6b&dir=./runs&sampler=vllm&vllm_memory=0.35``.
 
 Every request is checked here (shapes, vocabulary, context length, loss options, paths) so bad input
@@ -45,16 +48,20 @@ class LocalBackend(Backend):
         dtype: str | None = None,
         checkpoint_dir: str | None = None,
         token_budget: int = 8192,
+        checkpoint_layers: str = "auto",
         gap_timeout: float = 60.0,
         sampler: str | None = None,
         vllm: VllmOptions | None = None,
     ) -> None:
+        if token_budget < 1:
+            raise InvalidInputError(f"token_budget={token_budget} is out of range", field="token_budget", fix="use at least 1")
         self.default_model = model
         self._config = EngineConfig(
             device=device,
             dtype=dtype,
             checkpoint_dir=checkpoint_dir,
             token_budget=token_budget,
+            checkpoint_layers=checkpoint_layers,
             sampler=sampler or "auto",
             vllm=vllm or VllmOptions(),
         )
@@ -72,6 +79,7 @@ class LocalBackend(Backend):
             dtype=options.pop("dtype", q.get("dtype") or None),
             checkpoint_dir=options.pop("checkpoint_dir", q.get("dir") or None),
             token_budget=options.pop("token_budget", url.get_int("token_budget", 8192)),
+            checkpoint_layers=options.pop("checkpoint_layers", q.get("checkpoint_layers") or "auto"),
             sampler=options.pop("sampler", q.get("sampler") or None),
             vllm=options.pop("vllm", None) or _vllm_options(url),
         )
@@ -160,16 +168,15 @@ class LocalBackend(Backend):
         prompt = _checked_tokens(list(request.prompt), ref.slot, "prompt")
         if request.num_samples < 1:
             raise InvalidInputError("must be ≥ 1", field="num_samples")
-        room = ref.slot.max_context - len(prompt)
+        context = ref.slot.sample_context(ref.adapter)
+        room = context - len(prompt)
         if room < 1:
-            raise InvalidInputError(
-                f"the prompt ({len(prompt)} tokens) fills the context ({ref.slot.max_context})", field="prompt", fix="shorten it"
-            )
+            raise InvalidInputError(f"the prompt ({len(prompt)} tokens) fills the context ({context})", field="prompt", fix="shorten it")
         params = request.sampling_params
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise InvalidInputError(
-                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context length ({ref.slot.max_context})",
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context length ({context})",
                 field="sampling_params.max_tokens",
                 fix=f"use at most {room}",
             )
@@ -247,11 +254,15 @@ class LocalBackend(Backend):
 
 def _vllm_options(url: ParsedURL) -> VllmOptions:
     kv = url.get_int("vllm_kv_cache_mb", 0)
+    cpu = url.get_int("vllm_max_cpu_loras", 0)
     return VllmOptions(
         memory=url.get_float("vllm_memory", VllmOptions.memory),
         kv_cache_mb=kv or None,
         max_loras=url.get_int("vllm_max_loras", VllmOptions.max_loras),
+        max_cpu_loras=cpu or None,
         max_lora_rank=url.get_int("vllm_max_lora_rank", VllmOptions.max_lora_rank),
+        max_model_len=url.get_int("vllm_max_model_len", VllmOptions.max_model_len),
+        unembed=url.get_str("vllm_unembed", VllmOptions.unembed),
     )
 
 

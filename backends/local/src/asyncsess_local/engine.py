@@ -8,7 +8,10 @@ the event loop never blocks on torch. Each time the thread wakes it takes everyt
   before a barrier (``optim_step``, save, load) into one packed pass;
 - batches every pending sampling request, across sessions and adapters, into one generation
   (unless vLLM samples: then requests go straight to it and never wait for training);
-- after a session's op fails, fails that session's later ops with :class:`PoisonedError`.
+- after a session's op fails, fails that session's later ops with :class:`PoisonedError` -- except
+  running out of device memory in a (forward-)backward pass: the pass is retried with half the token
+  budget (gradients put back, cache emptied) until every datum is alone in its micro-batch, and only
+  then fails with :class:`ResourceExhaustedError`; the session stays usable and the lowered budget stays.
 
 State (base models, sessions, sampler snapshots) is touched only on this thread.
 """
@@ -27,7 +30,14 @@ from typing import Any, Literal
 import torch
 
 from asyncsess.backend import SamplerSpec, TrainingOp, TrainingSessionSpec
-from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, ServerError, SessionGoneError
+from asyncsess.errors import (
+    AsyncSessError,
+    InvalidInputError,
+    PoisonedError,
+    ResourceExhaustedError,
+    ServerError,
+    SessionGoneError,
+)
 from asyncsess.types import CheckpointResponse, GetInfoResponse, LoadWeightsResponse, SampleResponse, SupportedModel
 
 from . import trainer
@@ -43,6 +53,7 @@ __all__ = ["Engine", "EngineConfig", "Slot", "SamplerRef"]
 
 log = logging.getLogger("asyncsess.local")
 MAX_LORA_RANK = 256
+CHECKPOINT_LAYERS_ABOVE = 10**9  # parameters: checkpoint_layers=auto turns it on for models this big (on CUDA)
 
 
 @dataclass
@@ -51,7 +62,8 @@ class EngineConfig:
     dtype: str | None = None
     checkpoint_dir: str | None = None
     models: dict[str, str] = field(default_factory=dict)  # name -> directory overrides
-    token_budget: int = 8192  # tokens per packed training micro-batch
+    token_budget: int = 8192  # tokens per packed training micro-batch (halved after running out of memory)
+    checkpoint_layers: str = "auto"  # recompute decoder layers in backward: on, off, auto (CUDA and >= 1B parameters)
     logprob_chunk: int = 1024  # positions per LM-head chunk
     max_sample_rows: int = 256  # rows decoded together
     sampler: str = "auto"  # torch, vllm, or auto (vllm when installed and on CUDA)
@@ -70,7 +82,14 @@ class Slot:
     vocab_size: int
     max_context: int
     plain_head: bool
-    vllm: VllmSampler | None = None  # when set, it samples instead of ``sampler``
+    vllm: VllmSampler | None = None  # when set, it samples instead of ``sampler`` (adapters it can load)
+    checkpointed_layers: int = 0
+
+    def sample_context(self, adapter: str) -> int:
+        """The longest prompt + completion a sampler on ``adapter`` takes (vLLM's ``max_model_len`` may be lower)."""
+        if self.vllm is not None and (adapter == BASE or self.vllm.has(adapter)):
+            return min(self.max_context, self.vllm.max_model_len)
+        return self.max_context
 
     def describe(self) -> SupportedModel:
         return SupportedModel(model_name=self.name, max_context_length=self.max_context, vocab_size=self.vocab_size)
@@ -115,6 +134,8 @@ def _save_meta(op: TrainingOp) -> dict[str, Any]:
 def _as_api_error(err: BaseException) -> BaseException:
     if isinstance(err, AsyncSessError):
         return err
+    if trainer.is_oom(err):
+        return ResourceExhaustedError(f"out of device memory: {err}")
     if isinstance(err, (ValueError, KeyError)):
         return InvalidInputError(str(err))
     return ServerError(f"{type(err).__name__}: {err}")
@@ -127,13 +148,19 @@ class Engine:
         self.dtype = pick_dtype(self.config.dtype, self.device)
         self.sampler_kind = choose_sampler(self.config.sampler, self.device)
         self.store = CheckpointStore(self.config.checkpoint_dir)
+        self._oom = False
+        self.token_budget = self.config.token_budget  # lowered after running out of memory
+        if self.config.checkpoint_layers not in ("auto", "on", "off"):
+            raise InvalidInputError(
+                f"unknown checkpoint_layers {self.config.checkpoint_layers!r}", field="checkpoint_layers", fix="use auto, on or off"
+            )
         self.slots: dict[str, Slot] = {}
         self.sessions: dict[str, trainer.TrainSession] = {}
         self.samplers: dict[str, SamplerRef] = {}
         self._snapshots: dict[str, _Snapshot] = {}  # path -> snapshot adapter
         self._latest: dict[str, str] = {}  # training session -> path of its newest ephemeral snapshot
         self._names = itertools.count(1)
-        self.stats = {"passes": 0, "pass_ops": 0, "sample_batches": 0, "sample_rows": 0}
+        self.stats = {"passes": 0, "pass_ops": 0, "sample_batches": 0, "sample_rows": 0, "oom": 0}
         self._queue: list[_Work] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -163,7 +190,7 @@ class Engine:
     async def sample(self, sampler_id: str, job: SampleJob) -> SampleResponse:
         ref = self._sampler(sampler_id)
         job.adapter = ref.adapter
-        if ref.slot.vllm is not None:
+        if ref.slot.vllm is not None and (ref.adapter == BASE or ref.slot.vllm.has(ref.adapter)):
             return await ref.slot.vllm.submit(job).wait()
         return await self.submit(_Work("sample", slot=ref.slot, job=job)).wait()
 
@@ -194,7 +221,10 @@ class Engine:
             except BaseException as err:  # never let the device owner die silently
                 log.exception("engine batch failed")
                 for w in batch:
-                    w.done.set_error(_as_api_error(err))
+                    w.done.set_error(self._api_error(err))
+            if self._oom:  # the failed op's tensors are released by now: hand the cached blocks back
+                self._oom = False
+                trainer.free_memory(self.device)
             if closed and not batch:
                 for w in self._queue:
                     w.done.set_error(SessionGoneError("the local engine is closed"))
@@ -229,12 +259,16 @@ class Engine:
                 self._run_training(group)
         self._flush_samples(samples)
 
-    @staticmethod
-    def _run(w: _Work, fn: Callable[[], Any]) -> None:
+    def _api_error(self, err: BaseException) -> BaseException:
+        out = _as_api_error(err)
+        self._oom = self._oom or isinstance(out, ResourceExhaustedError)
+        return out
+
+    def _run(self, w: _Work, fn: Callable[[], Any]) -> None:
         try:
             w.done.set_result(fn())
         except BaseException as err:
-            w.done.set_error(_as_api_error(err))
+            w.done.set_error(self._api_error(err))
 
     def _run_training(self, group: list[_Work]) -> None:
         model_id = group[0].model_id
@@ -250,8 +284,13 @@ class Engine:
         ops = [w.op for w in group]
         try:
             results = self._training_op(sess, ops)  # type: ignore[arg-type]
+        except ResourceExhaustedError as err:  # a pass that did not fit: nothing was applied, the session lives on
+            self._oom = True
+            for w in group:
+                w.done.set_error(ResourceExhaustedError(err.message, budget=err.budget, operation=w.op.kind, seq=w.op.seq))  # type: ignore[union-attr]
+            return
         except BaseException as err:
-            sess.failed = _as_api_error(err)
+            sess.failed = self._api_error(err)
             group[0].done.set_error(sess.failed)
             for w in group[1:]:
                 w.done.set_error(PoisonedError(f"an earlier op failed on this session: {sess.failed}", cause=sess.failed))
@@ -281,7 +320,7 @@ class Engine:
                     outs = slot.sampler.run([w.job for w in part])  # type: ignore[union-attr,misc]
                 except BaseException as err:
                     for w in part:
-                        w.done.set_error(_as_api_error(err))
+                        w.done.set_error(self._api_error(err))
                     continue
                 for w, out in zip(part, outs):
                     w.done.set_result(out)
@@ -292,7 +331,7 @@ class Engine:
                 values = self._score(mine[0].slot, mine[0].adapter, [w.tokens for w in mine])  # type: ignore[arg-type,misc]
             except BaseException as err:
                 for w in mine:
-                    w.done.set_error(_as_api_error(err))
+                    w.done.set_error(self._api_error(err))
                 continue
             for w, v in zip(mine, values):
                 w.done.set_result(v)
@@ -313,6 +352,7 @@ class Engine:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tokenizer.eos_token_id} - {None})
         plain = head_is_plain(model, self.device)
+        layers = self._checkpointed(model)
         host = LoraHost(model, source)
         max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         slot = Slot(
@@ -324,12 +364,21 @@ class Engine:
             vocab_size=int(model.config.vocab_size),
             max_context=max_context,
             plain_head=plain,
+            checkpointed_layers=layers,
         )
         if self.sampler_kind == "vllm":
             slot.vllm = self._start_vllm(source, eos_ids, max_context)
         self.slots[name] = slot
-        log.info("loaded %s from %s on %s (%s)", name, source.path, self.device, self.dtype)
+        log.info("loaded %s from %s on %s (%s, %d layers checkpointed)", name, source.path, self.device, self.dtype, layers)
         return slot
+
+    def _checkpointed(self, model: Any) -> int:
+        """Turn on activation checkpointing of the decoder layers if configured (auto: CUDA and >= 1B parameters)."""
+        choice = self.config.checkpoint_layers
+        if choice == "auto":
+            big = sum(p.numel() for p in model.parameters()) >= CHECKPOINT_LAYERS_ABOVE
+            choice = "on" if self.device.type == "cuda" and big else "off"
+        return trainer.checkpoint_layers(model) if choice == "on" else 0
 
     def _start_vllm(self, source: ModelSource, eos_ids: list[int], max_context: int) -> VllmSampler | None:
         if source.kwargs:  # e.g. a GGUF file: vLLM gets plain model directories only
@@ -337,7 +386,15 @@ class Engine:
                 raise InvalidInputError(f"vLLM cannot serve {source.name!r}", field="sampler", fix="use a model directory or sampler=torch")
             log.warning("sampling %s with torch: vLLM gets plain model directories only", source.name)
             return None
-        return VllmSampler(source.path, dtype=self.dtype, max_context=max_context, eos_ids=eos_ids, options=self.config.vllm)
+        return VllmSampler(
+            source.path,
+            dtype=self.dtype,
+            max_context=max_context,
+            eos_ids=eos_ids,
+            options=self.config.vllm,
+            device=self.device,
+            fallback_staging=self.store.root,
+        )
 
     def create_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         meta: dict[str, Any] = {}
@@ -367,6 +424,12 @@ class Engine:
             targets = target_modules(
                 slot.host.groups, train_mlp=spec.train_mlp, train_attn=spec.train_attn, train_unembed=spec.train_unembed
             )
+        if not self._vllm_takes(slot, targets) and slot.vllm is not None and slot.vllm.options.unembed == "refuse":
+            raise InvalidInputError(
+                f"vLLM cannot load an LM-head LoRA on {slot.name!r} (its vLLM model class declares no embedding modules)",
+                field="train_unembed",
+                fix="pass train_unembed=False, or start the backend with vllm_unembed=torch (such sessions then sample with torch)",
+            )
         model_id = f"lora-{uuid.uuid4().hex[:12]}"
         adapter = f"t{next(self._names)}"
         params = slot.host.add(adapter, rank=rank, alpha=alpha, targets=targets, seed=spec.seed)
@@ -379,7 +442,7 @@ class Engine:
             targets=targets,
             seed=spec.seed,
             params=params,
-            optimizer=trainer.new_optimizer(params),
+            optimizer=trainer.new_optimizer(params, fused=self.device.type == "cuda"),
         )
         try:
             if ckpt is not None:
@@ -438,10 +501,17 @@ class Engine:
             else:
                 slot.host.import_peft(adapter, peft_dir)
             snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir)
-        if snap.slot.vllm is not None and not snap.in_vllm:
+        if snap.slot.vllm is not None and not snap.in_vllm and self._vllm_takes(snap.slot, snap.slot.host.info[snap.adapter].targets):
             host, adapter = snap.slot.host, snap.adapter
+            staged = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None  # what vLLM computes in
             try:
-                snap.slot.vllm.add_adapter(adapter, snap.lineage, peft_dir=snap.peft_dir, export=lambda d: host.export_peft(adapter, d))
+                snap.slot.vllm.add_adapter(
+                    adapter,
+                    snap.lineage,
+                    peft_dir=snap.peft_dir,
+                    export=lambda d: host.export_peft(adapter, d, dtype=staged),
+                    nbytes=host.nbytes(adapter, staged),
+                )
             except BaseException:
                 if snap.refs == 0 and snap.owner is None:
                     self._drop_snapshot(path)
@@ -450,6 +520,13 @@ class Engine:
         snap.refs += 1
         self.samplers[sampler_id] = SamplerRef(snap.slot, snap.adapter, path)
         return sampler_id
+
+    @staticmethod
+    def _vllm_takes(slot: Slot, targets: list[str]) -> bool:
+        """Whether the slot's vLLM can load an adapter on ``targets`` (an LM-head LoRA only on some models)."""
+        if slot.vllm is None:
+            return False
+        return slot.vllm.unembed_lora or not set(targets) & set(slot.host.groups["unembed"])
 
     def _sampler(self, sampler_id: str) -> SamplerRef:
         ref = self.samplers.get(sampler_id)
@@ -478,16 +555,7 @@ class Engine:
         if kind in ("forward", "forward_backward"):
             self.stats["passes"] += 1
             self.stats["pass_ops"] += len(ops)
-            return trainer.run_ops(
-                slot.host,
-                sess,
-                ops,
-                backward=kind == "forward_backward",
-                device=self.device,
-                token_budget=self.config.token_budget,
-                chunk=self.config.logprob_chunk,
-                plain_head=slot.plain_head,
-            )
+            return self._fitting_pass(slot, sess, ops, backward=kind == "forward_backward")
         (op,) = ops
         if kind == "optim_step":
             return [trainer.optim_step(sess, op.adam_params)]  # type: ignore[arg-type]
@@ -499,6 +567,43 @@ class Engine:
             self._load_state(sess, self.store.resolve(op.path or ""), with_optimizer=op.with_optimizer)
             return [LoadWeightsResponse(path=op.path or "", step=sess.step)]
         raise InvalidInputError(f"unknown op {kind!r}", field="kind")
+
+    def _fitting_pass(self, slot: Slot, sess: trainer.TrainSession, ops: list[TrainingOp], *, backward: bool) -> list[Any]:
+        """Run the pass; on running out of memory put the gradients back, halve the budget and retry."""
+        lengths = [d.model_input.length for op in ops for d in op.data]
+        while True:
+            budget = self.token_budget
+            saved = trainer.save_grads(sess) if backward else None
+            try:
+                return trainer.run_ops(
+                    slot.host,
+                    sess,
+                    ops,
+                    backward=backward,
+                    device=self.device,
+                    token_budget=budget,
+                    chunk=self.config.logprob_chunk,
+                    plain_head=slot.plain_head,
+                )
+            except BaseException as err:
+                if not trainer.is_oom(err):
+                    raise
+                detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+            # out of the except block: the failed pass's tensors are unreachable now
+            if saved is not None:
+                trainer.restore_grads(sess, saved)
+            del saved
+            trainer.free_memory(self.device)
+            self.stats["oom"] += 1
+            if trainer.single_datum_batches(lengths, budget):
+                raise ResourceExhaustedError(
+                    f"out of device memory in {ops[0].kind} with one datum per micro-batch (token budget {budget}, "
+                    f"longest datum {max(lengths)} tokens): send shorter datums, or give the trainer more memory "
+                    f"(a smaller vllm_memory share, checkpoint_layers=on) [{detail}]",
+                    budget=budget,
+                )
+            self.token_budget = max(1, budget // 2)
+            log.warning("out of device memory at token budget %d: retrying at %d (%s)", budget, self.token_budget, detail)
 
     def _meta(self, sess: trainer.TrainSession, kind: str) -> dict[str, Any]:
         return {

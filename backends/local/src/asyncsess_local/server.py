@@ -372,6 +372,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--sampler", default="auto", choices=["auto", "torch", "vllm"], help="auto: vLLM when installed and on CUDA")
     p.add_argument("--vllm-memory", type=float, default=0.4, help="vLLM's share of the GPU (the trainer keeps the rest)")
+    p.add_argument("--vllm-max-model-len", type=int, default=32768, help="cap on vLLM's context (its KV cache must hold one)")
+    p.add_argument("--vllm-max-loras", type=int, default=4, help="adapters in one vLLM batch")
+    p.add_argument("--vllm-max-cpu-loras", type=int, default=None, help="adapters vLLM keeps loaded (default max(16, max-loras))")
+    p.add_argument("--vllm-max-lora-rank", type=int, default=64)
+    p.add_argument("--vllm-unembed", default="torch", choices=["torch", "refuse"], help="LM-head LoRAs vLLM cannot load")
+    p.add_argument("--token-budget", type=int, default=8192, help="tokens per training micro-batch (halved after an OOM)")
+    p.add_argument("--checkpoint-layers", default="auto", choices=["auto", "on", "off"], help="recompute decoder layers in backward")
     args = p.parse_args(argv)
     keys = args.api_key or ([os.environ["ASYNCSESS_API_KEY"]] if os.environ.get("ASYNCSESS_API_KEY") else [])
     if not keys:
@@ -383,7 +390,16 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         checkpoint_dir=args.dir,
         sampler=args.sampler,
-        vllm=VllmOptions(memory=args.vllm_memory),
+        token_budget=args.token_budget,
+        checkpoint_layers=args.checkpoint_layers,
+        vllm=VllmOptions(
+            memory=args.vllm_memory,
+            max_model_len=args.vllm_max_model_len,
+            max_loras=args.vllm_max_loras,
+            max_cpu_loras=args.vllm_max_cpu_loras,
+            max_lora_rank=args.vllm_max_lora_rank,
+            unembed=args.vllm_unembed,
+        ),
     )
     logging.basicConfig(level=logging.INFO)
     uvicorn.run(create_app(backend, keys), host=args.host, port=args.port, log_level="info")

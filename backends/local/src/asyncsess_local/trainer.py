@@ -7,11 +7,13 @@ that yields the same gradient as running them one by one (up to float rounding).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from asyncsess.backend import TrainingOp
 from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse, TensorData, Usage
@@ -20,7 +22,20 @@ from .adapters import LoraHost
 from .logprobs import packed_logprobs
 from .losses import datum_loss
 
-__all__ = ["TrainSession", "run_ops", "optim_step", "new_optimizer", "optimizer_tensors", "load_optimizer_tensors"]
+__all__ = [
+    "TrainSession",
+    "run_ops",
+    "optim_step",
+    "new_optimizer",
+    "optimizer_tensors",
+    "load_optimizer_tensors",
+    "checkpoint_layers",
+    "is_oom",
+    "free_memory",
+    "save_grads",
+    "restore_grads",
+    "single_datum_batches",
+]
 
 
 @dataclass
@@ -41,11 +56,15 @@ class TrainSession:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
-    """Full-precision AdamW with two groups (LoRA A, LoRA B) so LoRA+ can scale B's learning rate."""
+def new_optimizer(params: dict[str, nn.Parameter], *, fused: bool = False) -> torch.optim.AdamW:
+    """Full-precision AdamW with two groups (LoRA A, LoRA B) so LoRA+ can scale B's learning rate.
+
+    ``fused`` (the engine sets it on CUDA) runs one kernel over all parameters instead of a loop of them.
+    """
     a = [p for k, p in params.items() if ".lora_B." not in k]
     b = [p for k, p in params.items() if ".lora_B." in k]
-    return torch.optim.AdamW([{"params": a}, {"params": b}], lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    kw: dict[str, Any] = {"fused": True} if fused else {}
+    return torch.optim.AdamW([{"params": a}, {"params": b}], lr=0.0, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, **kw)
 
 
 def _pack_budget(lengths: list[int], budget: int) -> list[list[int]]:
@@ -59,6 +78,68 @@ def _pack_budget(lengths: list[int], budget: int) -> list[list[int]]:
         batches[-1].append(i)
         used += n
     return batches
+
+
+def single_datum_batches(lengths: list[int], budget: int) -> bool:
+    """Whether ``budget`` already puts every datum in a micro-batch of its own (it cannot be split further)."""
+    return len(_pack_budget(lengths, budget)) == len(lengths)
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether ``err`` is the device running out of memory (CUDA's, or any backend's ``out of memory``)."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+
+
+def free_memory(device: torch.device) -> None:
+    """Return cached blocks to the device after a failure (call it once the exception is released)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def save_grads(sess: TrainSession) -> dict[str, Tensor | None]:
+    """The accumulated gradients, to put back if a pass fails halfway through its micro-batches."""
+    return {k: None if p.grad is None else p.grad.clone() for k, p in sess.params.items()}
+
+
+def restore_grads(sess: TrainSession, saved: dict[str, Tensor | None]) -> None:
+    for k, p in sess.params.items():
+        p.grad = saved[k]
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    decoder: nn.Module = get_decoder() if callable(get_decoder) else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    return next((m for m in decoder.modules() if isinstance(m, nn.ModuleList) and len(m) > 0), None)
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Recompute each decoder layer's activations in backward instead of keeping them; returns the layer count.
+
+    Wraps each layer's ``forward`` (instance attribute, so it works on any transformers version and
+    whatever the module's train/eval mode) in non-reentrant :func:`torch.utils.checkpoint.checkpoint`
+    when autograd is on; inference passes run as before. Only a layer's input is kept for backward,
+    which also drops the fp32 copies of LoRA inputs that peft keeps inside the layer.
+    """
+    layers = _decoder_layers(model)
+    if layers is None:
+        return 0
+    for layer in layers:
+        if getattr(layer, "_asyncsess_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        layer.forward = forward  # type: ignore[method-assign]
+        layer._asyncsess_checkpointed = True  # type: ignore[assignment]
+    return len(layers)
 
 
 def run_ops(
@@ -89,16 +170,19 @@ def run_ops(
             inputs.append({k: torch.tensor(v.data, dtype=torch.float32, device=device) for k, v in lfi.items() if k != "target_tokens"})
         with torch.set_grad_enabled(backward):
             lps = packed_logprobs(model, seqs, chunk=chunk, plain_head=plain_head)
-            total = None
+            losses = []
             for i, lp, inp in zip(batch, lps, inputs):
                 op = ops[items[i][0]]
-                loss = datum_loss(op.loss_fn or "cross_entropy", lp, inp, op.loss_fn_config)
-                loss_sums[items[i][0]] += float(loss.detach())
-                total = loss if total is None else total + loss
-            if backward and total is not None and total.requires_grad:
+                losses.append(datum_loss(op.loss_fn or "cross_entropy", lp, inp, op.loss_fn_config))
+            total = torch.stack(losses).sum()
+            if backward and total.requires_grad:
                 total.backward()
-        for i, lp in zip(batch, lps):
-            logprobs[i] = lp.detach().float().cpu()
+        # one device-to-host copy per micro-batch, not one per datum
+        values = torch.stack([x.detach().float() for x in losses]).cpu().tolist()
+        flat = torch.cat([lp.detach().float() for lp in lps]).cpu()
+        for i, value, lp in zip(batch, values, flat.split([len(x) for x in lps])):
+            loss_sums[items[i][0]] += value
+            logprobs[i] = lp
     outputs = []
     for oi in range(len(ops)):
         mine = [i for i, (o, _) in enumerate(items) if o == oi]
@@ -146,9 +230,11 @@ def optimizer_tensors(sess: TrainSession) -> dict[str, Tensor]:
 
 def load_optimizer_tensors(sess: TrainSession, tensors: dict[str, Tensor]) -> None:
     sess.optimizer.state.clear()
+    fused = bool(sess.optimizer.defaults.get("fused"))  # the fused kernel keeps the step count on the device
     for key, p in sess.params.items():
         state = {name.split("::", 1)[1]: t for name, t in tensors.items() if name.split("::", 1)[0] == key}
         if state:
             sess.optimizer.state[p] = {
-                name: (t.clone() if name == "step" else t.to(p.device, p.dtype).clone()) for name, t in state.items()
+                name: ((t.to(p.device) if fused else t).clone() if name == "step" else t.to(p.device, p.dtype).clone())
+                for name, t in state.items()
             }

@@ -12,6 +12,11 @@ rows are separate vLLM requests seeded ``seed + i`` (greedy works with any count
 stops at the model's EOS ids, a list replaces them (``[]``: no stop at all), a stop token is kept in
 ``tokens``, and a stop string ends the sequence at the token that completes it.
 
+Adapters are staged for vLLM in bf16 (what vLLM computes in anyway) under ``/dev/shm``, or under the
+checkpoint directory when shared memory has too little room (containers often give it 64 MiB).
+vLLM loads an LM-head (``lm_head``) LoRA only for model classes that declare it among their
+``embedding_modules`` (Llama does; Qwen2, Mistral and Gemma2 do not): :attr:`VllmSampler.unembed_lora`.
+
 ``vllm`` is imported only when a :class:`VllmSampler` is built; :func:`choose_sampler` decides
 whether one is.
 """
@@ -19,9 +24,12 @@ whether one is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
+import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -37,11 +45,15 @@ from .adapters import BASE
 from .completion import Completion
 from .sampler import SampleJob
 
-__all__ = ["SAMPLERS", "VllmOptions", "VllmSampler", "choose_sampler"]
+__all__ = ["SAMPLERS", "UNEMBED_POLICIES", "VllmOptions", "VllmSampler", "choose_sampler", "staging_root", "unembed_lora_supported"]
 
 log = logging.getLogger("asyncsess.local.vllm")
 SAMPLERS = ("auto", "torch", "vllm")
 MAX_TEMPERATURE = 2.0  # vLLM refuses more
+UNEMBED_POLICIES = ("torch", "refuse")
+SHM = Path("/dev/shm")
+# vLLM model classes with no ``embedding_modules`` (read in vLLM 0.33's sources): an lm_head LoRA is refused
+_NO_UNEMBED_LORA = frozenset({"Qwen2ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,78 @@ class VllmOptions:
     kv_cache_mb: int | None = None  # an explicit KV-cache size instead of ``memory`` (on CPU keep it small)
     max_loras: int = 4  # adapters in one batch
     max_lora_rank: int = 64  # buffers are sized for it; sessions of a higher rank are refused
+    max_model_len: int = 32768  # cap on vLLM's context (prompt + completion); the model's own limit if lower
+    max_cpu_loras: int | None = None  # adapters vLLM keeps loaded (its LRU cache); default max(16, max_loras), vLLM's is max_loras
+    unembed: str = "torch"  # LM-head LoRAs vLLM cannot load: sample them with torch, or refuse the session
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # any other vllm.AsyncEngineArgs field
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("memory", 0.0 < self.memory <= 1.0, "a fraction in (0, 1]"),
+            ("max_loras", self.max_loras >= 1, "at least 1"),
+            ("max_lora_rank", self.max_lora_rank >= 1, "at least 1"),
+            ("max_model_len", self.max_model_len >= 1, "at least 1"),
+            (
+                "max_cpu_loras",
+                self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                f"at least vllm_max_loras ({self.max_loras})",
+            ),
+            ("kv_cache_mb", self.kv_cache_mb is None or self.kv_cache_mb >= 1, "at least 1 (MiB)"),
+            ("unembed", self.unembed in UNEMBED_POLICIES, f"one of {', '.join(UNEMBED_POLICIES)}"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise InvalidInputError(f"vllm_{name}={getattr(self, name)!r} is out of range", field=f"vllm_{name}", fix=f"use {want}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(16, self.max_loras)
+
+
+def unembed_lora_supported(model_path: str) -> bool:
+    """Whether vLLM loads a LoRA on this model's LM head (its model class lists ``lm_head`` in ``embedding_modules``)."""
+    try:
+        archs = json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        archs = []
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        classes = [ModelRegistry._try_load_model_cls(a) for a in archs]
+        if classes and all(c is not None for c in classes):
+            return all("lm_head" in (getattr(c, "embedding_modules", None) or {}) for c in classes)
+    except Exception:  # another vLLM layout: fall back to what its sources say
+        log.debug("cannot inspect vLLM's model classes", exc_info=True)
+    return bool(archs) and not any(a in _NO_UNEMBED_LORA for a in archs)
+
+
+def staging_root(nbytes: int, fallback: Path, *, shm: Path = SHM, keep: int = 4) -> Path:
+    """Where to stage an adapter of ``nbytes``: ``/dev/shm`` when it has room for ``keep`` of them
+    plus 64 MiB, else ``fallback`` (on disk, beside the checkpoints)."""
+    try:
+        free = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    except OSError:
+        free = 0
+    return shm if free >= keep * nbytes + (64 << 20) else fallback
+
+
+@contextlib.contextmanager
+def _visible_device(device: Any) -> Any:
+    """vLLM's workers take the first visible GPU: for ``cuda:N`` make that GPU N while its processes start."""
+    index = getattr(device, "index", None)
+    if getattr(device, "type", None) != "cuda" or not index:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = old.split(",") if old else [str(i) for i in range(index + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
 def choose_sampler(choice: str | None, device: Any) -> str:
@@ -81,16 +164,29 @@ def _api_error(err: BaseException) -> BaseException:
 class VllmSampler:
     """One base model served by vLLM with LoRA adapters keyed by the engine's adapter names."""
 
-    def __init__(self, model_path: str, *, dtype: Any, max_context: int, eos_ids: list[int], options: VllmOptions) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: Any,
+        max_context: int,
+        eos_ids: list[int],
+        options: VllmOptions,
+        device: Any = None,
+        fallback_staging: Path | None = None,
+    ) -> None:
         self.eos_ids = list(eos_ids)
         self.options = options
+        self.max_model_len = min(max_context, options.max_model_len)
+        self.unembed_lora = unembed_lora_supported(model_path)
         self._loras: dict[str, Any] = {}  # engine adapter name -> LoRARequest (touched on the loop only)
         self._known: dict[int, Any] = {}  # lora_int_id -> LoRARequest, until unloaded
         self._busy: dict[int, int] = {}  # lora_int_id -> requests in flight
         self._retired: set[int] = set()  # dropped while in flight: unload when the last one ends
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
-        self._staging = Path(tempfile.mkdtemp(prefix="asyncsess-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self._staging = Path(tempfile.mkdtemp(prefix="asyncsess-vllm-", dir=SHM if SHM.is_dir() else None))
+        self._fallback = Path(tempfile.mkdtemp(prefix=".vllm-staging-", dir=fallback_staging)) if fallback_staging else self._staging
         self._loop = asyncio.new_event_loop()
         self._admin = asyncio.Lock()  # loads, unloads and listings run one at a time, in call order
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncsess-vllm", daemon=True)
@@ -98,9 +194,10 @@ class VllmSampler:
         args = {
             "model": model_path,
             "dtype": str(dtype).removeprefix("torch."),
-            "max_model_len": max_context,
+            "max_model_len": self.max_model_len,
             "enable_lora": True,
             "max_loras": options.max_loras,
+            "max_cpu_loras": options.cpu_loras,
             "max_lora_rank": options.max_lora_rank,
             "logprobs_mode": "raw_logprobs",
             "gpu_memory_utilization": options.memory,
@@ -110,18 +207,32 @@ class VllmSampler:
             args["kv_cache_memory_bytes"] = options.kv_cache_mb << 20
         args.update(options.engine_args)
         try:
-            self._llm = self._call(self._start(args))
+            with _visible_device(device):
+                self._llm = self._call(self._start(args))
         except BaseException:
             self._stop_loop()
-            shutil.rmtree(self._staging, ignore_errors=True)
+            self._remove_staging()
             raise
 
     # ----------------------------------------------------------------- called from other threads
 
-    def add_adapter(self, adapter: str, lineage: str, *, peft_dir: Path | None = None, export: Callable[[Path], None] | None = None) -> str:
+    def has(self, adapter: str) -> bool:
+        """Whether vLLM serves ``adapter`` (else it is sampled with torch)."""
+        return adapter in self._loras
+
+    def add_adapter(
+        self,
+        adapter: str,
+        lineage: str,
+        *,
+        peft_dir: Path | None = None,
+        export: Callable[[Path], None] | None = None,
+        nbytes: int = 0,
+    ) -> str:
         """Load ``adapter`` under a new versioned name; return that name. Blocks until vLLM has it.
 
-        ``peft_dir`` is an existing PEFT directory; otherwise ``export(dir)`` writes one into staging.
+        ``peft_dir`` is an existing PEFT directory; otherwise ``export(dir)`` writes one (of about
+        ``nbytes``) into staging: ``/dev/shm`` when it has room, else the fallback directory.
         """
         from vllm.lora.request import LoRARequest
 
@@ -129,7 +240,8 @@ class VllmSampler:
         name = f"{lineage}-v{n}"
         if peft_dir is None:
             assert export is not None
-            peft_dir = self._staging / name
+            root = self._staging if staging_root(nbytes, self._fallback) == SHM else self._fallback
+            peft_dir = root / name
             export(peft_dir)
         self._call(self._add(adapter, LoRARequest(lora_name=name, lora_int_id=n, lora_path=str(peft_dir))))
         log.info("vLLM loaded %s as %s from %s", adapter, name, peft_dir)
@@ -159,7 +271,11 @@ class VllmSampler:
             self._call(self._shutdown())
         finally:
             self._stop_loop()
-            shutil.rmtree(self._staging, ignore_errors=True)
+            self._remove_staging()
+
+    def _remove_staging(self) -> None:
+        shutil.rmtree(self._staging, ignore_errors=True)
+        shutil.rmtree(self._fallback, ignore_errors=True)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -213,7 +329,7 @@ class VllmSampler:
             except Exception:
                 log.exception("vLLM could not unload %s", req.lora_name)
             path = Path(req.lora_path)
-            if path.parent == self._staging:
+            if path.parent in (self._staging, self._fallback):
                 shutil.rmtree(path, ignore_errors=True)
             log.info("vLLM unloaded %s", req.lora_name)
 
