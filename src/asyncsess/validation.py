@@ -5,6 +5,7 @@ A rejected op consumes no sequence number, because these run before one is assig
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -72,8 +73,10 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
             raise InvalidInputError(f"{loss_fn} takes no key {key!r} (it takes: {keys})", field=f"loss_fn_config[{key!r}]", fix="remove it")
         try:
             out[key] = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise InvalidInputError(f"{value!r} is not a number", field=f"loss_fn_config[{key!r}]") from None
+        if not math.isfinite(out[key]):
+            raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r}]", fix="give a finite number")
     lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
     if lo is not None and lo < 0:
         raise InvalidInputError("must be ≥ 0", field="loss_fn_config['clip_low_threshold']", fix="an absolute ratio bound, e.g. 0.8")
@@ -157,6 +160,8 @@ def check_datums(
                 raise InvalidInputError(
                     f"shape {shape} does not match the {n} input tokens", field=where, fix=f"give one value per input token: shape [{n}]"
                 )
+            if want == "float32" and not _all_finite_f32(tensor.data):
+                raise InvalidInputError("holds NaN, inf or a value beyond float32", field=where, fix="give finite float32 values")
         if vocab_size is not None:
             tokens = d.model_input.to_ints() + list(d.loss_fn_inputs["target_tokens"].data)
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
@@ -164,6 +169,16 @@ def check_datums(
                 raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", field=f"data[{i}]")
         out.append(d)
     return tuple(out)
+
+
+def _all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:
+    import numpy as np
+
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bool(np.isfinite(np.asarray(values, dtype=np.float32)).all())
+    except (OverflowError, ValueError, TypeError):
+        return False
 
 
 def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None, field: str = "prompt") -> list[int]:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError, SessionGoneError
 from asyncsess.sequencer import Sequencer
-from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
+from asyncsess.types import MAX_SEED, Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config
 
 from .completion import Completion
@@ -30,7 +31,10 @@ from .engine import MAX_LORA_RANK, Engine, EngineConfig, Slot
 from .sampler import SampleJob
 from .vllm_sampler import VllmOptions
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "MAX_NUM_SAMPLES", "MAX_LORA_ALPHA"]
+
+MAX_NUM_SAMPLES = 128  # samples per request
+MAX_LORA_ALPHA = 1e4
 
 
 class LocalBackend(Backend):
@@ -104,6 +108,7 @@ class LocalBackend(Backend):
         return ServerCapabilities(supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK)
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        _check_session_spec(spec)
         info = await self.engine.call(self.engine.create_session, spec)
         self._sequencers[info.model_id] = Sequencer(
             functools.partial(self._enqueue, info.model_id), first_seq=1, gap_timeout=self._gap_timeout
@@ -157,8 +162,8 @@ class LocalBackend(Backend):
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
         ref = self.engine._sampler(sampler_id)
         prompt = _checked_tokens(list(request.prompt), ref.slot, "prompt")
-        if request.num_samples < 1:
-            raise InvalidInputError("must be ≥ 1", field="num_samples")
+        if not 1 <= request.num_samples <= MAX_NUM_SAMPLES:
+            raise InvalidInputError(f"{request.num_samples} is out of range", field="num_samples", fix=f"use 1..{MAX_NUM_SAMPLES}")
         room = ref.slot.max_context - len(prompt)
         if room < 1:
             raise InvalidInputError(
@@ -210,6 +215,16 @@ def _vllm_options(url: ParsedURL) -> VllmOptions:
         max_loras=url.get_int("vllm_max_loras", VllmOptions.max_loras),
         max_lora_rank=url.get_int("vllm_max_lora_rank", VllmOptions.max_lora_rank),
     )
+
+
+def _check_session_spec(spec: TrainingSessionSpec) -> None:
+    a = spec.alpha
+    if a is not None and not (isinstance(a, (int, float)) and math.isfinite(a) and 0 < a <= MAX_LORA_ALPHA):
+        raise InvalidInputError(
+            f"alpha {a!r} is out of range", field="alpha", fix=f"use a finite number in (0, {MAX_LORA_ALPHA:g}], or None for 2*rank"
+        )
+    if spec.seed is not None and not 0 <= spec.seed <= MAX_SEED:
+        raise InvalidInputError(f"seed {spec.seed} is out of range", field="seed", fix=f"use 0..{MAX_SEED}")
 
 
 def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
