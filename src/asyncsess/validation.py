@@ -74,7 +74,7 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
         try:
             out[key] = float(value)
         except (TypeError, ValueError, OverflowError):
-            raise InvalidInputError(f"{value!r} is not a number", field=f"loss_fn_config[{key!r}]") from None
+            raise InvalidInputError(f"{value!r} is not a number", field=f"loss_fn_config[{key!r}]", fix="give a number") from None
         if not math.isfinite(out[key]):
             raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r}]", fix="give a finite number")
     lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
@@ -83,7 +83,7 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
     if hi is not None and hi < 1:
         raise InvalidInputError("must be ≥ 1", field="loss_fn_config['clip_high_threshold']", fix="an absolute ratio bound, e.g. 1.2")
     if out.get("beta", 0.0) < 0:
-        raise InvalidInputError("must be ≥ 0", field="loss_fn_config['beta']")
+        raise InvalidInputError("must be ≥ 0", field="loss_fn_config['beta']", fix="give a finite number ≥ 0")
     return out
 
 
@@ -166,7 +166,11 @@ def check_datums(
             tokens = d.model_input.to_ints() + list(d.loss_fn_inputs["target_tokens"].data)
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", field=f"data[{i}]")
+                raise InvalidInputError(
+                    f"token id {str(bad)[:20]} is outside the vocabulary [0, {vocab_size})",
+                    field=f"data[{i}]",
+                    fix=f"use token ids 0..{vocab_size - 1}",
+                )
         out.append(d)
     return tuple(out)
 

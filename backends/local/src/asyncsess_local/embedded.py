@@ -121,6 +121,11 @@ class LocalBackend(Backend):
             seq.stop("stopped")
         await self.engine.call(self.engine.stop_session, session_id)
 
+    def next_seq(self, session_id: str) -> int | None:
+        """The seq the session's next op must carry (None: no such session)."""
+        seq = self._sequencers.get(session_id)
+        return None if seq is None else seq.next_seq
+
     async def heartbeat(self, session_id: str) -> None:
         if session_id not in self._sequencers and session_id not in self.engine.samplers:
             raise SessionGoneError(f"session {session_id} is stopped or unknown")
@@ -134,6 +139,11 @@ class LocalBackend(Backend):
 
     async def _enqueue(self, session_id: str, op: TrainingOp) -> Completion:
         """Check ``op`` and queue it on the engine (the sequencer calls this in ``seq`` order)."""
+        return self.engine.submit_training(session_id, self.check_op(session_id, op))
+
+    def check_op(self, session_id: str, op: TrainingOp) -> TrainingOp:
+        """``op`` checked against its session (shapes, vocabulary, context, loss options, names, paths) and
+        coerced; the worker calls this before sequencing, so a refused op consumes no ``seq``."""
         sess = self.engine.sessions.get(session_id)
         if sess is None:
             raise SessionGoneError(f"training session {session_id} is stopped")
@@ -149,14 +159,20 @@ class LocalBackend(Backend):
         elif op.kind == "load_state":
             self.engine.store.resolve(op.path or "")
         else:
-            raise InvalidInputError(f"unknown op {op.kind!r}", field="kind")
-        return self.engine.submit_training(session_id, op)
+            raise InvalidInputError(
+                f"unknown op {op.kind!r}",
+                field="kind",
+                fix="use forward, forward_backward, optim_step, save_state, save_weights or load_state",
+            )
+        return op
 
     # ------------------------------------------------------------------------------ sampling
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         if spec.model_path is None and not spec.base_model:
-            raise InvalidInputError("give a model_path or a base_model", field="model_path")
+            raise InvalidInputError(
+                "give a model_path or a base_model", field="model_path", fix="pass the .path of a save result, or base_model"
+            )
         return await self.engine.call(self.engine.create_sampler, spec)
 
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
@@ -179,7 +195,11 @@ class LocalBackend(Backend):
             )
         for t in params.stop_token_ids():
             if not 0 <= t < ref.slot.vocab_size:
-                raise InvalidInputError(f"stop token {t} is outside the vocabulary", field="sampling_params.stop")
+                raise InvalidInputError(
+                    f"stop {_show_int(t)} is outside the vocabulary",
+                    field="sampling_params.stop",
+                    fix=f"use token ids 0..{ref.slot.vocab_size - 1}",
+                )
         job = SampleJob(prompt=prompt, num_samples=request.num_samples, params=params, max_tokens=max_tokens)
         out = await self.engine.sample(sampler_id, job)
         if request.include_prompt_logprobs:
@@ -192,7 +212,9 @@ class LocalBackend(Backend):
         ref = self.engine._sampler(sampler_id)
         tokens = _checked_tokens(list(tokens), ref.slot, "prompt")
         if len(tokens) > ref.slot.max_context:
-            raise InvalidInputError(f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field="prompt")
+            raise InvalidInputError(
+                f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field="prompt", fix="shorten it"
+            )
         return await self.engine.logprobs(sampler_id, tokens)
 
     def get_tokenizer(self, base_model: str) -> Tokenizer:
@@ -227,12 +249,21 @@ def _check_session_spec(spec: TrainingSessionSpec) -> None:
         raise InvalidInputError(f"seed {spec.seed} is out of range", field="seed", fix=f"use 0..{MAX_SEED}")
 
 
+def _show_int(t: object) -> str:
+    text = f"token id {t}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
     if not tokens:
         raise InvalidInputError("is empty", field=field, fix="give at least one token")
     bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < slot.vocab_size), None)
     if bad is not None:
-        raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {slot.vocab_size})", field=field)
+        raise InvalidInputError(
+            _show_int(bad) + f" is outside the vocabulary [0, {slot.vocab_size})",
+            field=field,
+            fix=f"use token ids 0..{slot.vocab_size - 1}",
+        )
     return tokens
 
 

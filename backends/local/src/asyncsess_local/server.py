@@ -90,6 +90,9 @@ def create_app(
         status = wire.status_for(err)
         if status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, err)
+        elif isinstance(err, InvalidInputError):  # every refusal names a field and a fix
+            err.field = err.field or "body"
+            err.fix = err.fix or "see GET /openapi.json and docs/backend-local.md (Security and limits)"
         return _JSON(wire.encode_error(err), status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -98,7 +101,7 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> Response:
-        where = "method" if err.status_code == 405 else "path"
+        where = {404: "path", 405: "method"}.get(err.status_code, "body")
         fix = "see GET /openapi.json for the routes" if err.status_code in (404, 405) else None
         body = wire.encode_error(InvalidInputError(str(err.detail), field=where, fix=fix))
         return _JSON(body, status_code=err.status_code if 400 <= err.status_code < 500 else 400, headers=err.headers)
@@ -115,6 +118,11 @@ def create_app(
         if not name or name not in base_models():
             raise InvalidInputError(f"unknown base model {_show(name)}", field=field, fix="use a name from GET /v1/models")
         return name
+
+    def seq_is_new(session_id: str, seq: int) -> bool:
+        """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
+        next_seq = backend.next_seq(session_id)
+        return next_seq is not None and seq >= next_seq
 
     def owned_path(key: str, path: str | None, field: str) -> None:
         """A checkpoint path must name one of this key's sessions; whose it is is read from the text alone,
@@ -162,8 +170,17 @@ def create_app(
     async def execute(session_id: IdPath, body: bodies.OpBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, session_id)
         op = body.op()
+        next_seq = backend.next_seq(session_id)
+        if next_seq is not None and op.seq > next_seq + bodies.MAX_SEQ_AHEAD:
+            raise InvalidInputError(
+                f"seq {op.seq} is too far ahead of the next op ({next_seq})",
+                field="seq",
+                fix=f"number ops 1, 2, 3, ... per session; at most {bodies.MAX_SEQ_AHEAD} may wait for earlier ones",
+            )
         if op.kind == "load_state":
             owned_path(key, op.path, "path")
+        if seq_is_new(session_id, op.seq):
+            op = backend.check_op(session_id, op)  # refused here, before the op takes its seq
         result = await backend.execute_training(session_id, op)
         if op.kind == "save_weights":
             owners.latest_sampler_path[session_id] = result.path  # type: ignore[union-attr]
@@ -337,10 +354,13 @@ def _first_error(errors: Any) -> InvalidInputError:
     """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     where = ""
-    for part in first.get("loc", ()):
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
+        loc = loc[1:]
+    for part in loc:
         if isinstance(part, int):
             where += f"[{part}]"
-        elif part not in ("body", "query", "path") and not any(c in str(part) for c in "[(,"):  # union branch tags
+        elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
             where += f".{part}" if where else str(part)
     fix = _FIXES.get(first.get("type", ""), "see the request schema in GET /openapi.json")
     return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)
@@ -387,23 +407,30 @@ class _Guard:
             return await reply(413, InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes"))
         seen = 0
 
+        too_large = InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes")
+        answered = False  # the 413 went out; whatever the app sends after it is dropped
+
         async def counted() -> Any:
-            nonlocal seen
+            nonlocal seen, answered
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_body:
+                await reply(413, too_large)
+                answered = True
                 raise _TooLarge()
             return message
 
         async def tracked(message: Any) -> None:
             nonlocal started
+            if answered:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counted, tracked)
         except _TooLarge:
-            await reply(413, InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes"))
+            pass
         except Exception as err:
             incident = uuid.uuid4().hex[:12]
             log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))
