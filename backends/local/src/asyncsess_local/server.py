@@ -137,6 +137,8 @@ def create_app(
             raise InvalidInputError(
                 f"no checkpoint at {_show(path)} for this API key", field=field, fix="pass a path saved with this API key"
             )
+        if not path.startswith(EPHEMERAL):
+            backend.engine.store.resolve(path, field)  # the key's own: now it may learn that it is missing
 
     # ---------------------------------------------------------------- the backend protocol
 
