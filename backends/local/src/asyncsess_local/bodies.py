@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
@@ -79,6 +79,20 @@ CheckpointName = Annotated[
 ]
 
 
+def _datum(value: Any) -> Any:
+    """A datum from its JSON form (its coercion may raise TypeError or AttributeError on wrong shapes, which
+    pydantic would not turn into a validation error: make every failure a ValueError)."""
+    if isinstance(value, Datum):
+        return value
+    try:
+        return Datum.model_validate(value)
+    except Exception as err:
+        raise ValueError(str(err).splitlines()[0][:200]) from None
+
+
+DatumIn = Annotated[Datum, BeforeValidator(_datum)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -107,7 +121,7 @@ class OpBody(_Body):
     kind: TrainingOpKind
     seq: int = Field(ge=1, le=MAX_SEQ)
     idempotency_key: Long
-    data: list[Datum] = Field(default_factory=list, max_length=MAX_DATUMS)
+    data: list[DatumIn] = Field(default_factory=list, max_length=MAX_DATUMS)
     loss_fn: Short | None = None
     loss_fn_config: dict[Short, float] | None = Field(default=None, max_length=16)
     adam_params: AdamParams | None = None

@@ -102,7 +102,7 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> Response:
         where = {404: "path", 405: "method"}.get(err.status_code, "body")
-        fix = "see GET /openapi.json for the routes" if err.status_code in (404, 405) else None
+        fix = "see GET /openapi.json for the routes" if err.status_code in (404, 405) else "send one JSON object, UTF-8 encoded"
         body = wire.encode_error(InvalidInputError(str(err.detail), field=where, fix=fix))
         return _JSON(body, status_code=err.status_code if 400 <= err.status_code < 500 else 400, headers=err.headers)
 
