@@ -402,3 +402,45 @@ def test_one_requests_failure_in_a_batch_fails_only_itself(worker, tiny, ids):
     assert engine.stats["sample_batches"] == batches + 1  # they were batched together
     assert isinstance(results[1], Exception)
     assert [len(r.sequences) for i, r in enumerate(results) if i != 1] == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("status", "content", "expected", "field"),
+    [
+        (
+            413,
+            b'{"error":{"type":"InvalidInputError","message":"body: too large","field":"body","fix":"send less"}}',
+            "InvalidInputError",
+            "body",
+        ),
+        (
+            401,
+            b'{"error":{"type":"InvalidInputError","message":"key","field":"Authorization","fix":"send a key"}}',
+            "InvalidInputError",
+            "Authorization",
+        ),
+        (404, b'{"error":{"type":"SessionGoneError","message":"no session"}}', "SessionGoneError", None),
+        (502, b"<html>bad gateway</html>", "TransientError", None),
+        (400, b"not json", "InvalidInputError", None),
+        (200, b"not json", "ServerError", None),
+    ],
+)
+def test_the_http_client_maps_every_answer_to_a_typed_error(status, content, expected, field):
+    import anyio
+
+    from asyncsess import errors
+    from asyncsess_local.http_client import HttpBackend
+
+    backend = HttpBackend(
+        "http://worker.invalid", api_key=KEY, transport=httpx.MockTransport(lambda request: httpx.Response(status, content=content))
+    )
+
+    async def call():
+        try:
+            await backend.heartbeat("lora-1")
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(getattr(errors, expected)) as exc:
+        anyio.run(call)
+    assert getattr(exc.value, "field", None) == field
