@@ -1,7 +1,6 @@
 """The shared wire types refuse non-finite and out-of-range numbers (issue 11), so every backend, the
 in-process ones included, refuses what the HTTP worker refuses; the client refuses it before sending."""
 
-
 import pytest
 from pydantic import ValidationError
 
