@@ -47,7 +47,7 @@ SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def worker(tiny, tmp_path_factory):
-    w = start_worker(tiny, str(tmp_path_factory.mktemp("fuzz-ckpt")))
+    w = start_worker(tiny, str(tmp_path_factory.mktemp("fuzz-ckpt")), max_live_per_key=10**6)  # the cap has its own test
     yield w
     w.stop()
     report = os.environ.get("ASYNCSESS_FUZZ_REPORT")

@@ -444,3 +444,19 @@ def test_the_http_client_maps_every_answer_to_a_typed_error(status, content, exp
     with pytest.raises(getattr(errors, expected)) as exc:
         anyio.run(call)
     assert getattr(exc.value, "field", None) == field
+
+
+def test_open_sessions_and_samplers_per_key_are_capped(tiny, tmp_path):
+    from server_helpers import THEIRS
+
+    w = start_worker(tiny, str(tmp_path), max_live_per_key=3)
+    try:
+        with httpx.Client(base_url=w.url, timeout=120) as c:
+            held = [new_session(c, tiny, MINE), new_sampler(c, MINE, base_model=tiny), new_session(c, tiny, MINE)]
+            assert_refused(c.post("/v1/sessions", json={"base_model": tiny}, headers=MINE), "base_model")
+            assert_refused(c.post("/v1/samplers", json={"base_model": tiny}, headers=MINE), "base_model")
+            assert new_session(c, tiny, THEIRS)  # the other key has its own allowance
+            assert c.delete(f"/v1/sessions/{held[1]}", headers=MINE).status_code == 204
+            assert new_sampler(c, MINE, base_model=tiny)
+    finally:
+        w.stop()

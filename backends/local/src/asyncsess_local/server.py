@@ -56,10 +56,16 @@ class _Owners:
 
 
 def create_app(
-    backend: LocalBackend, api_keys: Iterable[str], *, models: Iterable[str] = (), max_body_bytes: int = bodies.MAX_BODY_BYTES
+    backend: LocalBackend,
+    api_keys: Iterable[str],
+    *,
+    models: Iterable[str] = (),
+    max_body_bytes: int = bodies.MAX_BODY_BYTES,
+    max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
-    default (loaded on first use); a client never names a directory."""
+    default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
+    samplers one key may hold open at once."""
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
@@ -119,6 +125,16 @@ def create_app(
             raise InvalidInputError(f"unknown base model {_show(name)}", field=field, fix="use a name from GET /v1/models")
         return name
 
+    def check_room(key: str, what: str) -> None:
+        engine = backend.engine
+        live = sum(1 for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers))
+        if live >= max_live_per_key:
+            raise InvalidInputError(
+                f"this API key holds {live} open sessions and samplers, the most allowed",
+                field=what,
+                fix="stop the ones you no longer need (DELETE /v1/sessions/{id})",
+            )
+
     def seq_is_new(session_id: str, seq: int) -> bool:
         """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
         next_seq = backend.next_seq(session_id)
@@ -149,6 +165,7 @@ def create_app(
     @app.post("/v1/sessions")
     async def create_session(body: bodies.SessionBody, key: str = Depends(api_key)) -> Any:
         spec = body.spec()
+        check_room(key, "base_model")
         owned_path(key, spec.from_path, "from_path")
         if spec.from_path is None or spec.base_model:
             check_base_model(spec.base_model, "base_model")
@@ -191,6 +208,7 @@ def create_app(
     @app.post("/v1/samplers")
     async def create_sampler(body: bodies.SamplerBody, key: str = Depends(api_key)) -> Any:
         spec = body.spec()
+        check_room(key, "model_path" if spec.model_path else "base_model")
         owned_path(key, spec.model_path, "model_path")
         if spec.model_path is None:
             check_base_model(spec.base_model, "base_model")
@@ -472,7 +490,7 @@ class _Thread:
 
 def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = "127.0.0.1", port: int = 0, **app_options: Any) -> _Thread:
     """Start a worker on ``host:port`` (port 0: a free one) in this process; ``.url``, ``.stop()``.
-    ``app_options`` go to :func:`create_app` (``models``, ``max_body_bytes``)."""
+    ``app_options`` go to :func:`create_app` (``models``, ``max_body_bytes``, ``max_live_per_key``)."""
     return _Thread(create_app(backend, api_keys, **app_options), host, port).start()
 
 
