@@ -5,7 +5,7 @@ Two generators: schemathesis, driven by the worker's own ``/openapi.json`` (ever
 invalid data, with random ids and with the real ids of live objects), and hypothesis, which takes a valid
 request to each route and replaces a few of its fields (nested ones included) with edge values: NaN,
 ±inf, subnormals, values past float32, huge and negative integers, NUL, lone surrogates, 5,000-character
-strings, filesystem paths. ``ASYNCSESS_FUZZ_EXAMPLES`` (default 12) scales both; ``ASYNCSESS_FUZZ_REPORT``
+strings, filesystem paths. ``ASYNCSESS_FUZZ_EXAMPLES`` (default 10) scales both; ``ASYNCSESS_FUZZ_REPORT``
 names a JSON file to write the counts to (docs/backend-local.md reports a large run).
 
 The one 5xx the worker may give valid input is the documented 503 for an op whose predecessors never
@@ -33,7 +33,7 @@ from server_helpers import KEY, MINE, OTHER, assert_healthy, new_sampler, new_se
 
 pytestmark = pytest.mark.local
 
-EXAMPLES = int(os.environ.get("ASYNCSESS_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("ASYNCSESS_FUZZ_EXAMPLES", "10"))
 STATS: Counter[str] = Counter()
 FAILURES: list[str] = []
 SETTINGS = settings(
@@ -349,7 +349,7 @@ def mutated(draw: Any, templates: list[tuple[str, str, Any]]) -> tuple[str, str,
 def test_edge_values_in_every_field_of_every_route(worker, c, tiny, ids):
     their_sid = new_session(c, tiny, {"Authorization": f"Bearer {OTHER}"})
 
-    @settings(SETTINGS, max_examples=EXAMPLES * 25)
+    @settings(SETTINGS, max_examples=EXAMPLES * 20)
     @given(data=st.data())
     def run(data: Any) -> None:
         seq = worker.backend.next_seq(ids["sid"]) or 1
