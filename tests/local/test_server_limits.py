@@ -460,3 +460,15 @@ def test_open_sessions_and_samplers_per_key_are_capped(tiny, tmp_path):
             assert new_sampler(c, MINE, base_model=tiny)
     finally:
         w.stop()
+
+
+def test_the_sampler_falls_back_to_greedy_on_non_finite_probabilities():
+    """Weights trained into NaN or logits at ±inf must not fail the batch: such a row takes the arg-max."""
+    from asyncsess.types import SamplingParams
+    from asyncsess_local.sampler import SampleJob, TorchSampler, _Row
+
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [float("nan"), 1.0, 3.0, float("nan")], [0.0, float("inf"), 1.0, 0.0]])
+    jobs = [SampleJob([1], 1, SamplingParams(temperature=1.0, seed=i), max_tokens=1) for i in range(3)]
+    rows = [_Row(job=i, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    chosen = TorchSampler._choose(None, logits, rows, jobs)  # type: ignore[arg-type]
+    assert chosen.tolist()[1:] == [2, 1] and 0 <= chosen[0] < 4
