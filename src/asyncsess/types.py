@@ -258,10 +258,16 @@ LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dr
 LOSS_FUNCTIONS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 
+MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (a torch generator's range)
+MAX_STOPS = 64  # stop strings or token ids per request
+MAX_STOP_CHARS = 1000  # characters per stop string
+
+
 class SamplingParams(_Model):
     """Decoding parameters. Defaults follow Tinker; ``max_tokens=None`` means the backend's limit.
 
     ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
+    Numbers must be finite; a stop string must be non-empty; ``seed`` is in ``0..2**63-1``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -271,7 +277,18 @@ class SamplingParams(_Model):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     stop: str | list[str | int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str | int] | None) -> str | list[str | int] | None:
+        items = [v] if isinstance(v, str) else v or []
+        if len(items) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings or token ids")
+        for s in items:
+            if isinstance(s, str) and not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ValueError(f"a stop string must have 1..{MAX_STOP_CHARS} characters (use stop=[] for no stop)")
+        return v
 
     @field_validator("top_k")
     @classmethod
@@ -308,18 +325,25 @@ class SamplingParams(_Model):
         return []
 
 
+MAX_LEARNING_RATE = 10.0
+
+
 class AdamParams(_Model):
-    """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip)."""
+    """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip).
+
+    Every number must be finite; ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,
+    ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``.
+    """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    learning_rate: float = Field(default=1e-4, ge=0.0)
+    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE)
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
-    eps: float = Field(default=1e-12, gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
+    eps: float = Field(default=1e-12, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
     grad_clip_norm: float = Field(default=0.0, ge=0.0)
-    lora_plus_lr_ratio: float | None = Field(default=None, ge=1.0)
+    lora_plus_lr_ratio: float | None = Field(default=None, ge=1.0, le=1000.0)
 
     @field_validator("grad_clip_norm", mode="before")
     @classmethod

@@ -83,15 +83,17 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
             raise InvalidInputError(f"{loss_fn} takes no key {key!r} (it takes: {keys})", field=f"loss_fn_config[{key!r}]", fix="remove it")
         try:
             out[key] = float(value)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"{value!r} is not a number", field=f"loss_fn_config[{key!r}]") from None
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidInputError(f"{value!r} is not a number", field=f"loss_fn_config[{key!r}]", fix="give a number") from None
+        if not math.isfinite(out[key]):
+            raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r}]", fix="give a finite number")
     lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
     if lo is not None and lo < 0:
         raise InvalidInputError("must be ≥ 0", field="loss_fn_config['clip_low_threshold']", fix="an absolute ratio bound, e.g. 0.8")
     if hi is not None and hi < 1:
         raise InvalidInputError("must be ≥ 1", field="loss_fn_config['clip_high_threshold']", fix="an absolute ratio bound, e.g. 1.2")
     if out.get("beta", 0.0) < 0:
-        raise InvalidInputError("must be ≥ 0", field="loss_fn_config['beta']")
+        raise InvalidInputError("must be ≥ 0", field="loss_fn_config['beta']", fix="give a finite number ≥ 0")
     return out
 
 
@@ -178,9 +180,23 @@ def check_datums(
             tokens = d.model_input.to_ints() + list(d.loss_fn_inputs["target_tokens"].data)
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:
-                raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", field=f"data[{i}]")
+                raise InvalidInputError(
+                    f"token id {str(bad)[:20]} is outside the vocabulary [0, {vocab_size})",
+                    field=f"data[{i}]",
+                    fix=f"use token ids 0..{vocab_size - 1}",
+                )
         out.append(d)
     return tuple(out)
+
+
+def _all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:
+    import numpy as np
+
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bool(np.isfinite(np.asarray(values, dtype=np.float32)).all())
+    except (OverflowError, ValueError, TypeError):
+        return False
 
 
 def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None, field: str = "prompt") -> list[int]:
@@ -380,12 +396,13 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
 
 
 def check_finite(d: Datum, i: int) -> None:
-    """Float loss inputs must be finite; token ids must be non-negative int64."""
+    """Float loss inputs must be finite in float32; token ids must be non-negative int64."""
     for key, tensor in d.loss_fn_inputs.items():
         if tensor.dtype == "float32":
-            bad = next((v for v in tensor.data if not math.isfinite(v)), None)
-            if bad is not None:
-                raise InvalidInputError(f"holds {bad}", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="only finite numbers")
+            if not _all_finite_f32(tensor.data):
+                raise InvalidInputError(
+                    "holds NaN, inf or a value beyond float32", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="give finite float32 values"
+                )
         else:
             bad = next((v for v in tensor.data if not 0 <= v < 2**63), None)
             if bad is not None:

@@ -91,7 +91,12 @@ async def test_typed_errors_cross_http(worker, tiny):
         bad = Datum(model_input=ModelInput.from_ints([1, 2, 5000]), loss_fn_inputs={"target_tokens": [1, 2, 3], "weights": [1.0] * 3})
         with pytest.raises(InvalidInputError) as exc:
             await b.execute_training(info.model_id, ops("forward_backward", data=(bad,), loss_fn="cross_entropy"))
-        assert exc.value.field == "data[0]" and exc.value.seq == 1
+        assert exc.value.field == "data[0]" and exc.value.seq is None  # refused before it took its seq
+        ops.seq = 0  # so seq 1 is still free
+        assert (await b.execute_training(info.model_id, ops("optim_step", adam_params=AdamParams()))).step == 1
+        # a failure while running (not refusable up front) poisons the ops after it
+        engine = worker.backend.engine
+        engine.sessions[info.model_id].failed = RuntimeError("injected")
         with pytest.raises(PoisonedError):
             await b.execute_training(info.model_id, ops("optim_step", adam_params=AdamParams()))
         with pytest.raises(SessionGoneError):

@@ -6,11 +6,16 @@ plus its adapter). Every directory holds ``asyncsess.json`` (what it is). The UR
 ``local://`` + its absolute path; paths that resolve outside the root are refused, so a worker never
 reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/...`` names
 an in-memory sampler snapshot that has no directory.
+
+A path from a caller is checked as text first (at most 1024 characters, no NUL, no lone surrogate,
+no ``://`` inside), then normalised without touching the disk (:meth:`CheckpointStore.owner`), so a
+worker can refuse another tenant's path before it learns whether that path exists.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -26,7 +31,22 @@ __all__ = ["CheckpointStore", "EPHEMERAL", "KINDS"]
 KINDS = {"state": "training", "sampler": "sampler", "merged": "merged"}
 EPHEMERAL = "local://ephemeral/"
 META = "asyncsess.json"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched with fullmatch: no trailing newline
+MAX_PATH_CHARS = 1024
+
+
+def _show(value: str, limit: int = 80) -> str:
+    """``repr`` of a caller's string, cut short (errors never echo 5,000 characters back)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class CheckpointStore:
@@ -36,27 +56,54 @@ class CheckpointStore:
 
     @staticmethod
     def check_name(name: str) -> str:
-        if not _NAME.match(name) or ".." in name:
-            raise InvalidInputError(f"{name!r} is not a valid checkpoint name", field="name", fix="use letters, digits, '.', '_' or '-'")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+            raise InvalidInputError(
+                f"{_show(str(name))} is not a valid checkpoint name",
+                field="name",
+                fix="use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            )
         return name
 
     def uri(self, path: Path) -> str:
         return f"local://{path}"
 
-    def resolve(self, uri: str) -> Path:
-        """The directory a URI names, refusing anything outside the root."""
+    def _lexical(self, uri: str, field: str) -> Path:
+        """The absolute path a URI names, normalised as text (no disk access); refuses bad text and escapes."""
         if not isinstance(uri, str) or not uri:
-            raise InvalidInputError("no checkpoint path", field="path", fix="pass the .path of a save result")
+            raise InvalidInputError("no checkpoint path", field=field, fix="pass the .path of a save result")
+        if len(uri) > MAX_PATH_CHARS or not uri.isprintable() or _has_surrogate(uri):
+            raise InvalidInputError(
+                f"{_show(uri)} is not a checkpoint path",
+                field=field,
+                fix=f"pass the .path of a save result (printable, at most {MAX_PATH_CHARS} characters)",
+            )
         raw = uri[len("local://") :] if uri.startswith("local://") else uri
         if "://" in raw:
-            raise InvalidInputError(f"{uri!r} is not a local checkpoint", field="path", fix="pass a local:// path from this worker")
-        path = Path(raw) if raw.startswith("/") else self.root / raw
-        path = path.resolve()
-        if not path.is_relative_to(self.root):
-            raise InvalidInputError(f"{uri!r} is outside the checkpoint root", field="path", fix=f"use a path under local://{self.root}")
-        if not (path / META).is_file():
-            raise InvalidInputError(f"no checkpoint at {uri!r}", field="path", fix="pass the .path of a save result (see list_checkpoints)")
+            raise InvalidInputError(f"{_show(uri)} is not a local checkpoint", field=field, fix="pass a local:// path from this worker")
+        path = Path(os.path.normpath(raw if raw.startswith("/") else self.root / raw))
+        if not path.is_relative_to(self.root) or path == self.root:
+            raise InvalidInputError(
+                f"{_show(uri)} is outside the checkpoint root", field=field, fix=f"use a path under local://{self.root}"
+            )
         return path
+
+    def owner(self, uri: str, field: str = "path") -> str:
+        """The model id a checkpoint URI belongs to, read from the text alone (its first part under the root)."""
+        return self._lexical(uri, field).relative_to(self.root).parts[0]
+
+    def resolve(self, uri: str, field: str = "path") -> Path:
+        """The directory a URI names, refusing anything outside the root (symlinks included)."""
+        path = self._lexical(uri, field)
+        try:
+            real = path.resolve()
+            found = real.is_relative_to(self.root) and (real / META).is_file()
+        except (OSError, ValueError):
+            found = False
+        if not found:
+            raise InvalidInputError(
+                f"no checkpoint at {_show(uri)}", field=field, fix="pass the .path of a save result (see list_checkpoints)"
+            )
+        return real
 
     def begin(self, model_id: str, kind: str, name: str) -> tuple[Path, Path]:
         """A scratch directory to write into and the final directory it will become (see :meth:`commit`)."""

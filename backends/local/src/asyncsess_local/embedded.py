@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError, SessionGoneError
 from asyncsess.sequencer import Sequencer
-from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
+from asyncsess.types import MAX_SEED, Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config
 
 from .adapters import BASE
@@ -34,7 +35,10 @@ from .engine import MAX_LORA_RANK, Engine, EngineConfig, Slot
 from .sampler import SampleJob
 from .vllm_sampler import VllmOptions
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "MAX_NUM_SAMPLES", "MAX_LORA_ALPHA"]
+
+MAX_NUM_SAMPLES = 128  # samples per request
+MAX_LORA_ALPHA = 1e4
 
 
 class LocalBackend(Backend):
@@ -113,6 +117,7 @@ class LocalBackend(Backend):
         return ServerCapabilities(supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK)
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        _check_session_spec(spec)
         info = await self.engine.call(self.engine.create_session, spec)
         self._sequencers[info.model_id] = Sequencer(
             functools.partial(self._enqueue, info.model_id), first_seq=1, gap_timeout=self._gap_timeout
@@ -124,6 +129,11 @@ class LocalBackend(Backend):
         if seq is not None:
             seq.stop("stopped")
         await self.engine.call(self.engine.stop_session, session_id)
+
+    def next_seq(self, session_id: str) -> int | None:
+        """The seq the session's next op must carry (None: no such session)."""
+        seq = self._sequencers.get(session_id)
+        return None if seq is None else seq.next_seq
 
     async def heartbeat(self, session_id: str) -> None:
         if session_id not in self._sequencers and session_id not in self.engine.samplers:
@@ -138,6 +148,11 @@ class LocalBackend(Backend):
 
     async def _enqueue(self, session_id: str, op: TrainingOp) -> Completion:
         """Check ``op`` and queue it on the engine (the sequencer calls this in ``seq`` order)."""
+        return self.engine.submit_training(session_id, self.check_op(session_id, op))
+
+    def check_op(self, session_id: str, op: TrainingOp) -> TrainingOp:
+        """``op`` checked against its session (shapes, vocabulary, context, loss options, names, paths) and
+        coerced; the worker calls this before sequencing, so a refused op consumes no ``seq``."""
         sess = self.engine.sessions.get(session_id)
         if sess is None:
             raise SessionGoneError(f"training session {session_id} is stopped")
@@ -153,21 +168,27 @@ class LocalBackend(Backend):
         elif op.kind == "load_state":
             self.engine.store.resolve(op.path or "")
         else:
-            raise InvalidInputError(f"unknown op {op.kind!r}", field="kind")
-        return self.engine.submit_training(session_id, op)
+            raise InvalidInputError(
+                f"unknown op {op.kind!r}",
+                field="kind",
+                fix="use forward, forward_backward, optim_step, save_state, save_weights or load_state",
+            )
+        return op
 
     # ------------------------------------------------------------------------------ sampling
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         if spec.model_path is None and not spec.base_model:
-            raise InvalidInputError("give a model_path or a base_model", field="model_path")
+            raise InvalidInputError(
+                "give a model_path or a base_model", field="model_path", fix="pass the .path of a save result, or base_model"
+            )
         return await self.engine.call(self.engine.create_sampler, spec)
 
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
         ref = self.engine._sampler(sampler_id)
         prompt = _checked_tokens(list(request.prompt), ref.slot, "prompt")
-        if request.num_samples < 1:
-            raise InvalidInputError("must be ≥ 1", field="num_samples")
+        if not 1 <= request.num_samples <= MAX_NUM_SAMPLES:
+            raise InvalidInputError(f"{request.num_samples} is out of range", field="num_samples", fix=f"use 1..{MAX_NUM_SAMPLES}")
         context = ref.slot.sample_context(ref.adapter)
         room = context - len(prompt)
         if room < 1:
@@ -182,7 +203,11 @@ class LocalBackend(Backend):
             )
         for t in params.stop_token_ids():
             if not 0 <= t < ref.slot.vocab_size:
-                raise InvalidInputError(f"stop token {t} is outside the vocabulary", field="sampling_params.stop")
+                raise InvalidInputError(
+                    f"stop {_show_int(t)} is outside the vocabulary",
+                    field="sampling_params.stop",
+                    fix=f"use token ids 0..{ref.slot.vocab_size - 1}",
+                )
         job = SampleJob(prompt=prompt, num_samples=request.num_samples, params=params, max_tokens=max_tokens)
         if request.target_prompt_logprobs is not None and max(max(r) for r in request.target_prompt_logprobs) >= ref.slot.vocab_size:
             raise InvalidInputError(f"an id is outside the vocabulary [0, {ref.slot.vocab_size})", field="target_prompt_logprobs")
@@ -230,7 +255,9 @@ class LocalBackend(Backend):
         ref = self.engine._sampler(sampler_id)
         tokens = _checked_tokens(list(tokens), ref.slot, "prompt")
         if len(tokens) > ref.slot.max_context:
-            raise InvalidInputError(f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field="prompt")
+            raise InvalidInputError(
+                f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field="prompt", fix="shorten it"
+            )
         return await self.engine.logprobs(sampler_id, tokens)
 
     def get_tokenizer(self, base_model: str) -> Tokenizer:
@@ -266,12 +293,31 @@ def _vllm_options(url: ParsedURL) -> VllmOptions:
     )
 
 
+def _check_session_spec(spec: TrainingSessionSpec) -> None:
+    a = spec.alpha
+    if a is not None and not (isinstance(a, (int, float)) and math.isfinite(a) and 0 < a <= MAX_LORA_ALPHA):
+        raise InvalidInputError(
+            f"alpha {a!r} is out of range", field="alpha", fix=f"use a finite number in (0, {MAX_LORA_ALPHA:g}], or None for 2*rank"
+        )
+    if spec.seed is not None and not 0 <= spec.seed <= MAX_SEED:
+        raise InvalidInputError(f"seed {spec.seed} is out of range", field="seed", fix=f"use 0..{MAX_SEED}")
+
+
+def _show_int(t: object) -> str:
+    text = f"token id {t}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
     if not tokens:
         raise InvalidInputError("is empty", field=field, fix="give at least one token")
     bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < slot.vocab_size), None)
     if bad is not None:
-        raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {slot.vocab_size})", field=field)
+        raise InvalidInputError(
+            _show_int(bad) + f" is outside the vocabulary [0, {slot.vocab_size})",
+            field=field,
+            fix=f"use token ids 0..{slot.vocab_size - 1}",
+        )
     return tokens
 
 

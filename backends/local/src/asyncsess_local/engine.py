@@ -316,25 +316,26 @@ class Engine:
             for part in parts:
                 self.stats["sample_batches"] += 1
                 self.stats["sample_rows"] += sum(w.job.num_samples for w in part)  # type: ignore[union-attr]
-                try:
-                    outs = slot.sampler.run([w.job for w in part])  # type: ignore[union-attr,misc]
-                except BaseException as err:
-                    for w in part:
-                        w.done.set_error(self._api_error(err))
-                    continue
-                for w, out in zip(part, outs):
-                    w.done.set_result(out)
+                self._isolated(part, lambda ws, s=slot: s.sampler.run([w.job for w in ws]))  # type: ignore[misc]
         lps = [w for w in works if w.kind == "logprobs"]
         for key in {(id(w.slot), w.adapter) for w in lps}:
             mine = [w for w in lps if (id(w.slot), w.adapter) == key]
-            try:
-                values = self._score(mine[0].slot, mine[0].adapter, [w.tokens for w in mine])  # type: ignore[arg-type,misc]
-            except BaseException as err:
-                for w in mine:
-                    w.done.set_error(self._api_error(err))
-                continue
-            for w, v in zip(mine, values):
-                w.done.set_result(v)
+            self._isolated(mine, lambda ws: self._score(ws[0].slot, ws[0].adapter, [w.tokens for w in ws]))  # type: ignore[arg-type,misc]
+
+    def _isolated(self, works: list[_Work], run: Callable[[list[_Work]], list[Any]]) -> None:
+        """Run ``works`` as one batch; if the batch fails, run each alone, so one bad request fails only itself."""
+        try:
+            outs = run(works)
+        except BaseException as err:
+            if len(works) == 1:
+                works[0].done.set_error(self._api_error(err))
+                return
+            log.warning("a batch of %d requests failed (%s); running them one by one", len(works), err)
+            for w in works:
+                self._isolated([w], run)
+            return
+        for w, out in zip(works, outs):
+            w.done.set_result(out)
 
     # ------------------------------------------------------------------- work on the thread
 

@@ -2,7 +2,9 @@
 
 The API key comes from the ``api_key`` option or ``$ASYNCSESS_API_KEY``. Errors come back as the
 worker's typed errors; dropped connections and timeouts become :class:`TransientError` (the client's
-retry policy resends, and the worker's sequencer applies each op once).
+retry policy resends, and the worker's sequencer applies each op once). A refusal (4xx: 400 bad input,
+401 key, 404 unknown or another key's object, 413 body too large) is raised as the worker's typed error,
+with its ``field`` and ``fix``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import httpx
 
 from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
-from asyncsess.errors import TransientError
+from asyncsess.errors import ServerError, TransientError
 from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 
 from . import wire
@@ -60,13 +62,7 @@ class HttpBackend(Backend):
             # A read that broke off means the worker got the request: its result is stored under the op's key.
             lost = isinstance(err, (httpx.ReadError, httpx.RemoteProtocolError))
             raise TransientError(f"{method} {path}: {type(err).__name__}: {err}", lost_response=lost) from err
-        if r.status_code >= 400:
-            try:
-                body = r.json()
-            except ValueError:
-                body = r.text
-            raise wire.decode_error(body, r.status_code)
-        return r.json() if r.content else None
+        return _result(r)
 
     async def capabilities(self) -> ServerCapabilities:
         return ServerCapabilities.model_validate(await self._call("GET", "/v1/capabilities"))
@@ -105,11 +101,29 @@ class HttpBackend(Backend):
         if base_model not in self._tokenizers:
             from transformers import AutoTokenizer
 
-            r = httpx.get(f"{self.base_url}/v1/tokenizer", params={"base_model": base_model}, headers=self._headers, timeout=60.0)
-            if r.status_code >= 400:
-                raise wire.decode_error(r.json(), r.status_code)
+            try:
+                r = httpx.get(f"{self.base_url}/v1/tokenizer", params={"base_model": base_model}, headers=self._headers, timeout=60.0)
+            except (httpx.TransportError, httpx.TimeoutException) as err:
+                raise TransientError(f"GET /v1/tokenizer: {type(err).__name__}: {err}") from err
             with tempfile.TemporaryDirectory() as tmp:
-                for name, text in r.json()["files"].items():
+                for name, text in _result(r)["files"].items():
                     (Path(tmp) / Path(name).name).write_text(text)
                 self._tokenizers[base_model] = AutoTokenizer.from_pretrained(tmp)
         return self._tokenizers[base_model]
+
+
+def _result(r: httpx.Response) -> Any:
+    """The JSON of a 2xx answer, or the worker's typed error (a 4xx is the caller's input: never retried;
+    a 5xx without the worker's error body, e.g. from a proxy, is a TransientError)."""
+    if r.status_code >= 400:
+        try:
+            body = r.json()
+        except ValueError:
+            body = r.text
+        raise wire.decode_error(body, r.status_code)
+    if not r.content:
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        raise ServerError(f"the worker answered {r.status_code} with a body that is not JSON: {r.text[:200]!r}") from None

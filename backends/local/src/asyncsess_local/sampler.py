@@ -5,6 +5,10 @@ Each request's prompt is prefilled once (left-padded with the others), its cache
 through peft's mixed-adapter forward. Finished rows leave the cache, so a long sample does not make
 short ones pay. Returned log-probs are the model's own (temperature 1, before top-k/top-p), the same
 quantity ``compute_logprobs`` and the trainer report.
+
+A temperature below :data:`GREEDY_BELOW` (1e-4) decodes greedily, as 0 does: dividing by a smaller one
+would overflow the logits to inf and the softmax to NaN. A row whose probabilities are still not finite
+(weights trained into NaN) also falls back to the arg-max instead of failing the whole batch.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, Usa
 
 from .adapters import BASE, LoraHost
 
-__all__ = ["SampleJob", "TorchSampler"]
+__all__ = ["GREEDY_BELOW", "SampleJob", "TorchSampler"]
+
+GREEDY_BELOW = 1e-4
 
 
 @dataclass
@@ -93,11 +99,18 @@ class TorchSampler:
             while end < len(rows) and rows[end].job == rows[start].job:
                 end += 1
             p = jobs[rows[start].job].params
-            if p.temperature == 0.0:
-                out[start:end] = logits[start:end].argmax(-1)
+            greedy = logits[start:end].nan_to_num(nan=float("-inf")).argmax(-1)
+            if p.temperature < GREEDY_BELOW:
+                out[start:end] = greedy
             else:
-                lg = _filter(logits[start:end] / p.temperature, p.top_k, p.top_p)
-                out[start:end] = torch.multinomial(lg.softmax(-1), 1, generator=rows[start].generator)[:, 0]
+                probs = _filter(logits[start:end] / p.temperature, p.top_k, p.top_p).softmax(-1)
+                ok = probs.isfinite().all(-1) & (probs.sum(-1) > 0)
+                if bool(ok.all()):
+                    out[start:end] = torch.multinomial(probs, 1, generator=rows[start].generator)[:, 0]
+                else:  # keep the generator's draws per row in step: draw from a safe distribution, then replace
+                    safe = torch.where(ok[:, None], probs, torch.ones_like(probs))
+                    drawn = torch.multinomial(safe, 1, generator=rows[start].generator)[:, 0]
+                    out[start:end] = torch.where(ok, drawn, greedy)
             start = end
         return out
 

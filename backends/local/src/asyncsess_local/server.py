@@ -18,18 +18,20 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backend import SampleRequest, SamplerSpec
 from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError
 from asyncsess.types import SamplingParams
 
-from . import wire
+from . import bodies, wire
 from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
 from .vllm_sampler import VllmOptions
@@ -38,26 +40,6 @@ __all__ = ["create_app", "serve_in_thread", "main"]
 
 log = logging.getLogger("asyncsess.worker")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json")
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatRequest(BaseModel):
-    """The subset of OpenAI's chat-completions body the worker honours (other fields are ignored)."""
-
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=64)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
 
 
 class _Owners:
@@ -73,11 +55,22 @@ class _Owners:
             raise SessionGoneError(f"no session {object_id!r} for this API key")
 
 
-def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
-    keys = set(api_keys)
+def create_app(
+    backend: LocalBackend,
+    api_keys: Iterable[str],
+    *,
+    models: Iterable[str] = (),
+    max_body_bytes: int = bodies.MAX_BODY_BYTES,
+    max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
+) -> FastAPI:
+    """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
+    default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
+    samplers one key may hold open at once."""
+    keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
     owners = _Owners()
+    allowed_extra = set(models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,55 +80,81 @@ def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
         finally:
             await backend.aclose()
 
-    app = FastAPI(title="asyncsess worker", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="asyncsess worker",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",  # behind the key, like every route (see _Guard)
+        default_response_class=_JSON,
+    )
+    app.add_middleware(_Guard, keys=keys, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(AsyncSessError)
-    async def _typed(request: Request, err: AsyncSessError) -> JSONResponse:
-        return JSONResponse(wire.encode_error(err), status_code=wire.status_for(err))
+    async def _typed(request: Request, err: AsyncSessError) -> Response:
+        status = wire.status_for(err)
+        if status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, err)
+        elif isinstance(err, InvalidInputError):  # every refusal names a field and a fix
+            err.field = err.field or "body"
+            err.fix = err.fix or "see GET /openapi.json and docs/backend-local.md (Security and limits)"
+        return _JSON(wire.encode_error(err), status_code=status)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return JSONResponse(wire.encode_error(InvalidInputError(str(first.get("msg")), field=where)), status_code=400)
+    async def _invalid(request: Request, err: RequestValidationError) -> Response:
+        return _JSON(wire.encode_error(_first_error(err.errors())), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, err: Exception) -> JSONResponse:
-        log.exception("worker error")
-        return JSONResponse(wire.encode_error(ServerError(f"{type(err).__name__}: {err}")), status_code=500)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> Response:
+        where = {404: "path", 405: "method"}.get(err.status_code, "body")
+        fix = "see GET /openapi.json for the routes" if err.status_code in (404, 405) else "send one JSON object, UTF-8 encoded"
+        body = wire.encode_error(InvalidInputError(str(err.detail), field=where, fix=fix))
+        return _JSON(body, status_code=err.status_code if 400 <= err.status_code < 500 else 400, headers=err.headers)
 
     def api_key(request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not any(secrets.compare_digest(key, k) for k in keys):
-            raise _Unauthorized()
-        return key
+        return request.scope["asyncsess.key"]  # set by _Guard, which refused the request otherwise
 
-    @app.exception_handler(_Unauthorized)
-    async def _unauthorized(request: Request, err: Exception) -> JSONResponse:
-        body = wire.encode_error(
-            InvalidInputError("missing or wrong API key", field="Authorization", fix="send 'Authorization: Bearer <key>'")
-        )
-        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    def base_models() -> set[str]:
+        """The base models a client may name: the backend's default, the configured ones, those loaded."""
+        names = {s.name for s in backend.engine.slots.values()} | allowed_extra
+        return names | {backend.default_model} if backend.default_model else names
 
-    def parse(adapter: Any, body: Any, what: str) -> Any:
-        try:
-            return adapter.validate_python(body)
-        except ValidationError as err:
-            e = err.errors()[0]
-            raise InvalidInputError(e["msg"], field=".".join(map(str, (what, *e["loc"])))) from None
+    def check_base_model(name: str | None, field: str) -> str:
+        if not name or name not in base_models():
+            raise InvalidInputError(f"unknown base model {_show(name)}", field=field, fix="use a name from GET /v1/models")
+        return name
+
+    def check_room(key: str, what: str) -> None:
+        engine = backend.engine
+        live = sum(1 for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers))
+        if live >= max_live_per_key:
+            raise InvalidInputError(
+                f"this API key holds {live} open sessions and samplers, the most allowed",
+                field=what,
+                fix="stop the ones you no longer need (DELETE /v1/sessions/{id})",
+            )
+
+    def seq_is_new(session_id: str, seq: int) -> bool:
+        """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
+        next_seq = backend.next_seq(session_id)
+        return next_seq is not None and seq >= next_seq
 
     def owned_path(key: str, path: str | None, field: str) -> None:
-        """A checkpoint path must come from one of this key's sessions."""
-        if not path:
+        """A checkpoint path must name one of this key's sessions; whose it is is read from the text alone,
+        so another tenant's path and a missing one get the same answer."""
+        if path is None:
             return
         if path.startswith(EPHEMERAL):
             owner = path[len(EPHEMERAL) :].split("/", 1)[0]
         else:
-            resolved = backend.engine.store.resolve(path)
-            owner = resolved.relative_to(backend.engine.store.root).parts[0]
+            owner = backend.engine.store.owner(path, field)
         if owners.by_id.get(owner) != key:
-            raise InvalidInputError(f"no checkpoint at {path!r}", field=field, fix="pass a path saved with this API key")
+            raise InvalidInputError(
+                f"no checkpoint at {_show(path)} for this API key", field=field, fix="pass a path saved with this API key"
+            )
+        if not path.startswith(EPHEMERAL):
+            backend.engine.store.resolve(path, field)  # the key's own: now it may learn that it is missing
 
     # ---------------------------------------------------------------- the backend protocol
 
@@ -144,70 +163,81 @@ def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
         return (await backend.capabilities()).model_dump(mode="json")
 
     @app.post("/v1/sessions")
-    async def create_session(body: dict[str, Any], key: str = Depends(api_key)) -> Any:
-        spec: TrainingSessionSpec = parse(wire.SESSION_SPEC, body, "spec")
+    async def create_session(body: bodies.SessionBody, key: str = Depends(api_key)) -> Any:
+        spec = body.spec()
+        check_room(key, "base_model")
         owned_path(key, spec.from_path, "from_path")
+        if spec.from_path is None or spec.base_model:
+            check_base_model(spec.base_model, "base_model")
         info = await backend.create_training_session(spec)
         owners.by_id[info.model_id] = key
         return info.model_dump(mode="json")
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
-    async def stop_session(session_id: str, key: str = Depends(api_key)) -> Response:
+    async def stop_session(session_id: IdPath, key: str = Depends(api_key)) -> Response:
         if owners.by_id.get(session_id) == key:
             await backend.stop_session(session_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/heartbeat", status_code=204)
-    async def heartbeat(session_id: str, key: str = Depends(api_key)) -> Response:
+    async def heartbeat(session_id: IdPath, key: str = Depends(api_key)) -> Response:
         owners.check(key, session_id)
         await backend.heartbeat(session_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/ops")
-    async def execute(session_id: str, body: dict[str, Any], key: str = Depends(api_key)) -> Any:
+    async def execute(session_id: IdPath, body: bodies.OpBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, session_id)
-        op: TrainingOp = parse(wire.OP, body, "op")
+        op = body.op()
+        next_seq = backend.next_seq(session_id)
+        if next_seq is not None and op.seq > next_seq + bodies.MAX_SEQ_AHEAD:
+            raise InvalidInputError(
+                f"seq {op.seq} is too far ahead of the next op ({next_seq})",
+                field="seq",
+                fix=f"number ops 1, 2, 3, ... per session; at most {bodies.MAX_SEQ_AHEAD} may wait for earlier ones",
+            )
         if op.kind == "load_state":
             owned_path(key, op.path, "path")
+        if seq_is_new(session_id, op.seq):
+            op = backend.check_op(session_id, op)  # refused here, before the op takes its seq
         result = await backend.execute_training(session_id, op)
         if op.kind == "save_weights":
             owners.latest_sampler_path[session_id] = result.path  # type: ignore[union-attr]
         return wire.encode_result(result)
 
     @app.post("/v1/samplers")
-    async def create_sampler(body: dict[str, Any], key: str = Depends(api_key)) -> Any:
-        spec: SamplerSpec = parse(wire.SAMPLER_SPEC, body, "spec")
+    async def create_sampler(body: bodies.SamplerBody, key: str = Depends(api_key)) -> Any:
+        spec = body.spec()
+        check_room(key, "model_path" if spec.model_path else "base_model")
         owned_path(key, spec.model_path, "model_path")
+        if spec.model_path is None:
+            check_base_model(spec.base_model, "base_model")
         sampler_id = await backend.create_sampler(spec)
         owners.by_id[sampler_id] = key
         return {"sampler_id": sampler_id}
 
     @app.post("/v1/samplers/{sampler_id}/sample")
-    async def sample(sampler_id: str, body: dict[str, Any], key: str = Depends(api_key)) -> Any:
+    async def sample(sampler_id: IdPath, body: bodies.SampleBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
-        request: SampleRequest = parse(wire.SAMPLE_REQUEST, body, "request")
-        return (await backend.sample(sampler_id, request)).model_dump(mode="json")
+        return (await backend.sample(sampler_id, body.request())).model_dump(mode="json")
 
     @app.post("/v1/samplers/{sampler_id}/logprobs")
-    async def logprobs(sampler_id: str, body: dict[str, Any], key: str = Depends(api_key)) -> Any:
+    async def logprobs(sampler_id: IdPath, body: bodies.LogprobsBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise InvalidInputError("must be a list of token ids", field="tokens")
-        return {"logprobs": await backend.compute_logprobs(sampler_id, tokens)}
+        return {"logprobs": await backend.compute_logprobs(sampler_id, body.tokens)}
 
     @app.get("/v1/checkpoints")
-    async def checkpoints(session_id: str | None = None, key: str = Depends(api_key)) -> Any:
+    async def checkpoints(session_id: IdQuery = None, key: str = Depends(api_key)) -> Any:
         if session_id is not None:
             owners.check(key, session_id)
         listed = await backend.list_checkpoints(session_id)
         return [c.model_dump(mode="json") for c in listed if owners.by_id.get(c.checkpoint_id.split("/")[0]) == key]
 
     @app.get("/v1/tokenizer")
-    async def tokenizer(base_model: str, key: str = Depends(api_key)) -> Any:
+    async def tokenizer(base_model: NameQuery, key: str = Depends(api_key)) -> Any:
         import tempfile
 
-        tok = backend.get_tokenizer(base_model)
+        tok = backend.get_tokenizer(check_base_model(base_model, "base_model"))
         with tempfile.TemporaryDirectory() as tmp:
             tok.save_pretrained(tmp)
             return {"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}}
@@ -223,7 +253,7 @@ def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
             path = owners.latest_sampler_path.get(model)
             spec = SamplerSpec(model_path=path) if path else SamplerSpec(base_model=engine.sessions[model].base_model)
             target, base = path or f"base:{spec.base_model}", engine.sessions[model].base_model
-        elif model in {s.name for s in engine.slots.values()} or model == backend.default_model:
+        elif model in base_models():
             spec, target, base = SamplerSpec(base_model=model), f"base:{model}", model
         else:
             raise InvalidInputError(f"unknown model {model!r}", field="model", fix="see GET /v1/models")
@@ -234,13 +264,13 @@ def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
     @app.get("/v1/models")
     async def models(key: str = Depends(api_key)) -> Any:
         engine = backend.engine
-        names = sorted({s.name for s in engine.slots.values()}) + sorted(
+        names = sorted(base_models()) + sorted(
             i for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers)
         )
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in names]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, key: str = Depends(api_key)) -> Any:
+    async def chat(body: bodies.ChatRequest, key: str = Depends(api_key)) -> Any:
         sampler_id, base = await chat_sampler(key, body.model)
         tok = backend.get_tokenizer(base)
         try:
@@ -250,13 +280,16 @@ def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
         if isinstance(prompt, dict) or hasattr(prompt, "keys"):
             prompt = prompt["input_ids"]
         stops = [body.stop] if isinstance(body.stop, str) else body.stop
-        params = SamplingParams(
-            max_tokens=body.max_completion_tokens or body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=None if not stops else [*stops, *([tok.eos_token_id] if tok.eos_token_id is not None else [])],
-        )
+        try:
+            params = SamplingParams(
+                max_tokens=body.max_completion_tokens or body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                stop=None if not stops else [*stops, *([tok.eos_token_id] if tok.eos_token_id is not None else [])],
+            )
+        except ValidationError as err:
+            raise _first_error(err.errors()) from None
         out = await backend.sample(sampler_id, SampleRequest(tuple(prompt), body.n, params))
         special = set(tok.all_special_ids)
         texts = []
@@ -316,8 +349,112 @@ def create_app(backend: LocalBackend, api_keys: Iterable[str]) -> FastAPI:
     return app
 
 
-class _Unauthorized(Exception):
+IdPath = Annotated[str, PathParam(max_length=bodies.MAX_ID_CHARS)]
+IdQuery = Annotated[str | None, Query(max_length=bodies.MAX_ID_CHARS)]
+NameQuery = Annotated[str, Query(max_length=256)]
+
+
+class _JSON(JSONResponse):
+    """JSON with every non-ASCII character escaped (a lone surrogate echoed in an error cannot break the
+    encoder); non-finite floats are written as Python's json writes them rather than failing the response."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+_FIXES = {"missing": "add it", "extra_forbidden": "remove it (see GET /openapi.json)", "finite_number": "give a finite number"}
+
+
+def _first_error(errors: Any) -> InvalidInputError:
+    """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    where = ""
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
+        loc = loc[1:]
+    for part in loc:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
+            where += f".{part}" if where else str(part)
+    fix = _FIXES.get(first.get("type", ""), "see the request schema in GET /openapi.json")
+    return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)
+
+
+class _TooLarge(Exception):
     pass
+
+
+class _Guard:
+    """ASGI middleware in front of every route: the API key (401), the body size (413), and a last resort
+    for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
+
+    def __init__(self, app: Any, keys: list[bytes], max_body_bytes: int) -> None:
+        self.app, self.keys, self.max_body = app, keys, max_body_bytes
+
+    def _key(self, scope: Any) -> bytes | None:
+        headers = dict(scope.get("headers") or ())
+        auth = headers.get(b"authorization", b"")
+        key = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        ok = False
+        for k in self.keys:  # compare with every key, so timing says nothing about which matched
+            ok |= secrets.compare_digest(key, k)
+        return key if ok else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def reply(status: int, err: AsyncSessError, headers: dict[str, str] | None = None) -> None:
+            if not started:
+                await _JSON(wire.encode_error(err), status_code=status, headers=headers)(scope, receive, send)
+
+        key = self._key(scope)
+        if key is None:
+            fix = "send 'Authorization: Bearer <key>'"
+            return await reply(
+                401, InvalidInputError("missing or wrong API key", field="Authorization", fix=fix), {"WWW-Authenticate": "Bearer"}
+            )
+        scope["asyncsess.key"] = key.decode("utf-8")
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body:
+            return await reply(413, InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes"))
+        seen = 0
+
+        too_large = InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes")
+        answered = False  # the 413 went out; whatever the app sends after it is dropped
+
+        async def counted() -> Any:
+            nonlocal seen, answered
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                await reply(413, too_large)
+                answered = True
+                raise _TooLarge()
+            return message
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            if answered:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            pass
+        except Exception as err:
+            incident = uuid.uuid4().hex[:12]
+            log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))
+            await reply(500, ServerError(f"internal error {incident} ({type(err).__name__}); the worker logged it"))
 
 
 # ------------------------------------------------------------------------------------- running
@@ -351,19 +488,21 @@ class _Thread:
         self.sock.close()
 
 
-def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = "127.0.0.1", port: int = 0) -> _Thread:
-    """Start a worker on ``host:port`` (port 0: a free one) in this process; ``.url``, ``.stop()``."""
-    return _Thread(create_app(backend, api_keys), host, port).start()
+def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = "127.0.0.1", port: int = 0, **app_options: Any) -> _Thread:
+    """Start a worker on ``host:port`` (port 0: a free one) in this process; ``.url``, ``.stop()``.
+    ``app_options`` go to :func:`create_app` (``models``, ``max_body_bytes``, ``max_live_per_key``)."""
+    return _Thread(create_app(backend, api_keys, **app_options), host, port).start()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``asyncsess-worker [--model M] [--host 127.0.0.1] [--port 8765] [--api-key K] [--dir D] [--device D] [--dtype T]``."""
+    """``asyncsess-worker [--model M] [--allow-model M2] [--host 127.0.0.1] [--port 8765] [--api-key K] [--dir D] [--device D] [--dtype T]``."""
     import os
 
     import uvicorn
 
     p = argparse.ArgumentParser(prog="asyncsess-worker", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="base model to load at start (directory, alias or hub id)")
+    p.add_argument("--allow-model", action="append", default=[], help="another base model clients may name (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--api-key", action="append", default=None, help="accepted key (repeatable; default $ASYNCSESS_API_KEY or a new one)")
@@ -402,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(create_app(backend, keys), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(backend, keys, models=args.allow_model), host=args.host, port=args.port, log_level="info")
 
 
 if __name__ == "__main__":

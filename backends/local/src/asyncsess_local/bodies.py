@@ -1,0 +1,196 @@
+"""The worker's request bodies: one pydantic model per route, with explicit limits.
+
+This is the worker's validation layer. FastAPI checks every body against these models before a route
+runs (so a rejection consumes no sequence number), publishes them in ``/openapi.json``, and answers a
+failure with a 400 naming the field. Limits, all documented in docs/backend-local.md:
+
+- numbers are finite (NaN and ±inf are refused), with the ranges below;
+- free text holds no NUL and no lone surrogate, and has a length cap;
+- checkpoint names match a full-string pattern; checkpoint paths are at most 1024 characters;
+- counts are capped: datums per op, tokens per prompt, samples per request, stop strings.
+
+What needs the server's state (a base model from its list, a path inside the key's own storage, token
+ids inside the vocabulary, a prompt inside the context) is checked by the routes and the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
+
+from .checkpoints import MAX_PATH_CHARS, CheckpointStore
+from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
+from .engine import MAX_LORA_RANK
+
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "LogprobsBody",
+    "OpBody",
+    "SampleBody",
+    "SamplerBody",
+    "SessionBody",
+    "Text",
+    "MAX_BODY_BYTES",
+    "MAX_DATUMS",
+    "MAX_PROMPT_TOKENS",
+    "MAX_ID_CHARS",
+]
+
+MAX_BODY_BYTES = 256 * 2**20  # a request body larger than this gets a 413
+MAX_DATUMS = 1024  # datums per forward / forward_backward (ServerCapabilities.max_batch_datums)
+MAX_PROMPT_TOKENS = 1 << 20  # tokens per prompt or logprobs request (the context length is checked after)
+MAX_ID_CHARS = 64  # session, sampler and model ids
+MAX_NAME_CHARS = 256  # base model names
+MAX_TEXT_CHARS = 1024  # keys, request ids, metadata values
+MAX_SEQ = 2**62
+MAX_LIVE_PER_KEY = 256  # open sessions plus samplers per API key
+MAX_SEQ_AHEAD = 1024  # an op may arrive at most this far ahead of the next expected seq (it waits for the gap)
+
+
+def _clean(text: str) -> str:
+    """Refuse text no file system, tokenizer or JSON encoder downstream should have to handle."""
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
+def Text(max_length: int, min_length: int = 0) -> Any:
+    """A ``str`` of bounded length, without NUL or lone surrogates."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), AfterValidator(_clean)]
+
+
+ModelName = Text(MAX_NAME_CHARS)
+Short = Text(64)
+Label = Text(128)
+Long = Text(MAX_TEXT_CHARS)
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+CheckpointPath = Text(MAX_PATH_CHARS, 1)
+CheckpointName = Annotated[
+    str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128), AfterValidator(CheckpointStore.check_name)
+]
+
+
+def _datum(value: Any) -> Any:
+    """A datum from its JSON form (its coercion may raise TypeError or AttributeError on wrong shapes, which
+    pydantic would not turn into a validation error: make every failure a ValueError)."""
+    if isinstance(value, Datum):
+        return value
+    try:
+        return Datum.model_validate(value)
+    except Exception as err:
+        raise ValueError(str(err).splitlines()[0][:200]) from None
+
+
+DatumIn = Annotated[Datum, BeforeValidator(_datum)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SessionBody(_Body):
+    """``POST /v1/sessions``: a LoRA training session on a base model from ``GET /v1/models``."""
+
+    base_model: ModelName = ""
+    rank: int = Field(default=32, ge=1, le=MAX_LORA_RANK)
+    alpha: float | None = Field(default=None, gt=0.0, le=MAX_LORA_ALPHA)
+    seed: Seed | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    from_path: CheckpointPath | None = None
+    with_optimizer: bool = False
+    user_metadata: dict[Label, Long] = Field(default_factory=dict, max_length=64)
+
+    def spec(self) -> TrainingSessionSpec:
+        return TrainingSessionSpec(**self.model_dump())
+
+
+class OpBody(_Body):
+    """``POST /v1/sessions/{id}/ops``: one ordered training op."""
+
+    kind: TrainingOpKind
+    seq: int = Field(ge=1, le=MAX_SEQ)
+    idempotency_key: Long
+    data: list[DatumIn] = Field(default_factory=list, max_length=MAX_DATUMS)
+    loss_fn: Short | None = None
+    loss_fn_config: dict[Short, float] | None = Field(default=None, max_length=16)
+    adam_params: AdamParams | None = None
+    name: CheckpointName | None = None
+    merge_weights: bool = False
+    with_optimizer: bool = True
+    path: CheckpointPath | None = None
+    ephemeral: bool = False
+
+    def op(self) -> TrainingOp:
+        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        return TrainingOp(**{**fields, "data": tuple(self.data)})
+
+
+class SamplerBody(_Body):
+    """``POST /v1/samplers``: sample from a saved path of this key, or from a base model."""
+
+    base_model: ModelName | None = None
+    model_path: CheckpointPath | None = None
+
+    def spec(self) -> SamplerSpec:
+        return SamplerSpec(base_model=self.base_model, model_path=self.model_path)
+
+
+class SampleBody(_Body):
+    """``POST /v1/samplers/{id}/sample``."""
+
+    prompt: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    num_samples: int = Field(default=1, ge=1, le=MAX_NUM_SAMPLES)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    include_prompt_logprobs: bool = False
+    request_id: Long = ""
+
+    def request(self) -> SampleRequest:
+        return SampleRequest(tuple(self.prompt), self.num_samples, self.sampling_params, self.include_prompt_logprobs, self.request_id)
+
+
+class LogprobsBody(_Body):
+    """``POST /v1/samplers/{id}/logprobs``."""
+
+    tokens: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+
+
+Role = Text(32, 1)
+Content = Text(100_000)
+StopText = Text(1000, 1)
+ChatModel = Text(MAX_NAME_CHARS, 1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    content: Content
+
+
+class ChatRequest(BaseModel):
+    """The subset of OpenAI's chat-completions body the worker honours (other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: ChatModel
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=64)
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    seed: Seed | None = None
+    stream: bool = False

@@ -1,0 +1,85 @@
+"""The shared wire types refuse non-finite and out-of-range numbers (issue 11), so every backend, the
+in-process ones included, refuses what the HTTP worker refuses; the client refuses it before sending."""
+
+import pytest
+from pydantic import ValidationError
+
+from asyncsess import AdamParams, InvalidInputError, SamplingParams, ServiceClient
+from asyncsess.types import MAX_SEED
+from asyncsess.validation import check_datums, check_loss_fn_config
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": NAN},
+        {"temperature": INF},
+        {"top_p": NAN},
+        {"seed": -1},
+        {"seed": MAX_SEED + 1},
+        {"seed": 10**40},
+        {"stop": ""},
+        {"stop": ["ok", ""]},
+        {"stop": ["x" * 1001]},
+        {"stop": ["s"] * 65},
+    ],
+)
+def test_sampling_params_refuse(kw):
+    with pytest.raises(ValidationError):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_edges_that_stay_valid():
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(seed=MAX_SEED).seed == MAX_SEED
+    assert SamplingParams(temperature=5e-324).temperature == 5e-324  # tiny but finite: backends decode greedily
+    assert SamplingParams(stop=[]).stop == [] and SamplingParams(stop=["\n", 2]).stop_token_ids() == [2]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"learning_rate": INF},
+        {"learning_rate": NAN},
+        {"learning_rate": 1e30},
+        {"learning_rate": 1e39},
+        {"eps": 0.0},
+        {"eps": INF},
+        {"weight_decay": NAN},
+        {"weight_decay": 2.0},
+        {"grad_clip_norm": INF},
+        {"lora_plus_lr_ratio": INF},
+    ],
+)
+def test_adam_params_refuse(kw):
+    with pytest.raises(ValidationError):
+        AdamParams(**kw)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, 1e39, 2**200])
+def test_check_datums_refuses_non_finite_float32(bad):
+    datum = {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [1.0, bad]}}
+    with pytest.raises(InvalidInputError) as err:
+        check_datums([datum], "cross_entropy")
+    assert err.value.field == "data[0].loss_fn_inputs['weights']" and err.value.fix
+    ok = {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [5e-324, 3.4e38]}}
+    assert check_datums([ok], "cross_entropy")
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, "nan"])
+def test_loss_config_values_are_finite(bad):
+    with pytest.raises(InvalidInputError) as err:
+        check_loss_fn_config("ppo", {"clip_low_threshold": bad})
+    assert "clip_low_threshold" in err.value.field
+
+
+@pytest.mark.anyio
+async def test_the_client_refuses_before_sending():
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        with pytest.raises(InvalidInputError, match="adam_params.learning_rate"):
+            tc.optim_step({"learning_rate": INF})
+        sc = await tc.save_weights_and_get_sampling_client("s")
+        with pytest.raises(InvalidInputError, match="sampling_params.seed"):
+            sc.sample([1, 2], 1, {"seed": -1})

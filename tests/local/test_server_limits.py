@@ -1,0 +1,474 @@
+"""The worker's validation layer, class by class (issue 11): every rejection is a 400 naming the field and
+the fix, nothing is created by a refused request, and the server stays healthy.
+
+Each case is a class of input from the issue (bad checkpoint paths, filesystem paths as base models,
+non-finite or overflowing numbers, uncapped counts, bad names, empty stops), tried on every route that
+takes it. The fuzz (test_server_fuzz.py) covers the same classes by generation.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from server_helpers import KEY, MINE, assert_healthy, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+
+pytestmark = pytest.mark.local
+
+NAN, INF = float("nan"), float("inf")
+BAD_PATHS = [
+    "a\x00b",
+    "local://x\x00",
+    "\ud800",
+    "x" * 5000,
+    "",
+    "/",
+    "/proc/self",
+    "local:///etc",
+    "../../etc/passwd",
+    "s3://b/k",
+    "local://\n",
+]
+BAD_MODELS = ["/", "/proc/self", "", "..", "/etc", "\ud800", "a\x00", "x" * 5000, "local:///etc", "tiny-llama-nope"]
+BAD_NAMES = ["x\n", "\n", "..", "a..b", "a/b", "", ".hidden", "x" * 129, "a\x00", "é", "\ud800", " x"]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny, tmp_path_factory):
+    w = start_worker(tiny, str(tmp_path_factory.mktemp("limits-ckpt")))
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def c(worker):
+    with httpx.Client(base_url=worker.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ids(c, tiny):
+    """A session with a saved checkpoint, and a sampler on the base model (both of KEY)."""
+    sid = new_session(c, tiny, MINE)
+    r = c.post(f"/v1/sessions/{sid}/ops", json={"kind": "save_state", "seq": 1, "idempotency_key": "s1", "name": "kept"}, headers=MINE)
+    assert r.status_code == 200, r.text
+    return {"sid": sid, "smp": new_sampler(c, MINE, base_model=tiny), "state": r.json()["result"]["path"]}
+
+
+def _op(ids, **kw):
+    return {"kind": "optim_step", "seq": 2, "idempotency_key": "k", **kw}
+
+
+@pytest.mark.parametrize("path", BAD_PATHS)
+def test_bad_checkpoint_paths_are_refused_on_every_route(c, tiny, ids, path):
+    assert_refused(send(c, "POST", "/v1/samplers", {"model_path": path}, MINE), "model_path")
+    assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": path}, MINE), "from_path")
+    assert_refused(send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(ids, kind="load_state", path=path), MINE), "path")
+
+
+@pytest.mark.parametrize("name", BAD_MODELS)
+def test_base_model_is_a_name_from_the_list_never_a_path(c, worker, tiny, name):
+    assert_refused(send(c, "POST", "/v1/sessions", {"base_model": name}, MINE), "base_model")
+    assert_refused(send(c, "POST", "/v1/samplers", {"base_model": name}, MINE), "base_model")
+    r = c.get("/v1/tokenizer", params={"base_model": name}, headers=MINE) if "\ud800" not in name else None
+    if r is not None:
+        assert_refused(r, "base_model")
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model")
+    assert set(worker.backend.engine.slots) == {tiny}  # nothing else was loaded
+
+
+def test_checkpoint_dirs_are_base_models_for_nobody(c, worker, tiny, ids):
+    """A merged checkpoint is a full model directory: naming it as a base model is refused, even by its owner."""
+    r = c.post(
+        f"/v1/sessions/{ids['sid']}/ops",
+        json={"kind": "save_weights", "seq": 2, "idempotency_key": "m", "merge_weights": True},
+        headers=MINE,
+    )
+    assert r.status_code == 200, r.text
+    merged = r.json()["result"]["path"]
+    for name in (merged, merged.removeprefix("local://")):
+        assert_refused(send(c, "POST", "/v1/sessions", {"base_model": name}, MINE), "base_model")
+        assert_refused(send(c, "POST", "/v1/samplers", {"base_model": name}, MINE), "base_model")
+        assert_refused(c.get("/v1/tokenizer", params={"base_model": name}, headers=MINE), "base_model")
+    assert new_sampler(c, MINE, model_path=merged)  # as a checkpoint path, its owner may sample it
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_checkpoint_names_match_the_whole_pattern(c, worker, ids, name):
+    for kind in ("save_state", "save_weights"):
+        r = send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", {"kind": kind, "seq": 9, "idempotency_key": "n", "name": name}, MINE)
+        assert_refused(r, "name")
+    root = worker.backend.engine.store.root
+    assert not [p for p in root.rglob("*") if "\n" in p.name or p.name.startswith(".x")]
+
+
+SESSION_CASES = [
+    ({"alpha": NAN}, "alpha"),
+    ({"alpha": INF}, "alpha"),
+    ({"alpha": -INF}, "alpha"),
+    ({"alpha": 0}, "alpha"),
+    ({"alpha": 1e300}, "alpha"),
+    ({"rank": 0}, "rank"),
+    ({"rank": 10**30}, "rank"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 10**40}, "seed"),
+    ({"user_metadata": {"k": "\x00"}}, "user_metadata.k"),
+    ({"user_metadata": {str(i): "v" for i in range(65)}}, "user_metadata"),
+    ({"bogus": 1}, "bogus"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field"), SESSION_CASES)
+def test_session_numbers_are_finite_and_in_range(c, tiny, extra, field):
+    assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, **extra}, MINE), field)
+
+
+OP_CASES = [
+    ({"adam_params": {"learning_rate": INF}}, "adam_params.learning_rate"),
+    ({"adam_params": {"learning_rate": NAN}}, "adam_params.learning_rate"),
+    ({"adam_params": {"learning_rate": 1e30}}, "adam_params.learning_rate"),
+    ({"adam_params": {"learning_rate": 1e39}}, "adam_params.learning_rate"),
+    ({"adam_params": {"learning_rate": -1e-9}}, "adam_params.learning_rate"),
+    ({"adam_params": {"eps": 0}}, "adam_params.eps"),
+    ({"adam_params": {"eps": INF}}, "adam_params.eps"),
+    ({"adam_params": {"weight_decay": NAN}}, "adam_params.weight_decay"),
+    ({"adam_params": {"grad_clip_norm": INF}}, "adam_params.grad_clip_norm"),
+    ({"adam_params": {"beta1": 1.0}}, "adam_params.beta1"),
+    ({"seq": 0}, "seq"),
+    ({"seq": -1}, "seq"),
+    ({"seq": 2**70}, "seq"),
+    ({"seq": 5000}, "seq"),  # too far ahead: refused at once, not held for the gap timeout
+    ({"idempotency_key": "\ud800"}, "idempotency_key"),
+    (
+        {
+            "kind": "forward_backward",
+            "loss_fn": "cross_entropy",
+            "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [NAN, 1.0]}}],
+        },
+        "data[0].loss_fn_inputs['weights']",
+    ),
+    (
+        {
+            "kind": "forward_backward",
+            "loss_fn": "cross_entropy",
+            "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [1e39, 1.0]}}],
+        },
+        "data[0].loss_fn_inputs['weights']",
+    ),
+    (
+        {
+            "kind": "forward_backward",
+            "loss_fn": "cross_entropy",
+            "data": [{"model_input": [1, 2**70], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [1.0, 1.0]}}],
+        },
+        None,
+    ),
+    (
+        {
+            "kind": "forward_backward",
+            "loss_fn": "ppo",
+            "loss_fn_config": {"clip_low_threshold": NAN},
+            "data": [{"model_input": [1], "loss_fn_inputs": {"target_tokens": [2], "logprobs": [-1.0], "advantages": [1.0]}}],
+        },
+        "loss_fn_config.clip_low_threshold",
+    ),
+    ({"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [{"model_input": [1]}] * 1025}, "data"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field"), OP_CASES)
+def test_op_numbers_are_finite_and_refused_before_taking_a_seq(c, tiny, extra, field):
+    sid = new_session(c, tiny, MINE)
+    assert_refused(
+        send(
+            c, "POST", f"/v1/sessions/{sid}/ops", {"kind": "optim_step", "seq": 1, "idempotency_key": "k", "adam_params": {}, **extra}, MINE
+        ),
+        field,
+    )
+    # seq 1 is still free: the refused op took nothing, and poisoned nothing
+    r = c.post(
+        f"/v1/sessions/{sid}/ops",
+        json={"kind": "optim_step", "seq": 1, "idempotency_key": "ok", "adam_params": {"learning_rate": 10.0}},
+        headers=MINE,
+    )
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
+
+
+SAMPLE_CASES = [
+    ({"num_samples": 100000}, "num_samples"),
+    ({"num_samples": 0}, "num_samples"),
+    ({"num_samples": 2**70}, "num_samples"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [-1]}, "prompt[0]"),
+    ({"prompt": [2**70]}, "prompt[0]"),
+    ({"prompt": [1, 1000]}, "prompt"),  # outside the vocabulary (384)
+    ({"sampling_params": {"temperature": NAN}}, "sampling_params.temperature"),
+    ({"sampling_params": {"temperature": INF}}, "sampling_params.temperature"),
+    ({"sampling_params": {"temperature": -1e-300}}, "sampling_params.temperature"),
+    ({"sampling_params": {"top_p": NAN}}, "sampling_params.top_p"),
+    ({"sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ({"sampling_params": {"seed": -1}}, "sampling_params.seed"),
+    ({"sampling_params": {"seed": 2**64}}, "sampling_params.seed"),
+    ({"sampling_params": {"stop": ""}}, "sampling_params.stop"),
+    ({"sampling_params": {"stop": ["ok", ""]}}, "sampling_params.stop"),
+    ({"sampling_params": {"stop": ["x"] * 65}}, "sampling_params.stop"),
+    ({"sampling_params": {"stop": [10**6]}}, "sampling_params.stop"),
+    ({"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
+    ({"sampling_params": {"max_tokens": 2**70}}, "sampling_params.max_tokens"),
+    ({"sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+    ({"request_id": "a\x00"}, "request_id"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field"), SAMPLE_CASES)
+def test_sampling_inputs_are_finite_and_capped(c, ids, extra, field):
+    body = {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 2}, **extra}
+    assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/sample", body, MINE), field)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-5, 1e-4])
+def test_tiny_temperatures_decode_greedily_without_nan(c, ids, temperature):
+    body = {"prompt": [5, 6, 7], "num_samples": 3, "sampling_params": {"max_tokens": 4, "temperature": temperature, "stop": []}}
+    r = c.post(f"/v1/samplers/{ids['smp']}/sample", json=body, headers=MINE)
+    assert r.status_code == 200, r.text
+    greedy = c.post(
+        f"/v1/samplers/{ids['smp']}/sample", json={**body, "sampling_params": {**body["sampling_params"], "temperature": 0}}, headers=MINE
+    )
+    seqs = r.json()["sequences"]
+    assert [s["tokens"] for s in seqs] == [greedy.json()["sequences"][0]["tokens"]] * 3
+    assert all(lp == lp and abs(lp) < 1e30 for s in seqs for lp in s["logprobs"])
+
+
+CHAT_CASES = [
+    ({"stop": ""}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"temperature": NAN}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": 10**9}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**6}, "sampling_params.max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "a\x00"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field"), CHAT_CASES)
+def test_chat_inputs_are_refused_with_the_field(c, tiny, extra, field):
+    body = {"model": tiny, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    assert_refused(send(c, "POST", "/v1/chat/completions", body, MINE), field)
+
+
+def test_chat_tiny_temperature_and_stop_strings(c, tiny):
+    body = {"model": tiny, "messages": [{"role": "user", "content": "what is 2 plus 3?"}], "max_tokens": 6}
+    r = c.post("/v1/chat/completions", json={**body, "temperature": 1e-300, "stop": ["zzz"], "seed": 2**63 - 1}, headers=MINE)
+    assert r.status_code == 200, r.text
+    greedy = c.post("/v1/chat/completions", json={**body, "temperature": 0}, headers=MINE).json()
+    assert r.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("logprob_tokens", [[], [-1], [2**70], [1, 10**6], "abc"])
+def test_logprobs_tokens_are_checked(c, ids, logprob_tokens):
+    assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/logprobs", {"tokens": logprob_tokens}, MINE))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": b"Bearer \xc3\xa9t\xc3\xa9"},  # non-ASCII (UTF-8)
+        {"Authorization": b"Bearer \xff\xfe"},  # not UTF-8 at all
+        {"X-API-Key": b"key-\xe9"},
+        {"Authorization": "Bearer " + "k" * 10000},
+        {"Authorization": "Basic " + KEY},
+    ],
+)
+def test_every_route_and_the_docs_need_the_key(c, headers):
+    for method, path in [
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/redoc"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/sessions"),
+        ("GET", "/nope"),
+    ]:
+        r = c.request(method, path, headers=headers)
+        assert_refused(r, "Authorization", status=401)
+
+
+def test_docs_are_off_and_the_schema_is_behind_the_key(c):
+    assert c.get("/openapi.json", headers=MINE).json()["paths"]["/v1/sessions/{session_id}/ops"]
+    assert c.get("/docs", headers=MINE).status_code == 404 and c.get("/redoc", headers=MINE).status_code == 404
+    assert_refused(c.put("/v1/models", headers=MINE), "method", status=405)
+
+
+def test_an_unexpected_error_is_a_logged_500_and_the_connection_stays_open(worker, tiny, monkeypatch, caplog):
+    async def broken():
+        raise RuntimeError("injected fault")
+
+    conn = http.client.HTTPConnection("127.0.0.1", worker.port, timeout=60)
+    try:
+        conn.request("GET", "/v1/models", headers=MINE)
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
+        monkeypatch.setattr(worker.backend, "capabilities", broken)
+        conn.request("GET", "/v1/capabilities", headers=MINE)
+        r = conn.getresponse()
+        body = r.read()
+        assert r.status == 500 and b'"type":"ServerError"' in body and b"injected" not in body  # no internals leak
+        assert (r.getheader("connection") or "").lower() != "close"
+        monkeypatch.undo()
+        conn.request("GET", "/v1/capabilities", headers=MINE)
+        again = conn.getresponse()
+        assert again.status == 200 and again.read()
+        assert conn.sock is sock  # the same keep-alive connection
+    finally:
+        conn.close()
+    assert any(
+        "injected fault" in (rec.exc_text or "") or "injected" in rec.getMessage()
+        for rec in caplog.records
+        if rec.name == "asyncsess.worker"
+    )
+
+
+def test_a_body_over_the_cap_gets_a_413(tmp_path):
+    from asyncsess_local.embedded import LocalBackend
+    from asyncsess_local.server import serve_in_thread
+
+    w = serve_in_thread(LocalBackend(device="cpu", checkpoint_dir=str(tmp_path)), [KEY], max_body_bytes=1000)
+    try:
+        with httpx.Client(base_url=w.url, timeout=60) as c:
+            assert_refused(c.post("/v1/sessions", content=b"{" + b" " * 2000 + b"}", headers=MINE), "body", status=413)
+
+            def chunks():
+                for _ in range(20):
+                    yield b" " * 100
+
+            assert_refused(c.post("/v1/sessions", content=chunks(), headers=MINE), "body", status=413)  # no Content-Length
+            assert c.get("/v1/models", headers=MINE).status_code == 200
+    finally:
+        w.stop()
+
+
+def test_the_server_is_healthy_after_all_this(c, tiny):
+    assert_healthy(c, tiny)
+
+
+def test_one_requests_failure_in_a_batch_fails_only_itself(worker, tiny, ids):
+    """Engine level: a request that passes validation but fails inside a batched generation is run again
+    alone, so the requests batched with it still succeed."""
+    from asyncsess.types import SamplingParams
+    from asyncsess_local.engine import _Work
+    from asyncsess_local.sampler import SampleJob
+
+    engine = worker.backend.engine
+    ref = engine.samplers[ids["smp"]]
+    gate = threading.Event()
+    blocker = engine.call_soon(gate.wait)  # hold the engine thread so the samples below share one batch
+    good = [SampleJob([5, 6], 2, SamplingParams(max_tokens=2, seed=i), max_tokens=2) for i in range(3)]
+    bad = SampleJob(
+        [5, 6], 1, SamplingParams.model_construct(max_tokens=2, temperature=1.0, top_p=1.0, top_k=-1, stop=None, seed=2**70), max_tokens=2
+    )
+    works = [_Work("sample", slot=ref.slot, job=j) for j in (good[0], bad, good[1], good[2])]
+    batches = engine.stats["sample_batches"]
+    dones = [engine.submit(w) for w in works]
+    gate.set()
+    import anyio
+
+    async def collect():
+        await blocker.wait()
+        out = []
+        for d in dones:
+            try:
+                out.append(await d.wait())
+            except Exception as err:
+                out.append(err)
+        return out
+
+    results = anyio.run(collect)
+    assert engine.stats["sample_batches"] == batches + 1  # they were batched together
+    assert isinstance(results[1], Exception)
+    assert [len(r.sequences) for i, r in enumerate(results) if i != 1] == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("status", "content", "expected", "field"),
+    [
+        (
+            413,
+            b'{"error":{"type":"InvalidInputError","message":"body: too large","field":"body","fix":"send less"}}',
+            "InvalidInputError",
+            "body",
+        ),
+        (
+            401,
+            b'{"error":{"type":"InvalidInputError","message":"key","field":"Authorization","fix":"send a key"}}',
+            "InvalidInputError",
+            "Authorization",
+        ),
+        (404, b'{"error":{"type":"SessionGoneError","message":"no session"}}', "SessionGoneError", None),
+        (502, b"<html>bad gateway</html>", "TransientError", None),
+        (400, b"not json", "InvalidInputError", None),
+        (200, b"not json", "ServerError", None),
+    ],
+)
+def test_the_http_client_maps_every_answer_to_a_typed_error(status, content, expected, field):
+    import anyio
+
+    from asyncsess import errors
+    from asyncsess_local.http_client import HttpBackend
+
+    backend = HttpBackend(
+        "http://worker.invalid", api_key=KEY, transport=httpx.MockTransport(lambda request: httpx.Response(status, content=content))
+    )
+
+    async def call():
+        try:
+            await backend.heartbeat("lora-1")
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(getattr(errors, expected)) as exc:
+        anyio.run(call)
+    assert getattr(exc.value, "field", None) == field
+
+
+def test_open_sessions_and_samplers_per_key_are_capped(tiny, tmp_path):
+    from server_helpers import THEIRS
+
+    w = start_worker(tiny, str(tmp_path), max_live_per_key=3)
+    try:
+        with httpx.Client(base_url=w.url, timeout=120) as c:
+            held = [new_session(c, tiny, MINE), new_sampler(c, MINE, base_model=tiny), new_session(c, tiny, MINE)]
+            assert_refused(c.post("/v1/sessions", json={"base_model": tiny}, headers=MINE), "base_model")
+            assert_refused(c.post("/v1/samplers", json={"base_model": tiny}, headers=MINE), "base_model")
+            assert new_session(c, tiny, THEIRS)  # the other key has its own allowance
+            assert c.delete(f"/v1/sessions/{held[1]}", headers=MINE).status_code == 204
+            assert new_sampler(c, MINE, base_model=tiny)
+    finally:
+        w.stop()
+
+
+def test_the_sampler_falls_back_to_greedy_on_non_finite_probabilities():
+    """Weights trained into NaN or logits at ±inf must not fail the batch: such a row takes the arg-max."""
+    from asyncsess.types import SamplingParams
+    from asyncsess_local.sampler import SampleJob, TorchSampler, _Row
+
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [float("nan"), 1.0, 3.0, float("nan")], [0.0, float("inf"), 1.0, 0.0]])
+    jobs = [SampleJob([1], 1, SamplingParams(temperature=1.0, seed=i), max_tokens=1) for i in range(3)]
+    rows = [_Row(job=i, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    chosen = TorchSampler._choose(None, logits, rows, jobs)  # type: ignore[arg-type]
+    assert chosen.tolist()[1:] == [2, 1] and 0 <= chosen[0] < 4

@@ -1,0 +1,157 @@
+"""Two API keys on one worker (issue 11): on every route, one key cannot see, use, stop or probe the other's
+sessions, samplers and checkpoints, and an answer never tells whether another tenant's object exists.
+One key's bad requests, sent at the same time as the other's good ones, fail only themselves."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from server_helpers import MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+
+pytestmark = pytest.mark.local
+
+GHOST_SESSION, GHOST_SAMPLER = "lora-000000000000", "sampler-000000000000"
+
+
+@pytest.fixture(scope="module")
+def worker(tiny, tmp_path_factory):
+    w = start_worker(tiny, str(tmp_path_factory.mktemp("tenants-ckpt")))
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def c(worker):
+    with httpx.Client(base_url=worker.url, timeout=120) as client:
+        yield client
+
+
+def _op(kind: str, seq: int, **kw):
+    return {"kind": kind, "seq": seq, "idempotency_key": f"{kind}-{seq}", **kw}
+
+
+@pytest.fixture(scope="module")
+def mine(c, tiny):
+    """Everything the first key owns: a session, each kind of checkpoint, and a sampler."""
+    sid = new_session(c, tiny, MINE)
+    paths = {}
+    for seq, (kind, extra) in enumerate(
+        [("save_state", {}), ("save_weights", {}), ("save_weights", {"merge_weights": True}), ("save_weights", {"ephemeral": True})],
+        start=1,
+    ):
+        r = c.post(f"/v1/sessions/{sid}/ops", json=_op(kind, seq, **extra), headers=MINE)
+        assert r.status_code == 200, r.text
+        paths[r.json()["result"]["kind"] if not extra.get("ephemeral") else "ephemeral"] = r.json()["result"]["path"]
+    assert set(paths) == {"state", "sampler", "merged", "ephemeral"}
+    smp = new_sampler(c, MINE, model_path=paths["sampler"])
+    return {"sid": sid, "smp": smp, "paths": paths}
+
+
+def _same_answer(a: httpx.Response, b: httpx.Response, secret: str, ghost: str) -> None:
+    """``a`` (about another tenant's real object) and ``b`` (about one that never existed) say the same."""
+    assert a.status_code == b.status_code and 400 <= a.status_code < 500, (a.text, b.text)
+    ea, eb = a.json()["error"], b.json()["error"]
+    assert {k: str(v).replace(secret, "X") for k, v in ea.items()} == {k: str(v).replace(ghost, "X") for k, v in eb.items()}
+
+
+def _their_calls(ids: dict[str, str], tiny: str) -> list[tuple[str, str, object]]:
+    """Every route that takes a session id, a sampler id or a checkpoint path, aimed at ``ids``."""
+    sid, smp = ids["sid"], ids["smp"]
+    return [
+        ("POST", f"/v1/sessions/{sid}/heartbeat", None),
+        ("POST", f"/v1/sessions/{sid}/ops", _op("optim_step", 5, adam_params={})),
+        ("POST", f"/v1/sessions/{sid}/ops", _op("save_state", 5)),
+        ("POST", f"/v1/samplers/{smp}/sample", {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 2}}),
+        ("POST", f"/v1/samplers/{smp}/logprobs", {"tokens": [5, 6, 7]}),
+        ("GET", f"/v1/checkpoints?session_id={sid}", None),
+        ("POST", "/v1/chat/completions", {"model": sid, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"model": smp, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        *[("POST", "/v1/samplers", {"model_path": p}) for p in ids["paths"]],
+        *[("POST", "/v1/sessions", {"base_model": tiny, "from_path": p}) for p in ids["paths"]],
+        *[("POST", "/v1/sessions", {"base_model": p.removeprefix("local://")}) for p in ids["paths"]],
+        *[("POST", "/v1/samplers", {"base_model": p.removeprefix("local://")}) for p in ids["paths"]],
+        *[("GET", f"/v1/tokenizer?base_model={p.removeprefix('local://')}", None) for p in ids["paths"]],
+        *[("POST", "/v1/chat/completions", {"model": p, "messages": [{"role": "user", "content": "hi"}]}) for p in ids["paths"]],
+    ]
+
+
+def test_the_other_key_can_use_nothing_and_learns_nothing(c, tiny, mine, worker):
+    ghost = {"sid": GHOST_SESSION, "smp": GHOST_SAMPLER, "paths": [p.replace(mine["sid"], GHOST_SESSION) for p in mine["paths"].values()]}
+    real = {**mine, "paths": list(mine["paths"].values())}
+    theirs_sid = new_session(c, tiny, THEIRS)
+    calls = _their_calls(real, tiny) + [("POST", f"/v1/sessions/{theirs_sid}/ops", _op("load_state", 1, path=p)) for p in real["paths"]]
+    ghost_calls = _their_calls(ghost, tiny) + [
+        ("POST", f"/v1/sessions/{theirs_sid}/ops", _op("load_state", 1, path=p)) for p in ghost["paths"]
+    ]
+    slots = set(worker.backend.engine.slots)
+    for (method, path, body), (gm, gpath, gbody) in zip(calls, ghost_calls):
+        r = send(c, method, path, body, THEIRS)
+        assert_refused(r, status=r.status_code)
+        assert r.status_code in (400, 404), (path, body, r.text)
+        g = send(c, gm, gpath, gbody, THEIRS)
+        _same_answer(
+            r,
+            g,
+            mine["sid"] if mine["sid"] in str((path, body)) else mine["smp"],
+            GHOST_SESSION if mine["sid"] in str((path, body)) else GHOST_SAMPLER,
+        )
+    assert set(worker.backend.engine.slots) == slots  # no checkpoint was loaded as a base model
+    # the lists show the other key nothing of the first key's
+    listed = str(c.get("/v1/checkpoints", headers=THEIRS).json()) + str(c.get("/v1/models", headers=THEIRS).json())
+    assert mine["sid"] not in listed and mine["smp"] not in listed
+    # a stranger's stop is a no-op
+    assert c.delete(f"/v1/sessions/{mine['sid']}", headers=THEIRS).status_code == 204
+    assert c.delete(f"/v1/sessions/{mine['smp']}", headers=THEIRS).status_code == 204
+    # and everything still works for its owner
+    assert c.post(f"/v1/sessions/{mine['sid']}/heartbeat", headers=MINE).status_code == 204
+    r = c.post(
+        f"/v1/samplers/{mine['smp']}/sample", json={"prompt": [5], "num_samples": 1, "sampling_params": {"max_tokens": 2}}, headers=MINE
+    )
+    assert r.status_code == 200, r.text
+    assert mine["sid"] in str(c.get("/v1/models", headers=MINE).json())
+    for p in mine["paths"].values():
+        assert new_sampler(c, MINE, model_path=p)
+    assert c.post("/v1/sessions", json={"base_model": tiny, "from_path": mine["paths"]["state"]}, headers=MINE).status_code == 200
+
+
+def test_a_missing_checkpoint_of_the_other_key_reads_like_an_existing_one(c, mine):
+    """Probing names under another tenant's session gives one answer whether or not the checkpoint exists."""
+    real = mine["paths"]["state"]
+    absent = real.rsplit("/", 1)[0] + "/no-such-name"
+    a, b = send(c, "POST", "/v1/samplers", {"model_path": real}, THEIRS), send(c, "POST", "/v1/samplers", {"model_path": absent}, THEIRS)
+    _same_answer(a, b, real, absent)
+    # the owner, and only the owner, is told that a name of theirs does not exist
+    assert "no checkpoint" in assert_refused(send(c, "POST", "/v1/samplers", {"model_path": absent}, MINE), "model_path")["message"]
+
+
+def test_one_keys_bad_requests_do_not_fail_the_other_keys_batch(c, tiny):
+    """Sent together, so they share the engine's sampling batches: the bad ones fail alone."""
+    smp_mine, smp_theirs = new_sampler(c, MINE, base_model=tiny), new_sampler(c, THEIRS, base_model=tiny)
+    good = {"prompt": [5, 6], "num_samples": 2, "sampling_params": {"max_tokens": 3, "seed": 7}}
+    bads = [
+        {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 3, "seed": 2**64}},
+        {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 3, "seed": -1}},
+        {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 3, "temperature": 1e-300}},  # fine: greedy
+        {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 3, "stop": [""]}},
+        {"prompt": [5, 999], "num_samples": 1, "sampling_params": {"max_tokens": 3}},
+        {"prompt": [5, 6], "num_samples": 100000, "sampling_params": {"max_tokens": 3}},
+    ]
+
+    def call(args):
+        sampler, body, headers = args
+        with httpx.Client(base_url=c.base_url, timeout=120) as own:
+            return own.post(f"/v1/samplers/{sampler}/sample", json=body, headers=headers)
+
+    jobs = [(smp_mine, good, MINE)] * 8 + [(smp_theirs, b, THEIRS) for b in bads] * 2
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(call, jobs))
+    mine_out, theirs_out = out[:8], out[8:]
+    assert all(r.status_code == 200 for r in mine_out), [r.text for r in mine_out if r.status_code != 200]
+    tokens = [[s["tokens"] for s in r.json()["sequences"]] for r in mine_out]
+    assert all(t == tokens[0] for t in tokens)  # same seed, same tokens, whatever it was batched with
+    assert [r.status_code for r in theirs_out] == [400, 400, 200, 400, 400, 400] * 2
