@@ -76,7 +76,7 @@ async def test_cpu_bound_program_is_stopped_by_the_limits(make_sandbox):
     sandbox = make_sandbox(timeout_s=1.0)
     result = await sandbox.run("n = 0\nwhile True:\n    n += 1")
     assert result.status == "timeout" and result.exit_code is not None and result.exit_code < 0
-    assert result.cpu_s is not None and result.cpu_s > 0.3  # it did burn CPU until stopped
+    assert result.cpu_s is not None and result.cpu_s > 0  # it did burn CPU until stopped (how much: load-dependent)
 
 
 async def test_rlimits_are_set_in_the_program(make_sandbox):

@@ -3,14 +3,19 @@
 LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 
 1. reads the program and its files from the working directory;
-2. with ``namespaces``: enters fresh network and mount namespaces -- no network interfaces but a down loopback,
-   the whole filesystem read-only, ``hidden_paths`` covered by empty unreadable mounts, the working directory
-   a private size-capped tmpfs, and /proc showing only the viewer's own processes -- and writes the files
+2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
+   down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
+   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs, any other
+   host unix socket by /dev/null, and the working directory a private size-capped tmpfs -- and writes the files
    back into the tmpfs;
-3. becomes a child subreaper and forks the program's process, which sets its rlimits, drops to the sandbox
-   uid, installs the socket guard and runs the code;
-4. waits for it, kills and reaps everything the program left behind, and writes one JSON line to the status fd:
-   ``{"started", "exit_code" | "signal", "cpu_s", "stopped"}``, or ``{"error"}`` when setup failed.
+3. becomes a child subreaper and forks the program's process (pid 1 of the new PID namespace), which joins the
+   run's cgroup (``cgroup_fds``), mounts a /proc of its namespace, sets its rlimits, sets no_new_privs, empties
+   its capability bounding set, drops to the sandbox uid, takes a session keyring of its own, installs the
+   socket guard and runs the code;
+4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
+   kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
+   SysV IPC objects), and writes one JSON line to the status fd:
+   ``{"started", "exit_code" | "signal", "cpu_s", "stopped", "memory_exceeded"}``, or ``{"error"}``.
 
 SIGTERM from the host means stop now (timeout, output cap): kill, reap, report. The supervisor stays root,
 so the program cannot signal, trace or read it.
@@ -26,10 +31,14 @@ import sys
 import time
 import traceback
 
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x4000, 0x40000
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 36, 24, 38
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_GET_PERSISTENT = 1, 7, 22
+_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+_IPC_RMID = 0
+_WATCH_INTERVAL_S = 0.02
 _AF_UNIX = 1
 _NETWORK_EVENTS = {
     "socket.bind",
@@ -58,21 +67,109 @@ def _mount(source, target, fstype, flags, data):
     _call("mount", source, target.encode(), fstype, ctypes.c_ulong(flags), data)
 
 
-def _enter_namespaces(workdir, size_mb, uid, gid, hidden_paths):
-    _call("unshare", _CLONE_NEWNS | _CLONE_NEWNET)
+def _host_socket_paths():
+    """Pathname unix sockets bound in this network namespace (read before leaving it)."""
+    try:
+        with open("/proc/net/unix") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    return sorted({fields[7] for fields in map(str.split, lines) if len(fields) > 7 and fields[7].startswith("/")})
+
+
+def _limit_ipc(memory_mb):
+    """Cap SysV shared memory and message queues in the new IPC namespace (its sysctls are per namespace)."""
+    pages = max(1, (memory_mb << 20) // os.sysconf("SC_PAGE_SIZE"))
+    for name, value in (("kernel/shmmax", memory_mb << 20), ("kernel/shmall", pages), ("kernel/shmmni", 64), ("kernel/msgmni", 64)):
+        try:
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(str(value))
+        except OSError:  # a read-only /proc/sys: the namespace is still private and dies with the run
+            pass
+
+
+def _enter_namespaces(cfg, uid, gid):
+    """Fresh mount, network, IPC, UTS and PID namespaces (the next child is pid 1 of the new one)."""
+    sockets = _host_socket_paths()
+    _call("unshare", _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWPID)
+    _limit_ipc(cfg["memory_mb"])
     _call("mount", None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None)  # nothing propagates to the host
     attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)
     args = (ctypes.c_long(_AT_FDCWD), b"/", ctypes.c_long(_AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
     _call("syscall", ctypes.c_long(_SYS_MOUNT_SETATTR), *args)  # every mount read-only (Linux >= 5.12)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    for path in cfg["hidden_paths"]:
+        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
+    covered = list(cfg["hidden_paths"])
+    for path in cfg["socket_dirs"]:  # /tmp, /run, ...: empty, root-owned, not writable by the run
+        _mount(b"tmpfs", path, b"tmpfs", flags, b"size=64k,nr_inodes=64,mode=0755")
+        covered.append(path)
+    for path in sockets:  # any other socket the host has bound: covered by /dev/null, connect() is refused
+        if not any(os.path.commonpath([path, c]) == c for c in covered):
+            try:
+                _mount(b"/dev/null", path, None, _MS_BIND, None)
+            except OSError:  # gone meanwhile, or not reachable
+                pass
+    os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
+    owner = "" if uid is None else f",uid={uid},gid={gid}"
+    _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
+
+
+def _mount_proc():
+    """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only."""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     try:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=2")  # kernels before 5.8
-    for path in hidden_paths:
-        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
-    owner = "" if uid is None else f",uid={uid},gid={gid}"
-    _mount(b"tmpfs", workdir, b"tmpfs", flags, f"size={size_mb}m,nr_inodes=4096,mode=0700{owner}".encode())
+
+
+def _keyctl(*args):
+    number = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+    if number is None:
+        return -1
+    return _libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+
+
+def _harden():
+    """No privilege gain through exec (setuid binaries, file capabilities), and no capabilities to gain."""
+    _call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _call("prctl", _PR_CAPBSET_DROP, cap, 0, 0, 0)
+
+
+def _clear_uid_state(uid):
+    """What a run's uid keeps in the kernel after its processes are gone: its keyrings, its SysV IPC objects.
+
+    Done as that uid (real and effective; root stays the saved uid, to come back), once all of its processes are
+    dead. The run's IPC namespace, when there is one, frees its objects itself when it dies.
+    """
+    os.setresgid(uid, uid, 0)
+    os.setresuid(uid, uid, 0)
+    try:
+        for spec in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
+            _keyctl(_KEYCTL_CLEAR, spec)
+        persistent = _keyctl(_KEYCTL_GET_PERSISTENT, -1, 0)
+        if persistent > 0:
+            _keyctl(_KEYCTL_CLEAR, persistent)
+    finally:
+        os.setresuid(0, 0, 0)
+        os.setresgid(0, 0, 0)
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = [line.split() for line in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        uid_col, cuid_col = {"shm": (7, 9), "msg": (7, 9), "sem": (4, 6)}[kind]  # owner, creator
+        for row in rows:
+            if len(row) > cuid_col and uid in (int(row[uid_col]), int(row[cuid_col])):
+                if kind == "sem":
+                    _libc.semctl(int(row[1]), 0, _IPC_RMID)
+                else:
+                    getattr(_libc, f"{kind}ctl")(int(row[1]), _IPC_RMID, None)
 
 
 def _read_tree(root):
@@ -106,7 +203,7 @@ def _prepare(cfg):
     files = _read_tree(workdir)
     if cfg["namespaces"]:
         try:
-            _enter_namespaces(workdir, cfg["workdir_mb"], uid, gid, cfg["hidden_paths"])
+            _enter_namespaces(cfg, uid, gid)
         except OSError as exc:  # the host degrades on this message only, never on other setup failures
             raise RuntimeError(f"namespaces unavailable: {exc}") from exc
         _write_tree(workdir, files)
@@ -128,6 +225,7 @@ def _set_limits(cfg):
     _set_limit(resource.RLIMIT_FSIZE, cfg["workdir_mb"] << 20)
     _set_limit(resource.RLIMIT_NOFILE, 256)
     _set_limit(resource.RLIMIT_CORE, 0)
+    _set_limit(resource.RLIMIT_MSGQUEUE, 1 << 20)  # POSIX message queue bytes
     cpu = cfg["cpu_s"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
 
@@ -140,11 +238,18 @@ def _socket_guard(event, args):
 def _child(cfg, source, sync_w):
     """The program's process: confine itself, tell the supervisor it is ready, run the code."""
     try:
+        for fd in cfg["cgroup_fds"]:  # join the run's cgroup first: all it starts is inside
+            os.write(fd, b"0")
+            os.close(fd)
+        if cfg["namespaces"]:
+            _mount_proc()
         _set_limits(cfg)
         if cfg["uid"] is not None:
+            _harden()
             os.setgroups([])
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])
+            _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh session keyring of its own, not the host's
         os.chdir(cfg["workdir"])
         if cfg["socket_guard"]:
             sys.addaudithook(_socket_guard)
@@ -187,15 +292,33 @@ def _children():
 
 
 def _kill_uid(uid):
-    """SIGKILL every process of ``uid`` at once (kill(-1) is atomic against fork)."""
-    pid = os.fork()
-    if pid == 0:
+    """SIGKILL every process of ``uid`` at once (kill(-1) is atomic against fork), as that uid."""
+    os.setresuid(uid, uid, 0)
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.setresuid(0, 0, 0)
+
+
+def _memory_in_use(uid):
+    """Proportional set size (shared pages split among their users), in bytes, of all processes of ``uid``."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/smaps_rollup", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Pss:"):
+                        total += int(line.split()[1]) << 10
+                        break
+        except (OSError, ValueError):  # exited meanwhile
+            continue
+    return total
 
 
 def _reap_all(main_pid, uid, report):
@@ -223,23 +346,33 @@ def _reap_all(main_pid, uid, report):
             report.update(_exit_fields(wait_status, rusage))
 
 
-def _wait(pid, wake_r, report):
-    """Until the program exits (its status goes into ``report``) or the host sends SIGTERM."""
+def _wait(pid, wake_r, report, watch_uid, memory_bytes):
+    """Until the program exits (its status goes into ``report``) or the host sends SIGTERM.
+
+    With ``watch_uid`` (no cgroup to do it), the memory of all the run's processes is summed every 20 ms and the
+    run is killed once it goes over ``memory_bytes``.
+    """
     while True:
         done, wait_status, rusage = os.wait4(pid, os.WNOHANG)
         if done:
             report.update(_exit_fields(wait_status, rusage))
             return
-        select.select([wake_r], [], [])  # a SIGCHLD or SIGTERM arrived (the bytes are signal numbers)
-        if signal.SIGTERM in os.read(wake_r, 256):
+        ready, _, _ = select.select([wake_r], [], [], _WATCH_INTERVAL_S if watch_uid is not None else None)
+        if ready and signal.SIGTERM in os.read(wake_r, 256):  # else: a SIGCHLD, or time to check memory
             report["stopped"] = True
+            return
+        if watch_uid is not None and _memory_in_use(watch_uid) > memory_bytes:
+            report["memory_exceeded"] = True
             return
 
 
 def _supervise(pid, sync_r, wake_r, cfg):
     report: dict = {}
-    _wait(pid, wake_r, report)
+    watch = cfg["uid"] if cfg["memory_watch"] and cfg["uid"] is not None else None
+    _wait(pid, wake_r, report, watch, cfg["memory_mb"] << 20)
     _reap_all(pid, cfg["uid"], report)
+    if cfg["uid"] is not None:
+        _clear_uid_state(cfg["uid"])
     report["started"] = os.read(sync_r, 1) == b"1"  # every writer is gone, so this cannot block
     if not report["started"] and not report.get("stopped"):
         report["error"] = "the program's process failed to set up (see stderr)"
@@ -274,7 +407,8 @@ def main():
             os.close(fd)
         _child(cfg, source, sync_w)
         return
-    os.close(sync_w)
+    for fd in [sync_w, *cfg["cgroup_fds"]]:
+        os.close(fd)
     _emit(status_fd, _supervise(pid, sync_r, wake_r, cfg))
 
 
