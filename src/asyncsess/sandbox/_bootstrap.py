@@ -52,6 +52,11 @@ _NETWORK_EVENTS = {
 }
 _libc = ctypes.CDLL(None, use_errno=True)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cgroups  # noqa: E402  (stdlib only, like this file)
+
+del sys.path[0]
+
 
 def _note_signal(signum, frame):
     """SIGTERM and SIGCHLD only wake the supervisor up (through the wakeup fd); nothing is raised mid-cleanup."""
@@ -346,30 +351,37 @@ def _reap_all(main_pid, uid, report):
             report.update(_exit_fields(wait_status, rusage))
 
 
-def _wait(pid, wake_r, report, watch_uid, memory_bytes):
-    """Until the program exits (its status goes into ``report``) or the host sends SIGTERM.
+def _over_budget(cfg):
+    """Whether the run went over its memory: the cgroup's OOM killer acted, or (no cgroup) its processes' sum."""
+    if cfg["cgroup"]:
+        return _cgroups.RunCgroup(**cfg["cgroup"]).oom_kills() > 0
+    return _memory_in_use(cfg["uid"]) > cfg["memory_mb"] << 20
 
-    With ``watch_uid`` (no cgroup to do it), the memory of all the run's processes is summed every 20 ms and the
-    run is killed once it goes over ``memory_bytes``.
+
+def _wait(pid, wake_r, report, cfg):
+    """Until the program exits (its status goes into ``report``), goes over its memory, or the host sends SIGTERM.
+
+    Memory is checked every 20 ms: a cgroup's OOM kill ends the whole run (cgroup v1 would kill only the largest
+    process); without a cgroup, this is the memory limit over all of the run's processes.
     """
+    watch = cfg["uid"] is not None and (cfg["cgroup"] or cfg["memory_watch"])
     while True:
         done, wait_status, rusage = os.wait4(pid, os.WNOHANG)
         if done:
             report.update(_exit_fields(wait_status, rusage))
             return
-        ready, _, _ = select.select([wake_r], [], [], _WATCH_INTERVAL_S if watch_uid is not None else None)
+        ready, _, _ = select.select([wake_r], [], [], _WATCH_INTERVAL_S if watch else None)
         if ready and signal.SIGTERM in os.read(wake_r, 256):  # else: a SIGCHLD, or time to check memory
             report["stopped"] = True
             return
-        if watch_uid is not None and _memory_in_use(watch_uid) > memory_bytes:
+        if watch and _over_budget(cfg):
             report["memory_exceeded"] = True
             return
 
 
 def _supervise(pid, sync_r, wake_r, cfg):
     report: dict = {}
-    watch = cfg["uid"] if cfg["memory_watch"] and cfg["uid"] is not None else None
-    _wait(pid, wake_r, report, watch, cfg["memory_mb"] << 20)
+    _wait(pid, wake_r, report, cfg)
     _reap_all(pid, cfg["uid"], report)
     if cfg["uid"] is not None:
         _clear_uid_state(cfg["uid"])

@@ -10,6 +10,7 @@ in-process socket guard; and a supervisor that kills and reaps everything the pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -224,7 +225,7 @@ class LocalSandbox(BaseSandbox):
             taken.update([path, *parents])
             if not isinstance(content, (str, bytes, bytearray, memoryview)):
                 raise InvalidInputError(f"content of {name!r} is a {type(content).__name__}", field="files", fix="pass str or bytes")
-            contents[path] = _encode(f"files[{name!r}]", content) if isinstance(content, str) else bytes(content)
+            contents[path] = _encode("files", content, f"content of {name!r} is ") if isinstance(content, str) else bytes(content)
         if sum(map(len, contents.values())) > self._workdir_mb << 20:
             raise InvalidInputError(
                 f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
@@ -265,6 +266,7 @@ class LocalSandbox(BaseSandbox):
                 "hidden_paths": self._hidden_paths,
                 "socket_dirs": self._socket_dirs,
                 "cgroup_fds": cgroup_fds,
+                "cgroup": dataclasses.asdict(cgroup) if cgroup else None,
                 "memory_watch": cgroup is None,
                 "status_fd": status_w,
                 "code_file": CODE_FILE,
@@ -388,12 +390,12 @@ def _check_positive(field: str, value):
     return value
 
 
-def _encode(field: str, text: str) -> bytes:
+def _encode(field: str, text: str, what: str = "") -> bytes:
     try:
         return text.encode()
     except UnicodeEncodeError as exc:
         raise InvalidInputError(
-            f"not encodable as UTF-8 at position {exc.start} ({exc.reason})", field=field, fix="remove lone surrogates"
+            f"{what}not encodable as UTF-8 at position {exc.start} ({exc.reason})", field=field, fix="remove lone surrogates"
         ) from None
     except AttributeError:
         raise InvalidInputError(f"expected str, got {type(text).__name__}", field=field, fix="pass a str") from None
