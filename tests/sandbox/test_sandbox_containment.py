@@ -132,9 +132,10 @@ async def test_memory_limit_holds_over_all_processes_of_a_run(make_sandbox, cgro
         result = await sandbox.run(SEVEN_CHILDREN)
         tg.cancel_scope.cancel()
     assert result.status == "memory" and "held" not in result.stdout, result
-    # A cgroup holds the run to its limit; the fallback's watch may let a burst overshoot for up to 20 ms, but the
+    # A cgroup holds the run to its limit (+ shared library pages it does not pay for); the fallback's watch may let a
+    # burst overshoot for up to 20 ms (measured here: 131-142 MiB in all), but the
     # run never gets to hold what it asked for (7 x 80 MiB).
-    assert peak <= (128 << 20) * (1.1 if layer else 3), (layer, peak >> 20)
+    assert peak <= (128 << 20) * (1.1 if layer else 2), (layer, peak >> 20)
     assert peak > 64 << 20  # it did allocate, and the watcher saw it
     assert processes_of(TEST_UIDS) == [] and _pss_of(TEST_UIDS) == 0  # everything freed
     assert not glob.glob(f"/sys/fs/cgroup/**/asyncsess-sandbox-{TEST_UIDS[0]}*", recursive=True)
@@ -176,9 +177,10 @@ found += [("shm", i) for i in range(4) if libc.shmget(KEY + i, 0, 0) >= 0]
 found += [("msg",)] if libc.msgget(KEY, 0) >= 0 else []
 found += [("mq",)] if libc.mq_open(MQ_NAME, os.O_RDONLY, 0, None) >= 0 else []
 if CALLS:
-    found += [("key",)] if libc.syscall(CALLS[1], 10, -4, b"user", b"answers", 0) > 0 else []  # KEYCTL_SEARCH
-    buf = ctypes.create_string_buffer(4096)
-    found += [("key-read",)] if SECRET in buf.raw[: max(0, libc.syscall(CALLS[1], 11, -4, buf, 4096))] else []
+    key_id = libc.syscall(CALLS[1], 10, -4, b"user", b"answers", 0)  # KEYCTL_SEARCH the user keyring
+    if key_id > 0:
+        buf = ctypes.create_string_buffer(4096)
+        found.append(("key", buf.raw[: max(0, libc.syscall(CALLS[1], 11, key_id, buf, 4096))]))  # KEYCTL_READ
 print(found)
 """
 

@@ -42,13 +42,6 @@ class RunCgroup:
             return int(fields["oom_kill"])
         return int(fields.get("under_oom", 0))
 
-    def peak_bytes(self) -> int | None:
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        try:
-            return int(_read(os.path.join(self.dirs[0], name)))
-        except (OSError, ValueError):
-            return None
-
     def remove(self) -> None:
         """Kill whatever is left in the leaves and remove them (a run's processes are all reaped by now)."""
         for d in self.dirs:

@@ -155,7 +155,7 @@ class LocalSandbox(BaseSandbox):
         return Isolation(
             privilege_drop=self._root,
             namespaces=namespaces,
-            cgroup=f"v{self._cgroup_version}" if self._cgroups and self._cgroup_version else None,
+            cgroup=f"v{self._cgroup_version}" if self._cgroups is not False and self._cgroup_version else None,
             socket_guard=self._socket_guard,
             hidden_paths=self._hidden_paths if namespaces else [],
             socket_dirs=self._socket_dirs if namespaces else [],
