@@ -1,9 +1,10 @@
 """A cgroup leaf per sandboxed run: memory, process and CPU limits over all of the run's processes.
 
 cgroup v2 where this process's cgroup can delegate the ``memory`` controller (``memory.max``, swap off,
-``memory.oom.group``, ``pids.max``, ``cpu.max``), else the v1 ``memory`` (+ ``pids``) hierarchies where they are
-mounted and writable. The host creates the leaf and hands the run open fds of its ``cgroup.procs``; the
-program's process writes ``0`` to it (joins) before it drops privileges, so everything it starts is inside.
+``memory.oom.group``, ``pids.max``, ``cpu.max``), else the v1 ``memory`` hierarchy where it is mounted and
+writable (``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes``). The host creates the leaf and hands
+the run an open fd of its ``cgroup.procs``; the program's process writes ``0`` to it (joins) before it drops
+privileges, so everything it starts is inside.
 Needs root; :func:`create` returns ``None`` (with the reason) where the host allows neither.
 """
 
@@ -20,22 +21,22 @@ _PREFIX = "asyncsess-sandbox-"
 
 @dataclass
 class RunCgroup:
-    """The leaf directories of one run (one per hierarchy; the first holds ``memory``)."""
+    """The leaf directory of one run."""
 
     version: int
-    dirs: list[str]
+    path: str
 
-    def procs_fds(self) -> list[int]:
-        """Fresh fds of each leaf's ``cgroup.procs`` (the caller closes them). A process that writes ``b"0"`` to all
-        of them is in the run's cgroup, and so is everything it starts. Open them before dropping privileges or
-        entering a mount namespace (where /sys may be read-only)."""
-        return [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC) for d in self.dirs]
+    def open_procs(self) -> int:
+        """A fresh fd of the leaf's ``cgroup.procs`` (the caller closes it). A process that writes ``b"0"`` to it is
+        in the run's cgroup, and so is everything it starts. Open it before dropping privileges or entering a mount
+        namespace (where /sys may be read-only)."""
+        return os.open(os.path.join(self.path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
 
     def oom_kills(self) -> int:
         """How many processes of the run the kernel killed for going over the memory limit."""
         name = "memory.events" if self.version == 2 else "memory.oom_control"
         try:
-            fields = dict(line.split() for line in _read(os.path.join(self.dirs[0], name)).splitlines())
+            fields = dict(line.split() for line in _read(os.path.join(self.path, name)).splitlines())
         except OSError:
             return 0
         if "oom_kill" in fields:
@@ -43,9 +44,8 @@ class RunCgroup:
         return int(fields.get("under_oom", 0))
 
     def remove(self) -> None:
-        """Kill whatever is left in the leaves and remove them (a run's processes are all reaped by now)."""
-        for d in self.dirs:
-            _kill_and_remove(d)
+        """Kill whatever is left in the leaf and remove it (a run's processes are all reaped by now)."""
+        _kill_and_remove(self.path)
 
 
 def create(name: str, *, memory_bytes: int, max_processes: int, cpus: float) -> tuple[RunCgroup | None, str]:
@@ -152,25 +152,23 @@ def _create_v2(name: str, memory_bytes: int, max_processes: int, cpus: float) ->
     except OSError:
         _kill_and_remove(leaf)
         raise
-    return RunCgroup(2, [leaf])
+    return RunCgroup(2, leaf)
 
 
 def _create_v1(name: str, memory_bytes: int, max_processes: int, cpus: float) -> RunCgroup | None:
     """cgroup v1"""
-    mounts = {opt: m for m, fstype, options in _mounts() if fstype == "cgroup" for opt in options & {"memory", "pids"}}
-    own = _own_cgroups()
-    if "memory" not in mounts or "memory" not in own:
+    # Memory only: processes are bounded by RLIMIT_NPROC of the run's own uid, and each extra hierarchy would cost
+    # one more migration (an RCU grace period, 5-20 ms here) per run.
+    mount = next((m for m, fstype, options in _mounts() if fstype == "cgroup" and "memory" in options), None)
+    own = _own_cgroups().get("memory")
+    if mount is None or own is None:
         return None
-    leaves = [_fresh_leaf(os.path.join(mounts["memory"], own["memory"].lstrip("/")), name)]
+    leaf = _fresh_leaf(os.path.join(mount, own.lstrip("/")), name)
     try:
-        _write(os.path.join(leaves[0], "memory.limit_in_bytes"), str(memory_bytes))
-        if os.path.exists(os.path.join(leaves[0], "memory.memsw.limit_in_bytes")):  # no swapping past the limit
-            _write(os.path.join(leaves[0], "memory.memsw.limit_in_bytes"), str(memory_bytes))
-        if "pids" in mounts and "pids" in own and mounts["pids"] != mounts["memory"]:
-            leaves.append(_fresh_leaf(os.path.join(mounts["pids"], own["pids"].lstrip("/")), name))
-            _write(os.path.join(leaves[1], "pids.max"), str(max_processes))
+        _write(os.path.join(leaf, "memory.limit_in_bytes"), str(memory_bytes))
+        if os.path.exists(os.path.join(leaf, "memory.memsw.limit_in_bytes")):  # no swapping past the limit
+            _write(os.path.join(leaf, "memory.memsw.limit_in_bytes"), str(memory_bytes))
     except OSError:
-        for leaf in leaves:
-            _kill_and_remove(leaf)
+        _kill_and_remove(leaf)
         raise
-    return RunCgroup(1, leaves)
+    return RunCgroup(1, leaf)

@@ -251,7 +251,7 @@ class LocalSandbox(BaseSandbox):
                 cgroup = await self._make_cgroup(str(uid), memory_mb)
                 if cgroup is None and self._cgroups:
                     return ExecutionResult(status="sandbox_error", stderr="cgroups=True, but no cgroup leaf could be made\n")
-                cgroup_fds = cgroup.procs_fds() if cgroup else []
+                cgroup_fds = [cgroup.open_procs()] if cgroup else []
             cpu_s = max(1, math.ceil(timeout_s))
             config = {
                 "workdir": workdir,
