@@ -185,9 +185,10 @@ async def test_host_secrets_in_files_and_proc_are_unreadable(make_sandbox, monke
         result = await sandbox.run(code)
         assert result.status == "runtime_error", (code, result)
         assert secret not in result.stdout + result.stderr
-    # the host's processes are not even listed: the program is pid 1 of a PID namespace of its own
+    # the host's processes are not even listed: the program is pid 2 of a PID namespace of its own (its init, pid 1,
+    # runs as root and is hidden from it)
     listing = await sandbox.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
-    assert listing.status == "ok" and eval(listing.stdout) == [1], listing
+    assert listing.status == "ok" and eval(listing.stdout) == [2], listing
     await assert_healthy(sandbox)
 
 

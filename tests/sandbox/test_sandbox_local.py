@@ -46,6 +46,19 @@ async def test_known_programs_get_the_right_status(make_sandbox):
     assert "ValueError: boom" in err.stderr and "solution.py" in err.stderr and "_bootstrap" not in err.stderr
 
 
+async def test_signals_a_program_sends_itself_end_it_as_usual(make_sandbox):
+    """With a PID namespace the program is not its init, so it has no init's immunity to its own signals."""
+    sandbox = make_sandbox()
+    cases = {
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')": -15,
+        "import signal\nsignal.raise_signal(signal.SIGKILL)\nprint('alive')": -9,
+        "import os\nos.abort()": -6,
+    }
+    for code, exit_code in cases.items():
+        result = await sandbox.run(code)
+        assert (result.status, result.exit_code, result.stdout) == ("runtime_error", exit_code, ""), (code, result)
+
+
 async def test_run_tests_verdicts_pass_fail_and_timeout(make_sandbox):
     sandbox = make_sandbox(timeout_s=1.5)
     passing = await sandbox.run_tests(ADD, ADD_TESTS)

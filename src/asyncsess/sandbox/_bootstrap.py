@@ -8,10 +8,11 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
    covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs, any other
    host unix socket by /dev/null, and the working directory a private size-capped tmpfs -- and writes the files
    back into the tmpfs;
-3. becomes a child subreaper and forks the program's process (pid 1 of the new PID namespace), which joins the
-   run's cgroup (``cgroup_fds``), mounts a /proc of its namespace, sets its rlimits, sets no_new_privs, empties
-   its capability bounding set, drops to the sandbox uid, takes a session keyring of its own, installs the
-   socket guard and runs the code;
+3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
+   namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
+   process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
+   empties its capability bounding set, drops to the sandbox uid, takes a session keyring of its own, installs
+   the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
    SysV IPC objects), and writes one JSON line to the status fd:
@@ -240,14 +241,48 @@ def _socket_guard(event, args):
         raise PermissionError(f"network access is disabled in this sandbox ({event})")
 
 
-def _child(cfg, source, sync_w):
-    """The program's process: confine itself, tell the supervisor it is ready, run the code."""
+def _child(cfg, source, sync_w, exit_w):
+    """The supervisor's child: joins the run's cgroup; with namespaces it is pid 1 of the new PID namespace, mounts
+    its /proc and becomes the init of the program's process (pid 2), else it becomes the program's process."""
     try:
-        for fd in cfg["cgroup_fds"]:  # join the run's cgroup first: all it starts is inside
+        for fd in cfg["cgroup_fds"]:  # first: all it starts is inside
             os.write(fd, b"0")
             os.close(fd)
         if cfg["namespaces"]:
             _mount_proc()
+            pid = os.fork()
+        else:
+            pid = 0
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    if pid == 0:
+        os.close(exit_w)
+        _program(cfg, source, sync_w)
+    else:
+        os.close(sync_w)
+        _init(pid, exit_w)
+
+
+def _init(pid, exit_w):
+    """Pid 1 of the run (stays root, so the program cannot signal it; it ignores signals from inside anyway).
+
+    The program runs as pid 2, so signals it sends itself behave as usual. Reaps every orphan until the program
+    exits, then reports the program's exit on ``exit_w`` and exits, which kills whatever is left in the namespace.
+    """
+    while True:
+        try:
+            done, wait_status, rusage = os.wait4(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        if done == pid:
+            os.write(exit_w, json.dumps(_exit_fields(wait_status, rusage)).encode())
+            os._exit(0)
+
+
+def _program(cfg, source, sync_w):
+    """The program's process: confine itself, tell the supervisor it is ready, run the code."""
+    try:
         _set_limits(cfg)
         if cfg["uid"] is not None:
             _harden()
@@ -379,10 +414,15 @@ def _wait(pid, wake_r, report, cfg):
             return
 
 
-def _supervise(pid, sync_r, wake_r, cfg):
+def _supervise(pid, sync_r, wake_r, exit_r, cfg):
     report: dict = {}
     _wait(pid, wake_r, report, cfg)
     _reap_all(pid, cfg["uid"], report)
+    os.set_blocking(exit_r, False)
+    try:  # with namespaces ``pid`` was the init; the program's own exit, as its init saw it
+        report.update(json.loads(os.read(exit_r, 4096) or b"{}"))
+    except BlockingIOError:
+        pass
     if cfg["uid"] is not None:
         _clear_uid_state(cfg["uid"])
     report["started"] = os.read(sync_r, 1) == b"1"  # every writer is gone, so this cannot block
@@ -407,6 +447,7 @@ def main():
         source = _prepare(cfg)
         _call("prctl", _PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         sync_r, sync_w = os.pipe()
+        exit_r, exit_w = os.pipe()
         pid = os.fork()
     except Exception as exc:
         _emit(status_fd, {"started": False, "error": f"sandbox setup failed: {type(exc).__name__}: {exc}"})
@@ -415,13 +456,13 @@ def main():
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in (status_fd, sync_r, wake_r, wake_w):
+        for fd in (status_fd, sync_r, exit_r, wake_r, wake_w):
             os.close(fd)
-        _child(cfg, source, sync_w)
+        _child(cfg, source, sync_w, exit_w)
         return
-    for fd in [sync_w, *cfg["cgroup_fds"]]:
+    for fd in [sync_w, exit_w, *cfg["cgroup_fds"]]:
         os.close(fd)
-    _emit(status_fd, _supervise(pid, sync_r, wake_r, cfg))
+    _emit(status_fd, _supervise(pid, sync_r, wake_r, exit_r, cfg))
 
 
 if __name__ == "__main__":
