@@ -202,6 +202,31 @@ async def test_invalid_limits_are_rejected(make_sandbox):
     sandbox = make_sandbox()
     with pytest.raises(InvalidInputError, match="memory_mb"):
         await sandbox.run("pass", memory_mb=-1)
+    bad = {
+        "timeout_s": [math.inf, math.nan, -0.0, 1e308, "5", True, None],
+        "memory_mb": [math.inf, math.nan, 1.5, 10**30, -(2**63), True, "64"],
+        "max_processes": [0, 2**64, 8.0],
+        "cpus": [math.nan, math.inf, 0],
+    }
+    for field, values in bad.items():
+        for value in values:
+            with pytest.raises(InvalidInputError) as caught:
+                make_sandbox(**{field: value})
+            assert caught.value.field == field, (field, value)
+    for field in ("timeout_s", "memory_mb"):
+        for value in bad[field]:
+            if value is None:  # None means the sandbox's default in run()
+                continue
+            with pytest.raises(InvalidInputError) as caught:
+                await sandbox.run("pass", **{field: value})
+            assert caught.value.field == field, (field, value)
+    # subnormal but positive: a valid limit, usually over before the program starts (then its verdict is unknown)
+    last_uid = TEST_UIDS[-2]
+    one_uid = make_sandbox(uids=range(last_uid, last_uid + 1))
+    for _ in range(3):
+        tiny = await one_uid.run("while True:\n    pass", timeout_s=5e-324)
+        assert tiny.status in ("timeout", "sandbox_error"), tiny
+    await assert_healthy(one_uid)  # and its one uid was not retired
 
 
 async def test_a_broken_interpreter_is_a_sandbox_error(make_sandbox):

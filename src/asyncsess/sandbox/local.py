@@ -198,12 +198,13 @@ class LocalSandbox(BaseSandbox):
         return self._namespaces
 
     async def _make_cgroup(self, name: str, memory_mb: int) -> _cgroups.RunCgroup | None:
-        """A cgroup leaf for one run, or None (the fallback); the first failure turns cgroups off for good."""
+        """A cgroup leaf for one run, or None. With ``cgroups=None``, a failure before any leaf was made means the
+        host does not allow them: cgroups are off for good (the fallback); after that, a failure fails the run."""
         make = functools.partial(_cgroups.create, name, memory_bytes=memory_mb << 20, max_processes=self._max_processes, cpus=self._cpus)
         cgroup, why = await anyio.to_thread.run_sync(make)
         if cgroup is not None:
             self._cgroup_version = cgroup.version
-        elif self._cgroups is None:
+        elif self._cgroups is None and self._cgroup_version is None:
             self._cgroups = False
             self._notes.append(f"no cgroup per run ({why or 'no cgroup hierarchy with a memory controller'}): {_FALLBACK_NOTE}")
             log.warning("LocalSandbox: %s", self._notes[-1])
@@ -249,8 +250,8 @@ class LocalSandbox(BaseSandbox):
             uid = lease.uid if lease else None
             if uid is not None and self._cgroups is not False:
                 cgroup = await self._make_cgroup(str(uid), memory_mb)
-                if cgroup is None and self._cgroups:
-                    return ExecutionResult(status="sandbox_error", stderr="cgroups=True, but no cgroup leaf could be made\n")
+                if cgroup is None and self._cgroups is not False:  # required, or worked before: fail closed
+                    return ExecutionResult(status="sandbox_error", stderr="no cgroup leaf could be made for this run\n")
                 cgroup_fds = [cgroup.open_procs()] if cgroup else []
             cpu_s = max(1, math.ceil(timeout_s))
             config = {
@@ -297,11 +298,15 @@ class LocalSandbox(BaseSandbox):
                     await proc.aclose()
             wall_s = time.monotonic() - started
             report = _read_report(status_r)
-            if cgroup is not None and cgroup.oom_kills():
-                report["memory_exceeded"] = True
-            if lease and not report:  # the supervisor died: keep its uid out of use while its processes may linger
+            # Killed by our SIGTERM itself: it had not installed its handler yet, so it had not forked anything.
+            early = stop_reason is not None and proc.returncode == -signal.SIGTERM
+            if lease and not report and not early:  # it died: keep its uid out of use while its processes may linger
                 log.warning("LocalSandbox: retiring uid %d after a run without a supervisor report", lease.uid)
                 lease = None
+            if early:
+                report = {"started": False, "stopped": True}
+            if cgroup is not None and cgroup.oom_kills():
+                report["memory_exceeded"] = True
             return _verdict(report, stop_reason, out, err, wall_s, cpu_s)
         finally:
             for fd in (status_r, status_w, *cgroup_fds):
@@ -384,9 +389,24 @@ def _terminate(proc: Process) -> None:
         pass
 
 
+_LIMITS = {  # field: (integer only, largest accepted value)
+    "max_concurrency": (True, 1 << 16),
+    "timeout_s": (False, 86_400.0),
+    "memory_mb": (True, 1 << 24),
+    "max_output_bytes": (True, 1 << 40),
+    "max_processes": (True, 1 << 16),
+    "workdir_mb": (True, 1 << 20),
+    "cpus": (False, 4096.0),
+}
+
+
 def _check_positive(field: str, value):
-    if not value > 0:
-        raise InvalidInputError(f"must be positive, got {value!r}", field=field, fix=f"pass {field} > 0")
+    """``value`` if it is a number in (0, limit] (an int where the field counts something), else InvalidInputError."""
+    integer, limit = _LIMITS[field]
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= limit:  # NaN fails the bounds
+        kind = "an int" if integer else "a finite number"
+        raise InvalidInputError(f"must be {kind} in (0, {limit}], got {value!r}", field=field, fix=f"pass {field} > 0")
     return value
 
 
