@@ -137,9 +137,11 @@ def _keyctl(*args):
     return _libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
 
 
-def _harden():
-    """No privilege gain through exec (setuid binaries, file capabilities), and no capabilities to gain."""
+def _harden(root):
+    """No privilege gain through exec (setuid binaries, file capabilities), and (as root) no capabilities to gain."""
     _call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if not root:
+        return
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last = int(f.read())
     for cap in range(last + 1):
@@ -284,8 +286,8 @@ def _program(cfg, source, sync_w):
     """The program's process: confine itself, tell the supervisor it is ready, run the code."""
     try:
         _set_limits(cfg)
+        _harden(root=cfg["uid"] is not None)
         if cfg["uid"] is not None:
-            _harden()
             os.setgroups([])
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])

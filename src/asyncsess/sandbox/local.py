@@ -140,7 +140,7 @@ class LocalSandbox(BaseSandbox):
             )
         elif namespaces is False:
             self._notes.append("namespaces turned off: network is blocked only by the socket guard")
-        if self._cgroups is False:
+        if self._root and self._cgroups is False:
             self._notes.append(_FALLBACK_NOTE)
         if not socket_guard:
             self._notes.append("socket guard turned off")
