@@ -80,7 +80,8 @@ def _host_socket_paths():
             lines = f.read().splitlines()[1:]
     except OSError:
         return []
-    return sorted({fields[7] for fields in map(str.split, lines) if len(fields) > 7 and fields[7].startswith("/")})
+    fields = [line.split(None, 7) for line in lines]
+    return sorted({f[7] for f in fields if len(f) > 7 and f[7].startswith("/")})
 
 
 def _limit_ipc(memory_mb):
@@ -333,14 +334,26 @@ def _children():
         return []
 
 
-def _kill_uid(uid):
-    """SIGKILL every process of ``uid`` at once (kill(-1) is atomic against fork), as that uid."""
+def _kill_uid(uid, in_pid_namespace):
+    """SIGKILL every process of ``uid`` at once (kill(-1) is atomic against fork), as that uid.
+
+    In a PID namespace the run cannot see us, so we take the uid ourselves for a moment (a fork would fail once
+    the namespace's init is gone). Outside one, a process of the run could signal us while we held its uid, so a
+    child of ours does it.
+    """
+    if not in_pid_namespace:
+        killer = os.fork()
+        if killer != 0:
+            os.waitpid(killer, 0)
+            return
     os.setresuid(uid, uid, 0)
     try:
         os.kill(-1, signal.SIGKILL)
     except ProcessLookupError:
         pass
     finally:
+        if not in_pid_namespace:
+            os._exit(0)
         os.setresuid(0, 0, 0)
 
 
@@ -363,14 +376,14 @@ def _memory_in_use(uid):
     return total
 
 
-def _reap_all(main_pid, uid, report):
+def _reap_all(main_pid, uid, report, in_pid_namespace):
     """Kill the program and everything it started, and reap it all.
 
     We are a subreaper, so a living descendant always has us as an ancestor of its parent chain: when wait4(-1)
     reports no children left, nothing the program started is left either.
     """
     if uid is not None:
-        _kill_uid(uid)  # all of them are doomed now; we only wait
+        _kill_uid(uid, in_pid_namespace)  # all of them are doomed now; we only wait
     flags = 0 if uid is not None else os.WNOHANG  # without a uid, keep killing what shows up
     while True:
         for pid in _children():  # orphans of the program, re-parented to us (a hint: this file may lag)
@@ -419,7 +432,7 @@ def _wait(pid, wake_r, report, cfg):
 def _supervise(pid, sync_r, wake_r, exit_r, cfg):
     report: dict = {}
     _wait(pid, wake_r, report, cfg)
-    _reap_all(pid, cfg["uid"], report)
+    _reap_all(pid, cfg["uid"], report, cfg["namespaces"])
     os.set_blocking(exit_r, False)
     try:  # with namespaces ``pid`` was the init; the program's own exit, as its init saw it
         report.update(json.loads(os.read(exit_r, 4096) or b"{}"))
@@ -464,6 +477,10 @@ def main():
         return
     for fd in [sync_w, exit_w, *cfg["cgroup_fds"]]:
         os.close(fd)
+    try:  # on a loaded host, the memory watch must still get its turn when its timer fires
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError:  # not root
+        pass
     _emit(status_fd, _supervise(pid, sync_r, wake_r, exit_r, cfg))
 
 
