@@ -482,6 +482,7 @@ def main():
     except OSError:  # not root
         pass
     _emit(status_fd, _supervise(pid, sync_r, wake_r, exit_r, cfg))
+    os._exit(0)  # all is reported: skip the interpreter's clean-up (the program's process returns instead)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ in-process socket guard; and a supervisor that kills and reaps everything the pr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -267,7 +266,7 @@ class LocalSandbox(BaseSandbox):
                 "hidden_paths": self._hidden_paths,
                 "socket_dirs": self._socket_dirs,
                 "cgroup_fds": cgroup_fds,
-                "cgroup": dataclasses.asdict(cgroup) if cgroup else None,
+                "cgroup": cgroup.as_dict() if cgroup else None,
                 "memory_watch": cgroup is None,
                 "status_fd": status_w,
                 "code_file": CODE_FILE,
