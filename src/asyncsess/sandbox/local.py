@@ -51,7 +51,7 @@ _BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where hosts keep unix sockets and shared scratch files; each is covered by an empty tmpfs in a run's mounts.
-_SOCKET_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/dev/mqueue", "/var/lib/docker", "/var/snap")
+_SOCKET_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/dev/mqueue")
 _NAME_MAX, _PATH_MAX = 255, 1024
 
 
