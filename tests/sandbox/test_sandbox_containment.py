@@ -167,8 +167,9 @@ ctypes.memmove(ctypes.addressof(msg) + ctypes.sizeof(ctypes.c_long), SECRET, len
 left.append(libc.msgsnd(qid, msg, len(SECRET), 0) == 0)
 mq = libc.mq_open(MQ_NAME, os.O_CREAT | os.O_RDWR, 0o666, None)
 left.append(mq >= 0 and libc.mq_send(mq, SECRET, len(SECRET), 0) == 0)
-if CALLS:
-    left.append(libc.syscall(CALLS[0], b"user", b"answers", SECRET, len(SECRET), -4) > 0)  # the user keyring
+if CALLS:  # add_key to the user keyring (-4)
+    key = libc.syscall(ctypes.c_long(CALLS[0]), b"user", b"answers", SECRET, ctypes.c_long(len(SECRET)), ctypes.c_long(-4))
+    left.append(key > 0)
 print(left)
 """
 FIND = """
@@ -179,10 +180,17 @@ found += [("shm", i) for i in range(4) if libc.shmget(KEY + i, 0, 0) >= 0]
 found += [("msg",)] if libc.msgget(KEY, 0) >= 0 else []
 found += [("mq",)] if libc.mq_open(MQ_NAME, os.O_RDONLY, 0, None) >= 0 else []
 if CALLS:
-    key_id = libc.syscall(CALLS[1], 10, -4, b"user", b"answers", 0)  # KEYCTL_SEARCH the user keyring
-    if key_id > 0:
-        buf = ctypes.create_string_buffer(4096)
-        found.append(("key", buf.raw[: max(0, libc.syscall(CALLS[1], 11, key_id, buf, 4096))]))  # KEYCTL_READ
+    def keyctl(*args):
+        return libc.syscall(ctypes.c_long(CALLS[1]), *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
+    for ring in (-4, -5):  # the user and user-session keyrings: KEYCTL_READ lists the ids of the keys in them
+        ids = (ctypes.c_int32 * 64)()
+        n = keyctl(11, ring, ids, ctypes.sizeof(ids))
+        for key_id in ids[: max(0, n) // 4]:
+            desc = ctypes.create_string_buffer(256)
+            keyctl(6, key_id, desc, 256)  # KEYCTL_DESCRIBE: needs only view permission
+            data = ctypes.create_string_buffer(256)
+            size = keyctl(11, key_id, data, 256)  # KEYCTL_READ the payload, where permitted
+            found.append(("key", ring, desc.value.decode(), data.raw[: max(0, size)]))
 print(found)
 """
 
@@ -228,6 +236,38 @@ async def test_nothing_a_run_leaves_in_ipc_or_keyrings_reaches_the_next_run(make
     if namespaces is False:
         _libc.mq_unlink(mq_name)
     await assert_healthy(sandbox)
+
+
+def _as_uid(uid: int, code: str) -> None:
+    """Run ``code`` in a forked child of this (root) process with ``uid`` as its real and effective uid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            exec(code, {})
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+@root_only
+@pytest.mark.parametrize("namespaces", [None, False], ids=["namespaces", "no-namespaces"])
+async def test_state_left_on_a_uid_by_a_host_that_died_is_cleared_before_the_next_run(make_sandbox, namespaces):
+    """As if a host had died mid-run: its uid, free again for a new host process, still owns keys and SysV objects."""
+    uid = TEST_UIDS[-6] if namespaces is None else TEST_UIDS[-7]
+    secret = f"s3cr3t-{uuid.uuid4().hex}".encode()
+    key = 0x5B000000 + int.from_bytes(os.urandom(2), "big") * 8
+    mq_name = f"/answers-{uuid.uuid4().hex[:12]}".encode()
+    prelude = f"KEY, SECRET, MQ_NAME, CALLS = {key}, {secret!r}, {mq_name!r}, {_ARCH_KEY_CALLS.get(os.uname().machine)}\n"
+    no_queue = LEAVE.replace("mq = libc.mq_open", "mq = -1  # ").replace("left.append(mq", "0 and left.append(mq")
+    _as_uid(uid, prelude + no_queue)  # (POSIX queues outlive a uid without namespaces: docs/sandbox.md)
+    assert len(_sysvipc_of(range(uid, uid + 1))) == 5  # planted: 4 segments, 1 queue, and a key
+    sandbox = make_sandbox(uids=range(uid, uid + 1), namespaces=namespaces)
+    found = await sandbox.run(prelude + FIND)
+    assert found.status == "ok" and eval(found.stdout) == [] and secret.decode() not in found.stdout, found
+    assert _sysvipc_of(range(uid, uid + 1)) == []
 
 
 # -- bad file names --------------------------------------------------------------------------------------------------

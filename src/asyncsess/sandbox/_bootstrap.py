@@ -2,6 +2,7 @@
 
 LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 
+0. kills any process of the run's uid and clears what the uid keeps in the kernel (left by a host that died);
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
@@ -153,7 +154,8 @@ def _clear_uid_state(uid):
     """What a run's uid keeps in the kernel after its processes are gone: its keyrings, its SysV IPC objects.
 
     Done as that uid (real and effective; root stays the saved uid, to come back), once all of its processes are
-    dead. The run's IPC namespace, when there is one, frees its objects itself when it dies.
+    dead: after each run, and before each run in the host's IPC namespace (for a host process that died before
+    clearing). The run's IPC namespace, when there is one, frees its objects itself when it dies.
     """
     os.setresgid(uid, uid, 0)
     os.setresuid(uid, uid, 0)
@@ -459,6 +461,9 @@ def main():
     signal.signal(signal.SIGTERM, _note_signal)
     signal.signal(signal.SIGCHLD, _note_signal)
     try:
+        if cfg["uid"] is not None:  # whatever a run on this uid left behind that the last supervisor did not clear
+            _kill_uid(cfg["uid"], in_pid_namespace=False)
+            _clear_uid_state(cfg["uid"])
         source = _prepare(cfg)
         _call("prctl", _PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         sync_r, sync_w = os.pipe()
