@@ -272,37 +272,37 @@ async def test_state_left_on_a_uid_by_a_host_that_died_is_cleared_before_the_nex
 
 # -- bad file names --------------------------------------------------------------------------------------------------
 
-BAD_FILES = [
-    {"solution.py/x": "x"},
-    {"a\0b.py": "x"},
-    {"dir/\0": "x"},
-    {"\udcff.py": "x"},
-    {"": "x"},
-    {".": "x"},
-    {"a/": "x"},
-    {"../x": "x"},
-    {"a/../../x": "x"},
-    {"/etc/passwd": "x"},
-    {"x" * 256: "x"},
-    {"/".join(["d"] * 600): "x"},
-    {"a": "x", "a/b": "y"},
-    {"a/b": "y", "a": "x"},
-    {"./a": "x", "a": "y"},
-    {"solution.py": "x"},
-    {"./solution.py": "x"},
-    {5: "x"},
-    {"ok.txt": 5},
-    {"ok.txt": "\ud800"},
+BAD_FILES = [  # (files, what the message must say)
+    ({"solution.py/x": "x"}, "collides"),
+    ({"a\0b.py": "x"}, "contains NUL"),
+    ({"dir/\0": "x"}, "contains NUL"),
+    ({"\udcff.py": "x"}, "UTF-8"),
+    ({"": "x"}, "names no file"),
+    ({".": "x"}, "names no file"),
+    ({"a/": "x"}, "names no file"),
+    ({"../x": "x"}, "'..'"),
+    ({"a/../../x": "x"}, "'..'"),
+    ({"/etc/passwd": "x"}, "absolute"),
+    ({"x" * 256: "x"}, "part longer than 255"),
+    ({"/".join(["d"] * 600): "x"}, "longer than 1024"),
+    ({"a": "x", "a/b": "y"}, "collides"),
+    ({"a/b": "y", "a": "x"}, "collides"),
+    ({"./a": "x", "a": "y"}, "collides"),
+    ({"solution.py": "x"}, "collides"),
+    ({"./solution.py": "x"}, "collides"),
+    ({5: "x"}, "is a int"),
+    ({"ok.txt": 5}, "is a int"),
+    ({"ok.txt": "\ud800"}, "UTF-8"),
 ]
 
 
-@pytest.mark.parametrize("files", BAD_FILES, ids=range(len(BAD_FILES)))
-async def test_bad_file_names_are_typed_errors_with_nothing_left_behind(make_sandbox, monkeypatch, tmp_path, files):
+@pytest.mark.parametrize(("files", "says"), BAD_FILES, ids=range(len(BAD_FILES)))
+async def test_bad_file_names_are_typed_errors_with_nothing_left_behind(make_sandbox, monkeypatch, tmp_path, files, says):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a private temp dir, to see every leftover
     sandbox = make_sandbox()
     with pytest.raises(InvalidInputError) as caught:
         await sandbox.run("print(1)", files=files)
-    assert caught.value.field == "files" and caught.value.fix
+    assert caught.value.field == "files" and caught.value.fix and says in str(caught.value), caught.value
     assert list(tmp_path.iterdir()) == []
 
 

@@ -427,21 +427,15 @@ def _check_file_name(name: object) -> str:
         raise InvalidInputError(f"file name {name!r} is a {type(name).__name__}", field="files", fix=fix)
     raw = _encode("files", name)
     path = PurePosixPath(name)
-    problem = (
-        "contains NUL"
-        if "\0" in name
-        else "is absolute"
-        if path.is_absolute()
-        else "contains '..'"
-        if ".." in path.parts
-        else "names no file"
-        if not path.parts or name.endswith("/")
-        else f"is longer than {_PATH_MAX} bytes"
-        if len(raw) > _PATH_MAX
-        else f"has a part longer than {_NAME_MAX} bytes"
-        if any(len(part.encode()) > _NAME_MAX for part in path.parts)
-        else None
+    checks = (
+        ("\0" in name, "contains NUL"),
+        (path.is_absolute(), "is absolute"),
+        (".." in path.parts, "contains '..'"),
+        (not path.parts or name.endswith("/"), "names no file"),
+        (len(raw) > _PATH_MAX, f"is longer than {_PATH_MAX} bytes"),
+        (any(len(part.encode()) > _NAME_MAX for part in path.parts), f"has a part longer than {_NAME_MAX} bytes"),
     )
+    problem = next((why for failed, why in checks if failed), None)
     if problem:
         raise InvalidInputError(f"file name {name!r} {problem}", field="files", fix=fix)
     return str(path)
