@@ -349,3 +349,11 @@ async def test_no_new_privileges_no_capabilities_and_no_host_pids(make_sandbox):
     # a set-user-ID program cannot raise privileges either
     su = await make_sandbox().run("import subprocess\nprint(subprocess.run(['su', '-c', 'id -u'], capture_output=True, input=b'').stdout)")
     assert "b'0\\n'" not in su.stdout
+
+
+@root_only
+async def test_a_hidden_path_above_a_socket_dir_keeps_the_namespaces(make_sandbox):
+    sandbox = make_sandbox(hidden_paths=["/var"], namespaces=True)  # /var holds /var/tmp, a socket dir
+    result = await sandbox.run("import os\nprint(os.listdir('/var'))")
+    assert result.status == "runtime_error" and "PermissionError" in result.stderr, result
+    await assert_healthy(sandbox)

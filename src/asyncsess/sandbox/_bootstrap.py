@@ -110,8 +110,9 @@ def _enter_namespaces(cfg, uid, gid):
         _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
     covered = list(cfg["hidden_paths"])
     for path in cfg["socket_dirs"]:  # /tmp, /run, ...: empty, root-owned, not writable by the run
-        _mount(b"tmpfs", path, b"tmpfs", flags, b"size=64k,nr_inodes=64,mode=0755")
-        covered.append(path)
+        if not any(os.path.commonpath([path, c]) == c for c in covered):  # (one under a hidden path is hidden)
+            _mount(b"tmpfs", path, b"tmpfs", flags, b"size=64k,nr_inodes=64,mode=0755")
+            covered.append(path)
     for path in sockets:  # any other socket the host has bound: covered by /dev/null, connect() is refused
         if not any(os.path.commonpath([path, c]) == c for c in covered):
             try:

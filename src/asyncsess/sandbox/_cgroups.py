@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 __all__ = ["RunCgroup", "create"]
 
@@ -112,7 +113,8 @@ def _fresh_leaf(parent: str, name: str) -> str:
 
 
 def _kill_and_remove(leaf: str) -> None:
-    for _ in range(100):
+    """Remove ``leaf``, killing what is still in it; gives up (leaving it to the next run of its uid) after ~1 s."""
+    for _ in range(500):
         try:
             os.rmdir(leaf)
             return
@@ -127,7 +129,7 @@ def _kill_and_remove(leaf: str) -> None:
                         os.kill(int(pid), signal.SIGKILL)
             except OSError:
                 pass
-            os.sched_yield()
+            time.sleep(0.002)
 
 
 def _create_v2(name: str, memory_bytes: int, max_processes: int, cpus: float) -> RunCgroup | None:

@@ -247,6 +247,8 @@ class LocalSandbox(BaseSandbox):
                 except RuntimeError as exc:  # every uid of the pool is in use
                     return ExecutionResult(status="sandbox_error", stderr=f"{exc}\n")
             uid = lease.uid if lease else None
+            if uid is None and self._cgroups:
+                return ExecutionResult(status="sandbox_error", stderr="cgroups=True needs root\n")
             if uid is not None and self._cgroups is not False:
                 cgroup = await self._make_cgroup(str(uid), memory_mb)
                 if cgroup is None and self._cgroups is not False:  # required, or worked before: fail closed
