@@ -1,11 +1,13 @@
 """LocalSandbox: runs untrusted Python in a confined child process on this machine.
 
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
-rlimits on CPU time, address space, processes, file size and open files; a wall-clock timeout and an output
-cap enforced here; when run as root, a dedicated unprivileged uid per run and fresh network + mount
-namespaces (read-only filesystem, hidden host directories, tmpfs working directory, /proc limited to the
-run's own processes); an
-in-process socket guard; and a supervisor that kills and reaps everything the program started.
+rlimits on CPU time, address space, processes, file size and open files; no_new_privs; a wall-clock timeout
+and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
+capability bounding set, fresh mount, network, IPC, UTS and PID namespaces (read-only filesystem, host unix
+sockets and temp dirs covered, hidden host directories, tmpfs working directory, a /proc of the run's own
+processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
+and IPC objects cleared before it is used again; an in-process socket guard; and a supervisor that kills and
+reaps everything the program started.
 """
 
 from __future__ import annotations
