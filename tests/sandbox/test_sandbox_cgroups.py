@@ -68,6 +68,21 @@ def test_no_memory_controller_anywhere_means_no_cgroup_and_says_why(fake_host):
     assert cgroup is None and "memory controller is not available" in why
 
 
+def test_a_delegated_parent_is_used_and_nothing_else(fake_host, tmp_path):
+    fake_host(v2_controllers=["memory"], v2_enabled=[], v1_memory=True)
+    delegated = tmp_path / "delegated"
+    delegated.mkdir()
+    (delegated / "cgroup.controllers").write_text("cpu memory pids\n")
+    (delegated / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    cgroup, _ = _cgroups.create("9", memory_bytes=32 << 20, max_processes=4, cpus=0.5, parent=str(delegated))
+    assert cgroup == _cgroups.RunCgroup(2, str(delegated / "asyncsess-sandbox-9"))
+    assert (delegated / "asyncsess-sandbox-9" / "memory.max").read_text() == str(32 << 20)
+    (delegated / "cgroup.controllers").write_text("cpu pids\n")
+    (delegated / "cgroup.subtree_control").write_text("cpu pids\n")
+    cgroup, why = _cgroups.create("10", memory_bytes=32 << 20, max_processes=4, cpus=0.5, parent=str(delegated))
+    assert cgroup is None and str(delegated) in why  # no silent move to v1 when a parent was named
+
+
 @pytest.mark.parametrize(
     ("version", "name", "text", "kills"),
     [

@@ -60,12 +60,15 @@ class RunCgroup:
         _kill_and_remove(self.path)
 
 
-def create(name: str, *, memory_bytes: int, max_processes: int, cpus: float) -> tuple[RunCgroup | None, str]:
-    """A fresh leaf named ``asyncsess-sandbox-<name>`` with these limits, or ``(None, why not)``."""
+def create(name: str, *, memory_bytes: int, max_processes: int, cpus: float, parent: str | None = None) -> tuple[RunCgroup | None, str]:
+    """A fresh leaf named ``asyncsess-sandbox-<name>`` with these limits, or ``(None, why not)``.
+
+    ``parent``: a delegated cgroup v2 directory to make it in (only there); else under this process's cgroup.
+    """
     reasons = []
-    for make in (_create_v2, _create_v1):
+    for make in (_create_v2,) if parent else (_create_v2, _create_v1):
         try:
-            cgroup = make(_PREFIX + name, memory_bytes, max_processes, cpus)
+            cgroup = make(_PREFIX + name, memory_bytes, max_processes, cpus, parent)
         except OSError as exc:
             reasons.append(f"{make.__doc__}: {exc}")
             continue
@@ -132,17 +135,18 @@ def _kill_and_remove(leaf: str) -> None:
             time.sleep(0.002)
 
 
-def _create_v2(name: str, memory_bytes: int, max_processes: int, cpus: float) -> RunCgroup | None:
+def _create_v2(name: str, memory_bytes: int, max_processes: int, cpus: float, parent: str | None) -> RunCgroup | None:
     """cgroup v2"""
-    mount = next((m for m, fstype, _ in _mounts() if fstype == "cgroup2"), None)
-    own = _own_cgroups().get("")
-    if mount is None or own is None:
-        return None
-    parent = os.path.join(mount, own.lstrip("/"))
+    if parent is None:
+        mount = next((m for m, fstype, _ in _mounts() if fstype == "cgroup2"), None)
+        own = _own_cgroups().get("")
+        if mount is None or own is None:
+            return None
+        parent = os.path.join(mount, own.lstrip("/"))
     enabled = _read(os.path.join(parent, "cgroup.subtree_control")).split()
     if "memory" not in enabled:
         if "memory" not in _read(os.path.join(parent, "cgroup.controllers")).split():
-            raise OSError("the memory controller is not available to this process's cgroup")
+            raise OSError(f"the memory controller is not available in {parent}")
         # Fails (EBUSY) unless this cgroup is the root or holds no processes: then the host must delegate one.
         _write(os.path.join(parent, "cgroup.subtree_control"), "+memory")
     for optional in ("pids", "cpu"):
@@ -168,7 +172,7 @@ def _create_v2(name: str, memory_bytes: int, max_processes: int, cpus: float) ->
     return RunCgroup(2, leaf)
 
 
-def _create_v1(name: str, memory_bytes: int, max_processes: int, cpus: float) -> RunCgroup | None:
+def _create_v1(name: str, memory_bytes: int, max_processes: int, cpus: float, parent: str | None) -> RunCgroup | None:
     """cgroup v1"""
     # Memory only: processes are bounded by RLIMIT_NPROC of the run's own uid, and each extra hierarchy would cost
     # one more migration (an RCU grace period, 5-20 ms here) per run.

@@ -78,7 +78,8 @@ class LocalSandbox(BaseSandbox):
     and degrades with a logged warning if not; ``True`` fails closed (every run is a ``sandbox_error``) if they
     don't. ``cgroups`` likewise for a cgroup leaf per run (v2, else v1; needs root): ``None`` uses one where the
     host allows it and else falls back to the supervisor's memory watch, ``True`` requires one, ``False`` always
-    uses the fallback. ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
+    uses the fallback; ``cgroup_parent`` names a delegated cgroup v2 directory to make the leaves in (default:
+    this process's own cgroup, which can delegate only if it is the root or holds no processes). ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
     ``hidden_paths`` (default: /home, /root and the current directory, where project files such as ``.env``
     live) are covered by empty, unreadable directories inside the mount namespace; the rest of the host
     filesystem stays readable (read-only) wherever file permissions allow.
@@ -96,6 +97,7 @@ class LocalSandbox(BaseSandbox):
         python: str | None = None,
         namespaces: bool | None = None,
         cgroups: bool | None = None,
+        cgroup_parent: str | None = None,
         cpus: float = 1.0,
         socket_guard: bool = True,
         uids: range = range(200_000, 204_096),
@@ -128,6 +130,7 @@ class LocalSandbox(BaseSandbox):
         self._cgroups = cgroups if self._root or cgroups else False
         self._cgroup_version: int | None = None
         self._cpus = cpus
+        self._cgroup_parent = cgroup_parent
         self._socket_guard = socket_guard
         self._uids = uids
         self._kill = shutil.which("kill")
@@ -201,7 +204,14 @@ class LocalSandbox(BaseSandbox):
     async def _make_cgroup(self, name: str, memory_mb: int) -> _cgroups.RunCgroup | None:
         """A cgroup leaf for one run, or None. With ``cgroups=None``, a failure before any leaf was made means the
         host does not allow them: cgroups are off for good (the fallback); after that, a failure fails the run."""
-        make = functools.partial(_cgroups.create, name, memory_bytes=memory_mb << 20, max_processes=self._max_processes, cpus=self._cpus)
+        make = functools.partial(
+            _cgroups.create,
+            name,
+            memory_bytes=memory_mb << 20,
+            max_processes=self._max_processes,
+            cpus=self._cpus,
+            parent=self._cgroup_parent,
+        )
         cgroup, why = await anyio.to_thread.run_sync(make)
         if cgroup is not None:
             self._cgroup_version = cgroup.version
