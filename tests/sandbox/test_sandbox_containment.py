@@ -211,6 +211,16 @@ def _shmem_bytes() -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("Shmem:"))
 
 
+async def _shmem_settles_below(limit: int) -> bool:
+    """Whether the host's shared memory is below ``limit`` at one of 20 looks 50 ms apart (other processes on a
+    shared host come and go; the run's 128 MiB either is freed or stays)."""
+    for _ in range(20):
+        if _shmem_bytes() < limit:
+            return True
+        await anyio.sleep(0.05)
+    return False
+
+
 @root_only
 @pytest.mark.parametrize("namespaces", [None, False], ids=["ipc-namespace", "uid-cleanup-only"])
 async def test_nothing_a_run_leaves_in_ipc_or_keyrings_reaches_the_next_run(make_sandbox, namespaces):
@@ -225,7 +235,7 @@ async def test_nothing_a_run_leaves_in_ipc_or_keyrings_reaches_the_next_run(make
     assert left.status == "ok" and "False" not in left.stdout, left  # every object was made
     # from the host: no SysV object of the run in the host's namespace, its memory given back, no POSIX queue
     assert _sysvipc_of(range(uid, uid + 1)) == []
-    assert _shmem_bytes() < baseline + (64 << 20), (_shmem_bytes() - baseline) >> 20  # 128 MiB were filled
+    assert await _shmem_settles_below(baseline + (64 << 20)), (_shmem_bytes() - baseline) >> 20  # 128 MiB were filled
     if namespaces is None:  # POSIX queues live on only in the IPC namespace, which died with the run
         assert _libc.mq_open(mq_name, os.O_RDONLY, 0, None) < 0 and ctypes.get_errno() == 2  # ENOENT
     # the next run, on the same uid, finds nothing
