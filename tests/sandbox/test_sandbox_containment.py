@@ -167,9 +167,14 @@ ctypes.memmove(ctypes.addressof(msg) + ctypes.sizeof(ctypes.c_long), SECRET, len
 left.append(libc.msgsnd(qid, msg, len(SECRET), 0) == 0)
 mq = libc.mq_open(MQ_NAME, os.O_CREAT | os.O_RDWR, 0o666, None)
 left.append(mq >= 0 and libc.mq_send(mq, SECRET, len(SECRET), 0) == 0)
-if CALLS:  # add_key to the user keyring (-4)
-    key = libc.syscall(ctypes.c_long(CALLS[0]), b"user", b"answers", SECRET, ctypes.c_long(len(SECRET)), ctypes.c_long(-4))
-    left.append(key > 0)
+if CALLS:  # add_key to the user keyring (-4) and to the uid's persistent keyring (KEYCTL_GET_PERSISTENT)
+    def c(*args):
+        return [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    key = libc.syscall(*c(CALLS[0], b"user", b"answers", SECRET, len(SECRET), -4))
+    libc.syscall(*c(CALLS[1], 8, -4, -3))  # KEYCTL_LINK the user keyring into the session one: now possessed
+    persistent = libc.syscall(*c(CALLS[1], 22, -1, -4))
+    kept = libc.syscall(*c(CALLS[0], b"user", b"kept", SECRET, len(SECRET), persistent))
+    left += [key > 0, persistent > 0, kept > 0]
 print(left)
 """
 FIND = """
@@ -182,7 +187,8 @@ found += [("mq",)] if libc.mq_open(MQ_NAME, os.O_RDONLY, 0, None) >= 0 else []
 if CALLS:
     def keyctl(*args):
         return libc.syscall(ctypes.c_long(CALLS[1]), *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
-    for ring in (-4, -5):  # the user and user-session keyrings: KEYCTL_READ lists the ids of the keys in them
+    persistent = keyctl(22, -1, -3)  # KEYCTL_GET_PERSISTENT, linked into the session keyring (not to taint -4)
+    for ring in (-4, -5, persistent):  # KEYCTL_READ of a keyring lists the ids of the keys in it
         ids = (ctypes.c_int32 * 64)()
         n = keyctl(11, ring, ids, ctypes.sizeof(ids))
         for key_id in ids[: max(0, n) // 4]:

@@ -37,8 +37,8 @@ _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWPID, _CLONE_NEWNET = 0x200
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
 _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 36, 24, 38
-_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_GET_PERSISTENT = 1, 7, 22
-_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
+_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 _IPC_RMID = 0
 _WATCH_INTERVAL_S = 0.02
 _AF_UNIX = 1
@@ -161,11 +161,15 @@ def _clear_uid_state(uid):
     os.setresgid(uid, uid, 0)
     os.setresuid(uid, uid, 0)
     try:
-        for spec in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
-            _keyctl(_KEYCTL_CLEAR, spec)
-        persistent = _keyctl(_KEYCTL_GET_PERSISTENT, -1, 0)
+        # A session keyring of the uid's own with its user keyring linked in: what is reachable from there is
+        # "possessed", and only possession grants the right to clear the persistent keyring.
+        _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)
+        _keyctl(_KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
+        persistent = _keyctl(_KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
         if persistent > 0:
             _keyctl(_KEYCTL_CLEAR, persistent)
+        for spec in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
+            _keyctl(_KEYCTL_CLEAR, spec)
     finally:
         os.setresuid(0, 0, 0)
         os.setresgid(0, 0, 0)
