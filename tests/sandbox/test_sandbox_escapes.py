@@ -185,16 +185,17 @@ async def test_host_secrets_in_files_and_proc_are_unreadable(make_sandbox, monke
         result = await sandbox.run(code)
         assert result.status == "runtime_error", (code, result)
         assert secret not in result.stdout + result.stderr
-    # the host's processes are not even listed
+    # the host's processes are not even listed: the program is pid 2 of a PID namespace of its own (its init, pid 1,
+    # runs as root and is hidden from it)
     listing = await sandbox.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
-    assert listing.status == "ok" and os.getpid() not in eval(listing.stdout) and 1 not in eval(listing.stdout)
+    assert listing.status == "ok" and eval(listing.stdout) == [2], listing
     await assert_healthy(sandbox)
 
 
 @root_only
 async def test_hidden_paths_cover_world_readable_host_files(make_sandbox):
     secret = f"s3cr3t-{uuid.uuid4().hex}"
-    project = tempfile.mkdtemp(prefix="project-", dir="/var/tmp")  # outside the temp dir runs need
+    project = tempfile.mkdtemp(prefix="project-", dir="/var/lib")  # outside the temp and socket dirs runs cover
     try:
         os.chmod(project, 0o755)
         with open(os.path.join(project, ".env"), "w") as f:
@@ -284,8 +285,9 @@ async def test_fork_bomb_stays_bounded_and_is_cleaned_up(make_sandbox):
     await assert_healthy(sandbox)
 
 
-async def test_background_processes_are_gone_after_the_run(make_sandbox):
-    sandbox = make_sandbox()
+@pytest.mark.parametrize("namespaces", [None, False], ids=["pid-namespace", "subreaper-only"])
+async def test_background_processes_are_gone_after_the_run(make_sandbox, namespaces):
+    sandbox = make_sandbox(namespaces=namespaces)
     code = (
         "import os, subprocess, sys, time\n"
         "print(subprocess.Popen(['sleep', '300']).pid)\n"
@@ -305,8 +307,10 @@ async def test_background_processes_are_gone_after_the_run(make_sandbox):
     assert result.status == "ok", result
     pids = [int(line) for line in result.stdout.split()]
     assert len(pids) == 3
-    for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}"), pid  # killed and reaped, not even a zombie
+    assert processes_of(TEST_UIDS) == []  # killed and reaped, not even a zombie
+    if not (await sandbox.isolation()).namespaces:  # the pids are the host's (else the run's namespace's)
+        for pid in pids:
+            assert not os.path.exists(f"/proc/{pid}"), pid
     await assert_healthy(sandbox)
 
 

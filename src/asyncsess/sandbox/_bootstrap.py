@@ -2,15 +2,22 @@
 
 LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 
+0. kills any process of the run's uid and clears what the uid keeps in the kernel (left by a host that died);
 1. reads the program and its files from the working directory;
-2. with ``namespaces``: enters fresh network and mount namespaces -- no network interfaces but a down loopback,
-   the whole filesystem read-only, ``hidden_paths`` covered by empty unreadable mounts, the working directory
-   a private size-capped tmpfs, and /proc showing only the viewer's own processes -- and writes the files
+2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
+   down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
+   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs, any other
+   host unix socket by /dev/null, and the working directory a private size-capped tmpfs -- and writes the files
    back into the tmpfs;
-3. becomes a child subreaper and forks the program's process, which sets its rlimits, drops to the sandbox
-   uid, installs the socket guard and runs the code;
-4. waits for it, kills and reaps everything the program left behind, and writes one JSON line to the status fd:
-   ``{"started", "exit_code" | "signal", "cpu_s", "stopped"}``, or ``{"error"}`` when setup failed.
+3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
+   namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
+   process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
+   empties its capability bounding set, drops to the sandbox uid, takes a session keyring of its own, installs
+   the socket guard and runs the code;
+4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
+   kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
+   SysV IPC objects), and writes one JSON line to the status fd:
+   ``{"started", "exit_code" | "signal", "cpu_s", "stopped", "memory_exceeded"}``, or ``{"error"}``.
 
 SIGTERM from the host means stop now (timeout, output cap): kill, reap, report. The supervisor stays root,
 so the program cannot signal, trace or read it.
@@ -26,10 +33,14 @@ import sys
 import time
 import traceback
 
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x4000, 0x40000
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 36, 24, 38
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
+_KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
+_IPC_RMID = 0
+_WATCH_INTERVAL_S = 0.02
 _AF_UNIX = 1
 _NETWORK_EVENTS = {
     "socket.bind",
@@ -42,6 +53,11 @@ _NETWORK_EVENTS = {
     "socket.getnameinfo",
 }
 _libc = ctypes.CDLL(None, use_errno=True)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cgroups  # noqa: E402  (stdlib only, like this file)
+
+del sys.path[0]
 
 
 def _note_signal(signum, frame):
@@ -58,21 +74,118 @@ def _mount(source, target, fstype, flags, data):
     _call("mount", source, target.encode(), fstype, ctypes.c_ulong(flags), data)
 
 
-def _enter_namespaces(workdir, size_mb, uid, gid, hidden_paths):
-    _call("unshare", _CLONE_NEWNS | _CLONE_NEWNET)
+def _host_socket_paths():
+    """Pathname unix sockets bound in this network namespace (read before leaving it)."""
+    try:
+        with open("/proc/net/unix") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    fields = [line.split(None, 7) for line in lines]
+    return sorted({f[7] for f in fields if len(f) > 7 and f[7].startswith("/")})
+
+
+def _limit_ipc(memory_mb):
+    """Cap SysV shared memory and message queues in the new IPC namespace (its sysctls are per namespace)."""
+    pages = max(1, (memory_mb << 20) // os.sysconf("SC_PAGE_SIZE"))
+    for name, value in (("kernel/shmmax", memory_mb << 20), ("kernel/shmall", pages), ("kernel/shmmni", 64), ("kernel/msgmni", 64)):
+        try:
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(str(value))
+        except OSError:  # a read-only /proc/sys: the namespace is still private and dies with the run
+            pass
+
+
+def _enter_namespaces(cfg, uid, gid):
+    """Fresh mount, network, IPC, UTS and PID namespaces (the next child is pid 1 of the new one)."""
+    sockets = _host_socket_paths()
+    _call("unshare", _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWPID)
+    _limit_ipc(cfg["memory_mb"])
     _call("mount", None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None)  # nothing propagates to the host
     attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)
     args = (ctypes.c_long(_AT_FDCWD), b"/", ctypes.c_long(_AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
     _call("syscall", ctypes.c_long(_SYS_MOUNT_SETATTR), *args)  # every mount read-only (Linux >= 5.12)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    for path in cfg["hidden_paths"]:
+        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
+    covered = list(cfg["hidden_paths"])
+    for path in cfg["socket_dirs"]:  # /tmp, /run, ...: empty, root-owned, not writable by the run
+        if not any(os.path.commonpath([path, c]) == c for c in covered):  # (one under a hidden path is hidden)
+            _mount(b"tmpfs", path, b"tmpfs", flags, b"size=64k,nr_inodes=64,mode=0755")
+            covered.append(path)
+    for path in sockets:  # any other socket the host has bound: covered by /dev/null, connect() is refused
+        if not any(os.path.commonpath([path, c]) == c for c in covered):
+            try:
+                _mount(b"/dev/null", path, None, _MS_BIND, None)
+            except OSError:  # gone meanwhile, or not reachable
+                pass
+    os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
+    owner = "" if uid is None else f",uid={uid},gid={gid}"
+    _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
+
+
+def _mount_proc():
+    """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only."""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     try:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=2")  # kernels before 5.8
-    for path in hidden_paths:
-        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
-    owner = "" if uid is None else f",uid={uid},gid={gid}"
-    _mount(b"tmpfs", workdir, b"tmpfs", flags, f"size={size_mb}m,nr_inodes=4096,mode=0700{owner}".encode())
+
+
+def _keyctl(*args):
+    number = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+    if number is None:
+        return -1
+    return _libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+
+
+def _harden(root):
+    """No privilege gain through exec (setuid binaries, file capabilities), and (as root) no capabilities to gain."""
+    _call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if not root:
+        return
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _call("prctl", _PR_CAPBSET_DROP, cap, 0, 0, 0)
+
+
+def _clear_uid_state(uid):
+    """What a run's uid keeps in the kernel after its processes are gone: its keyrings, its SysV IPC objects.
+
+    Done as that uid (real and effective; root stays the saved uid, to come back), once all of its processes are
+    dead: after each run, and before each run in the host's IPC namespace (for a host process that died before
+    clearing). The run's IPC namespace, when there is one, frees its objects itself when it dies.
+    """
+    os.setresgid(uid, uid, 0)
+    os.setresuid(uid, uid, 0)
+    try:
+        # A session keyring of the uid's own with its user keyring linked in: what is reachable from there is
+        # "possessed", and only possession grants the right to clear the persistent keyring.
+        _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)
+        _keyctl(_KEYCTL_LINK, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_SESSION_KEYRING)
+        persistent = _keyctl(_KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
+        if persistent > 0:
+            _keyctl(_KEYCTL_CLEAR, persistent)
+        for spec in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
+            _keyctl(_KEYCTL_CLEAR, spec)
+    finally:
+        os.setresuid(0, 0, 0)
+        os.setresgid(0, 0, 0)
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = [line.split() for line in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        uid_col, cuid_col = {"shm": (7, 9), "msg": (7, 9), "sem": (4, 6)}[kind]  # owner, creator
+        for row in rows:
+            if len(row) > cuid_col and uid in (int(row[uid_col]), int(row[cuid_col])):
+                if kind == "sem":
+                    _libc.semctl(int(row[1]), 0, _IPC_RMID)
+                else:
+                    getattr(_libc, f"{kind}ctl")(int(row[1]), _IPC_RMID, None)
 
 
 def _read_tree(root):
@@ -106,7 +219,7 @@ def _prepare(cfg):
     files = _read_tree(workdir)
     if cfg["namespaces"]:
         try:
-            _enter_namespaces(workdir, cfg["workdir_mb"], uid, gid, cfg["hidden_paths"])
+            _enter_namespaces(cfg, uid, gid)
         except OSError as exc:  # the host degrades on this message only, never on other setup failures
             raise RuntimeError(f"namespaces unavailable: {exc}") from exc
         _write_tree(workdir, files)
@@ -128,6 +241,7 @@ def _set_limits(cfg):
     _set_limit(resource.RLIMIT_FSIZE, cfg["workdir_mb"] << 20)
     _set_limit(resource.RLIMIT_NOFILE, 256)
     _set_limit(resource.RLIMIT_CORE, 0)
+    _set_limit(resource.RLIMIT_MSGQUEUE, 1 << 20)  # POSIX message queue bytes
     cpu = cfg["cpu_s"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
 
@@ -137,14 +251,55 @@ def _socket_guard(event, args):
         raise PermissionError(f"network access is disabled in this sandbox ({event})")
 
 
-def _child(cfg, source, sync_w):
+def _child(cfg, source, sync_w, exit_w):
+    """The supervisor's child: joins the run's cgroup; with namespaces it is pid 1 of the new PID namespace, mounts
+    its /proc and becomes the init of the program's process (pid 2), else it becomes the program's process."""
+    try:
+        for fd in cfg["cgroup_fds"]:  # first: all it starts is inside
+            os.write(fd, b"0")
+            os.close(fd)
+        if cfg["namespaces"]:
+            _mount_proc()
+            pid = os.fork()
+        else:
+            pid = 0
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    if pid == 0:
+        os.close(exit_w)
+        _program(cfg, source, sync_w)
+    else:
+        os.close(sync_w)
+        _init(pid, exit_w)
+
+
+def _init(pid, exit_w):
+    """Pid 1 of the run (stays root, so the program cannot signal it; it ignores signals from inside anyway).
+
+    The program runs as pid 2, so signals it sends itself behave as usual. Reaps every orphan until the program
+    exits, then reports the program's exit on ``exit_w`` and exits, which kills whatever is left in the namespace.
+    """
+    while True:
+        try:
+            done, wait_status, rusage = os.wait4(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        if done == pid:
+            os.write(exit_w, json.dumps(_exit_fields(wait_status, rusage)).encode())
+            os._exit(0)
+
+
+def _program(cfg, source, sync_w):
     """The program's process: confine itself, tell the supervisor it is ready, run the code."""
     try:
         _set_limits(cfg)
+        _harden(root=cfg["uid"] is not None)
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])
+            _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh session keyring of its own, not the host's
         os.chdir(cfg["workdir"])
         if cfg["socket_guard"]:
             sys.addaudithook(_socket_guard)
@@ -186,26 +341,56 @@ def _children():
         return []
 
 
-def _kill_uid(uid):
-    """SIGKILL every process of ``uid`` at once (kill(-1) is atomic against fork)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
+def _kill_uid(uid, in_pid_namespace):
+    """SIGKILL every process of ``uid`` at once (kill(-1) is atomic against fork), as that uid.
+
+    In a PID namespace the run cannot see us, so we take the uid ourselves for a moment (a fork would fail once
+    the namespace's init is gone). Outside one, a process of the run could signal us while we held its uid, so a
+    child of ours does it.
+    """
+    if not in_pid_namespace:
+        killer = os.fork()
+        if killer != 0:
+            os.waitpid(killer, 0)
+            return
+    os.setresuid(uid, uid, 0)
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        if not in_pid_namespace:
             os._exit(0)
-    os.waitpid(pid, 0)
+        os.setresuid(0, 0, 0)
 
 
-def _reap_all(main_pid, uid, report):
+def _memory_in_use(uid):
+    """Proportional set size (shared pages split among their users), in bytes, of all processes of ``uid``."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/smaps_rollup", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Pss:"):
+                        total += int(line.split()[1]) << 10
+                        break
+        except (OSError, ValueError):  # exited meanwhile
+            continue
+    return total
+
+
+def _reap_all(main_pid, uid, report, in_pid_namespace):
     """Kill the program and everything it started, and reap it all.
 
     We are a subreaper, so a living descendant always has us as an ancestor of its parent chain: when wait4(-1)
     reports no children left, nothing the program started is left either.
     """
     if uid is not None:
-        _kill_uid(uid)  # all of them are doomed now; we only wait
+        _kill_uid(uid, in_pid_namespace)  # all of them are doomed now; we only wait
     flags = 0 if uid is not None else os.WNOHANG  # without a uid, keep killing what shows up
     while True:
         for pid in _children():  # orphans of the program, re-parented to us (a hint: this file may lag)
@@ -223,23 +408,45 @@ def _reap_all(main_pid, uid, report):
             report.update(_exit_fields(wait_status, rusage))
 
 
-def _wait(pid, wake_r, report):
-    """Until the program exits (its status goes into ``report``) or the host sends SIGTERM."""
+def _over_budget(cfg):
+    """Whether the run went over its memory: the cgroup's OOM killer acted, or (no cgroup) its processes' sum."""
+    if cfg["cgroup"]:
+        return _cgroups.RunCgroup(**cfg["cgroup"]).oom_kills() > 0
+    return _memory_in_use(cfg["uid"]) > cfg["memory_mb"] << 20
+
+
+def _wait(pid, wake_r, report, cfg):
+    """Until the program exits (its status goes into ``report``), goes over its memory, or the host sends SIGTERM.
+
+    Memory is checked every 20 ms: a cgroup's OOM kill ends the whole run (cgroup v1 would kill only the largest
+    process); without a cgroup, this is the memory limit over all of the run's processes.
+    """
+    watch = cfg["uid"] is not None and (cfg["cgroup"] or cfg["memory_watch"])
     while True:
         done, wait_status, rusage = os.wait4(pid, os.WNOHANG)
         if done:
             report.update(_exit_fields(wait_status, rusage))
             return
-        select.select([wake_r], [], [])  # a SIGCHLD or SIGTERM arrived (the bytes are signal numbers)
-        if signal.SIGTERM in os.read(wake_r, 256):
+        ready, _, _ = select.select([wake_r], [], [], _WATCH_INTERVAL_S if watch else None)
+        if ready and signal.SIGTERM in os.read(wake_r, 256):  # else: a SIGCHLD, or time to check memory
             report["stopped"] = True
+            return
+        if watch and _over_budget(cfg):
+            report["memory_exceeded"] = True
             return
 
 
-def _supervise(pid, sync_r, wake_r, cfg):
+def _supervise(pid, sync_r, wake_r, exit_r, cfg):
     report: dict = {}
-    _wait(pid, wake_r, report)
-    _reap_all(pid, cfg["uid"], report)
+    _wait(pid, wake_r, report, cfg)
+    _reap_all(pid, cfg["uid"], report, cfg["namespaces"])
+    os.set_blocking(exit_r, False)
+    try:  # with namespaces ``pid`` was the init; the program's own exit, as its init saw it
+        report.update(json.loads(os.read(exit_r, 4096) or b"{}"))
+    except BlockingIOError:
+        pass
+    if cfg["uid"] is not None:
+        _clear_uid_state(cfg["uid"])
     report["started"] = os.read(sync_r, 1) == b"1"  # every writer is gone, so this cannot block
     if not report["started"] and not report.get("stopped"):
         report["error"] = "the program's process failed to set up (see stderr)"
@@ -259,9 +466,13 @@ def main():
     signal.signal(signal.SIGTERM, _note_signal)
     signal.signal(signal.SIGCHLD, _note_signal)
     try:
+        if cfg["uid"] is not None:  # whatever a run on this uid left behind that the last supervisor did not clear
+            _kill_uid(cfg["uid"], in_pid_namespace=False)
+            _clear_uid_state(cfg["uid"])
         source = _prepare(cfg)
         _call("prctl", _PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         sync_r, sync_w = os.pipe()
+        exit_r, exit_w = os.pipe()
         pid = os.fork()
     except Exception as exc:
         _emit(status_fd, {"started": False, "error": f"sandbox setup failed: {type(exc).__name__}: {exc}"})
@@ -270,12 +481,18 @@ def main():
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in (status_fd, sync_r, wake_r, wake_w):
+        for fd in (status_fd, sync_r, exit_r, wake_r, wake_w):
             os.close(fd)
-        _child(cfg, source, sync_w)
+        _child(cfg, source, sync_w, exit_w)
         return
-    os.close(sync_w)
-    _emit(status_fd, _supervise(pid, sync_r, wake_r, cfg))
+    for fd in [sync_w, exit_w, *cfg["cgroup_fds"]]:
+        os.close(fd)
+    try:  # on a loaded host, the memory watch must still get its turn when its timer fires
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
+    except OSError:  # not root
+        pass
+    _emit(status_fd, _supervise(pid, sync_r, wake_r, exit_r, cfg))
+    os._exit(0)  # all is reported: skip the interpreter's clean-up (the program's process returns instead)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """LocalSandbox: runs untrusted Python in a confined child process on this machine.
 
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
-rlimits on CPU time, address space, processes, file size and open files; a wall-clock timeout and an output
-cap enforced here; when run as root, a dedicated unprivileged uid per run and fresh network + mount
-namespaces (read-only filesystem, hidden host directories, tmpfs working directory, /proc limited to the
-run's own processes); an
-in-process socket guard; and a supervisor that kills and reaps everything the program started.
+rlimits on CPU time, address space, processes, file size and open files; no_new_privs; a wall-clock timeout
+and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
+capability bounding set, fresh mount, network, IPC, UTS and PID namespaces (read-only filesystem, host unix
+sockets and temp dirs covered, hidden host directories, tmpfs working directory, a /proc of the run's own
+processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
+and IPC objects cleared before it is used again; an in-process socket guard; and a supervisor that kills and
+reaps everything the program started.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -29,6 +32,7 @@ from anyio.abc import ByteReceiveStream, Process
 from pydantic import BaseModel
 
 from asyncsess.errors import InvalidInputError
+from asyncsess.sandbox import _cgroups
 from asyncsess.sandbox._uids import UidLease, acquire_uid
 from asyncsess.sandbox.base import BaseSandbox, Files
 from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
@@ -37,11 +41,20 @@ __all__ = ["Isolation", "LocalSandbox"]
 
 log = logging.getLogger(__name__)
 
+_FALLBACK_NOTE = (
+    "memory over all of a run's processes is bounded by the supervisor, which sums their proportional set size "
+    "every 20 ms and kills the run over memory_mb (allocations faster than that can overshoot briefly); "
+    "processes by RLIMIT_NPROC per uid; CPU by RLIMIT_CPU per process"
+)
+
 CODE_FILE = "solution.py"
 EXIT_MEMORY = 100  # exit status the supervisor gives a program that ran out of memory
 _BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
 _PATH = "/usr/local/bin:/usr/bin:/bin"
+# Where hosts keep unix sockets and shared scratch files; each is covered by an empty tmpfs in a run's mounts.
+_SOCKET_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/dev/mqueue")
+_NAME_MAX, _PATH_MAX = 255, 1024
 
 
 class Isolation(BaseModel):
@@ -49,17 +62,24 @@ class Isolation(BaseModel):
 
     privilege_drop: bool
     namespaces: bool
+    cgroup: str | None
+    """``"v2"`` or ``"v1"``: memory, processes (and with v2 CPU) limited per run by a cgroup leaf; ``None``: the
+    fallback (the supervisor sums the memory of the run's processes and kills the run over budget)."""
     socket_guard: bool
     hidden_paths: list[str]
+    socket_dirs: list[str]
     notes: list[str]
 
 
 class LocalSandbox(BaseSandbox):
     """Runs untrusted Python in a child process, at most ``max_concurrency`` at a time.
 
-    ``namespaces=None`` probes on first use whether network and mount namespaces work (they need root) and
-    degrades with a logged warning if not; ``True`` fails closed (every run is a ``sandbox_error``) if they
-    don't. ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
+    ``namespaces=None`` probes on first use whether mount, network, IPC and PID namespaces work (they need root)
+    and degrades with a logged warning if not; ``True`` fails closed (every run is a ``sandbox_error``) if they
+    don't. ``cgroups`` likewise for a cgroup leaf per run (v2, else v1; needs root): ``None`` uses one where the
+    host allows it and else falls back to the supervisor's memory watch, ``True`` requires one, ``False`` always
+    uses the fallback; ``cgroup_parent`` names a delegated cgroup v2 directory to make the leaves in (default:
+    this process's own cgroup, which can delegate only if it is the root or holds no processes). ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
     ``hidden_paths`` (default: /home, /root and the current directory, where project files such as ``.env``
     live) are covered by empty, unreadable directories inside the mount namespace; the rest of the host
     filesystem stays readable (read-only) wherever file permissions allow.
@@ -76,6 +96,9 @@ class LocalSandbox(BaseSandbox):
         workdir_mb: int = 64,
         python: str | None = None,
         namespaces: bool | None = None,
+        cgroups: bool | None = None,
+        cgroup_parent: str | None = None,
+        cpus: float = 1.0,
         socket_guard: bool = True,
         uids: range = range(200_000, 204_096),
         hidden_paths: Sequence[str] | None = None,
@@ -87,6 +110,7 @@ class LocalSandbox(BaseSandbox):
             ("max_output_bytes", max_output_bytes),
             ("max_processes", max_processes),
             ("workdir_mb", workdir_mb),
+            ("cpus", cpus),
         ):
             _check_positive(field, value)
         self._root = os.geteuid() == 0
@@ -101,7 +125,12 @@ class LocalSandbox(BaseSandbox):
             self._hidden_paths = _hideable(["/home", "/root", os.getcwd()], needed, strict=False)
         else:
             self._hidden_paths = _hideable(hidden_paths, needed, strict=True)
+        self._socket_dirs = _hideable([*_SOCKET_DIRS, tempfile.gettempdir()], needed[1:], strict=False)
         self._namespaces = namespaces if self._root or namespaces else False
+        self._cgroups = cgroups if self._root or cgroups else False
+        self._cgroup_version: int | None = None
+        self._cpus = cpus
+        self._cgroup_parent = cgroup_parent
         self._socket_guard = socket_guard
         self._uids = uids
         self._kill = shutil.which("kill")
@@ -115,17 +144,25 @@ class LocalSandbox(BaseSandbox):
             )
         elif namespaces is False:
             self._notes.append("namespaces turned off: network is blocked only by the socket guard")
+        if self._root and self._cgroups is False:
+            self._notes.append(_FALLBACK_NOTE)
         if not socket_guard:
             self._notes.append("socket guard turned off")
 
     async def isolation(self) -> Isolation:
-        """The layers in force (probing namespaces if that has not happened yet)."""
+        """The layers in force (probing namespaces and cgroups if that has not happened yet)."""
         namespaces = await self._namespaces_available()
+        if self._cgroups is not False and self._cgroup_version is None:
+            probe = await self._make_cgroup(f"probe-{os.getpid()}", self._memory_mb)
+            if probe is not None:
+                await anyio.to_thread.run_sync(probe.remove)
         return Isolation(
             privilege_drop=self._root,
             namespaces=namespaces,
+            cgroup=f"v{self._cgroup_version}" if self._cgroups is not False and self._cgroup_version else None,
             socket_guard=self._socket_guard,
             hidden_paths=self._hidden_paths if namespaces else [],
+            socket_dirs=self._socket_dirs if namespaces else [],
             notes=list(self._notes),
         )
 
@@ -141,9 +178,10 @@ class LocalSandbox(BaseSandbox):
         timeout_s = self._timeout_s if timeout_s is None else _check_positive("timeout_s", timeout_s)
         memory_mb = self._memory_mb if memory_mb is None else _check_positive("memory_mb", memory_mb)
         contents = self._check_files(code, files)
+        stdin_bytes = _encode("stdin", stdin)
         namespaces = await self._namespaces_available()
         async with self._limiter:
-            return await self._execute(contents, stdin.encode(), timeout_s, memory_mb, namespaces)
+            return await self._execute(contents, stdin_bytes, timeout_s, memory_mb, namespaces)
 
     async def _namespaces_available(self) -> bool:
         if self._namespaces is not None:
@@ -163,15 +201,43 @@ class LocalSandbox(BaseSandbox):
                     log.error("LocalSandbox: the isolation probe failed (%s): %s", probe.status, probe.stderr.strip())
         return self._namespaces
 
+    async def _make_cgroup(self, name: str, memory_mb: int) -> _cgroups.RunCgroup | None:
+        """A cgroup leaf for one run, or None. With ``cgroups=None``, a failure before any leaf was made means the
+        host does not allow them: cgroups are off for good (the fallback); after that, a failure fails the run."""
+        make = functools.partial(
+            _cgroups.create,
+            name,
+            memory_bytes=memory_mb << 20,
+            max_processes=self._max_processes,
+            cpus=self._cpus,
+            parent=self._cgroup_parent,
+        )
+        cgroup, why = await anyio.to_thread.run_sync(make)
+        if cgroup is not None:
+            self._cgroup_version = cgroup.version
+        elif self._cgroups is None and self._cgroup_version is None:
+            self._cgroups = False
+            self._notes.append(f"no cgroup per run ({why or 'no cgroup hierarchy with a memory controller'}): {_FALLBACK_NOTE}")
+            log.warning("LocalSandbox: %s", self._notes[-1])
+        return cgroup
+
     def _check_files(self, code: str, files: Files | None) -> dict[str, bytes]:
-        contents = {CODE_FILE: code.encode()}
+        contents = {CODE_FILE: _encode("code", code)}
+        taken = {CODE_FILE}  # every file and every directory a file needs
         for name, content in (files or {}).items():
-            path = PurePosixPath(name)
-            if path.is_absolute() or ".." in path.parts or not path.parts or str(path) == CODE_FILE:
+            path = _check_file_name(name)
+            parents = [str(p) for p in PurePosixPath(path).parents][:-1]  # without "."
+            clash = path in taken or any(p in contents for p in parents)
+            if clash:
                 raise InvalidInputError(
-                    f"bad file name {name!r}", field="files", fix=f"use relative paths without '..', other than {CODE_FILE}"
+                    f"file name {name!r} collides with another file or directory (or with {CODE_FILE})",
+                    field="files",
+                    fix="give every file its own path; a file cannot also be a directory",
                 )
-            contents[str(path)] = content.encode() if isinstance(content, str) else bytes(content)
+            taken.update([path, *parents])
+            if not isinstance(content, (str, bytes, bytearray, memoryview)):
+                raise InvalidInputError(f"content of {name!r} is a {type(content).__name__}", field="files", fix="pass str or bytes")
+            contents[path] = _encode("files", content, f"content of {name!r} is ") if isinstance(content, str) else bytes(content)
         if sum(map(len, contents.values())) > self._workdir_mb << 20:
             raise InvalidInputError(
                 f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
@@ -184,6 +250,8 @@ class LocalSandbox(BaseSandbox):
         workdir = await anyio.to_thread.run_sync(_make_workdir, contents)
         status_r, status_w = os.pipe()
         lease: UidLease | None = None
+        cgroup: _cgroups.RunCgroup | None = None
+        cgroup_fds: list[int] = []
         try:
             if self._root:
                 try:
@@ -191,6 +259,13 @@ class LocalSandbox(BaseSandbox):
                 except RuntimeError as exc:  # every uid of the pool is in use
                     return ExecutionResult(status="sandbox_error", stderr=f"{exc}\n")
             uid = lease.uid if lease else None
+            if uid is None and self._cgroups:
+                return ExecutionResult(status="sandbox_error", stderr="cgroups=True needs root\n")
+            if uid is not None and self._cgroups is not False:
+                cgroup = await self._make_cgroup(str(uid), memory_mb)
+                if cgroup is None and self._cgroups is not False:  # required, or worked before: fail closed
+                    return ExecutionResult(status="sandbox_error", stderr="no cgroup leaf could be made for this run\n")
+                cgroup_fds = [cgroup.open_procs()] if cgroup else []
             cpu_s = max(1, math.ceil(timeout_s))
             config = {
                 "workdir": workdir,
@@ -203,6 +278,10 @@ class LocalSandbox(BaseSandbox):
                 "max_processes": self._max_processes,
                 "socket_guard": self._socket_guard,
                 "hidden_paths": self._hidden_paths,
+                "socket_dirs": self._socket_dirs,
+                "cgroup_fds": cgroup_fds,
+                "cgroup": cgroup.as_dict() if cgroup else None,
+                "memory_watch": cgroup is None,
                 "status_fd": status_w,
                 "code_file": CODE_FILE,
                 "exit_memory": EXIT_MEMORY,
@@ -216,10 +295,13 @@ class LocalSandbox(BaseSandbox):
                 cwd=workdir,
                 env={"PATH": _PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir},
                 start_new_session=True,
-                pass_fds=(status_w,),
+                pass_fds=(status_w, *cgroup_fds),
             )
             os.close(status_w)
             status_w = -1
+            for fd in cgroup_fds:
+                os.close(fd)
+            cgroup_fds = []
             try:
                 stop_reason, out, err = await self._supervise(proc, stdin, timeout_s, uid)
             finally:
@@ -229,17 +311,25 @@ class LocalSandbox(BaseSandbox):
                     await proc.aclose()
             wall_s = time.monotonic() - started
             report = _read_report(status_r)
-            if lease and not report:  # the supervisor died: keep its uid out of use while its processes may linger
+            # Killed by our SIGTERM itself: it had not installed its handler yet, so it had not forked anything.
+            early = stop_reason is not None and proc.returncode == -signal.SIGTERM
+            if lease and not report and not early:  # it died: keep its uid out of use while its processes may linger
                 log.warning("LocalSandbox: retiring uid %d after a run without a supervisor report", lease.uid)
                 lease = None
+            if early:
+                report = {"started": False, "stopped": True}
+            if cgroup is not None and cgroup.oom_kills():
+                report["memory_exceeded"] = True
             return _verdict(report, stop_reason, out, err, wall_s, cpu_s)
         finally:
-            for fd in (status_r, status_w):
+            for fd in (status_r, status_w, *cgroup_fds):
                 if fd >= 0:
                     os.close(fd)
-            if lease:
-                lease.release()
             with anyio.CancelScope(shield=True):
+                if cgroup is not None:
+                    await anyio.to_thread.run_sync(cgroup.remove)
+                if lease:
+                    lease.release()
                 await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
 
     async def _supervise(
@@ -312,10 +402,57 @@ def _terminate(proc: Process) -> None:
         pass
 
 
+_LIMITS = {  # field: (integer only, largest accepted value)
+    "max_concurrency": (True, 1 << 16),
+    "timeout_s": (False, 86_400.0),
+    "memory_mb": (True, 1 << 24),
+    "max_output_bytes": (True, 1 << 40),
+    "max_processes": (True, 1 << 16),
+    "workdir_mb": (True, 1 << 20),
+    "cpus": (False, 4096.0),
+}
+
+
 def _check_positive(field: str, value):
-    if not value > 0:
-        raise InvalidInputError(f"must be positive, got {value!r}", field=field, fix=f"pass {field} > 0")
+    """``value`` if it is a number in (0, limit] (an int where the field counts something), else InvalidInputError."""
+    integer, limit = _LIMITS[field]
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= limit:  # NaN fails the bounds
+        kind = "an int" if integer else "a finite number"
+        raise InvalidInputError(f"must be {kind} in (0, {limit}], got {value!r}", field=field, fix=f"pass {field} > 0")
     return value
+
+
+def _encode(field: str, text: str, what: str = "") -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{what}not encodable as UTF-8 at position {exc.start} ({exc.reason})", field=field, fix="remove lone surrogates"
+        ) from None
+    except AttributeError:
+        raise InvalidInputError(f"expected str, got {type(text).__name__}", field=field, fix="pass a str") from None
+
+
+def _check_file_name(name: object) -> str:
+    """The normalised relative path of a ``files`` key, or InvalidInputError naming what is wrong with it."""
+    fix = f"use a relative path like 'data/input.txt': no NUL, no '..', no absolute path, not {CODE_FILE}"
+    if not isinstance(name, str):
+        raise InvalidInputError(f"file name {name!r} is a {type(name).__name__}", field="files", fix=fix)
+    raw = _encode("files", name)
+    path = PurePosixPath(name)
+    checks = (
+        ("\0" in name, "contains NUL"),
+        (path.is_absolute(), "is absolute"),
+        (".." in path.parts, "contains '..'"),
+        (not path.parts or name.endswith("/"), "names no file"),
+        (len(raw) > _PATH_MAX, f"is longer than {_PATH_MAX} bytes"),
+        (any(len(part.encode()) > _NAME_MAX for part in path.parts), f"has a part longer than {_NAME_MAX} bytes"),
+    )
+    problem = next((why for failed, why in checks if failed), None)
+    if problem:
+        raise InvalidInputError(f"file name {name!r} {problem}", field="files", fix=fix)
+    return str(path)
 
 
 def _hideable(paths: Sequence[str], needed: Sequence[str], *, strict: bool) -> list[str]:
@@ -364,12 +501,17 @@ def _default_python(root: bool) -> str:
 
 
 def _make_workdir(contents: Mapping[str, bytes]) -> str:
+    """A fresh private directory holding ``contents``; removed again if any file cannot be written."""
     workdir = tempfile.mkdtemp(prefix="asyncsess-sandbox-")
-    for name, data in contents.items():
-        path = os.path.join(workdir, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+    try:
+        for name, data in contents.items():
+            path = os.path.join(workdir, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     return workdir
 
 
@@ -406,7 +548,7 @@ def _verdict(
         status = "sandbox_error"
     elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s is not None and cpu_s >= cpu_limit):
         status = "timeout"
-    elif exit_code == EXIT_MEMORY:
+    elif exit_code == EXIT_MEMORY or report.get("memory_exceeded"):
         status = "memory"
     else:
         status = "ok" if exit_code == 0 else "runtime_error"
