@@ -61,6 +61,7 @@ from .types import (
     TrainingRun,
 )
 from .validation import (
+    MAX_TOPK,
     check_count,
     check_datums,
     check_description,
@@ -1258,9 +1259,6 @@ class SamplingClient:
             return await self._svc._call(operation, call)
         finally:
             self._limiter.release(nbytes)
-
-
-MAX_TOPK = 1024
 
 
 def _check_last_n(last_n: Any, prompt_len: int, scoring: bool) -> int | None:

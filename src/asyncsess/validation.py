@@ -248,6 +248,7 @@ def coerce_adam_params(params: Any) -> AdamParams:
 
 _CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _NAME_FIX = "1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit (free text goes in description=)"
+MAX_TOPK = 1024  # alternatives per position for top-k log-probs
 MAX_DESCRIPTION = 1024  # SageMaker's limit on a model package description
 MAX_METADATA_ITEMS = 64
 MAX_METADATA_CHARS = 1024

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
 from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
+from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
 
 from .checkpoints import MAX_PATH_CHARS, CheckpointStore
 from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
@@ -92,6 +93,12 @@ def _datum(value: Any) -> Any:
 
 
 DatumIn = Annotated[Datum, BeforeValidator(_datum)]
+# the SDK's own checks (they raise InvalidInputError, a ValueError: pydantic reports them by field)
+Description = Annotated[str | None, AfterValidator(check_description)]
+TTLSeconds = Annotated[int | None, AfterValidator(check_ttl_seconds)]
+SessionOptions = Annotated[dict[Label, JsonValue], Field(max_length=16), AfterValidator(check_session_options)]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOPK)]
+TargetIds = Annotated[list[Annotated[int, Field(ge=-1, lt=2**31)]], Field(max_length=MAX_TOPK)]
 
 
 class _Body(BaseModel):
@@ -111,6 +118,7 @@ class SessionBody(_Body):
     from_path: CheckpointPath | None = None
     with_optimizer: bool = False
     user_metadata: dict[Label, Long] = Field(default_factory=dict, max_length=64)
+    session_options: SessionOptions = Field(default_factory=dict)
 
     def spec(self) -> TrainingSessionSpec:
         return TrainingSessionSpec(**self.model_dump())
@@ -131,6 +139,10 @@ class OpBody(_Body):
     with_optimizer: bool = True
     path: CheckpointPath | None = None
     ephemeral: bool = False
+    description: Description = None
+    overwrite: bool = False
+    ttl_seconds: TTLSeconds = None
+    user_metadata: dict[Label, Long] | None = Field(default=None, max_length=64)
 
     def op(self) -> TrainingOp:
         fields = {k: getattr(self, k) for k in type(self).model_fields}
@@ -142,6 +154,7 @@ class SamplerBody(_Body):
 
     base_model: ModelName | None = None
     model_path: CheckpointPath | None = None
+    payload: None = None  # another process's in-memory sampler cannot cross HTTP
 
     def spec(self) -> SamplerSpec:
         return SamplerSpec(base_model=self.base_model, model_path=self.model_path)
@@ -155,9 +168,22 @@ class SampleBody(_Body):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     include_prompt_logprobs: bool = False
     request_id: Long = ""
+    topk_prompt_logprobs: TopK = 0
+    topk_sample_logprobs: TopK = 0
+    target_prompt_logprobs: list[TargetIds] | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
 
     def request(self) -> SampleRequest:
-        return SampleRequest(tuple(self.prompt), self.num_samples, self.sampling_params, self.include_prompt_logprobs, self.request_id)
+        targets = tuple(tuple(row) for row in self.target_prompt_logprobs) if self.target_prompt_logprobs is not None else None
+        return SampleRequest(
+            tuple(self.prompt),
+            self.num_samples,
+            self.sampling_params,
+            self.include_prompt_logprobs,
+            self.request_id,
+            self.topk_prompt_logprobs,
+            self.topk_sample_logprobs,
+            targets,
+        )
 
 
 class LogprobsBody(_Body):
