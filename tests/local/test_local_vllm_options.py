@@ -256,7 +256,7 @@ def test_worker_cli_passes_the_memory_options(monkeypatch, tmp_path):
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
-    monkeypatch.setattr(server, "create_app", lambda backend, keys: seen.update(backend=backend))
+    monkeypatch.setattr(server, "create_app", lambda backend, keys, **options: seen.update(backend=backend))
     argv = ["--dir", str(tmp_path), "--api-key", "k", "--token-budget", "2048", "--checkpoint-layers", "on"]
     argv += ["--vllm-max-model-len", "16384", "--vllm-max-loras", "6", "--vllm-max-cpu-loras", "24", "--vllm-unembed", "refuse"]
     server.main(argv)

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -22,6 +23,7 @@ from local_helpers import sft_datum
 
 from asyncsess import AdamParams, ServiceClient
 from asyncsess.errors import DeadlineExceededError, RetriesExhaustedError
+from asyncsess.metrics import read_metrics
 from asyncsess.retry import RetryPolicy
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
@@ -91,3 +93,50 @@ async def test_a_lost_worker_is_a_typed_error_within_the_deadline(worker: Worker
             await tc.forward_backward([datum], "cross_entropy")
         assert info.value.operation == "forward_backward" and info.value.seq == 3
         worker.stop()  # the session is gone with the worker; stopping it at exit must not hang either
+
+
+def _share_of_even_ids(problem: Any, text: str) -> tuple[float, dict[str, float]]:
+    """A reward that moves on the tiny random model: the share of digits in the reply."""
+    return sum(c.isdigit() for c in text) / max(1, len(text)), {}
+
+
+async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_path: Path, monkeypatch) -> None:
+    """kill -9 of the worker after the checkpoint at step 2; a restarted worker (same root) still knows the
+    run's checkpoints as this key's, and the loop reopens from the last one and finishes."""
+    from asyncsess.rl_train import RLConfig, train_rl
+    from asyncsess.rollouts import Problem
+    from asyncsess.runs import last_checkpoint
+
+    monkeypatch.setenv("ASYNCSESS_API_KEY", KEY)
+    problems = [Problem(f"what is {i} plus 1? the answer is", str(i + 1)) for i in range(8)]
+    base = RLConfig(base_model=tiny, groups_per_batch=2, group_size=4, max_tokens=6, lora_rank=4, learning_rate=1e-2, max_steps=4)
+    base = base.model_copy(update={"save_every": 2, "seed": 3, "max_recoveries": 2, "recovery_wait_s": 120.0})
+
+    crashed = Worker(tiny, tmp_path / "crashed")
+    crashed.start()
+    try:
+        cfg = base.model_copy(update={"url": crashed.url})
+        async with anyio.create_task_group() as tg:
+            outcome: dict[str, Any] = {}
+
+            async def run() -> None:
+                outcome["result"] = await train_rl(cfg, problems, [], _share_of_even_ids, tmp_path / "run-a", progress=False)
+
+            tg.start_soon(run)
+            with anyio.fail_after(600):  # a hang guard only
+                while (rec := last_checkpoint(tmp_path / "run-a")) is None or rec.step < 2:
+                    await anyio.sleep(0.05)
+            crashed.signal(signal.SIGKILL)
+            crashed.start()  # what a supervisor (asyncsess-worker --supervise, systemd) does
+        result = outcome["result"]
+        assert result.steps == 4
+        records = read_metrics(tmp_path / "run-a")
+        assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+        assert any(r.get("recovery/count") == 1 for r in records)
+
+        # the run's own final state is on the restarted worker, owned by the same key
+        async with ServiceClient(crashed.url, api_key=KEY, heartbeat_interval=0) as svc:
+            tc = await svc.create_training_client_from_state_with_optimizer(result.final_checkpoint.state_path)
+            assert (await tc.optim_step(AdamParams(learning_rate=0.0))).metrics is not None
+    finally:
+        crashed.stop()

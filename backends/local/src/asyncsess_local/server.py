@@ -8,6 +8,8 @@ naming the field, never a 5xx. Run it with ``asyncsess-worker --model tiny-llama
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -15,7 +17,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,7 +31,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncsess.backend import SampleRequest, SamplerSpec
-from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError
+from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError, SessionGoneError
 from asyncsess.types import SamplingParams
 
 from . import bodies, wire
@@ -43,12 +46,28 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 class _Owners:
-    """Which API key owns which session, sampler and model id (kept after stop, for checkpoints)."""
+    """Which tenant (a digest of its API key) owns which session, sampler and model id.
 
-    def __init__(self) -> None:
+    Training sessions are journaled to ``<checkpoint root>/.owners.jsonl``, so a restarted worker still
+    knows whose checkpoints are whose (a run resumes after a crash); the keys themselves are never stored.
+    """
+
+    def __init__(self, journal: Path | None = None) -> None:
         self.by_id: dict[str, str] = {}
         self.latest_sampler_path: dict[str, str] = {}  # training session -> last save_weights path
         self.chat_samplers: dict[tuple[str, str], str] = {}  # (key, target) -> sampler id
+        self._journal = journal
+        if journal is not None and journal.exists():
+            for line in journal.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    record = json.loads(line)
+                    self.by_id[str(record["id"])] = str(record["tenant"])
+
+    def own(self, object_id: str, key: str, *, durable: bool = False) -> None:
+        self.by_id[object_id] = key
+        if durable and self._journal is not None:
+            with self._journal.open("a") as f:
+                f.write(json.dumps({"id": object_id, "tenant": key}) + "\n")
 
     def check(self, key: str, object_id: str) -> None:
         if self.by_id.get(object_id) != key:
@@ -62,22 +81,27 @@ def create_app(
     models: Iterable[str] = (),
     max_body_bytes: int = bodies.MAX_BODY_BYTES,
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
+    max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
-    samplers one key may hold open at once."""
+    samplers one key may hold open at once; ``max_inflight_per_key``: requests one key may have in flight
+    (more get a 429 with ``Retry-After``). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
-    owners = _Owners()
+    owners = _Owners(backend.engine.store.root / ".owners.jsonl")
+    ready = threading.Event()
     allowed_extra = set(models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.open()
+        ready.set()
         try:
             yield
         finally:
+            ready.clear()
             await backend.aclose()
 
     app = FastAPI(
@@ -89,7 +113,9 @@ def create_app(
         openapi_url="/openapi.json",  # behind the key, like every route (see _Guard)
         default_response_class=_JSON,
     )
-    app.add_middleware(_Guard, keys=keys, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        _Guard, keys=keys, max_body_bytes=max_body_bytes, max_inflight_per_key=max_inflight_per_key, ready=lambda: ready.is_set()
+    )
 
     @app.exception_handler(AsyncSessError)
     async def _typed(request: Request, err: AsyncSessError) -> Response:
@@ -170,7 +196,7 @@ def create_app(
         if spec.from_path is None or spec.base_model:
             check_base_model(spec.base_model, "base_model")
         info = await backend.create_training_session(spec)
-        owners.by_id[info.model_id] = key
+        owners.own(info.model_id, key, durable=True)
         return info.model_dump(mode="json")
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
@@ -213,7 +239,7 @@ def create_app(
         if spec.model_path is None:
             check_base_model(spec.base_model, "base_model")
         sampler_id = await backend.create_sampler(spec)
-        owners.by_id[sampler_id] = key
+        owners.own(sampler_id, key)
         return {"sampler_id": sampler_id}
 
     @app.post("/v1/samplers/{sampler_id}/sample")
@@ -394,8 +420,9 @@ class _Guard:
     """ASGI middleware in front of every route: the API key (401), the body size (413), and a last resort
     for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
 
-    def __init__(self, app: Any, keys: list[bytes], max_body_bytes: int) -> None:
-        self.app, self.keys, self.max_body = app, keys, max_body_bytes
+    def __init__(self, app: Any, keys: list[bytes], max_body_bytes: int, max_inflight_per_key: int, ready: Callable[[], bool]) -> None:
+        self.app, self.keys, self.max_body, self.max_inflight, self.ready = app, keys, max_body_bytes, max_inflight_per_key, ready
+        self.inflight: Counter[str] = Counter()  # requests being served, per tenant
 
     def _key(self, scope: Any) -> bytes | None:
         headers = dict(scope.get("headers") or ())
@@ -409,6 +436,9 @@ class _Guard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("path") in ("/healthz", "/readyz"):  # for supervisors and load balancers; they tell nothing
+            ok = scope["path"] == "/healthz" or self.ready()
+            return await _JSON({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)(scope, receive, send)
         started = False
 
         async def reply(status: int, err: AsyncSessError, headers: dict[str, str] | None = None) -> None:
@@ -421,40 +451,53 @@ class _Guard:
             return await reply(
                 401, InvalidInputError("missing or wrong API key", field="Authorization", fix=fix), {"WWW-Authenticate": "Bearer"}
             )
-        scope["asyncsess.key"] = key.decode("utf-8")
-        length = dict(scope.get("headers") or ()).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body:
-            return await reply(413, InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes"))
-        seen = 0
-
-        too_large = InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes")
-        answered = False  # the 413 went out; whatever the app sends after it is dropped
-
-        async def counted() -> Any:
-            nonlocal seen, answered
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                await reply(413, too_large)
-                answered = True
-                raise _TooLarge()
-            return message
-
-        async def tracked(message: Any) -> None:
-            nonlocal started
-            if answered:
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tenant = hashlib.sha256(key).hexdigest()[:32]  # what the routes know of the key (and may store)
+        scope["asyncsess.key"] = tenant
+        if self.inflight[tenant] >= self.max_inflight:
+            err = RateLimitError(
+                f"this API key has {self.inflight[tenant]} requests in flight, the most allowed",
+                retry_after=1.0,
+                field="Authorization",
+                fix="wait for some answers (the client's retry policy honours Retry-After)",
+            )
+            return await reply(429, err, {"Retry-After": "1"})
+        self.inflight[tenant] += 1
         try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            pass
-        except Exception as err:
-            incident = uuid.uuid4().hex[:12]
-            log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))
-            await reply(500, ServerError(f"internal error {incident} ({type(err).__name__}); the worker logged it"))
+            length = dict(scope.get("headers") or ()).get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > self.max_body:
+                return await reply(413, InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes"))
+            seen = 0
+
+            too_large = InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes")
+            answered = False  # the 413 went out; whatever the app sends after it is dropped
+
+            async def counted() -> Any:
+                nonlocal seen, answered
+                message = await receive()
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    await reply(413, too_large)
+                    answered = True
+                    raise _TooLarge()
+                return message
+
+            async def tracked(message: Any) -> None:
+                nonlocal started
+                if answered:
+                    return
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await self.app(scope, counted, tracked)
+            except _TooLarge:
+                pass
+            except Exception as err:
+                incident = uuid.uuid4().hex[:12]
+                log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))
+                await reply(500, ServerError(f"internal error {incident} ({type(err).__name__}); the worker logged it"))
+        finally:
+            self.inflight[tenant] -= 1
 
 
 # ------------------------------------------------------------------------------------- running

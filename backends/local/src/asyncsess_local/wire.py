@@ -45,6 +45,7 @@ STATUS: dict[type[errors.AsyncSessError], int] = {
     errors.SessionGoneError: 404,
     errors.PoisonedError: 424,
     errors.TransientError: 503,
+    errors.RateLimitError: 429,
     errors.DeadlineExceededError: 504,
     errors.ServerError: 500,
 }
