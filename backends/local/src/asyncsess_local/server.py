@@ -39,7 +39,7 @@ from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
 from .vllm_sampler import VllmOptions
 
-__all__ = ["create_app", "serve_in_thread", "main"]
+__all__ = ["create_app", "serve_in_thread", "tenant_of", "main"]
 
 log = logging.getLogger("asyncsess.worker")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json")
@@ -113,8 +113,14 @@ def create_app(
         openapi_url="/openapi.json",  # behind the key, like every route (see _Guard)
         default_response_class=_JSON,
     )
+    app.state.inflight = Counter()  # requests being served, per tenant (see tenant_of)
     app.add_middleware(
-        _Guard, keys=keys, max_body_bytes=max_body_bytes, max_inflight_per_key=max_inflight_per_key, ready=lambda: ready.is_set()
+        _Guard,
+        keys=keys,
+        max_body_bytes=max_body_bytes,
+        max_inflight_per_key=max_inflight_per_key,
+        inflight=app.state.inflight,
+        ready=lambda: ready.is_set(),
     )
 
     @app.exception_handler(AsyncSessError)
@@ -416,13 +422,20 @@ class _TooLarge(Exception):
     pass
 
 
+def tenant_of(key: str | bytes) -> str:
+    """The tenant an API key stands for: a digest, so that no key is ever stored or logged."""
+    return hashlib.sha256(key.encode("utf-8") if isinstance(key, str) else key).hexdigest()[:32]
+
+
 class _Guard:
     """ASGI middleware in front of every route: the API key (401), the body size (413), and a last resort
     for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
 
-    def __init__(self, app: Any, keys: list[bytes], max_body_bytes: int, max_inflight_per_key: int, ready: Callable[[], bool]) -> None:
-        self.app, self.keys, self.max_body, self.max_inflight, self.ready = app, keys, max_body_bytes, max_inflight_per_key, ready
-        self.inflight: Counter[str] = Counter()  # requests being served, per tenant
+    def __init__(
+        self, app: Any, keys: list[bytes], max_body_bytes: int, max_inflight_per_key: int, inflight: Counter[str], ready: Callable[[], bool]
+    ) -> None:
+        self.app, self.keys, self.max_body, self.ready = app, keys, max_body_bytes, ready
+        self.max_inflight, self.inflight = max_inflight_per_key, inflight
 
     def _key(self, scope: Any) -> bytes | None:
         headers = dict(scope.get("headers") or ())
@@ -451,14 +464,12 @@ class _Guard:
             return await reply(
                 401, InvalidInputError("missing or wrong API key", field="Authorization", fix=fix), {"WWW-Authenticate": "Bearer"}
             )
-        tenant = hashlib.sha256(key).hexdigest()[:32]  # what the routes know of the key (and may store)
+        tenant = tenant_of(key)  # what the routes know of the key (and may store)
         scope["asyncsess.key"] = tenant
         if self.inflight[tenant] >= self.max_inflight:
             err = RateLimitError(
-                f"this API key has {self.inflight[tenant]} requests in flight, the most allowed",
+                f"this API key has {self.inflight[tenant]} requests in flight, the most allowed: retry after 1 s",
                 retry_after=1.0,
-                field="Authorization",
-                fix="wait for some answers (the client's retry policy honours Retry-After)",
             )
             return await reply(429, err, {"Retry-After": "1"})
         self.inflight[tenant] += 1
@@ -514,6 +525,7 @@ class _Thread:
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
+        self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
