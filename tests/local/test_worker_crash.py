@@ -140,3 +140,44 @@ async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_
             assert (await tc.optim_step(AdamParams(learning_rate=0.0))).metrics is not None
     finally:
         crashed.stop()
+
+
+def test_a_supervised_worker_comes_back_after_kill_9(tiny: str, tmp_path: Path) -> None:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "asyncsess_local.server", "--supervise", "--model", tiny, "--port", str(port)]
+    cmd += ["--api-key", KEY, "--dir", str(tmp_path / "ckpt"), "--device", "cpu"]
+    sup = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert sup.stdout is not None
+    url = f"http://127.0.0.1:{port}"
+
+    def child_started() -> int:
+        for line in sup.stdout:  # type: ignore[union-attr]  # the supervisor's line, among the worker's logs
+            if "worker pid" in line:
+                return int(line.split("worker pid ")[1].split()[0])
+        raise AssertionError("the supervisor ended")
+
+    def wait_ready() -> None:
+        for _ in range(600):  # polls until it answers; the bound only keeps a broken build from hanging
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("the worker did not become ready")
+
+    try:
+        first = child_started()
+        wait_ready()
+        os.kill(first, signal.SIGKILL)
+        second = child_started()
+        assert second != first
+        wait_ready()
+        r = httpx.post(f"{url}/v1/sessions", json={"base_model": tiny, "rank": 4}, headers={"X-API-Key": KEY}, timeout=60)
+        assert r.status_code == 200  # same port, same key
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(timeout=60) == 0  # a requested stop is a clean end
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait(timeout=30)

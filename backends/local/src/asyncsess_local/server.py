@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -562,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--api-key", action="append", default=None, help="accepted key (repeatable; default $ASYNCSESS_API_KEY or a new one)")
     p.add_argument("--dir", default="./runs/checkpoints", help="checkpoint root")
+    p.add_argument("--supervise", action="store_true", help="run the worker as a child and restart it when it crashes")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--sampler", default="auto", choices=["auto", "torch", "vllm"], help="auto: vLLM when installed and on CUDA")
@@ -578,6 +580,11 @@ def main(argv: list[str] | None = None) -> None:
     if not keys:
         keys = [secrets.token_urlsafe(24)]
         print(f"API key (set ASYNCSESS_API_KEY to reuse): {keys[0]}", flush=True)
+    if args.supervise:  # the same keys for every restart of the child
+        from .supervise import supervise
+
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--supervise"]
+        raise SystemExit(supervise([*rest, *(a for k in keys if k not in (args.api_key or []) for a in ("--api-key", k))]))
     backend = LocalBackend(
         model=args.model,
         device=args.device,
