@@ -19,6 +19,7 @@ _NEEDS = {
     "sagemaker/test_official_sdk.py": ("sagemaker.train",),
     "client/test_custom_loss.py": ("torch",),
     "local/test_vllm_sampler.py": ("vllm",),
+    "tinker": ("tinker", "fastapi", "uvicorn", "zstandard"),
 }
 _HERE = Path(__file__).parent
 
