@@ -673,7 +673,13 @@ class TinkerDoor:
         caps = await self.backend.capabilities()
         return {
             "supported_models": [
-                {"model_name": m.model_name, "max_context_length": m.max_context_length, "trainable": m.trainable, "sampleable": m.sampleable}
+                {
+                    "model_name": m.model_name,
+                    "max_context_length": m.max_context_length,
+                    "trainable": m.trainable,
+                    "sampleable": m.sampleable,
+                    "vocab_size": m.vocab_size,  # not in Tinker's schema (the SDK ignores it); lets tinker:// check tokens early
+                }
                 for m in caps.supported_models
             ]
         }

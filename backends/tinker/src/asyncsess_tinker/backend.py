@@ -144,6 +144,7 @@ class TinkerBackend(Backend):
                     max_context_length=m.get("max_context_length") or 0,
                     trainable=m.get("trainable", True) is not False,
                     sampleable=m.get("sampleable", True) is not False,
+                    vocab_size=m.get("vocab_size"),
                 )
                 for m in body.get("supported_models", [])
             ]
