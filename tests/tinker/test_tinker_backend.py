@@ -175,3 +175,17 @@ async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:
             await b.execute_training(info.model_id, changed)
     finally:
         await b.aclose()
+
+
+async def test_leaving_the_client_stops_the_server_side_sessions(mock_server: Server) -> None:
+    from asyncsess_mock import MockBackend
+
+    with pytest.raises(RuntimeError, match="boom"):
+        async with ServiceClient(url_of(mock_server)) as svc:
+            tc = await svc.create_lora_training_client(BASE, rank=4)
+            sc = await svc.create_sampling_client(base_model=BASE)
+            await sc.sample([5, 6], 1, SamplingParams(max_tokens=2))
+            ids = {mock_server.door.models[tc.model_id].backend_id, mock_server.door.samplers[sc.sampler_id].backend_id}
+            assert ids <= set(MockBackend.open_sessions())
+            raise RuntimeError("boom")
+    assert not ids & set(MockBackend.open_sessions())

@@ -43,7 +43,15 @@ class TinkerBackend(Backend):
 
     scheme: ClassVar[str] = "tinker"
 
-    def __init__(self, base_url: str, api_key: str | None, *, timeout: float = 60.0, poll_timeout: float = 45.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        *,
+        timeout: float = 60.0,
+        poll_timeout: float = 45.0,
+        tokenizer: Tokenizer | str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
@@ -56,6 +64,8 @@ class TinkerBackend(Backend):
         self._sample_seq: dict[str, int] = {}
         self._models: dict[str, GetInfoResponse] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizer = tokenizer
+        self._tokenizer_ids: dict[str, str] = {}
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> TinkerBackend:
@@ -64,7 +74,8 @@ class TinkerBackend(Backend):
         http = "https" if url.scheme == "tinkers" else "http"
         port = f":{url.port}" if url.port else ""
         key = url.query.get("api_key") or options.get("api_key") or os.environ.get("TINKER_API_KEY")
-        return cls(f"{http}://{url.host}{port}{url.path}", key, timeout=url.get_float("timeout", 60.0))
+        tokenizer = options.get("tokenizer") or url.query.get("tokenizer")
+        return cls(f"{http}://{url.host}{port}{url.path}", key, timeout=url.get_float("timeout", 60.0), tokenizer=tokenizer)
 
     # ------------------------------------------------------------------------------- transport
 
@@ -186,6 +197,9 @@ class TinkerBackend(Backend):
             seed=spec.seed,
         )
         self._models[model_id] = out
+        tokenizer_id = (info.get("model_data") or {}).get("tokenizer_id")
+        if tokenizer_id:
+            self._tokenizer_ids[out.base_model] = tokenizer_id
         return out
 
     async def stop_session(self, session_id: str) -> None:
@@ -282,12 +296,12 @@ class TinkerBackend(Backend):
         return list(resp.prompt_logprobs or [])
 
     def get_tokenizer(self, base_model: str) -> Tokenizer:
-        """The Hugging Face tokenizer the server names in ``get_info`` (loaded with transformers)."""
+        """The ``tokenizer`` option (an object, or a name / local path), else the ``tokenizer_id`` the server
+        named in ``get_info`` (else the base model), loaded with transformers."""
+        if self._tokenizer is not None and not isinstance(self._tokenizer, str):
+            return self._tokenizer
         if base_model not in self._tokenizers:
-            tokenizer_id = base_model
-            for info in self._models.values():
-                if info.base_model == base_model:
-                    break
+            name = self._tokenizer or self._tokenizer_ids.get(base_model) or base_model
             try:
                 from transformers import AutoTokenizer
             except ImportError as err:
@@ -295,9 +309,11 @@ class TinkerBackend(Backend):
                     "tinker:// loads tokenizers with transformers", field="tokenizer", fix="pip install 'asyncsess-tinker[tokenizer]'"
                 ) from err
             try:
-                self._tokenizers[base_model] = AutoTokenizer.from_pretrained(tokenizer_id)
+                self._tokenizers[base_model] = AutoTokenizer.from_pretrained(name)
             except Exception as err:
-                raise UnsupportedError(f"cannot load a tokenizer for {base_model!r}: {err}", field="base_model") from err
+                raise UnsupportedError(
+                    f"cannot load the tokenizer {name!r}: {err}", field="tokenizer", fix="pass tokenizer=<a tokenizer, a local path or a hub id>"
+                ) from err
         return self._tokenizers[base_model]
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
