@@ -17,8 +17,6 @@ import asyncsess.client
 from asyncsess.backend import load_backend
 from asyncsess_tinker import TinkerBackend
 
-from .conftest import API_KEY, Server, start_server
-
 # Re-collected here under the wire fixture below.
 from tests.client.test_checkpoints import *  # noqa: F403
 from tests.client.test_futures import *  # noqa: F403
@@ -27,6 +25,8 @@ from tests.client.test_ordering import *  # noqa: F403
 from tests.client.test_rl import *  # noqa: F403
 from tests.client.test_sampling import *  # noqa: F403
 from tests.client.test_validation import *  # noqa: F403
+
+from .conftest import API_KEY, Server, start_server
 
 pytestmark = [pytest.mark.tinker, pytest.mark.anyio]
 

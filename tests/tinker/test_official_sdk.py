@@ -69,7 +69,7 @@ def test_rl_loop_sampling_and_sampler_refresh(service: tinker.ServiceClient) -> 
 
     before = rewarded_logprob(sampler)
     seen = [before]
-    for step in range(4):
+    for _ in range(4):
         res = sampler.sample(prompt, num_samples=8, sampling_params=params).result()
         assert len(res.sequences) == 8
         rewards = np.array([s.tokens.count(42) + 1.0 * (s.tokens[0] == 42) for s in res.sequences], dtype=float)
@@ -182,4 +182,6 @@ def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceC
         tc.save_state("twice").result()
     assert info.value.category == types.RequestErrorCategory.User
     with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(base_model=BASE, rank=8).result()
+        tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(
+            base_model=BASE, rank=8
+        ).result()

@@ -10,7 +10,9 @@ __all__ = ["serve"]
 
 
 def serve(
-    backend: str = typer.Option("mock://", "--backend", "-b", help="Backend URL: mock://, local://MODEL, http://host:port, sagemaker://..."),
+    backend: str = typer.Option(
+        "mock://", "--backend", "-b", help="Backend URL: mock://, local://MODEL, http://host:port, sagemaker://..."
+    ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on (0: any free port)."),
     api_key: list[str] = typer.Option(

@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from ..backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
 from ..sequencer import Sequencer
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
@@ -338,7 +338,9 @@ class TinkerDoor:
         earlier = m.submitted.get(seq)
         if earlier is not None:
             if earlier[0] != digest:
-                raise ApiError(409, f"seq_id {seq} of {m.id} was already used for another request", field="seq_id", fix="use a fresh seq_id")
+                raise ApiError(
+                    409, f"seq_id {seq} of {m.id} was already used for another request", field="seq_id", fix="use a fresh seq_id"
+                )
             return earlier[1]
         if seq < m.sequencer.next_seq:
             raise ApiError(409, f"seq_id {seq} is older than the model's queue ({m.sequencer.next_seq})", field="seq_id")
@@ -389,7 +391,7 @@ class TinkerDoor:
             loss_fn = check_loss_fn(wire.loss_fn)
             data = check_datums(wire.data, loss_fn, vocab_size=vocab)
             config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
-            kind = "forward" if wire.forward_only else "forward_backward"
+            kind: TrainingOpKind = "forward" if wire.forward_only else "forward_backward"
             run = self._op(m, TrainingOp(kind=kind, seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config))
 
             async def encoded() -> Callable[[Promise], None]:
@@ -456,6 +458,8 @@ class TinkerDoor:
         m = self.model(_str(body, "model_id"))
         seq = _int(body, "seq_id")
         ephemeral_seq = body.get("sampling_session_seq_id")
+        if ephemeral_seq is not None:
+            ephemeral_seq = _int(body, "sampling_session_seq_id")
         name = _name(body.get("path"), f"ephemeral-{seq:06d}")
         if body.get("path") is None and ephemeral_seq is None:
             raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
@@ -469,7 +473,7 @@ class TinkerDoor:
                 if body.get("path") is not None:
                     ck = self._record(m, resp, "sampler_weights", name, "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
-                sid = f"{m.session_id}:sample:{int(ephemeral_seq)}"
+                sid = f"{m.session_id}:sample:{ephemeral_seq}"
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
@@ -525,8 +529,12 @@ class TinkerDoor:
 
     # ------------------------------------------------------------------------------- sampling
 
-    async def _open_sampler(self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None) -> _Sampler:
-        backend_id = await self.backend.create_sampler(SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path))
+    async def _open_sampler(
+        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None
+    ) -> _Sampler:
+        backend_id = await self.backend.create_sampler(
+            SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
+        )
         s = _Sampler(sid, backend_id, base_model or "", path)
         self.samplers[sid] = s
         session.samplers.append(sid)
@@ -617,8 +625,12 @@ class TinkerDoor:
     def training_run(self, model_id: str) -> dict[str, Any]:
         m = self.model(model_id)
         last = max((self.checkpoints[c] for c in m.checkpoints), key=lambda c: c.time, default=None)
-        last_sampler = max((self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "sampler"), key=lambda c: c.time, default=None)
-        last_state = max((self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "training"), key=lambda c: c.time, default=None)
+        last_sampler = max(
+            (self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "sampler"), key=lambda c: c.time, default=None
+        )
+        last_state = max(
+            (self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "training"), key=lambda c: c.time, default=None
+        )
         del last
         return {
             "training_run_id": m.id,
@@ -636,7 +648,10 @@ class TinkerDoor:
     def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
         ids = list(self.models)
         page = ids[offset : offset + limit]
-        return {"training_runs": [self.training_run(i) for i in page], "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)}}
+        return {
+            "training_runs": [self.training_run(i) for i in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
+        }
 
     def list_checkpoints(self, model_id: str | None) -> dict[str, Any]:
         if model_id is not None:
@@ -661,7 +676,14 @@ class TinkerDoor:
         ck = self.checkpoints.get(path)
         if ck is None:
             raise _not_found("tinker_path", path, "use a path returned by a save on this server")
-        return {"base_model": ck.base_model, "is_lora": True, "lora_rank": ck.rank, "train_unembed": True, "train_mlp": True, "train_attn": True}
+        return {
+            "base_model": ck.base_model,
+            "is_lora": True,
+            "lora_rank": ck.rank,
+            "train_unembed": True,
+            "train_mlp": True,
+            "train_attn": True,
+        }
 
     def session_info(self, session_id: str) -> dict[str, Any]:
         s = self.sessions.get(session_id)

@@ -36,8 +36,8 @@ def _pb() -> Any:
     return tinker_public_pb2
 
 
-_DTYPES = {"float32": (1, np.float32), "int64": (2, np.int64)}  # DTYPE_FLOAT32, DTYPE_INT64
-_NP_OF = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
+_DTYPES: dict[str, tuple[int, Any]] = {"float32": (1, np.float32), "int64": (2, np.int64)}  # DTYPE_FLOAT32, DTYPE_INT64
+_NP_OF: dict[int, np.dtype[Any]] = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
 _NAME_OF = {1: "float32", 2: "int64", 3: "int64"}
 
 

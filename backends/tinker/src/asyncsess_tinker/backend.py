@@ -241,7 +241,9 @@ class TinkerBackend(Backend):
             return CheckpointResponse(path=out["path"], kind="state")
         if op.kind == "save_weights":
             if op.merge_weights:
-                raise UnsupportedError("Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False")
+                raise UnsupportedError(
+                    "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
+                )
             name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
             body = {**base, "path": name, "type": "save_weights_for_sampler"}
             out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
@@ -312,7 +314,9 @@ class TinkerBackend(Backend):
                 self._tokenizers[base_model] = AutoTokenizer.from_pretrained(name)
             except Exception as err:
                 raise UnsupportedError(
-                    f"cannot load the tokenizer {name!r}: {err}", field="tokenizer", fix="pass tokenizer=<a tokenizer, a local path or a hub id>"
+                    f"cannot load the tokenizer {name!r}: {err}",
+                    field="tokenizer",
+                    fix="pass tokenizer=<a tokenizer, a local path or a hub id>",
                 ) from err
         return self._tokenizers[base_model]
 
