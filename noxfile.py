@@ -6,11 +6,11 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker"]
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "tinker"]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
-MOCK_ONLY = "not torch and not local and not sagemaker and not vllm"
+MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not tinker"
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
@@ -49,6 +49,15 @@ def sagemaker(session: nox.Session) -> None:
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]", "-e", "backends/sagemaker[sdk]")
     session.run("pytest", "-q", "-m", "sagemaker", *session.posargs)
+
+
+@nox.session(python="3.11")
+def tinker(session: nox.Session) -> None:
+    """The Tinker wire on mock://: the official tinker SDK against `asyncsess serve`, the tinker:// backend,
+    the mock client suite over the wire, and the SDK conformance matrix (regenerated into docs/)."""
+    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
+    session.run("pytest", "-q", "-m", "tinker and not local", *session.posargs)
+    session.run("python", "scripts/tinker_conformance.py", "--check")
 
 
 @nox.session(python="3.11")

@@ -77,6 +77,7 @@ class _Session:
     created: float
     last_heartbeat: float
     finished: dict[str, Any] | None = None
+    project_id: str | None = None
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
 
@@ -118,6 +119,8 @@ class _Checkpoint:
     rank: int
     time: float
     step: int = 0
+    public: bool = False
+    expires_at: float | None = None
 
     def rest(self) -> dict[str, Any]:
         return {
@@ -126,8 +129,8 @@ class _Checkpoint:
             "time": _iso(self.time),
             "tinker_path": self.tinker_path,
             "size_bytes": None,
-            "public": False,
-            "expires_at": None,
+            "public": self.public,
+            "expires_at": _iso(self.expires_at) if self.expires_at else None,
         }
 
 
@@ -671,6 +674,16 @@ class TinkerDoor:
         del self.checkpoints[ck.tinker_path]
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
 
+    def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
+        ck = self.checkpoint_by_id(model_id, checkpoint_id)
+        ttl = body.get("ttl_seconds")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ApiError(400, f"ttl_seconds={ttl!r:.40}", field="ttl_seconds", fix="a positive number of seconds, or null for never")
+        ck.expires_at = None if ttl is None else time.time() + ttl
+
+    def publish(self, model_id: str, checkpoint_id: str, public: bool) -> None:
+        self.checkpoint_by_id(model_id, checkpoint_id).public = public
+
     def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
         path = _str(body, "tinker_path")
         ck = self.checkpoints.get(path)
@@ -689,7 +702,20 @@ class TinkerDoor:
         s = self.sessions.get(session_id)
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
-        return {"training_run_ids": list(s.models), "sampler_ids": list(s.samplers)}
+        return {
+            "training_run_ids": list(s.models),
+            "sampler_ids": list(s.samplers),
+            "user_metadata": {str(k): str(v) for k, v in s.user_metadata.items()} or None,
+        }
+
+    def set_project(self, session_id: str, body: dict[str, Any]) -> None:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise _not_found("session_id", session_id, "use an id from create_session")
+        project = body.get("project_id")
+        if project is not None and not isinstance(project, str):
+            raise ApiError(400, "must be a string or null", field="project_id")
+        s.project_id = project
 
     async def capabilities(self) -> dict[str, Any]:
         caps = await self.backend.capabilities()
@@ -878,6 +904,26 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.get("/training_runs/{model_id}/checkpoints")
     async def run_checkpoints(model_id: str) -> dict[str, Any]:
         return door.list_checkpoints(model_id)
+
+    @guarded.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request) -> Response:
+        door.set_ttl(model_id, checkpoint_id, await _json(request))
+        return Response(status_code=204)
+
+    @guarded.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def publish(model_id: str, checkpoint_id: str) -> Response:
+        door.publish(model_id, checkpoint_id, True)
+        return Response(status_code=204)
+
+    @guarded.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def unpublish(model_id: str, checkpoint_id: str) -> Response:
+        door.publish(model_id, checkpoint_id, False)
+        return Response(status_code=204)
+
+    @guarded.put("/sessions/{session_id}/project")
+    async def session_project(session_id: str, request: Request) -> Response:
+        door.set_project(session_id, await _json(request))
+        return Response(status_code=204)
 
     @guarded.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
