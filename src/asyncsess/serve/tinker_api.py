@@ -381,6 +381,7 @@ class TinkerDoor:
         return run
 
     async def forward_backward(self, raw: bytes, encoding: str | None) -> dict[str, Any]:
+        """Decompress, decode and validate in a worker thread (megabytes of tensors stay off the event loop)."""
         if encoding == "zstd":
             raw = await anyio.to_thread.run_sync(tinker_proto.decompress, raw)
         try:
@@ -390,16 +391,26 @@ class TinkerDoor:
         m = self.model(wire.model_id)
         vocab = await self._vocab_size(m.base_model)
 
-        def make() -> Callable[[], Awaitable[Any]]:
-            loss_fn = check_loss_fn(wire.loss_fn)
-            data = check_datums(wire.data, loss_fn, vocab_size=vocab)
-            config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
+        def check() -> TrainingOp | InvalidInputError:
+            try:
+                loss_fn = check_loss_fn(wire.loss_fn)
+                data = check_datums(wire.data, loss_fn, vocab_size=vocab)
+                config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
+            except InvalidInputError as err:
+                return err
             kind: TrainingOpKind = "forward" if wire.forward_only else "forward_backward"
-            run = self._op(m, TrainingOp(kind=kind, seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config))
+            return TrainingOp(kind=kind, seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config)
+
+        checked = await anyio.to_thread.run_sync(check)
+
+        def make() -> Callable[[], Awaitable[Any]]:
+            if isinstance(checked, InvalidInputError):
+                raise checked
+            run = self._op(m, checked)
 
             async def encoded() -> Callable[[Promise], None]:
                 out: ForwardBackwardOutput = await run()
-                blob = tinker_proto.encode_forward_backward_output(out)
+                blob = await anyio.to_thread.run_sync(tinker_proto.encode_forward_backward_output, out)
                 return lambda p: p.resolve(proto=blob)
 
             return encoded
