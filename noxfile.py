@@ -10,7 +10,7 @@ nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemak
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
-MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not tinker"
+MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not tinker and not cookbook"
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:

@@ -20,6 +20,7 @@ _NEEDS = {
     "client/test_custom_loss.py": ("torch",),
     "local/test_vllm_sampler.py": ("vllm",),
     "tinker": ("tinker", "fastapi", "uvicorn", "zstandard"),
+    "tinker/test_cookbook.py": ("tinker_cookbook",),
 }
 _HERE = Path(__file__).parent
 

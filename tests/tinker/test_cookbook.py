@@ -15,11 +15,11 @@ import math
 from pathlib import Path
 
 import pytest
+import tinker_cookbook as cookbook
 
 from .conftest import API_KEY, start_server
 
 pytestmark = pytest.mark.cookbook
-cookbook = pytest.importorskip("tinker_cookbook", reason="runs in the nox 'cookbook' session")
 
 
 @pytest.fixture(scope="module")

@@ -382,9 +382,11 @@ class TinkerDoor:
 
     async def forward_backward(self, raw: bytes, encoding: str | None) -> dict[str, Any]:
         """Decompress, decode and validate in a worker thread (megabytes of tensors stay off the event loop)."""
-        if encoding == "zstd":
-            raw = await anyio.to_thread.run_sync(tinker_proto.decompress, raw)
         try:
+            if encoding == "zstd":
+                raw = await anyio.to_thread.run_sync(tinker_proto.decompress, raw)
+            elif encoding not in (None, "", "identity"):
+                raise InvalidInputError(f"Content-Encoding {encoding!r}", field="Content-Encoding", fix="send zstd or nothing")
             wire = await anyio.to_thread.run_sync(tinker_proto.decode_forward_backward, raw)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None

@@ -41,11 +41,14 @@ _NP_OF: dict[int, np.dtype[Any]] = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: n
 _NAME_OF = {1: "float32", 2: "int64", 3: "int64"}
 
 
+MAX_BODY = 1 << 29  # 512 MiB decompressed; the SDK sends <= ~5 MB per chunk
+
+
 def decompress(body: bytes) -> bytes:
     import zstandard
 
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
     except zstandard.ZstdError as err:
         raise InvalidInputError(f"not a zstd frame ({err})", field="body", fix="send Content-Encoding: zstd only with zstd data") from None
 
@@ -102,6 +105,8 @@ def _tensor_from_pb(msg: Any, where: str) -> TensorData:
             raise InvalidInputError(f"shape {shape} does not hold {arr.size} values", field=where)
         arr = arr.reshape(shape)
     dtype = _NAME_OF[msg.dtype]
+    if dtype == "float32" and not np.isfinite(arr).all():
+        raise InvalidInputError("holds NaN or infinity", field=where, fix="send finite values (mask with weights = 0 instead)")
     return TensorData.model_construct(data=arr.astype(_DTYPES[dtype][1]).ravel().tolist(), dtype=dtype, shape=list(arr.shape))
 
 
