@@ -6,7 +6,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "tinker"]
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "tinker", "cookbook"]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
