@@ -6,7 +6,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "tinker", "cookbook"]
+nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "sagemaker", "tinker", "tinker_local", "cookbook"]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
@@ -58,6 +58,14 @@ def tinker(session: nox.Session) -> None:
     _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
     session.run("pytest", "-q", "-m", "tinker and not local", *session.posargs)
     session.run("python", "scripts/tinker_conformance.py", "--check")
+
+
+@nox.session(python="3.11")
+def tinker_local(session: nox.Session) -> None:
+    """The official tinker SDK against `asyncsess serve` on local:// with the tiny offline Llama (CPU)."""
+    session.install(TORCH)
+    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/local[server,test]", "-e", "backends/tinker")
+    session.run("pytest", "-q", "-m", "tinker and local", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -312,8 +312,7 @@ class TinkerDoor:
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"))
-        tokenizer_id = getattr(self.backend, "tokenizer_id", None)
-        tid = tokenizer_id(m.base_model) if callable(tokenizer_id) else m.base_model
+        tid = self._tokenizer_id(m.base_model)
         return {
             "type": "get_info",
             "model_id": m.id,
@@ -322,6 +321,17 @@ class TinkerDoor:
             "lora_rank": m.rank,
             "model_name": m.base_model,
         }
+
+    def _tokenizer_id(self, base_model: str) -> str:
+        """A name the SDK's ``get_tokenizer()`` can load: the backend tokenizer's local directory when it has
+        one (loads offline), else the base model name."""
+        from pathlib import Path
+
+        try:
+            where = getattr(self.backend.get_tokenizer(base_model), "name_or_path", None)
+        except Exception:  # a backend that cannot name a tokenizer for this model
+            where = None
+        return str(where) if where and Path(str(where)).is_dir() else base_model
 
     async def unload_model(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"))
