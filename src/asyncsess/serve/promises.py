@@ -46,9 +46,10 @@ class Promise:
 
 
 class PromiseTable:
-    """Promises by request id; the oldest finished ones are forgotten past ``keep``."""
+    """Promises by request id; the oldest finished ones are forgotten past ``keep`` (a later retrieve of a
+    forgotten id gets 404, so keep comfortably more than the requests in flight)."""
 
-    def __init__(self, keep: int = 100_000) -> None:
+    def __init__(self, keep: int = 4096) -> None:
         self._items: OrderedDict[str, Promise] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep

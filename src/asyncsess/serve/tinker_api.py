@@ -43,6 +43,7 @@ __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError"]
 log = logging.getLogger("asyncsess.serve.tinker")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
+KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 
 
 class ApiError(Exception):
@@ -365,6 +366,7 @@ class TinkerDoor:
             raise
         promise = self.promises.new(kind, m.id)
         m.submitted[seq] = (digest, promise)
+        m.submitted.pop(seq - KEEP_SEQS, None)  # re-deliveries older than this get 409, as in the Sequencer
         m.thunks[seq] = thunk
 
         async def work() -> Callable[[Promise], None]:
@@ -618,6 +620,7 @@ class TinkerDoor:
         last_n = body.get("prompt_logprobs_last_n")
         promise = self.promises.new("sample", s.id)
         s.ids[seq] = (digest, promise)
+        s.ids.pop(seq - KEEP_SEQS, None)
         request = SampleRequest(tuple(prompt), n, params, include_prompt_logprobs=want_prompt, request_id=promise.request_id)
 
         async def work() -> Callable[[Promise], None]:
