@@ -54,7 +54,9 @@ def sagemaker(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def tinker(session: nox.Session) -> None:
     """The Tinker wire on mock://: the official tinker SDK against `asyncsess serve`, the tinker:// backend,
-    the mock client suite over the wire, and the SDK conformance matrix (regenerated into docs/)."""
+    the mock client suite over the wire, and the SDK conformance matrix (regenerated into docs/). torch only for
+    the SDK's client-side forward_backward_custom in the matrix."""
+    session.install(TORCH)
     _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
     session.run("pytest", "-q", "-m", "tinker and not local", *session.posargs)
     session.run("python", "scripts/tinker_conformance.py", "--check")
