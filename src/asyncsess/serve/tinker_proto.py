@@ -107,7 +107,7 @@ def _tensor_from_pb(msg: Any, where: str) -> TensorData:
     dtype = _NAME_OF[msg.dtype]
     if dtype == "float32" and not np.isfinite(arr).all():
         raise InvalidInputError("holds NaN or infinity", field=where, fix="send finite values (mask with weights = 0 instead)")
-    return TensorData.model_construct(data=arr.astype(_DTYPES[dtype][1]).ravel().tolist(), dtype=dtype, shape=list(arr.shape))
+    return TensorData.model_construct(data=arr.ravel().tolist(), dtype=dtype, shape=list(arr.shape))
 
 
 def decode_forward_backward(body: bytes) -> ForwardBackwardWire:
