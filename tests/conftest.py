@@ -21,6 +21,7 @@ _NEEDS = {
     "local/test_vllm_sampler.py": ("vllm",),
     "tinker": ("tinker", "fastapi", "uvicorn", "zstandard"),
     "tinker/test_cookbook.py": ("tinker_cookbook",),
+    "tinker/test_cookbook_local.py": ("tinker_cookbook",),
     "tinker/test_official_sdk_local.py": ("torch", "asyncsess_local"),
 }
 _HERE = Path(__file__).parent
