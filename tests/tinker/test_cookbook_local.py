@@ -31,7 +31,11 @@ _EXPORT = """
 import sys, torch
 from asyncsess_local.models import load_model, load_tokenizer, resolve_model
 src = resolve_model("smollm2")
-load_model(src, "cpu", torch.float32).save_pretrained(sys.argv[1])
+model = load_model(src, "cpu", torch.float32)  # transformers dequantizes GGUF on load; save the plain weights
+model.hf_quantizer, model.is_quantized = None, False
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.save_pretrained(sys.argv[1])
 load_tokenizer(src).save_pretrained(sys.argv[1])
 """
 
