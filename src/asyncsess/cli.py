@@ -11,6 +11,7 @@ import anyio
 import typer
 
 from .demo import DEMO, run_demo
+from .serve.command import serve
 
 app = typer.Typer(help="asyncsess: LLM training loops against live training sessions.", no_args_is_help=True)
 log = logging.getLogger("asyncsess")
@@ -46,6 +47,9 @@ def plot(
         typer.echo(str(p))
     if mlflow_uri:
         typer.echo(f"mlflow run {log_to_mlflow(run_dir, mlflow_uri, experiment, paths)}")
+
+
+app.command(name="serve")(serve)
 
 
 def _mount_plugins() -> None:

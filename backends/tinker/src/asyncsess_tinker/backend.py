@@ -1,0 +1,370 @@
+"""The ``tinker://`` driver: asyncsess's Backend seam over Tinker's HTTP API (httpx, protobuf, long-poll).
+
+``tinker://host:port`` talks plain HTTP, ``tinkers://host[:port]`` HTTPS; a URL path is kept as the base
+path. The API key comes from ``?api_key=``, the ``api_key`` option or ``$TINKER_API_KEY``. One Tinker
+session per backend; asyncsess's sequence numbers are Tinker's per-model ``seq_id`` (both start at 1),
+so a retried op reaches the server under the same ``(model_id, seq_id)`` and is applied once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, ClassVar
+
+import anyio
+import httpx
+
+from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.errors import ConflictError, InvalidInputError, ServerError, SessionGoneError, TransientError, UnsupportedError
+from asyncsess.serve import tinker_proto
+from asyncsess.types import (
+    Checkpoint,
+    CheckpointResponse,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SampleResponse,
+    ServerCapabilities,
+    SupportedModel,
+    TrainingResult,
+    Usage,
+)
+
+__all__ = ["TinkerBackend"]
+
+PROTO = "application/x-protobuf"
+_FOLDER_KIND = {"weights": "training", "sampler_weights": "sampler"}
+
+
+class TinkerBackend(Backend):
+    """A client of Tinker's wire: the hosted service, ``asyncsess serve``, or another compatible server."""
+
+    scheme: ClassVar[str] = "tinker"
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        *,
+        timeout: float = 60.0,
+        poll_timeout: float = 45.0,
+        tokenizer: Tokenizer | str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.poll_timeout = poll_timeout
+        self.session_id: str | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._compress = False
+        self._model_seq = 0
+        self._sampler_seq = 0
+        self._sample_seq: dict[str, int] = {}
+        self._models: dict[str, GetInfoResponse] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizer = tokenizer
+        self._tokenizer_ids: dict[str, str] = {}
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, **options: Any) -> TinkerBackend:
+        if not url.host:
+            raise InvalidInputError(f"{url.raw!r} names no host", field="url", fix="e.g. tinker://127.0.0.1:8000")
+        http = "https" if url.scheme == "tinkers" else "http"
+        port = f":{url.port}" if url.port else ""
+        key = url.query.get("api_key") or options.get("api_key") or os.environ.get("TINKER_API_KEY")
+        tokenizer = options.get("tokenizer") or url.query.get("tokenizer")
+        return cls(f"{http}://{url.host}{port}{url.path}", key, timeout=url.get_float("timeout", 60.0), tokenizer=tokenizer)
+
+    # ------------------------------------------------------------------------------- transport
+
+    async def open(self) -> None:
+        headers = {"X-API-Key": self.api_key} if self.api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+        config = await self._post("/api/v1/client/config", {"sdk_version": "asyncsess"})
+        self._compress = bool(config.get("proto_compress_fwdbwd"))
+        created = await self._post("/api/v1/create_session", {"tags": ["asyncsess"], "user_metadata": {}, "sdk_version": "asyncsess"})
+        self.session_id = created["session_id"]
+
+    async def aclose(self) -> None:
+        if self._http is None:
+            return
+        try:
+            if self.session_id is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await self._post(f"/api/v1/sessions/{self.session_id}/finish", {"reason": {"type": "success"}})
+        except Exception:  # the server may already be gone; nothing left to release there
+            pass
+        finally:
+            await self._http.aclose()
+            self._http = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise SessionGoneError("the tinker:// backend is not open (use ServiceClient as an async context manager)")
+        return self._http
+
+    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = await self._client().request(method, path, **kw)
+        except httpx.TimeoutException as err:
+            raise TransientError(f"{path}: timed out ({err!r})") from err
+        except httpx.TransportError as err:
+            raise TransientError(f"{path}: connection failed ({err!r})") from err
+        if resp.status_code >= 400 and resp.status_code != 408:
+            _raise_for(resp, path)
+        return resp
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return (await self._send("POST", path, json=body)).json()
+
+    async def _get(self, path: str, **params: Any) -> dict[str, Any]:
+        return (await self._send("GET", path, params=params)).json()
+
+    async def _result(self, future: dict[str, Any], *, proto: bool = False) -> Any:
+        """Long-poll ``retrieve_future`` until the promise is done; raise its failure as a typed error."""
+        headers = {"Accept": PROTO} if proto else {}
+        rid = future["request_id"]
+        while True:
+            resp = await self._send(
+                "POST", "/api/v1/retrieve_future", json={"request_id": rid}, headers=headers, timeout=self.poll_timeout + 15
+            )
+            if resp.status_code == 408:
+                continue
+            if PROTO in resp.headers.get("content-type", ""):
+                return resp.content
+            body = resp.json()
+            if body.get("type") == "try_again":
+                continue
+            if "error" in body and "category" in body:
+                msg = f"{body['error']}"
+                if body["category"] == "user":
+                    raise InvalidInputError(msg, request_id=rid)
+                raise ServerError(msg, request_id=rid)
+            return body
+
+    # ---------------------------------------------------------------------------------- seam
+
+    async def capabilities(self) -> ServerCapabilities:
+        body = await self._get("/api/v1/get_server_capabilities")
+        return ServerCapabilities(
+            supported_models=[
+                SupportedModel(
+                    model_name=m.get("model_name") or "",
+                    max_context_length=m.get("max_context_length") or 0,
+                    trainable=m.get("trainable", True) is not False,
+                    sampleable=m.get("sampleable", True) is not False,
+                    vocab_size=m.get("vocab_size"),
+                )
+                for m in body.get("supported_models", [])
+            ]
+        )
+
+    async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
+        seq = self._model_seq
+        self._model_seq += 1
+        if spec.from_path is not None:
+            body: dict[str, Any] = {
+                "session_id": self.session_id,
+                "model_seq_id": seq,
+                "path": spec.from_path,
+                "optimizer": spec.with_optimizer,
+                "base_model": spec.base_model or None,
+                "type": "load_weights",
+            }
+            fut = await self._post("/api/v1/load_weights", {k: v for k, v in body.items() if v is not None})
+            model_id = (await self._result(fut)).get("model_id") or f"{self.session_id}:train:{seq}"
+        else:
+            lora = {"rank": spec.rank, "seed": spec.seed, "train_mlp": spec.train_mlp, "train_attn": spec.train_attn}
+            lora["train_unembed"] = spec.train_unembed
+            body = {
+                "session_id": self.session_id,
+                "model_seq_id": seq,
+                "base_model": spec.base_model,
+                "lora_config": {k: v for k, v in lora.items() if v is not None},
+                "user_metadata": dict(spec.user_metadata) or None,
+                "type": "create_model",
+            }
+            fut = await self._post("/api/v1/create_model", body)
+            model_id = (await self._result(fut))["model_id"]
+        info = await self._post("/api/v1/get_info", {"model_id": model_id, "type": "get_info"})
+        out = GetInfoResponse(
+            model_id=model_id,
+            base_model=info.get("model_name") or (info.get("model_data") or {}).get("model_name") or spec.base_model,
+            lora_rank=info.get("lora_rank") or spec.rank,
+            lora_alpha=spec.alpha if spec.alpha is not None else 32.0,
+            seed=spec.seed,
+        )
+        self._models[model_id] = out
+        tokenizer_id = (info.get("model_data") or {}).get("tokenizer_id")
+        if tokenizer_id:
+            self._tokenizer_ids[out.base_model] = tokenizer_id
+        return out
+
+    async def stop_session(self, session_id: str) -> None:
+        if session_id in self._models:
+            del self._models[session_id]
+            try:
+                await self._post("/api/v1/unload_model", {"model_id": session_id, "type": "unload_model"})
+            except (InvalidInputError, SessionGoneError):
+                pass  # already gone
+        else:
+            self._sample_seq.pop(session_id, None)
+
+    async def heartbeat(self, session_id: str) -> None:
+        await self._post("/api/v1/session_heartbeat", {"session_id": self.session_id, "type": "session_heartbeat"})
+
+    async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        base = {"model_id": session_id, "seq_id": op.seq}
+        if op.kind in ("forward", "forward_backward"):
+            raw = tinker_proto.encode_forward_backward(
+                session_id, op.seq, list(op.data), op.loss_fn or "cross_entropy", op.loss_fn_config, forward_only=op.kind == "forward"
+            )
+            headers = {"Content-Type": PROTO}
+            if self._compress:
+                raw = await anyio.to_thread.run_sync(tinker_proto.compress, raw)
+                headers["Content-Encoding"] = "zstd"
+            fut = (await self._send("POST", "/api/v1/forward_backward", content=raw, headers=headers)).json()
+            out = tinker_proto.decode_forward_backward_output(await self._result(fut, proto=True))
+            out.usage = Usage(training_tokens=sum(d.model_input.length for d in op.data))
+            return out
+        if op.kind == "optim_step":
+            params = op.adam_params.model_dump(exclude={"lora_plus_lr_ratio"}) if op.adam_params else {}
+            if op.adam_params is not None and op.adam_params.lora_plus_lr_ratio is not None:
+                raise UnsupportedError("Tinker's wire has no LoRA+ ratio", field="adam_params.lora_plus_lr_ratio", fix="leave it None")
+            out = await self._result(await self._post("/api/v1/optim_step", {**base, "adam_params": params, "type": "optim_step"}))
+            return OptimStepResponse(metrics=out.get("metrics"))
+        if op.kind == "save_state":
+            name = op.name or f"{op.seq:06d}"
+            out = await self._result(await self._post("/api/v1/save_weights", {**base, "path": name, "type": "save_weights"}))
+            return CheckpointResponse(path=out["path"], kind="state")
+        if op.kind == "save_weights":
+            if op.merge_weights:
+                raise UnsupportedError(
+                    "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
+                )
+            name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
+            body = {**base, "path": name, "type": "save_weights_for_sampler"}
+            out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
+            return CheckpointResponse(path=out["path"], kind="sampler")
+        if op.kind == "load_state":
+            body = {**base, "path": op.path, "optimizer": op.with_optimizer, "type": "load_weights"}
+            out = await self._result(await self._post("/api/v1/load_weights", body))
+            return LoadWeightsResponse(path=out.get("path") or op.path or "")
+        raise UnsupportedError(f"op kind {op.kind!r}", field="kind")
+
+    async def create_sampler(self, spec: SamplerSpec) -> str:
+        seq = self._sampler_seq
+        self._sampler_seq += 1
+        body = {"session_id": self.session_id, "sampling_session_seq_id": seq, "type": "create_sampling_session"}
+        if spec.model_path:
+            body["model_path"] = spec.model_path
+        elif spec.base_model:
+            body["base_model"] = spec.base_model
+        else:
+            raise InvalidInputError("neither model_path nor base_model", field="model_path", fix="pass a saved path or a base model name")
+        sid = (await self._post("/api/v1/create_sampling_session", body))["sampling_session_id"]
+        self._sample_seq[sid] = 0
+        return sid
+
+    async def _asample(self, sampler_id: str, body: dict[str, Any]) -> SampleResponse:
+        if sampler_id not in self._sample_seq:
+            raise InvalidInputError(f"no sampler {sampler_id!r} on this client", field="sampler_id", fix="use an id from create_sampler")
+        seq = self._sample_seq[sampler_id]
+        self._sample_seq[sampler_id] = seq + 1
+        body = {**body, "sampling_session_id": sampler_id, "seq_id": seq, "type": "sample"}
+        fut = (await self._send("POST", "/api/v1/asample", json=body, headers={"X-Tinker-Sampling-Backpressure": "1"})).json()
+        return tinker_proto.decode_sample_response(await self._result(fut, proto=True))
+
+    async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
+        params = request.sampling_params.model_dump(exclude_none=True)
+        body = {
+            "num_samples": request.num_samples,
+            "prompt": {"chunks": [{"tokens": list(request.prompt), "type": "encoded_text"}]},
+            "sampling_params": params,
+            "prompt_logprobs": request.include_prompt_logprobs or None,
+        }
+        return await self._asample(sampler_id, {k: v for k, v in body.items() if v is not None})
+
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
+        body = {
+            "num_samples": 1,
+            "prompt": {"chunks": [{"tokens": list(tokens), "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 1},
+            "prompt_logprobs": True,
+        }
+        resp = await self._asample(sampler_id, body)
+        return list(resp.prompt_logprobs or [])
+
+    def get_tokenizer(self, base_model: str) -> Tokenizer:
+        """The ``tokenizer`` option (an object, or a name / local path), else the ``tokenizer_id`` the server
+        named in ``get_info`` (else the base model), loaded with transformers."""
+        if self._tokenizer is not None and not isinstance(self._tokenizer, str):
+            return self._tokenizer
+        if base_model not in self._tokenizers:
+            name = self._tokenizer or self._tokenizer_ids.get(base_model) or base_model
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as err:
+                raise UnsupportedError(
+                    "tinker:// loads tokenizers with transformers", field="tokenizer", fix="pip install 'asyncsess-tinker[tokenizer]'"
+                ) from err
+            try:
+                self._tokenizers[base_model] = AutoTokenizer.from_pretrained(name)
+            except Exception as err:
+                raise UnsupportedError(
+                    f"cannot load the tokenizer {name!r}: {err}",
+                    field="tokenizer",
+                    fix="pass tokenizer=<a tokenizer, a local path or a hub id>",
+                ) from err
+        return self._tokenizers[base_model]
+
+    async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
+        path = f"/api/v1/training_runs/{session_id}/checkpoints" if session_id else "/api/v1/checkpoints"
+        body = await self._get(path)
+        out = []
+        for c in body.get("checkpoints", []):
+            folder = str(c.get("checkpoint_id", "")).split("/", 1)[0]
+            out.append(
+                Checkpoint(
+                    checkpoint_id=c["checkpoint_id"],
+                    checkpoint_type=_FOLDER_KIND.get(folder, "training"),  # type: ignore[arg-type]
+                    path=c.get("tinker_path", ""),
+                    time=_epoch(c.get("time")),
+                    size_bytes=c.get("size_bytes"),
+                )
+            )
+        return out
+
+
+def _epoch(value: Any) -> float:
+    import datetime
+
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _raise_for(resp: httpx.Response, path: str) -> None:
+    try:
+        body = resp.json()
+    except (json.JSONDecodeError, ValueError):
+        body = {"error": resp.text[:500]}
+    if not isinstance(body, dict):
+        body = {"error": str(body)[:500]}
+    message = str(body.get("error") or body.get("detail") or resp.reason_phrase)
+    status = resp.status_code
+    if status == 409:
+        raise ConflictError(message, field=body.get("field"), fix=body.get("fix"))
+    if status == 410:
+        raise SessionGoneError(f"{path}: {message}")
+    if status == 429 or status >= 500:
+        retry_after = resp.headers.get("retry-after")
+        raise TransientError(f"{path}: HTTP {status}: {message}", retry_after=float(retry_after) if retry_after else None)
+    if status in (401, 403):
+        raise InvalidInputError(message, field="api_key", fix="pass ?api_key=, api_key=... or set TINKER_API_KEY")
+    raise InvalidInputError(message)

@@ -1,0 +1,32 @@
+"""``asyncsess serve``: one server process with Tinker's HTTP API in front of a backend URL."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+__all__ = ["serve"]
+
+
+def serve(
+    backend: str = typer.Option(
+        "mock://", "--backend", "-b", help="Backend URL: mock://, local://MODEL, http://host:port, sagemaker://..."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on (0: any free port)."),
+    api_key: list[str] = typer.Option(
+        [], "--api-key", help="Accepted X-API-Key values (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth)."
+    ),
+    poll_timeout: float = typer.Option(30.0, help="Seconds a retrieve_future long-poll is held before answering 408."),
+    log_level: str = typer.Option("warning", help="uvicorn log level."),
+) -> None:
+    """Serve Tinker's HTTP API (point TINKER_BASE_URL here) in front of an asyncsess backend."""
+    import uvicorn
+
+    from ..backend import load_backend
+    from .tinker_api import create_app
+
+    keys = set(api_key) or {k for k in os.environ.get("ASYNCSESS_API_KEYS", "").split(",") if k}
+    app = create_app(load_backend(backend), keys or None, poll_timeout=poll_timeout)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

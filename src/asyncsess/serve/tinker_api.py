@@ -1,0 +1,999 @@
+"""The Tinker-wire door: the official ``tinker`` SDK (and tinker-cookbook) in front of any asyncsess backend.
+
+:class:`TinkerDoor` holds the state (sessions, models, samplers, checkpoints, promises) and talks to the
+backend only through the :class:`~asyncsess.backend.Backend` seam. :func:`tinker_router` puts its routes on
+an ``APIRouter`` (``/api/v1/...``); :func:`create_app` wraps them in an app with the door's lifespan.
+
+Ordering: each model's requests run in the client's ``seq_id`` order through a
+:class:`~asyncsess.sequencer.Sequencer` keyed by ``(model_id, seq_id)``; a re-sent request with the same
+body gets the same promise, a changed body under a used ``seq_id`` gets 409. Bad input is refused with a
+4xx naming the field before it takes its ``seq_id``'s turn; that turn is then skipped so later requests
+still run. Failures while running become ``{"error", "category"}`` results, which the SDK raises as
+``RequestFailedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
+from ..sequencer import Sequencer
+from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
+from ..validation import check_datums, check_loss_fn, check_loss_fn_config, coerce_adam_params, coerce_prompt, coerce_sampling_params
+from . import tinker_proto
+from .promises import Promise, PromiseTable
+
+__all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError"]
+
+log = logging.getLogger("asyncsess.serve.tinker")
+PROTO = "application/x-protobuf"
+DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
+KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
+
+
+class ApiError(Exception):
+    """An HTTP error with a JSON body naming the field: ``{"error", "field", "fix"}``."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.field, self.fix = status, message, field, fix
+
+    @classmethod
+    def from_error(cls, err: AsyncSessError) -> ApiError:
+        status = 409 if isinstance(err, ConflictError) else 410 if isinstance(err, SessionGoneError) else 400
+        return cls(status, str(err), getattr(err, "field", None), getattr(err, "fix", None))
+
+    def response(self) -> JSONResponse:
+        body = {"error": self.message, "detail": self.message, "field": self.field, "fix": self.fix}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _not_found(what: str, value: str, fix: str) -> ApiError:
+    return ApiError(404, f"no {what} {value!r}", field=what, fix=fix)
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+@dataclass
+class _Session:
+    id: str
+    tags: list[str]
+    user_metadata: dict[str, Any]
+    created: float
+    last_heartbeat: float
+    finished: dict[str, Any] | None = None
+    project_id: str | None = None
+    models: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Model:
+    id: str
+    session_id: str
+    backend_id: str
+    base_model: str
+    rank: int
+    created: float
+    user_metadata: dict[str, Any]
+    sequencer: Sequencer[Any] = field(init=False)
+    thunks: dict[int, Callable[[], Awaitable[Any]]] = field(default_factory=dict)
+    submitted: dict[int, tuple[str, Promise]] = field(default_factory=dict)
+    backend_seq: int = 1
+    last_request: float = 0.0
+    checkpoints: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Sampler:
+    id: str
+    backend_id: str
+    base_model: str
+    model_path: str | None
+    ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
+
+
+@dataclass
+class _Checkpoint:
+    tinker_path: str
+    backend_path: str
+    model_id: str
+    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    kind: str  # "training" | "sampler"
+    base_model: str
+    rank: int
+    time: float
+    step: int = 0
+    public: bool = False
+    expires_at: float | None = None
+
+    def rest(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "checkpoint_type": self.kind,
+            "time": _iso(self.time),
+            "tinker_path": self.tinker_path,
+            "size_bytes": None,
+            "public": self.public,
+            "expires_at": _iso(self.expires_at) if self.expires_at else None,
+        }
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _hash(body: Any) -> str:
+    raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True, default=str).encode()
+    return hashlib.sha256(raw).hexdigest()
+
+
+class TinkerDoor:
+    """Tinker's sessions, models, samplers, checkpoints and promises over one asyncsess backend."""
+
+    def __init__(self, backend: Backend, *, poll_timeout: float = 30.0, gap_timeout: float = 300.0) -> None:
+        self.backend = backend
+        self.poll_timeout = poll_timeout
+        self.gap_timeout = gap_timeout
+        self.promises = PromiseTable()
+        self.sessions: dict[str, _Session] = {}
+        self.models: dict[str, _Model] = {}
+        self.samplers: dict[str, _Sampler] = {}
+        self.checkpoints: dict[str, _Checkpoint] = {}
+        self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
+        self._tg: TaskGroup | None = None
+        self._vocab: dict[str, int | None] = {}
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[TinkerDoor]:
+        """Open the backend and the task group that runs requests; on exit stop every model and sampler."""
+        await self.backend.open()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                try:
+                    yield self
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
+            with anyio.CancelScope(shield=True):
+                for m in list(self.models.values()):
+                    with contextlib.suppress(Exception):
+                        await self.backend.stop_session(m.backend_id)
+                for s in list(self.samplers.values()):
+                    with contextlib.suppress(Exception):
+                        await self.backend.stop_session(s.backend_id)
+                await self.backend.aclose()
+
+    # ------------------------------------------------------------------------------- plumbing
+
+    def _spawn(self, promise: Promise, work: Callable[[], Awaitable[Callable[[Promise], None]]]) -> None:
+        """Run ``work`` in the background; it returns how to resolve the promise."""
+
+        async def run() -> None:
+            try:
+                resolve = await work()
+            except Exception as err:  # every failure becomes the promise's error
+                log.debug("request %s failed: %r", promise.request_id, err)
+                promise.fail(err)
+            else:
+                resolve(promise)
+
+        if self._tg is None:
+            raise RuntimeError("TinkerDoor.running() is not active (use create_app or enter it yourself)")
+        self._tg.start_soon(run)
+
+    def _session(self, session_id: str) -> _Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise _not_found("session_id", session_id, "call create_session first")
+        if s.finished is not None:
+            raise ApiError(410, f"session {session_id} is finished", field="session_id", fix="create a new session")
+        return s
+
+    def model(self, model_id: str) -> _Model:
+        m = self.models.get(model_id)
+        if m is None:
+            raise _not_found("model_id", model_id, "use the model_id that create_model returned")
+        return m
+
+    def sampler(self, sampling_session_id: str) -> _Sampler:
+        s = self.samplers.get(sampling_session_id)
+        if s is None:
+            raise _not_found("sampling_session_id", sampling_session_id, "create_sampling_session first")
+        return s
+
+    async def _vocab_size(self, base_model: str) -> int | None:
+        if base_model not in self._vocab:
+            caps = await self.backend.capabilities()
+            self._vocab[base_model] = next((m.vocab_size for m in caps.supported_models if m.model_name == base_model), None)
+        return self._vocab[base_model]
+
+    # ------------------------------------------------------------------------------- sessions
+
+    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = str(uuid.uuid4())
+        now = time.time()
+        self.sessions[sid] = _Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}), now, now)
+        return {"type": "create_session", "session_id": sid}
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        s = self._session(_str(body, "session_id"))
+        s.last_heartbeat = time.time()
+        return {"type": "session_heartbeat"}
+
+    async def finish_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise _not_found("session_id", session_id, "use an id from create_session")
+        if s.finished is None:
+            s.finished = {"reason": body.get("reason"), "detail": body.get("detail"), "time": time.time()}
+            for mid in s.models:
+                with contextlib.suppress(Exception):
+                    await self.backend.stop_session(self.models[mid].backend_id)
+                    self.models[mid].sequencer.stop("finished")
+            for sid in s.samplers:
+                with contextlib.suppress(Exception):
+                    await self.backend.stop_session(self.samplers[sid].backend_id)
+        return {"session_id": session_id, "status": "finished"}
+
+    # --------------------------------------------------------------------------------- models
+
+    def _register(self, model_id: str, session: _Session, backend_id: str, base_model: str, rank: int, meta: dict[str, Any]) -> _Model:
+        m = _Model(model_id, session.id, backend_id, base_model, rank, time.time(), meta)
+
+        async def run(op: TrainingOp) -> Any:
+            return await m.thunks.pop(op.seq)()
+
+        m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout)
+        self.models[model_id] = m
+        session.models.append(model_id)
+        return m
+
+    def _once(self, key: str, body: Any, kind: str, prefix: str) -> tuple[Promise, bool]:
+        """The promise for a create request (created now, or the earlier one for a re-sent body)."""
+        digest = _hash(body)
+        earlier = self._creating.get(key)
+        if earlier is not None:
+            if earlier[0] != digest:
+                raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
+            return earlier[1], False
+        p = self.promises.new(kind, prefix)
+        self._creating[key] = (digest, p)
+        return p, True
+
+    def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        session = self._session(_str(body, "session_id"))
+        seq = _int(body, "model_seq_id")
+        base_model = _str(body, "base_model")
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise ApiError(400, "must be an object", field="lora_config")
+        rank = _int(lora, "rank", 32, field="lora_config.rank")
+        if rank < 1:
+            raise ApiError(400, f"rank={rank}", field="lora_config.rank", fix="use a rank >= 1")
+        model_id = f"{session.id}:train:{seq}"
+        promise, fresh = self._once(model_id, body, "create_model", session.id)
+        if fresh:
+            spec = TrainingSessionSpec(
+                base_model=base_model,
+                rank=rank,
+                alpha=DEFAULT_LORA_ALPHA,
+                seed=lora.get("seed"),
+                train_mlp=bool(lora.get("train_mlp", True)),
+                train_attn=bool(lora.get("train_attn", True)),
+                train_unembed=bool(lora.get("train_unembed", True)),
+                user_metadata={str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()},
+            )
+
+            async def work() -> Callable[[Promise], None]:
+                info = await self.backend.create_training_session(spec)
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(body.get("user_metadata") or {}))
+                return lambda p: p.resolve(json={"model_id": model_id, "type": "create_model"})
+
+            self._spawn(promise, work)
+        return _future(promise, model_id)
+
+    def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.model(_str(body, "model_id"))
+        tid = self._tokenizer_id(m.base_model)
+        return {
+            "type": "get_info",
+            "model_id": m.id,
+            "model_data": {"arch": None, "model_name": m.base_model, "tokenizer_id": tid},
+            "is_lora": True,
+            "lora_rank": m.rank,
+            "model_name": m.base_model,
+        }
+
+    def _tokenizer_id(self, base_model: str) -> str:
+        """A name the SDK's ``get_tokenizer()`` can load: the backend tokenizer's local directory when it has
+        one (loads offline), else the base model name."""
+        from pathlib import Path
+
+        try:
+            where = getattr(self.backend.get_tokenizer(base_model), "name_or_path", None)
+        except Exception:  # a backend that cannot name a tokenizer for this model
+            where = None
+        return str(where) if where and Path(str(where)).is_dir() else base_model
+
+    async def unload_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.model(_str(body, "model_id"))
+        m.sequencer.stop("unloaded")
+        await self.backend.stop_session(m.backend_id)
+        p = self.promises.new("unload_model", m.session_id)
+        p.resolve(json={"model_id": m.id, "type": "unload_model"})
+        return _future(p, m.id)
+
+    # ------------------------------------------------------------------------ ordered requests
+
+    def submit(self, m: _Model, seq: int, body: Any, kind: str, make: Callable[[], Callable[[], Awaitable[Any]]]) -> Promise:
+        """Queue one request of model ``m`` at ``seq``; ``make`` validates (raising ApiError) and returns the op."""
+        if seq < 1:
+            raise ApiError(400, f"seq_id={seq}", field="seq_id", fix="seq_id starts at 1 for each model")
+        digest = _hash(body)
+        earlier = m.submitted.get(seq)
+        if earlier is not None:
+            if earlier[0] != digest:
+                raise ApiError(
+                    409, f"seq_id {seq} of {m.id} was already used for another request", field="seq_id", fix="use a fresh seq_id"
+                )
+            return earlier[1]
+        if seq < m.sequencer.next_seq:
+            raise ApiError(409, f"seq_id {seq} is older than the model's queue ({m.sequencer.next_seq})", field="seq_id")
+        m.last_request = time.time()
+        try:
+            thunk = make()
+        except (ApiError, AsyncSessError):
+            self._skip(m, seq, digest)  # the turn is used up, so later requests do not wait for it
+            raise
+        promise = self.promises.new(kind, m.id)
+        m.submitted[seq] = (digest, promise)
+        m.submitted.pop(seq - KEEP_SEQS, None)  # re-deliveries older than this get 409, as in the Sequencer
+        m.thunks[seq] = thunk
+
+        async def work() -> Callable[[Promise], None]:
+            result = await m.sequencer.execute(TrainingOp(kind="forward", seq=seq, idempotency_key=digest))
+            return result
+
+        self._spawn(promise, work)
+        return promise
+
+    def _skip(self, m: _Model, seq: int, digest: str) -> None:
+        async def nothing() -> None:
+            return None
+
+        m.thunks[seq] = nothing
+        if self._tg is not None:
+            self._tg.start_soon(_quietly, m.sequencer.execute(TrainingOp(kind="forward", seq=seq, idempotency_key=digest)))
+
+    def _op(self, m: _Model, op: TrainingOp) -> Callable[[], Awaitable[Any]]:
+        async def run() -> Any:
+            seq = m.backend_seq
+            m.backend_seq += 1
+            return await self.backend.execute_training(m.backend_id, _with_seq(op, seq, f"{m.id}:{op.seq}"))
+
+        return run
+
+    async def forward_backward(self, raw: bytes, encoding: str | None) -> dict[str, Any]:
+        """Decompress, decode and validate in a worker thread (megabytes of tensors stay off the event loop)."""
+        try:
+            if encoding == "zstd":
+                raw = await anyio.to_thread.run_sync(tinker_proto.decompress, raw)
+            elif encoding not in (None, "", "identity"):
+                raise InvalidInputError(f"Content-Encoding {encoding!r}", field="Content-Encoding", fix="send zstd or nothing")
+            wire = await anyio.to_thread.run_sync(tinker_proto.decode_forward_backward, raw)
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        m = self.model(wire.model_id)
+        vocab = await self._vocab_size(m.base_model)
+
+        def check() -> TrainingOp | InvalidInputError:
+            try:
+                loss_fn = check_loss_fn(wire.loss_fn)
+                data = check_datums(wire.data, loss_fn, vocab_size=vocab)
+                config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
+            except InvalidInputError as err:
+                return err
+            kind: TrainingOpKind = "forward" if wire.forward_only else "forward_backward"
+            return TrainingOp(kind=kind, seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config)
+
+        checked = await anyio.to_thread.run_sync(check)
+
+        def make() -> Callable[[], Awaitable[Any]]:
+            if isinstance(checked, InvalidInputError):
+                raise checked
+            run = self._op(m, checked)
+
+            async def encoded() -> Callable[[Promise], None]:
+                out: ForwardBackwardOutput = await run()
+                blob = await anyio.to_thread.run_sync(tinker_proto.encode_forward_backward_output, out)
+                return lambda p: p.resolve(proto=blob)
+
+            return encoded
+
+        try:
+            promise = self.submit(m, wire.seq_id, raw, "forward_backward", make)
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        return _future(promise, m.id)
+
+    def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.model(_str(body, "model_id"))
+
+        def make() -> Callable[[], Awaitable[Any]]:
+            if "optimizer_params" in body and "adam_params" not in body:
+                raise ApiError(400, "only AdamW is offered", field="optimizer_params", fix="send adam_params")
+            params = coerce_adam_params(body.get("adam_params") or body.get("optim_params"))
+            run = self._op(m, TrainingOp(kind="optim_step", seq=0, idempotency_key="", adam_params=params))
+
+            async def go() -> Callable[[Promise], None]:
+                out: OptimStepResponse = await run()
+                return lambda p: p.resolve(json={"metrics": out.metrics or {}, "type": "optim_step"})
+
+            return go
+
+        return self._submit_json(m, body, "optim_step", make)
+
+    def _submit_json(self, m: _Model, body: dict[str, Any], kind: str, make: Callable[[], Callable[[], Awaitable[Any]]]) -> dict[str, Any]:
+        seq = _int(body, "seq_id")
+        try:
+            promise = self.submit(m, seq, body, kind, make)
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        return _future(promise, m.id)
+
+    def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str) -> _Checkpoint:
+        path = f"tinker://{m.id}/{folder}/{name}"
+        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, time.time(), resp.step)
+        self.checkpoints[path] = ck
+        m.checkpoints.append(path)
+        return ck
+
+    def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.model(_str(body, "model_id"))
+        name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
+
+        def make() -> Callable[[], Awaitable[Any]]:
+            run = self._op(m, TrainingOp(kind="save_state", seq=0, idempotency_key="", name=name, with_optimizer=True))
+
+            async def go() -> Callable[[Promise], None]:
+                ck = self._record(m, await run(), "weights", name, "training")
+                return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights"})
+
+            return go
+
+        return self._submit_json(m, body, "save_weights", make)
+
+    def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.model(_str(body, "model_id"))
+        seq = _int(body, "seq_id")
+        ephemeral_seq = body.get("sampling_session_seq_id")
+        if ephemeral_seq is not None:
+            ephemeral_seq = _int(body, "sampling_session_seq_id")
+        name = _name(body.get("path"), f"ephemeral-{seq:06d}")
+        if body.get("path") is None and ephemeral_seq is None:
+            raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
+
+        def make() -> Callable[[], Awaitable[Any]]:
+            op = TrainingOp(kind="save_weights", seq=0, idempotency_key="", name=name, ephemeral=body.get("path") is None)
+            run = self._op(m, op)
+
+            async def go() -> Callable[[Promise], None]:
+                resp: CheckpointResponse = await run()
+                if body.get("path") is not None:
+                    ck = self._record(m, resp, "sampler_weights", name, "sampler")
+                    return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
+                sid = f"{m.session_id}:sample:{ephemeral_seq}"
+                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path)
+                return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+            return go
+
+        return self._submit_json(m, body, "save_weights_for_sampler", make)
+
+    def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
+        """The backend path behind a ``tinker://`` path (other paths pass through to the backend)."""
+        ck = self.checkpoints.get(path)
+        if ck is not None:
+            return ck.backend_path, ck
+        if path.startswith("tinker://"):
+            raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
+        return path, None
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = _str(body, "path")
+        with_optimizer = bool(body.get("optimizer", False))
+        backend_path, ck = self._checkpoint(path, "path")
+        if ck is not None and ck.kind != "training":
+            raise ApiError(400, f"{path} holds sampler weights", field="path", fix="load a path from save_state (…/weights/…)")
+        if body.get("session_id") is not None:  # create via load: the model's first request
+            session = self._session(_str(body, "session_id"))
+            model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
+            promise, fresh = self._once(model_id, body, "load_weights", session.id)
+            if fresh:
+                base_model = body.get("base_model") or (ck.base_model if ck else "")
+                rank = ck.rank if ck else 32
+                spec = TrainingSessionSpec(
+                    base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
+                )
+
+                async def work() -> Callable[[Promise], None]:
+                    info = await self.backend.create_training_session(spec)
+                    self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(body.get("user_metadata") or {}))
+                    return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
+
+                self._spawn(promise, work)
+            return _future(promise, model_id)
+        m = self.model(_str(body, "model_id"))
+
+        def make() -> Callable[[], Awaitable[Any]]:
+            run = self._op(m, TrainingOp(kind="load_state", seq=0, idempotency_key="", path=backend_path, with_optimizer=with_optimizer))
+
+            async def go() -> Callable[[Promise], None]:
+                _: LoadWeightsResponse = await run()
+                return lambda p: p.resolve(json={"path": path, "model_id": m.id, "type": "load_weights"})
+
+            return go
+
+        return self._submit_json(m, body, "load_weights", make)
+
+    # ------------------------------------------------------------------------------- sampling
+
+    async def _open_sampler(
+        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None
+    ) -> _Sampler:
+        backend_id = await self.backend.create_sampler(
+            SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
+        )
+        s = _Sampler(sid, backend_id, base_model or "", path)
+        self.samplers[sid] = s
+        session.samplers.append(sid)
+        return s
+
+    async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        session = self._session(_str(body, "session_id"))
+        sid = f"{session.id}:sample:{_int(body, 'sampling_session_seq_id')}"
+        if sid in self.samplers:
+            return {"sampling_session_id": sid, "type": "create_sampling_session"}
+        path = body.get("model_path")
+        base_model = body.get("base_model")
+        backend_path = None
+        if path:
+            backend_path, ck = self._checkpoint(str(path), "model_path")
+            base_model = ck.base_model if ck else base_model
+        elif not base_model:
+            raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
+        try:
+            await self._open_sampler(sid, session, base_model, path, backend_path)
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        return {"sampling_session_id": sid, "type": "create_sampling_session"}
+
+    def get_sampler(self, sid: str) -> dict[str, Any]:
+        s = self.sampler(sid)
+        return {"sampler_id": s.id, "base_model": s.base_model, "model_path": s.model_path}
+
+    async def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = body.get("sampling_session_id")
+        if sid is None:  # the legacy form: sample straight from a path or a base model
+            raise ApiError(400, "this server needs a sampling session", field="sampling_session_id", fix="create_sampling_session first")
+        s = self.sampler(str(sid))
+        seq = _int(body, "seq_id")
+        digest = _hash(body)
+        earlier = s.ids.get(seq)
+        if earlier is not None:
+            if earlier[0] != digest:
+                raise ApiError(409, f"seq_id {seq} was already used for another sample", field="seq_id")
+            return _future(earlier[1], None, earlier[1].request_id, _int(body, "num_samples", 1))
+        try:
+            prompt = coerce_prompt(body.get("prompt"), field="prompt")
+            params = coerce_sampling_params(body.get("sampling_params"))
+            n = _int(body, "num_samples", 1)
+            if n < 1:
+                raise ApiError(400, f"num_samples={n}", field="num_samples", fix="ask for at least one sample")
+            for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+                if body.get(k):
+                    raise ApiError(400, "top-k log-probs are not offered", field=k, fix="leave it at 0")
+            if body.get("target_prompt_logprobs") is not None:
+                raise ApiError(400, "not offered", field="target_prompt_logprobs", fix="use prompt_logprobs")
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        want_prompt = bool(body.get("prompt_logprobs"))
+        last_n = body.get("prompt_logprobs_last_n")
+        promise = self.promises.new("sample", s.id)
+        s.ids[seq] = (digest, promise)
+        s.ids.pop(seq - KEEP_SEQS, None)
+        request = SampleRequest(tuple(prompt), n, params, include_prompt_logprobs=want_prompt, request_id=promise.request_id)
+
+        async def work() -> Callable[[Promise], None]:
+            resp: SampleResponse = await self.backend.sample(s.backend_id, request)
+            if last_n is not None and resp.prompt_logprobs is not None:
+                cut = len(resp.prompt_logprobs) - int(last_n)
+                resp.prompt_logprobs = [None if i < cut else v for i, v in enumerate(resp.prompt_logprobs)]
+            blob = tinker_proto.encode_sample_response(resp)
+            return lambda p: p.resolve(proto=blob)
+
+        self._spawn(promise, work)
+        return _future(promise, None, promise.request_id, n)
+
+    # -------------------------------------------------------------------------------- futures
+
+    async def retrieve(self, body: dict[str, Any]) -> Response:
+        rid = _str(body, "request_id")
+        p = self.promises.get(rid)
+        if p is None:
+            raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
+        if not await self.promises.wait(p, self.poll_timeout):
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408)
+        if p.error is not None:
+            return JSONResponse({"error": p.error, "category": p.category})
+        if p.proto is not None:
+            return Response(p.proto, media_type=PROTO)
+        return JSONResponse(p.json or {})
+
+    # ----------------------------------------------------------------------------------- REST
+
+    def training_run(self, model_id: str) -> dict[str, Any]:
+        m = self.model(model_id)
+        last = max((self.checkpoints[c] for c in m.checkpoints), key=lambda c: c.time, default=None)
+        last_sampler = max(
+            (self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "sampler"), key=lambda c: c.time, default=None
+        )
+        last_state = max(
+            (self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "training"), key=lambda c: c.time, default=None
+        )
+        del last
+        return {
+            "training_run_id": m.id,
+            "base_model": m.base_model,
+            "model_owner": "local",
+            "is_lora": True,
+            "corrupted": False,
+            "lora_rank": m.rank,
+            "last_request_time": _iso(m.last_request or m.created),
+            "last_checkpoint": last_state.rest() if last_state else None,
+            "last_sampler_checkpoint": last_sampler.rest() if last_sampler else None,
+            "user_metadata": {str(k): str(v) for k, v in m.user_metadata.items()} or None,
+        }
+
+    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        ids = list(self.models)
+        page = ids[offset : offset + limit]
+        return {
+            "training_runs": [self.training_run(i) for i in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
+        }
+
+    def list_checkpoints(self, model_id: str | None) -> dict[str, Any]:
+        if model_id is not None:
+            self.model(model_id)
+        cks = [c.rest() for c in self.checkpoints.values() if model_id in (None, c.model_id)]
+        return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
+
+    def checkpoint_by_id(self, model_id: str, checkpoint_id: str) -> _Checkpoint:
+        path = f"tinker://{model_id}/{checkpoint_id}"
+        ck = self.checkpoints.get(path)
+        if ck is None:
+            raise _not_found("checkpoint_id", checkpoint_id, "list the run's checkpoints")
+        return ck
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        ck = self.checkpoint_by_id(model_id, checkpoint_id)
+        del self.checkpoints[ck.tinker_path]
+        self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
+
+    def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
+        ck = self.checkpoint_by_id(model_id, checkpoint_id)
+        ttl = body.get("ttl_seconds")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ApiError(400, f"ttl_seconds={ttl!r:.40}", field="ttl_seconds", fix="a positive number of seconds, or null for never")
+        ck.expires_at = None if ttl is None else time.time() + ttl
+
+    def publish(self, model_id: str, checkpoint_id: str, public: bool) -> None:
+        self.checkpoint_by_id(model_id, checkpoint_id).public = public
+
+    def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = _str(body, "tinker_path")
+        ck = self.checkpoints.get(path)
+        if ck is None:
+            raise _not_found("tinker_path", path, "use a path returned by a save on this server")
+        return {
+            "base_model": ck.base_model,
+            "is_lora": True,
+            "lora_rank": ck.rank,
+            "train_unembed": True,
+            "train_mlp": True,
+            "train_attn": True,
+        }
+
+    def session_info(self, session_id: str) -> dict[str, Any]:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise _not_found("session_id", session_id, "use an id from create_session")
+        return {
+            "training_run_ids": list(s.models),
+            "sampler_ids": list(s.samplers),
+            "user_metadata": {str(k): str(v) for k, v in s.user_metadata.items()} or None,
+        }
+
+    def set_project(self, session_id: str, body: dict[str, Any]) -> None:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise _not_found("session_id", session_id, "use an id from create_session")
+        project = body.get("project_id")
+        if project is not None and not isinstance(project, str):
+            raise ApiError(400, "must be a string or null", field="project_id")
+        s.project_id = project
+
+    async def capabilities(self) -> dict[str, Any]:
+        caps = await self.backend.capabilities()
+        return {
+            "supported_models": [
+                {
+                    "model_name": m.model_name,
+                    "max_context_length": m.max_context_length,
+                    "trainable": m.trainable,
+                    "sampleable": m.sampleable,
+                    "vocab_size": m.vocab_size,  # not in Tinker's schema (the SDK ignores it); lets tinker:// check tokens early
+                }
+                for m in caps.supported_models
+            ]
+        }
+
+
+async def _quietly(aw: Awaitable[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await aw
+
+
+def _with_seq(op: TrainingOp, seq: int, key: str) -> TrainingOp:
+    import dataclasses
+
+    return dataclasses.replace(op, seq=seq, idempotency_key=key)
+
+
+def _future(p: Promise, model_id: str | None, prefix: str | None = None, n: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"request_id": p.request_id}
+    if model_id is not None:
+        out["model_id"] = model_id
+    if n is not None:
+        out["sample_sequence_ids"] = [f"{prefix}:{i}" for i in range(n)]
+    return out
+
+
+def _str(body: dict[str, Any], key: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or not v:
+        raise ApiError(400, f"expected a non-empty string, got {type(v).__name__}", field=key)
+    if "\x00" in v:
+        raise ApiError(400, "contains NUL", field=key)
+    return v
+
+
+def _int(body: dict[str, Any], key: str, default: int | None = None, *, field: str | None = None) -> int:
+    v = body.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"expected an integer, got {v!r:.40}", field=field or key)
+    if not -(2**62) < v < 2**62:
+        raise ApiError(400, "out of range", field=field or key)
+    return v
+
+
+def _name(path: Any, default: str) -> str:
+    if path is None:
+        return default
+    if not isinstance(path, str) or not path or len(path) > 128 or not all(c.isalnum() or c in "._-" for c in path) or not path.isascii():
+        raise ApiError(400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -")
+    return path
+
+
+# ----------------------------------------------------------------------------------------- routes
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body(), parse_constant=lambda c: math.nan)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"body is not JSON ({err})", field="body") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object", field="body")
+    return body
+
+
+def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None = None) -> APIRouter:
+    """Tinker's ``/api/v1`` routes over ``door``. With ``api_keys``, every route but healthz needs ``X-API-Key``."""
+
+    async def auth(request: Request) -> None:
+        if api_keys and request.headers.get("x-api-key") not in api_keys:
+            raise ApiError(401, "missing or unknown X-API-Key", field="X-API-Key", fix="send one of the server's --api-key values")
+
+    r = APIRouter(prefix="/api/v1")
+    guarded = APIRouter(dependencies=[Depends(auth)])
+
+    @r.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @guarded.post("/client/config")
+    async def client_config() -> dict[str, Any]:
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False}
+
+    @guarded.post("/client/dynamic_config")
+    async def dynamic_config() -> dict[str, Any]:
+        return {"refresh_interval_sec": 300}
+
+    @guarded.post("/telemetry")
+    async def telemetry() -> dict[str, str]:
+        return {"status": "accepted"}
+
+    @guarded.post("/create_session")
+    async def create_session(request: Request) -> dict[str, Any]:
+        return door.create_session(await _json(request))
+
+    @guarded.post("/session_heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        return door.heartbeat(await _json(request))
+
+    @guarded.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        return await door.finish_session(session_id, await _json(request))
+
+    @guarded.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        return door.session_info(session_id)
+
+    @guarded.get("/sessions")
+    async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return {"sessions": list(door.sessions)[offset : offset + limit]}
+
+    @guarded.api_route("/get_server_capabilities", methods=["GET", "POST"])
+    async def capabilities() -> dict[str, Any]:
+        return await door.capabilities()
+
+    @guarded.post("/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        return door.create_model(await _json(request))
+
+    @guarded.post("/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        return door.get_info(await _json(request))
+
+    @guarded.post("/unload_model")
+    async def unload_model(request: Request) -> dict[str, Any]:
+        return await door.unload_model(await _json(request))
+
+    @guarded.post("/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        ctype = request.headers.get("content-type", "")
+        if PROTO not in ctype:
+            raise ApiError(415, f"content-type {ctype!r}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
+        return await door.forward_backward(await request.body(), request.headers.get("content-encoding"))
+
+    @guarded.post("/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        return door.optim_step(await _json(request))
+
+    @guarded.post("/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        return door.save_weights(await _json(request))
+
+    @guarded.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        return door.save_weights_for_sampler(await _json(request))
+
+    @guarded.post("/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        return door.load_weights(await _json(request))
+
+    @guarded.post("/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        return await door.create_sampling_session(await _json(request))
+
+    @guarded.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        return door.get_sampler(sampler_id)
+
+    @guarded.post("/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        return await door.asample(await _json(request))
+
+    @guarded.post("/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        return await door.retrieve(await _json(request))
+
+    @guarded.get("/training_runs")
+    async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return door.training_runs(limit, offset)
+
+    @guarded.get("/training_runs/{model_id}")
+    async def training_run(model_id: str) -> dict[str, Any]:
+        return door.training_run(model_id)
+
+    @guarded.get("/training_runs/{model_id}/checkpoints")
+    async def run_checkpoints(model_id: str) -> dict[str, Any]:
+        return door.list_checkpoints(model_id)
+
+    @guarded.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request) -> Response:
+        door.set_ttl(model_id, checkpoint_id, await _json(request))
+        return Response(status_code=204)
+
+    @guarded.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def publish(model_id: str, checkpoint_id: str) -> Response:
+        door.publish(model_id, checkpoint_id, True)
+        return Response(status_code=204)
+
+    @guarded.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+    async def unpublish(model_id: str, checkpoint_id: str) -> Response:
+        door.publish(model_id, checkpoint_id, False)
+        return Response(status_code=204)
+
+    @guarded.put("/sessions/{session_id}/project")
+    async def session_project(session_id: str, request: Request) -> Response:
+        door.set_project(session_id, await _json(request))
+        return Response(status_code=204)
+
+    @guarded.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
+        door.delete_checkpoint(model_id, checkpoint_id)
+        return Response(status_code=204)
+
+    @guarded.get("/checkpoints")
+    async def checkpoints() -> dict[str, Any]:
+        return door.list_checkpoints(None)
+
+    @guarded.post("/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        return door.weights_info(await _json(request))
+
+    r.include_router(guarded)
+    return r
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """4xx with a JSON body naming the field for every refusal; never a 5xx for bad input."""
+    from fastapi.exceptions import RequestValidationError
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return ApiError(400, str(first.get("msg", "invalid request")), field=where or None).response()
+
+
+def create_app(backend: Backend, api_keys: set[str] | frozenset[str] | None = None, *, poll_timeout: float = 30.0) -> FastAPI:
+    """A FastAPI app serving Tinker's HTTP API in front of ``backend``."""
+    door = TinkerDoor(backend, poll_timeout=poll_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with door.running():
+            yield
+
+    app = FastAPI(title="asyncsess: Tinker wire", lifespan=lifespan)
+    app.state.tinker_door = door
+    install_error_handlers(app)
+    app.include_router(tinker_router(door, api_keys))
+    return app

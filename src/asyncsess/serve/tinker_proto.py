@@ -1,0 +1,242 @@
+"""Tinker's protobuf wire format <-> asyncsess types, with the schema that ships in the official SDK.
+
+The ``tinker`` package (Apache-2.0) carries ``tinker/proto/tinker_public_pb2``; we import it rather than
+keep a copy. Tokens travel as little-endian int32, log-probs as float32, undefined prompt log-probs as
+NaN, tensors as raw bytes of float32 / int64. Bodies may be zstd-compressed (``Content-Encoding: zstd``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
+
+__all__ = [
+    "ForwardBackwardWire",
+    "decode_forward_backward",
+    "encode_forward_backward",
+    "encode_forward_backward_output",
+    "decode_forward_backward_output",
+    "encode_sample_response",
+    "decode_sample_response",
+    "decompress",
+    "compress",
+]
+
+
+def _pb() -> Any:
+    try:
+        from tinker.proto import tinker_public_pb2
+    except ImportError as err:  # pragma: no cover - the extra is missing
+        raise ImportError("the Tinker wire needs the official SDK's schema: pip install 'asyncsess[tinker]'") from err
+    return tinker_public_pb2
+
+
+_DTYPES: dict[str, tuple[int, Any]] = {"float32": (1, np.float32), "int64": (2, np.int64)}  # DTYPE_FLOAT32, DTYPE_INT64
+_NP_OF: dict[int, np.dtype[Any]] = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
+_NAME_OF = {1: "float32", 2: "int64", 3: "int64"}
+
+
+MAX_BODY = 1 << 29  # 512 MiB decompressed; the SDK sends <= ~5 MB per chunk
+
+
+def decompress(body: bytes) -> bytes:
+    import zstandard
+
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
+    except zstandard.ZstdError as err:
+        raise InvalidInputError(f"not a zstd frame ({err})", field="body", fix="send Content-Encoding: zstd only with zstd data") from None
+
+
+def compress(body: bytes, level: int = 3) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=level).compress(body)
+
+
+class ForwardBackwardWire:
+    """A decoded ``ForwardBackwardRequest``."""
+
+    __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "forward_only", "data")
+
+    def __init__(
+        self, model_id: str, seq_id: int, loss_fn: str, loss_fn_config: dict[str, float] | None, forward_only: bool, data: list[Datum]
+    ) -> None:
+        self.model_id = model_id
+        self.seq_id = seq_id
+        self.loss_fn = loss_fn
+        self.loss_fn_config = loss_fn_config
+        self.forward_only = forward_only
+        self.data = data
+
+
+def _tensor_from_pb(msg: Any, where: str) -> TensorData:
+    if msg.dtype not in _NP_OF:
+        raise InvalidInputError(f"dtype enum {msg.dtype} is not on the public wire", field=where, fix="send float32 or int64")
+    np_dtype = _NP_OF[msg.dtype]
+    if msg.WhichOneof("encoding") == "sparse_csr":
+        shape = list(msg.shape)
+        if len(shape) != 2:
+            raise InvalidInputError("a sparse CSR tensor needs a 2-D shape", field=where)
+        dense = np.zeros(shape, dtype=np_dtype)
+        values = np.frombuffer(msg.sparse_csr.values, dtype=np_dtype)
+        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype="<i8")
+        col = np.frombuffer(msg.sparse_csr.col_indices, dtype="<i8")
+        if len(crow) != shape[0] + 1 or len(col) != len(values) or (len(crow) and crow[-1] != len(values)):
+            raise InvalidInputError("inconsistent CSR indices", field=where)
+        for r in range(shape[0]):
+            lo, hi = int(crow[r]), int(crow[r + 1])
+            if lo > hi or np.any(col[lo:hi] >= shape[1]) or np.any(col[lo:hi] < 0):
+                raise InvalidInputError("CSR column index out of range", field=where)
+            dense[r, col[lo:hi]] = values[lo:hi]
+        arr = dense
+    else:
+        raw = msg.dense
+        if len(raw) % np_dtype.itemsize:
+            raise InvalidInputError(f"{len(raw)} bytes is not a whole number of {np_dtype.name} values", field=where)
+        arr = np.frombuffer(raw, dtype=np_dtype)
+        shape = list(msg.shape) or [arr.size]
+        if math.prod(shape) != arr.size:
+            raise InvalidInputError(f"shape {shape} does not hold {arr.size} values", field=where)
+        arr = arr.reshape(shape)
+    dtype = _NAME_OF[msg.dtype]
+    if dtype == "float32" and not np.isfinite(arr).all():
+        raise InvalidInputError("holds NaN or infinity", field=where, fix="send finite values (mask with weights = 0 instead)")
+    return TensorData.model_construct(data=arr.ravel().tolist(), dtype=dtype, shape=list(arr.shape))
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackwardWire:
+    """Parse a (decompressed) ``ForwardBackwardRequest``; raise ``InvalidInputError`` naming the bad field."""
+    pb = _pb()
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as err:  # protobuf's DecodeError
+        raise InvalidInputError(f"not a ForwardBackwardRequest protobuf ({err})", field="body") from None
+    config: dict[str, float] = {}
+    for k, v in msg.loss_fn_config_v2.items():
+        if v.WhichOneof("value") == "text":
+            raise InvalidInputError("string values are not supported", field=f"loss_fn_config[{k!r}]", fix="give a number")
+        config[k] = v.number
+    for k, num in msg.loss_fn_config.items():
+        config.setdefault(k, num)
+    data: list[Datum] = []
+    for i, d in enumerate(msg.data):
+        chunks = []
+        for j, c in enumerate(d.model_input):
+            kind = c.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise InvalidInputError(f"{kind} chunks are not supported", field=f"data[{i}].model_input[{j}]", fix="send token ids")
+            raw = c.encoded_text.tokens
+            if len(raw) % 4:
+                raise InvalidInputError("token bytes are not int32", field=f"data[{i}].model_input[{j}]")
+            chunks.append(EncodedTextChunk.model_construct(tokens=np.frombuffer(raw, dtype="<i4").tolist(), type="encoded_text"))
+        inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]") for k, t in d.loss_fn_inputs.items()}
+        data.append(Datum.model_construct(model_input=ModelInput.model_construct(chunks=chunks), loss_fn_inputs=inputs))
+    return ForwardBackwardWire(msg.model_id, msg.seq_id, msg.loss_fn, config or None, msg.forward_only, data)
+
+
+def _tensor_to_pb(msg: Any, td: TensorData) -> None:
+    code, np_dtype = _DTYPES[td.dtype]
+    msg.dtype = code
+    msg.shape.extend(td.shape or [len(td.data)])
+    msg.dense = np.asarray(td.data, dtype=np_dtype).tobytes()
+
+
+def encode_forward_backward(
+    model_id: str, seq_id: int, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None, forward_only: bool = False
+) -> bytes:
+    """Serialize a ``ForwardBackwardRequest`` as the SDK does (the client side of the wire)."""
+    pb = _pb()
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, forward_only=forward_only)
+    for k, v in (loss_fn_config or {}).items():
+        msg.loss_fn_config[k] = float(v)
+        msg.loss_fn_config_v2[k].number = float(v)
+    for datum in data:
+        dm = msg.data.add()
+        for chunk in datum.model_input.chunks:
+            dm.model_input.add().encoded_text.tokens = np.asarray(chunk.tokens, dtype="<i4").tobytes()
+        for name, td in datum.loss_fn_inputs.items():
+            _tensor_to_pb(dm.loss_fn_inputs[name], td)
+    return msg.SerializeToString()
+
+
+def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
+    """One ``ArrayRecord``: per field, the datums' values concatenated with int64 byte offsets."""
+    pb = _pb()
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
+    for k, v in out.metrics.items():
+        msg.metrics[k] = float(v)
+    if out.loss_fn_outputs:
+        rec = msg.loss_fn_outputs.add(num_datums=len(out.loss_fn_outputs))
+        names = list(out.loss_fn_outputs[0])
+        for name in names:
+            tds = [d[name] for d in out.loss_fn_outputs]
+            code, np_dtype = _DTYPES[tds[0].dtype]
+            arrays = [np.asarray(t.data, dtype=np_dtype) for t in tds]
+            offsets = np.zeros(len(arrays) + 1, dtype="<i8")
+            np.cumsum([a.nbytes for a in arrays], out=offsets[1:])
+            bt = rec.fields[name]
+            bt.dtype = code
+            bt.data = np.concatenate(arrays).tobytes() if arrays else b""
+            bt.offsets = offsets.tobytes()
+    return msg.SerializeToString()
+
+
+def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
+    pb = _pb()
+    msg = pb.ForwardBackwardOutput()
+    msg.ParseFromString(body)
+    outputs: list[dict[str, TensorData]] = []
+    for rec in msg.loss_fn_outputs:
+        per: list[dict[str, TensorData]] = [{} for _ in range(rec.num_datums)]
+        for name, bt in rec.fields.items():
+            np_dtype = _NP_OF[bt.dtype]
+            offsets = np.frombuffer(bt.offsets, dtype="<i8")
+            buf = np.frombuffer(bt.data, dtype=np_dtype)
+            for i in range(len(offsets) - 1):
+                part = buf[int(offsets[i]) // np_dtype.itemsize : int(offsets[i + 1]) // np_dtype.itemsize]
+                per[i][name] = TensorData.model_construct(data=part.tolist(), dtype=_NAME_OF[bt.dtype], shape=[part.size])
+        outputs.extend(per)
+    return ForwardBackwardOutput.model_construct(
+        loss_fn_output_type=msg.loss_fn_output_type, loss_fn_outputs=outputs, metrics=dict(msg.metrics)
+    )
+
+
+def encode_sample_response(resp: SampleResponse) -> bytes:
+    pb = _pb()
+    msg = pb.SampleResponse()
+    for s in resp.sequences:
+        sm = msg.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH)
+        sm.tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
+        if s.logprobs is not None:
+            sm.logprobs = np.asarray(s.logprobs, dtype="<f4").tobytes()
+    if resp.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in resp.prompt_logprobs], dtype="<f4").tobytes()
+    return msg.SerializeToString()
+
+
+def decode_sample_response(body: bytes) -> SampleResponse:
+    from ..types import SampledSequence
+
+    pb = _pb()
+    msg = pb.SampleResponse()
+    msg.ParseFromString(body)
+    seqs = [
+        SampledSequence.model_construct(
+            stop_reason="stop" if s.stop_reason == pb.STOP_REASON_STOP else "length",
+            tokens=np.frombuffer(s.tokens, dtype="<i4").tolist(),
+            logprobs=np.frombuffer(s.logprobs, dtype="<f4").tolist() if s.HasField("logprobs") else None,
+            sequence_id=None,
+        )
+        for s in msg.sequences
+    ]
+    plp = None
+    if msg.HasField("prompt_logprobs"):
+        plp = [None if math.isnan(v) else float(v) for v in np.frombuffer(msg.prompt_logprobs, dtype="<f4").tolist()]
+    return SampleResponse.model_construct(sequences=seqs, prompt_logprobs=plp)

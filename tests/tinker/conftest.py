@@ -1,0 +1,68 @@
+"""A real ``asyncsess serve`` app (uvicorn on 127.0.0.1, a free port, in a thread) for the Tinker-wire tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+API_KEY = "tml-asyncsess-test"
+
+
+@dataclass
+class Server:
+    url: str
+    app: object
+    backend: object
+
+    @property
+    def door(self):
+        return self.app.state.tinker_door
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(backend_url: str, *, poll_timeout: float = 5.0) -> Iterator[Server]:
+    import uvicorn
+
+    from asyncsess.backend import load_backend
+    from asyncsess.serve.tinker_api import create_app
+
+    backend = load_backend(backend_url)
+    app = create_app(backend, {API_KEY}, poll_timeout=poll_timeout)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", app, backend)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def mock_server() -> Iterator[Server]:
+    yield from start_server("mock://")
+
+
+@pytest.fixture(autouse=True)
+def _tinker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    os.environ.pop("TINKER_CREDENTIAL_CMD", None)

@@ -1,0 +1,187 @@
+"""The official ``tinker`` SDK (pinned 0.38.0) drives ``asyncsess serve`` on mock://, as a user would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from .conftest import API_KEY, Server
+
+pytestmark = pytest.mark.tinker
+
+BASE = "mock/bigram-tiny"
+
+
+def _datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * n},
+    )
+
+
+BATCH = [_datum([5, 6, 7, 8, 9, 10]), _datum([11, 12, 13, 14]), _datum([20, 21, 22, 23, 24, 25, 26])]
+
+
+@pytest.fixture(scope="module")
+def service(mock_server: Server):
+    sc = tinker.ServiceClient(base_url=mock_server.url, api_key=API_KEY)
+    yield sc
+    sc.holder.close()
+
+
+def _backend_id(server: Server, tc: tinker.TrainingClient) -> str:
+    return server.door.models[tc.model_id].backend_id
+
+
+def test_supervised_loop_loss_falls(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    losses = []
+    for _ in range(8):
+        fb = tc.forward_backward(BATCH, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=5e-2))
+        out = fb.result()
+        opt.result()
+        losses.append(out.metrics["loss:sum"])
+        assert len(out.loss_fn_outputs) == len(BATCH)
+        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [5, 3, 6]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.9 * losses[0], losses
+    # forward-only runs the same model without changing it
+    f1 = tc.forward(BATCH, "cross_entropy").result()
+    f2 = tc.forward(BATCH, "cross_entropy").result()
+    assert f1.metrics["loss:sum"] == f2.metrics["loss:sum"]
+
+
+def test_rl_loop_sampling_and_sampler_refresh(service: tinker.ServiceClient) -> None:
+    """GRPO-shaped: sample a group, reward token 42, importance_sampling update, refresh the sampler."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=0)
+
+    def rewarded_logprob(sc: tinker.SamplingClient) -> float:
+        lp = sc.compute_logprobs(types.ModelInput.from_ints([5, 6, 7, 42])).result()
+        assert lp[0] is None and len(lp) == 4
+        return float(lp[-1])
+
+    before = rewarded_logprob(sampler)
+    seen = [before]
+    for _ in range(4):
+        res = sampler.sample(prompt, num_samples=8, sampling_params=params).result()
+        assert len(res.sequences) == 8
+        rewards = np.array([s.tokens.count(42) + 1.0 * (s.tokens[0] == 42) for s in res.sequences], dtype=float)
+        adv = rewards - rewards.mean()
+        data = []
+        for s, a in zip(res.sequences, adv):
+            assert s.logprobs is not None and len(s.logprobs) == len(s.tokens)
+            toks = [5, 6, 7, *s.tokens]
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(toks[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": toks[1:],
+                        "logprobs": [0.0, 0.0, *s.logprobs],
+                        "advantages": [0.0, 0.0] + [float(a)] * len(s.tokens),
+                    },
+                )
+            )
+        # also push the rewarded token directly so the direction is certain on a tiny batch
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints([5, 6, 7]),
+                loss_fn_inputs={"target_tokens": [6, 7, 42], "logprobs": [0.0, 0.0, -5.0], "advantages": [0.0, 0.0, 1.0]},
+            )
+        )
+        fb = tc.forward_backward(data, "importance_sampling")
+        tc.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+        assert "loss:sum" in fb.result().metrics
+        sampler = tc.save_weights_and_get_sampling_client().result()  # refresh: the next round samples the new weights
+        seen.append(rewarded_logprob(sampler))
+    assert all(b > a for a, b in zip(seen, seen[1:])), seen  # every refresh serves the newer weights
+    after = seen[-1]
+    assert after > before + 0.5, seen
+    # a named sampler checkpoint opens through create_sampling_client(model_path)
+    path = tc.save_weights_for_sampler("rl-final").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/rl-final")
+    again = service.create_sampling_client(model_path=path)
+    assert rewarded_logprob(again) == pytest.approx(after, abs=1e-6)
+
+
+def test_save_and_load_with_optimizer_bit_exact(service: tinker.ServiceClient, mock_server: Server) -> None:
+    backend = mock_server.backend
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    for _ in range(3):
+        tc.forward_backward(BATCH, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("three-steps").result().path
+    assert path == f"tinker://{tc.model_id}/weights/three-steps"
+
+    with_opt = service.create_training_client_from_state_with_optimizer(path).result()
+    weights_only = service.create_training_client_from_state(path).result()
+    a, b, c = (_backend_id(mock_server, x) for x in (tc, with_opt, weights_only))
+    assert np.array_equal(backend.weights(a), backend.weights(b))
+    assert np.array_equal(backend.weights(a), backend.weights(c))
+    (m1, v1, s1), (m2, v2, s2), (m3, v3, s3) = (backend.optimizer_state(x) for x in (a, b, c))
+    assert s1 == s2 == 3 and np.array_equal(m1, m2) and np.array_equal(v1, v2)
+    assert s3 == 0 and not m3.any()
+
+    # the next step is the same on the original and on the restored copy, bit for bit
+    outs = []
+    for client in (tc, with_opt):
+        fb = client.forward_backward(BATCH, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        outs.append(fb.result().metrics["loss:sum"])
+    assert outs[0] == outs[1]
+    assert np.array_equal(backend.weights(a), backend.weights(b))
+
+    # the legacy load onto an existing model puts the saved state back (step 4 -> 3)
+    tc.load_state_with_optimizer(path).result()
+    assert backend.optimizer_state(a)[2] == 3
+    assert np.array_equal(backend.weights(a), backend.weights(c))
+    # the checkpoint is listed over REST
+    rest = service.create_rest_client()
+    ids = [ck.checkpoint_id for ck in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert "weights/three-steps" in ids
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.base_model == BASE and run.lora_rank == 8
+
+
+def test_futures_awaited_out_of_order(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    futs = []
+    for _ in range(3):
+        futs.append(tc.forward_backward(BATCH, "cross_entropy"))
+        futs.append(tc.optim_step(types.AdamParams(learning_rate=5e-2)))
+    results = [f.result() for f in reversed(futs)][::-1]
+    losses = [r.metrics["loss:sum"] for r in results[0::2]]
+    assert losses[0] > losses[1] > losses[2]  # each fwd/bwd saw the previous optim step: order kept
+    assert all(isinstance(r, types.OptimStepResponse) for r in results[1::2])
+
+
+def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceClient, mock_server: Server) -> None:
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    with pytest.raises(tinker.BadRequestError, match=r"does not match the 3 input tokens"):
+        tc.forward_backward([bad], "cross_entropy").result()
+    huge = _datum([1, 2, 2**31 - 1])
+    with pytest.raises(tinker.BadRequestError, match="vocabulary"):
+        tc.forward_backward([huge], "cross_entropy").result()
+    # the refused requests did not block or poison the model
+    assert tc.forward_backward(BATCH, "cross_entropy").result().metrics["loss:sum"] > 0
+    with pytest.raises(tinker.NotFoundError, match="path"):
+        service.create_training_client_from_state(f"tinker://{tc.model_id}/weights/never-saved").result()
+    rest = service.create_rest_client()
+    with pytest.raises(tinker.NotFoundError, match="model_id"):
+        rest.get_training_run("no-such-run").result()
+    # a failure while running comes back as the SDK's RequestFailedError with a user category
+    tc.save_state("twice").result()
+    with pytest.raises(tinker.RequestFailedError) as info:
+        tc.save_state("twice").result()
+    assert info.value.category == types.RequestErrorCategory.User
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(
+            base_model=BASE, rank=8
+        ).result()

@@ -1,0 +1,131 @@
+"""``asyncsess serve`` at the HTTP level, as an attacker would hit it: every bad input gets a 4xx whose JSON
+body names the field, never a 5xx; and the command starts, answers and refuses unknown keys."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from asyncsess.serve import tinker_proto
+from asyncsess.types import Datum, ModelInput
+
+from .conftest import API_KEY, Server, _free_port
+
+pytestmark = pytest.mark.tinker
+
+H = {"X-API-Key": API_KEY}
+
+
+@pytest.fixture(scope="module")
+def model(mock_server: Server) -> tuple[httpx.Client, str, str]:
+    c = httpx.Client(base_url=mock_server.url, headers=H, timeout=30)
+    sid = c.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"}).json()["session_id"]
+    fut = c.post(
+        "/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": "mock/bigram-tiny", "lora_config": {"rank": 4}}
+    )
+    model_id = c.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}).json()["model_id"]
+    return c, sid, model_id
+
+
+def _refused(resp: httpx.Response, status: int, field: str | None) -> None:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert body["error"]
+    if field is not None:
+        assert field in (body.get("field") or "") or field in body["error"], body
+
+
+@pytest.mark.parametrize(
+    "path, payload, field",
+    [
+        ("/api/v1/create_session", b"{not json", "body"),
+        ("/api/v1/create_session", b"[1, 2]", "body"),
+        ("/api/v1/create_model", {"session_id": "nope", "model_seq_id": 0, "base_model": "m"}, "session_id"),
+        ("/api/v1/session_heartbeat", {"session_id": "a\x00b"}, "session_id"),
+        ("/api/v1/session_heartbeat", b'{"session_id": "\\ud800"}', "session_id"),
+        ("/api/v1/get_info", {"model_id": "x" * 100_000}, "model_id"),
+        ("/api/v1/retrieve_future", {"request_id": 12}, "request_id"),
+        ("/api/v1/retrieve_future", {"request_id": "never-issued"}, "request_id"),
+        ("/api/v1/weights_info", {"tinker_path": "tinker://nope/weights/x"}, "tinker_path"),
+    ],
+)
+def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, field: str) -> None:
+    c, _, _ = model
+    kw = {"content": payload, "headers": {"Content-Type": "application/json"}} if isinstance(payload, bytes) else {"json": payload}
+    resp = c.post(path, **kw)
+    assert 400 <= resp.status_code < 500, resp.text
+    _refused(resp, resp.status_code, field)
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"seq_id": 2**70, "adam_params": {}}, "seq_id"),
+        ({"seq_id": 0, "adam_params": {}}, "seq_id"),
+        ({"seq_id": True, "adam_params": {}}, "seq_id"),
+        ({"seq_id": 5, "adam_params": {"learning_rate": "NaN"}}, "learning_rate"),
+        ({"seq_id": 6, "adam_params": {"learning_rate": -1}}, "learning_rate"),
+        ({"seq_id": 7, "optimizer_params": {"type": "dimuon", "learning_rate": 1}}, "optimizer_params"),
+    ],
+)
+def test_bad_optim_steps_are_refused(model, body: dict, field: str) -> None:
+    c, _, model_id = model
+    _refused(c.post("/api/v1/optim_step", json={"model_id": model_id, **body}), 400, field)
+
+
+def test_bad_forward_backward_bodies(model) -> None:
+    c, _, model_id = model
+    proto = {"Content-Type": "application/x-protobuf"}
+    _refused(c.post("/api/v1/forward_backward", content=b"\xff\x00garbage", headers=proto), 400, "body")
+    _refused(c.post("/api/v1/forward_backward", content=b"not zstd", headers={**proto, "Content-Encoding": "zstd"}), 400, "body")
+    _refused(c.post("/api/v1/forward_backward", json={"model_id": model_id}), 415, "Content-Type")
+    nan_datum = Datum(model_input=ModelInput.from_ints([1, 40]), loss_fn_inputs={"target_tokens": [40, 41], "weights": [float("nan"), 1.0]})
+    raw = tinker_proto.encode_forward_backward(model_id, 50, [nan_datum], "cross_entropy")
+    _refused(c.post("/api/v1/forward_backward", content=raw, headers=proto), 400, "weights")
+    good = Datum(model_input=ModelInput.from_ints([1, 40]), loss_fn_inputs={"target_tokens": [40, 41], "weights": [1.0, 1.0]})
+    unknown = tinker_proto.encode_forward_backward("no-such-model", 1, [good], "cross_entropy")
+    _refused(c.post("/api/v1/forward_backward", content=unknown, headers=proto), 404, "model_id")
+    bad_loss = tinker_proto.encode_forward_backward(model_id, 51, [good], "not-a-loss")
+    _refused(c.post("/api/v1/forward_backward", content=bad_loss, headers=proto), 400, "loss_fn")
+
+
+def test_auth_is_required_except_healthz(mock_server: Server) -> None:
+    assert httpx.get(mock_server.url + "/api/v1/healthz").json() == {"status": "ok"}
+    _refused(httpx.post(mock_server.url + "/api/v1/create_session", json={}), 401, "X-API-Key")
+    _refused(httpx.post(mock_server.url + "/api/v1/create_session", json={}, headers={"X-API-Key": "tml-x"}), 401, "X-API-Key")
+
+
+def test_retrieve_future_long_poll_answers_408_try_again(mock_server: Server, model) -> None:
+    c, sid, _ = model
+    door = mock_server.door
+    promise = door.promises.new("probe", sid)  # a promise nobody resolves
+    old, door.poll_timeout = door.poll_timeout, 0.2
+    try:
+        resp = c.post("/api/v1/retrieve_future", json={"request_id": promise.request_id})
+    finally:
+        door.poll_timeout = old
+    assert resp.status_code == 408 and resp.json()["type"] == "try_again" and resp.json()["queue_state"] == "active"
+
+
+def test_the_serve_command_starts_and_answers(tmp_path) -> None:
+    port = _free_port()
+    env = {**os.environ, "ASYNCSESS_API_KEYS": "tml-a,tml-b"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncsess", "serve", "--backend", "mock://", "--port", str(port)], env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/api/v1"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert httpx.post(url + "/client/config", headers={"X-API-Key": "tml-b"}).json()["pjwt_auth_enabled"] is False
+        assert httpx.post(url + "/client/config", headers={"X-API-Key": "tml-c"}).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,191 @@
+"""``tinker://``: asyncsess's own client on the Tinker wire against ``asyncsess serve`` on mock://.
+
+These are the mock:// client suite's checks (futures, ordering, exactly-once, checkpoints, sampling,
+errors), with the server's mock backend as the white-box witness.
+"""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient
+from asyncsess.backend import load_backend
+from asyncsess.errors import AsyncSessError, PoisonedError
+from asyncsess.rl import center_advantages, rl_datum
+from tests.client.helpers import sft_datum
+
+from .conftest import API_KEY, Server
+
+pytestmark = [pytest.mark.tinker, pytest.mark.anyio]
+
+BASE = "mock/bigram-tiny"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def url_of(server: Server, **query: str) -> str:
+    q = "&".join(f"{k}={v}" for k, v in {"api_key": API_KEY, **query}.items())
+    return server.url.replace("http://", "tinker://") + "?" + q
+
+
+def test_url_forms_and_api_key_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = load_backend("tinkers://example.org/prefix?api_key=tml-a")
+    assert (b.base_url, b.api_key) == ("https://example.org/prefix", "tml-a")
+    monkeypatch.setenv("TINKER_API_KEY", "tml-env")
+    assert load_backend("tinker://127.0.0.1:9").api_key == "tml-env"
+    assert load_backend("tinker://127.0.0.1:9", api_key="tml-opt").api_key == "tml-opt"
+    with pytest.raises(InvalidInputError, match="url"):
+        load_backend("tinker:///nohost")
+
+
+async def test_futures_pipeline_and_order(mock_server: Server) -> None:
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        f1 = tc.forward_backward([sft_datum([1, 40, 41, 42])], "cross_entropy")
+        f2 = tc.optim_step(AdamParams(learning_rate=0.1))
+        f3 = tc.forward_backward([sft_datum([1, 40, 41, 42])], "cross_entropy")
+        assert (f1.seq, f2.seq, f3.seq) == (1, 2, 3)
+        out3, out1 = await f3, await f1
+        assert out3.loss < out1.loss, "f3 must run after the optim step"
+        assert out1.usage.training_tokens == 3 and (await f2).metrics is not None
+        backend_id = mock_server.door.models[tc.model_id].backend_id
+        applied = [(seq, kind) for sid, seq, kind in mock_server.backend.applied_log if sid == backend_id]
+        assert applied == [(1, "forward_backward"), (2, "optim_step"), (3, "forward_backward")]
+
+
+async def test_training_matches_mock_directly(mock_server: Server) -> None:
+    """The same ops through tinker:// and straight on mock:// give the same losses."""
+    data = [sft_datum([3, 10, 11, 12, 13]), sft_datum([4, 20, 21])]
+
+    async def losses(url: str) -> list[float]:
+        async with ServiceClient(url) as svc:
+            tc = await svc.create_lora_training_client(BASE, rank=4)
+            out = []
+            for _ in range(3):
+                fb = tc.forward_backward(data, "cross_entropy")
+                await tc.optim_step(AdamParams(learning_rate=0.05))
+                out.append((await fb).loss)
+            return out
+
+    wire, direct = await losses(url_of(mock_server)), await losses("mock://")
+    assert wire == pytest.approx(direct, rel=1e-6)
+
+
+async def test_checkpoint_resume_with_optimizer_is_bit_exact(mock_server: Server) -> None:
+    backend = mock_server.backend
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        for _ in range(2):
+            tc.forward_backward([sft_datum([1, 40, 41, 42])], "cross_entropy")
+            await tc.optim_step(AdamParams(learning_rate=0.1))
+        saved = await tc.save_state("wire-ckpt")
+        assert saved.path.startswith("tinker://") and saved.path.endswith("/weights/wire-ckpt")
+        exact = await svc.create_training_client_from_state_with_optimizer(saved.path)
+        fresh = await svc.create_training_client_from_state(saved.path)
+        ids = {c: mock_server.door.models[c.model_id].backend_id for c in (tc, exact, fresh)}
+        assert np.array_equal(backend.weights(ids[tc]), backend.weights(ids[exact]))
+        assert backend.optimizer_state(ids[exact])[2] == 2 and backend.optimizer_state(ids[fresh])[2] == 0
+        listed = await svc.list_checkpoints(tc.model_id)
+        assert [c.checkpoint_id for c in listed] == ["weights/wire-ckpt"] and listed[0].checkpoint_type == "training"
+
+
+async def test_sampling_logprobs_and_sampler_refresh(mock_server: Server) -> None:
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        sc = await tc.save_weights_and_get_sampling_client()
+        res = await sc.sample([5, 6], 3, SamplingParams(max_tokens=4, seed=1))
+        assert len(res.sequences) == 3 and all(len(s.tokens) <= 4 and len(s.logprobs or []) == len(s.tokens) for s in res.sequences)
+        before = await sc.compute_logprobs([5, 6, 42])
+        assert before[0] is None and len(before) == 3
+        for _ in range(3):
+            tc.forward_backward([rl_datum([5, 6], [42], [-5.0], 1.0)], "importance_sampling")
+            await tc.optim_step(AdamParams(learning_rate=0.2))
+        sc2 = await tc.save_weights_and_get_sampling_client()
+        after = await sc2.compute_logprobs([5, 6, 42])
+        assert after[2] > before[2] + 0.1
+        assert (await sc.compute_logprobs([5, 6, 42]))[2] == pytest.approx(before[2]), "the old sampler keeps its weights"
+
+
+async def test_rl_loop_reward_rises(mock_server: Server) -> None:
+    """A GRPO loop on token ids (reward: how often token 42 appears) over tinker://."""
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8, seed=0)
+        sampler = await tc.save_weights_and_get_sampling_client()
+        means = []
+        for step in range(6):
+            res = await sampler.sample([5, 6, 7], 16, SamplingParams(max_tokens=4, seed=step, stop=[]))
+            rewards = [sum(t == 42 for t in s.tokens) / 4 for s in res.sequences]
+            means.append(sum(rewards) / len(rewards))
+            adv = center_advantages([r + 1e-3 * i for i, r in enumerate(rewards)])
+            data = [rl_datum([5, 6, 7], s.tokens, s.logprobs or [], a) for s, a in zip(res.sequences, adv)]
+            push = await sampler.compute_logprobs([5, 6, 7, 42, 42, 42, 42])
+            data.append(rl_datum([5, 6, 7], [42, 42, 42, 42], [float(x) for x in push[3:]], 1.0))  # on-policy ratio 1
+            tc.forward_backward(data, "importance_sampling")
+            await tc.optim_step(AdamParams(learning_rate=1.0))
+            sampler = await tc.save_weights_and_get_sampling_client()
+        assert sum(means[-2:]) / 2 > sum(means[:2]) / 2 + 0.1, means
+
+
+async def test_bad_input_is_typed_and_poisons_like_mock(mock_server: Server) -> None:
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        bad_shape = Datum(model_input=ModelInput.from_ints([1, 40]), loss_fn_inputs={"target_tokens": [40], "weights": [1.0]})
+        with pytest.raises(InvalidInputError, match="target_tokens"):
+            tc.forward_backward([bad_shape], "cross_entropy")  # refused at call time, before a seq
+        assert (await tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")).loss > 0
+        with pytest.raises(InvalidInputError, match="vocabulary"):
+            await tc.forward_backward([sft_datum([1, 2, 10**6])], "cross_entropy")  # refused by the server (400)
+        with pytest.raises(PoisonedError):
+            await tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")  # as on mock://: later ops fail fast
+        with pytest.raises(InvalidInputError, match="path"):
+            await svc.create_training_client_from_state(f"tinker://{tc.model_id}/weights/never")
+    with pytest.raises(AsyncSessError, match="X-API-Key"):
+        async with ServiceClient(mock_server.url.replace("http://", "tinker://") + "?api_key=tml-wrong"):
+            pass
+
+
+async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:
+    """The same (model_id, seq_id) delivered twice runs once; a changed body under it is refused (409)."""
+    from asyncsess.backend import TrainingOp
+    from asyncsess.errors import ConflictError
+
+    b = load_backend(url_of(mock_server))
+    await b.open()
+    try:
+        info = await b.create_training_session(__import__("asyncsess.backend", fromlist=["x"]).TrainingSessionSpec(BASE, rank=4))
+        op = TrainingOp("forward_backward", 1, "k1", data=(sft_datum([1, 40, 41]),), loss_fn="cross_entropy")
+        async with anyio.create_task_group() as tg:
+            outs: list[float] = []
+
+            async def run() -> None:
+                outs.append((await b.execute_training(info.model_id, op)).metrics["loss:sum"])
+
+            tg.start_soon(run)
+            tg.start_soon(run)
+        assert outs[0] == outs[1]
+        backend_id = mock_server.door.models[info.model_id].backend_id
+        assert [s for sid, s, _ in mock_server.backend.applied_log if sid == backend_id] == [1]
+        changed = TrainingOp("forward_backward", 1, "k2", data=(sft_datum([1, 40, 42]),), loss_fn="cross_entropy")
+        with pytest.raises(ConflictError):
+            await b.execute_training(info.model_id, changed)
+    finally:
+        await b.aclose()
+
+
+async def test_leaving_the_client_stops_the_server_side_sessions(mock_server: Server) -> None:
+    from asyncsess_mock import MockBackend
+
+    with pytest.raises(RuntimeError, match="boom"):
+        async with ServiceClient(url_of(mock_server)) as svc:
+            tc = await svc.create_lora_training_client(BASE, rank=4)
+            sc = await svc.create_sampling_client(base_model=BASE)
+            await sc.sample([5, 6], 1, SamplingParams(max_tokens=2))
+            ids = {mock_server.door.models[tc.model_id].backend_id, mock_server.door.samplers[sc.sampler_id].backend_id}
+            assert ids <= set(MockBackend.open_sessions())
+            raise RuntimeError("boom")
+    assert not ids & set(MockBackend.open_sessions())
