@@ -62,6 +62,7 @@ from .types import (
 )
 from .validation import (
     MAX_TOPK,
+    check_checkpoint_path,
     check_count,
     check_datums,
     check_description,
@@ -320,7 +321,7 @@ class ServiceClient:
         if (model_path is None) == (base_model is None):
             raise InvalidInputError("give exactly one of model_path and base_model", field="model_path/base_model")
         if model_path is not None:
-            model_path = _check_path(model_path, "model_path")
+            model_path = check_checkpoint_path(model_path, "model_path")
         else:
             _check_base_model(base_model)
         return await self._open_sampler(SamplerSpec(base_model=base_model, model_path=model_path), base_model or "")
@@ -402,7 +403,7 @@ class ServiceClient:
 
     async def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""
-        path = _check_path(path)
+        path = check_checkpoint_path(path)
         await self._call("delete_checkpoint", functools.partial(self.backend.delete_checkpoint, path))
 
     def create_rest_client(self) -> RestClient:
@@ -423,7 +424,7 @@ class ServiceClient:
     ) -> TrainingSessionSpec:
         if (path is None) == (arn is None):
             raise InvalidInputError("give exactly one of path and model_package_arn", field="path")
-        path = _check_path(path if path is not None else arn)
+        path = check_checkpoint_path(path if path is not None else arn)
         if base_model is not None:
             _check_base_model(base_model)
         rank, alpha = options.pop("rank", 32), options.pop("alpha", None)
@@ -809,7 +810,7 @@ class TrainingClient:
         path = model_path if model_path not in (None, "") else model_package_arn
         if path in (None, ""):
             return await self.save_weights_and_get_sampling_client()
-        return await self._svc._open_sampler(SamplerSpec(model_path=_check_path(path, "model_path")), self.base_model)
+        return await self._svc._open_sampler(SamplerSpec(model_path=check_checkpoint_path(path, "model_path")), self.base_model)
 
     async def list_model_packages(self, *, kind: str | None = None, max_results: int | None = None) -> list[Checkpoint]:
         """This session's checkpoints, newest first (SageMaker's per-client listing; ``max_results=None``: all)."""
@@ -996,19 +997,6 @@ async def _merge_parts(parts: list[APIFuture[ForwardBackwardOutput]]) -> Forward
     return merge_outputs([await p for p in parts])
 
 
-def _check_path(path: Any, field: str = "path") -> str:
-    if not isinstance(path, str) or ("://" not in path and not path.startswith("arn:")) or len(path) > 4096:
-        shown = repr(path) if not isinstance(path, str) or len(path) <= 80 else repr(path[:80]) + "..."
-        raise InvalidInputError(f"{shown} is not a checkpoint path", field=field, fix="pass the .path of a save_state/save_weights result")
-    if "\x00" in path or any(ord(c) < 32 for c in path):
-        raise InvalidInputError("contains control characters", field=field, fix="pass the .path of a save_state/save_weights result")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInputError("is not valid Unicode", field=field, fix="pass the .path of a save_state/save_weights result") from None
-    return path
-
-
 def _data_or_batch(data: Any, batch: Any) -> Any:
     if batch is not None and data is not None:
         raise InvalidInputError("give data or batch, not both", field="batch", fix="batch= is SageMaker's name for data")
@@ -1018,7 +1006,7 @@ def _data_or_batch(data: Any, batch: Any) -> Any:
 def _path_or_arn(path: Any, arn: Any) -> str:
     if path is not None and arn is not None:
         raise InvalidInputError("give path or model_package_arn, not both", field="model_package_arn")
-    return _check_path(path if arn is None else arn)
+    return check_checkpoint_path(path if arn is None else arn)
 
 
 def _check_bool(value: Any, field: str) -> bool:
@@ -1327,7 +1315,7 @@ class RestClient:
         return self._spawn("delete_checkpoint", self._delete_by_id, _check_id(training_run_id), _check_id(checkpoint_id, "checkpoint_id"))
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
-        return self._spawn("delete_checkpoint", self._svc.delete_checkpoint, _check_path(tinker_path, "tinker_path"))
+        return self._spawn("delete_checkpoint", self._svc.delete_checkpoint, check_checkpoint_path(tinker_path, "tinker_path"))
 
     def _spawn(self, operation: str, fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         return self._svc._spawn(APIFuture(operation), fn, *args)

@@ -281,6 +281,18 @@ def _check_text(value: Any, field: str, limit: int) -> str:
     return value
 
 
+def check_checkpoint_path(path: Any, field: str = "path") -> str:
+    """A checkpoint's path as a save result gives it (``scheme://...`` or an ARN), as bounded, clean text."""
+    fix = "pass the .path of a save_state/save_weights result"
+    if not isinstance(path, str) or ("://" not in path and not path.startswith("arn:")):
+        shown = repr(path) if not isinstance(path, str) or len(path) <= 80 else repr(path[:80]) + "..."
+        raise InvalidInputError(f"{shown} is not a checkpoint path", field=field, fix=fix)
+    _check_text(path, field, 4096)
+    if any(ord(c) < 32 for c in path):
+        raise InvalidInputError("contains control characters", field=field, fix=fix)
+    return path
+
+
 def check_description(description: Any, field: str = "description") -> str | None:
     """Free text (≤1024 characters, valid Unicode, no NUL); ``None`` and ``""`` mean none."""
     if description is None or description == "":
