@@ -103,7 +103,15 @@ def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, en
     elif isinstance(item, Mapping):
         try:
             datum = Datum.model_validate(item)
-        except (ValidationError, TypeError) as err:
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            raise InvalidInputError(
+                first["msg"].removeprefix("Value error, "),
+                field=f"data[{i}]{where}",
+                fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}",
+            ) from None
+        except TypeError as err:
             raise InvalidInputError(
                 str(err).splitlines()[0], field=f"data[{i}]", fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}"
             ) from None
