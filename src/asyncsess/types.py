@@ -290,7 +290,7 @@ class SampledProvenanceSpan(_ProvenanceSpan):
     kind: Literal["sampled"] = "sampled"
 
 
-ProvenanceSpan = Annotated[Union[PromptProvenanceSpan, SampledProvenanceSpan], Field(discriminator="kind")]
+ProvenanceSpan = Annotated[PromptProvenanceSpan | SampledProvenanceSpan, Field(discriminator="kind")]
 
 
 class Datum(_Model):
@@ -318,9 +318,7 @@ class Datum(_Model):
         target = self.loss_fn_inputs.get("target_tokens")
         if target is not None and (target.shape is None or len(target.shape) == 1):
             _check_tiling("loss_fn_inputs", loss_fn_inputs, len(target.data))
-        return Datum.model_validate(
-            {**dict(self), "model_input_spans": list(model_input), "loss_fn_input_spans": list(loss_fn_inputs)}
-        )
+        return Datum.model_validate({**dict(self), "model_input_spans": list(model_input), "loss_fn_input_spans": list(loss_fn_inputs)})
 
     @property
     def prompt(self) -> ModelInput:
@@ -365,7 +363,9 @@ def _span_dict(span: Any) -> Any:
 def _check_tiling(kwarg: str, spans: Sequence[ProvenanceSpan], expected: int) -> None:
     total = sum(span.length for span in spans)
     if total != expected:
-        raise ValueError(f"with_provenance {kwarg} spans cover {total} positions but the field has {expected}; the runs must tile it exactly")
+        raise ValueError(
+            f"with_provenance {kwarg} spans cover {total} positions but the field has {expected}; the runs must tile it exactly"
+        )
 
 
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
