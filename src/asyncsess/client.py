@@ -204,7 +204,7 @@ class ServiceClient:
         seed: int | None = None,
         train_mlp: bool | None = True,
         train_attn: bool | None = True,
-        train_unembed: bool | None = True,
+        train_unembed: bool | None = None,
         user_metadata: Mapping[str, str] | None = None,
         optimizer: Any = None,
         *,

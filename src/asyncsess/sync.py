@@ -86,7 +86,7 @@ class ServiceClient:
     def list_base_models(self) -> list[str]:
         return _facade.call(self._async.list_base_models)  # type: ignore[no-any-return]
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool | None = True, train_attn: bool | None = True, train_unembed: bool | None = True, user_metadata: Mapping[str, str] | None = None, optimizer: Any = None, *, alpha: float | None = None, training_session_name: str | None = None, model_package_group_arn: str | None = None, s3_output_path: str | None = None, kms_key_arn: str | None = None, vpc_config: Mapping[str, Any] | None = None) -> TrainingClient:
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool | None = True, train_attn: bool | None = True, train_unembed: bool | None = None, user_metadata: Mapping[str, str] | None = None, optimizer: Any = None, *, alpha: float | None = None, training_session_name: str | None = None, model_package_group_arn: str | None = None, s3_output_path: str | None = None, kms_key_arn: str | None = None, vpc_config: Mapping[str, Any] | None = None) -> TrainingClient:
         """Open a LoRA training session on ``base_model``. ``alpha=None`` lets the backend choose.
 
         Takes both anchors' parameters: Tinker's (positional order as in ``tinker``) and SageMaker's
