@@ -473,6 +473,7 @@ class ServiceClient:
             info = info.model_copy(update=update)
         tc = TrainingClient(self, info)
         tc._limits = await self._model_limits(info.base_model)
+        tc._multi_target = frozenset(self._caps.multi_target_losses) if self._caps is not None else frozenset()
         self._training[info.model_id] = tc
         self._known[info.model_id] = SessionSummary(
             session_id=info.model_id,
@@ -604,6 +605,7 @@ class TrainingClient:
         self._stopped = False
         self._tokenizer: Tokenizer | None = None
         self._limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context) for checks before numbering
+        self._multi_target: frozenset[str] = frozenset()  # losses for which the backend takes (N, K) target_tokens
         self._saved_names: set[tuple[str, str]] = set()
         self._finalizer = weakref.finalize(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
 
@@ -871,7 +873,13 @@ class TrainingClient:
         vocab, context = self._limits
         try:
             return check_datums(
-                data, loss_fn, shared_inputs=shared, encode=self._encode_or_none(), vocab_size=vocab, max_length=context
+                data,
+                loss_fn,
+                shared_inputs=shared,
+                encode=self._encode_or_none(),
+                vocab_size=vocab,
+                max_length=context,
+                multi_target=loss_fn in self._multi_target,
             ), cfg
         except (TypeError, ValueError, OverflowError) as err:
             if isinstance(err, InvalidInputError):

@@ -716,6 +716,7 @@ class ServerCapabilities(_Model):
     loss_functions: list[str] = Field(default_factory=lambda: list(LOSS_FUNCTIONS))
     max_lora_rank: int = 256
     max_batch_datums: int = 1024
+    multi_target_losses: list[str] = Field(default_factory=list)  # losses taking (N, K) target_tokens: K targets per position
 
 
 class GetInfoResponse(_Model):

@@ -77,6 +77,48 @@ async def test_csr_and_dense_give_the_same_forward_backward_on_mock():
         await backend.aclose()
 
 
+async def test_csr_and_dense_n_by_k_targets_train_alike_through_the_client():
+    """mock:// advertises (N, K) targets for cross_entropy: a CSR batch and its dense twin give the same loss and update."""
+    results = []
+    async with ServiceClient("mock://") as svc:
+        for lfi in (
+            {"target_tokens": csr(CSR["targets"], "int64"), "weights": csr(CSR["weights"], "float32")},
+            {
+                "target_tokens": TensorData(data=DENSE_TARGETS, dtype="int64", shape=[4, 3]),
+                "weights": TensorData(data=DENSE_WEIGHTS, dtype="float32", shape=[4, 3]),
+            },
+        ):
+            tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4, seed=7)
+            out = await tc.forward_backward([{"model_input": TOKENS[:-1], "loss_fn_inputs": lfi}], "cross_entropy")
+            await tc.optim_step({"learning_rate": 0.1})
+            after = await tc.forward(
+                [{"model_input": TOKENS[:-1], "loss_fn_inputs": {"target_tokens": TOKENS[1:], "weights": WEIGHTS}}], "cross_entropy"
+            )
+            results.append((out.loss, out.loss_fn_outputs[0]["logprobs"].data, after.loss))
+            await tc.stop()
+    assert results[0] == results[1] and math.isfinite(results[0][0]) and results[0][2] != results[0][0]
+
+
+async def test_n_by_k_targets_are_refused_before_numbering_where_the_loss_takes_one_target():
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        two_d = TensorData(**csr(CSR["targets"], "int64"))
+        rl = {
+            "target_tokens": two_d,
+            "logprobs": TensorData(data=[-1.0] * 12, dtype="float32", shape=[4, 3]),
+            "advantages": TensorData(data=[1.0] * 12, dtype="float32", shape=[4, 3]),
+        }
+        with pytest.raises(InvalidInputError, match=r"shape \[4, 3\] does not match the 4 input tokens") as err:
+            tc.forward_backward([{"model_input": TOKENS[:-1], "loss_fn_inputs": rl}], "ppo")
+        assert err.value.field == "data[0].loss_fn_inputs['target_tokens']"
+        with pytest.raises(InvalidInputError, match=r"targets \[4, 3\]") as err:  # weights must follow the targets' shape
+            tc.forward_backward(
+                [{"model_input": TOKENS[:-1], "loss_fn_inputs": {"target_tokens": two_d, "weights": WEIGHTS}}], "cross_entropy"
+            )
+        assert err.value.field == "data[0].loss_fn_inputs['weights']"
+        assert tc.current_sequence_number == 0
+
+
 BAD_CSR = [
     ("crow-too-short", {"sparse_crow_indices": [0, 2, 3, 6]}, "rows + 1"),
     ("crow-not-ending-at-nnz", {"sparse_crow_indices": [0, 2, 3, 3, 5]}, "rows + 1"),
