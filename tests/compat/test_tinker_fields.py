@@ -161,7 +161,20 @@ async def test_provenance_spans_round_trip_and_do_not_change_training():
     assert marked.model_input_spans == SPANS and marked.loss_fn_input_spans[0].kind == "sampled"
     assert Datum.model_validate_json(marked.model_dump_json()) == marked
     assert pickle.loads(pickle.dumps(marked)) == marked
-    tinker = pytest.importorskip("tinker")  # the compat extra: Tinker's own span objects are taken as they are
+    losses = []
+    async with ServiceClient("mock://") as svc:
+        for d in (plain, marked):
+            tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4, seed=2)
+            losses.append((await (await tc.forward_backward_async([d], "cross_entropy"))).loss)
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.compat
+def test_tinkers_own_span_objects_are_taken_as_they_are():
+    import tinker
+
+    plain = Datum(model_input=TOKENS[:-1], loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": WEIGHTS})
+    marked = plain.with_provenance(SPANS, [SampledProvenanceSpan(sequence_id="seq-b", length=4)])
     theirs = Datum(
         model_input=TOKENS[:-1],
         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": WEIGHTS},
@@ -172,12 +185,6 @@ async def test_provenance_spans_round_trip_and_do_not_change_training():
         loss_fn_input_spans=[tinker.types.SampledProvenanceSpan(sequence_id="seq-b", length=4)],
     )
     assert theirs == marked
-    losses = []
-    async with ServiceClient("mock://") as svc:
-        for d in (plain, marked):
-            tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4, seed=2)
-            losses.append((await (await tc.forward_backward_async([d], "cross_entropy"))).loss)
-    assert losses[0] == losses[1]
 
 
 @pytest.mark.parametrize(
