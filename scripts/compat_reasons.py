@@ -13,6 +13,8 @@ DESCRIPTION = (
     "`description=` is always the description"
 )
 
+UNEMBED = "SageMaker's default None, which means True (Tinker's default): the same behaviour; False still freezes the unembedding"
+
 REASONS: dict[str, tuple[str, str]] = {
     # ---------------------------------------------------------------- Tinker ServiceClient / clients
     "tinker:ServiceClient.copy_weights": ("missing", "copy-on-write into another project: " + NO_SERVICE),
@@ -22,15 +24,10 @@ REASONS: dict[str, tuple[str, str]] = {
     ),
     "tinker:ServiceClient.get_console_url": ("missing", "there is no web console"),
     "tinker:TrainingClient.get_console_url": ("missing", "there is no web console"),
-    "tinker:ServiceClient.get_telemetry": ("missing", "asyncsess sends no telemetry"),
-    "tinker:TrainingClient.get_telemetry": ("missing", "asyncsess sends no telemetry"),
-    "tinker:SamplingClient.get_telemetry": ("missing", "asyncsess sends no telemetry"),
     "tinker:RestClient.get_telemetry": ("missing", "asyncsess sends no telemetry"),
     "tinker:SamplingClient.create": ("missing", "internal constructor of Tinker's holder; use `ServiceClient.create_sampling_client`"),
-    "tinker:SamplingClient.on_queue_state_change": (
-        "missing",
-        "queue-state callbacks: backpressure is visible through `SamplingClient.stats()` instead",
-    ),
+    "tinker:ServiceClient.create_lora_training_client(train_unembed)*": ("differs", UNEMBED),
+    "tinker:ServiceClient.create_lora_training_client_async(train_unembed)": ("differs", UNEMBED),
     "tinker:TrainingClient.save_weights_and_get_sampling_client(retry_config)*": (
         "differs",
         "position 1 is SageMaker's `merge_weights` (a bool); pass `retry_config=` by keyword (retries follow the ServiceClient's policy)",
@@ -48,10 +45,6 @@ REASONS: dict[str, tuple[str, str]] = {
         "position 1 is SageMaker's `merge_weights` (a bool); pass `retry_config=` by keyword",
     ),
     # ---------------------------------------------------------------- Tinker types
-    "tinker:Datum.model_input_spans": ("missing", "provenance spans are not kept (they do not change training)"),
-    "tinker:Datum.loss_fn_input_spans": ("missing", "provenance spans are not kept (they do not change training)"),
-    "tinker:TensorData.sparse_crow_indices": ("missing", "CSR tensors are not accepted; pass dense data (`-1` marks unused target cells)"),
-    "tinker:TensorData.sparse_col_indices": ("missing", "CSR tensors are not accepted; pass dense data (`-1` marks unused target cells)"),
     "tinker:SampleResponse.prompt_alt_tokens": ("missing", "`prompt_alt_tokens_k` is not offered (refused with UnsupportedError)"),
     # ---------------------------------------------------------------- Tinker RestClient (session-less admin)
     "tinker:RestClient.assign_session_project*": ("missing", NO_SERVICE),
@@ -98,10 +91,6 @@ REASONS: dict[str, tuple[str, str]] = {
         "Tinker's default True; SageMaker's None (service default: train it) is accepted and means True",
     ),
     "sagemaker:ServiceClient.create_lora_training_client(train_attn)": (
-        "differs",
-        "Tinker's default True; SageMaker's None (service default: train it) is accepted and means True",
-    ),
-    "sagemaker:ServiceClient.create_lora_training_client(train_unembed)": (
         "differs",
         "Tinker's default True; SageMaker's None (service default: train it) is accepted and means True",
     ),

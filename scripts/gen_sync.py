@@ -28,6 +28,7 @@ EXTRA_IMPORTS = {
     "Backend": "backend",
     "CustomLossFn": "custom_loss",
     "SamplingStats": "sampling",
+    "QueueState": "sampling",
     "SamplerHandle": "client",
 }
 

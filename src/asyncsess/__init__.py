@@ -43,7 +43,7 @@ from .errors import (
 )
 from .futures import APIFuture, InvalidStateError
 from .retry import RetryEvent, RetryPolicy
-from .sampling import SamplingStats
+from .sampling import QueueState, SamplingStats
 from .types import (
     AdamParams,
     Checkpoint,
@@ -58,6 +58,8 @@ from .types import (
     ModelInput,
     ModelPackageInfo,
     OptimStepResponse,
+    PromptProvenanceSpan,
+    SampledProvenanceSpan,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -127,6 +129,7 @@ __all__ = [
     "SamplingClient",
     "SamplingParams",
     "SamplingStats",
+    "QueueState",
     "SaveStateResponse",
     "SaveWeightsForSamplerResponse",
     "SaveWeightsResponse",
@@ -137,6 +140,8 @@ __all__ = [
     "SessionSummary",
     "SupportedModel",
     "TensorData",
+    "PromptProvenanceSpan",
+    "SampledProvenanceSpan",
     "TinkerError",
     "TokenLogprob",
     "Tokenizer",

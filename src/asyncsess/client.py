@@ -42,7 +42,7 @@ from .errors import (
 )
 from .futures import APIFuture
 from .retry import RetryEvent, RetryPolicy, call_with_retry
-from .sampling import SamplingLimiter, SamplingStats
+from .sampling import QueueState, SamplingLimiter, SamplingStats
 from .types import (
     AdamParams,
     Checkpoint,
@@ -81,6 +81,7 @@ from .validation import (
 __all__ = ["ServiceClient", "TrainingClient", "SamplingClient", "SamplerHandle", "RestClient"]
 
 log = logging.getLogger("asyncsess")
+QUEUE_STATE_LOG_INTERVAL = 60  # seconds between two "sampling is paused" warnings of one SamplingClient (Tinker's)
 DEFAULT_URL = "local://"
 T = TypeVar("T")
 
@@ -185,6 +186,10 @@ class ServiceClient:
 
     # ------------------------------------------------------------------ factories
 
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (what Tinker returns with telemetry off); asyncsess collects none."""
+        return None
+
     async def get_server_capabilities(self) -> ServerCapabilities:
         return await self._call("capabilities", self.backend.capabilities)
 
@@ -199,7 +204,7 @@ class ServiceClient:
         seed: int | None = None,
         train_mlp: bool | None = True,
         train_attn: bool | None = True,
-        train_unembed: bool | None = True,
+        train_unembed: bool | None = None,
         user_metadata: Mapping[str, str] | None = None,
         optimizer: Any = None,
         *,
@@ -468,6 +473,7 @@ class ServiceClient:
             info = info.model_copy(update=update)
         tc = TrainingClient(self, info)
         tc._limits = await self._model_limits(info.base_model)
+        tc._multi_target = frozenset(self._caps.multi_target_losses) if self._caps is not None else frozenset()
         self._training[info.model_id] = tc
         self._known[info.model_id] = SessionSummary(
             session_id=info.model_id,
@@ -599,6 +605,7 @@ class TrainingClient:
         self._stopped = False
         self._tokenizer: Tokenizer | None = None
         self._limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context) for checks before numbering
+        self._multi_target: frozenset[str] = frozenset()  # losses for which the backend takes (N, K) target_tokens
         self._saved_names: set[tuple[str, str]] = set()
         self._finalizer = weakref.finalize(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
 
@@ -821,6 +828,10 @@ class TrainingClient:
         rows = await self.list_model_packages(kind=kind, max_results=1)
         return rows[0] if rows else None
 
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (what Tinker returns with telemetry off); asyncsess collects none."""
+        return None
+
     def get_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             self._tokenizer = self._svc.backend.get_tokenizer(self.base_model)
@@ -862,7 +873,13 @@ class TrainingClient:
         vocab, context = self._limits
         try:
             return check_datums(
-                data, loss_fn, shared_inputs=shared, encode=self._encode_or_none(), vocab_size=vocab, max_length=context
+                data,
+                loss_fn,
+                shared_inputs=shared,
+                encode=self._encode_or_none(),
+                vocab_size=vocab,
+                max_length=context,
+                multi_target=loss_fn in self._multi_target,
             ), cfg
         except (TypeError, ValueError, OverflowError) as err:
             if isinstance(err, InvalidInputError):
@@ -1061,6 +1078,7 @@ class SamplingClient:
         self._spec = spec or SamplerSpec(base_model=base_model)
         self._handle: SamplerHandle | None = None  # set on an unpickled copy until it is attached
         self._owned: ServiceClient | None = None
+        self._last_queue_log = -float(QUEUE_STATE_LOG_INTERVAL)
         if service is not None:
             self._limiter = service._limiter
             self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), sampler_id)
@@ -1240,9 +1258,40 @@ class SamplingClient:
             raise ResultMismatchError("compute_logprobs", len(tokens), len(out))
         return _keep_tail(out, last_n) if last_n is not None else out
 
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (what Tinker returns with telemetry off); asyncsess collects none."""
+        return None
+
+    def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
+        """Tinker's observer hook, called when a request of this client waits for the sampling pool and when it proceeds.
+
+        A request that must wait because the pool is full gets ``QueueState.PAUSED_CAPACITY`` with a reason naming
+        the bound (``max_samples_in_flight`` or ``max_sample_bytes``); ``QueueState.ACTIVE`` (reason ``None``)
+        follows when it is admitted. This default logs a paused state as a warning at most once a minute, like
+        Tinker's; override it in a subclass to observe backpressure. An exception it raises is logged, not raised.
+        """
+        if queue_state == QueueState.ACTIVE:
+            return
+        now = time.monotonic()
+        if now - self._last_queue_log < QUEUE_STATE_LOG_INTERVAL:
+            return
+        self._last_queue_log = now
+        log.warning("Sampling is paused for sampler %s. Reason: %s", self.sampler_id, queue_state_reason or "unknown")
+
+    def _notify_queue_state(self, queue_state: QueueState, reason: str | None) -> None:
+        try:
+            self.on_queue_state_change(queue_state, reason)
+        except Exception:  # an observer must not fail the request
+            log.exception("on_queue_state_change raised")
+
     async def _run(self, operation: str, ntokens: int, call: Callable[[], Awaitable[T]]) -> T:
         nbytes = 8 * ntokens
+        reason = self._limiter.wait_reason(nbytes)
+        if reason is not None:
+            self._notify_queue_state(QueueState.PAUSED_CAPACITY, reason)
         await self._limiter.acquire(nbytes)
+        if reason is not None:
+            self._notify_queue_state(QueueState.ACTIVE, None)
         try:
             return await self._svc._call(operation, call)
         finally:

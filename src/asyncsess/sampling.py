@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 
 import anyio
 
-__all__ = ["SamplingLimiter", "SamplingStats"]
+__all__ = ["QueueState", "SamplingLimiter", "SamplingStats"]
+
+
+class QueueState(Enum):
+    """Tinker's queue states, as passed to ``SamplingClient.on_queue_state_change``."""
+
+    ACTIVE = "active"
+    PAUSED_RATE_LIMIT = "paused_rate_limit"
+    PAUSED_CAPACITY = "paused_capacity"
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +54,16 @@ class SamplingLimiter:
         if self._in_flight >= self.max_in_flight:
             return False
         return self._in_flight == 0 or self._bytes + nbytes <= self.max_bytes
+
+    def wait_reason(self, nbytes: int) -> str | None:
+        """Why a request of ``nbytes`` asked for now would wait (naming the bound), or ``None`` if it would not."""
+        if self._waiters:
+            return f"{len(self._waiters)} earlier sampling requests are queued (max_samples_in_flight={self.max_in_flight})"
+        if self._in_flight >= self.max_in_flight:
+            return f"max_samples_in_flight={self.max_in_flight} requests are in flight"
+        if not self._fits(nbytes):
+            return f"max_sample_bytes={self.max_bytes}: {self._bytes} bytes are in flight and this request needs {nbytes}"
+        return None
 
     async def acquire(self, nbytes: int) -> None:
         """Wait for a slot for a request of ``nbytes``; pair with :meth:`release`."""

@@ -21,14 +21,14 @@ from . import _facade
 from . import client as _client
 from ._facade import SyncFuture
 from .errors import InvalidInputError
-from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, SampleResponse, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
+from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, PromptProvenanceSpan, ProvenanceSpan, SampleResponse, SampledProvenanceSpan, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
 from .backend import Backend, Tokenizer  # noqa: F401
 from .client import SamplerHandle  # noqa: F401
 from .custom_loss import CustomLossFn  # noqa: F401
 from .retry import RetryEvent, RetryPolicy  # noqa: F401
-from .sampling import SamplingStats  # noqa: F401
+from .sampling import QueueState, SamplingStats  # noqa: F401
 
-__all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTextChunk', 'ForwardBackwardOutput', 'GetInfoResponse', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'OptimStepResponse', 'RestClient', 'SampleResponse', 'SampledSequence', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServiceClient', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionSummary', 'Usage']
+__all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTextChunk', 'ForwardBackwardOutput', 'GetInfoResponse', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'OptimStepResponse', 'PromptProvenanceSpan', 'ProvenanceSpan', 'RestClient', 'SampleResponse', 'SampledProvenanceSpan', 'SampledSequence', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServiceClient', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionSummary', 'Usage']
 
 
 class ServiceClient:
@@ -76,13 +76,17 @@ class ServiceClient:
     def backend(self) -> Backend:
         return self._async.backend
 
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (what Tinker returns with telemetry off); asyncsess collects none."""
+        _facade.call(self._async.get_telemetry)
+
     def get_server_capabilities(self) -> ServerCapabilities:
         return _facade.call(self._async.get_server_capabilities)  # type: ignore[no-any-return]
 
     def list_base_models(self) -> list[str]:
         return _facade.call(self._async.list_base_models)  # type: ignore[no-any-return]
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool | None = True, train_attn: bool | None = True, train_unembed: bool | None = True, user_metadata: Mapping[str, str] | None = None, optimizer: Any = None, *, alpha: float | None = None, training_session_name: str | None = None, model_package_group_arn: str | None = None, s3_output_path: str | None = None, kms_key_arn: str | None = None, vpc_config: Mapping[str, Any] | None = None) -> TrainingClient:
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, train_mlp: bool | None = True, train_attn: bool | None = True, train_unembed: bool | None = None, user_metadata: Mapping[str, str] | None = None, optimizer: Any = None, *, alpha: float | None = None, training_session_name: str | None = None, model_package_group_arn: str | None = None, s3_output_path: str | None = None, kms_key_arn: str | None = None, vpc_config: Mapping[str, Any] | None = None) -> TrainingClient:
         """Open a LoRA training session on ``base_model``. ``alpha=None`` lets the backend choose.
 
         Takes both anchors' parameters: Tinker's (positional order as in ``tinker``) and SageMaker's
@@ -244,6 +248,10 @@ class TrainingClient:
     def get_latest_model_package(self, kind: str = 'CHECKPOINT') -> Checkpoint | None:
         return _facade.call(self._async.get_latest_model_package, kind)  # type: ignore[no-any-return]
 
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (what Tinker returns with telemetry off); asyncsess collects none."""
+        _facade.call(self._async.get_telemetry)
+
     def get_tokenizer(self) -> Tokenizer:
         return _facade.call(self._async.get_tokenizer)  # type: ignore[no-any-return]
 
@@ -323,6 +331,19 @@ class SamplingClient:
     def stop(self) -> None:
         """Release the sampler. Idempotent."""
         _facade.call(self._async.stop)
+
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (what Tinker returns with telemetry off); asyncsess collects none."""
+        _facade.call(self._async.get_telemetry)
+
+    def on_queue_state_change(self, queue_state: QueueState, queue_state_reason: str | None) -> None:
+        """Tinker's observer hook, called when a request of this client waits for the sampling pool and when it proceeds.
+
+        A request that must wait because the pool is full gets ``QueueState.PAUSED_CAPACITY`` with a reason naming
+        the bound (``max_samples_in_flight`` or ``max_sample_bytes``); ``QueueState.ACTIVE`` (reason ``None``)
+        follows when it is admitted. This default logs a paused state as a warning at most once a minute, like
+        Tinker's; override it in a subclass to observe backpressure. An exception it raises is logged, not raised."""
+        _facade.call(self._async.on_queue_state_change, queue_state, queue_state_reason)
 
 
 class RestClient:

@@ -8,14 +8,17 @@ result has both ``.path`` and ``.model_package_arn``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, Union
+from typing import Annotated, Any, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "EncodedTextChunk",
     "ModelInput",
     "TensorData",
+    "PromptProvenanceSpan",
+    "SampledProvenanceSpan",
+    "ProvenanceSpan",
     "Datum",
     "LossFnType",
     "LOSS_FUNCTIONS",
@@ -150,15 +153,30 @@ FLOAT_KEYS = frozenset(
 )
 
 
+CSR_PAD_VALUE = 0  # what Tinker's TensorData.to_numpy()/to_torch() put in a CSR tensor's unlisted cells
+MAX_SPANS = 4096  # provenance spans per Datum field
+MAX_SPAN_INDEX = 2**31 - 1
+
+
 class TensorData(_Model):
-    """A flat tensor with dtype and shape (row-major)."""
+    """A flat tensor with dtype and shape (row-major).
+
+    Tinker's sparse CSR form (``data`` holds the listed values, ``sparse_crow_indices`` the ``rows + 1`` row
+    pointers, ``sparse_col_indices`` one column per value, ``shape`` the dense ``[rows, cols]``) is accepted and
+    densified on construction, with ``0`` (Tinker's default ``pad_value``) in every unlisted cell, so every
+    backend sees dense data and both index fields read ``None`` afterwards.
+    """
 
     data: list[float] | list[int]
     dtype: Literal["int64", "float32"]
     shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
 
     @model_validator(mode="after")
     def _check_shape(self) -> TensorData:
+        if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
+            self._densify()
         if self.shape is not None:
             n = 1
             for s in self.shape:
@@ -166,6 +184,33 @@ class TensorData(_Model):
             if n != len(self.data):
                 raise ValueError(f"shape {self.shape} holds {n} values but data has {len(self.data)}")
         return self
+
+    def _densify(self) -> None:
+        crow, col, shape = self.sparse_crow_indices, self.sparse_col_indices, self.shape
+        if crow is None or col is None:
+            raise ValueError("sparse_crow_indices and sparse_col_indices come together: set both or neither")
+        if shape is None or len(shape) != 2 or min(shape) < 0:
+            raise ValueError(f"a CSR tensor needs shape [rows, cols], got {shape}")
+        rows, cols = shape
+        if rows * cols > 2**26:
+            raise ValueError(f"shape {shape} densifies to {rows * cols} cells; at most {2**26}")
+        if len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(col):
+            raise ValueError(f"sparse_crow_indices must have rows + 1 = {rows + 1} entries from 0 to len(sparse_col_indices) = {len(col)}")
+        if any(b < a for a, b in zip(crow, crow[1:])):
+            raise ValueError("sparse_crow_indices must be non-decreasing")
+        if len(self.data) != len(col):
+            raise ValueError(f"data has {len(self.data)} values but sparse_col_indices has {len(col)}; give one value per column index")
+        dense: list[Any] = [CSR_PAD_VALUE if self.dtype == "int64" else float(CSR_PAD_VALUE)] * (rows * cols)
+        for r in range(rows):
+            seen: set[int] = set()
+            for k in range(crow[r], crow[r + 1]):
+                c = col[k]
+                if not 0 <= c < cols or c in seen:
+                    raise ValueError(f"sparse_col_indices[{k}] = {c} is out of range [0, {cols}) or repeated in row {r}")
+                seen.add(c)
+                dense[r * cols + c] = self.data[k]
+        self.data = dense
+        self.sparse_crow_indices = self.sparse_col_indices = None
 
     @classmethod
     def from_list(cls, values: Sequence[Any], dtype: Literal["int64", "float32"] | None = None) -> TensorData:
@@ -198,7 +243,7 @@ class TensorData(_Model):
         dtype: Literal["int64", "float32"] | None = "int64" if key in INT_KEYS else "float32" if key in FLOAT_KEYS else None
         if isinstance(value, TensorData):
             if dtype is not None and value.dtype != dtype:
-                return cls.from_list(value.data, dtype)
+                return cls.from_list(value.data, dtype).model_copy(update={"shape": value.shape or [len(value.data)]})
             return value
         if isinstance(value, dict):
             return cls.coerce(key, cls.model_validate(value))
@@ -227,11 +272,53 @@ class TensorData(_Model):
         return torch.from_numpy(self.to_numpy())
 
 
+class _ProvenanceSpan(_Model):
+    sequence_id: str = Field(min_length=1, max_length=256, pattern=r"^[^\x00]*$")
+    offset: int = Field(0, ge=0, le=MAX_SPAN_INDEX)
+    length: int = Field(ge=0, le=MAX_SPAN_INDEX)
+
+
+class PromptProvenanceSpan(_ProvenanceSpan):
+    """A run of datum positions that are ``[offset, offset + length)`` of sequence ``sequence_id``'s prompt (Tinker)."""
+
+    kind: Literal["prompt"] = "prompt"
+
+
+class SampledProvenanceSpan(_ProvenanceSpan):
+    """A run of datum positions that are ``[offset, offset + length)`` of sequence ``sequence_id``'s sampled tokens."""
+
+    kind: Literal["sampled"] = "sampled"
+
+
+ProvenanceSpan = Annotated[PromptProvenanceSpan | SampledProvenanceSpan, Field(discriminator="kind")]
+
+
 class Datum(_Model):
-    """One training example: model input plus named per-token tensors for the loss."""
+    """One training example: model input plus named per-token tensors for the loss.
+
+    ``model_input_spans`` / ``loss_fn_input_spans`` are Tinker's optional provenance: runs tiling the input
+    tokens and ``target_tokens``, set both or neither. They are checked (at most 4096 runs each) and carried,
+    and change nothing in training.
+    """
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+    model_input_spans: list[ProvenanceSpan] | None = Field(None, max_length=MAX_SPANS)
+    loss_fn_input_spans: list[ProvenanceSpan] | None = Field(None, max_length=MAX_SPANS)
+
+    @model_validator(mode="after")
+    def _spans_pair(self) -> Datum:
+        if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
+            raise ValueError("provenance comes as a pair: set both model_input_spans and loss_fn_input_spans, or neither")
+        return self
+
+    def with_provenance(self, model_input: Sequence[ProvenanceSpan], loss_fn_inputs: Sequence[ProvenanceSpan]) -> Datum:
+        """A copy carrying provenance; each list's lengths must sum to its field's length (Tinker's check)."""
+        _check_tiling("model_input", model_input, self.model_input.length)
+        target = self.loss_fn_inputs.get("target_tokens")
+        if target is not None and (target.shape is None or len(target.shape) == 1):
+            _check_tiling("loss_fn_inputs", loss_fn_inputs, len(target.data))
+        return Datum.model_validate({**dict(self), "model_input_spans": list(model_input), "loss_fn_input_spans": list(loss_fn_inputs)})
 
     @property
     def prompt(self) -> ModelInput:
@@ -248,10 +335,37 @@ class Datum(_Model):
             mi = values.get("model_input")
             if mi is not None and not isinstance(mi, ModelInput):
                 values["model_input"] = ModelInput.from_any(mi)
+            for key in ("model_input_spans", "loss_fn_input_spans"):
+                if isinstance(values.get(key), (list, tuple)):
+                    values[key] = [_span_dict(span) for span in values[key]]
             lfi = values.get("loss_fn_inputs")
             if lfi:
-                values["loss_fn_inputs"] = {k: TensorData.coerce(k, v) for k, v in lfi.items()}
+                values["loss_fn_inputs"] = {k: _coerce_named(k, v) for k, v in lfi.items()}
         return values
+
+
+def _coerce_named(key: str, value: Any) -> TensorData:
+    try:
+        return TensorData.coerce(key, value)
+    except ValidationError as err:  # re-raised with the key: pydantic drops the location of a nested model's error
+        first = err.errors(include_url=False)[0]
+        raise ValueError(f"loss_fn_inputs[{key!r}]: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def _span_dict(span: Any) -> Any:
+    """Take Tinker's span dataclasses (no ``kind`` field: the class says it) as well as dicts and our models."""
+    if isinstance(span, (dict, _ProvenanceSpan)) or not hasattr(span, "sequence_id"):
+        return span
+    kind = "sampled" if "Sampled" in type(span).__name__ else "prompt"
+    return {"kind": kind, "sequence_id": span.sequence_id, "offset": getattr(span, "offset", 0), "length": getattr(span, "length", None)}
+
+
+def _check_tiling(kwarg: str, spans: Sequence[ProvenanceSpan], expected: int) -> None:
+    total = sum(span.length for span in spans)
+    if total != expected:
+        raise ValueError(
+            f"with_provenance {kwarg} spans cover {total} positions but the field has {expected}; the runs must tile it exactly"
+        )
 
 
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
@@ -602,6 +716,7 @@ class ServerCapabilities(_Model):
     loss_functions: list[str] = Field(default_factory=lambda: list(LOSS_FUNCTIONS))
     max_lora_rank: int = 256
     max_batch_datums: int = 1024
+    multi_target_losses: list[str] = Field(default_factory=list)  # losses taking (N, K) target_tokens: K targets per position
 
 
 class GetInfoResponse(_Model):

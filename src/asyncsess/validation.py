@@ -103,7 +103,15 @@ def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, en
     elif isinstance(item, Mapping):
         try:
             datum = Datum.model_validate(item)
-        except (ValidationError, TypeError) as err:
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            raise InvalidInputError(
+                first["msg"].removeprefix("Value error, "),
+                field=f"data[{i}]{where}",
+                fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}",
+            ) from None
+        except TypeError as err:
             raise InvalidInputError(
                 str(err).splitlines()[0], field=f"data[{i}]", fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}"
             ) from None
@@ -131,8 +139,13 @@ def check_datums(
     encode: Callable[[str], list[int]] | None = None,
     vocab_size: int | None = None,
     max_length: int | None = None,
+    multi_target: bool = False,
 ) -> tuple[Datum, ...]:
-    """Coerce every accepted datum form and check keys, dtypes and lengths for ``loss_fn``."""
+    """Coerce every accepted datum form and check keys, dtypes and lengths for ``loss_fn``.
+
+    ``multi_target``: the backend takes ``(N, K)`` ``target_tokens`` for this loss (K targets per position, e.g. a
+    densified CSR matrix); every other per-token input then has the targets' shape.
+    """
     if isinstance(data, (Datum, Mapping)):
         data = [data]
     if not isinstance(data, Sequence) or isinstance(data, (str, bytes)) or len(data) == 0:
@@ -161,15 +174,22 @@ def check_datums(
                 field=f"data[{i}].loss_fn_inputs",
                 fix="remove the key (caller-side masks belong in weights or advantages)",
             )
+        target = d.loss_fn_inputs.get("target_tokens")
+        expected = [n]
+        if multi_target and target is not None and target.shape is not None and len(target.shape) == 2 and target.shape[0] == n:
+            expected = list(target.shape)
         for key, tensor in d.loss_fn_inputs.items():
             where = f"data[{i}].loss_fn_inputs[{key!r}]"
             want = "int64" if key in INT_KEYS else "float32" if key in FLOAT_KEYS else tensor.dtype
             if tensor.dtype != want:
                 raise InvalidInputError(f"dtype is {tensor.dtype}", field=where, fix=f"use {want}")
             shape = tensor.shape or [len(tensor.data)]
-            if len(shape) != 1 or shape[0] != n:
+            if shape != expected:
+                also = f" or [{n}, K] for {loss_fn} on this backend" if multi_target and len(expected) == 1 else ""
                 raise InvalidInputError(
-                    f"shape {shape} does not match the {n} input tokens", field=where, fix=f"give one value per input token: shape [{n}]"
+                    f"shape {shape} does not match the {n} input tokens" + (f" (targets {expected})" if len(expected) == 2 else ""),
+                    field=where,
+                    fix=f"give one value per target: shape {expected}{also}",
                 )
         check_finite(d, i)
         if max_length is not None and n > max_length:

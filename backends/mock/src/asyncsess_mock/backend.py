@@ -36,6 +36,7 @@ from asyncsess.types import (
 from .checkpoints import StoredCheckpoint, check_name, checkpoint_path
 from .engine import MockTrainer
 from .faults import Faults, MockConfig
+from .losses import MULTI_TARGET_LOSSES
 from .model import base_table, log_softmax_table
 from .sampler import MockSampler
 from .tokenizer import CharTokenizer
@@ -127,6 +128,7 @@ class MockBackend(Backend):
             loss_functions=list(LOSS_FUNCTIONS),
             max_lora_rank=256,
             max_batch_datums=1024,
+            multi_target_losses=sorted(MULTI_TARGET_LOSSES),
         )
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
