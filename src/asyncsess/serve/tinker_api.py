@@ -38,7 +38,7 @@ from ..validation import check_datums, check_loss_fn, check_loss_fn_config, coer
 from . import tinker_proto
 from .promises import Promise, PromiseTable
 
-__all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError"]
+__all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
 
 log = logging.getLogger("asyncsess.serve.tinker")
 PROTO = "application/x-protobuf"
@@ -79,6 +79,7 @@ class _Session:
     last_heartbeat: float
     finished: dict[str, Any] | None = None
     project_id: str | None = None
+    owner: str | None = None  # the API key that created it (None: a server without keys)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
 
@@ -106,6 +107,8 @@ class _Sampler:
     backend_id: str
     base_model: str
     model_path: str | None
+    session_id: str = ""
+    version: int = 0  # the optimizer step of the weights it samples (0: base weights)
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
 
 
@@ -228,10 +231,10 @@ class TinkerDoor:
 
     # ------------------------------------------------------------------------------- sessions
 
-    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+    def create_session(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = _Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}), now, now)
+        self.sessions[sid] = _Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}), now, now, owner=owner)
         return {"type": "create_session", "session_id": sid}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -502,7 +505,7 @@ class TinkerDoor:
                     ck = self._record(m, resp, "sampler_weights", name, "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
-                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path)
+                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return go
@@ -558,12 +561,12 @@ class TinkerDoor:
     # ------------------------------------------------------------------------------- sampling
 
     async def _open_sampler(
-        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None
+        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None, version: int = 0
     ) -> _Sampler:
         backend_id = await self.backend.create_sampler(
             SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
         )
-        s = _Sampler(sid, backend_id, base_model or "", path)
+        s = _Sampler(sid, backend_id, base_model or "", path, session.id, version)
         self.samplers[sid] = s
         session.samplers.append(sid)
         return s
@@ -575,14 +578,14 @@ class TinkerDoor:
             return {"sampling_session_id": sid, "type": "create_sampling_session"}
         path = body.get("model_path")
         base_model = body.get("base_model")
-        backend_path = None
+        backend_path, version = None, 0
         if path:
             backend_path, ck = self._checkpoint(str(path), "model_path")
-            base_model = ck.base_model if ck else base_model
+            base_model, version = (ck.base_model, ck.step) if ck else (base_model, 0)
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
         try:
-            await self._open_sampler(sid, session, base_model, path, backend_path)
+            await self._open_sampler(sid, session, base_model, path, backend_path, version)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
@@ -818,11 +821,22 @@ async def _json(request: Request) -> dict[str, Any]:
     return body
 
 
+def api_key_of(request: Request, api_keys: set[str] | frozenset[str] | None) -> str | None:
+    """The server's key this request carries (``X-API-Key``, else ``Authorization: Bearer``); None if none."""
+    if not api_keys:
+        return None
+    bearer = request.headers.get("authorization", "")
+    for key in (request.headers.get("x-api-key"), bearer[7:] if bearer[:7].lower() == "bearer " else None):
+        if key in api_keys:
+            return key
+    return None
+
+
 def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None = None) -> APIRouter:
     """Tinker's ``/api/v1`` routes over ``door``. With ``api_keys``, every route but healthz needs ``X-API-Key``."""
 
     async def auth(request: Request) -> None:
-        if api_keys and request.headers.get("x-api-key") not in api_keys:
+        if api_key_of(request, api_keys) is None and api_keys:
             raise ApiError(401, "missing or unknown X-API-Key", field="X-API-Key", fix="send one of the server's --api-key values")
 
     r = APIRouter(prefix="/api/v1")
@@ -846,7 +860,7 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        return door.create_session(await _json(request))
+        return door.create_session(await _json(request), owner=api_key_of(request, api_keys))
 
     @guarded.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
@@ -984,16 +998,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(backend: Backend, api_keys: set[str] | frozenset[str] | None = None, *, poll_timeout: float = 30.0) -> FastAPI:
-    """A FastAPI app serving Tinker's HTTP API in front of ``backend``."""
+    """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
+    OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``."""
+    from .openai_door import OpenAIDoor, openai_router
+
     door = TinkerDoor(backend, poll_timeout=poll_timeout)
+    oai = OpenAIDoor(door)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with door.running():
+        async with door.running(), oai.running():
             yield
 
-    app = FastAPI(title="asyncsess: Tinker wire", lifespan=lifespan)
+    app = FastAPI(title="asyncsess serve: Tinker wire + OpenAI front", lifespan=lifespan)
     app.state.tinker_door = door
+    app.state.openai_door = oai
     install_error_handlers(app)
     app.include_router(tinker_router(door, api_keys))
+    app.include_router(openai_router(oai, api_keys))
     return app
