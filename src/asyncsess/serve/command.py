@@ -16,7 +16,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on (0: any free port)."),
     api_key: list[str] = typer.Option(
-        [], "--api-key", help="Accepted API keys, as X-API-Key or Authorization: Bearer (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth)."
+        [],
+        "--api-key",
+        help="Accepted API keys, as X-API-Key or Authorization: Bearer (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth).",
     ),
     poll_timeout: float = typer.Option(30.0, help="Seconds a retrieve_future long-poll is held before answering 408."),
     log_level: str = typer.Option("warning", help="uvicorn log level."),

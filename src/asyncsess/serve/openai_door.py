@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 import sniffio
@@ -159,9 +158,7 @@ class OpenAIDoor:
         """What ``key`` may name as ``model``: base models, its sampling sessions, its sampler weights."""
         own = {sid for sid, s in self.door.sessions.items() if s.owner == key}
         samplers = [sid for sid, s in self.door.samplers.items() if s.session_id in own]
-        paths = [
-            p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and self.door.models[c.model_id].session_id in own
-        ]
+        paths = [p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and self.door.models[c.model_id].session_id in own]
         return [*sorted(await self._base_models()), *samplers, *paths]
 
 
