@@ -172,3 +172,45 @@ async def test_a_training_checkpoint_is_not_a_sampler(server) -> None:
     assert err.value.body["param"] == "model" and "sampler weights" in err.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         await _openai(http, KEY_B).chat.completions.create(model=path, messages=HI, max_tokens=3)
+
+
+async def test_the_tinker_routes_hide_another_keys_sessions(server) -> None:
+    """The registry both doors share belongs to keys on the Tinker wire too: key B gets the 404 of a never-issued id."""
+    _, http = server
+    a, b = {"X-API-Key": KEY_A}, {"Authorization": f"Bearer {KEY_B}"}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "w"}, headers=a)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    sampler = await _sampling_session(http, KEY_A)
+    probes = [
+        ("POST", "/api/v1/session_heartbeat", {"session_id": sid}, "session_id"),
+        ("GET", f"/api/v1/sessions/{sid}", None, "session_id"),
+        ("POST", "/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 9, "base_model": BASE}, "session_id"),
+        ("POST", "/api/v1/get_info", {"model_id": model_id}, "model_id"),
+        ("POST", "/api/v1/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}}, "model_id"),
+        ("GET", f"/api/v1/training_runs/{model_id}", None, "model_id"),
+        ("GET", f"/api/v1/samplers/{sampler}", None, "sampling_session_id"),
+        ("POST", "/api/v1/asample", {"sampling_session_id": sampler, "seq_id": 1, "prompt": {"chunks": []}}, "sampling_session_id"),
+        ("POST", "/api/v1/retrieve_future", {"request_id": fut.json()["request_id"]}, "request_id"),
+        ("POST", "/api/v1/weights_info", {"tinker_path": path}, "tinker_path"),
+        ("POST", "/api/v1/sessions/" + sid + "/finish", {}, "session_id"),
+    ]
+    for method, route, body, field in probes:
+        resp = await http.request(method, route, json=body, headers=b)
+        assert resp.status_code == 404 and resp.json()["field"] == field, (route, resp.text)
+        other = ("0" if sid[0] != "0" else "1") + sid[1:]  # a session id that was never issued
+        never = route.replace(sid, other)
+        fake = None if body is None else json.loads(json.dumps(body).replace(sid, other))
+        assert (await http.request(method, never, json=fake, headers=b)).status_code == 404
+    for route, key in [
+        ("/api/v1/training_runs", "training_runs"),
+        ("/api/v1/checkpoints", "checkpoints"),
+        ("/api/v1/sessions", "sessions"),
+    ]:
+        assert (await http.get(route, headers=b)).json()[key] == []
+        assert len((await http.get(route, headers=a)).json()[key]) >= 1
+    # key A still has everything (B's finish did not stop A's session)
+    assert (await http.post("/api/v1/session_heartbeat", json={"session_id": sid}, headers=a)).status_code == 200
+    assert (await http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=a)).json()["base_model"] == BASE
