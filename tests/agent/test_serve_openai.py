@@ -214,3 +214,24 @@ async def test_the_tinker_routes_hide_another_keys_sessions(server) -> None:
     # key A still has everything (B's finish did not stop A's session)
     assert (await http.post("/api/v1/session_heartbeat", json={"session_id": sid}, headers=a)).status_code == 200
     assert (await http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=a)).json()["base_model"] == BASE
+
+
+async def test_a_published_sampler_path_serves_every_key_with_captures_apart(server) -> None:
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "pub"}, headers=a)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    with pytest.raises(openai.NotFoundError):
+        await _openai(http, KEY_B, "p").completions.create(model=path, prompt=[5, 6], max_tokens=3)
+    resp = await http.post(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub/publish", headers=a)
+    assert resp.status_code == 204
+    await _openai(http, KEY_B, "p").completions.create(model=path, prompt=[5, 6], max_tokens=3, seed=2)
+    await _openai(http, KEY_A, "p").completions.create(model=path, prompt=[5, 6, 7], max_tokens=3, seed=2)
+    [b_call] = app.state.openai_door.captures(KEY_B).calls("p")
+    [a_call] = app.state.openai_door.captures(KEY_A).calls("p")
+    assert (b_call.prompt_tokens, a_call.prompt_tokens) == ([5, 6], [5, 6, 7])
+    assert b_call.sampler_id == a_call.sampler_id == path
+    assert len(app.state.openai_door._opened) == 1  # one sampler on those weights, shared

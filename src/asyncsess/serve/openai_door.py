@@ -6,7 +6,7 @@ Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker
 
 - a sampling session id the Tinker API returned (``create_sampling_session``,
   ``save_weights_and_get_sampling_client``) to a session of the same key;
-- a ``tinker://.../sampler_weights/...`` path saved by the same key (a sampler is opened on first use);
+- a ``tinker://.../sampler_weights/...`` path saved by the same key, or published (a sampler is opened on first use);
 - a base model the backend offers (one sampler on the base weights, opened once, shared by all keys).
 
 Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
@@ -32,7 +32,7 @@ from ..capture import CaptureStore
 from ..client import SamplingClient, ServiceClient
 from .openai_front import OpenAIFront
 from .openai_wire import FrontError
-from .tinker_api import TinkerDoor, api_key_of
+from .tinker_api import TinkerDoor, api_key_of, caller
 
 __all__ = ["OpenAIDoor", "openai_router"]
 
@@ -99,9 +99,6 @@ class OpenAIDoor:
 
     # ------------------------------------------------------------------ resolving ``model``
 
-    def _owner_of_session(self, session_id: str) -> str | None:
-        return self.door.sessions[session_id].owner
-
     async def _base_models(self) -> dict[str, int | None]:
         caps = await self.door.backend.capabilities()
         return {m.model_name: m.max_context_length for m in caps.supported_models if m.sampleable}
@@ -115,19 +112,20 @@ class OpenAIDoor:
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
         missing = FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
-        s = self.door.samplers.get(model)
-        ck = self.door.checkpoints.get(model)
+        token = caller.set(key)  # the Tinker door's ownership rules, for this key
+        try:
+            s = self.door.samplers.get(model)
+            s = s if s is not None and self.door.owns(s.session_id) else None
+            ck = self.door.visible_checkpoint(model)
+        finally:
+            caller.reset(token)
         if s is not None:
-            if self._owner_of_session(s.session_id) != key:
-                raise missing
             backend_id, base_model, version = s.backend_id, s.base_model, s.version
         elif ck is not None:
-            if self._owner_of_session(self.door.models[ck.model_id].session_id) != key:
-                raise missing
             if ck.kind != "sampler":
                 raise FrontError(
                     f"{model} holds training state, not sampler weights", "model", code="model_not_sampleable"
-                )  # the key's own checkpoint: saying so reveals nothing
+                )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
             backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step)
         elif (key, model) in self._fronts:
