@@ -235,3 +235,16 @@ async def test_a_published_sampler_path_serves_every_key_with_captures_apart(ser
     assert (b_call.prompt_tokens, a_call.prompt_tokens) == ([5, 6], [5, 6, 7])
     assert b_call.sampler_id == a_call.sampler_id == path
     assert len(app.state.openai_door._opened) == 1  # one sampler on those weights, shared
+
+
+async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
+    _, http = server
+    sampler = await _sampling_session(http, KEY_A)
+    client = _openai(http, KEY_A)
+    await client.completions.create(model=sampler, prompt=[5, 6], max_tokens=2)
+    session = sampler.split(":")[0]
+    assert (await http.post(f"/api/v1/sessions/{session}/finish", json={}, headers={"X-API-Key": KEY_A})).status_code == 200
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model=sampler, prompt=[5, 6], max_tokens=2)
+    assert err.value.status_code == 410 and err.value.body["param"] == "model" and err.value.body["code"] == "model_gone"
+    assert (await client.completions.create(model=BASE, prompt=[5, 6], max_tokens=2)).choices

@@ -120,6 +120,9 @@ class OpenAIDoor:
         finally:
             caller.reset(token)
         if s is not None:
+            if self.door.sessions[s.session_id].finished is not None:
+                self._fronts.pop((key, model), None)
+                raise FrontError(f"{model} was stopped: its session is finished", "model", status=410, code="model_gone")
             backend_id, base_model, version = s.backend_id, s.base_model, s.version
         elif ck is not None:
             if ck.kind != "sampler":
