@@ -126,6 +126,13 @@ def test_the_serve_command_starts_and_answers(tmp_path) -> None:
                 time.sleep(0.05)
         assert httpx.post(url + "/client/config", headers={"X-API-Key": "tml-b"}).json()["pjwt_auth_enabled"] is False
         assert httpx.post(url + "/client/config", headers={"X-API-Key": "tml-c"}).status_code == 401
+        # the same process serves the OpenAI door behind the same keys
+        v1 = f"http://127.0.0.1:{port}/v1"
+        assert "mock/bigram-tiny" in [m["id"] for m in httpx.get(v1 + "/models", headers={"Authorization": "Bearer tml-a"}).json()["data"]]
+        chat = {"model": "mock/bigram-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        reply = httpx.post(v1 + "/chat/completions", json=chat, headers={"X-API-Key": "tml-b"}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert httpx.post(v1 + "/chat/completions", json=chat, headers={"Authorization": "Bearer tml-c"}).status_code == 401
     finally:
         proc.terminate()
         proc.wait(30)

@@ -1,4 +1,4 @@
-"""``asyncsess serve``: one server process with Tinker's HTTP API in front of a backend URL."""
+"""``asyncsess serve``: one server process with Tinker's HTTP API and the OpenAI front over a backend URL."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on (0: any free port)."),
     api_key: list[str] = typer.Option(
-        [], "--api-key", help="Accepted X-API-Key values (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth)."
+        [],
+        "--api-key",
+        help="Accepted API keys, as X-API-Key or Authorization: Bearer (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth).",
     ),
     poll_timeout: float = typer.Option(30.0, help="Seconds a retrieve_future long-poll is held before answering 408."),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
-    """Serve Tinker's HTTP API (point TINKER_BASE_URL here) in front of an asyncsess backend."""
+    """Serve Tinker's HTTP API (point TINKER_BASE_URL here) and the OpenAI API (/v1) in front of an asyncsess backend."""
     import uvicorn
 
     from ..backend import load_backend

@@ -75,12 +75,14 @@ class _Binding:
     sampler: SamplingClient
     version: int
     temperature: float | None = None  # forced for every call of the rollout (the loop's policy), if set
+    name: str | None = None  # what captures call the sampler (default: its sampler_id)
 
 
 class OpenAIFront:
     """Serves the OpenAI API from a sampler (or per-rollout samplers) and captures every call's tokens.
 
-    ``model_name`` is the alias clients may use besides the sampler's base model. ``max_n`` bounds ``n``;
+    ``model_name`` is the alias clients may use besides the sampler's base model; ``sampler_name`` is what
+    captures record as ``sampler_id`` (default: the sampler's own id). ``max_n`` bounds ``n``;
     ``max_tokens`` is the default completion budget; ``context_window`` (if known) caps it to what fits.
     """
 
@@ -94,11 +96,12 @@ class OpenAIFront:
         max_n: int = 64,
         max_tokens: int = 256,
         context_window: int | None = None,
+        sampler_name: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.captures = captures if captures is not None else CaptureStore()
         self.max_n, self.max_tokens, self.context_window = max_n, max_tokens, context_window
-        self._default = _Binding(sampler, version) if sampler is not None else None
+        self._default = _Binding(sampler, version, name=sampler_name) if sampler is not None else None
         self._bindings: dict[str, _Binding] = {}
         self._renderers: dict[str, ChatRenderer] = {}
         self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
@@ -296,7 +299,7 @@ class OpenAIFront:
                 call_index=index,
                 endpoint=endpoint,
                 model=req.model,
-                sampler_id=binding.sampler.sampler_id,
+                sampler_id=binding.name or binding.sampler.sampler_id,
                 weight_version=binding.version,
                 prompt_tokens=list(prompt),
                 choices=[

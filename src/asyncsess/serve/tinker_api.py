@@ -15,6 +15,7 @@ still run. Failures while running become ``{"error", "category"}`` results, whic
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -38,12 +39,16 @@ from ..validation import check_datums, check_loss_fn, check_loss_fn_config, coer
 from . import tinker_proto
 from .promises import Promise, PromiseTable
 
-__all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError"]
+__all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
 
 log = logging.getLogger("asyncsess.serve.tinker")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
+# The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
+# belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
+# request id is "not found", exactly as an id that never existed.
+caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("asyncsess_serve_caller", default=None)
 
 
 class ApiError(Exception):
@@ -79,6 +84,7 @@ class _Session:
     last_heartbeat: float
     finished: dict[str, Any] | None = None
     project_id: str | None = None
+    owner: str | None = None  # the API key that created it (None: a server without keys)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
 
@@ -106,6 +112,8 @@ class _Sampler:
     backend_id: str
     base_model: str
     model_path: str | None
+    session_id: str = ""
+    version: int = 0  # the optimizer step of the weights it samples (0: base weights)
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
 
 
@@ -200,8 +208,13 @@ class TinkerDoor:
             raise RuntimeError("TinkerDoor.running() is not active (use create_app or enter it yourself)")
         self._tg.start_soon(run)
 
-    def _session(self, session_id: str) -> _Session:
+    def owns(self, session_id: str) -> bool:
+        """Whether the calling key created session ``session_id``."""
         s = self.sessions.get(session_id)
+        return s is not None and s.owner == caller.get()
+
+    def _session(self, session_id: str) -> _Session:
+        s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "call create_session first")
         if s.finished is not None:
@@ -210,13 +223,13 @@ class TinkerDoor:
 
     def model(self, model_id: str) -> _Model:
         m = self.models.get(model_id)
-        if m is None:
+        if m is None or not self.owns(m.session_id):
             raise _not_found("model_id", model_id, "use the model_id that create_model returned")
         return m
 
     def sampler(self, sampling_session_id: str) -> _Sampler:
         s = self.samplers.get(sampling_session_id)
-        if s is None:
+        if s is None or not self.owns(s.session_id):
             raise _not_found("sampling_session_id", sampling_session_id, "create_sampling_session first")
         return s
 
@@ -228,10 +241,10 @@ class TinkerDoor:
 
     # ------------------------------------------------------------------------------- sessions
 
-    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+    def create_session(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = _Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}), now, now)
+        self.sessions[sid] = _Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}), now, now, owner=owner)
         return {"type": "create_session", "session_id": sid}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +253,7 @@ class TinkerDoor:
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        s = self.sessions.get(session_id)
+        s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
         if s.finished is None:
@@ -502,7 +515,7 @@ class TinkerDoor:
                     ck = self._record(m, resp, "sampler_weights", name, "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
-                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path)
+                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return go
@@ -511,7 +524,7 @@ class TinkerDoor:
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
         """The backend path behind a ``tinker://`` path (other paths pass through to the backend)."""
-        ck = self.checkpoints.get(path)
+        ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
         if path.startswith("tinker://"):
@@ -558,12 +571,12 @@ class TinkerDoor:
     # ------------------------------------------------------------------------------- sampling
 
     async def _open_sampler(
-        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None
+        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None, version: int = 0
     ) -> _Sampler:
         backend_id = await self.backend.create_sampler(
             SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
         )
-        s = _Sampler(sid, backend_id, base_model or "", path)
+        s = _Sampler(sid, backend_id, base_model or "", path, session.id, version)
         self.samplers[sid] = s
         session.samplers.append(sid)
         return s
@@ -575,14 +588,14 @@ class TinkerDoor:
             return {"sampling_session_id": sid, "type": "create_sampling_session"}
         path = body.get("model_path")
         base_model = body.get("base_model")
-        backend_path = None
+        backend_path, version = None, 0
         if path:
             backend_path, ck = self._checkpoint(str(path), "model_path")
-            base_model = ck.base_model if ck else base_model
+            base_model, version = (ck.base_model, ck.step) if ck else (base_model, 0)
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
         try:
-            await self._open_sampler(sid, session, base_model, path, backend_path)
+            await self._open_sampler(sid, session, base_model, path, backend_path, version)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
@@ -638,7 +651,7 @@ class TinkerDoor:
 
     async def retrieve(self, body: dict[str, Any]) -> Response:
         rid = _str(body, "request_id")
-        p = self.promises.get(rid)
+        p = self.promises.get(rid) if self.owns(rid.split(":", 1)[0]) else None
         if p is None:
             raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
         if not await self.promises.wait(p, self.poll_timeout):
@@ -650,6 +663,11 @@ class TinkerDoor:
         return JSONResponse(p.json or {})
 
     # ----------------------------------------------------------------------------------- REST
+
+    def visible_checkpoint(self, path: str) -> _Checkpoint | None:
+        """The checkpoint at ``path`` if the calling key saved it or it is published."""
+        ck = self.checkpoints.get(path)
+        return ck if ck is not None and (ck.public or self.owns(self.models[ck.model_id].session_id)) else None
 
     def training_run(self, model_id: str) -> dict[str, Any]:
         m = self.model(model_id)
@@ -675,7 +693,7 @@ class TinkerDoor:
         }
 
     def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        ids = list(self.models)
+        ids = [i for i, m in self.models.items() if self.owns(m.session_id)]
         page = ids[offset : offset + limit]
         return {
             "training_runs": [self.training_run(i) for i in page],
@@ -685,12 +703,14 @@ class TinkerDoor:
     def list_checkpoints(self, model_id: str | None) -> dict[str, Any]:
         if model_id is not None:
             self.model(model_id)
-        cks = [c.rest() for c in self.checkpoints.values() if model_id in (None, c.model_id)]
+        cks = [
+            c.rest() for c in self.checkpoints.values() if model_id in (None, c.model_id) and self.owns(self.models[c.model_id].session_id)
+        ]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
 
     def checkpoint_by_id(self, model_id: str, checkpoint_id: str) -> _Checkpoint:
-        path = f"tinker://{model_id}/{checkpoint_id}"
-        ck = self.checkpoints.get(path)
+        self.model(model_id)  # the caller's run, or 404
+        ck = self.checkpoints.get(f"tinker://{model_id}/{checkpoint_id}")
         if ck is None:
             raise _not_found("checkpoint_id", checkpoint_id, "list the run's checkpoints")
         return ck
@@ -712,7 +732,7 @@ class TinkerDoor:
 
     def weights_info(self, body: dict[str, Any]) -> dict[str, Any]:
         path = _str(body, "tinker_path")
-        ck = self.checkpoints.get(path)
+        ck = self.visible_checkpoint(path)
         if ck is None:
             raise _not_found("tinker_path", path, "use a path returned by a save on this server")
         return {
@@ -725,7 +745,7 @@ class TinkerDoor:
         }
 
     def session_info(self, session_id: str) -> dict[str, Any]:
-        s = self.sessions.get(session_id)
+        s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
         return {
@@ -735,7 +755,7 @@ class TinkerDoor:
         }
 
     def set_project(self, session_id: str, body: dict[str, Any]) -> None:
-        s = self.sessions.get(session_id)
+        s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
         project = body.get("project_id")
@@ -818,12 +838,25 @@ async def _json(request: Request) -> dict[str, Any]:
     return body
 
 
+def api_key_of(request: Request, api_keys: set[str] | frozenset[str] | None) -> str | None:
+    """The server's key this request carries (``X-API-Key``, else ``Authorization: Bearer``); None if none."""
+    if not api_keys:
+        return None
+    bearer = request.headers.get("authorization", "")
+    for key in (request.headers.get("x-api-key"), bearer[7:] if bearer[:7].lower() == "bearer " else None):
+        if key in api_keys:
+            return key
+    return None
+
+
 def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None = None) -> APIRouter:
     """Tinker's ``/api/v1`` routes over ``door``. With ``api_keys``, every route but healthz needs ``X-API-Key``."""
 
     async def auth(request: Request) -> None:
-        if api_keys and request.headers.get("x-api-key") not in api_keys:
+        key = api_key_of(request, api_keys)
+        if key is None and api_keys:
             raise ApiError(401, "missing or unknown X-API-Key", field="X-API-Key", fix="send one of the server's --api-key values")
+        caller.set(key)  # the endpoint runs in this context: the door checks ownership against it
 
     r = APIRouter(prefix="/api/v1")
     guarded = APIRouter(dependencies=[Depends(auth)])
@@ -846,7 +879,7 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        return door.create_session(await _json(request))
+        return door.create_session(await _json(request), owner=caller.get())
 
     @guarded.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
@@ -862,7 +895,7 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.get("/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return {"sessions": list(door.sessions)[offset : offset + limit]}
+        return {"sessions": [s for s in door.sessions if door.owns(s)][offset : offset + limit]}
 
     @guarded.api_route("/get_server_capabilities", methods=["GET", "POST"])
     async def capabilities() -> dict[str, Any]:
@@ -984,16 +1017,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(backend: Backend, api_keys: set[str] | frozenset[str] | None = None, *, poll_timeout: float = 30.0) -> FastAPI:
-    """A FastAPI app serving Tinker's HTTP API in front of ``backend``."""
+    """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
+    OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``."""
+    from .openai_door import OpenAIDoor, openai_router
+
     door = TinkerDoor(backend, poll_timeout=poll_timeout)
+    oai = OpenAIDoor(door)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with door.running():
+        async with door.running(), oai.running():
             yield
 
-    app = FastAPI(title="asyncsess: Tinker wire", lifespan=lifespan)
+    app = FastAPI(title="asyncsess serve: Tinker wire + OpenAI front", lifespan=lifespan)
     app.state.tinker_door = door
+    app.state.openai_door = oai
     install_error_handlers(app)
     app.include_router(tinker_router(door, api_keys))
+    app.include_router(openai_router(oai, api_keys))
     return app

@@ -1,0 +1,224 @@
+"""The OpenAI door of ``asyncsess serve``: the OpenAI-compatible front over the Tinker door's samplers.
+
+:class:`OpenAIDoor` serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and the capture
+routes (``/v1/asyncsess/rollouts/{id}``) behind the server's API keys (``X-API-Key`` or ``Authorization:
+Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker_api.TinkerDoor`'s registry:
+
+- a sampling session id the Tinker API returned (``create_sampling_session``,
+  ``save_weights_and_get_sampling_client``) to a session of the same key;
+- a ``tinker://.../sampler_weights/...`` path saved by the same key, or published (a sampler is opened on first use);
+- a base model the backend offers (one sampler on the base weights, opened once, shared by all keys).
+
+Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
+exists. Each (key, sampler) pair has one :class:`~.openai_front.OpenAIFront`; a key's fronts share one
+:class:`~asyncsess.capture.CaptureStore`, so captures are per key. A capture's ``weight_version`` is the
+optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`` is the ``model`` it named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import anyio
+import sniffio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..backend import Backend, SamplerSpec
+from ..capture import CaptureStore
+from ..client import SamplingClient, ServiceClient
+from .openai_front import OpenAIFront
+from .openai_wire import FrontError
+from .tinker_api import TinkerDoor, api_key_of, caller
+
+__all__ = ["OpenAIDoor", "openai_router"]
+
+
+class _SharedService(ServiceClient):
+    """A ServiceClient over the server's already-open backend; closing it leaves the backend to its owner."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__("hub://", heartbeat_interval=0)
+        self._shared = backend
+
+    async def __aenter__(self) -> _SharedService:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._backend, self._tg = self._shared, tg
+        if sniffio.current_async_library() == "asyncio":
+            self._loop = asyncio.get_running_loop()
+        return self
+
+    async def aclose(self) -> None:
+        if self._closed or self._tg is None:
+            self._closed = True
+            return
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+        tg, self._tg = self._tg, None
+        tg.cancel_scope.cancel()
+        await tg.__aexit__(None, None, None)
+
+
+class OpenAIDoor:
+    """OpenAI fronts over the samplers of ``door``, one per (API key, sampler), with per-key captures."""
+
+    def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256) -> None:
+        self.door = door
+        self.max_n, self.max_tokens = max_n, max_tokens
+        self._svc: _SharedService | None = None
+        self._fronts: dict[tuple[str | None, str], OpenAIFront] = {}
+        self._captures: dict[str | None, CaptureStore] = {}
+        self._opened: dict[str, tuple[str, str, int]] = {}  # base model / tinker path -> (backend id, base model, version)
+        self._lock = anyio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[OpenAIDoor]:
+        """Enter inside ``door.running()``; on exit stop the samplers this door opened."""
+        async with _SharedService(self.door.backend) as svc:
+            self._svc = svc
+            try:
+                yield self
+            finally:
+                self._svc = None
+                with anyio.CancelScope(shield=True):
+                    for backend_id, _, _ in self._opened.values():
+                        with contextlib.suppress(Exception):
+                            await self.door.backend.stop_session(backend_id)
+
+    def captures(self, key: str | None) -> CaptureStore:
+        """The captures of the API key ``key`` (None on a server without keys)."""
+        return self._captures.setdefault(key, CaptureStore())
+
+    # ------------------------------------------------------------------ resolving ``model``
+
+    async def _base_models(self) -> dict[str, int | None]:
+        caps = await self.door.backend.capabilities()
+        return {m.model_name: m.max_context_length for m in caps.supported_models if m.sampleable}
+
+    async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int) -> tuple[str, str, int]:
+        async with self._lock:
+            if what not in self._opened:
+                self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
+            return self._opened[what]
+
+    async def front(self, key: str | None, model: str) -> OpenAIFront:
+        """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
+        missing = FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
+        token = caller.set(key)  # the Tinker door's ownership rules, for this key
+        try:
+            s = self.door.samplers.get(model)
+            s = s if s is not None and self.door.owns(s.session_id) else None
+            ck = self.door.visible_checkpoint(model)
+        finally:
+            caller.reset(token)
+        if s is not None:
+            if self.door.sessions[s.session_id].finished is not None:
+                self._fronts.pop((key, model), None)
+                raise FrontError(f"{model} was stopped: its session is finished", "model", status=410, code="model_gone")
+            backend_id, base_model, version = s.backend_id, s.base_model, s.version
+        elif ck is not None:
+            if ck.kind != "sampler":
+                raise FrontError(
+                    f"{model} holds training state, not sampler weights", "model", code="model_not_sampleable"
+                )  # a checkpoint the key may see: saying so reveals nothing
+            spec = SamplerSpec(model_path=ck.backend_path)
+            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step)
+        elif (key, model) in self._fronts:
+            return self._fronts[(key, model)]
+        elif model in await self._base_models():
+            backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
+        else:
+            raise missing
+        front = self._fronts.get((key, model))
+        if front is None:
+            assert self._svc is not None, "OpenAIDoor.running() is not active"
+            context = (await self._base_models()).get(base_model)
+            sampler = SamplingClient(self._svc, backend_id, base_model)
+            front = OpenAIFront(
+                sampler,
+                version=version,
+                model_name=model,
+                captures=self.captures(key),
+                max_n=self.max_n,
+                max_tokens=self.max_tokens,
+                context_window=context,
+                sampler_name=model,
+            )
+            self._fronts[(key, model)] = front
+        return front
+
+    async def models(self, key: str | None) -> list[str]:
+        """What ``key`` may name as ``model``: base models, its sampling sessions, its sampler weights."""
+        own = {sid for sid, s in self.door.sessions.items() if s.owner == key}
+        samplers = [sid for sid, s in self.door.samplers.items() if s.session_id in own]
+        paths = [p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and self.door.models[c.model_id].session_id in own]
+        return [*sorted(await self._base_models()), *samplers, *paths]
+
+
+def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = None) -> APIRouter:
+    """The ``/v1`` routes over ``oai``; with ``api_keys`` every route needs ``X-API-Key`` or a Bearer key."""
+
+    def key_of(request: Request) -> str | None:
+        key = api_key_of(request, api_keys)
+        if api_keys and key is None:
+            raise FrontError(
+                "missing or unknown API key: send one of the server's --api-key values as Authorization: Bearer or X-API-Key",
+                None,
+                status=401,
+                code="invalid_api_key",
+            )
+        return key
+
+    async def sample(request: Request, chat: bool) -> Response:
+        try:
+            key = key_of(request)
+            try:
+                body = json.loads(await request.body())  # the front reads it again (Starlette keeps it)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
+            model = body.get("model") if isinstance(body, dict) else None
+            if not isinstance(model, str) or not model:
+                raise FrontError("give the model to sample: a base model, a sampling session id or a tinker:// path", "model")
+            front = await oai.front(key, model)
+        except FrontError as err:
+            return err.response()
+        return await (front._chat_route(request) if chat else front._completions_route(request))
+
+    r = APIRouter(prefix="/v1")
+
+    @r.post("/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await sample(request, True)
+
+    @r.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await sample(request, False)
+
+    @r.get("/models")
+    async def models(request: Request) -> Response:
+        try:
+            key = key_of(request)
+        except FrontError as err:
+            return err.response()
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "asyncsess"} for m in await oai.models(key)]
+        return JSONResponse({"object": "list", "data": data})
+
+    @r.api_route("/asyncsess/rollouts/{rollout_id}", methods=["GET", "DELETE"])
+    async def rollout(rollout_id: str, request: Request) -> Response:
+        """The calls this key made under ``rollout_id``; ``DELETE`` also forgets them."""
+        try:
+            store = oai.captures(key_of(request))
+        except FrontError as err:
+            return err.response()
+        calls = store.pop(rollout_id) if request.method == "DELETE" else store.calls(rollout_id)
+        return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
+
+    return r

@@ -1,0 +1,250 @@
+"""``asyncsess serve`` hosts both doors: the official openai client against the server's ``/v1`` routes, in-process
+(httpx.ASGITransport, the app's own lifespan), on mock://. Samplers are created through the Tinker routes with
+plain JSON (the tinker SDK's own run is in tests/tinker/test_openai_door_sdk.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from asyncsess.backend import load_backend
+from asyncsess.serve.tinker_api import create_app
+
+pytestmark = pytest.mark.anyio
+KEY_A, KEY_B = "key-a", "key-b"
+BASE = "mock/bigram-tiny"
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+@contextlib.asynccontextmanager
+async def _server() -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    app = create_app(load_backend("mock://"), {KEY_A, KEY_B}, poll_timeout=5.0)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=30) as http:
+            yield app, http
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    async with _server() as s:
+        yield s
+
+
+def _openai(http: httpx.AsyncClient, key: str, rollout: str | None = None) -> openai.AsyncOpenAI:
+    headers = {"X-Rollout-Id": rollout} if rollout else {}
+    return openai.AsyncOpenAI(base_url="http://serve/v1", api_key=key, http_client=http, max_retries=0, default_headers=headers)
+
+
+async def _sampling_session(http: httpx.AsyncClient, key: str, base_model: str = BASE) -> str:
+    """A sampling session created over Tinker's wire with ``key``."""
+    h = {"X-API-Key": key}
+    sid = (await http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}}, headers=h)).json()["session_id"]
+    body = {"session_id": sid, "sampling_session_seq_id": 0, "base_model": base_model}
+    resp = await http.post("/api/v1/create_sampling_session", json=body, headers=h)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["sampling_session_id"])
+
+
+async def test_chat_on_a_base_model_is_captured_per_key(server) -> None:
+    app, http = server
+    client = _openai(http, KEY_A, "r1")
+    reply = await client.chat.completions.create(model=BASE, messages=HI, n=2, seed=3, max_tokens=12, logprobs=True)
+    assert len(reply.choices) == 2 and reply.usage is not None
+    calls = (await http.get("/v1/asyncsess/rollouts/r1", headers={"X-API-Key": KEY_A})).json()["calls"]
+    assert len(calls) == 1
+    [call] = calls
+    assert call["model"] == BASE and call["sampler_id"] == BASE and call["weight_version"] == 0
+    assert call["usage"]["prompt_tokens"] == reply.usage.prompt_tokens
+    for choice, served in zip(call["choices"], reply.choices):
+        assert choice["logprobs"] == [e.logprob for e in served.logprobs.content]
+    # the same base sampler serves every key (opened once); key B sees none of key A's captures
+    await _openai(http, KEY_B, "r1").chat.completions.create(model=BASE, messages=HI, max_tokens=4)
+    assert len(app.state.openai_door._opened) == 1
+    b_calls = (await http.get("/v1/asyncsess/rollouts/r1", headers={"Authorization": f"Bearer {KEY_B}"})).json()["calls"]
+    assert len(b_calls) == 1 and b_calls[0]["choices"][0]["tokens"] != [] and b_calls[0]["request"]["max_tokens"] == 4
+    assert len((await http.get("/v1/asyncsess/rollouts/r1", headers={"X-API-Key": KEY_A})).json()["calls"]) == 1
+
+
+async def test_a_sampling_session_id_is_a_model_of_its_key_only(server) -> None:
+    app, http = server
+    sid = await _sampling_session(http, KEY_A)
+    reply = await _openai(http, KEY_A, "mine").completions.create(model=sid, prompt=[5, 6, 7], max_tokens=5, seed=1)
+    assert reply.model == sid and reply.choices[0].text is not None
+    [call] = app.state.openai_door.captures(KEY_A).calls("mine")
+    assert call.sampler_id == sid and call.prompt_tokens == [5, 6, 7] and call.weight_version == 0
+    ids_a = [m.id for m in (await _openai(http, KEY_A).models.list()).data]
+    ids_b = [m.id for m in (await _openai(http, KEY_B).models.list()).data]
+    assert sid in ids_a and BASE in ids_a and sid not in ids_b and BASE in ids_b
+    # key B gets the same 404 for A's sampler as for a name that never existed
+    with pytest.raises(openai.NotFoundError) as theirs:
+        await _openai(http, KEY_B, "mine").completions.create(model=sid, prompt=[5, 6, 7], max_tokens=5)
+    with pytest.raises(openai.NotFoundError) as nothing:
+        await _openai(http, KEY_B, "mine").completions.create(model=sid + "0", prompt=[5, 6, 7], max_tokens=5)
+    assert theirs.value.body["code"] == nothing.value.body["code"] == "model_not_found"
+    assert theirs.value.body["param"] == "model"
+    assert theirs.value.body["message"].replace(sid, "X") == nothing.value.body["message"].replace(sid + "0", "X")
+    assert app.state.openai_door.captures(KEY_B).calls("mine") == []
+    assert len(app.state.openai_door.captures(KEY_A).calls("mine")) == 1
+
+
+async def test_streaming_chat_matches_its_capture(server) -> None:
+    app, http = server
+    sid = await _sampling_session(http, KEY_A)
+    stream = await _openai(http, KEY_A, "s").chat.completions.create(
+        model=sid, messages=HI, max_tokens=16, seed=5, stream=True, stream_options={"include_usage": True}
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+        usage = chunk.usage or usage
+    [call] = app.state.openai_door.captures(KEY_A).calls("s")
+    assert call.sampler_id == sid and usage is not None
+    assert usage.completion_tokens == len(call.choices[0].tokens) > 0
+    assert text == call.choices[0].text
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [({}, 401), ({"Authorization": "Bearer nope"}, 401), ({"X-API-Key": KEY_A + "x"}, 401), ({"Authorization": f"Basic {KEY_A}"}, 401)],
+)
+async def test_unknown_keys_are_refused(server, headers: dict[str, str], status: int) -> None:
+    _, http = server
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/v1/asyncsess/rollouts/r")]:
+        kw = {"json": {"model": BASE, "messages": HI}} if method == "POST" else {}
+        resp = await http.request(method, path, headers=headers, **kw)
+        assert resp.status_code == status, resp.text
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        ({"messages": HI}, "model"),
+        ({"model": 7, "messages": HI}, "model"),
+        ({"model": "", "messages": HI}, "model"),
+        ({"model": "tinker://nope/sampler_weights/x", "messages": HI}, "model"),
+        ({"model": "a\x00b", "messages": HI}, "model"),
+        ({"model": "\ud800", "messages": HI}, "model"),
+        ({"model": "x" * 100_000, "messages": HI}, "model"),
+        ({"model": BASE, "messages": HI, "temperature": math.inf}, "temperature"),
+        ({"model": BASE, "messages": HI, "max_tokens": -1}, "max_tokens"),
+        ({"model": BASE, "messages": HI, "n": 10_000}, "n"),
+        ({"model": BASE, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ({"model": BASE, "messages": HI, "frobnicate": 1}, "frobnicate"),
+    ],
+)
+async def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, body: Any, param: str | None) -> None:
+    _, http = server
+    h = {"X-API-Key": KEY_A, "Content-Type": "application/json"}
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = await http.post("/v1/chat/completions", content=raw, headers=h)
+    assert 400 <= resp.status_code < 500, resp.text
+    err = resp.json()["error"]
+    assert err["message"]
+    if param is not None:
+        assert param in (err["param"] or "") or param in err["message"], err
+    ok = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_a_training_checkpoint_is_not_a_sampler(server) -> None:
+    """A ``tinker://.../weights/...`` path (training state) of the key's own run: a 400 saying so."""
+    app, http = server
+    h = {"X-API-Key": KEY_A}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=h)).json()["session_id"]
+    fut = await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=h)
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=h)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "s1"}, headers=h)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=h)).json()["path"]
+    assert path.endswith("/weights/s1")
+    with pytest.raises(openai.BadRequestError) as err:
+        await _openai(http, KEY_A).chat.completions.create(model=path, messages=HI, max_tokens=3)
+    assert err.value.body["param"] == "model" and "sampler weights" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        await _openai(http, KEY_B).chat.completions.create(model=path, messages=HI, max_tokens=3)
+
+
+async def test_the_tinker_routes_hide_another_keys_sessions(server) -> None:
+    """The registry both doors share belongs to keys on the Tinker wire too: key B gets the 404 of a never-issued id."""
+    _, http = server
+    a, b = {"X-API-Key": KEY_A}, {"Authorization": f"Bearer {KEY_B}"}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "w"}, headers=a)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    sampler = await _sampling_session(http, KEY_A)
+    probes = [
+        ("POST", "/api/v1/session_heartbeat", {"session_id": sid}, "session_id"),
+        ("GET", f"/api/v1/sessions/{sid}", None, "session_id"),
+        ("POST", "/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 9, "base_model": BASE}, "session_id"),
+        ("POST", "/api/v1/get_info", {"model_id": model_id}, "model_id"),
+        ("POST", "/api/v1/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}}, "model_id"),
+        ("GET", f"/api/v1/training_runs/{model_id}", None, "model_id"),
+        ("GET", f"/api/v1/samplers/{sampler}", None, "sampling_session_id"),
+        ("POST", "/api/v1/asample", {"sampling_session_id": sampler, "seq_id": 1, "prompt": {"chunks": []}}, "sampling_session_id"),
+        ("POST", "/api/v1/retrieve_future", {"request_id": fut.json()["request_id"]}, "request_id"),
+        ("POST", "/api/v1/weights_info", {"tinker_path": path}, "tinker_path"),
+        ("POST", "/api/v1/sessions/" + sid + "/finish", {}, "session_id"),
+    ]
+    for method, route, body, field in probes:
+        resp = await http.request(method, route, json=body, headers=b)
+        assert resp.status_code == 404 and resp.json()["field"] == field, (route, resp.text)
+        other = ("0" if sid[0] != "0" else "1") + sid[1:]  # a session id that was never issued
+        never = route.replace(sid, other)
+        fake = None if body is None else json.loads(json.dumps(body).replace(sid, other))
+        assert (await http.request(method, never, json=fake, headers=b)).status_code == 404
+    for route, key in [
+        ("/api/v1/training_runs", "training_runs"),
+        ("/api/v1/checkpoints", "checkpoints"),
+        ("/api/v1/sessions", "sessions"),
+    ]:
+        assert (await http.get(route, headers=b)).json()[key] == []
+        assert len((await http.get(route, headers=a)).json()[key]) >= 1
+    # key A still has everything (B's finish did not stop A's session)
+    assert (await http.post("/api/v1/session_heartbeat", json={"session_id": sid}, headers=a)).status_code == 200
+    assert (await http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=a)).json()["base_model"] == BASE
+
+
+async def test_a_published_sampler_path_serves_every_key_with_captures_apart(server) -> None:
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "pub"}, headers=a)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    with pytest.raises(openai.NotFoundError):
+        await _openai(http, KEY_B, "p").completions.create(model=path, prompt=[5, 6], max_tokens=3)
+    resp = await http.post(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub/publish", headers=a)
+    assert resp.status_code == 204
+    await _openai(http, KEY_B, "p").completions.create(model=path, prompt=[5, 6], max_tokens=3, seed=2)
+    await _openai(http, KEY_A, "p").completions.create(model=path, prompt=[5, 6, 7], max_tokens=3, seed=2)
+    [b_call] = app.state.openai_door.captures(KEY_B).calls("p")
+    [a_call] = app.state.openai_door.captures(KEY_A).calls("p")
+    assert (b_call.prompt_tokens, a_call.prompt_tokens) == ([5, 6], [5, 6, 7])
+    assert b_call.sampler_id == a_call.sampler_id == path
+    assert len(app.state.openai_door._opened) == 1  # one sampler on those weights, shared
+
+
+async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
+    _, http = server
+    sampler = await _sampling_session(http, KEY_A)
+    client = _openai(http, KEY_A)
+    await client.completions.create(model=sampler, prompt=[5, 6], max_tokens=2)
+    session = sampler.split(":")[0]
+    assert (await http.post(f"/api/v1/sessions/{session}/finish", json={}, headers={"X-API-Key": KEY_A})).status_code == 200
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model=sampler, prompt=[5, 6], max_tokens=2)
+    assert err.value.status_code == 410 and err.value.body["param"] == "model" and err.value.body["code"] == "model_gone"
+    assert (await client.completions.create(model=BASE, prompt=[5, 6], max_tokens=2)).choices
