@@ -37,6 +37,7 @@ NOT_OVER_WIRE: dict[str, str] = {
     "test_task_cancellation_stops_every_session": "compares the client's ids with MockBackend.open_sessions()",
     "test_keyboard_interrupt_stops_every_session": "compares the client's ids with MockBackend.open_sessions()",
     "test_garbage_collected_client_warns_and_its_session_is_stopped": "compares the client's ids with MockBackend.open_sessions()",
+    "test_a_dropped_client_is_stopped_by_the_heartbeat_without_another_call": "compares the client's ids with MockBackend.open_sessions()",
 }
 
 for _name in NOT_OVER_WIRE:  # not collected here (they run on mock:// in tests/client)

@@ -12,7 +12,7 @@ import pytest
 
 from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient
 from asyncsess.backend import load_backend
-from asyncsess.errors import AsyncSessError, PoisonedError
+from asyncsess.errors import AsyncSessError
 from asyncsess.rl import center_advantages, rl_datum
 from tests.client.helpers import sft_datum
 
@@ -131,7 +131,7 @@ async def test_rl_loop_reward_rises(mock_server: Server) -> None:
         assert sum(means[-2:]) / 2 > sum(means[:2]) / 2 + 0.1, means
 
 
-async def test_bad_input_is_typed_and_poisons_like_mock(mock_server: Server) -> None:
+async def test_bad_input_is_typed_and_consumes_nothing(mock_server: Server) -> None:
     async with ServiceClient(url_of(mock_server)) as svc:
         tc = await svc.create_lora_training_client(BASE, rank=4)
         bad_shape = Datum(model_input=ModelInput.from_ints([1, 40]), loss_fn_inputs={"target_tokens": [40], "weights": [1.0]})
@@ -139,9 +139,8 @@ async def test_bad_input_is_typed_and_poisons_like_mock(mock_server: Server) -> 
             tc.forward_backward([bad_shape], "cross_entropy")  # refused at call time, before a seq
         assert (await tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")).loss > 0
         with pytest.raises(InvalidInputError, match="vocabulary"):
-            await tc.forward_backward([sft_datum([1, 2, 10**6])], "cross_entropy")  # refused by the server (400)
-        with pytest.raises(PoisonedError):
-            await tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")  # as on mock://: later ops fail fast
+            tc.forward_backward([sft_datum([1, 2, 10**6])], "cross_entropy")  # checked against the server's vocabulary
+        assert (await tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")).loss > 0  # nothing was consumed
         with pytest.raises(InvalidInputError, match="path"):
             await svc.create_training_client_from_state(f"tinker://{tc.model_id}/weights/never")
     with pytest.raises(AsyncSessError, match="X-API-Key"):
