@@ -97,7 +97,9 @@ class ServiceClient:
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
     sampling pool's bounds), ``heartbeat_interval`` (seconds; 0 disables), ``max_chunk_datums`` /
     ``max_chunk_bytes`` (larger ``forward``/``forward_backward`` batches are split into consecutive ops
-    and merged back); everything else goes to the backend (e.g. ``role_arn`` for SageMaker).
+    and merged back), ``backend`` (an already-open :class:`Backend` to use instead of loading one from the
+    URL: a server hosting several doors shares one; its owner opens and closes it); everything else goes to
+    the backend (e.g. ``role_arn`` for SageMaker).
     """
 
     def __init__(
@@ -111,9 +113,11 @@ class ServiceClient:
         heartbeat_interval: float = 10.0,
         max_chunk_datums: int = 1024,
         max_chunk_bytes: int = 5_000_000,
+        backend: Backend | None = None,
         **options: Any,
     ) -> None:
         self.url = url or os.environ.get("ASYNCSESS_URL") or DEFAULT_URL
+        self._given = backend  # an open backend its owner keeps (a server's): neither opened nor closed here
         self.retry_policy = retry or RetryPolicy()
         self.retries = 0
         self._on_retry = on_retry
@@ -138,8 +142,10 @@ class ServiceClient:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> ServiceClient:
-        backend = load_backend(self.url, **self._options)
-        await backend.open()
+        backend = self._given
+        if backend is None:
+            backend = load_backend(self.url, **self._options)
+            await backend.open()
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._backend, self._tg = backend, tg
@@ -175,8 +181,9 @@ class ServiceClient:
         tg.cancel_scope.cancel()
         await tg.__aexit__(None, None, None)
         assert self._backend is not None
-        with anyio.CancelScope(shield=True):
-            await self._backend.aclose()
+        if self._given is None:
+            with anyio.CancelScope(shield=True):
+                await self._backend.aclose()
 
     @property
     def backend(self) -> Backend:

@@ -42,12 +42,14 @@ class ServiceClient:
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
     sampling pool's bounds), ``heartbeat_interval`` (seconds; 0 disables), ``max_chunk_datums`` /
     ``max_chunk_bytes`` (larger ``forward``/``forward_backward`` batches are split into consecutive ops
-    and merged back); everything else goes to the backend (e.g. ``role_arn`` for SageMaker)."""
+    and merged back), ``backend`` (an already-open :class:`Backend` to use instead of loading one from the
+    URL: a server hosting several doors shares one; its owner opens and closes it); everything else goes to
+    the backend (e.g. ``role_arn`` for SageMaker)."""
 
     _async: _client.ServiceClient
 
-    def __init__(self, url: str | None = None, *, retry: RetryPolicy | None = None, on_retry: Callable[[RetryEvent], None] | None = None, max_samples_in_flight: int = 256, max_sample_bytes: int = 67108864, heartbeat_interval: float = 10.0, max_chunk_datums: int = 1024, max_chunk_bytes: int = 5000000, **options: Any) -> None:
-        self._async = _facade.open_service(_client.ServiceClient(url, retry=retry, on_retry=on_retry, max_samples_in_flight=max_samples_in_flight, max_sample_bytes=max_sample_bytes, heartbeat_interval=heartbeat_interval, max_chunk_datums=max_chunk_datums, max_chunk_bytes=max_chunk_bytes, **options))
+    def __init__(self, url: str | None = None, *, retry: RetryPolicy | None = None, on_retry: Callable[[RetryEvent], None] | None = None, max_samples_in_flight: int = 256, max_sample_bytes: int = 67108864, heartbeat_interval: float = 10.0, max_chunk_datums: int = 1024, max_chunk_bytes: int = 5000000, backend: Backend | None = None, **options: Any) -> None:
+        self._async = _facade.open_service(_client.ServiceClient(url, retry=retry, on_retry=on_retry, max_samples_in_flight=max_samples_in_flight, max_sample_bytes=max_sample_bytes, heartbeat_interval=heartbeat_interval, max_chunk_datums=max_chunk_datums, max_chunk_bytes=max_chunk_bytes, backend=backend, **options))
 
     def __enter__(self) -> ServiceClient:
         return self

@@ -17,17 +17,15 @@ optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
 
 import anyio
-import sniffio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..backend import Backend, SamplerSpec
+from ..backend import SamplerSpec
 from ..capture import CaptureStore
 from ..client import SamplingClient, ServiceClient
 from .openai_front import OpenAIFront
@@ -37,43 +35,13 @@ from .tinker_api import TinkerDoor, api_key_of, caller
 __all__ = ["OpenAIDoor", "openai_router"]
 
 
-class _SharedService(ServiceClient):
-    """A ServiceClient over the server's already-open backend; closing it leaves the backend to its owner."""
-
-    def __init__(self, backend: Backend) -> None:
-        super().__init__("hub://", heartbeat_interval=0)
-        self._shared = backend
-
-    async def __aenter__(self) -> _SharedService:
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._backend, self._tg = self._shared, tg
-        if sniffio.current_async_library() == "asyncio":
-            self._loop = asyncio.get_running_loop()
-        return self
-
-    async def aclose(self) -> None:
-        if self._closed or self._tg is None:
-            self._closed = True
-            return
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*self._tasks, return_exceptions=True)
-        tg, self._tg = self._tg, None
-        tg.cancel_scope.cancel()
-        await tg.__aexit__(None, None, None)
-
-
 class OpenAIDoor:
     """OpenAI fronts over the samplers of ``door``, one per (API key, sampler), with per-key captures."""
 
     def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256) -> None:
         self.door = door
         self.max_n, self.max_tokens = max_n, max_tokens
-        self._svc: _SharedService | None = None
+        self._svc: ServiceClient | None = None
         self._fronts: dict[tuple[str | None, str], OpenAIFront] = {}
         self._captures: dict[str | None, CaptureStore] = {}
         self._opened: dict[str, tuple[str, str, int]] = {}  # base model / tinker path -> (backend id, base model, version)
@@ -82,7 +50,7 @@ class OpenAIDoor:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[OpenAIDoor]:
         """Enter inside ``door.running()``; on exit stop the samplers this door opened."""
-        async with _SharedService(self.door.backend) as svc:
+        async with ServiceClient("hub://", backend=self.door.backend, heartbeat_interval=0) as svc:
             self._svc = svc
             try:
                 yield self
