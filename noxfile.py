@@ -137,9 +137,9 @@ def sagemaker(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def compat(session: nox.Session) -> None:
     """docs/compatibility.md is up to date with the pinned official SDKs (tinker, sagemaker-train)."""
-    session.install("-e", ".[serve,compat]", "-e", "backends/mock", "pytest>=8", "trio>=0.25")
+    _install_core(session, "-e", ".[serve,test,compat]")
     session.run("python", "scripts/gen_compat.py", "--check")
-    session.run("pytest", "-q", "-m", "compat", *session.posargs)
+    session.run("pytest", "-q", "-m", "compat", "tests/compat", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -23,7 +23,7 @@ _NEEDS = {
     "compat/test_topk_local.py": ("torch", "asyncsess_local"),
     "compat/test_bad_input_sagemaker.py": ("boto3", "asyncsess_sagemaker"),
     "compat/test_matrix.py": ("tinker", "sagemaker.train"),
-    "tinker": ("tinker", "fastapi", "uvicorn", "zstandard"),
+    "tinker": ("tinker", "asyncsess_tinker", "fastapi", "uvicorn", "zstandard"),
     "tinker/test_cookbook.py": ("tinker_cookbook",),
     "tinker/test_cookbook_local.py": ("tinker_cookbook",),
     "tinker/test_official_sdk_local.py": ("torch", "asyncsess_local"),
