@@ -168,8 +168,8 @@ def cookbook(session: nox.Session) -> None:
     the cookbook pins transformers<=5.5.4 and torch>=2.10; mock:// needs neither."""
     session.install(TORCH)
     session.install("tinker-cookbook==0.5.8", "pytest>=8")
-    _install_core(session, "-e", ".[serve,tinker]")
-    session.run("pytest", "-q", "-m", "cookbook and not local", *session.posargs)
+    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
+    session.run("pytest", "-q", "-m", "cookbook and not local", "tests/tinker", *session.posargs)
 
 
 @nox.session(python="3.11")
