@@ -38,3 +38,12 @@ def backend_factory(tiny: str, tmp_path: Path):
         return LocalBackend(model=tiny, checkpoint_dir=str(tmp_path / "ckpt"), **{**DEVICE_KW, **kw})
 
     return make
+
+
+@pytest.fixture(scope="module")
+def c(worker):
+    """An HTTP client on the module's own ``worker`` fixture (the server tests each start one)."""
+    import httpx
+
+    with httpx.Client(base_url=worker.url, timeout=120) as client:
+        yield client

@@ -20,7 +20,6 @@ import urllib.parse
 from collections import Counter
 from typing import Any
 
-import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -54,12 +53,6 @@ def worker(tiny, tmp_path_factory):
     if report:
         with open(report, "w") as f:
             json.dump({"examples_setting": EXAMPLES, **STATS, "failures": FAILURES[:50]}, f, indent=2)
-
-
-@pytest.fixture(scope="module")
-def c(worker):
-    with httpx.Client(base_url=worker.url, timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -46,12 +46,6 @@ def worker(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def c(worker):
-    with httpx.Client(base_url=worker.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def ids(c, tiny):
     """A session with a saved checkpoint, and a sampler on the base model (both of KEY)."""
     sid = new_session(c, tiny, MINE)

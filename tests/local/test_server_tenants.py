@@ -25,12 +25,6 @@ def worker(tiny, tmp_path_factory):
     w.stop()
 
 
-@pytest.fixture(scope="module")
-def c(worker):
-    with httpx.Client(base_url=worker.url, timeout=120) as client:
-        yield client
-
-
 def _op(kind: str, seq: int, **kw):
     return {"kind": kind, "seq": seq, "idempotency_key": f"{kind}-{seq}", **kw}
 
