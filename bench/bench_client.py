@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from asyncsess import AdamParams, RetryPolicy, SamplingParams, ServiceClient  # noqa: E402
 from asyncsess import sync as sync_api  # noqa: E402
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec  # noqa: E402
-from asyncsess.rl import sft_datum  # noqa: E402
+from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec  # noqa: E402
+from asyncsess.rl.data import sft_datum  # noqa: E402
 
 DATUM = sft_datum([1, 40, 41], [42, 43])
 SP = SamplingParams(max_tokens=1, seed=0)

@@ -25,8 +25,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the repo root: examples/ and tests/ as packages
 
-from asyncsess.env import ScriptedCompleter, StopCondition, TokensWithLogprobs
-from asyncsess.metrics import read_metrics
+from asyncsess.rl.env import ScriptedCompleter, StopCondition, TokensWithLogprobs
+from asyncsess.runs.metrics import read_metrics
 from asyncsess.sandbox import LocalSandbox
 from asyncsess.tasks import code
 from asyncsess.types import ModelInput

@@ -94,7 +94,7 @@ def bench_step(args: argparse.Namespace) -> None:
     from tinker import types as tt
 
     from asyncsess import AdamParams, SamplingParams, ServiceClient
-    from asyncsess.rl import center_advantages, rl_datum
+    from asyncsess.rl.data import center_advantages, rl_datum
     from tests.tinker.conftest import API_KEY, start_server
 
     prompts = [[5 + g, 6 + g, 7 + g] for g in range(args.step_groups)]

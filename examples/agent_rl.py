@@ -22,10 +22,10 @@ from typing import Any
 
 import anyio
 
-from asyncsess.agent_train import AgentRLConfig, train_agent_rl
-from asyncsess.env_train import EnvRLResult
-from asyncsess.progress import print_before_after
-from asyncsess.runs import parse_overrides
+from asyncsess.rl.agent_train import AgentRLConfig, train_agent_rl
+from asyncsess.rl.env_train import EnvRLResult
+from asyncsess.runs.checkpoints import parse_overrides
+from asyncsess.runs.progress import print_before_after
 
 try:
     from examples.calculator_agent import solve

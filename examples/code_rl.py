@@ -22,14 +22,14 @@ from typing import Literal
 
 import anyio
 
-from asyncsess.backend import Tokenizer
-from asyncsess.env import EnvGroupBuilder, ProblemDataset
-from asyncsess.env_train import EnvRLConfig, EnvRLResult, MakeCompleter, train_env_rl
-from asyncsess.progress import print_before_after
-from asyncsess.runs import parse_overrides
+from asyncsess.backends import Tokenizer
+from asyncsess.rl.env import EnvGroupBuilder, ProblemDataset
+from asyncsess.rl.env_train import EnvRLConfig, EnvRLResult, MakeCompleter, train_env_rl
+from asyncsess.rl.tool_env import ChatRenderer
+from asyncsess.runs.checkpoints import parse_overrides
+from asyncsess.runs.progress import print_before_after
 from asyncsess.sandbox import LocalSandbox, Sandbox, SandboxFusionClient
 from asyncsess.tasks import code
-from asyncsess.tool_env import ChatRenderer
 
 BUNDLED = Path(__file__).parent / "data" / "code_problems.jsonl"
 

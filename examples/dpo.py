@@ -20,9 +20,9 @@ import anyio
 from pydantic import BaseModel, ConfigDict
 
 from asyncsess import AdamParams, ServiceClient
-from asyncsess.metrics import MetricsLogger
-from asyncsess.preference import completion_datum, dpo_loss, policy_sums, reference_sums
-from asyncsess.runs import parse_overrides, prepare_run_dir, save_checkpoint
+from asyncsess.runs.checkpoints import parse_overrides, prepare_run_dir, save_checkpoint
+from asyncsess.runs.metrics import MetricsLogger
+from asyncsess.supervised.preference import completion_datum, dpo_loss, policy_sums, reference_sums
 
 DATA = Path(__file__).parent / "data" / "preferences.jsonl"
 

@@ -13,7 +13,7 @@ import argparse
 import anyio
 
 from asyncsess import AdamParams, SamplingParams, ServiceClient
-from asyncsess.rl import center_advantages, rl_datum
+from asyncsess.rl.data import center_advantages, rl_datum
 
 try:
     from .toy_task import PROMPTS, reward, sample_seed

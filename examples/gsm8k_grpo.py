@@ -14,9 +14,9 @@ import sys
 
 import anyio
 
-from asyncsess.progress import print_before_after
-from asyncsess.rl_train import RLConfig, RLResult, train_rl
-from asyncsess.runs import parse_overrides
+from asyncsess.rl.rl_train import RLConfig, RLResult, train_rl
+from asyncsess.runs.checkpoints import parse_overrides
+from asyncsess.runs.progress import print_before_after
 from asyncsess.tasks import gsm8k
 
 DEFAULTS = RLConfig(

@@ -1,6 +1,6 @@
 """KTO on binary feedback (each completion labelled desirable or not), through ``forward_backward_custom``.
 
-Loss and reference point as in :func:`asyncsess.preference.kto_loss`; the reference is the session's
+Loss and reference point as in :func:`asyncsess.supervised.preference.kto_loss`; the reference is the session's
 weights at step 0. Held-out examples give ``test/accuracy``: how often the implicit reward
 ``Σ(p - ref)`` is positive for desirable and negative for undesirable completions.
 
@@ -19,9 +19,9 @@ import anyio
 from pydantic import BaseModel, ConfigDict
 
 from asyncsess import AdamParams, ServiceClient
-from asyncsess.metrics import MetricsLogger
-from asyncsess.preference import completion_datum, kto_loss, policy_sums, reference_sums
-from asyncsess.runs import parse_overrides, prepare_run_dir, save_checkpoint
+from asyncsess.runs.checkpoints import parse_overrides, prepare_run_dir, save_checkpoint
+from asyncsess.runs.metrics import MetricsLogger
+from asyncsess.supervised.preference import completion_datum, kto_loss, policy_sums, reference_sums
 
 DATA = Path(__file__).parent / "data" / "feedback.jsonl"
 

@@ -1,7 +1,7 @@
 """GRPO on offline arithmetic: "What is 23 + 45? Reply with only the number." (reward 1 when it matches).
 
 Problems with 1–2 digit operands are generated in code; 100 held-out problems measure greedy accuracy
-before and after. Settings are ``key=value`` overrides of :class:`asyncsess.rl_train.RLConfig`:
+before and after. Settings are ``key=value`` overrides of :class:`asyncsess.rl.rl_train.RLConfig`:
 
     python examples/math_rl.py                                   # mock://, seconds
     python examples/math_rl.py url='local://?dtype=bfloat16' base_model=smollm2 max_minutes=5 run_dir=runs/math
@@ -13,9 +13,9 @@ import sys
 
 import anyio
 
-from asyncsess.progress import print_before_after
-from asyncsess.rl_train import RLConfig, RLResult, train_rl
-from asyncsess.runs import parse_overrides
+from asyncsess.rl.rl_train import RLConfig, RLResult, train_rl
+from asyncsess.runs.checkpoints import parse_overrides
+from asyncsess.runs.progress import print_before_after
 from asyncsess.tasks import arithmetic
 
 DEFAULTS = RLConfig(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from asyncsess.rl import center_advantages, rl_datum  # was: the recipe's own helpers
+from asyncsess.rl.data import center_advantages, rl_datum  # was: the recipe's own helpers
 from asyncsess.sync import AdamParams, SamplingParams, ServiceClient  # was: from sagemaker.train.training_session import ...
 
 try:

@@ -21,9 +21,9 @@ import anyio
 from pydantic import ConfigDict
 
 from asyncsess import AdamParams, ServiceClient
-from asyncsess.metrics import MetricsLogger
-from asyncsess.runs import RecoveryConfig, parse_overrides, prepare_run_dir, run_recovering, save_checkpoint
-from asyncsess.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
+from asyncsess.runs.checkpoints import RecoveryConfig, parse_overrides, prepare_run_dir, run_recovering, save_checkpoint
+from asyncsess.runs.metrics import MetricsLogger
+from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 

@@ -24,8 +24,8 @@ TWINS = {cls.__name__ for cls in CLASSES}
 EXTRA_IMPORTS = {
     "RetryPolicy": "retry",
     "RetryEvent": "retry",
-    "Tokenizer": "backend",
-    "Backend": "backend",
+    "Tokenizer": "backends",
+    "Backend": "backends",
     "CustomLossFn": "custom_loss",
     "SamplingStats": "sampling",
     "QueueState": "sampling",
@@ -93,10 +93,18 @@ def _signature(fn: object) -> tuple[str, str]:
     return ", ".join(["self", *params]), ", ".join(args)
 
 
+def _for_blocking_use(doc: str) -> str:
+    """Rewrite a copied async docstring for the blocking twin: ``async with``/``async for`` lose
+    ``async``, and ``await x`` becomes ``x``."""
+    doc = re.sub(r"\basync (with|for)\b", r"\1", doc)
+    return re.sub(r"\bawait\s+", "", doc)
+
+
 def _doc(obj: object, indent: str) -> str:
     doc = inspect.getdoc(obj)
     if not doc:
         return ""
+    doc = _for_blocking_use(doc)
     body = doc.replace('"""', r"\"\"\"").replace("\n", "\n" + indent).replace(indent + "\n", "\n")
     return f'{indent}"""{body}"""\n'
 

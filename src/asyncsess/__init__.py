@@ -4,7 +4,7 @@ The backend is chosen by URL (``mock://``, ``local://``, ``http://host:port``, `
 the loop does not change. See :class:`ServiceClient`.
 """
 
-from .backend import Backend, Tokenizer, available_schemes, load_backend
+from .backends import Backend, Tokenizer, available_schemes, load_backend
 from .client import RestClient, SamplerHandle, SamplingClient, ServiceClient, TrainingClient
 from .errors import (
     APIConnectionError,

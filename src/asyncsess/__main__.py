@@ -1,5 +1,5 @@
 """``python -m asyncsess``: the same as the ``asyncsess`` command."""
 
-from .cli import app
+from .cli.app import app
 
 app()

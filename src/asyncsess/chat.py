@@ -37,7 +37,7 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[i
             raise InvalidInputError(
                 "the chat template does not render a conversation prefix as a token prefix",
                 field=f"messages[{i}]",
-                fix="use a tokenizer whose chat template is prefix-stable, or build datums with asyncsess.rl.sft_datum",
+                fix="use a tokenizer whose chat template is prefix-stable, or build datums with asyncsess.rl.data.sft_datum",
             )
         spans.append((len(head), len(upto)))
     full = chat_tokens(tokenizer, messages)

@@ -26,7 +26,7 @@ import anyio
 import sniffio
 from anyio.abc import TaskGroup
 
-from .backend import Backend, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, load_backend
+from .backends import Backend, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, load_backend
 from .batching import chunk_datums, merge_outputs
 from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
 from .errors import (

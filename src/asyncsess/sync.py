@@ -22,7 +22,7 @@ from . import client as _client
 from ._facade import SyncFuture
 from .errors import InvalidInputError
 from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, PromptProvenanceSpan, ProvenanceSpan, SampleResponse, SampledProvenanceSpan, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
-from .backend import Backend, Tokenizer  # noqa: F401
+from .backends import Backend, Tokenizer  # noqa: F401
 from .client import SamplerHandle  # noqa: F401
 from .custom_loss import CustomLossFn  # noqa: F401
 from .retry import RetryEvent, RetryPolicy  # noqa: F401
@@ -34,7 +34,7 @@ __all__ = ['AdamParams', 'Checkpoint', 'CheckpointResponse', 'Datum', 'EncodedTe
 class ServiceClient:
     """Entry point: picks a backend by URL and creates training and sampling clients.
 
-    Use as ``async with ServiceClient("mock://") as svc: ...``; leaving the block (normally, by an
+    Use as ``with ServiceClient("mock://") as svc: ...``; leaving the block (normally, by an
     exception or by cancellation) stops every session this client opened. Without a URL it uses
     ``$ASYNCSESS_URL``, else ``local://`` (the embedded torch worker).
 
@@ -273,7 +273,7 @@ class SamplingClient:
     """Samples from one set of weights. Requests are concurrent, bounded by the client's pool.
 
     Picklable: a copy in another process reopens the same weights through its own ServiceClient (same
-    URL and options). There, ``async with sc:`` opens and closes that ServiceClient around its use;
+    URL and options). There, ``with sc:`` opens and closes that ServiceClient around its use;
     the copy of an ``asyncsess.sync.SamplingClient`` opens it on first use."""
 
     _async: _client.SamplingClient

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from asyncsess.agent_train import AgentRLConfig, train_agent_rl
-from asyncsess.capture import read_trajectories
-from asyncsess.metrics import read_metrics
+from asyncsess.rl.agent_train import AgentRLConfig, train_agent_rl
+from asyncsess.rl.capture import read_trajectories
+from asyncsess.runs.metrics import read_metrics
 from examples import agent_rl
 from tests.recipes.helpers import check_metrics_file
 

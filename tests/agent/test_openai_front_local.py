@@ -11,8 +11,8 @@ from urllib.parse import quote
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.capture import build_trajectory
 from asyncsess.chat import chat_tokens
+from asyncsess.rl.capture import build_trajectory
 from asyncsess.serve.openai_front import OpenAIFront
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.capture import build_trajectory
+from asyncsess.rl.capture import build_trajectory
 from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 

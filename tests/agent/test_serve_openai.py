@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from asyncsess.backend import load_backend
+from asyncsess.backends import load_backend
 from asyncsess.serve.tinker_api import create_app
 
 pytestmark = pytest.mark.anyio

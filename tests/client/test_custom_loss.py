@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from asyncsess import AdamParams, Datum, ServiceClient
-from asyncsess.rl import rl_datum
+from asyncsess.rl.data import rl_datum
 
 pytestmark = [pytest.mark.anyio, pytest.mark.torch]
 

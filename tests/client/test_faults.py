@@ -17,7 +17,7 @@ from asyncsess import (
     SessionGoneError,
     TransientError,
 )
-from asyncsess.rl import sft_datum
+from asyncsess.rl.data import sft_datum
 
 pytestmark = pytest.mark.anyio
 

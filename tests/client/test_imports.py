@@ -8,7 +8,7 @@ HEAVY = ("torch", "transformers", "vllm", "boto3", "botocore", "peft")
 
 def test_importing_the_sdk_loads_no_heavy_dependency():
     code = (
-        "import sys, asyncsess, asyncsess.sync, asyncsess.rl, asyncsess.sandbox\n"
+        "import sys, asyncsess, asyncsess.sync, asyncsess.rl.data, asyncsess.sandbox\n"
         "asyncsess.load_backend('mock://')\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from asyncsess import ServiceClient, SessionGoneError
-from asyncsess.rl import sft_datum
+from asyncsess.rl.data import sft_datum
 from asyncsess_mock import MockBackend
 
 pytestmark = pytest.mark.anyio
@@ -118,7 +118,7 @@ def test_ctrl_c_in_a_blocking_script_stops_the_session(tmp_path):
         import sys
         from asyncsess.sync import ServiceClient
         from asyncsess_mock import MockBackend
-        from asyncsess.rl import sft_datum
+        from asyncsess.rl.data import sft_datum
         try:
             with ServiceClient("mock://?latency_ms=60000") as svc:
                 tc = svc.create_lora_training_client("m", rank=4)

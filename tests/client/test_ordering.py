@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from asyncsess import AdamParams, PoisonedError, ServiceClient
-from asyncsess.backend import TrainingOp
+from asyncsess.backends import TrainingOp
 
 from .helpers import random_tokens, sft_datum
 
@@ -71,7 +71,7 @@ async def test_failed_op_poisons_the_ops_queued_behind_it(monkeypatch):
 
 async def test_sequencer_keeps_a_bounded_window_of_results():
     from asyncsess import ConflictError
-    from asyncsess.sequencer import Sequencer
+    from asyncsess.backends.sequencer import Sequencer
 
     async def run(op):
         return op.seq * 10

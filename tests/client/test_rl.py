@@ -1,6 +1,6 @@
 import pytest
 
-from asyncsess.rl import center_advantages, rl_datum
+from asyncsess.rl.data import center_advantages, rl_datum
 
 pytestmark = pytest.mark.anyio
 

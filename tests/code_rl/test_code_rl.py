@@ -9,10 +9,10 @@ import anyio
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.env import Env, EnvGroupBuilder, ScriptedCompleter, StepResult
-from asyncsess.env_train import EnvRLConfig, train_env_rl
-from asyncsess.metrics import read_metrics
-from asyncsess.runs import last_checkpoint
+from asyncsess.rl.env import Env, EnvGroupBuilder, ScriptedCompleter, StepResult
+from asyncsess.rl.env_train import EnvRLConfig, train_env_rl
+from asyncsess.runs.checkpoints import last_checkpoint
+from asyncsess.runs.metrics import read_metrics
 from asyncsess.tasks import code
 from asyncsess.types import ModelInput
 from examples import code_rl

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from asyncsess.env import ScriptedCompleter
+from asyncsess.rl.env import ScriptedCompleter
+from asyncsess.rl.tool_env import ChatRenderer
 from asyncsess.tasks import code
-from asyncsess.tool_env import ChatRenderer
 from examples import code_rl
 
 from ..recipes.helpers import check_metrics_file

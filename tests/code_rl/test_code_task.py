@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncsess.rl.tool_env import ChatRenderer
 from asyncsess.sandbox import LocalSandbox, TestCase
 from asyncsess.tasks import code
-from asyncsess.tool_env import ChatRenderer
 from asyncsess_mock import CharTokenizer
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncsess.env import (
+from asyncsess.rl.env import (
     StepResult,
     TokensWithLogprobs,
     Trajectory,
@@ -17,7 +17,7 @@ from asyncsess.env import (
     rollout_metrics,
     trajectory_datums,
 )
-from asyncsess.tool_env import ChatRenderer, Tool, ToolEnv, parse_tool_calls
+from asyncsess.rl.tool_env import ChatRenderer, Tool, ToolEnv, parse_tool_calls
 from asyncsess.types import ModelInput
 from asyncsess_mock import CharTokenizer
 

@@ -21,7 +21,7 @@ from asyncsess import (
     ServiceClient,
     TensorData,
 )
-from asyncsess.backend import TrainingOp, TrainingSessionSpec, load_backend
+from asyncsess.backends import TrainingOp, TrainingSessionSpec, load_backend
 
 pytestmark = pytest.mark.anyio
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from asyncsess.backend import TrainingOp
+from asyncsess.backends import TrainingOp
 from asyncsess.types import Datum, ModelInput
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from local_helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
-from asyncsess.backend import SamplerSpec, TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError  # noqa: E402
 from asyncsess.types import AdamParams  # noqa: E402
 

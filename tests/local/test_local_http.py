@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from local_helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams  # noqa: E402
 
@@ -34,7 +34,7 @@ def worker(tiny, tmp_path_factory):
 
 
 def _client(worker, key=KEY):
-    from asyncsess_local.http_client import HttpBackend
+    from asyncsess.backends.http import HttpBackend
 
     return HttpBackend(worker.url, api_key=key)
 

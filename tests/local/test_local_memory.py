@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from local_helpers import TOL, Ops, sft_datum  # noqa: E402
 
-from asyncsess.backend import TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, ResourceExhaustedError, ServerError  # noqa: E402
 from asyncsess.types import AdamParams  # noqa: E402
 
@@ -132,7 +132,7 @@ async def test_a_datum_that_cannot_fit_fails_typed_and_the_session_lives_on(back
 
 
 async def test_oom_while_sampling_is_typed_and_does_not_stick(backend_factory, tiny, monkeypatch):
-    from asyncsess.backend import SampleRequest, SamplerSpec
+    from asyncsess.backends import SampleRequest, SamplerSpec
     from asyncsess.types import SamplingParams
 
     b = backend_factory()
@@ -189,7 +189,7 @@ async def test_bad_memory_options_are_refused(backend_factory):
 
 async def test_oom_over_http_arrives_typed_and_the_worker_session_lives_on(backend_factory, tiny, oom_above):
     pytest.importorskip("fastapi")
-    from asyncsess_local.http_client import HttpBackend
+    from asyncsess.backends.http import HttpBackend
     from asyncsess_local.server import serve_in_thread
 
     worker = serve_in_thread(backend_factory(), ["k"])

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from local_helpers import Ops, sft_datum  # noqa: E402
 
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, SessionGoneError  # noqa: E402
 from asyncsess.types import AdamParams, SamplingParams  # noqa: E402
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from local_helpers import Ops, sft_datum  # noqa: E402
 
-from asyncsess.backend import TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput  # noqa: E402
 

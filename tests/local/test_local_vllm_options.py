@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from local_helpers import DEVICE_KW, sft_datum  # noqa: E402
 
 import asyncsess  # noqa: E402
-from asyncsess.backend import parse_url  # noqa: E402
+from asyncsess.backends import parse_url  # noqa: E402
 from asyncsess.errors import InvalidInputError  # noqa: E402
 from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, Usage  # noqa: E402
 
@@ -230,7 +230,7 @@ def test_staging_falls_back_to_disk_when_shared_memory_is_small(monkeypatch, tmp
 async def test_adapters_are_staged_in_bf16(backend_factory, tiny, tmp_path):
     from safetensors.torch import load_file
 
-    from asyncsess.backend import TrainingSessionSpec
+    from asyncsess.backends import TrainingSessionSpec
 
     b = backend_factory()
     try:

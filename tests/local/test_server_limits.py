@@ -423,7 +423,7 @@ def test_the_http_client_maps_every_answer_to_a_typed_error(status, content, exp
     import anyio
 
     from asyncsess import errors
-    from asyncsess_local.http_client import HttpBackend
+    from asyncsess.backends.http import HttpBackend
 
     backend = HttpBackend(
         "http://worker.invalid", api_key=KEY, transport=httpx.MockTransport(lambda request: httpx.Response(status, content=content))

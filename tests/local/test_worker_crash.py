@@ -23,8 +23,8 @@ from local_helpers import sft_datum
 
 from asyncsess import AdamParams, ServiceClient
 from asyncsess.errors import DeadlineExceededError, RetriesExhaustedError
-from asyncsess.metrics import read_metrics
 from asyncsess.retry import RetryPolicy
+from asyncsess.runs.metrics import read_metrics
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 KEY = "crash-key"
@@ -103,9 +103,9 @@ def _share_of_even_ids(problem: Any, text: str) -> tuple[float, dict[str, float]
 async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_path: Path, monkeypatch) -> None:
     """kill -9 of the worker after the checkpoint at step 2; a restarted worker (same root) still knows the
     run's checkpoints as this key's, and the loop reopens from the last one and finishes."""
-    from asyncsess.rl_train import RLConfig, train_rl
-    from asyncsess.rollouts import Problem
-    from asyncsess.runs import last_checkpoint
+    from asyncsess.rl.rl_train import RLConfig, train_rl
+    from asyncsess.rl.rollouts import Problem
+    from asyncsess.runs.checkpoints import last_checkpoint
 
     monkeypatch.setenv("ASYNCSESS_API_KEY", KEY)
     problems = [Problem(f"what is {i} plus 1? the answer is", str(i + 1)) for i in range(8)]

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from asyncsess.backend import TrainingOp, TrainingSessionSpec
+from asyncsess.backends import TrainingOp, TrainingSessionSpec
 from asyncsess.types import Datum
 from asyncsess_mock import MockBackend
 

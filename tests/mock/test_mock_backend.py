@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingSessionSpec, available_schemes, load_backend
+from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec, available_schemes, load_backend
 from asyncsess.errors import InvalidInputError, SessionGoneError, UnsupportedError
 from asyncsess.types import AdamParams, Datum, SamplingParams
 from asyncsess_mock import MockBackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncsess.backend import SamplerSpec, TrainingSessionSpec
+from asyncsess.backends import SamplerSpec, TrainingSessionSpec
 from asyncsess.errors import ConflictError, InvalidInputError
 from asyncsess.types import AdamParams
 from asyncsess_mock import MockBackend

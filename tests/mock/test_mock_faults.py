@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from asyncsess.backend import SampleRequest, SamplerSpec, load_backend
+from asyncsess.backends import SampleRequest, SamplerSpec, load_backend
 from asyncsess.errors import InvalidInputError, SessionGoneError, TransientError
 from asyncsess.types import SamplingParams
 from asyncsess_mock import MockBackend, MockConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncsess.backend import SampleRequest, SamplerSpec
+from asyncsess.backends import SampleRequest, SamplerSpec
 from asyncsess.errors import InvalidInputError, SessionGoneError
 from asyncsess.types import AdamParams, SamplingParams
 from asyncsess_mock import MockBackend, MockConfig

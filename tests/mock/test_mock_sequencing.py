@@ -6,7 +6,7 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncsess.backend import TrainingOp
+from asyncsess.backends import TrainingOp
 from asyncsess.errors import ConflictError, InvalidInputError, PoisonedError, SessionGoneError, TransientError
 from asyncsess.types import AdamParams
 from asyncsess_mock import MockBackend, MockConfig

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncsess.backend import Tokenizer
+from asyncsess.backends import Tokenizer
 from asyncsess.errors import InvalidInputError
 from asyncsess_mock import CharTokenizer
 

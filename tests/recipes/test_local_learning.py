@@ -13,8 +13,8 @@ import random
 import pytest
 
 from asyncsess import SamplingParams, ServiceClient
-from asyncsess.rl_train import RLConfig, train_rl
-from asyncsess.rollouts import Problem, PromptRenderer
+from asyncsess.rl.rl_train import RLConfig, train_rl
+from asyncsess.rl.rollouts import Problem, PromptRenderer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.local]
 URL = "local://?device=cpu"

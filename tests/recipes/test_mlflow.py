@@ -4,9 +4,9 @@ import anyio
 import mlflow
 from typer.testing import CliRunner
 
-from asyncsess.cli import app
-from asyncsess.rl_train import RLConfig, train_rl
-from asyncsess.rollouts import Problem
+from asyncsess.cli.app import app
+from asyncsess.rl.rl_train import RLConfig, train_rl
+from asyncsess.rl.rollouts import Problem
 
 from .helpers import digit_share
 

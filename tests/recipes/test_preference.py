@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from asyncsess.preference import dpo_loss, kto_loss
+from asyncsess.supervised.preference import dpo_loss, kto_loss
 from asyncsess.types import Datum, ModelInput
 from examples import dpo, kto
 

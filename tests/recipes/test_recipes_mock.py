@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncsess.metrics import read_metrics
+from asyncsess.runs.metrics import read_metrics
 from examples import gsm8k_grpo, math_rl, sft_chat
 
 from .helpers import check_metrics_file
@@ -79,7 +79,7 @@ async def test_sft_chat_recovers_a_lost_session(tmp_path):
 def test_demo_command_on_mock(tmp_path):
     from typer.testing import CliRunner
 
-    from asyncsess.cli import app
+    from asyncsess.cli.app import app
 
     args = ["demo", "--url", "mock://", "--model", "mock/bigram-tiny", "--steps", "2", "--run-dir", str(tmp_path), "--no-progress"]
     result = CliRunner().invoke(app, args)
@@ -92,7 +92,7 @@ def test_demo_command_on_mock(tmp_path):
 
 
 def test_demo_keeps_local_checkpoints_in_the_run_dir(tmp_path):
-    from asyncsess.demo import local_checkpoint_dir
+    from asyncsess.cli.demo import local_checkpoint_dir
 
     here = str((tmp_path / "run").resolve() / "checkpoints")
     assert local_checkpoint_dir("local://?dtype=bfloat16", tmp_path / "run") == f"local://?dtype=bfloat16&dir={here}"

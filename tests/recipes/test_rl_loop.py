@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.metrics import read_metrics
-from asyncsess.rl_train import RLConfig, train_rl
-from asyncsess.rollouts import Problem
-from asyncsess.runs import last_checkpoint
+from asyncsess.rl.rl_train import RLConfig, train_rl
+from asyncsess.rl.rollouts import Problem
+from asyncsess.runs.checkpoints import last_checkpoint
+from asyncsess.runs.metrics import read_metrics
 
 from .helpers import check_metrics_file, digit_share
 
@@ -115,7 +115,7 @@ async def test_a_lost_session_is_recovered_from_the_last_checkpoint_bit_exactly(
 
 
 async def test_recovery_gives_up_after_max_recoveries(tmp_path, caplog):
-    from asyncsess.runs import session_lost
+    from asyncsess.runs.checkpoints import session_lost
 
     cfg = BASE.model_copy(update={"url": "mock://?stop_after_ops=5", "max_steps": 6, "save_every": 1, "max_recoveries": 1})
     with pytest.raises(Exception) as info:
@@ -130,6 +130,6 @@ async def test_other_errors_are_not_recovered(tmp_path):
     cfg = BASE.model_copy(update={"max_steps": 2, "loss_fn": "no-such-loss", "max_recoveries": 5})
     with pytest.raises(Exception) as info:
         await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path, progress=False)
-    from asyncsess.runs import session_lost
+    from asyncsess.runs.checkpoints import session_lost
 
     assert "no-such-loss" in repr(info.value) and not session_lost(info.value)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from asyncsess.rl import is_constant, kl_penalty, sample_train_kl
-from asyncsess.rollouts import Group, Problem, Rollout, problems_for_step
+from asyncsess.rl.data import is_constant, kl_penalty, sample_train_kl
+from asyncsess.rl.rollouts import Group, Problem, Rollout, problems_for_step
 from asyncsess.tasks import arithmetic, gsm8k
 
 

@@ -6,10 +6,10 @@ import pytest
 
 from asyncsess import AdamParams, InvalidInputError, ServiceClient
 from asyncsess.chat import assistant_spans, turn_stop_tokens
-from asyncsess.metrics import MetricsLogger, read_metrics
-from asyncsess.rl_train import RLConfig
-from asyncsess.runs import last_checkpoint, parse_overrides, prepare_run_dir, save_checkpoint
-from asyncsess.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
+from asyncsess.rl.rl_train import RLConfig
+from asyncsess.runs.checkpoints import last_checkpoint, parse_overrides, prepare_run_dir, save_checkpoint
+from asyncsess.runs.metrics import MetricsLogger, read_metrics
+from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
 from asyncsess_mock import CharTokenizer
 
 pytestmark = pytest.mark.anyio

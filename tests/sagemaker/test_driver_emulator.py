@@ -9,7 +9,7 @@ from smhelpers import clients, driver_url, wait_status
 
 import asyncsess
 from asyncsess.errors import InvalidInputError, RetriesExhaustedError, SessionGoneError, UnsupportedError
-from asyncsess.rl import rl_datum
+from asyncsess.rl.data import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
 from asyncsess_sagemaker.emulator import running_emulator
 

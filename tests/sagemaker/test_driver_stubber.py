@@ -11,7 +11,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 from smhelpers import REGION, ROLE
 
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError, UnsupportedError
 from asyncsess.types import AdamParams, Datum, SamplingParams
 from asyncsess_sagemaker.driver import SageMakerBackend
@@ -331,7 +331,7 @@ async def test_unsupported_and_out_of_range_input_fails_before_sending(stubbed):
 
 
 async def test_options_come_from_url_query_and_environment(monkeypatch):
-    from asyncsess.backend import parse_url
+    from asyncsess.backends import parse_url
 
     monkeypatch.setenv("SAGEMAKER_TRAINING_SESSION_ENDPOINT", "http://127.0.0.1:1")
     opts = SageMakerOptions.resolve(parse_url(f"sagemaker://eu-west-1?role_arn={ROLE}&session_name_prefix=exp"), {"kms_key_arn": "k"})

@@ -14,7 +14,7 @@ import pytest
 
 from asyncsess import FacadeMisuseError, client
 from asyncsess import sync as sync_api
-from asyncsess.rl import sft_datum
+from asyncsess.rl.data import sft_datum
 
 from ..client.helpers import count_concurrency
 
@@ -28,6 +28,19 @@ def test_generated_file_is_up_to_date():
     finally:
         sys.path.pop(0)
     assert gen_sync.generate() == (ROOT / "src/asyncsess/sync.py").read_text(), "run: python scripts/gen_sync.py"
+
+
+@pytest.mark.parametrize("name", ["ServiceClient", "TrainingClient", "SamplingClient"])
+def test_blocking_docstrings_do_not_tell_users_to_await(name):
+    """Docstrings are copied from the async classes and rewritten for blocking use."""
+    async_doc = inspect.getdoc(getattr(client, name)) or ""
+    sync_cls = getattr(sync_api, name)
+    docs = [inspect.getdoc(sync_cls) or ""] + [inspect.getdoc(m) or "" for m in vars(sync_cls).values() if callable(m) or isinstance(m, property)]
+    for doc in docs:
+        for phrase in ("async with", "async for", "await "):
+            assert phrase not in doc, (name, phrase, doc)
+    if "async with" in async_doc:  # the rewrite kept the sentence, minus the async
+        assert async_doc.replace("async with", "with") == inspect.getdoc(sync_cls)
 
 
 @pytest.mark.parametrize("name", ["ServiceClient", "TrainingClient", "SamplingClient"])
@@ -142,7 +155,7 @@ def test_works_in_a_fresh_interpreter_and_under_a_running_loop():
     code = (
         "import asyncio\n"
         "from asyncsess.sync import ServiceClient\n"
-        "from asyncsess.rl import sft_datum\n"
+        "from asyncsess.rl.data import sft_datum\n"
         "async def cell():\n"
         "    svc = ServiceClient('mock://')\n"
         "    tc = svc.create_lora_training_client('m', rank=4)\n"

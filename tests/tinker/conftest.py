@@ -34,7 +34,7 @@ def _free_port() -> int:
 def start_server(backend_url: str, *, poll_timeout: float = 5.0, api_keys: set[str] | None = None) -> Iterator[Server]:
     import uvicorn
 
-    from asyncsess.backend import load_backend
+    from asyncsess.backends import load_backend
     from asyncsess.serve.tinker_api import create_app
 
     backend = load_backend(backend_url)

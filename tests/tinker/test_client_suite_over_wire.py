@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import asyncsess.client
-from asyncsess.backend import load_backend
+from asyncsess.backends import load_backend
 from asyncsess_tinker import TinkerBackend
 
 # Re-collected here under the wire fixture below.

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient
-from asyncsess.backend import load_backend
+from asyncsess.backends import load_backend
 from asyncsess.errors import AsyncSessError
-from asyncsess.rl import center_advantages, rl_datum
+from asyncsess.rl.data import center_advantages, rl_datum
 from tests.client.helpers import sft_datum
 
 from .conftest import API_KEY, Server
@@ -150,13 +150,13 @@ async def test_bad_input_is_typed_and_consumes_nothing(mock_server: Server) -> N
 
 async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:
     """The same (model_id, seq_id) delivered twice runs once; a changed body under it is refused (409)."""
-    from asyncsess.backend import TrainingOp
+    from asyncsess.backends import TrainingOp
     from asyncsess.errors import ConflictError
 
     b = load_backend(url_of(mock_server))
     await b.open()
     try:
-        info = await b.create_training_session(__import__("asyncsess.backend", fromlist=["x"]).TrainingSessionSpec(BASE, rank=4))
+        info = await b.create_training_session(__import__("asyncsess.backends.base", fromlist=["x"]).TrainingSessionSpec(BASE, rank=4))
         op = TrainingOp("forward_backward", 1, "k1", data=(sft_datum([1, 40, 41]),), loss_fn="cross_entropy")
         async with anyio.create_task_group() as tg:
             outs: list[float] = []

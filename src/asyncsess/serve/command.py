@@ -26,7 +26,7 @@ def serve(
     """Serve Tinker's HTTP API (point TINKER_BASE_URL here) and the OpenAI API (/v1) in front of an asyncsess backend."""
     import uvicorn
 
-    from ..backend import load_backend
+    from ..backends import load_backend
     from .tinker_api import create_app
 
     keys = set(api_key) or {k for k in os.environ.get("ASYNCSESS_API_KEYS", "").split(",") if k}

@@ -1,11 +1,11 @@
 """The Tinker-wire door: the official ``tinker`` SDK (and tinker-cookbook) in front of any asyncsess backend.
 
 :class:`TinkerDoor` holds the state (sessions, models, samplers, checkpoints, promises) and talks to the
-backend only through the :class:`~asyncsess.backend.Backend` seam. :func:`tinker_router` puts its routes on
+backend only through the :class:`~asyncsess.backends.base.Backend` seam. :func:`tinker_router` puts its routes on
 an ``APIRouter`` (``/api/v1/...``); :func:`create_app` wraps them in an app with the door's lifespan.
 
 Ordering: each model's requests run in the client's ``seq_id`` order through a
-:class:`~asyncsess.sequencer.Sequencer` keyed by ``(model_id, seq_id)``; a re-sent request with the same
+:class:`~asyncsess.backends.sequencer.Sequencer` keyed by ``(model_id, seq_id)``; a re-sent request with the same
 body gets the same promise, a changed body under a used ``seq_id`` gets 409. Bad input is refused with a
 4xx naming the field before it takes its ``seq_id``'s turn; that turn is then skipped so later requests
 still run. Failures while running become ``{"error", "category"}`` results, which the SDK raises as
@@ -31,9 +31,9 @@ from anyio.abc import TaskGroup
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from ..backends.base import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from ..backends.sequencer import Sequencer
 from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
-from ..sequencer import Sequencer
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import check_datums, check_loss_fn, check_loss_fn_config, coerce_adam_params, coerce_prompt, coerce_sampling_params
 from . import tinker_proto

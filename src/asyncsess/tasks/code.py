@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..env import Env, EnvGroupBuilder
+from ..rl.env import Env, EnvGroupBuilder
+from ..rl.tool_env import ChatRenderer, Tool, ToolEnv
 from ..sandbox import Sandbox, TestCase, TestReport
-from ..tool_env import ChatRenderer, Tool, ToolEnv
 
 __all__ = [
     "CodeProblem",

@@ -1,4 +1,4 @@
-"""``local://``: the engine in this process, behind the :class:`asyncsess.backend.Backend` protocol.
+"""``local://``: the engine in this process, behind the :class:`asyncsess.backends.base.Backend` protocol.
 
 URL query (keyword options of the same names win): ``model`` (a base model to load at start: a
 directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``cpu``/``cuda``),
@@ -23,9 +23,9 @@ import functools
 import math
 from typing import Any
 
-from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import InvalidInputError, SessionGoneError
-from asyncsess.sequencer import Sequencer
 from asyncsess.types import MAX_SEED, Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from asyncsess.backend import SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import SamplerSpec, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import (
     AsyncSessError,
     InvalidInputError,

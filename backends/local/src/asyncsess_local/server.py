@@ -31,11 +31,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncsess.backend import SampleRequest, SamplerSpec
+from asyncsess.backends import SampleRequest, SamplerSpec
+from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError, SessionGoneError
 from asyncsess.types import SamplingParams
 
-from . import bodies, wire
+from . import bodies
 from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
 from .vllm_sampler import VllmOptions

@@ -2,7 +2,7 @@
 
 A worker that crashes (a segfault, an OOM kill, ``kill -9``) comes back on the same port and checkpoint root,
 with the same API keys; it knows its tenants' checkpoints again (``<dir>/.owners.jsonl``), so the loops'
-recovery (:class:`asyncsess.runs.RecoveryConfig`) reopens their runs from the last checkpoint. SIGTERM or
+recovery (:class:`asyncsess.runs.checkpoints.RecoveryConfig`) reopens their runs from the last checkpoint. SIGTERM or
 SIGINT stop the child and the supervisor; a clean exit of the child ends it too. More than ``max_restarts``
 crashes within ``window_s`` seconds: it gives up (a worker that cannot start should not spin).
 """

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from asyncsess.backend import TrainingOp
+from asyncsess.backends import TrainingOp
 from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse, TensorData, Usage
 
 from .adapters import LoraHost

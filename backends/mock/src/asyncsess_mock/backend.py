@@ -1,6 +1,6 @@
 """``mock://``: the Backend driver around the numpy engine, with seeded latency and fault injection.
 
-Training ops of a session run through :class:`asyncsess.sequencer.Sequencer` (ordered, exactly once,
+Training ops of a session run through :class:`asyncsess.backends.sequencer.Sequencer` (ordered, exactly once,
 poisoned after a failure). Checkpoints live in a process-wide store, so another ``ServiceClient`` in the
 same process can resume from them. The introspection members (``applied_log``, ``calls``,
 ``weights``, ``optimizer_state``, ``open_sessions``) exist for tests.
@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Literal
 import anyio
 import numpy as np
 
-from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import ConflictError, InvalidInputError, NotFoundError, SessionGoneError
-from asyncsess.sequencer import Sequencer
 from asyncsess.types import (
     LOSS_FUNCTIONS,
     Checkpoint,

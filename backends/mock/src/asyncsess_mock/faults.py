@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from asyncsess.backend import ParsedURL
+from asyncsess.backends import ParsedURL
 from asyncsess.errors import InvalidInputError, TransientError
 
 __all__ = ["MockConfig", "Faults"]

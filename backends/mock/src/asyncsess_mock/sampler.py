@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncsess.backend import SampleRequest
+from asyncsess.backends import SampleRequest
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, TensorData, Usage
 

@@ -1,6 +1,6 @@
 """``sagemaker://region``: drive Amazon SageMaker AI training sessions through boto3.
 
-Ordering: each session's ops pass through an :class:`asyncsess.sequencer.Sequencer` that only *numbers*
+Ordering: each session's ops pass through an :class:`asyncsess.backends.sequencer.Sequencer` that only *numbers*
 them, in ``op.seq`` order, with the session's own wire counter; each op is then delivered
 (``ExecuteTrainingOperation``) without waiting for its predecessors' acknowledgement (unless
 ``pipeline_submissions`` is off), and results are polled concurrently, so pipelined ops cost one round
@@ -28,7 +28,8 @@ import anyio
 import boto3
 from botocore.config import Config
 
-from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import (
     AsyncSessError,
     DeadlineExceededError,
@@ -41,7 +42,6 @@ from asyncsess.errors import (
     TransientError,
     UnsupportedError,
 )
-from asyncsess.sequencer import Sequencer
 from asyncsess.types import (
     Checkpoint,
     CheckpointResponse,

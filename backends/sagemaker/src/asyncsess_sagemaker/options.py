@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from asyncsess.backend import ParsedURL
+from asyncsess.backends import ParsedURL
 from asyncsess.errors import InvalidInputError
 
 __all__ = ["SageMakerOptions", "ENDPOINT_ENV", "RUNTIME_ENDPOINT_ENV"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncsess.backend import Tokenizer, load_backend
+from asyncsess.backends import Tokenizer, load_backend
 from asyncsess.errors import InvalidInputError
 
 __all__ = ["load_tokenizer"]

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import anyio
 import httpx
 
-from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
 from asyncsess.errors import ConflictError, InvalidInputError, ServerError, SessionGoneError, TransientError, UnsupportedError
 from asyncsess.serve import tinker_proto
 from asyncsess.types import (

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from asyncsess.backend import Backend, load_backend
+from asyncsess.backends import Backend, load_backend
 
 from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS, TRAINING_SESSION_OPERATIONS, operation, runtime_model
 from ..shape_check import ShapeError, check_shape
@@ -96,7 +96,7 @@ def _check_output(model: OperationModel, out: dict[str, Any]) -> None:
 
 
 def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None = None) -> Starlette:
-    """The emulator over ``inner`` (a Backend, or a URL for :func:`asyncsess.backend.load_backend`)."""
+    """The emulator over ``inner`` (a Backend, or a URL for :func:`asyncsess.backends.base.load_backend`)."""
     config = config or EmulatorConfig()
     backend = load_backend(inner) if isinstance(inner, str) else inner
     service = EmulatedService(backend, config)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from asyncsess.backend import Backend
+from asyncsess.backends import Backend
 
 from .app import create_app
 from .config import EmulatorConfig, FaultConfig

@@ -1,7 +1,7 @@
 """The emulated service: state machines, ordering, deduplication, usage and model packages.
 
 Operations run on an inner asyncsess backend (``mock://``, ``local://``, ...). Training ops of one session
-go through an :class:`asyncsess.sequencer.Sequencer`, so they run in sequence-number order, each at most
+go through an :class:`asyncsess.backends.sequencer.Sequencer`, so they run in sequence-number order, each at most
 once; a gap (a missing number with later ones waiting) leaves the session ``Blocked`` until the number
 arrives or ``gap_timeout_s`` passes (then the session ``Failed`` and its queue is ``Skipped``). Ops merely
 queued behind a running one are not a gap. A failed op fails the session the same way.
@@ -20,9 +20,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from asyncsess.backend import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError
-from asyncsess.sequencer import Sequencer
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from asyncsess.sequencer import Sequencer
+from asyncsess.backends.sequencer import Sequencer
 
 __all__ = [
     "ACCEPTS_WORK",

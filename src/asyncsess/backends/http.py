@@ -16,11 +16,10 @@ from typing import Any
 
 import httpx
 
-from asyncsess.backend import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
-from asyncsess.errors import ServerError, TransientError
-from asyncsess.types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
-
-from . import wire
+from ..errors import ServerError, TransientError
+from ..types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
+from . import http_wire as wire
+from .base import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
 
 __all__ = ["HttpBackend"]
 

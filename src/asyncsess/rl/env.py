@@ -6,7 +6,7 @@ condition, ``step(action)`` takes the sampled tokens and returns a :class:`StepR
 group; an :class:`RLDataset` hands out batches of builders. :func:`do_group_rollout` plays a group with a
 :class:`TokenCompleter`, and :func:`group_datums` turns it into RL datums: consecutive turns of a trajectory
 share one datum while each observation extends the previous observation plus action (sequence extension),
-observation tokens get advantage 0. Chat episodes with tools live in :mod:`asyncsess.tool_env`.
+observation tokens get advantage 0. Chat episodes with tools live in :mod:`asyncsess.rl.tool_env`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Protocol
 
 import anyio
 
-from .client import SamplingClient
-from .rl import center_advantages
+from ..client import SamplingClient
+from ..types import Datum, ModelInput, SamplingParams, TensorData
+from .data import center_advantages
 from .rollouts import problems_for_step
-from .types import Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = [
     "Action",

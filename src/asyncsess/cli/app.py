@@ -1,5 +1,5 @@
 """The ``asyncsess`` command: ``demo`` (the main job), ``plot`` (curves of a run), and sub-commands that
-installed packages contribute through the ``asyncsess.cli`` entry-point group (e.g. ``sagemaker``)."""
+installed packages contribute through the ``asyncsess.cli.app`` entry-point group (e.g. ``sagemaker``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import anyio
 import typer
 
+from ..serve.command import serve
 from .demo import DEMO, run_demo
-from .serve.command import serve
 
 app = typer.Typer(help="asyncsess: LLM training loops against live training sessions.", no_args_is_help=True)
 log = logging.getLogger("asyncsess")
@@ -40,7 +40,7 @@ def plot(
     experiment: str = typer.Option("asyncsess", help="MLflow experiment name."),
 ) -> None:
     """Write PNG curves (reward, accuracy, loss, sampler-vs-trainer KL, tokens/s) of a recorded run."""
-    from .plot import log_to_mlflow, plot_run
+    from ..runs.plot import log_to_mlflow, plot_run
 
     paths = plot_run(run_dir, out)
     for p in paths:
@@ -53,7 +53,7 @@ app.command(name="serve")(serve)
 
 
 def _mount_plugins() -> None:
-    for ep in entry_points(group="asyncsess.cli"):
+    for ep in entry_points(group="asyncsess.cli.app"):
         try:
             app.add_typer(ep.load(), name=ep.name)
         except ImportError as err:  # a plugin whose own dependencies are missing

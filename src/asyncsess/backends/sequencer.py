@@ -12,8 +12,8 @@ from typing import Generic, TypeVar
 
 import anyio
 
-from .backend import TrainingOp
-from .errors import AsyncSessError, ConflictError, PoisonedError, SessionGoneError, TransientError
+from ..errors import AsyncSessError, ConflictError, PoisonedError, SessionGoneError, TransientError
+from .base import TrainingOp
 
 __all__ = ["Sequencer"]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .chat import Message
-from .client import SamplingClient, TrainingClient
-from .custom_loss import CustomLossFn
-from .rl import datum_tokens
+from ..chat import Message
+from ..client import SamplingClient, TrainingClient
+from ..custom_loss import CustomLossFn
+from ..rl.data import datum_tokens
+from ..types import Datum
 from .sft import conversation_datum
-from .types import Datum
 
 __all__ = ["completion_datum", "reference_sums", "policy_sums", "dpo_loss", "kto_loss"]
 

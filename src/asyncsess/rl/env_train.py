@@ -30,8 +30,14 @@ import anyio
 from anyio.abc import TaskGroup
 from pydantic import ConfigDict, Field, model_validator
 
-from .backend import Tokenizer
-from .client import SamplingClient, ServiceClient, TrainingClient
+from ..backends.base import Tokenizer
+from ..client import SamplingClient, ServiceClient, TrainingClient
+from ..futures import APIFuture
+from ..runs.checkpoints import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
+from ..runs.metrics import MetricsLogger, read_metrics
+from ..runs.progress import progress_bar
+from ..types import AdamParams, Datum, ForwardBackwardOutput
+from .data import is_constant, sample_train_kl
 from .env import (
     EnvGroupBuilder,
     RLDataset,
@@ -42,12 +48,6 @@ from .env import (
     group_datums,
     rollout_metrics,
 )
-from .futures import APIFuture
-from .metrics import MetricsLogger, read_metrics
-from .progress import progress_bar
-from .rl import is_constant, sample_train_kl
-from .runs import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
-from .types import AdamParams, Datum, ForwardBackwardOutput
 
 __all__ = ["EnvRLConfig", "EnvRLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_env_rl"]
 

@@ -3,7 +3,7 @@
 The model calls a tool by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in its reply
 (the Hermes/Qwen convention); each result goes back as a ``tool`` message and the model gets another turn.
 The next observation is the whole conversation rendered again by the template, exactly what a chat server
-would show the model; :func:`asyncsess.env.trajectory_datums` still merges the turns into one datum when that
+would show the model; :func:`asyncsess.rl.env.trajectory_datums` still merges the turns into one datum when that
 rendering extends the previous observation and action, which holds for prefix-stable templates.
 
 Templates differ in what they support, so :class:`ChatRenderer` probes the tokenizer once: where the template
@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import Message, turn_stop_tokens
+from ..chat import Message, turn_stop_tokens
+from ..types import ModelInput
 from .env import Action, Env, Observation, StepResult, StopCondition
-from .types import ModelInput
 
 __all__ = ["Tool", "ToolCall", "parse_tool_calls", "ChatRenderer", "ToolEnv"]
 

@@ -20,14 +20,14 @@ from typing import Any, Literal
 import anyio
 from pydantic import ConfigDict, Field
 
-from .client import SamplingClient, ServiceClient, TrainingClient
-from .metrics import MetricsLogger, read_metrics
-from .progress import progress_bar
-from .rl import datum_tokens, is_constant, kl_penalty, sample_train_kl
+from ..client import SamplingClient, ServiceClient, TrainingClient
+from ..runs.checkpoints import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
+from ..runs.metrics import MetricsLogger, read_metrics
+from ..runs.progress import progress_bar
+from ..types import AdamParams, Datum, TensorData
+from .data import datum_tokens, is_constant, kl_penalty, sample_train_kl
 from .rollout_pipeline import RolloutPipeline, sampler_step_for
 from .rollouts import Grader, Group, Problem, PromptRenderer, evaluate, problems_for_step, sample_group
-from .runs import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
-from .types import AdamParams, Datum, TensorData
 
 __all__ = ["RLConfig", "RLResult", "train_rl"]
 

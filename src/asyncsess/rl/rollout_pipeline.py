@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskGroup
 
-from .client import SamplingClient
+from ..client import SamplingClient
 from .rollouts import Group
 
 __all__ = ["RolloutPipeline", "sampler_step_for"]

@@ -3,14 +3,14 @@
 Each rollout gets its own ``openai.AsyncOpenAI`` whose calls go in-process to an
 :class:`~asyncsess.serve.openai_front.OpenAIFront` bound to the sampler (weight version) the loop chose for
 that group, tagged with the rollout's id. When the agent returns its reward, the calls it made are merged into
-a trajectory (:func:`asyncsess.capture.build_trajectory`: only sampled tokens trained, re-tokenization drift
+a trajectory (:func:`asyncsess.rl.capture.build_trajectory`: only sampled tokens trained, re-tokenization drift
 split and counted), ``group_size`` rollouts of one task form a group with centred advantages, and the datums
-are trained by the same loop as environment RL (:func:`asyncsess.env_train.train_env_rl`): staleness bound,
+are trained by the same loop as environment RL (:func:`asyncsess.rl.env_train.train_env_rl`): staleness bound,
 ``metrics.jsonl`` (plus ``env/all/calls`` and ``env/all/drift`` per episode), checkpoints and resume.
 
 Every finished rollout is appended to ``trajectories.jsonl`` in the run directory (calls, merged segments
 with masks and log-probs, drift, reward) for offline SFT / DPO; read it with
-:func:`asyncsess.capture.read_trajectories`. The loop's ``temperature`` (0 for the held-out evaluation)
+:func:`asyncsess.rl.capture.read_trajectories`. The loop's ``temperature`` (0 for the held-out evaluation)
 replaces what the agent asks for, so the sampled tokens follow the policy the loop trains.
 """
 
@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 import anyio
 
-from .backend import Tokenizer
+from ..backends.base import Tokenizer
+from ..client import SamplingClient
 from .capture import AgentTrajectory, build_trajectory
-from .client import SamplingClient
 from .env import Env, EnvGroupBuilder, ProblemDataset, RLDataset, TrajectoryGroup
 from .env_train import EnvRLConfig, EnvRLResult, train_env_rl
 
@@ -55,7 +55,7 @@ class AgentGroupBuilder(EnvGroupBuilder):
 
 class _AgentRunner:
     def __init__(self, cfg: AgentRLConfig, agent: Agent, path: Path) -> None:
-        from .serve.openai_front import OpenAIFront  # needs the serve extra (FastAPI)
+        from ..serve.openai_front import OpenAIFront  # needs the serve extra (FastAPI)
 
         self.cfg, self.agent = cfg, agent
         self.front = OpenAIFront(model_name=cfg.model_name, max_n=cfg.max_n, max_tokens=cfg.max_tokens, context_window=cfg.context_window)

@@ -12,10 +12,10 @@ from typing import Any
 
 import anyio
 
-from .chat import chat_tokens, turn_stop_tokens
-from .client import SamplingClient
-from .rl import center_advantages, rl_datum
-from .types import Datum, SamplingParams
+from ..chat import chat_tokens, turn_stop_tokens
+from ..client import SamplingClient
+from ..types import Datum, SamplingParams
+from .data import center_advantages, rl_datum
 
 __all__ = ["Problem", "Grader", "Rollout", "Group", "PromptRenderer", "sample_group", "evaluate", "problems_for_step"]
 

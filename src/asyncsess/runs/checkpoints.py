@@ -18,10 +18,10 @@ from typing import Any, Literal, TypeVar
 import anyio
 from pydantic import BaseModel, Field
 
-from .client import ServiceClient, TrainingClient
-from .errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
+from ..client import ServiceClient, TrainingClient
+from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
 from .metrics import read_metrics
-from .retry import RetryPolicy
+from ..retry import RetryPolicy
 
 __all__ = [
     "CHECKPOINTS_FILE",
@@ -39,7 +39,7 @@ __all__ = [
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-log = logging.getLogger("asyncsess.runs")
+log = logging.getLogger("asyncsess.runs.checkpoints")
 T = TypeVar("T")
 IfExists = Literal["resume", "overwrite", "raise"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import read_metrics
-from .runs import CONFIG_FILE
+from .checkpoints import CONFIG_FILE
 
 __all__ = ["PANELS", "plot_run", "log_to_mlflow"]
 

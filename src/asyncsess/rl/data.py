@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .types import Datum, ModelInput, TensorData
+from ..types import Datum, ModelInput, TensorData
 
 __all__ = ["center_advantages", "is_constant", "kl_penalty", "sample_train_kl", "rl_datum", "sft_datum", "datum_tokens"]
 

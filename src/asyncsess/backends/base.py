@@ -7,19 +7,18 @@ lives above this cut, so a backend only has to execute ops.
 Contract for ``execute_training``: ops of one session run strictly in ``seq`` order (a backend must
 hold an op whose predecessors have not arrived), each ``seq`` at most once; a repeated delivery with
 the same ``idempotency_key`` returns the stored result; once an op fails, later ops of that session fail
-with :class:`~asyncsess.errors.PoisonedError`. :class:`asyncsess.sequencer.Sequencer` implements this.
+with :class:`~asyncsess.errors.PoisonedError`. :class:`asyncsess.backends.sequencer.Sequencer` implements this.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
 
-from .errors import InvalidInputError, UnsupportedError
-from .types import AdamParams, Checkpoint, Datum, GetInfoResponse, SampleResponse, SamplingParams, ServerCapabilities, TrainingResult
+from ..errors import InvalidInputError, UnsupportedError
+from ..types import AdamParams, Checkpoint, Datum, GetInfoResponse, SampleResponse, SamplingParams, ServerCapabilities, TrainingResult
 
 __all__ = [
     "Backend",
@@ -31,8 +30,6 @@ __all__ = [
     "SampleRequest",
     "ParsedURL",
     "parse_url",
-    "load_backend",
-    "available_schemes",
 ]
 
 TrainingOpKind = Literal["forward", "forward_backward", "optim_step", "save_state", "save_weights", "load_state"]
@@ -220,23 +217,3 @@ def parse_url(url: str) -> ParsedURL:
         path=parts.path,
         query=dict(parse_qsl(parts.query, keep_blank_values=True)),
     )
-
-
-def available_schemes() -> dict[str, Any]:
-    return {ep.name: ep for ep in entry_points(group="asyncsess.backends")}
-
-
-def load_backend(url: str, **options: Any) -> Backend:
-    """Find the backend for ``url``'s scheme through the ``asyncsess.backends`` entry points."""
-    parsed = parse_url(url)
-    eps = available_schemes()
-    ep = eps.get(parsed.scheme)
-    if ep is None:
-        known = ", ".join(sorted(eps)) or "none installed"
-        raise InvalidInputError(
-            f"no backend for scheme {parsed.scheme!r} (installed: {known})",
-            field="url",
-            fix="install the backend package, e.g. pip install -e backends/mock",
-        )
-    cls = ep.load()
-    return cls.from_url(parsed, **options)

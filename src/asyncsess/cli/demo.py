@@ -17,10 +17,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from rich.console import Console
 
-from .metrics import read_metrics
-from .progress import print_before_after
-from .rl_train import RLConfig, RLResult, train_rl
-from .tasks import arithmetic
+from ..rl.rl_train import RLConfig, RLResult, train_rl
+from ..runs.metrics import read_metrics
+from ..runs.progress import print_before_after
+from ..tasks import arithmetic
 
 __all__ = ["DEMO", "run_demo", "local_checkpoint_dir"]
 

@@ -1,4 +1,4 @@
-"""What crosses HTTP between the worker and :class:`~asyncsess_local.http_client.HttpBackend`.
+"""What crosses HTTP between the worker and :class:`~asyncsess.backends.http.HttpBackend`.
 
 Request bodies are the backend protocol's own records (validated by pydantic on the server); results
 are the shared wire types; errors travel as ``{"error": {"type": <asyncsess.errors class>, ...}}`` and
@@ -11,9 +11,9 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from asyncsess import errors
-from asyncsess.backend import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
-from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, TrainingResult
+from .. import errors
+from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, TrainingResult
+from .base import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
 
 __all__ = [
     "OP",

@@ -8,11 +8,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from .chat import Message, assistant_spans
-from .client import TrainingClient
-from .errors import InvalidInputError
-from .futures import APIFuture
-from .types import Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse, TensorData
+from ..chat import Message, assistant_spans
+from ..client import TrainingClient
+from ..errors import InvalidInputError
+from ..futures import APIFuture
+from ..types import Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse, TensorData
 
 __all__ = ["TrainOn", "conversation_datum", "learning_rate", "SubmitAhead", "mean_nll", "nll"]
 

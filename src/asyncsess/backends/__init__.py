@@ -1,0 +1,34 @@
+"""The backend seam: the :class:`Backend` protocol, the op records that cross it, the URL registry, the
+per-session :class:`Sequencer` every driver can reuse, and the torch-free ``http://`` driver for a worker.
+
+Nothing here imports a backend package; backends import this.
+"""
+
+from .base import (
+    Backend,
+    ParsedURL,
+    SampleRequest,
+    SamplerSpec,
+    Tokenizer,
+    TrainingOp,
+    TrainingOpKind,
+    TrainingSessionSpec,
+    parse_url,
+)
+from .registry import available_schemes, load_backend
+from .sequencer import Sequencer
+
+__all__ = [
+    "Backend",
+    "ParsedURL",
+    "SampleRequest",
+    "SamplerSpec",
+    "Sequencer",
+    "Tokenizer",
+    "TrainingOp",
+    "TrainingOpKind",
+    "TrainingSessionSpec",
+    "available_schemes",
+    "load_backend",
+    "parse_url",
+]

@@ -1,0 +1,1 @@
+"""The ``asyncsess`` command: the typer app and the demo it runs."""

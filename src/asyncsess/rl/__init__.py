@@ -1,0 +1,1 @@
+"""The RL library: environments, rollouts, advantages and datums, and the training loops."""

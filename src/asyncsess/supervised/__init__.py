@@ -1,0 +1,1 @@
+"""Supervised helpers: SFT datums from chats, DPO and KTO losses."""
