@@ -33,11 +33,11 @@ VLLM_PIN = "vllm==0.33.0"  # the vLLM the local backend's `vllm` extra is checke
 VLLM_RESOLVES = {"transformers": "5.20.2", "peft": "0.21.2", "torch": "2.14.0"}
 # a representative part of the local suite (training, checkpoints, sampling, memory, vLLM options: ~1 min)
 LOCAL_CORE = [
-    "tests/local/test_local_training.py",
-    "tests/local/test_local_checkpoints.py",
-    "tests/local/test_local_sampler.py",
-    "tests/local/test_local_memory.py",
-    "tests/local/test_local_vllm_options.py",
+    "tests/local/test_training.py",
+    "tests/local/test_checkpoints.py",
+    "tests/local/test_sampler.py",
+    "tests/local/test_memory.py",
+    "tests/local/test_vllm_options.py",
 ]
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncsess import AdamParams, RetryPolicy, SamplingParams, ServiceClient  # noqa: E402
 from asyncsess import sync as sync_api  # noqa: E402
-from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import ForwardOp, SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.rl.data import sft_datum  # noqa: E402
 
 DATUM = sft_datum([1, 40, 41], [42, 43])
@@ -50,7 +50,9 @@ async def overhead(n: int) -> dict[str, float]:
         async def direct_fb() -> None:
             nonlocal seq
             seq += 1
-            await backend.execute_training(sid, TrainingOp("forward", seq, uuid.uuid4().hex, (DATUM,), "cross_entropy"))
+            await backend.execute_training(
+                sid, ForwardOp(seq=seq, idempotency_key=uuid.uuid4().hex, data=(DATUM,), loss_fn="cross_entropy")
+            )
 
         async def client_fb() -> None:
             await tc.forward([DATUM], "cross_entropy")

@@ -119,10 +119,10 @@ def run_suite(device: str, dtype: str, which: str, timeout: float) -> None:
         ["tests/local"]
         if which == "full"
         else [
-            "tests/local/test_local_training.py",
-            "tests/local/test_local_checkpoints.py",
-            "tests/local/test_local_sampler.py",
-            "tests/local/test_local_memory.py",
+            "tests/local/test_training.py",
+            "tests/local/test_checkpoints.py",
+            "tests/local/test_sampler.py",
+            "tests/local/test_memory.py",
         ]
     )
     env = dict(os.environ, ASYNCSESS_TEST_DEVICE=device, ASYNCSESS_TEST_DTYPE=dtype)

@@ -26,7 +26,18 @@ import anyio
 import sniffio
 from anyio.abc import TaskGroup
 
-from .backends import Backend, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, load_backend
+from .backends import (
+    OP_TYPES,
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    SampleRequest,
+    SamplerSpec,
+    Tokenizer,
+    TrainingOp,
+    TrainingSessionSpec,
+    load_backend,
+)
 from .batching import chunk_datums, merge_outputs
 from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
 from .errors import (
@@ -675,7 +686,8 @@ class TrainingClient:
         vocab, context = self._limits
         forward_data = check_datums(ce_view(original), "cross_entropy", vocab_size=vocab, max_length=context)
         self._raise_if_unusable("forward_backward_custom")
-        fwd = self._make_op("forward", data=forward_data, loss_fn="cross_entropy")
+        fwd_seq, fwd_key = self._reserve()
+        fwd = ForwardOp(seq=fwd_seq, idempotency_key=fwd_key, data=forward_data, loss_fn="cross_entropy")
         bwd_seq, bwd_key = self._reserve()
         fut: APIFuture[ForwardBackwardOutput] = APIFuture("forward_backward_custom", fwd.seq)
         fut._withdrawable = False
@@ -941,7 +953,7 @@ class TrainingClient:
 
     def _make_op(self, kind: Any, **fields: Any) -> TrainingOp:
         seq, key = self._reserve()
-        return TrainingOp(kind=kind, seq=seq, idempotency_key=key, **fields)
+        return OP_TYPES[kind](seq=seq, idempotency_key=key, **fields)
 
     def _submit(self, kind: Any, **fields: Any) -> APIFuture[Any]:
         self._raise_if_unusable(kind)
@@ -985,7 +997,7 @@ class TrainingClient:
             raise
 
     async def _run_custom(
-        self, original: tuple[Datum, ...], fwd: TrainingOp, bwd_seq: int, bwd_key: str, loss_fn: CustomLossFn
+        self, original: tuple[Datum, ...], fwd: ForwardOp, bwd_seq: int, bwd_key: str, loss_fn: CustomLossFn
     ) -> ForwardBackwardOutput:
         try:
             forward = await self._run_op(fwd)
@@ -993,9 +1005,7 @@ class TrainingClient:
         except Exception as err:  # the reserved backward number can never be filled: poison
             self._poison_after(fwd.seq, err)
             raise
-        bwd = TrainingOp(
-            kind="forward_backward", seq=bwd_seq, idempotency_key=bwd_key, data=with_weights(fwd.data, weights), loss_fn="cross_entropy"
-        )
+        bwd = ForwardBackwardOp(seq=bwd_seq, idempotency_key=bwd_key, data=with_weights(fwd.data, weights), loss_fn="cross_entropy")
         out: ForwardBackwardOutput = await self._run_op(bwd)
         return ForwardBackwardOutput.model_construct(
             loss_fn_output_type=out.loss_fn_output_type,

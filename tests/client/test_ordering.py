@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from asyncsess import AdamParams, PoisonedError, ServiceClient
-from asyncsess.backends import TrainingOp
+from asyncsess.backends import OptimStepOp, TrainingOp
 
 from .helpers import random_tokens, sft_datum
 
@@ -77,7 +77,7 @@ async def test_sequencer_keeps_a_bounded_window_of_results():
         return op.seq * 10
 
     seqr = Sequencer(run, keep_results=3)
-    ops = [TrainingOp("optim_step", i, f"k{i}") for i in range(1, 7)]
+    ops = [OptimStepOp(seq=i, idempotency_key=f"k{i}") for i in range(1, 7)]
     assert [await seqr.execute(op) for op in ops] == [10, 20, 30, 40, 50, 60]
     assert await seqr.execute(ops[-1]) == 60 and await seqr.execute(ops[3]) == 40  # recent: stored result
     with pytest.raises(ConflictError):

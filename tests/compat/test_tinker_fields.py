@@ -21,7 +21,7 @@ from asyncsess import (
     ServiceClient,
     TensorData,
 )
-from asyncsess.backends import TrainingOp, TrainingSessionSpec, load_backend
+from asyncsess.backends import ForwardBackwardOp, TrainingSessionSpec, load_backend
 
 pytestmark = pytest.mark.anyio
 
@@ -66,7 +66,7 @@ async def test_csr_and_dense_give_the_same_forward_backward_on_mock():
             (TensorData(data=DENSE_TARGETS, dtype="int64", shape=[4, 3]), TensorData(data=DENSE_WEIGHTS, dtype="float32", shape=[4, 3])),
         ):
             info = await backend.create_training_session(TrainingSessionSpec("mock/bigram-tiny", rank=4, seed=5))
-            op = TrainingOp(kind="forward_backward", seq=1, idempotency_key="k1", data=(_mock_datum(t, w),), loss_fn="cross_entropy")
+            op = ForwardBackwardOp(seq=1, idempotency_key="k1", data=(_mock_datum(t, w),), loss_fn="cross_entropy")
             outs.append(await backend.execute_training(info.model_id, op))
             await backend.stop_session(info.model_id)
         a, b = outs

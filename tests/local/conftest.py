@@ -1,7 +1,7 @@
 """Fixtures for the local backend: a tiny offline Llama and an embedded engine on it.
 
 The device is ``$ASYNCSESS_TEST_DEVICE`` (default ``cpu``) in ``$ASYNCSESS_TEST_DTYPE`` (default ``float32``):
-see ``local_helpers.py``.
+see ``helpers.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def backend_factory(tiny: str, tmp_path: Path):
     from asyncsess_local.embedded import LocalBackend
 
     def make(**kw):
-        from local_helpers import DEVICE_KW
+        from .helpers import DEVICE_KW
 
         return LocalBackend(model=tiny, checkpoint_dir=str(tmp_path / "ckpt"), **{**DEVICE_KW, **kw})
 

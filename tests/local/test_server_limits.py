@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from server_helpers import KEY, MINE, assert_healthy, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+from .server_helpers import KEY, MINE, assert_healthy, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
 
 pytestmark = pytest.mark.local
 
@@ -441,7 +441,7 @@ def test_the_http_client_maps_every_answer_to_a_typed_error(status, content, exp
 
 
 def test_open_sessions_and_samplers_per_key_are_capped(tiny, tmp_path):
-    from server_helpers import THEIRS
+    from .server_helpers import THEIRS
 
     w = start_worker(tiny, str(tmp_path), max_live_per_key=3)
     try:

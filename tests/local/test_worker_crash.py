@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from local_helpers import sft_datum
+from .helpers import sft_datum
 
 from asyncsess import AdamParams, ServiceClient
 from asyncsess.errors import DeadlineExceededError, RetriesExhaustedError

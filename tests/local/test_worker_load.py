@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from local_helpers import sft_datum
+from .helpers import sft_datum
 
 from asyncsess import AdamParams, RetryPolicy, SamplingParams, ServiceClient
 from asyncsess_local.server import tenant_of

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from asyncsess.backends import TrainingOp, TrainingSessionSpec
+from asyncsess.backends import OP_TYPES, TrainingOp, TrainingSessionSpec
 from asyncsess.types import Datum
 from asyncsess_mock import MockBackend
 
@@ -44,7 +44,7 @@ class Session:
 
     def op(self, kind: str, **kw) -> TrainingOp:
         self.seq += 1
-        return TrainingOp(kind, self.seq, f"{self.id}-{self.seq}", **kw)  # type: ignore[arg-type]
+        return OP_TYPES[kind](seq=self.seq, idempotency_key=f"{self.id}-{self.seq}", **kw)
 
     async def run(self, kind: str, **kw):
         return await self.backend.execute_training(self.id, self.op(kind, **kw))

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from smhelpers import REGION, clients, driver_url
+from .helpers import REGION, clients, driver_url
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 

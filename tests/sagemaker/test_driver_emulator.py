@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from smhelpers import clients, driver_url, wait_status
+from .helpers import clients, driver_url, wait_status
 
 import asyncsess
 from asyncsess.errors import InvalidInputError, RetriesExhaustedError, SessionGoneError, UnsupportedError

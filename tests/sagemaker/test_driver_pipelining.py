@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
-from smhelpers import clients, driver_url, wait_status
+from .helpers import clients, driver_url, wait_status
 
 import asyncsess
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError

@@ -9,9 +9,19 @@ from typing import Any
 
 import pytest
 from botocore.stub import ANY, Stubber
-from smhelpers import REGION, ROLE
+from .helpers import REGION, ROLE
 
-from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    TrainingSessionSpec,
+)
 from asyncsess.errors import InvalidInputError, UnsupportedError
 from asyncsess.types import AdamParams, Datum, SamplingParams
 from asyncsess_sagemaker.driver import SageMakerBackend
@@ -169,7 +179,7 @@ async def test_every_op_sends_the_documented_request(stubbed):
         "tokenUsage": {"trainingTokens": 3},
     }
     stubs.training(1, "k1", {"forward": {"lossFnName": "cross_entropy", "datumList": [wire_ce]}}, {"forward": fwd_result})
-    out = await backend.execute_training(name, TrainingOp("forward", 1, "k1", data=(ce,), loss_fn="cross_entropy"))
+    out = await backend.execute_training(name, ForwardOp(seq=1, idempotency_key="k1", data=(ce,), loss_fn="cross_entropy"))
     assert out.metrics == {"loss:sum": 5.0} and out.usage.training_tokens == 3
     assert out.loss_fn_outputs[0]["logprobs"].data == [-1.0, -2.0, -3.0]
 
@@ -191,7 +201,7 @@ async def test_every_op_sends_the_documented_request(stubbed):
             body["lossFnConfig"] = config
         stubs.training(seq, f"k{seq}", {"forwardBackward": body}, {"forwardBackward": fwd_result}, tokenUsage={"trainingTokens": 3})
         await backend.execute_training(
-            name, TrainingOp("forward_backward", seq, f"k{seq}", data=(rl,), loss_fn=loss, loss_fn_config=config)
+            name, ForwardBackwardOp(seq=seq, idempotency_key=f"k{seq}", data=(rl,), loss_fn=loss, loss_fn_config=config)
         )
 
     adam = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0, lora_plus_lr_ratio=16.0)
@@ -205,19 +215,19 @@ async def test_every_op_sends_the_documented_request(stubbed):
         "loraPlusLrRatio": 16.0,
     }
     stubs.training(5, "k5", {"optimizerStep": {"adamParamsConfig": wire_adam}}, {"optimizerStep": {"metrics": {"learning_rate": 1e-3}}})
-    step = await backend.execute_training(name, TrainingOp("optim_step", 5, "k5", adam_params=adam))
+    step = await backend.execute_training(name, OptimStepOp(seq=5, idempotency_key="k5", adam_params=adam))
     assert step.step == 1 and step.metrics == {"learning_rate": 1e-3}
 
     stubs.training(6, "k6", {"saveWeights": {"mergeWeights": True, "description": "merged"}}, {"saveWeights": {"modelPackageArn": PKG}})
-    saved = await backend.execute_training(name, TrainingOp("save_weights", 6, "k6", name="merged", merge_weights=True))
+    saved = await backend.execute_training(name, SaveWeightsOp(seq=6, idempotency_key="k6", name="merged", merge_weights=True))
     assert (saved.path, saved.kind) == (PKG, "merged")
     stubs.training(7, "k7", {"saveWeights": {}}, {"saveWeights": {"modelPackageArn": PKG}})
-    await backend.execute_training(name, TrainingOp("save_weights", 7, "k7", ephemeral=True))
+    await backend.execute_training(name, SaveWeightsOp(seq=7, idempotency_key="k7", ephemeral=True))
     stubs.training(8, "k8", {"saveState": {"description": "final"}}, {"saveState": {"modelPackageArn": PKG}})
-    state = await backend.execute_training(name, TrainingOp("save_state", 8, "k8", name="final"))
+    state = await backend.execute_training(name, SaveStateOp(seq=8, idempotency_key="k8", name="final"))
     assert state.kind == "state" and state.model_package_arn == PKG
     stubs.training(9, "k9", {"loadState": {"modelPackageArn": PKG, "loadOptimizer": True}}, {"loadState": {}})
-    await backend.execute_training(name, TrainingOp("load_state", 9, "k9", path=PKG, with_optimizer=True))
+    await backend.execute_training(name, LoadStateOp(seq=9, idempotency_key="k9", path=PKG, with_optimizer=True))
 
     # Sampling on a package this session saved: named on every request (no load first unless asked, see below).
     sampler = await backend.create_sampler(SamplerSpec(model_path=PKG))
@@ -272,7 +282,7 @@ async def test_load_weights_for_sampling_is_sent_and_awaited_when_asked(stubbed)
     info = await backend.create_training_session(TrainingSessionSpec(base_model="org/tiny-model", rank=8))
     stubs.name = info.model_id
     stubs.training(1, "k1", {"saveWeights": {}}, {"saveWeights": {"modelPackageArn": PKG}})
-    await backend.execute_training(info.model_id, TrainingOp("save_weights", 1, "k1", ephemeral=True))
+    await backend.execute_training(info.model_id, SaveWeightsOp(seq=1, idempotency_key="k1", ephemeral=True))
     stubs.runtime.add_response(
         "execute_sampling_operation",
         {"operationId": "load-1"},
@@ -309,7 +319,7 @@ async def test_resume_sends_load_state_as_sequence_number_one(stubbed):
     info = await backend.create_training_session(TrainingSessionSpec(base_model="tiny-model", rank=4, from_path=PKG, with_optimizer=False))
     stubs.name = info.model_id
     stubs.training(2, "first-client-op", {"saveState": {}}, {"saveState": {"modelPackageArn": PKG}})
-    await backend.execute_training(info.model_id, TrainingOp("save_state", 1, "first-client-op"))
+    await backend.execute_training(info.model_id, SaveStateOp(seq=1, idempotency_key="first-client-op"))
     stubs.runtime.assert_no_pending_responses()
 
 
@@ -319,7 +329,7 @@ async def test_unsupported_and_out_of_range_input_fails_before_sending(stubbed):
     info = await backend.create_training_session(TrainingSessionSpec(base_model="org/tiny-model", rank=8))
     d = _datum([1, 2, 3], logprobs=[0.0, 0.0], advantages=[1.0, 1.0])
     with pytest.raises(UnsupportedError) as err:
-        await backend.execute_training(info.model_id, TrainingOp("forward_backward", 1, "a", data=(d,), loss_fn="dro"))
+        await backend.execute_training(info.model_id, ForwardBackwardOp(seq=1, idempotency_key="a", data=(d,), loss_fn="dro"))
     assert err.value.field == "loss_fn" and "forward_backward_custom" in (err.value.fix or "")
 
     sampler_spec = SamplerSpec(model_path="tinker://run/weights/x")

@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 from botocore.exceptions import ClientError
-from smhelpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
+from .helpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 

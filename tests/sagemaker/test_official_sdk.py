@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from smhelpers import ROLE, clients
+from .helpers import ROLE, clients
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 

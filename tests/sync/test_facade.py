@@ -35,7 +35,9 @@ def test_blocking_docstrings_do_not_tell_users_to_await(name):
     """Docstrings are copied from the async classes and rewritten for blocking use."""
     async_doc = inspect.getdoc(getattr(client, name)) or ""
     sync_cls = getattr(sync_api, name)
-    docs = [inspect.getdoc(sync_cls) or ""] + [inspect.getdoc(m) or "" for m in vars(sync_cls).values() if callable(m) or isinstance(m, property)]
+    docs = [inspect.getdoc(sync_cls) or ""] + [
+        inspect.getdoc(m) or "" for m in vars(sync_cls).values() if callable(m) or isinstance(m, property)
+    ]
     for doc in docs:
         for phrase in ("async with", "async for", "await "):
             assert phrase not in doc, (name, phrase, doc)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient
-from asyncsess.backends import load_backend
+from asyncsess.backends import ForwardBackwardOp, load_backend
 from asyncsess.errors import AsyncSessError
 from asyncsess.rl.data import center_advantages, rl_datum
 from tests.client.helpers import sft_datum
@@ -150,14 +150,13 @@ async def test_bad_input_is_typed_and_consumes_nothing(mock_server: Server) -> N
 
 async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:
     """The same (model_id, seq_id) delivered twice runs once; a changed body under it is refused (409)."""
-    from asyncsess.backends import TrainingOp
     from asyncsess.errors import ConflictError
 
     b = load_backend(url_of(mock_server))
     await b.open()
     try:
         info = await b.create_training_session(__import__("asyncsess.backends.base", fromlist=["x"]).TrainingSessionSpec(BASE, rank=4))
-        op = TrainingOp("forward_backward", 1, "k1", data=(sft_datum([1, 40, 41]),), loss_fn="cross_entropy")
+        op = ForwardBackwardOp(seq=1, idempotency_key="k1", data=(sft_datum([1, 40, 41]),), loss_fn="cross_entropy")
         async with anyio.create_task_group() as tg:
             outs: list[float] = []
 
@@ -169,7 +168,7 @@ async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:
         assert outs[0] == outs[1]
         backend_id = mock_server.door.models[info.model_id].backend_id
         assert [s for sid, s, _ in mock_server.backend.applied_log if sid == backend_id] == [1]
-        changed = TrainingOp("forward_backward", 1, "k2", data=(sft_datum([1, 40, 42]),), loss_fn="cross_entropy")
+        changed = ForwardBackwardOp(seq=1, idempotency_key="k2", data=(sft_datum([1, 40, 42]),), loss_fn="cross_entropy")
         with pytest.raises(ConflictError):
             await b.execute_training(info.model_id, changed)
     finally:

@@ -5,10 +5,17 @@ Nothing here imports a backend package; backends import this.
 """
 
 from .base import (
+    OP_TYPES,
     Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
     ParsedURL,
     SampleRequest,
     SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
     Tokenizer,
     TrainingOp,
     TrainingOpKind,
@@ -19,7 +26,14 @@ from .registry import available_schemes, load_backend
 from .sequencer import Sequencer
 
 __all__ = [
+    "OP_TYPES",
     "Backend",
+    "ForwardBackwardOp",
+    "ForwardOp",
+    "LoadStateOp",
+    "OptimStepOp",
+    "SaveStateOp",
+    "SaveWeightsOp",
     "ParsedURL",
     "SampleRequest",
     "SamplerSpec",

@@ -25,6 +25,13 @@ __all__ = [
     "Tokenizer",
     "TrainingOp",
     "TrainingOpKind",
+    "OP_TYPES",
+    "ForwardOp",
+    "ForwardBackwardOp",
+    "OptimStepOp",
+    "SaveStateOp",
+    "SaveWeightsOp",
+    "LoadStateOp",
     "TrainingSessionSpec",
     "SamplerSpec",
     "SampleRequest",
@@ -35,26 +42,83 @@ __all__ = [
 TrainingOpKind = Literal["forward", "forward_backward", "optim_step", "save_state", "save_weights", "load_state"]
 
 
-@dataclass(frozen=True, slots=True)
-class TrainingOp:
-    """One ordered op on a training session. ``seq`` starts at 1 per session."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Op:
+    """What every ordered op carries: its place (``seq`` starts at 1 per session) and its delivery key."""
 
-    kind: TrainingOpKind
     seq: int
     idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardOp(_Op):
+    """Loss and per-token log-probs, no gradient."""
+
+    kind: Literal["forward"] = "forward"
     data: tuple[Datum, ...] = ()
-    loss_fn: str | None = None
+    loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
-    adam_params: AdamParams | None = None
-    name: str | None = None
-    merge_weights: bool = False
-    with_optimizer: bool = True
-    path: str | None = None
-    ephemeral: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardBackwardOp(_Op):
+    """Like :class:`ForwardOp`, and accumulate the gradient."""
+
+    kind: Literal["forward_backward"] = "forward_backward"
+    data: tuple[Datum, ...] = ()
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimStepOp(_Op):
+    """Apply the accumulated gradient with Adam and clear it."""
+
+    kind: Literal["optim_step"] = "optim_step"
+    adam_params: AdamParams = field(default_factory=AdamParams)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _SaveOp(_Op):
+    name: str | None = None  # None: the backend picks one
+    ephemeral: bool = False  # not listed, may be collected (snapshots for samplers)
     description: str | None = None  # free text kept with a checkpoint (SageMaker's model package description)
     overwrite: bool = False  # replace a checkpoint of the same name instead of failing
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveStateOp(_SaveOp):
+    """Save weights and optimizer state (resumable)."""
+
+    kind: Literal["save_state"] = "save_state"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveWeightsOp(_SaveOp):
+    """Save weights for sampling; ``merge_weights`` also writes a merged full model."""
+
+    kind: Literal["save_weights"] = "save_weights"
+    merge_weights: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadStateOp(_Op):
+    """Load saved weights (and the optimizer state when ``with_optimizer``)."""
+
+    kind: Literal["load_state"] = "load_state"
+    path: str
+    with_optimizer: bool = True
+
+
+TrainingOp = ForwardOp | ForwardBackwardOp | OptimStepOp | SaveStateOp | SaveWeightsOp | LoadStateOp
+"""One ordered op on a training session: a tagged union on ``kind``; backends ``match`` on the class."""
+
+OP_TYPES: dict[str, type[TrainingOp]] = {
+    t.__dataclass_fields__["kind"].default: t  # type: ignore[misc]
+    for t in (ForwardOp, ForwardBackwardOp, OptimStepOp, SaveStateOp, SaveWeightsOp, LoadStateOp)
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ are rebuilt as the same typed exception on the client.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from .. import errors
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, TrainingResult
@@ -27,7 +27,7 @@ __all__ = [
     "decode_error",
 ]
 
-OP = TypeAdapter(TrainingOp)
+OP: TypeAdapter[TrainingOp] = TypeAdapter(Annotated[TrainingOp, Field(discriminator="kind")])
 SESSION_SPEC = TypeAdapter(TrainingSessionSpec)
 SAMPLER_SPEC = TypeAdapter(SamplerSpec)
 SAMPLE_REQUEST = TypeAdapter(SampleRequest)
@@ -79,7 +79,7 @@ def decode_error(body: Any, status: int) -> errors.AsyncSessError:
     """Rebuild the server's typed error (an unknown shape becomes a ServerError or TransientError by status)."""
     info = body.get("error") if isinstance(body, dict) else None
     cls = getattr(errors, info.get("type", ""), None) if isinstance(info, dict) else None
-    if not (isinstance(cls, type) and issubclass(cls, errors.AsyncSessError)):
+    if not (isinstance(info, dict) and isinstance(cls, type) and issubclass(cls, errors.AsyncSessError)):
         text = str(body)[:500]
         if status in (408, 409, 429) or status >= 500:
             return errors.TransientError(f"worker answered {status}: {text}")

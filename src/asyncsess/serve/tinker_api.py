@@ -31,7 +31,19 @@ from anyio.abc import TaskGroup
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..backends.base import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from ..backends.base import (
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    TrainingOp,
+    TrainingSessionSpec,
+)
 from ..backends.sequencer import Sequencer
 from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
@@ -383,7 +395,7 @@ class TinkerDoor:
         m.thunks[seq] = thunk
 
         async def work() -> Callable[[Promise], None]:
-            result = await m.sequencer.execute(TrainingOp(kind="forward", seq=seq, idempotency_key=digest))
+            result = await m.sequencer.execute(ForwardOp(seq=seq, idempotency_key=digest))
             return result
 
         self._spawn(promise, work)
@@ -395,7 +407,7 @@ class TinkerDoor:
 
         m.thunks[seq] = nothing
         if self._tg is not None:
-            self._tg.start_soon(_quietly, m.sequencer.execute(TrainingOp(kind="forward", seq=seq, idempotency_key=digest)))
+            self._tg.start_soon(_quietly, m.sequencer.execute(ForwardOp(seq=seq, idempotency_key=digest)))
 
     def _op(self, m: _Model, op: TrainingOp) -> Callable[[], Awaitable[Any]]:
         async def run() -> Any:
@@ -425,8 +437,8 @@ class TinkerDoor:
                 config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
             except InvalidInputError as err:
                 return err
-            kind: TrainingOpKind = "forward" if wire.forward_only else "forward_backward"
-            return TrainingOp(kind=kind, seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config)
+            cls = ForwardOp if wire.forward_only else ForwardBackwardOp
+            return cls(seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config)
 
         checked = await anyio.to_thread.run_sync(check)
 
@@ -455,7 +467,7 @@ class TinkerDoor:
             if "optimizer_params" in body and "adam_params" not in body:
                 raise ApiError(400, "only AdamW is offered", field="optimizer_params", fix="send adam_params")
             params = coerce_adam_params(body.get("adam_params") or body.get("optim_params"))
-            run = self._op(m, TrainingOp(kind="optim_step", seq=0, idempotency_key="", adam_params=params))
+            run = self._op(m, OptimStepOp(seq=0, idempotency_key="", adam_params=params))
 
             async def go() -> Callable[[Promise], None]:
                 out: OptimStepResponse = await run()
@@ -485,7 +497,7 @@ class TinkerDoor:
         name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
 
         def make() -> Callable[[], Awaitable[Any]]:
-            run = self._op(m, TrainingOp(kind="save_state", seq=0, idempotency_key="", name=name, with_optimizer=True))
+            run = self._op(m, SaveStateOp(seq=0, idempotency_key="", name=name))
 
             async def go() -> Callable[[Promise], None]:
                 ck = self._record(m, await run(), "weights", name, "training")
@@ -506,7 +518,7 @@ class TinkerDoor:
             raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
 
         def make() -> Callable[[], Awaitable[Any]]:
-            op = TrainingOp(kind="save_weights", seq=0, idempotency_key="", name=name, ephemeral=body.get("path") is None)
+            op = SaveWeightsOp(seq=0, idempotency_key="", name=name, ephemeral=body.get("path") is None)
             run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
@@ -558,7 +570,7 @@ class TinkerDoor:
         m = self.model(_str(body, "model_id"))
 
         def make() -> Callable[[], Awaitable[Any]]:
-            run = self._op(m, TrainingOp(kind="load_state", seq=0, idempotency_key="", path=backend_path, with_optimizer=with_optimizer))
+            run = self._op(m, LoadStateOp(seq=0, idempotency_key="", path=backend_path, with_optimizer=with_optimizer))
 
             async def go() -> Callable[[Promise], None]:
                 _: LoadWeightsResponse = await run()

@@ -19,7 +19,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
-from asyncsess.backends import SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from asyncsess.backends import OP_TYPES, LoadStateOp, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from asyncsess.errors import InvalidInputError
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
 from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
 
@@ -146,8 +147,13 @@ class OpBody(_Body):
     user_metadata: dict[Label, Long] | None = Field(default=None, max_length=64)
 
     def op(self) -> TrainingOp:
-        fields = {k: getattr(self, k) for k in type(self).model_fields}
-        return TrainingOp(**{**fields, "data": tuple(self.data)})
+        """The typed record for ``kind``, from the fields that kind has."""
+        cls = OP_TYPES[self.kind]
+        if cls is LoadStateOp and self.path is None:
+            raise InvalidInputError("load_state needs a path", field="path", fix="pass the path a save returned")
+        own = cls.__dataclass_fields__
+        fields = {k: getattr(self, k) for k in type(self).model_fields if k in own and getattr(self, k) is not None}
+        return cls(**{**fields, "data": tuple(self.data)} if "data" in own else fields)
 
 
 class SamplerBody(_Body):

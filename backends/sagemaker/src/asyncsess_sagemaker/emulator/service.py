@@ -20,7 +20,19 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from asyncsess.backends import Backend, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    TrainingOp,
+    TrainingSessionSpec,
+)
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
@@ -483,7 +495,7 @@ class EmulatedService:
         return run
 
     async def _run_training(self, sess: SessionRecord, op: OperationRecord) -> None:
-        top = TrainingOp(kind="forward", seq=op.seq or 0, idempotency_key=op.id)  # only seq and key matter to the sequencer
+        top = ForwardOp(seq=op.seq or 0, idempotency_key=op.id)  # only seq and key matter to the sequencer
         try:
             result = await sess.sequencer.execute(top)
         except (PoisonedError, SessionGoneError) as err:
@@ -512,8 +524,7 @@ class EmulatedService:
         key = op.client_token or op.id
         if op.kind in ("forward", "forwardBackward"):
             data = tuple(datum_from_wire(d) for d in body["datumList"])
-            top = TrainingOp(
-                kind="forward" if op.kind == "forward" else "forward_backward",
+            top = (ForwardOp if op.kind == "forward" else ForwardBackwardOp)(
                 seq=op.seq,
                 idempotency_key=key,
                 data=data,
@@ -527,7 +538,7 @@ class EmulatedService:
             op.token_usage = {"trainingTokens": tokens}
             return forward_result_to_wire(out, tokens)
         if op.kind == "optimizerStep":
-            top = TrainingOp(kind="optim_step", seq=op.seq, idempotency_key=key, adam_params=adam_from_wire(body["adamParamsConfig"]))
+            top = OptimStepOp(seq=op.seq, idempotency_key=key, adam_params=adam_from_wire(body["adamParamsConfig"]))
             step = await self.inner.execute_training(sess.inner_id, top)
             assert isinstance(step, OptimStepResponse)
             return {"metrics": dict(step.metrics or {})}
@@ -536,12 +547,11 @@ class EmulatedService:
             version = group.next_version
             group.next_version += 1
             merged = bool(body.get("mergeWeights"))
-            top = TrainingOp(
-                kind="save_state" if op.kind == "saveState" else "save_weights",
-                seq=op.seq,
-                idempotency_key=key,
-                name=f"{sess.name}-{group.name}-{version}",
-                merge_weights=merged,
+            name = f"{sess.name}-{group.name}-{version}"
+            top: SaveStateOp | SaveWeightsOp = (
+                SaveStateOp(seq=op.seq, idempotency_key=key, name=name)
+                if op.kind == "saveState"
+                else SaveWeightsOp(seq=op.seq, idempotency_key=key, name=name, merge_weights=merged)
             )
             saved = await self.inner.execute_training(sess.inner_id, top)
             assert isinstance(saved, CheckpointResponse)
@@ -564,9 +574,7 @@ class EmulatedService:
             return {"modelPackageArn": arn}
         if op.kind == "loadState":
             pkg = self._known_package(body["modelPackageArn"])
-            top = TrainingOp(
-                kind="load_state", seq=op.seq, idempotency_key=key, path=pkg.inner_path, with_optimizer=bool(body["loadOptimizer"])
-            )
+            top = LoadStateOp(seq=op.seq, idempotency_key=key, path=pkg.inner_path, with_optimizer=bool(body["loadOptimizer"]))
             await self.inner.execute_training(sess.inner_id, top)
             return {}
         raise AssertionError(f"unhandled operation {op.kind}")

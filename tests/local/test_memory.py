@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_helpers import TOL, Ops, sft_datum  # noqa: E402
+from .helpers import TOL, Ops, sft_datum  # noqa: E402
 
 from asyncsess.backends import TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, ResourceExhaustedError, ServerError  # noqa: E402

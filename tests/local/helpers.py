@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from asyncsess.backends import TrainingOp
+from asyncsess.backends import OP_TYPES, TrainingOp
 from asyncsess.types import Datum, ModelInput
 
 
@@ -25,7 +25,7 @@ class Ops:
 
     def __call__(self, kind: str, **kw) -> TrainingOp:
         self.seq += 1
-        return TrainingOp(kind, self.seq, f"key-{self.seq}", **kw)  # type: ignore[arg-type]
+        return OP_TYPES[kind](seq=self.seq, idempotency_key=f"key-{self.seq}", **kw)
 
 
 # The device and dtype the local suite runs on: ASYNCSESS_TEST_DEVICE (default cpu; e.g. cuda, cuda:1) and

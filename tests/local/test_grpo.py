@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_helpers import DEVICE_QUERY  # noqa: E402
+from .helpers import DEVICE_QUERY  # noqa: E402
 
 import asyncsess  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams  # noqa: E402

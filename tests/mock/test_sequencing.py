@@ -6,7 +6,7 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncsess.backends import TrainingOp
+from asyncsess.backends import OptimStepOp
 from asyncsess.errors import ConflictError, InvalidInputError, PoisonedError, SessionGoneError, TransientError
 from asyncsess.types import AdamParams
 from asyncsess_mock import MockBackend, MockConfig
@@ -67,7 +67,7 @@ async def test_duplicate_delivery_is_applied_once(open_session, datum):
     np.testing.assert_array_equal(g, b.trainer(single.id).grad)  # not accumulated 4 times
     assert again.metrics == ref.metrics
     with pytest.raises(ConflictError) as err:
-        await b.execute_training(s.id, TrainingOp("optim_step", 1, "another-key"))
+        await b.execute_training(s.id, OptimStepOp(seq=1, idempotency_key="another-key"))
     assert err.value.field == "seq"
     await b.stop_session(s.id)
     await b.stop_session(single.id)

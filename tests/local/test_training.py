@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_helpers import Ops, sft_datum  # noqa: E402
+from .helpers import Ops, sft_datum  # noqa: E402
 
 from asyncsess.backends import TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError  # noqa: E402

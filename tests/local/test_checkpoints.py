@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
+from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
 from asyncsess.backends import SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_helpers import DEVICE_KW, sft_datum  # noqa: E402
+from .helpers import DEVICE_KW, sft_datum  # noqa: E402
 
 import asyncsess  # noqa: E402
 from asyncsess.backends import parse_url  # noqa: E402
