@@ -10,11 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
-
 from asyncsess.backends import SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError  # noqa: E402
 from asyncsess.types import AdamParams  # noqa: E402
+
+from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 

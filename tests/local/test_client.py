@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .helpers import DEVICE_KW, DEVICE_QUERY  # noqa: E402
-
 import asyncsess  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams  # noqa: E402
+
+from .helpers import DEVICE_KW, DEVICE_QUERY  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 

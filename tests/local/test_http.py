@@ -10,11 +10,12 @@ torch = pytest.importorskip("torch")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
 from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams  # noqa: E402
+
+from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
 
 pytestmark = pytest.mark.local
 

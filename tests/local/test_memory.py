@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .helpers import TOL, Ops, sft_datum  # noqa: E402
-
 from asyncsess.backends import TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, ResourceExhaustedError, ServerError  # noqa: E402
 from asyncsess.types import AdamParams  # noqa: E402
+
+from .helpers import TOL, Ops, sft_datum  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 

@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .helpers import Ops, sft_datum  # noqa: E402
-
 from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, SessionGoneError  # noqa: E402
 from asyncsess.types import AdamParams, SamplingParams  # noqa: E402
+
+from .helpers import Ops, sft_datum  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 

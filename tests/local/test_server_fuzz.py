@@ -28,6 +28,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
+
 from .server_helpers import KEY, MINE, OTHER, assert_healthy, new_sampler, new_session, raw_json, start_worker  # noqa: E402
 
 pytestmark = pytest.mark.local

@@ -9,11 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .helpers import Ops, sft_datum  # noqa: E402
-
 from asyncsess.backends import TrainingSessionSpec  # noqa: E402
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError  # noqa: E402
 from asyncsess.types import AdamParams, Datum, ModelInput  # noqa: E402
+
+from .helpers import Ops, sft_datum  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 

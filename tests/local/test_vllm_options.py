@@ -17,12 +17,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .helpers import DEVICE_KW, sft_datum  # noqa: E402
-
 import asyncsess  # noqa: E402
 from asyncsess.backends import parse_url  # noqa: E402
 from asyncsess.errors import InvalidInputError  # noqa: E402
 from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, Usage  # noqa: E402
+
+from .helpers import DEVICE_KW, sft_datum  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 

@@ -19,12 +19,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from .helpers import sft_datum
-
 from asyncsess import AdamParams, ServiceClient
 from asyncsess.errors import DeadlineExceededError, RetriesExhaustedError
 from asyncsess.retry import RetryPolicy
 from asyncsess.runs.metrics import read_metrics
+
+from .helpers import sft_datum
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 KEY = "crash-key"

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from .helpers import sft_datum
-
 from asyncsess import AdamParams, RetryPolicy, SamplingParams, ServiceClient
 from asyncsess_local.server import tenant_of
+
+from .helpers import sft_datum
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 KEYS = [f"tenant-{i}" for i in range(16)]

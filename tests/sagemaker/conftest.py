@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from .helpers import REGION, clients, driver_url
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
+
+from .helpers import REGION, clients, driver_url
 
 collect_ignore = [] if all(importlib.util.find_spec(m) for m in ("torch", "asyncsess_local")) else ["test_driver_emulator_local.py"]
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from .helpers import clients, driver_url, wait_status
 
 import asyncsess
 from asyncsess.errors import InvalidInputError, RetriesExhaustedError, SessionGoneError, UnsupportedError
 from asyncsess.rl.data import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
 from asyncsess_sagemaker.emulator import running_emulator
+
+from .helpers import clients, driver_url, wait_status
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
+from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
+
 from .helpers import driver_url
 from .test_driver_emulator import (  # noqa: F401  (collected here again, on this module's fixtures)
     test_a_session_stopped_remotely_surfaces_as_session_gone,
     test_grpo_example_runs_end_to_end,
     test_pipelined_ops_survive_throttling_and_lost_replies_exactly_once,
 )
-
-from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.local, pytest.mark.anyio]
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import anyio
 import pytest
-from .helpers import clients, driver_url, wait_status
 
 import asyncsess
 from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError
 from asyncsess.types import AdamParams, Datum, ModelInput
+
+from .helpers import clients, driver_url, wait_status
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
 

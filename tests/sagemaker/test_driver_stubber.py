@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from botocore.stub import ANY, Stubber
-from .helpers import REGION, ROLE
 
 from asyncsess.backends import (
     ForwardBackwardOp,
@@ -26,6 +25,8 @@ from asyncsess.errors import InvalidInputError, UnsupportedError
 from asyncsess.types import AdamParams, Datum, SamplingParams
 from asyncsess_sagemaker.driver import SageMakerBackend
 from asyncsess_sagemaker.options import SageMakerOptions
+
+from .helpers import REGION, ROLE
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
 

@@ -9,9 +9,10 @@ import uuid
 import httpx
 import pytest
 from botocore.exceptions import ClientError
-from .helpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
+
+from .helpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
 
 pytestmark = pytest.mark.sagemaker
 

@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from .helpers import ROLE, clients
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
+
+from .helpers import ROLE, clients
 
 ts = pytest.importorskip("sagemaker.train.training_session", reason="install asyncsess-sagemaker[sdk] (the nox 'sagemaker' session does)")
 
