@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import os
 import pickle
@@ -1419,14 +1418,6 @@ def _check_id(value: Any, field: str = "training_run_id") -> str:
     if not isinstance(value, str) or not value or len(value) > 512 or "\x00" in value:
         raise InvalidInputError(f"{value!r} is not an id", field=field, fix="use an id from a list_* call")
     return value
-
-
-_request_ids = itertools.count(1)
-_request_prefix = uuid.uuid4().hex[:12]
-
-
-def _request_id() -> str:
-    return f"{_request_prefix}-{next(_request_ids)}"
 
 
 def _release_sampler(svc_ref: weakref.ref[ServiceClient], sampler_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Custom losses lowered to ``cross_entropy`` with ``weights = -dL/dlogp`` (spec/losses.md §4.1).
+"""Custom losses lowered to ``cross_entropy`` with ``weights = -dL/dlogp`` (docs/losses.md, "Custom losses").
 
 Any backend with real-valued, sum-reduced cross-entropy therefore supports any differentiable loss
 of the per-token log-probs, including losses that couple datums (DPO, KTO).

@@ -66,3 +66,18 @@ async def test_kto_recipe(tmp_path):
     losses = [r["kto_loss"] for r in records if "kto_loss" in r]
     assert summary["steps"] == len(losses) == 12 and losses[0] == pytest.approx(0.5, abs=1e-4)
     assert sum(losses[-3:]) < sum(losses[:3]) and summary["test/accuracy_before"] == 0.5
+
+
+def test_one_loop_config_keeps_dpo_pairs_whole_and_names_the_field():
+    from pydantic import ValidationError
+
+    from asyncsess.supervised.preference import PreferenceConfig, preference_accuracy
+
+    with pytest.raises(ValidationError, match="batch_size"):
+        PreferenceConfig(method="dpo", data="x.jsonl", batch_size=7)
+    assert PreferenceConfig(method="kto", data="x.jsonl", batch_size=7).batch_size == 7
+    with pytest.raises(ValidationError, match="method"):
+        PreferenceConfig(method="ipo", data="x.jsonl")
+    # DPO scores pairs by margin, KTO scores each example by the sign its label asks for
+    assert preference_accuracy("dpo", [0.0, -1.0, -1.0, 0.0], [0.0] * 4, [True, False] * 2) == 0.5
+    assert preference_accuracy("kto", [1.0, -1.0, 1.0], [0.0] * 3, [True, False, False]) == 2 / 3

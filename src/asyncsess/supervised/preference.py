@@ -1,23 +1,40 @@
-"""Preference losses as custom losses for ``forward_backward_custom`` (spec/losses.md §4.3): DPO on
-chosen/rejected pairs and KTO on binary feedback, plus the datum and reference-log-prob helpers.
+"""Preference training: DPO on chosen/rejected pairs and KTO on binary feedback, as custom losses for
+``forward_backward_custom``, the datum and reference-log-prob helpers, and one loop for both
+(:func:`train_preference`, which examples/dpo.py and examples/kto.py run).
 
-The loss functions run on torch tensors handed over by the client; torch is imported only when
-they are called, so importing this module stays torch-free.
+The reference is the session's own weights at step 0; its log-probs come from ``compute_logprobs``. The
+loss functions run on torch tensors handed over by the client; torch is imported only when they are
+called, so importing this module stays torch-free.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..chat import Message
 from ..client import SamplingClient, TrainingClient
 from ..custom_loss import CustomLossFn
 from ..rl.data import datum_tokens
-from ..types import Datum
+from ..runs.checkpoints import prepare_run_dir, save_checkpoint
+from ..runs.metrics import MetricsLogger
+from ..types import AdamParams, Datum
 from .sft import conversation_datum
 
-__all__ = ["completion_datum", "reference_sums", "policy_sums", "dpo_loss", "kto_loss"]
+__all__ = [
+    "completion_datum",
+    "reference_sums",
+    "policy_sums",
+    "dpo_loss",
+    "kto_loss",
+    "preference_accuracy",
+    "PreferenceConfig",
+    "train_preference",
+]
 
 
 def completion_datum(tokenizer: Any, prompt: Sequence[Message], completion: str, max_length: int | None = None) -> Datum:
@@ -100,3 +117,95 @@ def kto_loss(
         }
 
     return loss_fn
+
+
+def preference_accuracy(
+    method: Literal["dpo", "kto"], policy: Sequence[float], ref: Sequence[float], labels: Sequence[bool], tie: float = 1e-3
+) -> float:
+    """Held-out accuracy of the implicit reward ``p - ref``. DPO: the share of pairs whose margin
+    ``(p_c - ref_c) - (p_r - ref_r)`` is positive; KTO: the share of examples whose reward has the label's
+    sign. A value within ``tie`` of 0 (float noise between the two passes) counts half."""
+    if method == "dpo":
+        values = [(policy[i] - ref[i]) - (policy[i + 1] - ref[i + 1]) for i in range(0, len(policy), 2)]
+        signs = [True] * len(values)
+    else:
+        values, signs = [p - r for p, r in zip(policy, ref)], list(labels)
+    scores = [0.5 if abs(v) <= tie else float((v > 0) == good) for v, good in zip(values, signs)]
+    return sum(scores) / max(1, len(scores))
+
+
+class PreferenceConfig(BaseModel):
+    """One preference run. ``data`` is JSONL: DPO rows ``{"prompt", "chosen", "rejected"}``, KTO rows
+    ``{"prompt", "completion", "label"}``; the last quarter (of pairs, for DPO) is held out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["dpo", "kto"]
+    data: str
+    url: str = "mock://"
+    base_model: str = "mock/bigram-tiny"
+    lora_rank: int = Field(32, ge=1)
+    learning_rate: float = Field(1e-5, gt=0)
+    adam: AdamParams = AdamParams(beta1=0.9, beta2=0.95, eps=1e-8)  # learning_rate above overrides adam's
+    beta: float = Field(0.1, gt=0)
+    batch_size: int = Field(8, ge=1, description="datums per step (a DPO pair is two)")
+    lambda_desirable: float = Field(1.0, ge=0)  # KTO only
+    lambda_undesirable: float = Field(1.0, ge=0)  # KTO only
+    num_epochs: int = Field(1, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _pairs_stay_whole(self) -> PreferenceConfig:
+        if self.method == "dpo" and self.batch_size % 2:
+            raise ValueError(f"batch_size={self.batch_size}: DPO batches hold whole chosen/rejected pairs; use an even number")
+        return self
+
+
+_METRICS = {
+    "dpo": ("dpo_loss", "accuracy", "margin", "chosen_reward", "rejected_reward"),
+    "kto": ("kto_loss", "kl_ref_point", "reward_desirable", "reward_undesirable"),
+}
+
+
+def _examples(cfg: PreferenceConfig, tokenizer: Any) -> tuple[list[Datum], list[bool], int]:
+    """The datums, their labels, and where the held-out part starts."""
+    rows = [json.loads(line) for line in Path(cfg.data).read_text().splitlines() if line.strip()]
+    held_out = max(1, len(rows) // 4)
+    if cfg.method == "dpo":
+        data = [completion_datum(tokenizer, r["prompt"], r[key]) for r in rows for key in ("chosen", "rejected")]
+        return data, [True, False] * len(rows), 2 * (len(rows) - held_out)
+    data = [completion_datum(tokenizer, r["prompt"], r["completion"]) for r in rows]
+    return data, [bool(r["label"]) for r in rows], len(rows) - held_out
+
+
+def _loss(cfg: PreferenceConfig, ref: Sequence[float], labels: Sequence[bool]) -> CustomLossFn:
+    if cfg.method == "dpo":
+        return dpo_loss(ref, cfg.beta)
+    return kto_loss(ref, labels, cfg.beta, cfg.lambda_desirable, cfg.lambda_undesirable)
+
+
+async def train_preference(cfg: PreferenceConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Train with DPO or KTO, log ``metrics.jsonl`` (the loss's metrics, ``test/accuracy`` before and after)
+    and save a final checkpoint in ``run_dir``; return the summary."""
+    from ..client import ServiceClient
+
+    path, _ = prepare_run_dir(run_dir, cfg, if_exists="overwrite")
+    adam = cfg.adam.model_copy(update={"learning_rate": cfg.learning_rate})
+    async with ServiceClient(cfg.url) as svc:
+        tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
+        data, labels, cut = _examples(cfg, tc.get_tokenizer())
+        ref = await reference_sums(await tc.save_weights_and_get_sampling_client(), data)
+        starts = [i for _ in range(cfg.num_epochs) for i in range(0, cut - cfg.batch_size + 1, cfg.batch_size)]
+        with MetricsLogger(path) as log:
+            before = preference_accuracy(cfg.method, await policy_sums(tc, data[cut:]), ref[cut:], labels[cut:])
+            for step, i in enumerate(starts):
+                j = i + cfg.batch_size
+                fb = tc.forward_backward_custom(data[i:j], _loss(cfg, ref[i:j], labels[i:j]))
+                opt = tc.optim_step(adam)
+                out = await fb
+                await opt
+                log.log(step, {**{k: out.metrics[k] for k in _METRICS[cfg.method]}, **({"test/accuracy": before} if step == 0 else {})})
+            after = preference_accuracy(cfg.method, await policy_sums(tc, data[cut:]), ref[cut:], labels[cut:])
+            log.log(len(starts), {"test/accuracy": after})
+        await save_checkpoint(tc, path, "final", len(starts), kind="both", final=True)
+    return {"steps": len(starts), "test/accuracy_before": before, "test/accuracy_after": after}
