@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from .server_helpers import KEY, start_worker  # noqa: E402
+from .server_helpers import KEY, start_worker
 
 pytestmark = pytest.mark.local
 
