@@ -1,7 +1,7 @@
 """``mock://`` backend for asyncsess: a tiny numpy bigram model with real gradients and fault injection."""
 
 from .backend import MockBackend
-from .engine import MockTrainer
+from .trainer import MockTrainer
 from .faults import MockConfig
 from .tokenizer import CharTokenizer
 
