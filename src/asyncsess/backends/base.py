@@ -124,7 +124,7 @@ TrainingOp = ForwardOp | ForwardBackwardOp | OptimStepOp | SaveStateOp | SaveWei
 
 _RECORDS: tuple[type[TrainingOp], ...] = (ForwardOp, ForwardBackwardOp, OptimStepOp, SaveStateOp, SaveWeightsOp, LoadStateOp)
 
-OP_TYPES: dict[str, type[TrainingOp]] = {t.__dataclass_fields__["kind"].default: t for t in _RECORDS}
+OP_TYPES: dict[str, type[TrainingOp]] = {str(t.__dataclass_fields__["kind"].default): t for t in _RECORDS}
 """``kind`` tag -> record class (for wire formats that carry the tag)."""
 
 
@@ -193,7 +193,8 @@ class SampleRequest:
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the SDK relies on."""
 
-    eos_token_id: int | None
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

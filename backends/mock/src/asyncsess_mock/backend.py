@@ -49,12 +49,12 @@ from asyncsess.types import (
 )
 
 from .checkpoints import StoredCheckpoint, check_name, checkpoint_path
-from .trainer import MockTrainer
 from .faults import Faults, MockConfig
 from .losses import MULTI_TARGET_LOSSES
 from .model import base_table, log_softmax_table
 from .sampler import MockSampler
 from .tokenizer import CharTokenizer
+from .trainer import MockTrainer
 
 __all__ = ["MockBackend"]
 
