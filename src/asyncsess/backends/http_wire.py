@@ -63,11 +63,14 @@ def status_for(err: errors.AsyncSessError) -> int:
 
 
 def encode_op(op: TrainingOp) -> dict[str, Any]:
+    """The JSON body of an op; text that UTF-8 cannot carry (a lone surrogate) is refused, naming its field."""
+    _check_utf8(OP.dump_python(op), "")
     return OP.dump_python(op, mode="json")  # type: ignore[no-any-return]
 
 
 def decode_op(body: Any) -> TrainingOp:
     """The record a JSON body holds, or an :class:`~asyncsess.errors.InvalidInputError` naming the bad field."""
+    _check_utf8(body, "")
     try:
         return OP.validate_python(body)
     except ValidationError as err:
@@ -83,6 +86,25 @@ def decode_op(body: Any) -> TrainingOp:
             ) from None
         where = ".".join(loc[1:]) or "op"
         raise errors.InvalidInputError(first["msg"], field=where, fix=f"see {OP_TYPES[loc[0]].__name__}" if loc else None) from None
+
+
+def _check_utf8(value: Any, where: str) -> None:
+    """Refuse a string (or dict key) that is not UTF-8 text: JSON over HTTP cannot carry it, and pydantic
+    would silently replace it in a dict key."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise errors.InvalidInputError(
+                f"{value[:40]!r} is not UTF-8 text (it holds a lone surrogate)", field=where or "op", fix="send valid Unicode text"
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k, where)
+            _check_utf8(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float)):  # number lists: no text
+        for i, v in enumerate(value):
+            _check_utf8(v, f"{where}[{i}]")
 
 
 def encode_result(result: TrainingResult) -> dict[str, Any]:
