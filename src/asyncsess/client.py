@@ -26,12 +26,15 @@ import sniffio
 from anyio.abc import TaskGroup
 
 from .backends import (
-    OP_TYPES,
     Backend,
     ForwardBackwardOp,
     ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
     SampleRequest,
     SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
     Tokenizer,
     TrainingOp,
     TrainingSessionSpec,
@@ -653,7 +656,7 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Log-probs and loss without gradients. Argument forms: see :meth:`forward_backward`."""
         datums, config = self._check(_data_or_batch(data, batch), loss_fn, loss_fn_config, loss_fn_inputs)
-        return self._submit_batch("forward", datums, loss_fn, config)
+        return self._submit_batch(ForwardOp, datums, loss_fn, config)
 
     def forward_backward(
         self,
@@ -671,7 +674,7 @@ class TrainingClient:
         are attached to each datum that has none of its own. ``batch=`` is SageMaker's name for ``data``.
         """
         datums, config = self._check(_data_or_batch(data, batch), loss_fn, loss_fn_config, loss_fn_inputs)
-        return self._submit_batch("forward_backward", datums, loss_fn, config)
+        return self._submit_batch(ForwardBackwardOp, datums, loss_fn, config)
 
     def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
@@ -699,7 +702,7 @@ class TrainingClient:
         if optim_params is not None and adam_params is not None:
             raise InvalidInputError("give optim_params or adam_params, not both", field="adam_params")
         params = coerce_adam_params(adam_params if adam_params is not None else optim_params)
-        return self._submit("optim_step", adam_params=params)
+        return self._submit("optim_step", functools.partial(OptimStepOp, adam_params=params))
 
     def save_state(
         self,
@@ -717,7 +720,7 @@ class TrainingClient:
         ``overwrite=True`` replaces a checkpoint of the same name.
         """
         fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_state")
-        return self._remember("save_state", fields, self._submit("save_state", **fields))
+        return self._remember("save_state", fields, self._submit("save_state", functools.partial(SaveStateOp, **fields)))
 
     def save_weights_for_sampler(
         self,
@@ -732,19 +735,21 @@ class TrainingClient:
         """Save weights for sampling/export; ``merge_weights=True`` also writes a merged full model. Names: see :meth:`save_state`."""
         fields = self._save_fields(name, description, ttl_seconds, overwrite, user_metadata, "save_weights")
         merge = _check_bool(merge_weights, "merge_weights")
-        return self._remember("save_weights", fields, self._submit("save_weights", merge_weights=merge, **fields))
+        return self._remember(
+            "save_weights", fields, self._submit("save_weights", functools.partial(SaveWeightsOp, merge_weights=merge, **fields))
+        )
 
     def load_state(
         self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
     ) -> APIFuture[LoadWeightsResponse]:
         """Load weights from ``path`` (SageMaker: ``model_package_arn``) and reset the optimizer."""
-        return self._submit("load_state", path=_path_or_arn(path, model_package_arn), with_optimizer=False)
+        return self._submit("load_state", functools.partial(LoadStateOp, path=_path_or_arn(path, model_package_arn), with_optimizer=False))
 
     def load_state_with_optimizer(
         self, path: str | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None
     ) -> APIFuture[LoadWeightsResponse]:
         """Load weights and optimizer state from ``path`` (SageMaker: ``model_package_arn``)."""
-        return self._submit("load_state", path=_path_or_arn(path, model_package_arn), with_optimizer=True)
+        return self._submit("load_state", functools.partial(LoadStateOp, path=_path_or_arn(path, model_package_arn), with_optimizer=True))
 
     def save_weights_external(
         self, name: str | None = None, ttl_seconds: int | None = None, age_encryption_recipients: Any = None
@@ -819,7 +824,9 @@ class TrainingClient:
         fields = self._save_fields(name, description, None, False, None, "save_weights")
         merge = _check_bool(merge_weights, "merge_weights")
         saved = await self._remember(
-            "save_weights", fields, self._submit("save_weights", merge_weights=merge, ephemeral=fields["name"] is None, **fields)
+            "save_weights",
+            fields,
+            self._submit("save_weights", functools.partial(SaveWeightsOp, merge_weights=merge, ephemeral=fields["name"] is None, **fields)),
         )
         return await self._svc._open_sampler(SamplerSpec(model_path=saved.path), self.base_model)
 
@@ -950,25 +957,24 @@ class TrainingClient:
         self._next_seq += 1
         return seq, f"{self._key_prefix}-{seq}"
 
-    def _make_op(self, kind: Any, **fields: Any) -> TrainingOp:
+    def _submit(self, operation: str, make: Callable[..., TrainingOp]) -> APIFuture[Any]:
+        """Number an op and run it in order; ``make(seq=, idempotency_key=)`` builds its record (a ``partial`` of one)."""
+        self._raise_if_unusable(operation)
         seq, key = self._reserve()
-        return OP_TYPES[kind](seq=seq, idempotency_key=key, **fields)
-
-    def _submit(self, kind: Any, **fields: Any) -> APIFuture[Any]:
-        self._raise_if_unusable(kind)
-        op = self._make_op(kind, **fields)
-        fut: APIFuture[Any] = APIFuture(kind, op.seq)
+        op = make(seq=seq, idempotency_key=key)
+        fut: APIFuture[Any] = APIFuture(operation, op.seq)
         fut._withdrawable = False  # an ordered op keeps its place once numbered
         return self._track(fut, self._run_op, op)
 
     def _submit_batch(
-        self, kind: Any, datums: tuple[Datum, ...], loss_fn: str, config: dict[str, float] | None
+        self, record: type[ForwardOp | ForwardBackwardOp], datums: tuple[Datum, ...], loss_fn: str, config: dict[str, float] | None
     ) -> APIFuture[ForwardBackwardOutput]:
         """One op, or consecutive ops for a batch over the chunk limits, merged into one future."""
+        kind = "forward" if record is ForwardOp else "forward_backward"
         chunks = chunk_datums(datums, self._svc.max_chunk_datums, self._svc.max_chunk_bytes)
-        if len(chunks) == 1:
-            return self._submit(kind, data=datums, loss_fn=loss_fn, loss_fn_config=config)
-        parts = [self._submit(kind, data=c, loss_fn=loss_fn, loss_fn_config=config) for c in chunks]
+        parts = [self._submit(kind, functools.partial(record, data=c, loss_fn=loss_fn, loss_fn_config=config)) for c in chunks]
+        if len(parts) == 1:
+            return parts[0]
         fut: APIFuture[ForwardBackwardOutput] = APIFuture(kind, parts[0].seq)
         fut._withdrawable = False
         return self._svc._spawn(fut, _merge_parts, parts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec, available_schemes, load_backend
@@ -176,3 +178,26 @@ async def test_bad_session_and_sampling_input():
         await b.compute_logprobs(sid, [1, -3])
     assert err.value.field == "tokens"
     await b.stop_session(sid)
+
+
+_NOT_OPS = [
+    None,
+    "forward",
+    {"kind": "forward", "seq": 1, "idempotency_key": "k", "data": [], "loss_fn": "cross_entropy"},
+    # quacks like a ForwardOp (every attribute a backend would read), but is not one of the records
+    types.SimpleNamespace(kind="forward", seq=1, idempotency_key="k", data=(), loss_fn="cross_entropy", loss_fn_config=None),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("bad", _NOT_OPS, ids=["None", "str", "dict", "lookalike"])
+async def test_an_object_that_is_not_an_op_record_is_refused_before_it_takes_a_sequence_number(open_session, datum, bad):
+    b = MockBackend()
+    s = await open_session(b)
+    with pytest.raises(InvalidInputError) as info:
+        await b.execute_training(s.id, bad)
+    assert info.value.field == "op" and "ForwardBackwardOp" in str(info.value)
+    # seq 1 is still free and the session is not poisoned: the next real op runs as the first
+    out = await s.run("forward_backward", data=(datum([5, 6, 7]),))
+    assert out.loss_fn_outputs and b.applied_log == [(s.id, 1, "forward_backward")]
+    await b.stop_session(s.id)

@@ -1,4 +1,4 @@
-"""AdamW against a hand-written scalar reference, through the engine."""
+"""AdamW against a hand-written scalar reference, through the trainer."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_clipping_changes_the_update_only_when_the_norm_is_above_the_limit():
         assert (not np.allclose(sa.m, sb.m)) is changed
 
 
-def test_engine_optim_step_uses_accumulated_gradient_and_reports_metrics():
+def test_trainer_optim_step_uses_accumulated_gradient_and_reports_metrics():
     v = CharTokenizer().vocab_size
     trainer = MockTrainer("opt", v)
     datum = Datum(model_input=[1, 40, 41], loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [1.0, 1.0, 1.0]})

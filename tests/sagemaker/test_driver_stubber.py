@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -351,3 +352,18 @@ async def test_options_come_from_url_query_and_environment(monkeypatch):
     with pytest.raises(InvalidInputError) as err:
         SageMakerOptions.resolve(parse_url("sagemaker://us-west-2?rolearn=x"), {})
     assert "role_arn" in (err.value.fix or "")
+
+
+@pytest.mark.parametrize("bad", [None, "optim_step", {"kind": "optim_step", "seq": 1}, types.SimpleNamespace(kind="optim_step", seq=1)])
+async def test_an_object_that_is_not_an_op_record_is_refused_before_it_takes_a_sequence_number(stubbed, bad):
+    backend, stubs = stubbed
+    stubs.create()
+    info = await backend.create_training_session(TrainingSessionSpec(base_model="org/tiny-model", rank=8))
+    stubs.name = info.model_id
+    with pytest.raises(InvalidInputError) as err:
+        await backend.execute_training(info.model_id, bad)
+    assert err.value.field == "op" and "OptimStepOp" in (err.value.fix or "")
+    # nothing was sent, and the next real op is still sequence number 1 on the wire
+    stubs.training(1, "k1", {"optimizerStep": {"adamParamsConfig": ANY}}, {"optimizerStep": {"metrics": {}}})
+    step = await backend.execute_training(info.model_id, OptimStepOp(seq=1, idempotency_key="k1"))
+    assert step.step == 1

@@ -6,12 +6,14 @@ errors), with the server's mock backend as the white-box witness.
 
 from __future__ import annotations
 
+import types
+
 import anyio
 import numpy as np
 import pytest
 
 from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient
-from asyncsess.backends import ForwardBackwardOp, load_backend
+from asyncsess.backends import ForwardBackwardOp, OptimStepOp, TrainingSessionSpec, load_backend
 from asyncsess.errors import AsyncSessError
 from asyncsess.rl.data import center_advantages, rl_datum
 from tests.client.helpers import sft_datum
@@ -155,7 +157,7 @@ async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:
     b = load_backend(url_of(mock_server))
     await b.open()
     try:
-        info = await b.create_training_session(__import__("asyncsess.backends.base", fromlist=["x"]).TrainingSessionSpec(BASE, rank=4))
+        info = await b.create_training_session(TrainingSessionSpec(BASE, rank=4))
         op = ForwardBackwardOp(seq=1, idempotency_key="k1", data=(sft_datum([1, 40, 41]),), loss_fn="cross_entropy")
         async with anyio.create_task_group() as tg:
             outs: list[float] = []
@@ -187,3 +189,23 @@ async def test_leaving_the_client_stops_the_server_side_sessions(mock_server: Se
             assert ids <= set(MockBackend.open_sessions())
             raise RuntimeError("boom")
     assert not ids & set(MockBackend.open_sessions())
+
+
+@pytest.mark.parametrize(
+    "bad", [None, {"kind": "optim_step", "seq": 1}, types.SimpleNamespace(kind="optim_step", seq=1, idempotency_key="k")]
+)
+async def test_an_object_that_is_not_an_op_record_is_refused_before_it_takes_a_sequence_number(mock_server: Server, bad: object) -> None:
+    b = load_backend(url_of(mock_server))
+    await b.open()
+    try:
+        info = await b.create_training_session(TrainingSessionSpec(BASE, rank=4))
+        with pytest.raises(InvalidInputError) as err:
+            await b.execute_training(info.model_id, bad)  # type: ignore[arg-type]
+        assert err.value.field == "op"
+        # nothing reached the server: seq_id 1 is still the model's first op
+        out = await b.execute_training(info.model_id, OptimStepOp(seq=1, idempotency_key="k1"))
+        assert out.metrics is not None
+        backend_id = mock_server.door.models[info.model_id].backend_id
+        assert [(s, k) for sid, s, k in mock_server.backend.applied_log if sid == backend_id] == [(1, "optim_step")]
+    finally:
+        await b.aclose()

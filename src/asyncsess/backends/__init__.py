@@ -21,6 +21,8 @@ from .base import (
     TrainingOpKind,
     TrainingSessionSpec,
     parse_url,
+    require_op,
+    unknown_op,
 )
 from .registry import available_schemes, load_backend
 from .sequencer import Sequencer
@@ -45,4 +47,6 @@ __all__ = [
     "available_schemes",
     "load_backend",
     "parse_url",
+    "require_op",
+    "unknown_op",
 ]

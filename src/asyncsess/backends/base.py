@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, NoReturn, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
+
+from pydantic import ConfigDict
 
 from ..errors import InvalidInputError, UnsupportedError
 from ..types import AdamParams, Checkpoint, Datum, GetInfoResponse, SampleResponse, SamplingParams, ServerCapabilities, TrainingResult
@@ -26,6 +28,8 @@ __all__ = [
     "TrainingOp",
     "TrainingOpKind",
     "OP_TYPES",
+    "require_op",
+    "unknown_op",
     "ForwardOp",
     "ForwardBackwardOp",
     "OptimStepOp",
@@ -40,11 +44,14 @@ __all__ = [
 ]
 
 TrainingOpKind = Literal["forward", "forward_backward", "optim_step", "save_state", "save_weights", "load_state"]
+"""The ``kind`` tags of the records, for wire formats that name an op by string."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Op:
     """What every ordered op carries: its place (``seq`` starts at 1 per session) and its delivery key."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")  # on the wire: a field its kind lacks is an error
 
     seq: int
     idempotency_key: str
@@ -115,10 +122,33 @@ class LoadStateOp(_Op):
 TrainingOp = ForwardOp | ForwardBackwardOp | OptimStepOp | SaveStateOp | SaveWeightsOp | LoadStateOp
 """One ordered op on a training session: a tagged union on ``kind``; backends ``match`` on the class."""
 
-OP_TYPES: dict[str, type[TrainingOp]] = {
-    t.__dataclass_fields__["kind"].default: t  # type: ignore[misc]
-    for t in (ForwardOp, ForwardBackwardOp, OptimStepOp, SaveStateOp, SaveWeightsOp, LoadStateOp)
-}
+_RECORDS: tuple[type[TrainingOp], ...] = (ForwardOp, ForwardBackwardOp, OptimStepOp, SaveStateOp, SaveWeightsOp, LoadStateOp)
+
+OP_TYPES: dict[str, type[TrainingOp]] = {str(t.__dataclass_fields__["kind"].default): t for t in _RECORDS}
+"""``kind`` tag -> record class (for wire formats that carry the tag)."""
+
+
+def require_op(op: object) -> TrainingOp:
+    """``op`` itself when it is one of the six records; else a typed error, raised before it takes a sequence number.
+
+    Every ``execute_training`` calls it first, so a stray object never reaches a sequencer or a wire.
+    """
+    if isinstance(op, _RECORDS):
+        return op
+    raise InvalidInputError(
+        f"{type(op).__name__} is not a training op",
+        field="op",
+        fix=f"pass one of {', '.join(t.__name__ for t in _RECORDS)} (asyncsess.backends)",
+    )
+
+
+def unknown_op(op: NoReturn) -> NoReturn:
+    """The ``case _:`` of a ``match`` over :data:`TrainingOp` (like ``typing.assert_never``).
+
+    mypy reports a call here that is reachable, so a backend that forgot an op kind fails type checking;
+    at run time it raises a typed error instead of an ``AssertionError``.
+    """
+    raise UnsupportedError(f"{type(op).__name__} is not an op this backend runs", field="op", fix="pass a TrainingOp record")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +193,8 @@ class SampleRequest:
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the SDK relies on."""
 
-    eos_token_id: int | None
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -19,7 +19,7 @@ import httpx
 from ..errors import ServerError, TransientError
 from ..types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from . import http_wire as wire
-from .base import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from .base import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, require_op
 
 __all__ = ["HttpBackend"]
 
@@ -78,7 +78,7 @@ class HttpBackend(Backend):
         await self._call("POST", f"/v1/sessions/{session_id}/heartbeat")
 
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
-        body = await self._call("POST", f"/v1/sessions/{session_id}/ops", json=wire.OP.dump_python(op, mode="json"))
+        body = await self._call("POST", f"/v1/sessions/{session_id}/ops", json=wire.encode_op(require_op(op)))
         return wire.decode_result(body)
 
     async def create_sampler(self, spec: SamplerSpec) -> str:

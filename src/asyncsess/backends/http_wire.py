@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, ValidationError
 
 from .. import errors
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, TrainingResult
-from .base import SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from .base import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
 
 __all__ = [
     "OP",
+    "encode_op",
+    "decode_op",
     "SESSION_SPEC",
     "SAMPLER_SPEC",
     "SAMPLE_REQUEST",
@@ -28,6 +30,7 @@ __all__ = [
 ]
 
 OP: TypeAdapter[TrainingOp] = TypeAdapter(Annotated[TrainingOp, Field(discriminator="kind")])
+"""A training op on the wire: the record's fields plus its ``kind`` tag; a field its kind lacks is refused."""
 SESSION_SPEC = TypeAdapter(TrainingSessionSpec)
 SAMPLER_SPEC = TypeAdapter(SamplerSpec)
 SAMPLE_REQUEST = TypeAdapter(SampleRequest)
@@ -57,6 +60,51 @@ def status_for(err: errors.AsyncSessError) -> int:
         if cls in STATUS:
             return STATUS[cls]  # type: ignore[index]
     return 500
+
+
+def encode_op(op: TrainingOp) -> dict[str, Any]:
+    """The JSON body of an op; text that UTF-8 cannot carry (a lone surrogate) is refused, naming its field."""
+    _check_utf8(OP.dump_python(op), "")
+    return OP.dump_python(op, mode="json")  # type: ignore[no-any-return]
+
+
+def decode_op(body: Any) -> TrainingOp:
+    """The record a JSON body holds, or an :class:`~asyncsess.errors.InvalidInputError` naming the bad field."""
+    _check_utf8(body, "")
+    try:
+        return OP.validate_python(body)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        loc = [str(p) for p in first["loc"]]
+        kinds = ", ".join(OP_TYPES)
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            got = body.get("kind") if isinstance(body, dict) else None
+            raise errors.InvalidInputError(f"unknown op kind {got!r}", field="kind", fix=f"one of {kinds}") from None
+        if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            raise errors.InvalidInputError(
+                f"a {loc[0]} op has no field {loc[-1]!r}", field=".".join(loc[1:]), fix=f"drop it (see {OP_TYPES[loc[0]].__name__})"
+            ) from None
+        where = ".".join(loc[1:]) or "op"
+        raise errors.InvalidInputError(first["msg"], field=where, fix=f"see {OP_TYPES[loc[0]].__name__}" if loc else None) from None
+
+
+def _check_utf8(value: Any, where: str) -> None:
+    """Refuse a string (or dict key) that is not UTF-8 text: JSON over HTTP cannot carry it, and pydantic
+    would silently replace it in a dict key."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise errors.InvalidInputError(
+                f"{value[:40]!r} is not UTF-8 text (it holds a lone surrogate)", field=where or "op", fix="send valid Unicode text"
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k, where)
+            _check_utf8(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float)):  # number lists: no text
+        for i, v in enumerate(value):
+            _check_utf8(v, f"{where}[{i}]")
 
 
 def encode_result(result: TrainingResult) -> dict[str, Any]:

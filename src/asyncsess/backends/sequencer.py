@@ -8,14 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
 from ..errors import AsyncSessError, ConflictError, PoisonedError, SessionGoneError, TransientError
-from .base import TrainingOp
 
-__all__ = ["Sequencer"]
+__all__ = ["Sequenced", "Sequencer"]
+
+
+class Sequenced(Protocol):
+    """What the sequencer reads: a place, a delivery key, and a name for errors. Every op record is one."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def idempotency_key(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
 
 R = TypeVar("R")
 
@@ -31,6 +44,8 @@ class _Slot(Generic[R]):
 class Sequencer(Generic[R]):
     """Executes ``run(op)`` for ops in ``seq`` order starting at ``first_seq``.
 
+    ``run`` gets the object ``execute`` was given: an op record for a backend, any :class:`Sequenced` for a door.
+
     - An op that arrives early waits for its predecessors (at most ``gap_timeout`` seconds, then it
       fails with a retryable error and the slot is freed so a retry can wait again).
     - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running.
@@ -40,7 +55,7 @@ class Sequencer(Generic[R]):
     """
 
     def __init__(
-        self, run: Callable[[TrainingOp], Awaitable[R]], *, first_seq: int = 1, gap_timeout: float = 60.0, keep_results: int = 1024
+        self, run: Callable[[Any], Awaitable[R]], *, first_seq: int = 1, gap_timeout: float = 60.0, keep_results: int = 1024
     ) -> None:
         self._run = run
         self._next = first_seq
@@ -62,7 +77,7 @@ class Sequencer(Generic[R]):
         for ev in self._turn.values():
             ev.set()
 
-    async def execute(self, op: TrainingOp) -> R:
+    async def execute(self, op: Sequenced) -> R:
         slot = self._slots.get(op.seq)
         if slot is not None:
             if slot.key != op.idempotency_key:
@@ -112,7 +127,7 @@ class Sequencer(Generic[R]):
             slot.done.set()
         return self._outcome(slot)
 
-    async def _wait_turn(self, op: TrainingOp) -> None:
+    async def _wait_turn(self, op: Sequenced) -> None:
         if op.seq == self._next:
             return
         ev = self._turn.setdefault(op.seq, anyio.Event())

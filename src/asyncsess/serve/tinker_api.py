@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import json
 import logging
@@ -284,8 +285,8 @@ class TinkerDoor:
     def _register(self, model_id: str, session: _Session, backend_id: str, base_model: str, rank: int, meta: dict[str, Any]) -> _Model:
         m = _Model(model_id, session.id, backend_id, base_model, rank, time.time(), meta)
 
-        async def run(op: TrainingOp) -> Any:
-            return await m.thunks.pop(op.seq)()
+        async def run(turn: _Turn) -> Any:
+            return await m.thunks.pop(turn.seq)()
 
         m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout)
         self.models[model_id] = m
@@ -395,7 +396,7 @@ class TinkerDoor:
         m.thunks[seq] = thunk
 
         async def work() -> Callable[[Promise], None]:
-            result = await m.sequencer.execute(ForwardOp(seq=seq, idempotency_key=digest))
+            result = await m.sequencer.execute(_Turn(seq, digest, kind))
             return result
 
         self._spawn(promise, work)
@@ -407,13 +408,15 @@ class TinkerDoor:
 
         m.thunks[seq] = nothing
         if self._tg is not None:
-            self._tg.start_soon(_quietly, m.sequencer.execute(ForwardOp(seq=seq, idempotency_key=digest)))
+            self._tg.start_soon(_quietly, m.sequencer.execute(_Turn(seq, digest, "refused")))
 
-    def _op(self, m: _Model, op: TrainingOp) -> Callable[[], Awaitable[Any]]:
+    def _op(self, m: _Model, make: Callable[..., TrainingOp]) -> Callable[[], Awaitable[Any]]:
+        """A thunk that numbers the op for the backend when its turn comes (``make`` is a ``partial`` of a record)."""
+
         async def run() -> Any:
             seq = m.backend_seq
             m.backend_seq += 1
-            return await self.backend.execute_training(m.backend_id, _with_seq(op, seq, f"{m.id}:{op.seq}"))
+            return await self.backend.execute_training(m.backend_id, make(seq=seq, idempotency_key=f"{m.id}:{seq}"))
 
         return run
 
@@ -430,15 +433,15 @@ class TinkerDoor:
         m = self.model(wire.model_id)
         vocab = await self._vocab_size(m.base_model)
 
-        def check() -> TrainingOp | InvalidInputError:
+        def check() -> Callable[..., TrainingOp] | InvalidInputError:
             try:
                 loss_fn = check_loss_fn(wire.loss_fn)
                 data = check_datums(wire.data, loss_fn, vocab_size=vocab)
                 config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
             except InvalidInputError as err:
                 return err
-            cls = ForwardOp if wire.forward_only else ForwardBackwardOp
-            return cls(seq=wire.seq_id, idempotency_key="", data=data, loss_fn=loss_fn, loss_fn_config=config)
+            record = ForwardOp if wire.forward_only else ForwardBackwardOp
+            return functools.partial(record, data=data, loss_fn=loss_fn, loss_fn_config=config)
 
         checked = await anyio.to_thread.run_sync(check)
 
@@ -467,7 +470,7 @@ class TinkerDoor:
             if "optimizer_params" in body and "adam_params" not in body:
                 raise ApiError(400, "only AdamW is offered", field="optimizer_params", fix="send adam_params")
             params = coerce_adam_params(body.get("adam_params") or body.get("optim_params"))
-            run = self._op(m, OptimStepOp(seq=0, idempotency_key="", adam_params=params))
+            run = self._op(m, functools.partial(OptimStepOp, adam_params=params))
 
             async def go() -> Callable[[Promise], None]:
                 out: OptimStepResponse = await run()
@@ -497,7 +500,7 @@ class TinkerDoor:
         name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
 
         def make() -> Callable[[], Awaitable[Any]]:
-            run = self._op(m, SaveStateOp(seq=0, idempotency_key="", name=name))
+            run = self._op(m, functools.partial(SaveStateOp, name=name))
 
             async def go() -> Callable[[Promise], None]:
                 ck = self._record(m, await run(), "weights", name, "training")
@@ -518,8 +521,7 @@ class TinkerDoor:
             raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
 
         def make() -> Callable[[], Awaitable[Any]]:
-            op = SaveWeightsOp(seq=0, idempotency_key="", name=name, ephemeral=body.get("path") is None)
-            run = self._op(m, op)
+            run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None))
 
             async def go() -> Callable[[Promise], None]:
                 resp: CheckpointResponse = await run()
@@ -570,7 +572,7 @@ class TinkerDoor:
         m = self.model(_str(body, "model_id"))
 
         def make() -> Callable[[], Awaitable[Any]]:
-            run = self._op(m, LoadStateOp(seq=0, idempotency_key="", path=backend_path, with_optimizer=with_optimizer))
+            run = self._op(m, functools.partial(LoadStateOp, path=backend_path, with_optimizer=with_optimizer))
 
             async def go() -> Callable[[Promise], None]:
                 _: LoadWeightsResponse = await run()
@@ -796,10 +798,13 @@ async def _quietly(aw: Awaitable[Any]) -> None:
         await aw
 
 
-def _with_seq(op: TrainingOp, seq: int, key: str) -> TrainingOp:
-    import dataclasses
+@dataclass(frozen=True)
+class _Turn:
+    """One request's place in its model's queue (``seq_id``), keyed by a digest of its body."""
 
-    return dataclasses.replace(op, seq=seq, idempotency_key=key)
+    seq: int
+    idempotency_key: str
+    kind: str
 
 
 def _future(p: Promise, model_id: str | None, prefix: str | None = None, n: int | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``mock://``: the Backend driver around the numpy engine, with seeded latency and fault injection.
+"""``mock://``: the Backend driver around the numpy trainer, with seeded latency and fault injection.
 
 Training ops of a session run through :class:`asyncsess.backends.sequencer.Sequencer` (ordered, exactly once,
 poisoned after a failure). Checkpoints live in a process-wide store, so another ``ServiceClient`` in the
@@ -19,7 +19,22 @@ from typing import Any, ClassVar, Literal
 import anyio
 import numpy as np
 
-from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    ParsedURL,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    TrainingOp,
+    TrainingSessionSpec,
+    require_op,
+    unknown_op,
+)
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import ConflictError, InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.types import (
@@ -34,12 +49,12 @@ from asyncsess.types import (
 )
 
 from .checkpoints import StoredCheckpoint, check_name, checkpoint_path
-from .engine import MockTrainer
 from .faults import Faults, MockConfig
 from .losses import MULTI_TARGET_LOSSES
 from .model import base_table, log_softmax_table
 from .sampler import MockSampler
 from .tokenizer import CharTokenizer
+from .trainer import MockTrainer
 
 __all__ = ["MockBackend"]
 
@@ -109,7 +124,7 @@ class MockBackend(Backend):
         return adam.m.copy(), adam.v.copy(), adam.step
 
     def trainer(self, session_id: str) -> MockTrainer:
-        """The live engine behind a session (for benchmarks and white-box tests)."""
+        """The live trainer behind a session (for benchmarks and white-box tests)."""
         return self._session(session_id).trainer
 
     # ---------------------------------------------------------------------------------- sessions
@@ -215,6 +230,7 @@ class MockBackend(Backend):
 
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
         self.calls["execute_training"] += 1
+        op = require_op(op)
         sess = self._live_session(session_id)
         await sess.faults.before(op.kind)
         if sess.faults.duplicate():
@@ -225,36 +241,39 @@ class MockBackend(Backend):
         return result
 
     async def _apply(self, session_id: str, op: TrainingOp) -> TrainingResult:
-        """The sequencer's executor: runs one op on the engine, in order, once."""
+        """The sequencer's executor: runs one op on the trainer, in order, once."""
         sess = self._sessions[session_id]
         trainer = sess.trainer
         result: TrainingResult
-        if op.kind == "forward":
-            result = trainer.forward(op.data, op.loss_fn or "", op.loss_fn_config)
-        elif op.kind == "forward_backward":
-            result = trainer.forward_backward(op.data, op.loss_fn or "", op.loss_fn_config)
-        elif op.kind == "optim_step":
-            result = trainer.optim_step(op.adam_params)
-        elif op.kind == "save_state":
-            result = self._save(sess, "state", op.name or f"{op.seq:06d}", op).response()
-        elif op.kind == "save_weights":
-            name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
-            result = self._save(sess, "merged" if op.merge_weights else "sampler", name, op).response()
-        elif op.kind == "load_state":
-            ckpt = self._checkpoint(op.path or "", "path", state_only=True)
-            if ckpt.base_model != trainer.base_model:
-                raise InvalidInputError(f"{op.path} holds {ckpt.base_model!r}, this session trains {trainer.base_model!r}", field="path")
-            trainer.load(ckpt.delta, ckpt.adam if op.with_optimizer else None)
-            result = LoadWeightsResponse.model_construct(path=ckpt.path, step=trainer.adam.step)
-        else:
-            raise InvalidInputError(f"unknown op kind {op.kind!r}", field="kind")
+        match op:
+            case ForwardOp(data=data, loss_fn=loss_fn, loss_fn_config=config):
+                result = trainer.forward(data, loss_fn, config)
+            case ForwardBackwardOp(data=data, loss_fn=loss_fn, loss_fn_config=config):
+                result = trainer.forward_backward(data, loss_fn, config)
+            case OptimStepOp(adam_params=params):
+                result = trainer.optim_step(params)
+            case SaveStateOp():
+                result = self._save(sess, "state", op.name or f"{op.seq:06d}", op).response()
+            case SaveWeightsOp():
+                name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
+                result = self._save(sess, "merged" if op.merge_weights else "sampler", name, op).response()
+            case LoadStateOp(path=path):
+                ckpt = self._checkpoint(path, "path", state_only=True)
+                if ckpt.base_model != trainer.base_model:
+                    raise InvalidInputError(f"{path} holds {ckpt.base_model!r}, this session trains {trainer.base_model!r}", field="path")
+                trainer.load(ckpt.delta, ckpt.adam if op.with_optimizer else None)
+                result = LoadWeightsResponse.model_construct(path=ckpt.path, step=trainer.adam.step)
+            case _:
+                unknown_op(op)
         self.applied_log.append((sess.id, op.seq, op.kind))
         sess.ops_applied += 1
         if self.config.stop_after_ops and sess.ops_applied >= self.config.stop_after_ops:
             self._stop(sess, f"stopped by the server after {sess.ops_applied} ops (stop_after_ops)")
         return result
 
-    def _save(self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, op: TrainingOp) -> StoredCheckpoint:
+    def _save(
+        self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, op: SaveStateOp | SaveWeightsOp
+    ) -> StoredCheckpoint:
         path = checkpoint_path(sess.id, kind, check_name(name))
         if path in self._checkpoints and not op.overwrite:
             raise ConflictError(f"{path} already exists", field="name", fix="pick another name, or pass overwrite=True")

@@ -47,7 +47,8 @@ class MockConfig:
         values: dict[str, Any] = {}
         for name, f in known.items():
             kind = int if f.type in ("int", int) else float
-            values[name] = url.get_int(name, f.default) if kind is int else url.get_float(name, f.default)
+            default: Any = f.default
+            values[name] = url.get_int(name, default) if kind is int else url.get_float(name, default)
             if name in options:
                 values[name] = kind(options[name])
         cfg = cls(**values)

@@ -22,13 +22,29 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import anyio
 import boto3
 from botocore.config import Config
 
-from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    ParsedURL,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    Tokenizer,
+    TrainingOp,
+    TrainingSessionSpec,
+    require_op,
+    unknown_op,
+)
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import (
     AsyncSessError,
@@ -495,34 +511,35 @@ class SageMakerBackend(Backend):
     # ---------------------------------------------------------------------- training ops
 
     def _operation_config(self, op: TrainingOp) -> dict[str, Any]:
-        if op.kind in ("forward", "forward_backward"):
-            if op.loss_fn not in WIRE_LOSSES:
-                raise UnsupportedError(
-                    f"SageMaker training sessions offer {', '.join(WIRE_LOSSES)}, not {op.loss_fn!r}",
-                    field="loss_fn",
-                    fix="use forward_backward_custom, which lowers any loss to cross_entropy",
-                )
-            body: dict[str, Any] = {"lossFnName": op.loss_fn, "datumList": [datum_to_wire(d, fill_weights=True) for d in op.data]}
-            if op.loss_fn_config:
-                body["lossFnConfig"] = dict(op.loss_fn_config)
-            return {"forward" if op.kind == "forward" else "forwardBackward": body}
-        if op.kind == "optim_step":
-            if op.adam_params is None:
-                raise InvalidInputError("optim_step without AdamParams", field="adam_params")
-            return {"optimizerStep": {"adamParamsConfig": adam_to_wire(op.adam_params)}}
-        if op.kind == "save_weights":
-            body = {"mergeWeights": True} if op.merge_weights else {}
-            description = op.description or op.name  # model packages have no names: a name is kept as the description
-            if description:
-                body["description"] = description
-            return {"saveWeights": body}
-        if op.kind == "save_state":
-            description = op.description or op.name
-            return {"saveState": {"description": description} if description else {}}
-        if op.kind == "load_state":
-            self._require_package_arn(op.path or "", "path")
-            return {"loadState": {"modelPackageArn": op.path, "loadOptimizer": op.with_optimizer}}
-        raise UnsupportedError(f"unknown op kind {op.kind!r}", field="kind")
+        """The ``OperationConfig`` of ``StartTrainingOperation`` for one op record."""
+        match op:
+            case ForwardOp() | ForwardBackwardOp():
+                if op.loss_fn not in WIRE_LOSSES:
+                    raise UnsupportedError(
+                        f"SageMaker training sessions offer {', '.join(WIRE_LOSSES)}, not {op.loss_fn!r}",
+                        field="loss_fn",
+                        fix="use forward_backward_custom, which lowers any loss to cross_entropy",
+                    )
+                body: dict[str, Any] = {"lossFnName": op.loss_fn, "datumList": [datum_to_wire(d, fill_weights=True) for d in op.data]}
+                if op.loss_fn_config:
+                    body["lossFnConfig"] = dict(op.loss_fn_config)
+                return {_wire_key(op): body}
+            case OptimStepOp(adam_params=params):
+                return {"optimizerStep": {"adamParamsConfig": adam_to_wire(params)}}
+            case SaveWeightsOp():
+                body = {"mergeWeights": True} if op.merge_weights else {}
+                description = op.description or op.name  # model packages have no names: a name is kept as the description
+                if description:
+                    body["description"] = description
+                return {"saveWeights": body}
+            case SaveStateOp():
+                description = op.description or op.name
+                return {"saveState": {"description": description} if description else {}}
+            case LoadStateOp(path=path, with_optimizer=with_optimizer):
+                self._require_package_arn(path, "path")
+                return {"loadState": {"modelPackageArn": path, "loadOptimizer": with_optimizer}}
+            case _:
+                unknown_op(op)
 
     def _numberer(self, name: str) -> Any:
         async def number(op: TrainingOp) -> _Submission:
@@ -534,7 +551,7 @@ class SageMakerBackend(Backend):
                 raise sess.gone
             config = self._operation_config(op)
             _check_config(config, _OPERATION_CONFIG, check_operation_config)
-            if op.kind == "optim_step":
+            if isinstance(op, OptimStepOp):
                 sess.steps += 1
             return self._number(sess, config, _client_token(name, op.idempotency_key))
 
@@ -631,6 +648,7 @@ class SageMakerBackend(Backend):
         raise PoisonedError(f"operation {op_id} was skipped: {details}", cause=sess.poison, operation=operation_name, request_id=op_id)
 
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        op = require_op(op)
         sess = self._sessions.get(session_id)
         if sess is None:
             raise InvalidInputError(f"no training session {session_id!r} on this client", field="session_id")
@@ -640,33 +658,41 @@ class SageMakerBackend(Backend):
         return self._training_result(sess, op, resp, sub.step)
 
     def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any], step: int) -> TrainingResult:
-        result = resp.get("operationResult") or {}
-        if op.kind in ("forward", "forward_backward"):
-            body = result.get("forward" if op.kind == "forward" else "forwardBackward") or {}
-            return forward_result_from_wire(body, resp.get("tokenUsage"))
-        if op.kind == "optim_step":
-            return OptimStepResponse(metrics=(result.get("optimizerStep") or {}).get("metrics"), step=step)
-        if op.kind in ("save_weights", "save_state"):
-            body = result.get("saveWeights" if op.kind == "save_weights" else "saveState") or {}
-            arn = body.get("modelPackageArn")
-            if not arn:
-                raise ServerError("the service saved the weights but returned no model package ARN", operation=op.kind, seq=op.seq)
-            kind = "state" if op.kind == "save_state" else "merged" if op.merge_weights else "sampler"
-            self._package_session[arn] = sess.name
-            ref = arns.parse_model_package_arn(arn)
-            sess.packages.append(
-                Checkpoint(
-                    checkpoint_id=str(ref.version if ref else arn),
-                    checkpoint_type="training" if kind == "state" else kind,
-                    path=arn,
-                    time=time.time(),
-                    step=step,
-                    description=op.description or op.name,
-                    user_metadata=op.user_metadata,
-                )
+        body = (resp.get("operationResult") or {}).get(_wire_key(op)) or {}
+        match op:
+            case ForwardOp() | ForwardBackwardOp():
+                return forward_result_from_wire(body, resp.get("tokenUsage"))
+            case OptimStepOp():
+                return OptimStepResponse(metrics=body.get("metrics"), step=step)
+            case SaveStateOp() | SaveWeightsOp():
+                return self._saved(sess, op, body, step)
+            case LoadStateOp(path=path):
+                return LoadWeightsResponse(path=path, step=step)
+            case _:
+                unknown_op(op)
+
+    def _saved(self, sess: _Session, op: SaveStateOp | SaveWeightsOp, body: dict[str, Any], step: int) -> CheckpointResponse:
+        """Record the model package a save made (``list_checkpoints`` lists them)."""
+        arn = body.get("modelPackageArn")
+        if not arn:
+            raise ServerError("the service saved the weights but returned no model package ARN", operation=op.kind, seq=op.seq)
+        kind: Literal["state", "sampler", "merged"] = (
+            "state" if isinstance(op, SaveStateOp) else "merged" if op.merge_weights else "sampler"
+        )
+        self._package_session[arn] = sess.name
+        ref = arns.parse_model_package_arn(arn)
+        sess.packages.append(
+            Checkpoint(
+                checkpoint_id=str(ref.version if ref else arn),
+                checkpoint_type="training" if kind == "state" else kind,
+                path=arn,
+                time=time.time(),
+                step=step,
+                description=op.description or op.name,
+                user_metadata=op.user_metadata,
             )
-            return CheckpointResponse(path=arn, kind=kind, step=step)
-        return LoadWeightsResponse(path=op.path or "", step=step)
+        )
+        return CheckpointResponse(path=arn, kind=kind, step=step)
 
     async def _load_state(self, sess: _Session, arn: str, with_optimizer: bool) -> None:
         """The resume op of a session created from a checkpoint (wire number 1, before any client op)."""
@@ -850,6 +876,21 @@ class SageMakerBackend(Backend):
 def _orphan(name: str) -> _Session:
     """A stand-in record for a session this driver did not create (liveness checks only)."""
     return _Session(name=name, base_model="", hub_arn="", hf_id=None, rank=0, alpha=0, sequencer=Sequencer(_refuse))
+
+
+def _wire_key(op: TrainingOp) -> str:
+    """The op's key in SageMaker's ``OperationConfig`` and ``OperationResult``."""
+    return _WIRE_KEYS[type(op)]
+
+
+_WIRE_KEYS: dict[type[TrainingOp], str] = {
+    ForwardOp: "forward",
+    ForwardBackwardOp: "forwardBackward",
+    OptimStepOp: "optimizerStep",
+    SaveStateOp: "saveState",
+    SaveWeightsOp: "saveWeights",
+    LoadStateOp: "loadState",
+}
 
 
 async def _refuse(op: TrainingOp) -> Any:

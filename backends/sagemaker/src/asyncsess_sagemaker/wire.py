@@ -285,13 +285,15 @@ def sampling_params_to_wire(params: SamplingParams, max_tokens: int) -> dict[str
 
 
 def sampling_params_from_wire(wire: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=wire["maxTokens"],
-        temperature=wire.get("temperature"),
-        top_p=wire.get("topP") or None,  # the wire allows 0; asyncsess needs > 0
-        top_k=wire.get("topK"),
-        seed=wire.get("seed"),
-        stop=wire.get("stop"),
+    return SamplingParams.model_validate(
+        {
+            "max_tokens": wire["maxTokens"],
+            "temperature": wire.get("temperature"),
+            "top_p": wire.get("topP") or None,  # the wire allows 0; asyncsess needs > 0
+            "top_k": wire.get("topK"),
+            "seed": wire.get("seed"),
+            "stop": wire.get("stop"),
+        }
     )
 
 

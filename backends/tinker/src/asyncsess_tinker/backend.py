@@ -16,7 +16,23 @@ from typing import Any, ClassVar
 import anyio
 import httpx
 
-from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    ParsedURL,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    Tokenizer,
+    TrainingOp,
+    TrainingSessionSpec,
+    require_op,
+    unknown_op,
+)
 from asyncsess.errors import ConflictError, InvalidInputError, ServerError, SessionGoneError, TransientError, UnsupportedError
 from asyncsess.serve import tinker_proto
 from asyncsess.types import (
@@ -63,7 +79,7 @@ class TinkerBackend(Backend):
         self._sampler_seq = 0
         self._sample_seq: dict[str, int] = {}
         self._models: dict[str, GetInfoResponse] = {}
-        self._tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizers: dict[str, Any] = {}  # Hugging Face tokenizers (a Tokenizer)
         self._tokenizer = tokenizer
         self._tokenizer_ids: dict[str, str] = {}
 
@@ -216,43 +232,46 @@ class TinkerBackend(Backend):
         await self._post("/api/v1/session_heartbeat", {"session_id": self.session_id, "type": "session_heartbeat"})
 
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
+        op = require_op(op)
         base = {"model_id": session_id, "seq_id": op.seq}
-        if op.kind in ("forward", "forward_backward"):
-            raw = tinker_proto.encode_forward_backward(
-                session_id, op.seq, list(op.data), op.loss_fn or "cross_entropy", op.loss_fn_config, forward_only=op.kind == "forward"
-            )
-            headers = {"Content-Type": PROTO}
-            if self._compress:
-                raw = await anyio.to_thread.run_sync(tinker_proto.compress, raw)
-                headers["Content-Encoding"] = "zstd"
-            fut = (await self._send("POST", "/api/v1/forward_backward", content=raw, headers=headers)).json()
-            out = tinker_proto.decode_forward_backward_output(await self._result(fut, proto=True))
-            out.usage = Usage(training_tokens=sum(d.model_input.length for d in op.data))
-            return out
-        if op.kind == "optim_step":
-            params = op.adam_params.model_dump(exclude={"lora_plus_lr_ratio"}) if op.adam_params else {}
-            if op.adam_params is not None and op.adam_params.lora_plus_lr_ratio is not None:
-                raise UnsupportedError("Tinker's wire has no LoRA+ ratio", field="adam_params.lora_plus_lr_ratio", fix="leave it None")
-            out = await self._result(await self._post("/api/v1/optim_step", {**base, "adam_params": params, "type": "optim_step"}))
-            return OptimStepResponse(metrics=out.get("metrics"))
-        if op.kind == "save_state":
-            name = op.name or f"{op.seq:06d}"
-            out = await self._result(await self._post("/api/v1/save_weights", {**base, "path": name, "type": "save_weights"}))
-            return CheckpointResponse(path=out["path"], kind="state")
-        if op.kind == "save_weights":
-            if op.merge_weights:
-                raise UnsupportedError(
-                    "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
+        match op:
+            case ForwardOp() | ForwardBackwardOp():
+                raw = tinker_proto.encode_forward_backward(
+                    session_id, op.seq, list(op.data), op.loss_fn, op.loss_fn_config, forward_only=isinstance(op, ForwardOp)
                 )
-            name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
-            body = {**base, "path": name, "type": "save_weights_for_sampler"}
-            out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
-            return CheckpointResponse(path=out["path"], kind="sampler")
-        if op.kind == "load_state":
-            body = {**base, "path": op.path, "optimizer": op.with_optimizer, "type": "load_weights"}
-            out = await self._result(await self._post("/api/v1/load_weights", body))
-            return LoadWeightsResponse(path=out.get("path") or op.path or "")
-        raise UnsupportedError(f"op kind {op.kind!r}", field="kind")
+                headers = {"Content-Type": PROTO}
+                if self._compress:
+                    raw = await anyio.to_thread.run_sync(tinker_proto.compress, raw)
+                    headers["Content-Encoding"] = "zstd"
+                fut = (await self._send("POST", "/api/v1/forward_backward", content=raw, headers=headers)).json()
+                fb = tinker_proto.decode_forward_backward_output(await self._result(fut, proto=True))
+                fb.usage = Usage(training_tokens=sum(d.model_input.length for d in op.data))
+                return fb
+            case OptimStepOp(adam_params=adam):
+                if adam.lora_plus_lr_ratio is not None:
+                    raise UnsupportedError("Tinker's wire has no LoRA+ ratio", field="adam_params.lora_plus_lr_ratio", fix="leave it None")
+                params = adam.model_dump(exclude={"lora_plus_lr_ratio"})
+                out = await self._result(await self._post("/api/v1/optim_step", {**base, "adam_params": params, "type": "optim_step"}))
+                return OptimStepResponse(metrics=out.get("metrics"))
+            case SaveStateOp():
+                name = op.name or f"{op.seq:06d}"
+                out = await self._result(await self._post("/api/v1/save_weights", {**base, "path": name, "type": "save_weights"}))
+                return CheckpointResponse(path=out["path"], kind="state")
+            case SaveWeightsOp():
+                if op.merge_weights:
+                    raise UnsupportedError(
+                        "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
+                    )
+                name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
+                body = {**base, "path": name, "type": "save_weights_for_sampler"}
+                out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
+                return CheckpointResponse(path=out["path"], kind="sampler")
+            case LoadStateOp(path=path, with_optimizer=with_optimizer):
+                body = {**base, "path": path, "optimizer": with_optimizer, "type": "load_weights"}
+                out = await self._result(await self._post("/api/v1/load_weights", body))
+                return LoadWeightsResponse(path=out.get("path") or path)
+            case _:
+                unknown_op(op)
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         seq = self._sampler_seq

@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -32,6 +33,7 @@ from asyncsess.backends import (
     SaveWeightsOp,
     TrainingOp,
     TrainingSessionSpec,
+    unknown_op,
 )
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError
@@ -490,14 +492,13 @@ class EmulatedService:
     def _make_runner(self, name: str) -> Any:
         async def run(top: TrainingOp) -> dict[str, Any]:
             sess = self.sessions[name]
-            return await self._apply(sess, sess.by_seq[top.seq])
+            return await self._apply(sess, sess.by_seq[top.seq], top)
 
         return run
 
     async def _run_training(self, sess: SessionRecord, op: OperationRecord) -> None:
-        top = ForwardOp(seq=op.seq or 0, idempotency_key=op.id)  # only seq and key matter to the sequencer
         try:
-            result = await sess.sequencer.execute(top)
+            result = await sess.sequencer.execute(_record(op))
         except (PoisonedError, SessionGoneError) as err:
             op.finish("Skipped", error=str(err))
         except Exception as err:
@@ -506,78 +507,67 @@ class EmulatedService:
             op.finish("Completed", result=result)
         self._watch_gap(sess)
 
-    async def _apply(self, sess: SessionRecord, op: OperationRecord) -> dict[str, Any]:
+    async def _apply(self, sess: SessionRecord, op: OperationRecord, top: TrainingOp) -> dict[str, Any]:
         """Run one training op on the engine (called by the sequencer, in order)."""
         if sess.inner_id is None or sess.status not in ACCEPTS_WORK:
             raise SessionGoneError(f"session {sess.status}")
         op.status = "InProgress"
-        body = op.config[op.kind]
         try:
-            return await self._apply_on_engine(sess, op, body)
+            return await self._apply_on_engine(sess, op, top)
         except Exception as err:
             op.finish("Failed", error=_details(err))
             self._end_session(sess, "Failed", f"Operation {op.id} (sequence number {op.seq}) failed: {_details(err)}")
             raise
 
-    async def _apply_on_engine(self, sess: SessionRecord, op: OperationRecord, body: dict[str, Any]) -> dict[str, Any]:
-        assert sess.inner_id is not None and op.seq is not None
-        key = op.client_token or op.id
-        if op.kind in ("forward", "forwardBackward"):
-            data = tuple(datum_from_wire(d) for d in body["datumList"])
-            top = (ForwardOp if op.kind == "forward" else ForwardBackwardOp)(
-                seq=op.seq,
-                idempotency_key=key,
-                data=data,
-                loss_fn=body["lossFnName"],
-                loss_fn_config=body.get("lossFnConfig"),
-            )
-            out = await self.inner.execute_training(sess.inner_id, top)
-            assert isinstance(out, ForwardBackwardOutput)
-            tokens = sum(d.model_input.length for d in data)
-            sess.training_tokens += tokens
-            op.token_usage = {"trainingTokens": tokens}
-            return forward_result_to_wire(out, tokens)
-        if op.kind == "optimizerStep":
-            top = OptimStepOp(seq=op.seq, idempotency_key=key, adam_params=adam_from_wire(body["adamParamsConfig"]))
-            step = await self.inner.execute_training(sess.inner_id, top)
-            assert isinstance(step, OptimStepResponse)
-            return {"metrics": dict(step.metrics or {})}
-        if op.kind in ("saveWeights", "saveState"):
-            group = self.groups[sess.group]
-            version = group.next_version
-            group.next_version += 1
-            merged = bool(body.get("mergeWeights"))
-            name = f"{sess.name}-{group.name}-{version}"
-            top: SaveStateOp | SaveWeightsOp = (
-                SaveStateOp(seq=op.seq, idempotency_key=key, name=name)
-                if op.kind == "saveState"
-                else SaveWeightsOp(seq=op.seq, idempotency_key=key, name=name, merge_weights=merged)
-            )
-            saved = await self.inner.execute_training(sess.inner_id, top)
-            assert isinstance(saved, CheckpointResponse)
-            region, account = self._arn_account()
-            arn = arns.model_package_arn(region, account, group.name, version)
-            output = sess.request["OutputConfig"]["S3Location"]["Path"].rstrip("/")
-            self.packages[arn] = ModelPackageRecord(
-                arn=arn,
-                group=group.name,
-                version=version,
-                description=body.get("description"),
-                is_checkpoint=op.kind == "saveState",
-                merged=merged,
-                inner_path=saved.path,
-                model=sess.model,
-                session_name=sess.name,
-                s3_uri=f"{output}/checkpoints/{version}/" + ("hf_merged/" if merged else ""),
-            )
-            sess.latest_checkpoint = arn
-            return {"modelPackageArn": arn}
-        if op.kind == "loadState":
-            pkg = self._known_package(body["modelPackageArn"])
-            top = LoadStateOp(seq=op.seq, idempotency_key=key, path=pkg.inner_path, with_optimizer=bool(body["loadOptimizer"]))
-            await self.inner.execute_training(sess.inner_id, top)
-            return {}
-        raise AssertionError(f"unhandled operation {op.kind}")
+    async def _apply_on_engine(self, sess: SessionRecord, op: OperationRecord, top: TrainingOp) -> dict[str, Any]:
+        assert sess.inner_id is not None
+        match top:
+            case ForwardOp() | ForwardBackwardOp():
+                out = await self.inner.execute_training(sess.inner_id, top)
+                assert isinstance(out, ForwardBackwardOutput)
+                tokens = sum(d.model_input.length for d in top.data)
+                sess.training_tokens += tokens
+                op.token_usage = {"trainingTokens": tokens}
+                return forward_result_to_wire(out, tokens)
+            case OptimStepOp():
+                step = await self.inner.execute_training(sess.inner_id, top)
+                assert isinstance(step, OptimStepResponse)
+                return {"metrics": dict(step.metrics or {})}
+            case SaveStateOp() | SaveWeightsOp():
+                return await self._save(sess, top)
+            case LoadStateOp(path=arn):
+                pkg = self._known_package(arn)
+                await self.inner.execute_training(sess.inner_id, replace(top, path=pkg.inner_path))
+                return {}
+            case _:
+                unknown_op(top)
+
+    async def _save(self, sess: SessionRecord, top: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:
+        """Save on the engine as the group's next model package version."""
+        assert sess.inner_id is not None
+        group = self.groups[sess.group]
+        version = group.next_version
+        group.next_version += 1
+        merged = isinstance(top, SaveWeightsOp) and top.merge_weights
+        saved = await self.inner.execute_training(sess.inner_id, replace(top, name=f"{sess.name}-{group.name}-{version}"))
+        assert isinstance(saved, CheckpointResponse)
+        region, account = self._arn_account()
+        arn = arns.model_package_arn(region, account, group.name, version)
+        output = sess.request["OutputConfig"]["S3Location"]["Path"].rstrip("/")
+        self.packages[arn] = ModelPackageRecord(
+            arn=arn,
+            group=group.name,
+            version=version,
+            description=top.description,
+            is_checkpoint=isinstance(top, SaveStateOp),
+            merged=merged,
+            inner_path=saved.path,
+            model=sess.model,
+            session_name=sess.name,
+            s3_uri=f"{output}/checkpoints/{version}/" + ("hf_merged/" if merged else ""),
+        )
+        sess.latest_checkpoint = arn
+        return {"modelPackageArn": arn}
 
     async def get_training_operation_result(self, body: dict[str, Any]) -> dict[str, Any]:
         sess = self._session(body["trainingSessionName"], runtime=True)
@@ -678,12 +668,14 @@ class EmulatedService:
         else:
             prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
         try:
-            params = SamplingParams(
-                max_tokens=request.get("max_tokens") or request.get("max_completion_tokens") or 64,
-                temperature=request.get("temperature"),
-                top_p=request.get("top_p"),
-                seed=request.get("seed"),
-                stop=request.get("stop"),
+            params = SamplingParams.model_validate(
+                {
+                    "max_tokens": request.get("max_tokens") or request.get("max_completion_tokens") or 64,
+                    "temperature": request.get("temperature"),
+                    "top_p": request.get("top_p"),
+                    "seed": request.get("seed"),
+                    "stop": request.get("stop"),
+                }
             )
         except ValueError as err:
             raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
@@ -741,6 +733,27 @@ class EmulatedService:
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _record(op: OperationRecord) -> TrainingOp:
+    """The asyncsess op record for a training operation's wire config (checked on arrival)."""
+    assert op.seq is not None
+    base: dict[str, Any] = {"seq": op.seq, "idempotency_key": op.client_token or op.id}
+    body = op.config[op.kind]
+    match op.kind:  # SageMaker's OperationConfig member names
+        case "forward" | "forwardBackward":
+            data = tuple(datum_from_wire(d) for d in body["datumList"])
+            record = ForwardOp if op.kind == "forward" else ForwardBackwardOp
+            return record(**base, data=data, loss_fn=body["lossFnName"], loss_fn_config=body.get("lossFnConfig"))
+        case "optimizerStep":
+            return OptimStepOp(**base, adam_params=adam_from_wire(body["adamParamsConfig"]))
+        case "saveState":
+            return SaveStateOp(**base, description=body.get("description"))
+        case "saveWeights":
+            return SaveWeightsOp(**base, description=body.get("description"), merge_weights=bool(body.get("mergeWeights")))
+        case "loadState":  # the path is the package ARN here; _apply_on_engine swaps in the engine's path
+            return LoadStateOp(**base, path=body["modelPackageArn"], with_optimizer=bool(body["loadOptimizer"]))
+    raise AssertionError(f"{op.kind} is not a training operation")  # execute_training_operation checked the shape
 
 
 def _details(err: BaseException) -> str:

@@ -1,0 +1,62 @@
+"""``asyncsess.backends.http.HttpBackend`` on an ``httpx.MockTransport`` (no worker): what an op puts on the wire."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import httpx
+import pytest
+
+from asyncsess.backends import ForwardBackwardOp, LoadStateOp, OptimStepOp, SaveWeightsOp, TrainingOp
+from asyncsess.backends import http_wire as wire
+from asyncsess.backends.http import HttpBackend
+from asyncsess.errors import InvalidInputError
+from asyncsess.types import AdamParams, LoadWeightsResponse, OptimStepResponse
+
+from .helpers import sft_datum
+
+
+def _backend(seen: list[TrainingOp]) -> HttpBackend:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/sessions/s1/ops"
+        op = wire.decode_op(json.loads(request.content))  # as a worker would decode it
+        seen.append(op)
+        result = LoadWeightsResponse(path="p") if isinstance(op, LoadStateOp) else OptimStepResponse(metrics={"seq": float(op.seq)})
+        return httpx.Response(200, json=wire.encode_result(result))
+
+    return HttpBackend("http://worker.invalid", transport=httpx.MockTransport(handler))
+
+
+@pytest.mark.anyio
+async def test_each_record_reaches_the_worker_as_the_same_record() -> None:
+    seen: list[TrainingOp] = []
+    b = _backend(seen)
+    ops: list[TrainingOp] = [
+        ForwardBackwardOp(seq=1, idempotency_key="k\x001", data=(sft_datum([1, 2, 3]),), loss_fn="ppo", loss_fn_config={"clip": 5e-324}),
+        OptimStepOp(seq=2, idempotency_key="k2", adam_params=AdamParams(learning_rate=1e-3)),
+        SaveWeightsOp(seq=3, idempotency_key="k3", name="n" * 1000, merge_weights=True, user_metadata={"é": "\U0001f600"}),
+        LoadStateOp(seq=2**62, idempotency_key="k4", path="mock://x/weights/y", with_optimizer=False),
+    ]
+    try:
+        for op in ops:
+            await b.execute_training("s1", op)
+    finally:
+        await b.aclose()
+    assert seen == ops and [type(o) for o in seen] == [type(o) for o in ops]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "bad", [None, {"kind": "optim_step", "seq": 1, "idempotency_key": "k"}, types.SimpleNamespace(kind="optim_step", seq=1)]
+)
+async def test_an_object_that_is_not_an_op_record_is_refused_before_anything_is_sent(bad: object) -> None:
+    seen: list[TrainingOp] = []
+    b = _backend(seen)
+    try:
+        with pytest.raises(InvalidInputError) as err:
+            await b.execute_training("s1", bad)  # type: ignore[arg-type]
+        assert err.value.field == "op"
+    finally:
+        await b.aclose()
+    assert seen == []
