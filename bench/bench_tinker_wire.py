@@ -3,6 +3,7 @@ the official SDK + `asyncsess serve` against asyncsess's own client on the same 
 
     python bench/bench_tinker_wire.py                # both parts
     python bench/bench_tinker_wire.py --part bytes   # payload sizes and codec time only
+    python bench/bench_tinker_wire.py --part step --backend "local://?device=cpu" --base-model smollm2   # a real model
 
 Payload: G groups x S samples of a prompt plus a sampled completion, with Zipf-distributed token ids over a
 151k vocabulary (Qwen-sized), per-token sampler log-probs and group-centred advantages, i.e. the
@@ -98,12 +99,13 @@ def bench_step(args: argparse.Namespace) -> None:
     from tests.tinker.conftest import API_KEY, start_server
 
     prompts = [[5 + g, 6 + g, 7 + g] for g in range(args.step_groups)]
+    model = args.base_model
     params = dict(max_tokens=16, temperature=1.0)
 
     async def native(url: str) -> list[float]:
         times = []
         async with ServiceClient(url) as svc:
-            tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=8)
+            tc = await svc.create_lora_training_client(model, rank=8, seed=0)
             sampler = await tc.save_weights_and_get_sampling_client()
             for _ in range(args.steps):
                 t = time.perf_counter()
@@ -124,7 +126,7 @@ def bench_step(args: argparse.Namespace) -> None:
     def via_sdk(url: str) -> list[float]:
         times = []
         sc = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-        tc = sc.create_lora_training_client(base_model="mock/bigram-tiny", rank=8).result()
+        tc = sc.create_lora_training_client(base_model=model, rank=8, seed=0).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -150,21 +152,29 @@ def bench_step(args: argparse.Namespace) -> None:
         sc.holder.close()
         return times
 
-    gen = start_server("mock://", poll_timeout=30.0)
+    gen = start_server(args.backend, poll_timeout=30.0)
     server = next(gen)
-    try:
-        sdk = via_sdk(server.url)
-        wire = anyio.run(native, server.url.replace("http://", "tinker://") + f"?api_key={API_KEY}")
+    runs: dict[str, list[float]] = {"sdk": [], "wire": [], "own": []}
+    clients = {
+        "sdk": lambda: via_sdk(server.url),
+        "wire": lambda: anyio.run(native, server.url.replace("http://", "tinker://") + f"?api_key={API_KEY}"),
+        "own": lambda: anyio.run(native, args.backend),
+    }
+    try:  # A B C C B A: drift in the machine's load hits every client alike
+        for name in [*clients, *reversed(clients)]:
+            runs[name] += clients[name]()[1:]  # the first step of each run warms up
     finally:
         next(gen, None)
-    own = anyio.run(native, "mock://")
-    a, w, b = (statistics.median(x[1:]) for x in (sdk, wire, own))
+    a, w, b = (statistics.median(runs[k]) for k in ("sdk", "wire", "own"))
     n = args.step_groups * args.samples
-    print(f"GRPO step on mock:// ({args.step_groups} prompts x {args.samples} samples = {n} sequences, median of {args.steps - 1})")
+    where = args.backend.split("?")[0]
+    print(
+        f"GRPO step on {args.backend} ({model}; {args.step_groups} prompts x {args.samples} samples = {n} sequences, median of {len(runs['own'])})"
+    )
     print("| client | s/step | vs in-process |\n|---|---|---|")
-    print(f"| official tinker SDK -> asyncsess serve -> mock:// | {a:.4f} | {a / b:.2f}x |")
-    print(f"| asyncsess client, tinker:// -> asyncsess serve -> mock:// | {w:.4f} | {w / b:.2f}x |")
-    print(f"| asyncsess client -> mock:// (in process) | {b:.4f} | 1.00x |")
+    print(f"| official tinker SDK -> asyncsess serve -> {where} | {a:.4f} | {a / b:.2f}x |")
+    print(f"| asyncsess client, tinker:// -> asyncsess serve -> {where} | {w:.4f} | {w / b:.2f}x |")
+    print(f"| asyncsess client -> {where} (in process) | {b:.4f} | 1.00x |")
 
 
 def main() -> None:
@@ -175,8 +185,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--completion-len", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=151_936)
-    ap.add_argument("--steps", type=int, default=11)
+    ap.add_argument("--steps", type=int, default=6, help="steps per run; each client runs twice (A B C C B A)")
     ap.add_argument("--step-groups", type=int, default=8)
+    ap.add_argument("--backend", default="mock://", help="the backend both clients train on (the server hosts one)")
+    ap.add_argument("--base-model", default="mock/bigram-tiny")
     args = ap.parse_args()
     if args.part in ("bytes", "all"):
         bench_bytes(args)
