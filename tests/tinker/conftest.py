@@ -31,14 +31,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(backend_url: str, *, poll_timeout: float = 5.0, api_keys: set[str] | None = None) -> Iterator[Server]:
+def start_server(
+    backend_url: str, *, poll_timeout: float = 5.0, api_keys: set[str] | None = None, session_timeout: float = 300.0
+) -> Iterator[Server]:
     import uvicorn
 
     from asyncsess.backends import load_backend
     from asyncsess.serve.tinker_api import create_app
 
     backend = load_backend(backend_url)
-    app = create_app(backend, api_keys or {API_KEY}, poll_timeout=poll_timeout)
+    app = create_app(backend, api_keys or {API_KEY}, poll_timeout=poll_timeout, session_timeout=session_timeout)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)

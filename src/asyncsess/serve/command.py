@@ -6,6 +6,8 @@ import os
 
 import typer
 
+from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
+
 __all__ = ["serve"]
 
 
@@ -20,7 +22,12 @@ def serve(
         "--api-key",
         help="Accepted API keys, as X-API-Key or Authorization: Bearer (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth).",
     ),
-    poll_timeout: float = typer.Option(30.0, help="Seconds a retrieve_future long-poll is held before answering 408."),
+    poll_timeout: float = typer.Option(POLL_TIMEOUT, help="Seconds a retrieve_future long-poll is held before answering 408."),
+    session_timeout: float = typer.Option(
+        SESSION_TIMEOUT,
+        help="Seconds without a heartbeat (the tinker SDK sends one every 10 s) before a session expires: its models and "
+        "samplers are stopped on the backend and its futures dropped; 0 = never.",
+    ),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
     """Serve Tinker's HTTP API (point TINKER_BASE_URL here) and the OpenAI API (/v1) in front of an asyncsess backend."""
@@ -30,5 +37,5 @@ def serve(
     from .tinker_api import create_app
 
     keys = set(api_key) or {k for k in os.environ.get("ASYNCSESS_API_KEYS", "").split(",") if k}
-    app = create_app(load_backend(backend), keys or None, poll_timeout=poll_timeout)
+    app = create_app(load_backend(backend), keys or None, poll_timeout=poll_timeout, session_timeout=session_timeout)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

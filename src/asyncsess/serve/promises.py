@@ -67,6 +67,16 @@ class PromiseTable:
     def get(self, request_id: str) -> Promise | None:
         return self._items.get(request_id)
 
+    def forget(self, prefix: str, err: BaseException) -> int:
+        """Drop every promise whose id starts with ``prefix:``; unfinished ones fail with ``err`` first, so a
+        long-poll waiting on one wakes. Returns how many were dropped."""
+        gone = [rid for rid in self._items if rid.startswith(prefix + ":")]
+        for rid in gone:
+            p = self._items.pop(rid)
+            if not p.done.is_set():
+                p.fail(err)
+        return len(gone)
+
     async def wait(self, promise: Promise, timeout: float) -> bool:
         with anyio.move_on_after(timeout):
             await promise.done.wait()

@@ -50,6 +50,7 @@ from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGo
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import check_datums, check_loss_fn, check_loss_fn_config, coerce_adam_params, coerce_prompt, coerce_sampling_params
 from . import tinker_proto
+from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
@@ -58,6 +59,7 @@ log = logging.getLogger("asyncsess.serve.tinker")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
+EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
 # request id is "not found", exactly as an id that never existed.
@@ -100,6 +102,11 @@ class _Session:
     owner: str | None = None  # the API key that created it (None: a server without keys)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
+    seen: float = field(default_factory=time.monotonic)  # the last heartbeat or request naming this session
+
+    @property
+    def expired(self) -> bool:
+        return self.finished is not None and self.finished["reason"] == EXPIRED
 
 
 @dataclass
@@ -168,10 +175,13 @@ def _hash(body: Any) -> str:
 class TinkerDoor:
     """Tinker's sessions, models, samplers, checkpoints and promises over one asyncsess backend."""
 
-    def __init__(self, backend: Backend, *, poll_timeout: float = 30.0, gap_timeout: float = 300.0) -> None:
+    def __init__(
+        self, backend: Backend, *, poll_timeout: float = POLL_TIMEOUT, gap_timeout: float = 300.0, session_timeout: float = SESSION_TIMEOUT
+    ) -> None:
         self.backend = backend
         self.poll_timeout = poll_timeout
         self.gap_timeout = gap_timeout
+        self.session_timeout = session_timeout  # 0: sessions never expire
         self.promises = PromiseTable()
         self.sessions: dict[str, _Session] = {}
         self.models: dict[str, _Model] = {}
@@ -188,6 +198,8 @@ class TinkerDoor:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                if self.session_timeout > 0:
+                    tg.start_soon(self._reap_forever)
                 try:
                     yield self
                 finally:
@@ -221,6 +233,61 @@ class TinkerDoor:
             raise RuntimeError("TinkerDoor.running() is not active (use create_app or enter it yourself)")
         self._tg.start_soon(run)
 
+    async def _reap_forever(self) -> None:
+        while True:
+            await anyio.sleep(min(self.session_timeout / 4, 5.0))
+            await self.reap()
+
+    async def reap(self) -> list[str]:
+        """Expire every session not heard from for ``session_timeout`` seconds (none when it is 0); returns their ids."""
+        if self.session_timeout <= 0:
+            return []
+        now = time.monotonic()
+        stale = [s for s in self.sessions.values() if s.finished is None and now - s.seen > self.session_timeout]
+        for s in stale:
+            await self._expire(s)
+        return [s.id for s in stale]
+
+    async def _expire(self, s: _Session) -> None:
+        """A client that stopped heartbeating (killed, cut off): release its models and samplers on the backend
+        and drop its futures; later calls naming the session get 410, as for a finished session."""
+        log.info("session %s expired after %g s without a heartbeat", s.id, self.session_timeout)
+        s.finished = {"reason": EXPIRED, "detail": f"no heartbeat for {self.session_timeout:g} s", "time": time.time()}
+        await self._release(s, "session expired")
+        self.promises.forget(s.id, SessionGoneError(f"session {s.id} expired"))
+        for key in [k for k in self._creating if k.startswith(s.id + ":")]:
+            del self._creating[key]
+        for mid in s.models:
+            self.models[mid].thunks.clear()
+            self.models[mid].submitted.clear()
+        for sid in s.samplers:
+            self.samplers[sid].ids.clear()
+
+    async def _release(self, s: _Session, reason: str) -> None:
+        """Stop the session's models (their queues first) and samplers on the backend."""
+        for mid in s.models:
+            self.models[mid].sequencer.stop(reason)
+            with contextlib.suppress(Exception):
+                await self.backend.stop_session(self.models[mid].backend_id)
+        for sid in s.samplers:
+            with contextlib.suppress(Exception):
+                await self.backend.stop_session(self.samplers[sid].backend_id)
+
+    def _gone(self, s: _Session) -> ApiError:
+        """410 for a request naming a finished or expired session (the SDK's heartbeat loop stops on 410)."""
+        if s.expired:
+            why = f"expired: no heartbeat for {self.session_timeout:g} s, so its models, samplers and futures were released"
+        else:
+            why = "finished"
+        return ApiError(410, f"session {s.id} is {why}", field="session_id", fix="create a new session")
+
+    async def _adopt(self, session: _Session, backend_id: str) -> None:
+        """Refuse a backend session created for a session that finished or expired meanwhile (stop it, no leak)."""
+        if session.finished is not None:
+            with contextlib.suppress(Exception):
+                await self.backend.stop_session(backend_id)
+            raise SessionGoneError(self._gone(session).message)
+
     def owns(self, session_id: str) -> bool:
         """Whether the calling key created session ``session_id``."""
         s = self.sessions.get(session_id)
@@ -231,19 +298,25 @@ class TinkerDoor:
         if s is None:
             raise _not_found("session_id", session_id, "call create_session first")
         if s.finished is not None:
-            raise ApiError(410, f"session {session_id} is finished", field="session_id", fix="create a new session")
+            raise self._gone(s)
+        s.seen = time.monotonic()
         return s
 
-    def model(self, model_id: str) -> _Model:
+    def model(self, model_id: str, *, live: bool = False) -> _Model:
+        """The caller's model; ``live`` (an op): its session must be open (else 410), and the call keeps it alive."""
         m = self.models.get(model_id)
         if m is None or not self.owns(m.session_id):
             raise _not_found("model_id", model_id, "use the model_id that create_model returned")
+        if live:
+            self._session(m.session_id)
         return m
 
-    def sampler(self, sampling_session_id: str) -> _Sampler:
+    def sampler(self, sampling_session_id: str, *, live: bool = False) -> _Sampler:
         s = self.samplers.get(sampling_session_id)
         if s is None or not self.owns(s.session_id):
             raise _not_found("sampling_session_id", sampling_session_id, "create_sampling_session first")
+        if live:
+            self._session(s.session_id)
         return s
 
     async def _vocab_size(self, base_model: str) -> int | None:
@@ -271,13 +344,7 @@ class TinkerDoor:
             raise _not_found("session_id", session_id, "use an id from create_session")
         if s.finished is None:
             s.finished = {"reason": body.get("reason"), "detail": body.get("detail"), "time": time.time()}
-            for mid in s.models:
-                with contextlib.suppress(Exception):
-                    await self.backend.stop_session(self.models[mid].backend_id)
-                    self.models[mid].sequencer.stop("finished")
-            for sid in s.samplers:
-                with contextlib.suppress(Exception):
-                    await self.backend.stop_session(self.samplers[sid].backend_id)
+            await self._release(s, "finished")
         return {"session_id": session_id, "status": "finished"}
 
     # --------------------------------------------------------------------------------- models
@@ -331,6 +398,7 @@ class TinkerDoor:
 
             async def work() -> Callable[[Promise], None]:
                 info = await self.backend.create_training_session(spec)
+                await self._adopt(session, info.model_id)
                 self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(body.get("user_metadata") or {}))
                 return lambda p: p.resolve(json={"model_id": model_id, "type": "create_model"})
 
@@ -430,7 +498,7 @@ class TinkerDoor:
             wire = await anyio.to_thread.run_sync(tinker_proto.decode_forward_backward, raw)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
-        m = self.model(wire.model_id)
+        m = self.model(wire.model_id, live=True)
         vocab = await self._vocab_size(m.base_model)
 
         def check() -> Callable[..., TrainingOp] | InvalidInputError:
@@ -464,7 +532,7 @@ class TinkerDoor:
         return _future(promise, m.id)
 
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
-        m = self.model(_str(body, "model_id"))
+        m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
             if "optimizer_params" in body and "adam_params" not in body:
@@ -496,7 +564,7 @@ class TinkerDoor:
         return ck
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        m = self.model(_str(body, "model_id"))
+        m = self.model(_str(body, "model_id"), live=True)
         name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
 
         def make() -> Callable[[], Awaitable[Any]]:
@@ -511,7 +579,7 @@ class TinkerDoor:
         return self._submit_json(m, body, "save_weights", make)
 
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
-        m = self.model(_str(body, "model_id"))
+        m = self.model(_str(body, "model_id"), live=True)
         seq = _int(body, "seq_id")
         ephemeral_seq = body.get("sampling_session_seq_id")
         if ephemeral_seq is not None:
@@ -564,12 +632,13 @@ class TinkerDoor:
 
                 async def work() -> Callable[[Promise], None]:
                     info = await self.backend.create_training_session(spec)
+                    await self._adopt(session, info.model_id)
                     self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(body.get("user_metadata") or {}))
                     return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
                 self._spawn(promise, work)
             return _future(promise, model_id)
-        m = self.model(_str(body, "model_id"))
+        m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
             run = self._op(m, functools.partial(LoadStateOp, path=backend_path, with_optimizer=with_optimizer))
@@ -590,6 +659,7 @@ class TinkerDoor:
         backend_id = await self.backend.create_sampler(
             SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
         )
+        await self._adopt(session, backend_id)
         s = _Sampler(sid, backend_id, base_model or "", path, session.id, version)
         self.samplers[sid] = s
         session.samplers.append(sid)
@@ -622,7 +692,7 @@ class TinkerDoor:
         sid = body.get("sampling_session_id")
         if sid is None:  # the legacy form: sample straight from a path or a base model
             raise ApiError(400, "this server needs a sampling session", field="sampling_session_id", fix="create_sampling_session first")
-        s = self.sampler(str(sid))
+        s = self.sampler(str(sid), live=True)
         seq = _int(body, "seq_id")
         digest = _hash(body)
         earlier = s.ids.get(seq)
@@ -665,7 +735,13 @@ class TinkerDoor:
 
     async def retrieve(self, body: dict[str, Any]) -> Response:
         rid = _str(body, "request_id")
-        p = self.promises.get(rid) if self.owns(rid.split(":", 1)[0]) else None
+        sid = rid.split(":", 1)[0]
+        session = self.sessions[sid] if self.owns(sid) else None
+        if session is not None and session.expired:
+            raise self._gone(session)  # its futures were dropped
+        if session is not None and session.finished is None:
+            session.seen = time.monotonic()
+        p = self.promises.get(rid) if session is not None else None
         if p is None:
             raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
         if not await self.promises.wait(p, self.poll_timeout):
@@ -1033,12 +1109,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return ApiError(400, str(first.get("msg", "invalid request")), field=where or None).response()
 
 
-def create_app(backend: Backend, api_keys: set[str] | frozenset[str] | None = None, *, poll_timeout: float = 30.0) -> FastAPI:
+def create_app(
+    backend: Backend,
+    api_keys: set[str] | frozenset[str] | None = None,
+    *,
+    poll_timeout: float = POLL_TIMEOUT,
+    session_timeout: float = SESSION_TIMEOUT,
+) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``."""
     from .openai_door import OpenAIDoor, openai_router
 
-    door = TinkerDoor(backend, poll_timeout=poll_timeout)
+    door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout)
     oai = OpenAIDoor(door)
 
     @contextlib.asynccontextmanager

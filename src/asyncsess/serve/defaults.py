@@ -1,0 +1,4 @@
+"""Defaults of ``asyncsess serve`` shared by the command and the doors (light: no FastAPI import)."""
+
+POLL_TIMEOUT = 30.0  # seconds a retrieve_future long-poll is held before answering 408
+SESSION_TIMEOUT = 300.0  # seconds without a heartbeat (the tinker SDK sends one every 10 s) before a session expires
