@@ -185,3 +185,22 @@ def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceC
         tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(
             base_model=BASE, rank=8
         ).result()
+
+
+def test_forward_backward_is_the_same_inline_and_in_worker_threads(
+    service: tinker.ServiceClient, mock_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small bodies are decoded, checked and answered on the event loop, big ones in worker threads: both paths
+    give bit-identical results, and both refuse a bad token naming the field."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
+    assert mock_server.door.inline_bytes > 1000  # these bodies are small: the inline path
+    inline = tc.forward(BATCH, "cross_entropy").result()
+    monkeypatch.setattr(mock_server.door, "inline_bytes", 0)  # every body to the threads
+    threaded = tc.forward(BATCH, "cross_entropy").result()
+    assert inline.metrics == threaded.metrics
+    assert [o["logprobs"].tolist() for o in inline.loss_fn_outputs] == [o["logprobs"].tolist() for o in threaded.loss_fn_outputs]
+    bad = [_datum([5, 6, 10**6])]
+    for limit in (0, 10**6):
+        monkeypatch.setattr(mock_server.door, "inline_bytes", limit)
+        with pytest.raises(tinker.BadRequestError, match=r"data\[0\].*outside the vocabulary"):
+            tc.forward(bad, "cross_entropy").result()

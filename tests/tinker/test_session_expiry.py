@@ -99,8 +99,16 @@ def test_a_silent_session_is_reaped_and_heartbeating_ones_survive(server: Server
     silent, alive, other = _Client(server, API_KEY), _Client(server, API_KEY), _Client(server, OTHER_KEY)
     assert silent.backend_ids() <= set(MockBackend.open_sessions())
     pending = silent.optim_step().json()["request_id"]  # a future of the silent session, never fetched
+    probe = server.door.promises.new("probe", silent.model_id)  # one that never resolves, long-polled across the expiry
+    polled: list[httpx.Response] = []
+    poller = threading.Thread(target=lambda: polled.append(silent.http.post("/retrieve_future", json={"request_id": probe.request_id})))
     with _Heartbeats(alive, other) as beats:
+        poller.start()
         _wait_for(lambda: not silent.backend_ids() & set(MockBackend.open_sessions()), "the silent session's model and sampler stop")
+        poller.join(DEADLINE)
+        # the waiting long-poll woke with the failure (the server holds polls 5 s; the session expired after 1 s)
+        assert polled[0].status_code == 200 and "expired" in polled[0].json()["error"], polled[0].text
+        assert polled[0].json()["category"] == "server"
         time.sleep(3 * TIMEOUT)  # the survivors outlive the timeout several times over
         assert alive.optim_step().status_code == 200 and other.optim_step().status_code == 200
     assert beats.statuses and set(beats.statuses) == {200}

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -56,10 +56,14 @@ from .promises import Promise, PromiseTable
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
 
 log = logging.getLogger("asyncsess.serve.tinker")
+T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
-EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
+EXPIRED = {"type": "expired"}
+# forward_backward bodies up to this size (bytes, decompressed) are decoded, checked and answered on the event loop: there
+# ~1 ms of codec costs less than a thread hop, which under load waits up to the GIL switch interval (5 ms) per hop
+INLINE_BYTES = 64 * 1024  # the finish reason of a session the server expired
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
 # request id is "not found", exactly as an id that never existed.
@@ -182,6 +186,7 @@ class TinkerDoor:
         self.poll_timeout = poll_timeout
         self.gap_timeout = gap_timeout
         self.session_timeout = session_timeout  # 0: sessions never expire
+        self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
         self.sessions: dict[str, _Session] = {}
         self.models: dict[str, _Model] = {}
@@ -489,13 +494,20 @@ class TinkerDoor:
         return run
 
     async def forward_backward(self, raw: bytes, encoding: str | None) -> dict[str, Any]:
-        """Decompress, decode and validate in a worker thread (megabytes of tensors stay off the event loop)."""
+        """Decompress, decode, validate and encode the result; in worker threads for bodies over ``inline_bytes``
+        (megabytes of tensors stay off the event loop), inline for small ones."""
+        if encoding not in (None, "", "identity", "zstd"):
+            raise ApiError(400, f"Content-Encoding {encoding!r}", field="Content-Encoding", fix="send zstd or nothing")
+
+        size = tinker_proto.decompressed_size(raw) if encoding == "zstd" else len(raw)
+        off_loop = _inline if size is not None and size <= self.inline_bytes else anyio.to_thread.run_sync
+
+        def decode() -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
+            body = tinker_proto.decompress(raw) if encoding == "zstd" else raw
+            return body, tinker_proto.decode_forward_backward(body)
+
         try:
-            if encoding == "zstd":
-                raw = await anyio.to_thread.run_sync(tinker_proto.decompress, raw)
-            elif encoding not in (None, "", "identity"):
-                raise InvalidInputError(f"Content-Encoding {encoding!r}", field="Content-Encoding", fix="send zstd or nothing")
-            wire = await anyio.to_thread.run_sync(tinker_proto.decode_forward_backward, raw)
+            raw, wire = await off_loop(decode)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
@@ -511,7 +523,7 @@ class TinkerDoor:
             record = ForwardOp if wire.forward_only else ForwardBackwardOp
             return functools.partial(record, data=data, loss_fn=loss_fn, loss_fn_config=config)
 
-        checked = await anyio.to_thread.run_sync(check)
+        checked = await off_loop(check)
 
         def make() -> Callable[[], Awaitable[Any]]:
             if isinstance(checked, InvalidInputError):
@@ -520,7 +532,7 @@ class TinkerDoor:
 
             async def encoded() -> Callable[[Promise], None]:
                 out: ForwardBackwardOutput = await run()
-                blob = await anyio.to_thread.run_sync(tinker_proto.encode_forward_backward_output, out)
+                blob = await off_loop(tinker_proto.encode_forward_backward_output, out)
                 return lambda p: p.resolve(proto=blob)
 
             return encoded
@@ -869,6 +881,11 @@ class TinkerDoor:
         }
 
 
+async def _inline(fn: Callable[..., T], *args: Any) -> T:
+    """``anyio.to_thread.run_sync``'s shape, run on the event loop (for work smaller than a thread hop)."""
+    return fn(*args)
+
+
 async def _quietly(aw: Awaitable[Any]) -> None:
     with contextlib.suppress(Exception):
         await aw
@@ -958,6 +975,34 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    # the per-step routes first: the router tries routes in order
+    @guarded.post("/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        return await door.retrieve(await _json(request))
+
+    @guarded.post("/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        return await door.asample(await _json(request))
+
+    @guarded.post("/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        ctype = request.headers.get("content-type", "")
+        if PROTO not in ctype:
+            raise ApiError(415, f"content-type {ctype!r}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
+        return await door.forward_backward(await request.body(), request.headers.get("content-encoding"))
+
+    @guarded.post("/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        return door.optim_step(await _json(request))
+
+    @guarded.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        return door.save_weights_for_sampler(await _json(request))
+
+    @guarded.post("/session_heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        return door.heartbeat(await _json(request))
+
     @guarded.post("/client/config")
     async def client_config() -> dict[str, Any]:
         return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False}
@@ -973,10 +1018,6 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         return door.create_session(await _json(request), owner=caller.get())
-
-    @guarded.post("/session_heartbeat")
-    async def heartbeat(request: Request) -> dict[str, Any]:
-        return door.heartbeat(await _json(request))
 
     @guarded.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
@@ -1006,24 +1047,9 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     async def unload_model(request: Request) -> dict[str, Any]:
         return await door.unload_model(await _json(request))
 
-    @guarded.post("/forward_backward")
-    async def forward_backward(request: Request) -> dict[str, Any]:
-        ctype = request.headers.get("content-type", "")
-        if PROTO not in ctype:
-            raise ApiError(415, f"content-type {ctype!r}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
-        return await door.forward_backward(await request.body(), request.headers.get("content-encoding"))
-
-    @guarded.post("/optim_step")
-    async def optim_step(request: Request) -> dict[str, Any]:
-        return door.optim_step(await _json(request))
-
     @guarded.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         return door.save_weights(await _json(request))
-
-    @guarded.post("/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        return door.save_weights_for_sampler(await _json(request))
 
     @guarded.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
@@ -1036,14 +1062,6 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
         return door.get_sampler(sampler_id)
-
-    @guarded.post("/asample")
-    async def asample(request: Request) -> dict[str, Any]:
-        return await door.asample(await _json(request))
-
-    @guarded.post("/retrieve_future")
-    async def retrieve_future(request: Request) -> Response:
-        return await door.retrieve(await _json(request))
 
     @guarded.get("/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:

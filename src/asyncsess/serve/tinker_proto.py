@@ -18,6 +18,7 @@ from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, 
 __all__ = [
     "ForwardBackwardWire",
     "decode_forward_backward",
+    "decompressed_size",
     "encode_forward_backward",
     "encode_forward_backward_output",
     "decode_forward_backward_output",
@@ -51,6 +52,17 @@ def decompress(body: bytes) -> bytes:
         return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
     except zstandard.ZstdError as err:
         raise InvalidInputError(f"not a zstd frame ({err})", field="body", fix="send Content-Encoding: zstd only with zstd data") from None
+
+
+def decompressed_size(body: bytes) -> int | None:
+    """The content size a zstd frame declares (the SDK's frames do), or None when it declares none or is not zstd."""
+    import zstandard
+
+    try:
+        size = zstandard.frame_content_size(body)
+    except zstandard.ZstdError:
+        return None
+    return size if size >= 0 else None
 
 
 def compress(body: bytes, level: int = 3) -> bytes:
