@@ -181,3 +181,64 @@ def test_session_timeout_zero_never_expires() -> None:
             assert door.sessions[sid].finished is None
 
     anyio.run(main)
+
+
+CHILD = """
+import sys, time, tinker
+from tinker import types
+sc = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+tc = sc.create_lora_training_client(base_model="mock/bigram-tiny", rank=4).result()
+print(tc.model_id, flush=True)
+inputs = {"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]}
+datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs=inputs)
+while True:  # busy, as a training loop is: each request keeps the session alive between the SDK's 10 s heartbeats
+    tc.forward([datum], "cross_entropy").result()
+    time.sleep(0.2)
+"""
+
+
+def test_asyncsess_serve_reaps_the_session_of_a_killed_sdk_process(tmp_path) -> None:
+    """`asyncsess serve --session-timeout 2`; an official-SDK process trains, then is killed with SIGKILL (it cannot
+    finish its session): the server expires the session, and a heartbeat on it answers 410."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import _free_port
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "ASYNCSESS_API_KEYS": API_KEY, "TINKER_TELEMETRY": "0"}
+    serve = [sys.executable, "-m", "asyncsess", "serve", "--backend", "mock://", "--port", str(port), "--session-timeout", "2"]
+    server = subprocess.Popen(serve, env=env)
+    child = None
+    try:
+        _wait_for(lambda: _answers(url + "/api/v1/healthz"), "the server starts")
+        child = subprocess.Popen([sys.executable, "-c", CHILD, url, API_KEY], env=env, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        session_id = child.stdout.readline().strip().split(":", 1)[0]
+        assert session_id, "the SDK process did not create its model"
+        beat = {"session_id": session_id, "type": "session_heartbeat"}
+        headers = {"X-API-Key": API_KEY}
+        time.sleep(3 * 2.0)  # the training process keeps its session past three timeouts
+        assert child.poll() is None, "the SDK process stopped on its own"
+        assert httpx.post(url + "/api/v1/session_heartbeat", json=beat, headers=headers).status_code == 200
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        # any call naming the session would keep it alive, so look once, after a generous wait (3 timeouts)
+        time.sleep(3 * 2.0)
+        gone = httpx.post(url + "/api/v1/session_heartbeat", json=beat, headers=headers)
+        assert gone.status_code == 410 and "expired" in gone.json()["error"] and gone.json()["field"] == "session_id"
+    finally:
+        for proc in (child, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
