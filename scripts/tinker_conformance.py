@@ -51,7 +51,6 @@ UNSUPPORTED = {
     "RestClient.get_billing_usage": "admin/billing API of the hosted service",
     "RestClient.get_current_checkpoint_storage_usage": "admin/billing API of the hosted service",
     "RestClient.whoami": "no user accounts (one API-key list)",
-    "RestClient.search_sessions": "no session search index",
     "TrainingClient.get_tokenizer": "mock:// has a character tokenizer, not a Hugging Face one (works on local://)",
     "SamplingClient.get_tokenizer": "mock:// has a character tokenizer, not a Hugging Face one (works on local://)",
     "SamplingClient.create": "internal constructor (takes the SDK's client holder)",
@@ -164,6 +163,10 @@ PROBES: dict[str, tuple[Callable[[Ctx, Any], Any], Callable[[Any], bool]]] = {
         lambda r: any(ck.checkpoint_id == "weights/conf-state" for ck in r.checkpoints),
     ),
     "RestClient.list_sessions": (lambda c, m: m(), lambda r: len(r.sessions) >= 1),
+    "RestClient.search_sessions": (
+        lambda c, m: m(types.SessionSearchRequest(session_id=c.sc.holder.get_session_id(), statuses=[types.ActiveSessionStatusQuery()])),
+        lambda r: [s.status.type for s in r.sessions] == ["active"] and r.sessions[0].checkpoints_count >= 2,
+    ),
     "RestClient.list_training_runs": (lambda c, m: m(), lambda r: len(r.training_runs) >= 1),
     "RestClient.list_user_checkpoints": (lambda c, m: m(), lambda r: len(r.checkpoints) >= 1),
     "RestClient.publish_checkpoint_from_tinker_path": (lambda c, m: _publish(c, m, True), lambda r: r is True),

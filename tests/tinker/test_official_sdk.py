@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -204,3 +205,51 @@ def test_forward_backward_is_the_same_inline_and_in_worker_threads(
         monkeypatch.setattr(mock_server.door, "inline_bytes", limit)
         with pytest.raises(tinker.BadRequestError, match=r"data\[0\].*outside the vocabulary"):
             tc.forward(bad, "cross_entropy").result()
+
+
+def test_search_sessions_pages_and_filters(mock_server: Server) -> None:
+    """``RestClient.search_sessions``: the caller's sessions newest first, paged by cursor, filtered by name words,
+    user metadata, project and status (a closed client's session is ``client_finished`` / ``success``)."""
+    from uuid import uuid4
+
+    tag = uuid4().hex[:10]
+    clients = []
+    for i in range(3):
+        sc = tinker.ServiceClient(
+            base_url=mock_server.url,
+            api_key=API_KEY,
+            display_name=f"Nightly {tag} run{i}",
+            user_metadata={"i": str(i)},
+            project_id="p-a" if i < 2 else "p-b",
+        )
+        sc.holder.get_session_id()  # the SDK creates its session in the background; wait for it (fixes the order)
+        clients.append(sc)
+    try:
+        clients[0].close("success").result()
+        rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+        query = types.SessionSearchRequest(display_name=f"{tag.upper()} nightly", limit=2)
+        first = rest.search_sessions(query).result()
+        assert len(first.sessions) == 2 and first.next_cursor is not None
+        rest_of = rest.search_sessions(query.model_copy(update={"cursor": first.next_cursor})).result()
+        assert len(rest_of.sessions) == 1 and rest_of.next_cursor is None
+        found = first.sessions + rest_of.sessions
+        assert [s.display_name for s in found] == [f"Nightly {tag} run{i}" for i in (2, 1, 0)]  # newest first
+        assert [s.created_at for s in found] == sorted((s.created_at for s in found), reverse=True)
+
+        def names(**kw) -> list[str | None]:
+            page = rest.search_sessions(types.SessionSearchRequest(display_name=tag, **kw)).result()
+            return sorted(s.display_name for s in page.sessions)
+
+        assert names(user_metadata={"i": "1"}) == [f"Nightly {tag} run1"]
+        assert names(project_ids=["p-b"]) == [f"Nightly {tag} run2"]
+        assert names(statuses=[types.ActiveSessionStatusQuery()]) == [f"Nightly {tag} run1", f"Nightly {tag} run2"]
+        finished = types.ClientFinishedSessionStatusQuery(reasons=["success"])
+        assert names(statuses=[finished]) == [f"Nightly {tag} run0"]
+        assert names(statuses=[types.ClientFinishedSessionStatusQuery(reasons=["errored"])]) == []
+        # a cursor this server did not write (no time zone) is a 400 naming it (the SDK itself would refuse to send it)
+        bad = {"cursor": {"last_created_at": "2020-01-01T00:00:00", "last_session_id": "x"}}
+        resp = httpx.post(mock_server.url + "/api/v1/sessions/search", json=bad, headers={"X-API-Key": API_KEY})
+        assert resp.status_code == 400 and resp.json()["field"] == "cursor", resp.text
+    finally:
+        for sc in clients[1:]:
+            sc.close("success").result()

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import anyio
@@ -103,6 +104,7 @@ class _Session:
     last_heartbeat: float
     finished: dict[str, Any] | None = None
     project_id: str | None = None
+    display_name: str | None = None
     owner: str | None = None  # the API key that created it (None: a server without keys)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
@@ -169,6 +171,47 @@ class _Checkpoint:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _us(t: float) -> int:
+    """Seconds as whole microseconds: what an ISO time in a search cursor carries exactly."""
+    return round(t * 1_000_000)
+
+
+def _iso_us(t: float) -> str:
+    return (_EPOCH + timedelta(microseconds=_us(t))).isoformat().replace("+00:00", "Z")
+
+
+def _cursor(cursor: Any) -> tuple[int, str] | None:
+    """A search cursor (``{"last_created_at", "last_session_id"}``) as the (created, id) key it points after."""
+    if cursor is None:
+        return None
+    try:
+        when = datetime.fromisoformat(str(cursor["last_created_at"]).replace("Z", "+00:00"))
+        if when.tzinfo is None:
+            raise ValueError("no time zone")
+        return (when - _EPOCH) // timedelta(microseconds=1), str(cursor["last_session_id"])
+    except (TypeError, KeyError, ValueError) as err:
+        raise ApiError(400, f"not a cursor this server returned ({err})", field="cursor", fix="pass next_cursor back unchanged") from None
+
+
+def _status(s: _Session) -> dict[str, Any] | None:
+    if s.finished is None:
+        return {"type": "active"}
+    reason = s.finished.get("reason")
+    if isinstance(reason, dict) and reason.get("type") in ("success", "errored", "interrupted"):
+        return {"type": "client_finished", "reason": {"type": reason["type"]}}
+    return None  # expired, or finished without a reason Tinker names
+
+
+def _status_matches(query: dict[str, Any], status: dict[str, Any] | None) -> bool:
+    if status is None or query.get("type") != status["type"]:
+        return False
+    reasons = query.get("reasons")
+    return status["type"] != "client_finished" or reasons is None or status["reason"]["type"] in reasons
 
 
 def _hash(body: Any) -> str:
@@ -335,8 +378,70 @@ class TinkerDoor:
     def create_session(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = _Session(sid, list(body.get("tags") or []), dict(body.get("user_metadata") or {}), now, now, owner=owner)
+        name, project = body.get("display_name"), body.get("project_id")
+        self.sessions[sid] = _Session(
+            sid,
+            list(body.get("tags") or []),
+            dict(body.get("user_metadata") or {}),
+            now,
+            now,
+            owner=owner,
+            display_name=name if isinstance(name, str) else None,
+            project_id=project if isinstance(project, str) else None,
+        )
         return {"type": "create_session", "session_id": sid}
+
+    def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``sessions/search``: the caller's sessions, newest first, a page at a time. Without user accounts every
+        ``owner`` query means the calling key's own sessions. Status: ``active``, ``client_finished`` (with the
+        client's reason), or none for a session the server expired (as Tinker: neither finished nor running)."""
+        limit = _int(body, "limit", 50)
+        if not 1 <= limit <= 200:
+            raise ApiError(400, f"limit={limit}", field="limit", fix="ask for 1 to 200 sessions a page")
+        meta, statuses, projects = body.get("user_metadata") or {}, body.get("statuses"), body.get("project_ids")
+        if not isinstance(meta, dict):
+            raise ApiError(400, "must be an object of strings", field="user_metadata")
+        if statuses is not None and not (isinstance(statuses, list) and statuses and all(isinstance(q, dict) for q in statuses)):
+            raise ApiError(400, "must be a non-empty list of status queries", field="statuses", fix='e.g. [{"type": "active"}]')
+        if projects is not None and not isinstance(projects, list):
+            raise ApiError(400, "must be a list of project ids", field="project_ids")
+        want_id, name = body.get("session_id"), body.get("display_name")
+        words = str(name).lower().split() if name is not None else None
+        after = _cursor(body.get("cursor"))
+
+        def matches(s: _Session) -> bool:
+            by_id = want_id is not None and s.id == want_id
+            by_name = words is not None and all(w in (s.display_name or "").lower() for w in words)
+            if (want_id is not None or words is not None) and not (by_id or by_name):
+                return False
+            if any(str(s.user_metadata.get(k)) != str(v) for k, v in meta.items()):
+                return False
+            if projects is not None and s.project_id not in projects:
+                return False
+            return statuses is None or any(_status_matches(q, _status(s)) for q in statuses)
+
+        rows = sorted((s for s in self.sessions.values() if s.owner == caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
+        if after is not None:
+            rows = [s for s in rows if (_us(s.created), s.id) < after]
+        rows = [s for s in rows if matches(s)]
+        page = rows[:limit]
+        more = len(rows) > limit
+        return {
+            "sessions": [self._summary(s) for s in page],
+            "next_cursor": {"last_created_at": _iso_us(page[-1].created), "last_session_id": page[-1].id} if more else None,
+        }
+
+    def _summary(self, s: _Session) -> dict[str, Any]:
+        return {
+            "session_id": s.id,
+            "created_at": _iso_us(s.created),
+            "owner": "local",
+            "project_id": s.project_id or "",
+            "status": _status(s),
+            "checkpoints_count": sum(len(self.models[m].checkpoints) for m in s.models),
+            "display_name": s.display_name,
+            "user_metadata": {str(k): str(v) for k, v in s.user_metadata.items()} or None,
+        }
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         s = self._session(_str(body, "session_id"))
@@ -1026,6 +1131,10 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
         return door.session_info(session_id)
+
+    @guarded.post("/sessions/search")
+    async def search_sessions(request: Request) -> dict[str, Any]:
+        return door.search_sessions(await _json(request))
 
     @guarded.get("/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
