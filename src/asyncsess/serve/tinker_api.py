@@ -284,7 +284,10 @@ class TinkerDoor:
     async def _reap_forever(self) -> None:
         while True:
             await anyio.sleep(min(self.session_timeout / 4, 5.0))
-            await self.reap()
+            try:
+                await self.reap()
+            except Exception:  # a reaper failure must not take the server down; the next round retries
+                log.exception("expiring sessions failed")
 
     async def reap(self) -> list[str]:
         """Expire every session not heard from for ``session_timeout`` seconds (none when it is 0); returns their ids."""
