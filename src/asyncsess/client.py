@@ -599,6 +599,11 @@ class ServiceClient:
                     tc._gone = err
                 except Exception as err:
                     log.debug("heartbeat for %s failed: %r", tc.model_id, err)
+            for sampler_id in list(self._samplers):  # a sampling-only client keeps its server session alive too
+                try:
+                    await self.backend.heartbeat(sampler_id)
+                except Exception as err:  # the sampler's next call reports a lost session, typed
+                    log.debug("heartbeat for sampler %s failed: %r", sampler_id, err)
 
 
 def _warn_unclosed(svc_ref: weakref.ref[ServiceClient], session_id: str, kind: str) -> None:

@@ -242,3 +242,20 @@ def _answers(url: str) -> bool:
         return httpx.get(url).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_sampling_only_tinker_client_keeps_its_session_alive(server: Server) -> None:
+    """An asyncsess client on tinker:// that holds only a sampler still heartbeats its server session."""
+    import anyio
+
+    from asyncsess import SamplingParams, ServiceClient
+
+    async def main() -> list[int]:
+        url = server.url.replace("http://", "tinker://") + f"?api_key={API_KEY}"
+        async with ServiceClient(url, heartbeat_interval=TIMEOUT / 5) as svc:
+            sampler = await svc.create_sampling_client(base_model=BASE)
+            await anyio.sleep(3 * TIMEOUT)  # three timeouts with no request but the heartbeats
+            out = await sampler.sample([5, 6, 7], 1, SamplingParams(max_tokens=4, seed=0))
+            return list(out.sequences[0].tokens)
+
+    assert len(anyio.run(main)) >= 1
