@@ -365,7 +365,7 @@ def test_one_requests_failure_in_a_batch_fails_only_itself(worker, tiny, ids):
     """Engine level: a request that passes validation but fails inside a batched generation is run again
     alone, so the requests batched with it still succeed."""
     from asyncsess.types import SamplingParams
-    from asyncsess_local.engine import _Work
+    from asyncsess_local.engine import SampleWork
     from asyncsess_local.sampler import SampleJob
 
     engine = worker.backend.engine
@@ -376,7 +376,7 @@ def test_one_requests_failure_in_a_batch_fails_only_itself(worker, tiny, ids):
     bad = SampleJob(
         [5, 6], 1, SamplingParams.model_construct(max_tokens=2, temperature=1.0, top_p=1.0, top_k=-1, stop=None, seed=2**70), max_tokens=2
     )
-    works = [_Work("sample", slot=ref.slot, job=j) for j in (good[0], bad, good[1], good[2])]
+    works = [SampleWork(ref.slot, j) for j in (good[0], bad, good[1], good[2])]
     batches = engine.stats["sample_batches"]
     dones = [engine.submit(w) for w in works]
     gate.set()

@@ -26,7 +26,7 @@ from asyncsess.validation import MAX_TOPK, check_description, check_session_opti
 
 from .checkpoints import MAX_PATH_CHARS, CheckpointStore
 from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
-from .engine import MAX_LORA_RANK
+from .sessions import MAX_LORA_RANK
 
 __all__ = [
     "ChatMessage",
@@ -41,6 +41,7 @@ __all__ = [
     "MAX_DATUMS",
     "MAX_PROMPT_TOKENS",
     "MAX_ID_CHARS",
+    "invalid_input",
 ]
 
 MAX_BODY_BYTES = 256 * 2**20  # a request body larger than this gets a 413
@@ -227,3 +228,22 @@ class ChatRequest(BaseModel):
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     seed: Seed | None = None
     stream: bool = False
+
+
+_FIXES = {"missing": "add it", "extra_forbidden": "remove it (see GET /openapi.json)", "finite_number": "give a finite number"}
+
+
+def invalid_input(errors: Any) -> InvalidInputError:
+    """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    where = ""
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
+        loc = loc[1:]
+    for part in loc:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
+            where += f".{part}" if where else str(part)
+    fix = _FIXES.get(first.get("type", ""), "see the request schema in GET /openapi.json")
+    return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)
