@@ -15,11 +15,11 @@ ids inside the vocabulary, a prompt inside the context) is checked by the routes
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
-from asyncsess.backends import OP_TYPES, LoadStateOp, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
 from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
@@ -33,6 +33,12 @@ __all__ = [
     "ChatRequest",
     "LogprobsBody",
     "OpBody",
+    "ForwardBody",
+    "ForwardBackwardBody",
+    "OptimStepBody",
+    "SaveStateBody",
+    "SaveWeightsBody",
+    "LoadStateBody",
     "SampleBody",
     "SamplerBody",
     "SessionBody",
@@ -127,34 +133,83 @@ class SessionBody(_Body):
         return TrainingSessionSpec(**self.model_dump())
 
 
-class OpBody(_Body):
-    """``POST /v1/sessions/{id}/ops``: one ordered training op."""
+class _OpFields(_Body):
+    """What every op body carries: its place and its delivery key."""
 
     kind: TrainingOpKind
     seq: int = Field(ge=1, le=MAX_SEQ)
     idempotency_key: Long
+
+    def op(self) -> TrainingOp:
+        """The typed record for this body's ``kind``, from its fields (unset optional ones take the record's default)."""
+        cls = OP_TYPES[self.kind]
+        fields = {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
+        if "data" in fields:
+            fields["data"] = tuple(fields["data"])
+        return cls(**fields)
+
+
+class _PassFields(_OpFields):
     data: list[DatumIn] = Field(default_factory=list, max_length=MAX_DATUMS)
     loss_fn: Short | None = None
     loss_fn_config: dict[Short, float] | None = Field(default=None, max_length=16)
+
+
+class ForwardBody(_PassFields):
+    """``forward``: loss and per-token log-probs, no gradient."""
+
+    kind: Literal["forward"]
+
+
+class ForwardBackwardBody(_PassFields):
+    """``forward_backward``: like ``forward``, and accumulate the gradient."""
+
+    kind: Literal["forward_backward"]
+
+
+class OptimStepBody(_OpFields):
+    """``optim_step``: apply the accumulated gradient."""
+
+    kind: Literal["optim_step"]
     adam_params: AdamParams | None = None
+
+
+class _SaveFields(_OpFields):
     name: CheckpointName | None = None
-    merge_weights: bool = False
-    with_optimizer: bool = True
-    path: CheckpointPath | None = None
     ephemeral: bool = False
     description: Description = None
     overwrite: bool = False
     ttl_seconds: TTLSeconds = None
     user_metadata: dict[Label, Long] | None = Field(default=None, max_length=64)
 
-    def op(self) -> TrainingOp:
-        """The typed record for ``kind``, from the fields that kind has."""
-        cls = OP_TYPES[self.kind]
-        if cls is LoadStateOp and self.path is None:
-            raise InvalidInputError("load_state needs a path", field="path", fix="pass the path a save returned")
-        own = cls.__dataclass_fields__
-        fields = {k: getattr(self, k) for k in type(self).model_fields if k in own and getattr(self, k) is not None}
-        return cls(**{**fields, "data": tuple(self.data)} if "data" in own else fields)
+
+class SaveStateBody(_SaveFields):
+    """``save_state``: weights and optimizer state (resumable)."""
+
+    kind: Literal["save_state"]
+
+
+class SaveWeightsBody(_SaveFields):
+    """``save_weights``: weights for sampling (``merge_weights``: also a merged full model)."""
+
+    kind: Literal["save_weights"]
+    merge_weights: bool = False
+
+
+class LoadStateBody(_OpFields):
+    """``load_state``: load a ``save_state`` path of this key."""
+
+    kind: Literal["load_state"]
+    path: CheckpointPath
+    with_optimizer: bool = True
+
+
+OpBody = Annotated[
+    ForwardBody | ForwardBackwardBody | OptimStepBody | SaveStateBody | SaveWeightsBody | LoadStateBody,
+    Field(discriminator="kind"),
+]
+"""``POST /v1/sessions/{id}/ops``: one ordered training op, a body per ``kind`` (a field the kind does not
+have is refused by name)."""
 
 
 class SamplerBody(_Body):
@@ -230,7 +285,13 @@ class ChatRequest(BaseModel):
     stream: bool = False
 
 
-_FIXES = {"missing": "add it", "extra_forbidden": "remove it (see GET /openapi.json)", "finite_number": "give a finite number"}
+_FIXES = {
+    "missing": "add it",
+    "union_tag_invalid": "use forward, forward_backward, optim_step, save_state, save_weights or load_state",
+    "union_tag_not_found": "add it: forward, forward_backward, optim_step, save_state, save_weights or load_state",
+    "extra_forbidden": "remove it (see GET /openapi.json)",
+    "finite_number": "give a finite number",
+}
 
 
 def invalid_input(errors: Any) -> InvalidInputError:
@@ -239,6 +300,10 @@ def invalid_input(errors: Any) -> InvalidInputError:
     where = ""
     loc = list(first.get("loc", ()))
     if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
+        loc = loc[1:]
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        loc = [*loc, "kind"]  # the op body's discriminator
+    elif loc and loc[0] in OP_TYPES:  # the op body's kind, not a field
         loc = loc[1:]
     for part in loc:
         if isinstance(part, int):
