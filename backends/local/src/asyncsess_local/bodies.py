@@ -310,5 +310,5 @@ def invalid_input(errors: Any) -> InvalidInputError:
             where += f"[{part}]"
         elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
             where += f".{part}" if where else str(part)
-    fix = _FIXES.get(first.get("type", ""), "see the request schema in GET /openapi.json")
+    fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
     return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, TypeVar
+from typing import Any
 
 from asyncsess.backends import (
     Backend,
@@ -46,7 +46,7 @@ from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_conf
 from .adapters import BASE
 from .completion import Completion
 from .engine import Engine, EngineConfig
-from .ops import unknown_op
+from .ops import PassOp, unknown_op
 from .sampler import SampleJob
 from .sessions import MAX_LORA_RANK, SamplerRef, Slot
 from .vllm_sampler import VllmOptions
@@ -55,7 +55,6 @@ __all__ = ["LocalBackend", "MAX_NUM_SAMPLES", "MAX_LORA_ALPHA"]
 
 MAX_NUM_SAMPLES = 128  # samples per request
 MAX_LORA_ALPHA = 1e4
-_Pass = TypeVar("_Pass", ForwardOp, ForwardBackwardOp)
 
 
 class LocalBackend(Backend):
@@ -336,7 +335,7 @@ def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
     return tokens
 
 
-def _checked_pass(op: _Pass, slot: Slot) -> _Pass:
+def _checked_pass(op: PassOp, slot: Slot) -> PassOp:
     loss_fn = check_loss_fn(op.loss_fn or "cross_entropy")
     config = check_loss_fn_config(loss_fn, op.loss_fn_config)
     data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size)

@@ -61,7 +61,7 @@ def router(backend: LocalBackend, owners: Owners, base_models: Callable[[], set[
     @api.post("/v1/chat/completions")
     async def chat(body: bodies.ChatRequest, key: str = Depends(api_key)) -> Any:
         sampler_id, base = await chat_sampler(key, body.model)
-        tok = backend.get_tokenizer(base)
+        tok: Any = backend.get_tokenizer(base)  # a transformers tokenizer (chat template, special ids)
         try:
             prompt = tok.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True)
         except Exception as err:  # no chat template, bad roles...

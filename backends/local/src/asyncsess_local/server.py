@@ -241,7 +241,7 @@ def create_app(
     async def tokenizer(base_model: NameQuery, key: str = Depends(api_key)) -> Any:
         import tempfile
 
-        tok = backend.get_tokenizer(check_base_model(base_model, "base_model"))
+        tok: Any = backend.get_tokenizer(check_base_model(base_model, "base_model"))  # a transformers tokenizer
         with tempfile.TemporaryDirectory() as tmp:
             tok.save_pretrained(tmp)
             return {"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}}
