@@ -73,18 +73,21 @@ def _clean(text: str) -> str:
     return text
 
 
+_CLEAN = AfterValidator(_clean)
+
+
 def Text(max_length: int, min_length: int = 0) -> Any:
-    """A ``str`` of bounded length, without NUL or lone surrogates."""
-    return Annotated[str, Field(min_length=min_length, max_length=max_length), AfterValidator(_clean)]
+    """A ``str`` of bounded length, without NUL or lone surrogates (the aliases below spell it out for mypy)."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), _CLEAN]
 
 
-ModelName = Text(MAX_NAME_CHARS)
-Short = Text(64)
-Label = Text(128)
-Long = Text(MAX_TEXT_CHARS)
+ModelName = Annotated[str, Field(max_length=MAX_NAME_CHARS), _CLEAN]
+Short = Annotated[str, Field(max_length=64), _CLEAN]
+Label = Annotated[str, Field(max_length=128), _CLEAN]
+Long = Annotated[str, Field(max_length=MAX_TEXT_CHARS), _CLEAN]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-CheckpointPath = Text(MAX_PATH_CHARS, 1)
+CheckpointPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), _CLEAN]
 CheckpointName = Annotated[
     str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128), AfterValidator(CheckpointStore.check_name)
 ]
@@ -255,10 +258,10 @@ class LogprobsBody(_Body):
     tokens: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
 
 
-Role = Text(32, 1)
-Content = Text(100_000)
-StopText = Text(1000, 1)
-ChatModel = Text(MAX_NAME_CHARS, 1)
+Role = Annotated[str, Field(min_length=1, max_length=32), _CLEAN]
+Content = Annotated[str, Field(max_length=100_000), _CLEAN]
+StopText = Annotated[str, Field(min_length=1, max_length=1000), _CLEAN]
+ChatModel = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), _CLEAN]
 
 
 class ChatMessage(BaseModel):
