@@ -180,18 +180,40 @@ OP_CASES = [
 @pytest.mark.parametrize(("extra", "field"), OP_CASES)
 def test_op_numbers_are_finite_and_refused_before_taking_a_seq(c, tiny, extra, field):
     sid = new_session(c, tiny, MINE)
-    assert_refused(
-        send(
-            c, "POST", f"/v1/sessions/{sid}/ops", {"kind": "optim_step", "seq": 1, "idempotency_key": "k", "adam_params": {}, **extra}, MINE
-        ),
-        field,
-    )
+    base = {"kind": "optim_step", "seq": 1, "idempotency_key": "k"} | ({} if "kind" in extra else {"adam_params": {}})
+    assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", base | extra, MINE), field)
     # seq 1 is still free: the refused op took nothing, and poisoned nothing
     r = c.post(
         f"/v1/sessions/{sid}/ops",
         json={"kind": "optim_step", "seq": 1, "idempotency_key": "ok", "adam_params": {"learning_rate": 10.0}},
         headers=MINE,
     )
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
+
+
+KIND_CASES = [
+    ({"kind": "optim_step", "adam_params": {}, "data": []}, "data"),  # a field of another kind
+    ({"kind": "optim_step", "path": "local:///x"}, "path"),
+    ({"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [], "adam_params": {}}, "adam_params"),
+    ({"kind": "forward", "data": [], "merge_weights": True}, "merge_weights"),
+    ({"kind": "save_state", "with_optimizer": False}, "with_optimizer"),
+    ({"kind": "save_state", "merge_weights": True}, "merge_weights"),
+    ({"kind": "load_state", "path": "x", "name": "n"}, "name"),
+    ({"kind": "load_state"}, "path"),  # a field the kind needs
+    ({"kind": "bogus"}, "kind"),
+    ({"kind": None}, "kind"),
+    ({"kind": "optim_step\x00"}, "kind"),
+    ({}, "kind"),
+]
+
+
+@pytest.mark.parametrize(("extra", "field"), KIND_CASES)
+def test_each_op_kind_takes_only_its_own_fields(c, tiny, extra, field):
+    """The ops body is one schema per kind: a field the kind does not have (or lacks) is a 400 naming it,
+    and the refused op takes no seq."""
+    sid = new_session(c, tiny, MINE)
+    assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", {"seq": 1, "idempotency_key": "k", **extra}, MINE), field)
+    r = c.post(f"/v1/sessions/{sid}/ops", json={"kind": "optim_step", "seq": 1, "idempotency_key": "ok"}, headers=MINE)
     assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
 
 
@@ -365,7 +387,7 @@ def test_one_requests_failure_in_a_batch_fails_only_itself(worker, tiny, ids):
     """Engine level: a request that passes validation but fails inside a batched generation is run again
     alone, so the requests batched with it still succeed."""
     from asyncsess.types import SamplingParams
-    from asyncsess_local.engine import _Work
+    from asyncsess_local.engine import SampleWork
     from asyncsess_local.sampler import SampleJob
 
     engine = worker.backend.engine
@@ -376,7 +398,7 @@ def test_one_requests_failure_in_a_batch_fails_only_itself(worker, tiny, ids):
     bad = SampleJob(
         [5, 6], 1, SamplingParams.model_construct(max_tokens=2, temperature=1.0, top_p=1.0, top_k=-1, stop=None, seed=2**70), max_tokens=2
     )
-    works = [_Work("sample", slot=ref.slot, job=j) for j in (good[0], bad, good[1], good[2])]
+    works = [SampleWork(ref.slot, j) for j in (good[0], bad, good[1], good[2])]
     batches = engine.stats["sample_batches"]
     dones = [engine.submit(w) for w in works]
     gate.set()

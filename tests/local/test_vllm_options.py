@@ -86,10 +86,10 @@ def qwen2_tiny(tiny_dir: Path, tmp_path_factory) -> str:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    from asyncsess_local import engine
+    from asyncsess_local import engine, sessions
 
     FakeVllm.instances = []
-    monkeypatch.setattr(engine, "VllmSampler", FakeVllm)
+    monkeypatch.setattr(sessions, "VllmSampler", FakeVllm)
     monkeypatch.setattr(engine, "choose_sampler", lambda choice, device: "vllm")
     return FakeVllm.instances
 

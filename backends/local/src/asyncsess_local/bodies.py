@@ -15,24 +15,30 @@ ids inside the vocabulary, a prompt inside the context) is checked by the routes
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
-from asyncsess.backends import OP_TYPES, LoadStateOp, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
+from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
 from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
 
 from .checkpoints import MAX_PATH_CHARS, CheckpointStore
 from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
-from .engine import MAX_LORA_RANK
+from .sessions import MAX_LORA_RANK
 
 __all__ = [
     "ChatMessage",
     "ChatRequest",
     "LogprobsBody",
     "OpBody",
+    "ForwardBody",
+    "ForwardBackwardBody",
+    "OptimStepBody",
+    "SaveStateBody",
+    "SaveWeightsBody",
+    "LoadStateBody",
     "SampleBody",
     "SamplerBody",
     "SessionBody",
@@ -41,6 +47,7 @@ __all__ = [
     "MAX_DATUMS",
     "MAX_PROMPT_TOKENS",
     "MAX_ID_CHARS",
+    "invalid_input",
 ]
 
 MAX_BODY_BYTES = 256 * 2**20  # a request body larger than this gets a 413
@@ -66,18 +73,21 @@ def _clean(text: str) -> str:
     return text
 
 
+_CLEAN = AfterValidator(_clean)
+
+
 def Text(max_length: int, min_length: int = 0) -> Any:
-    """A ``str`` of bounded length, without NUL or lone surrogates."""
-    return Annotated[str, Field(min_length=min_length, max_length=max_length), AfterValidator(_clean)]
+    """A ``str`` of bounded length, without NUL or lone surrogates (the aliases below spell it out for mypy)."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), _CLEAN]
 
 
-ModelName = Text(MAX_NAME_CHARS)
-Short = Text(64)
-Label = Text(128)
-Long = Text(MAX_TEXT_CHARS)
+ModelName = Annotated[str, Field(max_length=MAX_NAME_CHARS), _CLEAN]
+Short = Annotated[str, Field(max_length=64), _CLEAN]
+Label = Annotated[str, Field(max_length=128), _CLEAN]
+Long = Annotated[str, Field(max_length=MAX_TEXT_CHARS), _CLEAN]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-CheckpointPath = Text(MAX_PATH_CHARS, 1)
+CheckpointPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), _CLEAN]
 CheckpointName = Annotated[
     str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128), AfterValidator(CheckpointStore.check_name)
 ]
@@ -126,34 +136,83 @@ class SessionBody(_Body):
         return TrainingSessionSpec(**self.model_dump())
 
 
-class OpBody(_Body):
-    """``POST /v1/sessions/{id}/ops``: one ordered training op."""
+class _OpFields(_Body):
+    """What every op body carries: its place and its delivery key."""
 
     kind: TrainingOpKind
     seq: int = Field(ge=1, le=MAX_SEQ)
     idempotency_key: Long
+
+    def op(self) -> TrainingOp:
+        """The typed record for this body's ``kind``, from its fields (unset optional ones take the record's default)."""
+        cls = OP_TYPES[self.kind]
+        fields = {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
+        if "data" in fields:
+            fields["data"] = tuple(fields["data"])
+        return cls(**fields)
+
+
+class _PassFields(_OpFields):
     data: list[DatumIn] = Field(default_factory=list, max_length=MAX_DATUMS)
     loss_fn: Short | None = None
     loss_fn_config: dict[Short, float] | None = Field(default=None, max_length=16)
+
+
+class ForwardBody(_PassFields):
+    """``forward``: loss and per-token log-probs, no gradient."""
+
+    kind: Literal["forward"]
+
+
+class ForwardBackwardBody(_PassFields):
+    """``forward_backward``: like ``forward``, and accumulate the gradient."""
+
+    kind: Literal["forward_backward"]
+
+
+class OptimStepBody(_OpFields):
+    """``optim_step``: apply the accumulated gradient."""
+
+    kind: Literal["optim_step"]
     adam_params: AdamParams | None = None
+
+
+class _SaveFields(_OpFields):
     name: CheckpointName | None = None
-    merge_weights: bool = False
-    with_optimizer: bool = True
-    path: CheckpointPath | None = None
     ephemeral: bool = False
     description: Description = None
     overwrite: bool = False
     ttl_seconds: TTLSeconds = None
     user_metadata: dict[Label, Long] | None = Field(default=None, max_length=64)
 
-    def op(self) -> TrainingOp:
-        """The typed record for ``kind``, from the fields that kind has."""
-        cls = OP_TYPES[self.kind]
-        if cls is LoadStateOp and self.path is None:
-            raise InvalidInputError("load_state needs a path", field="path", fix="pass the path a save returned")
-        own = cls.__dataclass_fields__
-        fields = {k: getattr(self, k) for k in type(self).model_fields if k in own and getattr(self, k) is not None}
-        return cls(**{**fields, "data": tuple(self.data)} if "data" in own else fields)
+
+class SaveStateBody(_SaveFields):
+    """``save_state``: weights and optimizer state (resumable)."""
+
+    kind: Literal["save_state"]
+
+
+class SaveWeightsBody(_SaveFields):
+    """``save_weights``: weights for sampling (``merge_weights``: also a merged full model)."""
+
+    kind: Literal["save_weights"]
+    merge_weights: bool = False
+
+
+class LoadStateBody(_OpFields):
+    """``load_state``: load a ``save_state`` path of this key."""
+
+    kind: Literal["load_state"]
+    path: CheckpointPath
+    with_optimizer: bool = True
+
+
+OpBody = Annotated[
+    ForwardBody | ForwardBackwardBody | OptimStepBody | SaveStateBody | SaveWeightsBody | LoadStateBody,
+    Field(discriminator="kind"),
+]
+"""``POST /v1/sessions/{id}/ops``: one ordered training op, a body per ``kind`` (a field the kind does not
+have is refused by name)."""
 
 
 class SamplerBody(_Body):
@@ -199,10 +258,10 @@ class LogprobsBody(_Body):
     tokens: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
 
 
-Role = Text(32, 1)
-Content = Text(100_000)
-StopText = Text(1000, 1)
-ChatModel = Text(MAX_NAME_CHARS, 1)
+Role = Annotated[str, Field(min_length=1, max_length=32), _CLEAN]
+Content = Annotated[str, Field(max_length=100_000), _CLEAN]
+StopText = Annotated[str, Field(min_length=1, max_length=1000), _CLEAN]
+ChatModel = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), _CLEAN]
 
 
 class ChatMessage(BaseModel):
@@ -227,3 +286,32 @@ class ChatRequest(BaseModel):
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     seed: Seed | None = None
     stream: bool = False
+
+
+_FIXES = {
+    "missing": "add it",
+    "union_tag_invalid": "use forward, forward_backward, optim_step, save_state, save_weights or load_state",
+    "union_tag_not_found": "add it: forward, forward_backward, optim_step, save_state, save_weights or load_state",
+    "extra_forbidden": "remove it (see GET /openapi.json)",
+    "finite_number": "give a finite number",
+}
+
+
+def invalid_input(errors: Any) -> InvalidInputError:
+    """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    where = ""
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
+        loc = loc[1:]
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        loc = [*loc, "kind"]  # the op body's discriminator
+    elif loc and loc[0] in OP_TYPES:  # the op body's kind, not a field
+        loc = loc[1:]
+    for part in loc:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
+            where += f".{part}" if where else str(part)
+    fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
+    return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)

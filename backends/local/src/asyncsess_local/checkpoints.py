@@ -5,7 +5,11 @@ resuming), ``sampler`` (a PEFT adapter directory) or ``merged`` (a full transfor
 plus its adapter). Every directory holds ``asyncsess.json`` (what it is). The URI of a directory is
 ``local://`` + its absolute path; paths that resolve outside the root are refused, so a worker never
 reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/...`` names
-an in-memory sampler snapshot that has no directory.
+an in-memory sampler snapshot that has no directory (see :mod:`.sessions`).
+
+The store also writes and reads a session's checkpoints (:meth:`CheckpointStore.save_state`,
+:meth:`~CheckpointStore.load_state`, :meth:`~CheckpointStore.save_weights`); torch, safetensors and
+peft are imported when one is written or read.
 
 A path from a caller is checked as text first (at most 1024 characters, no NUL, no lone surrogate,
 no ``://`` inside), then normalised without touching the disk (:meth:`CheckpointStore.owner`), so a
@@ -21,10 +25,18 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp
 from asyncsess.errors import InvalidInputError
-from asyncsess.types import Checkpoint
+from asyncsess.types import Checkpoint, CheckpointResponse
+
+if TYPE_CHECKING:
+    import torch
+
+    from .adapters import LoraHost
+    from .sessions import Slot
+    from .trainer import TrainSession
 
 __all__ = ["CheckpointStore", "EPHEMERAL", "KINDS"]
 
@@ -39,6 +51,25 @@ def _show(value: str, limit: int = 80) -> str:
     """``repr`` of a caller's string, cut short (errors never echo 5,000 characters back)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _save_meta(op: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:
+    """What the caller asked to keep with a checkpoint (description, user metadata, lifetime)."""
+    return {k: v for k, v in (("description", op.description), ("user_metadata", op.user_metadata), ("ttl_seconds", op.ttl_seconds)) if v}
+
+
+def _session_meta(sess: TrainSession, kind: str) -> dict[str, Any]:
+    """What a checkpoint records of the session it comes from."""
+    return {
+        "kind": kind,
+        "model_id": sess.model_id,
+        "base_model": sess.base_model,
+        "rank": sess.rank,
+        "alpha": sess.alpha,
+        "targets": sess.targets,
+        "step": sess.step,
+        "seed": sess.seed,
+    }
 
 
 def _has_surrogate(text: str) -> bool:
@@ -143,3 +174,72 @@ class CheckpointStore:
                 )
             )
         return sorted(out, key=lambda c: c.time)
+
+    # ------------------------------------------------------------------- a session's checkpoints
+
+    def save_state(self, host: LoraHost, sess: TrainSession, op: SaveStateOp) -> CheckpointResponse:
+        """Adapter weights, optimizer state and step under ``state/`` (resumable with :meth:`load_state`)."""
+        from safetensors.torch import save_file
+
+        from .trainer import optimizer_tensors
+
+        scratch, final = self.begin(sess.model_id, "state", op.name or f"step-{sess.step:06d}-{op.seq}")
+        save_file({k: v.cpu() for k, v in host.state_dict(sess.adapter).items()}, str(scratch / "adapter.safetensors"))
+        save_file(optimizer_tensors(sess), str(scratch / "optimizer.safetensors"))
+        uri = self.commit(scratch, final, {**_session_meta(sess, "state"), **_save_meta(op)})
+        return CheckpointResponse(path=uri, kind="state", step=sess.step)
+
+    def load_state(self, host: LoraHost, sess: TrainSession, path: Path, *, with_optimizer: bool) -> None:
+        """Put a ``save_state`` directory's weights (and optimizer state, else a fresh one) into ``sess``."""
+        from safetensors.torch import load_file
+
+        from .trainer import load_optimizer_tensors
+
+        meta = self.meta(path)
+        if meta.get("kind") != "state":
+            raise InvalidInputError(f"{self.uri(path)} is a {meta.get('kind')} checkpoint", field="path", fix="pass a save_state path")
+        if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
+            raise InvalidInputError("the checkpoint's LoRA rank or targets differ from this session's", field="path")
+        host.load_state_dict(sess.adapter, load_file(str(path / "adapter.safetensors")))
+        for p in sess.params.values():
+            p.grad = None
+        sess.step = int(meta.get("step", 0))
+        if with_optimizer:
+            load_optimizer_tensors(sess, load_file(str(path / "optimizer.safetensors")))
+        else:
+            sess.optimizer.state.clear()
+
+    def load_state_op(self, host: LoraHost, sess: TrainSession, op: LoadStateOp) -> None:
+        """:meth:`load_state` for a ``load_state`` op (its path resolved under the root)."""
+        self.load_state(host, sess, self.resolve(op.path), with_optimizer=op.with_optimizer)
+
+    def save_weights(self, slot: Slot, sess: TrainSession, op: SaveWeightsOp, dtype: torch.dtype) -> CheckpointResponse:
+        """A PEFT adapter directory under ``sampler/``, or with ``merge_weights`` a full model under ``merged/``."""
+        kind = "merged" if op.merge_weights else "sampler"
+        scratch, final = self.begin(sess.model_id, kind, op.name or f"step-{sess.step:06d}-{op.seq}")
+        if op.merge_weights:
+            slot.host.export_peft(sess.adapter, scratch / "adapter")
+            _write_merged(slot, scratch / "adapter", scratch, dtype)
+            uri = self.commit(scratch, final, {**_session_meta(sess, kind), **_save_meta(op)})
+            return CheckpointResponse(path=uri, kind="merged", step=sess.step)
+        slot.host.export_peft(sess.adapter, scratch)
+        uri = self.commit(scratch, final, {**_session_meta(sess, kind), **_save_meta(op)})
+        return CheckpointResponse(path=uri, kind="sampler", step=sess.step)
+
+
+def _write_merged(slot: Slot, adapter_dir: Path, out: Path, dtype: torch.dtype) -> None:
+    """A full model with the adapter merged in: a fresh copy of the base, so the live one stays untouched."""
+    import torch
+    from peft import PeftModel
+
+    from . import models
+
+    base = models.load_model(slot.source, torch.device("cpu"), dtype)
+    head = base.get_output_embeddings()
+    if getattr(base.config, "tie_word_embeddings", False) and head is not None:
+        # merging a LoRA on a tied LM head would also change the input embeddings: untie first
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        base.config.tie_word_embeddings = False
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
+    slot.tokenizer.save_pretrained(str(out))

@@ -23,7 +23,21 @@ import functools
 import math
 from typing import Any
 
-from asyncsess.backends import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    Backend,
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    ParsedURL,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    Tokenizer,
+    TrainingOp,
+    TrainingSessionSpec,
+)
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import InvalidInputError, SessionGoneError
 from asyncsess.types import MAX_SEED, Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
@@ -31,8 +45,10 @@ from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_conf
 
 from .adapters import BASE
 from .completion import Completion
-from .engine import MAX_LORA_RANK, Engine, EngineConfig, Slot
+from .engine import Engine, EngineConfig
+from .ops import PassOp, unknown_op
 from .sampler import SampleJob
+from .sessions import MAX_LORA_RANK, SamplerRef, Slot
 from .vllm_sampler import VllmOptions
 
 __all__ = ["LocalBackend", "MAX_NUM_SAMPLES", "MAX_LORA_ALPHA"]
@@ -96,7 +112,7 @@ class LocalBackend(Backend):
 
     async def open(self) -> None:
         if self.default_model:
-            await self.engine.call(self.engine.slot, self.default_model)
+            await self.engine.call(self.engine.state.slot, self.default_model)
 
     async def aclose(self) -> None:
         import anyio
@@ -112,13 +128,13 @@ class LocalBackend(Backend):
 
     async def capabilities(self) -> ServerCapabilities:
         if self.default_model:
-            await self.engine.call(self.engine.slot, self.default_model)
-        slots = {id(s): s for s in self.engine.slots.values()}.values()
+            await self.engine.call(self.engine.state.slot, self.default_model)
+        slots = self.engine.state.distinct_slots()
         return ServerCapabilities(supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK)
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         _check_session_spec(spec)
-        info = await self.engine.call(self.engine.create_session, spec)
+        info = await self.engine.call(self.engine.state.create_session, spec)
         self._sequencers[info.model_id] = Sequencer(
             functools.partial(self._enqueue, info.model_id), first_seq=1, gap_timeout=self._gap_timeout
         )
@@ -128,7 +144,7 @@ class LocalBackend(Backend):
         seq = self._sequencers.pop(session_id, None)
         if seq is not None:
             seq.stop("stopped")
-        await self.engine.call(self.engine.stop_session, session_id)
+        await self.engine.call(self.engine.state.stop_session, session_id)
 
     def next_seq(self, session_id: str) -> int | None:
         """The seq the session's next op must carry (None: no such session)."""
@@ -156,24 +172,22 @@ class LocalBackend(Backend):
         sess = self.engine.sessions.get(session_id)
         if sess is None:
             raise SessionGoneError(f"training session {session_id} is stopped")
-        slot = self.engine.slots[sess.base_model]
-        if op.kind in ("forward", "forward_backward"):
-            op = _checked_pass(op, slot)
-        elif op.kind == "optim_step":
-            if op.adam_params is None:
+        match op:
+            case ForwardOp() | ForwardBackwardOp():
+                return _checked_pass(op, self.engine.slots[sess.base_model])
+            case OptimStepOp(adam_params=None):
                 raise InvalidInputError("optim_step needs adam_params", field="adam_params", fix="pass AdamParams(learning_rate=...)")
-        elif op.kind in ("save_state", "save_weights"):
-            if op.name:
-                self.engine.store.check_name(op.name)
-        elif op.kind == "load_state":
-            self.engine.store.resolve(op.path or "")
-        else:
-            raise InvalidInputError(
-                f"unknown op {op.kind!r}",
-                field="kind",
-                fix="use forward, forward_backward, optim_step, save_state, save_weights or load_state",
-            )
-        return op
+            case OptimStepOp():
+                return op
+            case SaveStateOp(name=name) | SaveWeightsOp(name=name):
+                if name:
+                    self.engine.store.check_name(name)
+                return op
+            case LoadStateOp(path=path):
+                self.engine.store.resolve(path)
+                return op
+            case _:
+                unknown_op(op)
 
     # ------------------------------------------------------------------------------ sampling
 
@@ -182,10 +196,10 @@ class LocalBackend(Backend):
             raise InvalidInputError(
                 "give a model_path or a base_model", field="model_path", fix="pass the .path of a save result, or base_model"
             )
-        return await self.engine.call(self.engine.create_sampler, spec)
+        return await self.engine.call(self.engine.state.create_sampler, spec)
 
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
-        ref = self.engine._sampler(sampler_id)
+        ref = self.engine.state.sampler(sampler_id)
         prompt = _checked_tokens(list(request.prompt), ref.slot, "prompt")
         if not 1 <= request.num_samples <= MAX_NUM_SAMPLES:
             raise InvalidInputError(f"{request.num_samples} is out of range", field="num_samples", fix=f"use 1..{MAX_NUM_SAMPLES}")
@@ -220,7 +234,7 @@ class LocalBackend(Backend):
             s.sequence_id = f"{request.request_id or sampler_id}:{i}"
         return out
 
-    def _logprob_extras(self, ref: Any, prompt: list[int], request: SampleRequest, out: SampleResponse) -> None:
+    def _logprob_extras(self, ref: SamplerRef, prompt: list[int], request: SampleRequest, out: SampleResponse) -> None:
         """Top-k prompt / sample log-probs and target log-probs from full fp32 passes (on the engine thread)."""
         import numpy as np
         import torch
@@ -252,7 +266,7 @@ class LocalBackend(Backend):
                 seq.topk_logprobs = topk_rows(dist, request.topk_sample_logprobs)
 
     async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
-        ref = self.engine._sampler(sampler_id)
+        ref = self.engine.state.sampler(sampler_id)
         tokens = _checked_tokens(list(tokens), ref.slot, "prompt")
         if len(tokens) > ref.slot.max_context:
             raise InvalidInputError(
@@ -321,7 +335,7 @@ def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
     return tokens
 
 
-def _checked_pass(op: TrainingOp, slot: Slot) -> TrainingOp:
+def _checked_pass(op: PassOp, slot: Slot) -> PassOp:
     loss_fn = check_loss_fn(op.loss_fn or "cross_entropy")
     config = check_loss_fn_config(loss_fn, op.loss_fn_config)
     data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size)

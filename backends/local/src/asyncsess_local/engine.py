@@ -13,23 +13,30 @@ the event loop never blocks on torch. Each time the thread wakes it takes everyt
   budget (gradients put back, cache emptied) until every datum is alone in its micro-batch, and only
   then fails with :class:`ResourceExhaustedError`; the session stays usable and the lowered budget stays.
 
-State (base models, sessions, sampler snapshots) is touched only on this thread.
+State (base models, sessions, sampler snapshots: :class:`~.sessions.Sessions`) is touched only on this
+thread; checkpoints are written and read by :class:`~.checkpoints.CheckpointStore`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 import torch
+from typing_extensions import assert_never
 
-from asyncsess.backends import SamplerSpec, TrainingOp, TrainingSessionSpec
+from asyncsess.backends import (
+    ForwardBackwardOp,
+    ForwardOp,
+    LoadStateOp,
+    OptimStepOp,
+    SaveStateOp,
+    SaveWeightsOp,
+    TrainingOp,
+)
 from asyncsess.errors import (
     AsyncSessError,
     InvalidInputError,
@@ -38,22 +45,22 @@ from asyncsess.errors import (
     ServerError,
     SessionGoneError,
 )
-from asyncsess.types import CheckpointResponse, GetInfoResponse, LoadWeightsResponse, SampleResponse, SupportedModel
+from asyncsess.types import LoadWeightsResponse, SampleResponse
 
 from . import trainer
-from .adapters import BASE, LoraHost, target_modules
-from .checkpoints import EPHEMERAL, CheckpointStore
+from .adapters import BASE
+from .checkpoints import CheckpointStore
 from .completion import Completion
-from .logprobs import head_is_plain, packed_logprobs
-from .models import ModelSource, load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
-from .sampler import SampleJob, TorchSampler
-from .vllm_sampler import VllmOptions, VllmSampler, choose_sampler
+from .logprobs import packed_logprobs
+from .models import pick_device, pick_dtype
+from .ops import PassOp, unknown_op
+from .sampler import SampleJob
+from .sessions import SamplerRef, Sessions, Slot, SlotOptions
+from .vllm_sampler import VllmOptions, choose_sampler
 
-__all__ = ["Engine", "EngineConfig", "Slot", "SamplerRef"]
+__all__ = ["Engine", "EngineConfig", "CallWork", "TrainWork", "SampleWork", "LogprobsWork", "Work"]
 
 log = logging.getLogger("asyncsess.local")
-MAX_LORA_RANK = 256
-CHECKPOINT_LAYERS_ABOVE = 10**9  # parameters: checkpoint_layers=auto turns it on for models this big (on CUDA)
 
 
 @dataclass
@@ -70,65 +77,47 @@ class EngineConfig:
     vllm: VllmOptions = field(default_factory=VllmOptions)
 
 
-@dataclass
-class Slot:
-    """One base model on the device, with its adapters and sampler."""
-
-    name: str
-    source: ModelSource
-    host: LoraHost
-    tokenizer: Any
-    sampler: TorchSampler
-    vocab_size: int
-    max_context: int
-    plain_head: bool
-    vllm: VllmSampler | None = None  # when set, it samples instead of ``sampler`` (adapters it can load)
-    checkpointed_layers: int = 0
-
-    def sample_context(self, adapter: str) -> int:
-        """The longest prompt + completion a sampler on ``adapter`` takes (vLLM's ``max_model_len`` may be lower)."""
-        if self.vllm is not None and (adapter == BASE or self.vllm.has(adapter)):
-            return min(self.max_context, self.vllm.max_model_len)
-        return self.max_context
-
-    def describe(self) -> SupportedModel:
-        return SupportedModel(model_name=self.name, max_context_length=self.max_context, vocab_size=self.vocab_size)
+# ------------------------------------------------------------------------------- the queue's items
 
 
 @dataclass
-class SamplerRef:
-    slot: Slot
-    adapter: str
-    path: str | None
+class CallWork:
+    """Run ``fn()`` on the engine thread (in queue order: a barrier for the samples queued before it)."""
 
-
-@dataclass
-class _Snapshot:
-    slot: Slot
-    adapter: str
-    owner: str | None  # the training session it was taken from (ephemeral snapshots)
-    refs: int = 0
-    lineage: str = ""  # the training session its weights come from (names its vLLM versions)
-    peft_dir: Path | None = None  # a PEFT directory on disk holding these weights, if any
-    in_vllm: bool = False
-
-
-@dataclass
-class _Work:
-    kind: Literal["call", "train", "sample", "logprobs"]
+    fn: Callable[[], Any]
     done: Completion = field(default_factory=Completion)
-    fn: Callable[[], Any] | None = None
-    model_id: str | None = None
-    op: TrainingOp | None = None
-    slot: Slot | None = None
-    job: SampleJob | None = None
-    tokens: list[int] | None = None
+
+
+@dataclass
+class TrainWork:
+    """One ordered op of a training session."""
+
+    model_id: str
+    op: TrainingOp
+    done: Completion = field(default_factory=Completion)
+
+
+@dataclass
+class SampleWork:
+    """A generation request on a slot (batched with the others queued)."""
+
+    slot: Slot
+    job: SampleJob
+    done: Completion = field(default_factory=Completion)
+
+
+@dataclass
+class LogprobsWork:
+    """Score ``tokens`` with ``adapter`` on a slot (batched with the others on the same adapter)."""
+
+    slot: Slot
+    tokens: list[int]
     adapter: str = BASE
+    done: Completion = field(default_factory=Completion)
 
 
-def _save_meta(op: TrainingOp) -> dict[str, Any]:
-    """What the caller asked to keep with a checkpoint (description, user metadata, lifetime)."""
-    return {k: v for k, v in (("description", op.description), ("user_metadata", op.user_metadata), ("ttl_seconds", op.ttl_seconds)) if v}
+Work = CallWork | TrainWork | SampleWork | LogprobsWork
+_W = TypeVar("_W", SampleWork, LogprobsWork)
 
 
 def _as_api_error(err: BaseException) -> BaseException:
@@ -141,7 +130,14 @@ def _as_api_error(err: BaseException) -> BaseException:
     return ServerError(f"{type(err).__name__}: {err}")
 
 
+def _poisoned(cause: BaseException) -> PoisonedError:
+    return PoisonedError(f"an earlier op failed on this session: {cause}", cause=cause)
+
+
 class Engine:
+    """The device thread: a queue of :data:`Work`, batched as the module docstring says. ``state`` holds
+    what lives on the device (its ``slots``, ``sessions`` and ``samplers`` are also properties here)."""
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.device = pick_device(self.config.device)
@@ -154,22 +150,42 @@ class Engine:
             raise InvalidInputError(
                 f"unknown checkpoint_layers {self.config.checkpoint_layers!r}", field="checkpoint_layers", fix="use auto, on or off"
             )
-        self.slots: dict[str, Slot] = {}
-        self.sessions: dict[str, trainer.TrainSession] = {}
-        self.samplers: dict[str, SamplerRef] = {}
-        self._snapshots: dict[str, _Snapshot] = {}  # path -> snapshot adapter
-        self._latest: dict[str, str] = {}  # training session -> path of its newest ephemeral snapshot
-        self._names = itertools.count(1)
+        options = SlotOptions(
+            device=self.device,
+            dtype=self.dtype,
+            sampler_kind=self.sampler_kind,
+            sampler_choice=self.config.sampler,
+            checkpoint_layers=self.config.checkpoint_layers,
+            models=self.config.models,
+            vllm=self.config.vllm,
+        )
+        self.state = Sessions(options, self.store)
         self.stats = {"passes": 0, "pass_ops": 0, "sample_batches": 0, "sample_rows": 0, "oom": 0}
-        self._queue: list[_Work] = []
+        self._queue: list[Work] = []
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="asyncsess-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def slots(self) -> dict[str, Slot]:
+        return self.state.slots
+
+    @property
+    def sessions(self) -> dict[str, trainer.TrainSession]:
+        return self.state.sessions
+
+    @property
+    def samplers(self) -> dict[str, SamplerRef]:
+        return self.state.samplers
+
+    def slot(self, name: str) -> Slot:
+        """The base model ``name``, loaded on first use (call it on the engine thread: ``await call(slot, name)``)."""
+        return self.state.slot(name)
+
     # --------------------------------------------------------------------------- queue side
 
-    def submit(self, work: _Work) -> Completion:
+    def submit(self, work: Work) -> Completion:
         with self._cv:
             if self._closed:
                 raise SessionGoneError("the local engine is closed")
@@ -179,31 +195,31 @@ class Engine:
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> Completion:
         """Queue ``fn(*args)`` to run on the engine thread, in queue order."""
-        return self.submit(_Work("call", fn=lambda: fn(*args)))
+        return self.submit(CallWork(lambda: fn(*args)))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.call_soon(fn, *args).wait()
 
     def submit_training(self, model_id: str, op: TrainingOp) -> Completion:
-        return self.submit(_Work("train", model_id=model_id, op=op))
+        return self.submit(TrainWork(model_id, op))
 
     async def sample(self, sampler_id: str, job: SampleJob) -> SampleResponse:
-        ref = self._sampler(sampler_id)
+        ref = self.state.sampler(sampler_id)
         job.adapter = ref.adapter
         if ref.slot.vllm is not None and (ref.adapter == BASE or ref.slot.vllm.has(ref.adapter)):
             return await ref.slot.vllm.submit(job).wait()
-        return await self.submit(_Work("sample", slot=ref.slot, job=job)).wait()
+        return await self.submit(SampleWork(ref.slot, job)).wait()
 
     async def logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
-        ref = self._sampler(sampler_id)
-        return await self.submit(_Work("logprobs", slot=ref.slot, tokens=tokens, adapter=ref.adapter)).wait()
+        ref = self.state.sampler(sampler_id)
+        return await self.submit(LogprobsWork(ref.slot, tokens, ref.adapter)).wait()
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify()
         self._thread.join()
-        for slot in {id(s): s for s in self.slots.values()}.values():
+        for slot in self.state.distinct_slots():
             if slot.vllm is not None:
                 slot.vllm.close()
 
@@ -230,84 +246,93 @@ class Engine:
                     w.done.set_error(SessionGoneError("the local engine is closed"))
                 return
 
-    def _process(self, batch: list[_Work]) -> None:
+    def _process(self, batch: list[Work]) -> None:
         used = [False] * len(batch)
-        samples: list[_Work] = []
+        samples: list[SampleWork | LogprobsWork] = []
         for i, w in enumerate(batch):
             if used[i]:
                 continue
             used[i] = True
-            if w.kind in ("sample", "logprobs"):
-                samples.append(w)
-            elif w.kind == "call":
-                self._flush_samples(samples)
-                samples = []
-                self._run(w, w.fn)  # type: ignore[arg-type]
-            else:
-                group = [w]
-                if w.op.kind in ("forward", "forward_backward"):  # type: ignore[union-attr]
-                    for j in range(i + 1, len(batch)):
-                        x = batch[j]
-                        if x.kind == "call":
-                            break
-                        if used[j] or x.kind != "train" or x.model_id != w.model_id:
-                            continue
-                        if x.op.kind != w.op.kind:  # type: ignore[union-attr]
-                            break  # a barrier (or the other pass kind) for this session
-                        group.append(x)
-                        used[j] = True
-                self._run_training(group)
+            match w:
+                case SampleWork() | LogprobsWork():
+                    samples.append(w)
+                case CallWork(fn=fn):
+                    self._flush_samples(samples)
+                    samples = []
+                    self._run(w, fn)
+                case TrainWork():
+                    self._run_training(self._pass_group(batch, used, i, w))
+                case _:
+                    assert_never(w)
         self._flush_samples(samples)
+
+    @staticmethod
+    def _pass_group(batch: list[Work], used: list[bool], i: int, w: TrainWork) -> list[TrainWork]:
+        """``w`` and, for a pass, the same session's passes of the same kind queued after it before a barrier
+        (marked used)."""
+        group = [w]
+        if not isinstance(w.op, PassOp):
+            return group
+        for j in range(i + 1, len(batch)):
+            x = batch[j]
+            if isinstance(x, CallWork):
+                break
+            if used[j] or not isinstance(x, TrainWork) or x.model_id != w.model_id:
+                continue
+            if type(x.op) is not type(w.op):
+                break  # a barrier (or the other pass kind) for this session
+            group.append(x)
+            used[j] = True
+        return group
 
     def _api_error(self, err: BaseException) -> BaseException:
         out = _as_api_error(err)
         self._oom = self._oom or isinstance(out, ResourceExhaustedError)
         return out
 
-    def _run(self, w: _Work, fn: Callable[[], Any]) -> None:
+    def _run(self, w: Work, fn: Callable[[], Any]) -> None:
         try:
             w.done.set_result(fn())
         except BaseException as err:
             w.done.set_error(self._api_error(err))
 
-    def _run_training(self, group: list[_Work]) -> None:
+    def _run_training(self, group: list[TrainWork]) -> None:
         model_id = group[0].model_id
-        sess = self.sessions.get(model_id)  # type: ignore[arg-type]
+        sess = self.sessions.get(model_id)
         if sess is None:
             for w in group:
                 w.done.set_error(SessionGoneError(f"training session {model_id} is stopped"))
             return
         if sess.failed is not None:
             for w in group:
-                w.done.set_error(PoisonedError(f"an earlier op failed on this session: {sess.failed}", cause=sess.failed))
+                w.done.set_error(_poisoned(sess.failed))
             return
-        ops = [w.op for w in group]
         try:
-            results = self._training_op(sess, ops)  # type: ignore[arg-type]
+            results = self._training_op(sess, [w.op for w in group])
         except ResourceExhaustedError as err:  # a pass that did not fit: nothing was applied, the session lives on
             self._oom = True
             for w in group:
-                w.done.set_error(ResourceExhaustedError(err.message, budget=err.budget, operation=w.op.kind, seq=w.op.seq))  # type: ignore[union-attr]
+                w.done.set_error(ResourceExhaustedError(err.message, budget=err.budget, operation=w.op.kind, seq=w.op.seq))
             return
         except BaseException as err:
             sess.failed = self._api_error(err)
             group[0].done.set_error(sess.failed)
             for w in group[1:]:
-                w.done.set_error(PoisonedError(f"an earlier op failed on this session: {sess.failed}", cause=sess.failed))
+                w.done.set_error(_poisoned(sess.failed))
             return
         for w, r in zip(group, results):
             w.done.set_result(r)
 
-    def _flush_samples(self, works: list[_Work]) -> None:
+    def _flush_samples(self, works: list[SampleWork | LogprobsWork]) -> None:
         if not works:
             return
-        gens = [w for w in works if w.kind == "sample"]
+        gens = [w for w in works if isinstance(w, SampleWork)]
         for slot in {id(w.slot): w.slot for w in gens}.values():
             mine = [w for w in gens if w.slot is slot]
-            parts: list[list[_Work]] = [[]]
+            parts: list[list[SampleWork]] = [[]]
             rows = 0
             for w in mine:  # at most max_sample_rows decoding rows per batch (one request is never split)
-                n = w.job.num_samples  # type: ignore[union-attr]
+                n = w.job.num_samples
                 if parts[-1] and rows + n > self.config.max_sample_rows:
                     parts.append([])
                     rows = 0
@@ -315,14 +340,19 @@ class Engine:
                 rows += n
             for part in parts:
                 self.stats["sample_batches"] += 1
-                self.stats["sample_rows"] += sum(w.job.num_samples for w in part)  # type: ignore[union-attr]
-                self._isolated(part, lambda ws, s=slot: s.sampler.run([w.job for w in ws]))  # type: ignore[misc]
-        lps = [w for w in works if w.kind == "logprobs"]
+                self.stats["sample_rows"] += sum(w.job.num_samples for w in part)
+                self._isolated(part, self._generate)
+        lps = [w for w in works if isinstance(w, LogprobsWork)]
         for key in {(id(w.slot), w.adapter) for w in lps}:
-            mine = [w for w in lps if (id(w.slot), w.adapter) == key]
-            self._isolated(mine, lambda ws: self._score(ws[0].slot, ws[0].adapter, [w.tokens for w in ws]))  # type: ignore[arg-type,misc]
+            same = [w for w in lps if (id(w.slot), w.adapter) == key]
+            self._isolated(same, lambda ws: self._score(ws[0].slot, ws[0].adapter, [w.tokens for w in ws]))
 
-    def _isolated(self, works: list[_Work], run: Callable[[list[_Work]], list[Any]]) -> None:
+    @staticmethod
+    def _generate(works: list[SampleWork]) -> list[SampleResponse]:
+        """One generation for sample requests on one slot."""
+        return works[0].slot.sampler.run([w.job for w in works])
+
+    def _isolated(self, works: list[_W], run: Callable[[list[_W]], list[Any]]) -> None:
         """Run ``works`` as one batch; if the batch fails, run each alone, so one bad request fails only itself."""
         try:
             outs = run(works)
@@ -338,202 +368,6 @@ class Engine:
             w.done.set_result(out)
 
     # ------------------------------------------------------------------- work on the thread
-
-    def slot(self, name: str) -> Slot:
-        """The loaded base model called ``name``, loading it on first use."""
-        if name in self.slots:
-            return self.slots[name]
-        source = resolve_model(name, self.config.models)
-        for s in self.slots.values():
-            if s.source.path == source.path and s.source.kwargs == source.kwargs:
-                self.slots[name] = s
-                return s
-        model = load_model(source, self.device, self.dtype)
-        tokenizer = load_tokenizer(source)
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tokenizer.eos_token_id} - {None})
-        plain = head_is_plain(model, self.device)
-        layers = self._checkpointed(model)
-        host = LoraHost(model, source)
-        max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        slot = Slot(
-            name=name,
-            source=source,
-            host=host,
-            tokenizer=tokenizer,
-            sampler=TorchSampler(host, tokenizer, self.device, eos_ids),
-            vocab_size=int(model.config.vocab_size),
-            max_context=max_context,
-            plain_head=plain,
-            checkpointed_layers=layers,
-        )
-        if self.sampler_kind == "vllm":
-            slot.vllm = self._start_vllm(source, eos_ids, max_context)
-        self.slots[name] = slot
-        log.info("loaded %s from %s on %s (%s, %d layers checkpointed)", name, source.path, self.device, self.dtype, layers)
-        return slot
-
-    def _checkpointed(self, model: Any) -> int:
-        """Turn on activation checkpointing of the decoder layers if configured (auto: CUDA and >= 1B parameters)."""
-        choice = self.config.checkpoint_layers
-        if choice == "auto":
-            big = sum(p.numel() for p in model.parameters()) >= CHECKPOINT_LAYERS_ABOVE
-            choice = "on" if self.device.type == "cuda" and big else "off"
-        return trainer.checkpoint_layers(model) if choice == "on" else 0
-
-    def _start_vllm(self, source: ModelSource, eos_ids: list[int], max_context: int) -> VllmSampler | None:
-        if source.kwargs:  # e.g. a GGUF file: vLLM gets plain model directories only
-            if self.config.sampler == "vllm":
-                raise InvalidInputError(f"vLLM cannot serve {source.name!r}", field="sampler", fix="use a model directory or sampler=torch")
-            log.warning("sampling %s with torch: vLLM gets plain model directories only", source.name)
-            return None
-        return VllmSampler(
-            source.path,
-            dtype=self.dtype,
-            max_context=max_context,
-            eos_ids=eos_ids,
-            options=self.config.vllm,
-            device=self.device,
-            fallback_staging=self.store.root,
-        )
-
-    def create_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
-        meta: dict[str, Any] = {}
-        ckpt: Path | None = None
-        if spec.from_path:
-            ckpt = self.store.resolve(spec.from_path)
-            meta = self.store.meta(ckpt)
-            if meta.get("kind") != "state":
-                raise InvalidInputError(f"{spec.from_path} is a {meta.get('kind')} checkpoint", field="path", fix="pass a save_state path")
-        base_name = spec.base_model or meta.get("base_model", "")
-        slot = self.slot(base_name)
-        if meta:
-            rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), list(meta["targets"])
-        else:
-            if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
-                raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="set at least one to True")
-            if not 1 <= spec.rank <= MAX_LORA_RANK:
-                raise InvalidInputError(f"rank {spec.rank} is out of range", field="rank", fix=f"use 1..{MAX_LORA_RANK}")
-            if slot.vllm is not None and spec.rank > slot.vllm.options.max_lora_rank:
-                raise InvalidInputError(
-                    f"rank {spec.rank} exceeds the vLLM sampler's max_lora_rank ({slot.vllm.options.max_lora_rank})",
-                    field="rank",
-                    fix="use a lower rank, or start the backend with a larger vllm_max_lora_rank",
-                )
-            rank = spec.rank
-            alpha = float(spec.alpha) if spec.alpha is not None else 2.0 * rank
-            targets = target_modules(
-                slot.host.groups, train_mlp=spec.train_mlp, train_attn=spec.train_attn, train_unembed=spec.train_unembed
-            )
-        if not self._vllm_takes(slot, targets) and slot.vllm is not None and slot.vllm.options.unembed == "refuse":
-            raise InvalidInputError(
-                f"vLLM cannot load an LM-head LoRA on {slot.name!r} (its vLLM model class declares no embedding modules)",
-                field="train_unembed",
-                fix="pass train_unembed=False, or start the backend with vllm_unembed=torch (such sessions then sample with torch)",
-            )
-        model_id = f"lora-{uuid.uuid4().hex[:12]}"
-        adapter = f"t{next(self._names)}"
-        params = slot.host.add(adapter, rank=rank, alpha=alpha, targets=targets, seed=spec.seed)
-        sess = trainer.TrainSession(
-            model_id=model_id,
-            base_model=slot.name,
-            adapter=adapter,
-            rank=rank,
-            alpha=alpha,
-            targets=targets,
-            seed=spec.seed,
-            params=params,
-            optimizer=trainer.new_optimizer(params, fused=self.device.type == "cuda"),
-        )
-        try:
-            if ckpt is not None:
-                self._load_state(sess, ckpt, with_optimizer=spec.with_optimizer)
-        except BaseException:
-            slot.host.remove(adapter)
-            raise
-        self.sessions[model_id] = sess
-        return GetInfoResponse(model_id=model_id, base_model=base_name, lora_rank=rank, lora_alpha=alpha, seed=spec.seed, step=sess.step)
-
-    def stop_session(self, session_id: str) -> None:
-        sess = self.sessions.pop(session_id, None)
-        if sess is not None:
-            self.slots[sess.base_model].host.remove(sess.adapter)
-            self._latest.pop(session_id, None)
-            self._drop_unused(session_id)
-        ref = self.samplers.pop(session_id, None)
-        if ref is not None and ref.path is not None and ref.path in self._snapshots:
-            snap = self._snapshots[ref.path]
-            snap.refs -= 1
-            self._drop_unused(snap.owner, only=ref.path)
-
-    def _drop_unused(self, owner: str | None, only: str | None = None) -> None:
-        """Drop ``owner``'s snapshots that no sampler uses, except the newest one of a live session."""
-        for path, snap in list(self._snapshots.items()):
-            if snap.owner == owner and snap.refs == 0 and (only is None or path == only):
-                if owner is None or self._latest.get(owner) != path:
-                    self._drop_snapshot(path)
-
-    def _drop_snapshot(self, path: str) -> None:
-        snap = self._snapshots.pop(path)
-        snap.slot.host.remove(snap.adapter)
-        if snap.in_vllm:
-            snap.slot.vllm.remove_adapter(snap.adapter)  # type: ignore[union-attr]
-
-    def create_sampler(self, spec: SamplerSpec) -> str:
-        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
-        if spec.model_path is None:
-            self.samplers[sampler_id] = SamplerRef(self.slot(spec.base_model or ""), BASE, None)
-            return sampler_id
-        path = spec.model_path
-        snap = self._snapshots.get(path)
-        if snap is None:
-            if path.startswith(EPHEMERAL):
-                raise InvalidInputError(f"{path} is no longer available", field="model_path", fix="save the weights again")
-            d = self.store.resolve(path)
-            meta = self.store.meta(d)
-            slot = self.slot(meta["base_model"])
-            adapter = f"s{next(self._names)}"
-            peft_dir = None if meta["kind"] == "state" else d / "adapter" if meta["kind"] == "merged" else d
-            if peft_dir is None:
-                from safetensors.torch import load_file
-
-                slot.host.add(adapter, rank=int(meta["rank"]), alpha=float(meta["alpha"]), targets=list(meta["targets"]), seed=None)
-                slot.host.load_state_dict(adapter, load_file(str(d / "adapter.safetensors")))
-            else:
-                slot.host.import_peft(adapter, peft_dir)
-            snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir)
-        if snap.slot.vllm is not None and not snap.in_vllm and self._vllm_takes(snap.slot, snap.slot.host.info[snap.adapter].targets):
-            host, adapter = snap.slot.host, snap.adapter
-            staged = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None  # what vLLM computes in
-            try:
-                snap.slot.vllm.add_adapter(
-                    adapter,
-                    snap.lineage,
-                    peft_dir=snap.peft_dir,
-                    export=lambda d: host.export_peft(adapter, d, dtype=staged),
-                    nbytes=host.nbytes(adapter, staged),
-                )
-            except BaseException:
-                if snap.refs == 0 and snap.owner is None:
-                    self._drop_snapshot(path)
-                raise
-            snap.in_vllm = True
-        snap.refs += 1
-        self.samplers[sampler_id] = SamplerRef(snap.slot, snap.adapter, path)
-        return sampler_id
-
-    @staticmethod
-    def _vllm_takes(slot: Slot, targets: list[str]) -> bool:
-        """Whether the slot's vLLM can load an adapter on ``targets`` (an LM-head LoRA only on some models)."""
-        if slot.vllm is None:
-            return False
-        return slot.vllm.unembed_lora or not set(targets) & set(slot.host.groups["unembed"])
-
-    def _sampler(self, sampler_id: str) -> SamplerRef:
-        ref = self.samplers.get(sampler_id)
-        if ref is None:
-            raise SessionGoneError(f"sampler {sampler_id} is stopped or unknown")
-        return ref
 
     @torch.no_grad()
     def _score(self, slot: Slot, adapter: str, prompts: list[list[int]]) -> list[list[float | None]]:
@@ -551,25 +385,29 @@ class Engine:
     # ------------------------------------------------------------------------ training ops
 
     def _training_op(self, sess: trainer.TrainSession, ops: list[TrainingOp]) -> list[Any]:
+        """Run ``ops`` (one barrier op, or a group of passes of one kind) on ``sess``."""
         slot = self.slots[sess.base_model]
-        kind = ops[0].kind
-        if kind in ("forward", "forward_backward"):
-            self.stats["passes"] += 1
-            self.stats["pass_ops"] += len(ops)
-            return self._fitting_pass(slot, sess, ops, backward=kind == "forward_backward")
-        (op,) = ops
-        if kind == "optim_step":
-            return [trainer.optim_step(sess, op.adam_params)]  # type: ignore[arg-type]
-        if kind == "save_state":
-            return [self._save_state(sess, op)]
-        if kind == "save_weights":
-            return [self._save_weights(sess, op)]
-        if kind == "load_state":
-            self._load_state(sess, self.store.resolve(op.path or ""), with_optimizer=op.with_optimizer)
-            return [LoadWeightsResponse(path=op.path or "", step=sess.step)]
-        raise InvalidInputError(f"unknown op {kind!r}", field="kind")
+        match ops[0]:
+            case ForwardOp() | ForwardBackwardOp() as first:
+                passes = [op for op in ops if isinstance(op, PassOp)]
+                self.stats["passes"] += 1
+                self.stats["pass_ops"] += len(passes)
+                return self._fitting_pass(slot, sess, passes, backward=isinstance(first, ForwardBackwardOp))
+            case OptimStepOp(adam_params=adam):
+                return [trainer.optim_step(sess, adam)]
+            case SaveStateOp() as op:
+                return [self.store.save_state(slot.host, sess, op)]
+            case SaveWeightsOp() as op:
+                if op.ephemeral and not op.merge_weights:
+                    return [self.state.snapshot(sess, op)]
+                return [self.store.save_weights(slot, sess, op, self.dtype)]
+            case LoadStateOp() as op:
+                self.store.load_state_op(slot.host, sess, op)
+                return [LoadWeightsResponse(path=op.path, step=sess.step)]
+            case _ as never:
+                unknown_op(never)
 
-    def _fitting_pass(self, slot: Slot, sess: trainer.TrainSession, ops: list[TrainingOp], *, backward: bool) -> list[Any]:
+    def _fitting_pass(self, slot: Slot, sess: trainer.TrainSession, ops: list[PassOp], *, backward: bool) -> list[Any]:
         """Run the pass; on running out of memory put the gradients back, halve the budget and retry."""
         lengths = [d.model_input.length for op in ops for d in op.data]
         while True:
@@ -605,79 +443,3 @@ class Engine:
                 )
             self.token_budget = max(1, budget // 2)
             log.warning("out of device memory at token budget %d: retrying at %d (%s)", budget, self.token_budget, detail)
-
-    def _meta(self, sess: trainer.TrainSession, kind: str) -> dict[str, Any]:
-        return {
-            "kind": kind,
-            "model_id": sess.model_id,
-            "base_model": sess.base_model,
-            "rank": sess.rank,
-            "alpha": sess.alpha,
-            "targets": sess.targets,
-            "step": sess.step,
-            "seed": sess.seed,
-        }
-
-    def _save_state(self, sess: trainer.TrainSession, op: TrainingOp) -> CheckpointResponse:
-        from safetensors.torch import save_file
-
-        host = self.slots[sess.base_model].host
-        scratch, final = self.store.begin(sess.model_id, "state", op.name or f"step-{sess.step:06d}-{op.seq}")
-        save_file({k: v.cpu() for k, v in host.state_dict(sess.adapter).items()}, str(scratch / "adapter.safetensors"))
-        save_file(trainer.optimizer_tensors(sess), str(scratch / "optimizer.safetensors"))
-        uri = self.store.commit(scratch, final, {**self._meta(sess, "state"), **_save_meta(op)})
-        return CheckpointResponse(path=uri, kind="state", step=sess.step)
-
-    def _load_state(self, sess: trainer.TrainSession, path: Path, *, with_optimizer: bool) -> None:
-        from safetensors.torch import load_file
-
-        meta = self.store.meta(path)
-        if meta.get("kind") != "state":
-            raise InvalidInputError(
-                f"{self.store.uri(path)} is a {meta.get('kind')} checkpoint", field="path", fix="pass a save_state path"
-            )
-        if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
-            raise InvalidInputError("the checkpoint's LoRA rank or targets differ from this session's", field="path")
-        host = self.slots[sess.base_model].host
-        host.load_state_dict(sess.adapter, load_file(str(path / "adapter.safetensors")))
-        for p in sess.params.values():
-            p.grad = None
-        sess.step = int(meta.get("step", 0))
-        if with_optimizer:
-            trainer.load_optimizer_tensors(sess, load_file(str(path / "optimizer.safetensors")))
-        else:
-            sess.optimizer.state.clear()
-
-    def _save_weights(self, sess: trainer.TrainSession, op: TrainingOp) -> CheckpointResponse:
-        slot = self.slots[sess.base_model]
-        if op.ephemeral and not op.merge_weights:
-            path = f"{EPHEMERAL}{sess.model_id}/{op.seq}"
-            adapter = f"s{next(self._names)}"
-            slot.host.copy(sess.adapter, adapter)
-            self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, lineage=sess.model_id)
-            self._latest[sess.model_id] = path
-            self._drop_unused(sess.model_id)  # older snapshots no sampler uses any more
-            return CheckpointResponse(path=path, kind="sampler", step=sess.step)
-        kind = "merged" if op.merge_weights else "sampler"
-        scratch, final = self.store.begin(sess.model_id, kind, op.name or f"step-{sess.step:06d}-{op.seq}")
-        if op.merge_weights:
-            slot.host.export_peft(sess.adapter, scratch / "adapter")
-            self._write_merged(slot, scratch / "adapter", scratch)
-        else:
-            slot.host.export_peft(sess.adapter, scratch)
-        uri = self.store.commit(scratch, final, {**self._meta(sess, kind), **_save_meta(op)})
-        return CheckpointResponse(path=uri, kind=kind, step=sess.step)  # type: ignore[arg-type]
-
-    def _write_merged(self, slot: Slot, adapter_dir: Path, out: Path) -> None:
-        """A full model with the adapter merged in: a fresh copy of the base, so the live one stays untouched."""
-        from peft import PeftModel
-
-        base = load_model(slot.source, torch.device("cpu"), self.dtype)
-        head = base.get_output_embeddings()
-        if getattr(base.config, "tie_word_embeddings", False) and head is not None:
-            # merging a LoRA on a tied LM head would also change the input embeddings: untie first
-            head.weight = torch.nn.Parameter(head.weight.detach().clone())
-            base.config.tie_word_embeddings = False
-        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-        merged.save_pretrained(str(out), safe_serialization=True)
-        slot.tokenizer.save_pretrained(str(out))

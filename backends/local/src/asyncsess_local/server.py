@@ -1,4 +1,5 @@
-"""The worker: the local engine behind HTTP (FastAPI on uvicorn), plus an OpenAI-compatible chat API.
+"""The worker: the local engine behind HTTP (FastAPI on uvicorn), plus an OpenAI-compatible chat API
+(its routes in :mod:`.openai_api`).
 
 Every request needs an API key (``Authorization: Bearer <key>`` or ``X-API-Key``); a session, sampler or
 checkpoint belongs to the key that created it and is invisible to other keys. Bad input gets a 4xx
@@ -8,8 +9,6 @@ naming the field, never a 5xx. Run it with ``asyncsess-worker --model tiny-llama
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import json
 import logging
 import secrets
@@ -27,53 +26,24 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncsess.backends import SampleRequest, SamplerSpec
+from asyncsess.backends import LoadStateOp, SaveWeightsOp
 from asyncsess.backends import http_wire as wire
-from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError, SessionGoneError
-from asyncsess.types import SamplingParams
+from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.types import CheckpointResponse
 
-from . import bodies
+from . import bodies, openai_api
 from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
+from .tenants import Owners, tenant_of
 from .vllm_sampler import VllmOptions
 
 __all__ = ["create_app", "serve_in_thread", "tenant_of", "main"]
 
 log = logging.getLogger("asyncsess.worker")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json")
-
-
-class _Owners:
-    """Which tenant (a digest of its API key) owns which session, sampler and model id.
-
-    Training sessions are journaled to ``<checkpoint root>/.owners.jsonl``, so a restarted worker still
-    knows whose checkpoints are whose (a run resumes after a crash); the keys themselves are never stored.
-    """
-
-    def __init__(self, journal: Path | None = None) -> None:
-        self.by_id: dict[str, str] = {}
-        self.latest_sampler_path: dict[str, str] = {}  # training session -> last save_weights path
-        self.chat_samplers: dict[tuple[str, str], str] = {}  # (key, target) -> sampler id
-        self._journal = journal
-        if journal is not None and journal.exists():
-            for line in journal.read_text().splitlines():
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    record = json.loads(line)
-                    self.by_id[str(record["id"])] = str(record["tenant"])
-
-    def own(self, object_id: str, key: str, *, durable: bool = False) -> None:
-        self.by_id[object_id] = key
-        if durable and self._journal is not None:
-            with self._journal.open("a") as f:
-                f.write(json.dumps({"id": object_id, "tenant": key}) + "\n")
-
-    def check(self, key: str, object_id: str) -> None:
-        if self.by_id.get(object_id) != key:
-            raise SessionGoneError(f"no session {object_id!r} for this API key")
 
 
 def create_app(
@@ -92,7 +62,7 @@ def create_app(
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
-    owners = _Owners(backend.engine.store.root / ".owners.jsonl")
+    owners = Owners(backend.engine.store.root / ".owners.jsonl")
     ready = threading.Event()
     allowed_extra = set(models)
 
@@ -137,7 +107,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> Response:
-        return _JSON(wire.encode_error(_first_error(err.errors())), status_code=400)
+        return _JSON(wire.encode_error(bodies.invalid_input(err.errors())), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> Response:
@@ -230,13 +200,13 @@ def create_app(
                 field="seq",
                 fix=f"number ops 1, 2, 3, ... per session; at most {bodies.MAX_SEQ_AHEAD} may wait for earlier ones",
             )
-        if op.kind == "load_state":
+        if isinstance(op, LoadStateOp):
             owned_path(key, op.path, "path")
         if seq_is_new(session_id, op.seq):
             op = backend.check_op(session_id, op)  # refused here, before the op takes its seq
         result = await backend.execute_training(session_id, op)
-        if op.kind == "save_weights":
-            owners.latest_sampler_path[session_id] = result.path  # type: ignore[union-attr]
+        if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
+            owners.latest_sampler_path[session_id] = result.path
         return wire.encode_result(result)
 
     @app.post("/v1/samplers")
@@ -271,115 +241,12 @@ def create_app(
     async def tokenizer(base_model: NameQuery, key: str = Depends(api_key)) -> Any:
         import tempfile
 
-        tok = backend.get_tokenizer(check_base_model(base_model, "base_model"))
+        tok: Any = backend.get_tokenizer(check_base_model(base_model, "base_model"))  # a transformers tokenizer
         with tempfile.TemporaryDirectory() as tmp:
             tok.save_pretrained(tmp)
             return {"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}}
 
-    # ------------------------------------------------------------------------------- OpenAI
-
-    async def chat_sampler(key: str, model: str) -> tuple[str, str]:
-        """(sampler id, base model) for a chat ``model``: a sampler, a training session's latest weights, or a base model."""
-        engine = backend.engine
-        if owners.by_id.get(model) == key and model in engine.samplers:
-            return model, engine.samplers[model].slot.name
-        if owners.by_id.get(model) == key and model in engine.sessions:
-            path = owners.latest_sampler_path.get(model)
-            spec = SamplerSpec(model_path=path) if path else SamplerSpec(base_model=engine.sessions[model].base_model)
-            target, base = path or f"base:{spec.base_model}", engine.sessions[model].base_model
-        elif model in base_models():
-            spec, target, base = SamplerSpec(base_model=model), f"base:{model}", model
-        else:
-            raise InvalidInputError(f"unknown model {model!r}", field="model", fix="see GET /v1/models")
-        if (key, target) not in owners.chat_samplers:
-            owners.chat_samplers[(key, target)] = await backend.create_sampler(spec)
-        return owners.chat_samplers[(key, target)], base
-
-    @app.get("/v1/models")
-    async def models(key: str = Depends(api_key)) -> Any:
-        engine = backend.engine
-        names = sorted(base_models()) + sorted(
-            i for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers)
-        )
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in names]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: bodies.ChatRequest, key: str = Depends(api_key)) -> Any:
-        sampler_id, base = await chat_sampler(key, body.model)
-        tok = backend.get_tokenizer(base)
-        try:
-            prompt = tok.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True)
-        except Exception as err:  # no chat template, bad roles...
-            raise InvalidInputError(f"cannot apply the chat template: {err}", field="messages") from None
-        if isinstance(prompt, dict) or hasattr(prompt, "keys"):
-            prompt = prompt["input_ids"]
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop
-        try:
-            params = SamplingParams(
-                max_tokens=body.max_completion_tokens or body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                seed=body.seed,
-                stop=None if not stops else [*stops, *([tok.eos_token_id] if tok.eos_token_id is not None else [])],
-            )
-        except ValidationError as err:
-            raise _first_error(err.errors()) from None
-        out = await backend.sample(sampler_id, SampleRequest(tuple(prompt), body.n, params))
-        special = set(tok.all_special_ids)
-        texts = []
-        for s in out.sequences:
-            text = tok.decode([t for t in s.tokens if t not in special], skip_special_tokens=True)
-            for stop in stops or []:
-                text = text.split(stop, 1)[0]
-            texts.append(text)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex[:16]}", int(time.time())
-        finish = ["stop" if s.stop_reason == "stop" else "length" for s in out.sequences]
-        usage = {
-            "prompt_tokens": out.usage.prefill_tokens,
-            "completion_tokens": out.usage.decode_tokens,
-            "total_tokens": out.usage.prefill_tokens + out.usage.decode_tokens,
-        }
-        if not body.stream:
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": body.model,
-                "choices": [
-                    {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f, "logprobs": None}
-                    for i, (t, f) in enumerate(zip(texts, finish))
-                ],
-                "usage": usage,
-            }
-
-        def chunk(i: int, delta: dict[str, Any], finish_reason: str | None) -> str:
-            obj = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "choices": [{"index": i, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-            }
-            return f"data: {json.dumps(obj)}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            for i, (s, text, f) in enumerate(zip(out.sequences, texts, finish)):
-                yield chunk(i, {"role": "assistant", "content": ""}, None)
-                pieces, sent = [], ""
-                for n in range(1, len(s.tokens) + 1):  # one event per token, as the text grows
-                    now = tok.decode([t for t in s.tokens[:n] if t not in special], skip_special_tokens=True)
-                    if len(now) > len(sent) and text.startswith(now):
-                        pieces.append(now[len(sent) :])
-                        sent = now
-                if sent != text:
-                    pieces.append(text[len(sent) :])
-                for p in pieces:
-                    yield chunk(i, {"content": p}, None)
-                yield chunk(i, {}, f)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
+    app.include_router(openai_api.router(backend, owners, base_models, api_key))
     return app
 
 
@@ -401,32 +268,8 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-_FIXES = {"missing": "add it", "extra_forbidden": "remove it (see GET /openapi.json)", "finite_number": "give a finite number"}
-
-
-def _first_error(errors: Any) -> InvalidInputError:
-    """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    where = ""
-    loc = list(first.get("loc", ()))
-    if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
-        loc = loc[1:]
-    for part in loc:
-        if isinstance(part, int):
-            where += f"[{part}]"
-        elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
-            where += f".{part}" if where else str(part)
-    fix = _FIXES.get(first.get("type", ""), "see the request schema in GET /openapi.json")
-    return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)
-
-
 class _TooLarge(Exception):
     pass
-
-
-def tenant_of(key: str | bytes) -> str:
-    """The tenant an API key stands for: a digest, so that no key is ever stored or logged."""
-    return hashlib.sha256(key.encode("utf-8") if isinstance(key, str) else key).hexdigest()[:32]
 
 
 class _Guard:

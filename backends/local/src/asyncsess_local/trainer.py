@@ -8,6 +8,7 @@ that yields the same gradient as running them one by one (up to float rounding).
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,12 +16,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from asyncsess.backends import TrainingOp
 from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse, TensorData, Usage
 
 from .adapters import LoraHost
 from .logprobs import packed_logprobs
 from .losses import datum_loss
+from .ops import PassOp
 
 __all__ = [
     "TrainSession",
@@ -145,7 +146,7 @@ def checkpoint_layers(model: nn.Module) -> int:
 def run_ops(
     host: LoraHost,
     sess: TrainSession,
-    ops: list[TrainingOp],
+    ops: Sequence[PassOp],
     *,
     backward: bool,
     device: torch.device,
