@@ -205,7 +205,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
-    """mypy over src/asyncsess and the mock, sagemaker and tinker backends (pyproject [tool.mypy] files)."""
+    """mypy over src/asyncsess and every backend (pyproject [tool.mypy] files)."""
     session.install("mypy>=1.10", "-e", ".")
     session.run("mypy")
 

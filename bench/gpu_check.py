@@ -167,7 +167,7 @@ def patch_loader() -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncsess_local import engine, models
+    from asyncsess_local import models
 
     real = models.load_model
 
@@ -183,8 +183,7 @@ def patch_loader() -> None:
         model.requires_grad_(False)
         return model
 
-    models.load_model = load
-    engine.load_model = load
+    models.load_model = load  # sessions.py calls models.load_model at load time
 
 
 def flops_per_token(config, seq: int) -> float:

@@ -29,7 +29,7 @@ class StrayOp:
 
 
 def test_unknown_op_is_a_typed_error_naming_kind():
-    from asyncsess_local.ops import unknown_op
+    from asyncsess.backends import unknown_op
 
     with pytest.raises(InvalidInputError) as caught:
         unknown_op(StrayOp(1, "k"))  # type: ignore[arg-type]  # what mypy refuses for a forgotten kind

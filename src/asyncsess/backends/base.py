@@ -27,6 +27,7 @@ __all__ = [
     "Tokenizer",
     "TrainingOp",
     "TrainingOpKind",
+    "PassOp",
     "OP_TYPES",
     "require_op",
     "unknown_op",
@@ -124,6 +125,9 @@ TrainingOp = ForwardOp | ForwardBackwardOp | OptimStepOp | SaveStateOp | SaveWei
 
 _RECORDS: tuple[type[TrainingOp], ...] = (ForwardOp, ForwardBackwardOp, OptimStepOp, SaveStateOp, SaveWeightsOp, LoadStateOp)
 
+PassOp = ForwardOp | ForwardBackwardOp
+"""An op that runs the model over datums (``forward``, ``forward_backward``)."""
+
 OP_TYPES: dict[str, type[TrainingOp]] = {str(t.__dataclass_fields__["kind"].default): t for t in _RECORDS}
 """``kind`` tag -> record class (for wire formats that carry the tag)."""
 
@@ -146,9 +150,13 @@ def unknown_op(op: NoReturn) -> NoReturn:
     """The ``case _:`` of a ``match`` over :data:`TrainingOp` (like ``typing.assert_never``).
 
     mypy reports a call here that is reachable, so a backend that forgot an op kind fails type checking;
-    at run time it raises a typed error instead of an ``AssertionError``.
+    at run time it raises a typed error naming ``kind`` instead of an ``AssertionError``.
     """
-    raise UnsupportedError(f"{type(op).__name__} is not an op this backend runs", field="op", fix="pass a TrainingOp record")
+    raise UnsupportedError(
+        f"unknown op {getattr(op, 'kind', type(op).__name__)!r}",
+        field="kind",
+        fix=f"use one of {', '.join(OP_TYPES)} (the records in asyncsess.backends)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

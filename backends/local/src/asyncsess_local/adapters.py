@@ -28,7 +28,7 @@ _ANCHOR = "anchor"
 _ATTN = re.compile(r"attn|attention", re.IGNORECASE)
 
 
-def linear_groups(model: nn.Module) -> dict[str, list[str]]:
+def linear_groups(model: Any) -> dict[str, list[str]]:
     """Names (last path component) of the model's linear layers by role: ``attn``, ``mlp``, ``unembed``.
 
     Call it on the plain model, before peft wraps it.
@@ -81,7 +81,7 @@ class LoraHost:
         """Add a fresh adapter (A random, B zero: a no-op until trained); return its parameters."""
         from peft import LoraConfig
 
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")  # type: ignore[arg-type]  # peft types alpha as int; a float scales alike
         config.base_model_name_or_path = self.source.name
         with torch.random.fork_rng(devices=[]):
             if seed is not None:

@@ -30,6 +30,7 @@ from asyncsess.backends import (
     LoadStateOp,
     OptimStepOp,
     ParsedURL,
+    PassOp,
     SampleRequest,
     SamplerSpec,
     SaveStateOp,
@@ -37,6 +38,7 @@ from asyncsess.backends import (
     Tokenizer,
     TrainingOp,
     TrainingSessionSpec,
+    unknown_op,
 )
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import InvalidInputError, SessionGoneError
@@ -46,7 +48,6 @@ from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_conf
 from .adapters import BASE
 from .completion import Completion
 from .engine import Engine, EngineConfig
-from .ops import PassOp, unknown_op
 from .sampler import SampleJob
 from .sessions import MAX_LORA_RANK, SamplerRef, Slot
 from .vllm_sampler import VllmOptions

@@ -33,9 +33,11 @@ from asyncsess.backends import (
     ForwardOp,
     LoadStateOp,
     OptimStepOp,
+    PassOp,
     SaveStateOp,
     SaveWeightsOp,
     TrainingOp,
+    unknown_op,
 )
 from asyncsess.errors import (
     AsyncSessError,
@@ -53,7 +55,6 @@ from .checkpoints import CheckpointStore
 from .completion import Completion
 from .logprobs import packed_logprobs
 from .models import pick_device, pick_dtype
-from .ops import PassOp, unknown_op
 from .sampler import SampleJob
 from .sessions import SamplerRef, Sessions, Slot, SlotOptions
 from .vllm_sampler import VllmOptions, choose_sampler

@@ -11,6 +11,8 @@ exist for the whole batch at once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -62,7 +64,7 @@ def _pack(seqs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor, Te
     return ids, pos, torch.cat(flat), targets, order
 
 
-def packed_logprobs(model: nn.Module, seqs: list[tuple[Tensor, Tensor]], *, chunk: int = 1024, plain_head: bool = True) -> list[Tensor]:
+def packed_logprobs(model: Any, seqs: list[tuple[Tensor, Tensor]], *, chunk: int = 1024, plain_head: bool = True) -> list[Tensor]:
     """fp32 log-prob of ``targets[i]`` after ``inputs[:i+1]`` for each ``(inputs, targets)`` pair.
 
     ``model`` is a transformers causal LM (peft layers inside act as usual). Gradients flow when
@@ -97,7 +99,7 @@ def packed_logprobs(model: nn.Module, seqs: list[tuple[Tensor, Tensor]], *, chun
 
 
 @torch.no_grad()
-def head_is_plain(model: nn.Module, device: torch.device) -> bool:
+def head_is_plain(model: Any, device: torch.device) -> bool:
     """Whether the model's logits are exactly ``head(decoder(x))`` (true for Llama, Qwen, Mistral...)."""
     ids = torch.arange(min(8, model.config.vocab_size), device=device)[None]
     full = model(input_ids=ids, use_cache=False).logits
@@ -106,7 +108,7 @@ def head_is_plain(model: nn.Module, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def next_token_logprobs(model: nn.Module, tokens: list[int], device: torch.device) -> Tensor:
+def next_token_logprobs(model: Any, tokens: list[int], device: torch.device) -> Tensor:
     """fp32 log-softmax of the next-token distribution after every prefix ``tokens[:i+1]``: ``[len(tokens), vocab]``."""
     ids = torch.tensor(tokens, device=device)[None]
     return model(input_ids=ids, use_cache=False).logits[0].float().log_softmax(-1)

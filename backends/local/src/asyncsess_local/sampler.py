@@ -76,7 +76,7 @@ class TorchSampler:
     def _forward(self, ids: Tensor, mask: Tensor | None, pos: Tensor, cache, adapters: list[str]) -> Tensor:
         model = self.host.peft
         kwargs = {self._cache_arg: cache}
-        if bool(mask.all()):
+        if mask is not None and bool(mask.all()):
             mask = None  # no padding: let attention take its unmasked causal path
         kinds = set(adapters)
         if len(kinds) == 1:

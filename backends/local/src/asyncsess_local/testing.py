@@ -88,7 +88,7 @@ def build_tiny_llama(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tie_embeddings,
-        torch_dtype="float32",
+        torch_dtype="float32",  # type: ignore[call-arg]  # accepted (and saved) by every transformers we support
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -109,7 +109,7 @@ def tiny_llama_dir(**kwargs: int) -> Path:
     if not marker.exists():
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
-        build_tiny_llama(tmp, **kwargs)
+        build_tiny_llama(tmp, **kwargs)  # type: ignore[arg-type]  # the kwargs are build_tiny_llama's int sizes
         (tmp / "asyncsess-tiny.json").write_text(json.dumps(kwargs))
         try:
             tmp.rename(path)

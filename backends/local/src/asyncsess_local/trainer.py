@@ -16,12 +16,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from asyncsess.backends import PassOp
 from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse, TensorData, Usage
 
 from .adapters import LoraHost
 from .logprobs import packed_logprobs
 from .losses import datum_loss
-from .ops import PassOp
 
 __all__ = [
     "TrainSession",

@@ -361,6 +361,8 @@ class VllmSampler:
         request_id = f"asyncsess-{next(self._requests)}"
         async for out in self._llm.generate(TokensPrompt(prompt_token_ids=job.prompt), self._params(job, i), request_id, lora_request=lora):
             final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for {request_id}")
         return final.outputs[0]
 
     def _params(self, job: SampleJob, i: int) -> Any:
