@@ -46,7 +46,7 @@ async def test_custom_loss_matches_builtin_gradients():
 
 
 async def test_custom_loss_lowering_sends_minus_dl_dp_as_weights(monkeypatch):
-    """The IS worked example: weights [1.221403, 0.452419, -3.644238] (spec/losses.md §6)."""
+    """The IS worked example: weights [1.221403, 0.452419, -3.644238] (derived by hand; the math: docs/losses.md)."""
     async with ServiceClient("mock://") as svc:
         tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
         sent = []

@@ -1,4 +1,4 @@
-"""The torch losses against every worked number in spec/losses.md §6 (values and g = −dL/dp)."""
+"""The torch losses against every hand-derived worked number (the math: docs/losses.md) (values and g = −dL/dp)."""
 
 from __future__ import annotations
 

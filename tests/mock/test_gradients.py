@@ -93,7 +93,7 @@ def test_model_gradient_matches_finite_differences(loss_fn):
 
 
 def test_loss_coefficients_match_finite_differences_in_logprob_space():
-    """g = -dL/dp for the losses without stop-gradient terms (spec/losses.md §2)."""
+    """g = -dL/dp for the losses without stop-gradient terms (docs/losses.md)."""
     rng = np.random.default_rng(3)
     p = rng.normal(-1.5, 0.5, 9)
     inputs = {"logprobs": p + rng.normal(0, 0.2, 9), "advantages": rng.normal(0, 1, 9), "weights": rng.uniform(0, 2, 9)}

@@ -1,4 +1,4 @@
-"""Every row of the worked-numbers tables in spec/losses.md §6, value and per-token g, to 1e-6."""
+"""Every hand-derived worked number for the losses of docs/losses.md, value and per-token g, to 1e-6."""
 
 from __future__ import annotations
 

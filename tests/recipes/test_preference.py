@@ -1,4 +1,4 @@
-"""DPO and KTO as custom losses: spec/losses.md §6 numbers, and the recipes on mock:// (need torch)."""
+"""DPO and KTO as custom losses: hand-derived worked numbers (docs/losses.md), and the recipes on mock:// (need torch)."""
 
 import pytest
 import torch

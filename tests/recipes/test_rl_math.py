@@ -1,4 +1,4 @@
-"""RL math against spec/losses.md §5–6, groups, problem batches and the task graders."""
+"""RL math against hand-derived numbers (docs/losses.md), groups, problem batches and the task graders."""
 
 import pytest
 

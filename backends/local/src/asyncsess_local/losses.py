@@ -1,4 +1,4 @@
-"""The built-in losses in torch, exactly as ``spec/losses.md``: per datum, summed over tokens.
+"""The built-in losses in torch, exactly as docs/losses.md defines them: per datum, summed over tokens.
 
 Every function takes ``p`` (the trainer's fp32 log-probs of the target tokens, shape ``(N,)``, with
 gradient) and the datum's other inputs as fp32 tensors, and returns a scalar. Datums are summed by the

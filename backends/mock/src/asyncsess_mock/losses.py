@@ -1,4 +1,4 @@
-"""The built-in losses in numpy, exactly as ``spec/losses.md`` §2 defines them.
+"""The built-in losses in numpy, exactly as docs/losses.md defines them.
 
 Every loss is sum-reduced over tokens and datums and returns ``(loss, g)`` with ``g = −∂L/∂p`` per token
 (stop-gradient terms frozen). Arrays are flat over the whole batch; ``seg`` gives each token's datum
