@@ -39,11 +39,7 @@ def digits(k: int, run_dir: str) -> None:
     """GRPO on "Code i:" prompts rewarded by the share of digits in the reply."""
     import anyio
 
-    try:
-        from asyncsess.rl import Problem, RLConfig, train_rl
-    except ImportError:  # before the loops were merged
-        from asyncsess.rl.rl_train import RLConfig, train_rl  # type: ignore[no-redef]
-        from asyncsess.rl.rollouts import Problem  # type: ignore[no-redef]
+    from asyncsess.rl import Problem, RLConfig, problem_datasets, train_rl
 
     def grade(problem: Problem, reply: str) -> tuple[float, dict[str, float]]:
         return sum(c.isdigit() for c in reply) / max(1, len(reply)), {"correct": float(reply.strip() == problem.answer)}
@@ -53,7 +49,8 @@ def digits(k: int, run_dir: str) -> None:
         url="mock://", groups_per_batch=4, group_size=8, max_tokens=8, learning_rate=0.5, lora_rank=4,
         normalize_std=False, max_staleness=k, max_steps=10, seed=1, save_every=0,
     )
-    anyio.run(lambda: train_rl(cfg, problems, problems[:4], grade, run_dir, if_exists="overwrite", progress=False))
+    data = problem_datasets(problems, problems[:4], grade, cfg)
+    anyio.run(lambda: train_rl(cfg, data, run_dir, if_exists="overwrite", progress=False))
 
 
 def main(argv: list[str]) -> int:
@@ -65,7 +62,9 @@ def main(argv: list[str]) -> int:
     for name, cmd in RECIPES.items():
         run = out / f"run-{name}"
         shutil.rmtree(run, ignore_errors=True)
-        subprocess.run([sys.executable, *cmd, f"run_dir={run}"], cwd=ROOT, check=True, capture_output=True)
+        done = subprocess.run([sys.executable, *cmd, f"run_dir={run}"], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(run / "metrics.jsonl")))
     if len(argv) == 3 and argv[1] == "--compare":
         old, bad = Path(argv[2]), 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rl.env import Env, EnvGroupBuilder
+from ..rl.types import Env, EnvGroupBuilder
 from ..rl.tool_env import ChatRenderer, Tool, ToolEnv
 from ..sandbox import Sandbox, TestCase, TestReport
 
