@@ -46,8 +46,17 @@ def digits(k: int, run_dir: str) -> None:
 
     problems = [Problem(f"Code {i}:", "0") for i in range(12)]
     cfg = RLConfig(
-        url="mock://", groups_per_batch=4, group_size=8, max_tokens=8, learning_rate=0.5, lora_rank=4,
-        normalize_std=False, max_staleness=k, max_steps=10, seed=1, save_every=0,
+        url="mock://",
+        groups_per_batch=4,
+        group_size=8,
+        max_tokens=8,
+        learning_rate=0.5,
+        lora_rank=4,
+        normalize_std=False,
+        max_staleness=k,
+        max_steps=10,
+        seed=1,
+        save_every=0,
     )
     data = problem_datasets(problems, problems[:4], grade, cfg)
     anyio.run(lambda: train_rl(cfg, data, run_dir, if_exists="overwrite", progress=False))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncsess.rl.agent_train import AgentRLConfig, train_agent_rl
+from asyncsess.rl import AgentRLConfig, train_agent_rl
 from asyncsess.rl.capture import read_trajectories
 from asyncsess.runs.metrics import read_metrics
 from examples import agent_rl
@@ -72,7 +72,7 @@ async def test_resume_continues_the_run(tmp_path):
 
 
 async def test_staleness_bound_holds_with_async_groups(tmp_path):
-    cfg = AgentRLConfig(url="mock://?max_context=4096", groups_per_batch=2, group_size=4, max_steps=5, max_steps_off_policy=1, max_tokens=8)
+    cfg = AgentRLConfig(url="mock://?max_context=4096", groups_per_batch=2, group_size=4, max_steps=5, max_staleness=1, max_tokens=8)
 
     async def agent(client, task) -> float:
         reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}])

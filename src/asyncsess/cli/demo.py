@@ -22,7 +22,7 @@ from ..runs.metrics import read_metrics
 from ..runs.progress import print_before_after
 from ..tasks import arithmetic
 
-__all__ = ["DEMO", "run_demo"]
+__all__ = ["DEMO", "run_demo", "local_checkpoint_dir"]
 
 DEMO = RLConfig(
     url="local://?dtype=bfloat16",
@@ -46,7 +46,7 @@ DEMO = RLConfig(
 )
 
 
-def _local_checkpoint_dir(url: str, run_dir: str | Path) -> str:
+def local_checkpoint_dir(url: str, run_dir: str | Path) -> str:
     """A ``local://`` URL whose checkpoints go to ``run_dir/checkpoints`` unless it names a ``dir``, so that
     ``--resume`` finds them from a new process (the backend refuses paths outside its checkpoint root)."""
     parts = urlsplit(url)
@@ -71,7 +71,7 @@ async def run_demo(
 ) -> RLResult:
     """Run the demo and print the before/after table and the run's speed."""
     console = console or Console()
-    url = _local_checkpoint_dir(url, run_dir)
+    url = local_checkpoint_dir(url, run_dir)  # so that --resume finds them from a new process
     cfg = RLConfig.model_validate(
         {**DEMO.model_dump(), "base_model": model, "url": url, "max_minutes": minutes, "max_steps": steps, "seed": seed}
     )

@@ -19,8 +19,18 @@ from anyio.abc import TaskGroup
 
 from ..client import SamplingClient
 from ..types import ModelInput, SamplingParams
-from .types import STOP_REASONS, Env, EnvGroupBuilder, RLDataset, StopCondition, TokenCompleter, TokensWithLogprobs, Trajectory
-from .types import TrajectoryGroup, Transition
+from .types import (
+    STOP_REASONS,
+    Env,
+    EnvGroupBuilder,
+    RLDataset,
+    StopCondition,
+    TokenCompleter,
+    TokensWithLogprobs,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+)
 
 __all__ = [
     "SamplerCompleter",
@@ -211,20 +221,28 @@ class RolloutScheduler:
     """Plays the run's groups ahead of the trainer, at most ``slots`` of them started and not yet trained.
 
     Group ``index`` is builder ``index % groups_per_batch`` of batch ``index // groups_per_batch``; each is
-    played with the newest weights when its slot frees. ``pending`` groups (started before a checkpoint or
-    requeued) are played again before new ones.
+    played with the newest weights when its slot frees; a requeued group is played again before new ones.
+    ``finished`` groups (saved with a checkpoint, see :meth:`settle`) are ready to train from the start.
     """
 
     def __init__(
-        self, tg: TaskGroup, dataset: RLDataset, groups_per_batch: int, slots: int, samplers: SamplerPool, play: PlayFn, cursor: int, pending: Sequence[int]
+        self,
+        tg: TaskGroup,
+        dataset: RLDataset,
+        groups_per_batch: int,
+        slots: int,
+        samplers: SamplerPool,
+        play: PlayFn,
+        cursor: int,
+        finished: Sequence[FinishedGroup] = (),
     ) -> None:
         self._tg, self._dataset, self._per_batch = tg, dataset, groups_per_batch
-        self._slots = anyio.Semaphore(slots)
+        self._slots = anyio.Semaphore(max(0, slots - len(finished)))
         self._samplers, self._play_group = samplers, play
         self.cursor = cursor  # the next group never started
-        self._queue: deque[int] = deque(sorted(pending))  # started before (a checkpoint, a requeue), to play again
-        self.open: set[int] = set(pending)  # started and not yet trained
-        self._ready: list[FinishedGroup] = []
+        self._queue: deque[int] = deque()  # requeued, to play again
+        self.open: set[int] = {f.index for f in finished}  # started and not yet trained
+        self._ready: list[FinishedGroup] = list(finished)
         self._changed = anyio.Event()
 
     async def dispatch(self) -> None:
@@ -272,6 +290,13 @@ class RolloutScheduler:
             self.open.discard(index)
             self._slots.release()
 
-    def position(self) -> dict[str, object]:
-        """Where the run is in its stream of groups (saved with a checkpoint)."""
-        return {"cursor": self.cursor, "pending": sorted(self.open)}
+    async def settle(self) -> list[FinishedGroup]:
+        """Wait until every started group has finished; the finished, untrained groups (a checkpoint saves them
+        with :attr:`cursor`, so a resumed run trains exactly what an uninterrupted one would)."""
+        while not self.open <= {f.index for f in self._ready}:
+            self._changed = anyio.Event()
+            await self._changed.wait()
+        for f in self._ready:
+            if f.error is not None:
+                raise f.error
+        return sorted(self._ready, key=lambda f: f.index)

@@ -20,6 +20,7 @@ resumes there. A lost session is recovered (:class:`~asyncsess.runs.checkpoints.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -216,7 +217,13 @@ class _Loop:
             before = next(({k: v for k, v in r.items() if k.startswith("test/")} for r in records if r["step"] == 0), {})
             train_seconds = next((r["time/total"] for r in reversed(records) if r.get("time/total") is not None), 0.0)
         extra = record.extra if record is not None else {}
+        finished = []
+        if "pending_file" in extra:
+            now = time.perf_counter()
+            saved = json.loads((self.path / extra["pending_file"]).read_text())
+            finished = [FinishedGroup(f["index"], f["version"], TrajectoryGroup.from_dict(f["group"]), None, now, now) for f in saved]
         eval_metrics = before if start == 0 else {}
+        failure: Exception | None = None
         async with anyio.create_task_group() as tg:
             rollouts = RolloutScheduler(
                 tg,
@@ -226,21 +233,19 @@ class _Loop:
                 self.samplers,
                 self.play,
                 int(extra.get("cursor", start * cfg.groups_per_batch)),
-                [int(i) for i in extra.get("pending", [])],
+                finished,
             )
             tg.start_soon(rollouts.dispatch)
-            failure: Exception | None = None
-            try:
+            try:  # a failure is raised as itself, not inside the task group's ExceptionGroup
                 step, train_seconds = await self.steps(start, train_seconds, rollouts, eval_metrics, progress)
-            except Exception as err:  # raised as itself, not inside the task group's ExceptionGroup
+                after = await self.evaluate()
+                self.log.log(step, {"progress/step": step, **after})
+                final = await self.checkpoint(step, rollouts, final=True)
+            except Exception as err:
                 failure = err
-            position = rollouts.position()
             tg.cancel_scope.cancel()
         if failure is not None:
             raise failure
-        after = await self.evaluate()
-        self.log.log(step, {"progress/step": step, **after})
-        final = await self.checkpoint(step, position, final=True)
         return RLResult(self.path, step, before, after, train_seconds, final)
 
     async def steps(
@@ -267,7 +272,7 @@ class _Loop:
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
                     eval_metrics = await self.evaluate()
                 if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-                    await self.checkpoint(step, rollouts.position(), final=False)
+                    await self.checkpoint(step, rollouts, final=False)
         return step, train_seconds
 
     def datums(self, finished: list[FinishedGroup]) -> list[tuple[Datum, list[float]]]:
@@ -358,6 +363,14 @@ class _Loop:
             out.append((Datum.model_construct(model_input=d.model_input, loss_fn_inputs=inputs), m))
         return out
 
-    async def checkpoint(self, step: int, position: dict[str, Any], final: bool) -> CheckpointRecord:
+    async def checkpoint(self, step: int, rollouts: RolloutScheduler, final: bool) -> CheckpointRecord:
+        """Save the state (and at the end the sampler weights) with the position in the stream of groups and
+        the groups sampled but not trained yet (``pending-<step>.json``)."""
+        finished = await rollouts.settle()
+        extra: dict[str, Any] = {"cursor": rollouts.cursor}
+        if finished:
+            extra["pending_file"] = f"pending-{step:06d}.json"
+            groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]
+            (self.path / extra["pending_file"]).write_text(json.dumps(groups))
         name = f"{'final' if final else 'step'}-{step:06d}"
-        return await save_checkpoint(self.tc, self.path, name, step, kind="both" if final else "state", final=final, extra=position)
+        return await save_checkpoint(self.tc, self.path, name, step, kind="both" if final else "state", final=final, extra=extra)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 from ..types import ModelInput
 
@@ -136,3 +136,41 @@ class TrajectoryGroup:
     @property
     def total_rewards(self) -> list[float]:
         return [t.reward + g for t, g in zip(self.trajectories, self.group_rewards)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON-able data (a group saved with a checkpoint)."""
+        return {
+            "trajectories": [
+                {
+                    "transitions": [
+                        {
+                            "ob": t.ob.model_dump(mode="json"),
+                            "ac": asdict(t.ac),
+                            "reward": t.reward,
+                            "episode_done": t.episode_done,
+                            "metrics": t.metrics,
+                        }
+                        for t in traj.transitions
+                    ],
+                    "stop_reason": traj.stop_reason,
+                }
+                for traj in self.trajectories
+            ],
+            "group_rewards": self.group_rewards,
+            "group_metrics": self.group_metrics,
+            "sampler_step": self.sampler_step,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrajectoryGroup:
+        trajectories = [
+            Trajectory(
+                [
+                    Transition(ModelInput.model_validate(t["ob"]), TokensWithLogprobs(**t["ac"]), t["reward"], t["episode_done"], t["metrics"])
+                    for t in traj["transitions"]
+                ],
+                traj["stop_reason"],
+            )
+            for traj in d["trajectories"]
+        ]
+        return cls(trajectories, list(d["group_rewards"]), list(d["group_metrics"]), int(d["sampler_step"]))
