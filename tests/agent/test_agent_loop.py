@@ -23,7 +23,10 @@ async def test_recipe_reward_rises_and_metrics_and_trajectories_are_written(tmp_
     assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
     assert result.after["test/env/all/reward/total"] > result.before["test/env/all/reward/total"]
     lines = read_trajectories(tmp_path / "trajectories.jsonl")
-    assert len(lines) == 12 * 4 * 6 + 2 * 4  # every training rollout, and the held-out ones before and after
+    final = result.final_checkpoint.extra
+    pending = json.loads((tmp_path / final["pending_file"]).read_text()) if "pending_file" in final else []
+    # every training rollout, those sampled for the next steps (saved with the final checkpoint), the held-out ones
+    assert len(lines) == 12 * 4 * 6 + len(pending) * 6 + 2 * 4
     assert {line["temperature"] for line in lines} == {0.0, 1.0}
     for line in lines:
         assert line["calls"] and all(c["request"]["tools"][0]["function"]["name"] == "calc" for c in line["calls"])

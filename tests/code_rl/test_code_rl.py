@@ -93,8 +93,15 @@ async def test_code_rl_runs_two_turns_with_bounded_staleness(tmp_path):
     assert config["loss_fn"] == "cispo" and config["loss_fn_config"] == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     final = result.final_checkpoint
     assert final.final and final.step == 6 and (await state(final.state_path))[0] == 6
-    # every group started was trained once or is still pending
-    assert final.extra["cursor"] - len(final.extra["pending"]) == 6 * 2
+    # every group started was trained once or is saved with the checkpoint, sampled and not yet trained
+    assert final.extra["cursor"] - len(pending(tmp_path, final)) == 6 * 2
+
+
+def pending(run_dir, record) -> list[dict]:
+    """The groups a checkpoint saved: sampled, not yet trained."""
+    if "pending_file" not in record.extra:
+        return []
+    return json.loads((run_dir / record.extra["pending_file"]).read_text())
 
 
 async def test_code_rl_resumes_from_its_checkpoint(tmp_path):
@@ -106,8 +113,8 @@ async def test_code_rl_resumes_from_its_checkpoint(tmp_path):
     records = check_metrics_file(tmp_path, KEYS)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert (await state(resumed.final_checkpoint.state_path))[0] == 4
-    extra = resumed.final_checkpoint.extra
-    assert extra["cursor"] - len(extra["pending"]) == 4 * 2
+    final = resumed.final_checkpoint
+    assert final.extra["cursor"] - len(pending(tmp_path, final)) == 4 * 2
 
 
 class DigitEnv(Env):
@@ -176,7 +183,7 @@ async def test_stale_groups_are_requeued_and_played_again(tmp_path):
     assert [r["async/staleness_max"] for r in records] and all(r["async/staleness_max"] <= 1 for r in records)
     assert sum(r["async/requeued"] for r in records) == 1
     assert datasets[0].plays.count(0) == 2  # played again with newer weights
-    assert result.final_checkpoint.extra["cursor"] - len(result.final_checkpoint.extra["pending"]) == 5 * 2
+    assert result.final_checkpoint.extra["cursor"] - len(pending(tmp_path, result.final_checkpoint)) == 5 * 2
 
 
 class Broken(EnvGroupBuilder):

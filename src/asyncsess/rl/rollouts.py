@@ -290,13 +290,13 @@ class RolloutScheduler:
             self.open.discard(index)
             self._slots.release()
 
-    async def settle(self) -> list[FinishedGroup]:
-        """Wait until every started group has finished; the finished, untrained groups (a checkpoint saves them
-        with :attr:`cursor`, so a resumed run trains exactly what an uninterrupted one would)."""
+    async def settle(self) -> tuple[int, list[FinishedGroup]]:
+        """Wait until every started group has finished; then :attr:`cursor` and the finished, untrained groups (a
+        checkpoint saves them, so a resumed run trains exactly what an uninterrupted one would)."""
         while not self.open <= {f.index for f in self._ready}:
             self._changed = anyio.Event()
             await self._changed.wait()
         for f in self._ready:
             if f.error is not None:
                 raise f.error
-        return sorted(self._ready, key=lambda f: f.index)
+        return self.cursor, sorted(self._ready, key=lambda f: f.index)

@@ -238,14 +238,15 @@ class _Loop:
             tg.start_soon(rollouts.dispatch)
             try:  # a failure is raised as itself, not inside the task group's ExceptionGroup
                 step, train_seconds = await self.steps(start, train_seconds, rollouts, eval_metrics, progress)
-                after = await self.evaluate()
-                self.log.log(step, {"progress/step": step, **after})
-                final = await self.checkpoint(step, rollouts, final=True)
+                cursor, finished = await rollouts.settle()  # the groups in flight finish; a resumed run trains them
             except Exception as err:
                 failure = err
             tg.cancel_scope.cancel()
         if failure is not None:
             raise failure
+        after = await self.evaluate()
+        self.log.log(step, {"progress/step": step, **after})
+        final = await self.checkpoint(step, cursor, finished, final=True)
         return RLResult(self.path, step, before, after, train_seconds, final)
 
     async def steps(
@@ -272,7 +273,7 @@ class _Loop:
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
                     eval_metrics = await self.evaluate()
                 if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-                    await self.checkpoint(step, rollouts, final=False)
+                    await self.checkpoint(step, *await rollouts.settle(), final=False)
         return step, train_seconds
 
     def datums(self, finished: list[FinishedGroup]) -> list[tuple[Datum, list[float]]]:
@@ -363,11 +364,10 @@ class _Loop:
             out.append((Datum.model_construct(model_input=d.model_input, loss_fn_inputs=inputs), m))
         return out
 
-    async def checkpoint(self, step: int, rollouts: RolloutScheduler, final: bool) -> CheckpointRecord:
-        """Save the state (and at the end the sampler weights) with the position in the stream of groups and
-        the groups sampled but not trained yet (``pending-<step>.json``)."""
-        finished = await rollouts.settle()
-        extra: dict[str, Any] = {"cursor": rollouts.cursor}
+    async def checkpoint(self, step: int, cursor: int, finished: list[FinishedGroup], final: bool) -> CheckpointRecord:
+        """Save the state (and at the end the sampler weights) with the position in the stream of groups
+        (``cursor``, the next group never started) and the groups sampled but not trained (``pending-<step>.json``)."""
+        extra: dict[str, Any] = {"cursor": cursor}
         if finished:
             extra["pending_file"] = f"pending-{step:06d}.json"
             groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]
