@@ -13,24 +13,18 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
 
 from ..client import SamplingClient
 from ..types import ModelInput, SamplingParams
-from .types import (
-    STOP_REASONS,
-    Env,
-    EnvGroupBuilder,
-    RLDataset,
-    StopCondition,
-    TokenCompleter,
-    TokensWithLogprobs,
-    Trajectory,
-    TrajectoryGroup,
-    Transition,
-)
+from .types import STOP_REASONS, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition
+
+if TYPE_CHECKING:
+    from .types import Env, EnvGroupBuilder, RLDataset, StopCondition, TokenCompleter
+
 
 __all__ = [
     "SamplerCompleter",

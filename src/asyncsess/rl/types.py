@@ -166,7 +166,9 @@ class TrajectoryGroup:
         trajectories = [
             Trajectory(
                 [
-                    Transition(ModelInput.model_validate(t["ob"]), TokensWithLogprobs(**t["ac"]), t["reward"], t["episode_done"], t["metrics"])
+                    Transition(
+                        ModelInput.model_validate(t["ob"]), TokensWithLogprobs(**t["ac"]), t["reward"], t["episode_done"], t["metrics"]
+                    )
                     for t in traj["transitions"]
                 ],
                 traj["stop_reason"],
