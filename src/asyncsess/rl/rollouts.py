@@ -198,7 +198,7 @@ class SamplerPool:
 
 
 # (builder, sampler, its weight version, the group's position in the run's stream) -> the played group
-PlayFn = Callable[[EnvGroupBuilder, SamplingClient, int, int], Awaitable[TrajectoryGroup]]
+PlayFn = Callable[["EnvGroupBuilder", SamplingClient, int, int], Awaitable[TrajectoryGroup]]
 
 
 @dataclass
