@@ -23,8 +23,7 @@ from typing import Any
 import anyio
 
 from asyncsess.rl import AgentRLConfig, RLResult, train_agent_rl
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.runs import parse_overrides, print_before_after
 
 try:
     from examples.calculator_agent import solve

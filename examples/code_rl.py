@@ -23,10 +23,8 @@ from typing import Literal
 import anyio
 
 from asyncsess.backends import Tokenizer
-from asyncsess.rl import EnvGroupBuilder, MakeCompleter, ProblemDataset, RLConfig, RLResult, train_rl
-from asyncsess.rl.tool_env import ChatRenderer
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.rl import ChatRenderer, EnvGroupBuilder, MakeCompleter, ProblemDataset, RLConfig, RLResult, train_rl
+from asyncsess.runs import parse_overrides, print_before_after
 from asyncsess.sandbox import LocalSandbox, Sandbox, SandboxFusionClient
 from asyncsess.tasks import code
 

@@ -14,8 +14,7 @@ import sys
 import anyio
 
 from asyncsess.rl import RLConfig, RLResult, problem_datasets, train_rl
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.runs import parse_overrides, print_before_after
 from asyncsess.tasks import arithmetic
 
 DEFAULTS = RLConfig(
