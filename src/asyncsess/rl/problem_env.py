@@ -55,12 +55,16 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.stop: list[int] = turn_stop_tokens(tokenizer)
-        self._cache: dict[Problem, list[int]] = {}
+        self._cache: dict[Problem, ModelInput] = {}
+
+    def observation(self, problem: Problem) -> ModelInput:
+        """The problem's chat prompt (the same object for the same problem)."""
+        if problem not in self._cache:
+            self._cache[problem] = ModelInput.from_ints(chat_tokens(self.tokenizer, problem.messages(), add_generation_prompt=True))
+        return self._cache[problem]
 
     def prompt(self, problem: Problem) -> list[int]:
-        if problem not in self._cache:
-            self._cache[problem] = chat_tokens(self.tokenizer, problem.messages(), add_generation_prompt=True)
-        return self._cache[problem]
+        return self.observation(problem).to_ints()
 
     def reply(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
@@ -73,7 +77,7 @@ class ProblemEnv(Env):
         self.renderer, self.problem, self.grader = renderer, problem, grader
 
     async def initial_observation(self) -> tuple[Observation, StopCondition]:
-        return ModelInput.from_ints(self.renderer.prompt(self.problem)), list(self.renderer.stop)
+        return self.renderer.observation(self.problem), list(self.renderer.stop)
 
     async def step(self, action: Action) -> StepResult:
         reward, metrics = self.grader(self.problem, self.renderer.reply(action))

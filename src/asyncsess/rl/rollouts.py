@@ -132,8 +132,8 @@ async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sam
     firsts: Sequence[TokensWithLogprobs | None] = [None] * len(envs)
     complete_group = getattr(policy, "complete_group", None)
     if len(envs) > 1 and complete_group is not None:
-        tokens, stop = starts[0][0].to_ints(), list(starts[0][1])
-        if all(ob.to_ints() == tokens and list(s) == stop for ob, s in starts[1:]):
+        first, stop = starts[0][0], list(starts[0][1])
+        if all((ob is first or ob.to_ints() == first.to_ints()) and list(s) == stop for ob, s in starts[1:]):
             firsts = await complete_group(starts[0][0], starts[0][1], len(envs))
     trajectories: list[Trajectory | None] = [None] * len(envs)
 
