@@ -102,3 +102,48 @@ def test_gsm8k_answers_after_hashes(tmp_path):
     assert p.answer == "42" and p.question.startswith("Q?")
     assert gsm8k.grade(p, "thinking... #### 42")[0] == 1.0
     assert gsm8k.grade(p, "42") == (0.0, {"correct": 0.0, "format": 0.0})
+
+
+class CountingPolicy:
+    """Replies ``[7]`` (log-prob -1) and counts single and group requests."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    async def __call__(self, model_input, stop):
+        self.calls.append(1)
+        return TokensWithLogprobs([7], [-1.0], "stop")
+
+    async def complete_group(self, model_input, stop, n):
+        self.calls.append(n)
+        return [TokensWithLogprobs([7 + i], [-1.0], "stop") for i in range(n)]
+
+
+@pytest.mark.anyio
+async def test_a_group_sharing_its_first_observation_is_sampled_in_one_request():
+    from asyncsess.rl import Env, EnvGroupBuilder, StepResult, do_group_rollout
+
+    class OneStep(Env):
+        def __init__(self, prompt: list[int]) -> None:
+            self.prompt = prompt
+
+        async def initial_observation(self):
+            return ModelInput.from_ints(self.prompt), [0]
+
+        async def step(self, action):
+            return StepResult(float(action[0]), True)
+
+    class Builder(EnvGroupBuilder):
+        def __init__(self, prompts: list[list[int]]) -> None:
+            self.prompts = prompts
+
+        async def make_envs(self):
+            return [OneStep(p) for p in self.prompts]
+
+    policy = CountingPolicy()
+    group = await do_group_rollout(Builder([[1, 2], [1, 2], [1, 2]]), policy, sampler_step=4)
+    assert policy.calls == [3] and group.sampler_step == 4
+    assert [t.reward for t in group.trajectories] == [7.0, 8.0, 9.0]  # each env got its own sample, in order
+    policy = CountingPolicy()
+    await do_group_rollout(Builder([[1, 2], [1, 3]]), policy)  # different prompts: one request each
+    assert policy.calls == [1, 1]
