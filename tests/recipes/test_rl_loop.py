@@ -137,3 +137,13 @@ async def test_other_errors_are_not_recovered(tmp_path):
     from asyncsess.runs.checkpoints import session_lost
 
     assert "no-such-loss" in repr(info.value) and not session_lost(info.value)
+
+
+def test_the_optimizer_settings_live_in_the_config():
+    cfg = BASE.model_copy(update={"learning_rate": 0.01, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_eps": 1e-6, "grad_clip_norm": 1.0})
+    adam = cfg.adam()
+    assert (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.grad_clip_norm) == (0.01, 0.8, 0.99, 1e-6, 1.0)
+    assert (RLConfig().adam().beta1, RLConfig().adam().beta2, RLConfig().adam().eps) == (0.9, 0.95, 1e-8)  # the recipes' values
+    for bad in ({"adam_beta1": 1.0}, {"adam_eps": 0.0}, {"weight_decay": -0.1}, {"num_minibatches": 9, "groups_per_batch": 8}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RLConfig(**bad)

@@ -78,7 +78,7 @@ class RLConfig(RecoveryConfig):
     # the loss
     loss_fn: str = "ppo"
     loss_fn_config: dict[str, float] | None = None
-    normalize_std: bool = False
+    normalize_std: bool = False  # divide centred advantages by the group std (math_rl and the demo do)
     remove_constant_reward_groups: bool = True
     kl_penalty_coef: float = 0.0
     # overlap: sampling runs up to max_staleness optimizer steps ahead; forward_backward in sub-batches
