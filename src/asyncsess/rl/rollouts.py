@@ -240,15 +240,26 @@ class RolloutScheduler:
         self._changed = anyio.Event()
 
     async def dispatch(self) -> None:
+        """Start a group whenever a slot is free; the groups of freed slots start together, in one tick, so their
+        sampling requests reach the backend together (and batch there)."""
         while True:
             await self._slots.acquire()
-            if self._queue:
-                index = self._queue.popleft()
-            else:
-                index, self.cursor = self.cursor, self.cursor + 1
-            self.open.add(index)
-            version, sampler = self._samplers.acquire()
-            self._tg.start_soon(self._play, index, version, sampler)
+            self._start()
+            while True:
+                try:
+                    self._slots.acquire_nowait()
+                except anyio.WouldBlock:
+                    break
+                self._start()
+
+    def _start(self) -> None:
+        if self._queue:
+            index = self._queue.popleft()
+        else:
+            index, self.cursor = self.cursor, self.cursor + 1
+        self.open.add(index)
+        version, sampler = self._samplers.acquire()
+        self._tg.start_soon(self._play, index, version, sampler)
 
     async def _play(self, index: int, version: int, sampler: SamplingClient) -> None:
         t0 = time.perf_counter()
