@@ -25,7 +25,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the repo root: examples/ and tests/ as packages
 
-from asyncsess.rl.env import ScriptedCompleter, StopCondition, TokensWithLogprobs
+from asyncsess.rl import ScriptedCompleter, StopCondition, TokensWithLogprobs
 from asyncsess.runs.metrics import read_metrics
 from asyncsess.sandbox import LocalSandbox
 from asyncsess.tasks import code
@@ -59,7 +59,7 @@ async def run(k: int, args: argparse.Namespace, run_dir: Path) -> tuple[list[flo
         f"groups_per_batch={args.groups}",
         f"group_size={args.group_size}",
         f"num_minibatches={args.minibatches}",
-        f"max_steps_off_policy={k}",
+        f"max_staleness={k}",
         f"max_steps={args.steps}",
         "n_test=0",
         "eval_every=0",

@@ -22,10 +22,8 @@ from typing import Any
 
 import anyio
 
-from asyncsess.rl.agent_train import AgentRLConfig, train_agent_rl
-from asyncsess.rl.env_train import EnvRLResult
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.rl import AgentRLConfig, RLResult, train_agent_rl
+from asyncsess.runs import parse_overrides, print_before_after
 
 try:
     from examples.calculator_agent import solve
@@ -69,7 +67,7 @@ def reward(reply: str, answer: str, digit_bonus: float) -> float:
     return float(right) + digit_bonus * sum(c.isdigit() for c in reply) / max(1, len(reply))
 
 
-async def main(args: list[str]) -> EnvRLResult:
+async def main(args: list[str]) -> RLResult:
     opts = parse_overrides(args)
     run_dir = opts.pop("run_dir", "runs/agent_rl")
     cfg = AgentRecipeConfig.model_validate({**DEFAULTS.model_dump(), **opts})

@@ -2,7 +2,7 @@
 
 Reward 1 when the last reply's ```python block passes every test, 0 when not, -0.1 without a code block.
 Two turns: the model may first call ``check_solution(code)`` (a tool call in its own chat format), read the
-verdict, and answer. Sampling and training overlap with at most ``max_steps_off_policy`` steps of staleness,
+verdict, and answer. Sampling and training overlap with at most ``max_staleness`` steps of staleness,
 ``forward_backward`` streams in ``num_minibatches`` sub-batches per step, the loss is ``cispo`` with explicit
 thresholds. Problems: the bundled ``examples/data/code_problems.jsonl`` (20 easy ones, the last ``n_test``
 held out) or DeepCoder-style JSONL files. Settings are ``key=value`` overrides of :class:`CodeRLConfig`:
@@ -23,18 +23,15 @@ from typing import Literal
 import anyio
 
 from asyncsess.backends import Tokenizer
-from asyncsess.rl.env import EnvGroupBuilder, ProblemDataset
-from asyncsess.rl.env_train import EnvRLConfig, EnvRLResult, MakeCompleter, train_env_rl
-from asyncsess.rl.tool_env import ChatRenderer
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.rl import ChatRenderer, EnvGroupBuilder, MakeCompleter, ProblemDataset, RLConfig, RLResult, train_rl
+from asyncsess.runs import parse_overrides, print_before_after
 from asyncsess.sandbox import LocalSandbox, Sandbox, SandboxFusionClient
 from asyncsess.tasks import code
 
 BUNDLED = Path(__file__).parent / "data" / "code_problems.jsonl"
 
 
-class CodeRLConfig(EnvRLConfig):
+class CodeRLConfig(RLConfig):
     train_path: str | None = None  # default: the bundled problems
     test_path: str | None = None  # default: the last n_test problems of train_path
     n_test: int = 5
@@ -58,7 +55,7 @@ DEFAULTS = CodeRLConfig(
     context_window=8192,  # an episode ends (context_overflow, reward -0.1) before its conversation reaches this
     loss_fn="cispo",
     loss_fn_config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-    max_steps_off_policy=3,
+    max_staleness=3,
     num_minibatches=4,
     max_steps=50,
     eval_every=10,
@@ -85,7 +82,7 @@ async def open_sandbox(cfg: CodeRLConfig) -> AsyncIterator[Sandbox]:
         yield LocalSandbox(max_concurrency=cfg.sandbox_concurrency, timeout_s=cfg.sandbox_timeout_s)
 
 
-async def main(args: list[str], *, make_completer: MakeCompleter | None = None) -> EnvRLResult:
+async def main(args: list[str], *, make_completer: MakeCompleter | None = None) -> RLResult:
     opts = parse_overrides(args)
     run_dir = opts.pop("run_dir", "runs/code_rl")
     cfg = CodeRLConfig.model_validate({**DEFAULTS.model_dump(), **opts})
@@ -108,7 +105,7 @@ async def main(args: list[str], *, make_completer: MakeCompleter | None = None) 
 
             return ProblemDataset(train, cfg.groups_per_batch, builder, cfg.seed), [builder(p, 1) for p in test]
 
-        result = await train_env_rl(cfg, datasets, run_dir, make_completer=make_completer)
+        result = await train_rl(cfg, datasets, run_dir, make_completer=make_completer)
     print_before_after(result.before, result.after, f"code_rl: {result.steps} steps, {result.train_seconds:.0f} s of training")
     return result
 

@@ -14,9 +14,8 @@ import sys
 
 import anyio
 
-from asyncsess.rl.rl_train import RLConfig, RLResult, train_rl
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.rl import RLConfig, RLResult, problem_datasets, train_rl
+from asyncsess.runs import parse_overrides, print_before_after
 from asyncsess.tasks import gsm8k
 
 DEFAULTS = RLConfig(
@@ -51,7 +50,7 @@ async def main(args: list[str]) -> RLResult:
         train, test = train[:cut], train[cut:]
     else:
         test = gsm8k.load("test", test_path, limit=n_test)
-    result = await train_rl(cfg, train, test[:n_test], gsm8k.grade, run_dir)
+    result = await train_rl(cfg, problem_datasets(train, test[:n_test], gsm8k.grade, cfg), run_dir)
     print_before_after(result.before, result.after, f"gsm8k_grpo: {result.steps} steps, {result.train_seconds:.0f} s of training")
     return result
 

@@ -1,7 +1,7 @@
 """GRPO on offline arithmetic: "What is 23 + 45? Reply with only the number." (reward 1 when it matches).
 
 Problems with 1–2 digit operands are generated in code; 100 held-out problems measure greedy accuracy
-before and after. Settings are ``key=value`` overrides of :class:`asyncsess.rl.rl_train.RLConfig`:
+before and after. Settings are ``key=value`` overrides of :class:`asyncsess.rl.RLConfig`:
 
     python examples/math_rl.py                                   # mock://, seconds
     python examples/math_rl.py url='local://?dtype=bfloat16' base_model=smollm2 max_minutes=5 run_dir=runs/math
@@ -13,9 +13,8 @@ import sys
 
 import anyio
 
-from asyncsess.rl.rl_train import RLConfig, RLResult, train_rl
-from asyncsess.runs.checkpoints import parse_overrides
-from asyncsess.runs.progress import print_before_after
+from asyncsess.rl import RLConfig, RLResult, problem_datasets, train_rl
+from asyncsess.runs import parse_overrides, print_before_after
 from asyncsess.tasks import arithmetic
 
 DEFAULTS = RLConfig(
@@ -42,7 +41,7 @@ async def main(args: list[str]) -> RLResult:
     n_test = int(opts.pop("n_test", 100))
     cfg = RLConfig.model_validate({**DEFAULTS.model_dump(), **opts})
     train, test = arithmetic.split(n_train=5_000, n_test=n_test, seed=cfg.seed)
-    result = await train_rl(cfg, train, test, arithmetic.grade, run_dir)
+    result = await train_rl(cfg, problem_datasets(train, test, arithmetic.grade, cfg), run_dir)
     print_before_after(result.before, result.after, f"math_rl: {result.steps} steps, {result.train_seconds:.0f} s of training")
     return result
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncsess.rl.agent_train import AgentRLConfig, train_agent_rl
+from asyncsess.rl import AgentRLConfig, train_agent_rl
 from asyncsess.rl.capture import read_trajectories
 from asyncsess.runs.metrics import read_metrics
 from examples import agent_rl
@@ -23,7 +23,10 @@ async def test_recipe_reward_rises_and_metrics_and_trajectories_are_written(tmp_
     assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
     assert result.after["test/env/all/reward/total"] > result.before["test/env/all/reward/total"]
     lines = read_trajectories(tmp_path / "trajectories.jsonl")
-    assert len(lines) == 12 * 4 * 6 + 2 * 4  # every training rollout, and the held-out ones before and after
+    final = result.final_checkpoint.extra
+    pending = json.loads((tmp_path / final["pending_file"]).read_text()) if "pending_file" in final else []
+    # every training rollout, those sampled for the next steps (saved with the final checkpoint), the held-out ones
+    assert len(lines) == 12 * 4 * 6 + len(pending) * 6 + 2 * 4
     assert {line["temperature"] for line in lines} == {0.0, 1.0}
     for line in lines:
         assert line["calls"] and all(c["request"]["tools"][0]["function"]["name"] == "calc" for c in line["calls"])
@@ -72,7 +75,7 @@ async def test_resume_continues_the_run(tmp_path):
 
 
 async def test_staleness_bound_holds_with_async_groups(tmp_path):
-    cfg = AgentRLConfig(url="mock://?max_context=4096", groups_per_batch=2, group_size=4, max_steps=5, max_steps_off_policy=1, max_tokens=8)
+    cfg = AgentRLConfig(url="mock://?max_context=4096", groups_per_batch=2, group_size=4, max_steps=5, max_staleness=1, max_tokens=8)
 
     async def agent(client, task) -> float:
         reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}])

@@ -20,7 +20,7 @@ def tool_call(code: str) -> str:
 
 
 def code_policy(problems: Sequence[CodeProblem], seed: int, sample_share: float = 0.0) -> Callable[[str], str | None]:
-    """``script(conversation)`` for :class:`asyncsess.rl.env.ScriptedCompleter`. First turn: a tool call with the
+    """``script(conversation)`` for :class:`asyncsess.rl.rollouts.ScriptedCompleter`. First turn: a tool call with the
     reference or a wrong program, a right or wrong answer, a reply without code, or a malformed tool call;
     after a tool result: the reference program when the check passed, else another call or a coin flip. With
     ``sample_share`` of first turns the model samples its own reply (``None``)."""

@@ -9,8 +9,7 @@ import anyio
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.rl.env import Env, EnvGroupBuilder, ScriptedCompleter, StepResult
-from asyncsess.rl.env_train import EnvRLConfig, train_env_rl
+from asyncsess.rl import Env, EnvGroupBuilder, RLConfig, ScriptedCompleter, StepResult, train_rl
 from asyncsess.runs.checkpoints import last_checkpoint
 from asyncsess.runs.metrics import read_metrics
 from asyncsess.tasks import code
@@ -26,7 +25,7 @@ ARGS = [
     "groups_per_batch=2",
     "group_size=4",
     "num_minibatches=2",
-    "max_steps_off_policy=1",
+    "max_staleness=1",
     "n_test=2",
     "eval_every=2",
     "learning_rate=0.05",
@@ -94,8 +93,15 @@ async def test_code_rl_runs_two_turns_with_bounded_staleness(tmp_path):
     assert config["loss_fn"] == "cispo" and config["loss_fn_config"] == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     final = result.final_checkpoint
     assert final.final and final.step == 6 and (await state(final.state_path))[0] == 6
-    # every group started was trained once or is still pending
-    assert final.extra["cursor"] - len(final.extra["pending"]) == 6 * 2
+    # every group started was trained once or is saved with the checkpoint, sampled and not yet trained
+    assert final.extra["cursor"] - len(pending(tmp_path, final)) == 6 * 2
+
+
+def pending(run_dir, record) -> list[dict]:
+    """The groups a checkpoint saved: sampled, not yet trained."""
+    if "pending_file" not in record.extra:
+        return []
+    return json.loads((run_dir / record.extra["pending_file"]).read_text())
 
 
 async def test_code_rl_resumes_from_its_checkpoint(tmp_path):
@@ -107,8 +113,8 @@ async def test_code_rl_resumes_from_its_checkpoint(tmp_path):
     records = check_metrics_file(tmp_path, KEYS)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert (await state(resumed.final_checkpoint.state_path))[0] == 4
-    extra = resumed.final_checkpoint.extra
-    assert extra["cursor"] - len(extra["pending"]) == 4 * 2
+    final = resumed.final_checkpoint
+    assert final.extra["cursor"] - len(pending(tmp_path, final)) == 4 * 2
 
 
 class DigitEnv(Env):
@@ -156,14 +162,14 @@ class GatedDataset:
 
 
 async def test_stale_groups_are_requeued_and_played_again(tmp_path):
-    cfg = EnvRLConfig(
+    cfg = RLConfig(
         groups_per_batch=2,
         group_size=4,
         max_tokens=8,
         learning_rate=0.3,
         lora_rank=4,
         loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-        max_steps_off_policy=1,
+        max_staleness=1,
         max_steps=5,
     )
     datasets: list[GatedDataset] = []
@@ -172,12 +178,12 @@ async def test_stale_groups_are_requeued_and_played_again(tmp_path):
         datasets.append(GatedDataset(tokenizer))
         return datasets[0], []
 
-    result = await train_env_rl(cfg, make, tmp_path, progress=False)
+    result = await train_rl(cfg, make, tmp_path, progress=False)
     records = [r for r in read_metrics(tmp_path) if "async/staleness_max" in r]
     assert [r["async/staleness_max"] for r in records] and all(r["async/staleness_max"] <= 1 for r in records)
     assert sum(r["async/requeued"] for r in records) == 1
     assert datasets[0].plays.count(0) == 2  # played again with newer weights
-    assert result.final_checkpoint.extra["cursor"] - len(result.final_checkpoint.extra["pending"]) == 5 * 2
+    assert result.final_checkpoint.extra["cursor"] - len(pending(tmp_path, result.final_checkpoint)) == 5 * 2
 
 
 class Broken(EnvGroupBuilder):
@@ -194,9 +200,9 @@ class BrokenDataset:
 
 
 async def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
-    cfg = EnvRLConfig(groups_per_batch=2, group_size=2, max_steps=3, loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    cfg = RLConfig(groups_per_batch=2, group_size=2, max_steps=3, loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
     with pytest.raises(RuntimeError, match="the task failed"):
-        await train_env_rl(cfg, lambda tokenizer: (BrokenDataset(), []), tmp_path, progress=False)
+        await train_rl(cfg, lambda tokenizer: (BrokenDataset(), []), tmp_path, progress=False)
 
 
 class DigitDataset:
@@ -220,7 +226,7 @@ class GatedBuilder(EnvGroupBuilder):
 
 async def test_the_env_loop_recovers_a_lost_session_and_finishes(tmp_path):
     """The server drops the session every 9 ops; the env loop reopens it from its last checkpoint each time."""
-    cfg = EnvRLConfig(
+    cfg = RLConfig(
         url="mock://?stop_after_ops=9",
         groups_per_batch=2,
         group_size=4,
@@ -233,7 +239,7 @@ async def test_the_env_loop_recovers_a_lost_session_and_finishes(tmp_path):
         max_recoveries=8,
         recovery_wait_s=5.0,
     )
-    result = await train_env_rl(cfg, lambda tokenizer: (DigitDataset(tokenizer), []), tmp_path, progress=False)
+    result = await train_rl(cfg, lambda tokenizer: (DigitDataset(tokenizer), []), tmp_path, progress=False)
     assert result.steps == 5 and (await state(result.final_checkpoint.state_path))[0] == 5
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]

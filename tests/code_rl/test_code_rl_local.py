@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from asyncsess.rl.env import ScriptedCompleter
+from asyncsess.rl import ScriptedCompleter
 from asyncsess.rl.tool_env import ChatRenderer
 from asyncsess.tasks import code
 from examples import code_rl
@@ -63,7 +63,7 @@ async def test_code_rl_runs_on_the_tiny_local_model(tmp_path, tiny_model):
         "groups_per_batch=2",
         "group_size=2",
         "num_minibatches=2",
-        "max_steps_off_policy=1",
+        "max_staleness=1",
         "max_tokens=112",
         "context_window=2048",
         "max_steps=3",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncsess.rl.env import (
+from asyncsess.rl import (
     StepResult,
     TokensWithLogprobs,
     Trajectory,

@@ -103,8 +103,7 @@ def _share_of_even_ids(problem: Any, text: str) -> tuple[float, dict[str, float]
 async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_path: Path, monkeypatch) -> None:
     """kill -9 of the worker after the checkpoint at step 2; a restarted worker (same root) still knows the
     run's checkpoints as this key's, and the loop reopens from the last one and finishes."""
-    from asyncsess.rl.rl_train import RLConfig, train_rl
-    from asyncsess.rl.rollouts import Problem
+    from asyncsess.rl import Problem, RLConfig, problem_datasets, train_rl
     from asyncsess.runs.checkpoints import last_checkpoint
 
     monkeypatch.setenv("ASYNCSESS_API_KEY", KEY)
@@ -120,7 +119,9 @@ async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_
             outcome: dict[str, Any] = {}
 
             async def run() -> None:
-                outcome["result"] = await train_rl(cfg, problems, [], _share_of_even_ids, tmp_path / "run-a", progress=False)
+                outcome["result"] = await train_rl(
+                    cfg, problem_datasets(problems, [], _share_of_even_ids, cfg), tmp_path / "run-a", progress=False
+                )
 
             tg.start_soon(run)
             with anyio.fail_after(600):  # a hang guard only

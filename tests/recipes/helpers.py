@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from asyncsess.rl.rollouts import Problem
+from asyncsess.rl import Problem
 
 
 def digit_share(problem: Problem, reply: str) -> tuple[float, dict[str, float]]:

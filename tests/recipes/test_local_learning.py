@@ -13,8 +13,7 @@ import random
 import pytest
 
 from asyncsess import SamplingParams, ServiceClient
-from asyncsess.rl.rl_train import RLConfig, train_rl
-from asyncsess.rl.rollouts import Problem, PromptRenderer
+from asyncsess.rl import Problem, PromptRenderer, RLConfig, problem_datasets, train_rl
 
 pytestmark = [pytest.mark.anyio, pytest.mark.local]
 URL = "local://?device=cpu"
@@ -53,6 +52,6 @@ async def test_math_rl_loop_raises_held_out_accuracy_on_the_tiny_model(tmp_path)
     target = await sometimes_said(train_q[:16])
     train, test = [Problem(q, target) for q in train_q], [Problem(q, target) for q in test_q]
     cfg = RLConfig(url=URL, base_model="tiny-llama", lora_rank=8, lora_alpha=16, learning_rate=3e-3, max_tokens=1, max_steps=15, seed=0)
-    result = await train_rl(cfg, train, test, exact, tmp_path, progress=False)
+    result = await train_rl(cfg, problem_datasets(train, test, exact, cfg), tmp_path, progress=False)
     before, after = result.before["test/env/all/correct"], result.after["test/env/all/correct"]
     assert before < 0.5 and after >= before + 0.5, (target, before, after)

@@ -5,8 +5,7 @@ import mlflow
 from typer.testing import CliRunner
 
 from asyncsess.cli.app import app
-from asyncsess.rl.rl_train import RLConfig, train_rl
-from asyncsess.rl.rollouts import Problem
+from asyncsess.rl import Problem, RLConfig, problem_datasets, train_rl
 
 from .helpers import digit_share
 
@@ -15,7 +14,7 @@ def test_plot_logs_a_recorded_run_to_mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store, so the test needs no server or database
     cfg = RLConfig(url="mock://", groups_per_batch=2, group_size=4, max_tokens=8, learning_rate=0.3, max_steps=3)
     problems = [Problem(f"Code {i}:", "0") for i in range(4)]
-    anyio.run(lambda: train_rl(cfg, problems, problems[:2], digit_share, tmp_path / "run", progress=False))
+    anyio.run(lambda: train_rl(cfg, problem_datasets(problems, problems[:2], digit_share, cfg), tmp_path / "run", progress=False))
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # mlflow.set_tracking_uri writes it; monkeypatch restores it
     result = CliRunner().invoke(app, ["plot", str(tmp_path / "run"), "--mlflow-uri", uri, "--experiment", "recipes"])

@@ -5,8 +5,7 @@ from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from asyncsess.cli.app import app
-from asyncsess.rl.rl_train import RLConfig, train_rl
-from asyncsess.rl.rollouts import Problem
+from asyncsess.rl import Problem, RLConfig, problem_datasets, train_rl
 
 from .helpers import digit_share
 
@@ -16,7 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_plot_writes_pngs_of_a_recorded_run(tmp_path):
     cfg = RLConfig(url="mock://", groups_per_batch=2, group_size=4, max_tokens=8, learning_rate=0.3, max_steps=4)
     problems = [Problem(f"Code {i}:", "0") for i in range(4)]
-    anyio.run(lambda: train_rl(cfg, problems, problems[:2], digit_share, tmp_path / "run", progress=False))
+    anyio.run(lambda: train_rl(cfg, problem_datasets(problems, problems[:2], digit_share, cfg), tmp_path / "run", progress=False))
     result = CliRunner().invoke(app, ["plot", str(tmp_path / "run"), "--out", str(tmp_path / "png")])
     assert result.exit_code == 0, result.output
     written = sorted(p.name for p in (tmp_path / "png").iterdir())

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.rl.rl_train import RLConfig, train_rl
-from asyncsess.rl.rollouts import Problem
+from asyncsess.rl import Problem, RLConfig, RLResult, problem_datasets, train_rl
 from asyncsess.runs.checkpoints import last_checkpoint
 from asyncsess.runs.metrics import read_metrics
 
@@ -14,6 +13,11 @@ from .helpers import check_metrics_file, digit_share
 pytestmark = pytest.mark.anyio
 PROBLEMS = [Problem(f"Code {i}:", "0") for i in range(12)]
 BASE = RLConfig(url="mock://", groups_per_batch=4, group_size=4, max_tokens=8, learning_rate=0.3, lora_rank=4, normalize_std=False)
+
+
+async def run(cfg: RLConfig, test: list[Problem], run_dir, **kwargs) -> RLResult:
+    """GRPO on PROBLEMS graded by the share of digits, ``test`` held out."""
+    return await train_rl(cfg, problem_datasets(PROBLEMS, test, digit_share, cfg), run_dir, progress=False, **kwargs)
 
 
 async def state(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -33,7 +37,7 @@ def comparable(records: list[dict]) -> list[dict]:
 
 async def test_reward_rises_and_metrics_are_well_formed(tmp_path):
     cfg = BASE.model_copy(update={"max_steps": 15, "seed": 1, "group_size": 8, "learning_rate": 0.5})
-    result = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path, progress=False)
+    result = await run(cfg, PROBLEMS[:4], tmp_path)
     records = check_metrics_file(
         tmp_path,
         {
@@ -57,7 +61,7 @@ async def test_reward_rises_and_metrics_are_well_formed(tmp_path):
 
 async def test_groups_are_at_most_k_steps_old(tmp_path):
     cfg = BASE.model_copy(update={"max_steps": 6, "max_staleness": 2})
-    await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path, progress=False)
+    await run(cfg, [], tmp_path)
     records = [r for r in read_metrics(tmp_path) if "async/staleness_max" in r]
     assert [r["async/staleness_max"] for r in records] == [0, 1, 2, 2, 2, 2]
     assert all(r["async/staleness_min"] == r["async/staleness_max"] for r in records)
@@ -68,10 +72,10 @@ async def test_groups_are_at_most_k_steps_old(tmp_path):
 @pytest.mark.parametrize("k", [0, 2])
 async def test_resume_is_bit_exact(tmp_path, k):
     cfg = BASE.model_copy(update={"max_steps": 6, "save_every": 3, "max_staleness": k, "seed": 5})
-    whole = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "whole", progress=False)
-    first = await train_rl(cfg.model_copy(update={"max_steps": 3}), PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "split", progress=False)
+    whole = await run(cfg, PROBLEMS[:4], tmp_path / "whole")
+    first = await run(cfg.model_copy(update={"max_steps": 3}), PROBLEMS[:4], tmp_path / "split")
     assert first.steps == 3 and last_checkpoint(tmp_path / "split").step == 3
-    resumed = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "split", progress=False)
+    resumed = await run(cfg, PROBLEMS[:4], tmp_path / "split")
     assert resumed.steps == 6 and resumed.before == whole.before and resumed.after == whole.after
     a, b = await state(whole.final_checkpoint.state_path), await state(resumed.final_checkpoint.state_path)
     assert a[3] == b[3] == 6
@@ -81,15 +85,15 @@ async def test_resume_is_bit_exact(tmp_path, k):
 
 
 async def test_kl_penalty_changes_the_update(tmp_path):
-    plain = await train_rl(BASE.model_copy(update={"max_steps": 2}), PROBLEMS, [], digit_share, tmp_path / "a", progress=False)
+    plain = await run(BASE.model_copy(update={"max_steps": 2}), [], tmp_path / "a")
     cfg = BASE.model_copy(update={"max_steps": 2, "kl_penalty_coef": 0.5, "max_staleness": 1})
-    kl = await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path / "b", progress=False)
+    kl = await run(cfg, [], tmp_path / "b")
     assert not np.array_equal((await state(plain.final_checkpoint.state_path))[0], (await state(kl.final_checkpoint.state_path))[0])
 
 
 async def test_a_spent_time_budget_starts_no_step(tmp_path):
     cfg = BASE.model_copy(update={"max_steps": 5, "max_minutes": 0.0})
-    result = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path, progress=False)
+    result = await run(cfg, PROBLEMS[:4], tmp_path)
     assert result.steps == 0 and result.after == result.before and result.final_checkpoint.step == 0
     assert [r["step"] for r in read_metrics(tmp_path)] == [0]
 
@@ -99,9 +103,9 @@ async def test_a_lost_session_is_recovered_from_the_last_checkpoint_bit_exactly(
     """The server drops the session every 11 ops; the loop reopens from checkpoints.jsonl and ends where an
     uninterrupted run ends, weights, optimizer state and metrics alike."""
     cfg = BASE.model_copy(update={"max_steps": 6, "save_every": 2, "max_staleness": k, "seed": 5})
-    whole = await train_rl(cfg, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "whole", progress=False)
+    whole = await run(cfg, PROBLEMS[:4], tmp_path / "whole")
     flaky = cfg.model_copy(update={"url": "mock://?stop_after_ops=11", "max_recoveries": 10, "recovery_wait_s": 5.0})
-    recovered = await train_rl(flaky, PROBLEMS, PROBLEMS[:4], digit_share, tmp_path / "flaky", progress=False)
+    recovered = await run(flaky, PROBLEMS[:4], tmp_path / "flaky")
     a, b = await state(whole.final_checkpoint.state_path), await state(recovered.final_checkpoint.state_path)
     assert a[3] == b[3] == 6
     for x, y in zip(a[:3], b[:3]):
@@ -119,7 +123,7 @@ async def test_recovery_gives_up_after_max_recoveries(tmp_path, caplog):
 
     cfg = BASE.model_copy(update={"url": "mock://?stop_after_ops=5", "max_steps": 6, "save_every": 1, "max_recoveries": 1})
     with pytest.raises(Exception) as info:
-        await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path, progress=False)
+        await run(cfg, [], tmp_path)
     assert session_lost(info.value)
     assert "stopped by the server" in repr(info.value)
     assert [r.message for r in caplog.records if "recovery" in r.message][0].count("recovery 1 ") == 1
@@ -129,7 +133,17 @@ async def test_recovery_gives_up_after_max_recoveries(tmp_path, caplog):
 async def test_other_errors_are_not_recovered(tmp_path):
     cfg = BASE.model_copy(update={"max_steps": 2, "loss_fn": "no-such-loss", "max_recoveries": 5})
     with pytest.raises(Exception) as info:
-        await train_rl(cfg, PROBLEMS, [], digit_share, tmp_path, progress=False)
+        await run(cfg, [], tmp_path)
     from asyncsess.runs.checkpoints import session_lost
 
     assert "no-such-loss" in repr(info.value) and not session_lost(info.value)
+
+
+def test_the_optimizer_settings_live_in_the_config():
+    cfg = BASE.model_copy(update={"learning_rate": 0.01, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_eps": 1e-6, "grad_clip_norm": 1.0})
+    adam = cfg.adam()
+    assert (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.grad_clip_norm) == (0.01, 0.8, 0.99, 1e-6, 1.0)
+    assert (RLConfig().adam().beta1, RLConfig().adam().beta2, RLConfig().adam().eps) == (0.9, 0.95, 1e-8)  # the recipes' values
+    for bad in ({"adam_beta1": 1.0}, {"adam_eps": 0.0}, {"weight_decay": -0.1}, {"num_minibatches": 9, "groups_per_batch": 8}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RLConfig(**bad)

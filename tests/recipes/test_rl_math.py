@@ -2,9 +2,22 @@
 
 import pytest
 
+from asyncsess import ServiceClient
+from asyncsess.rl import (
+    Problem,
+    ProblemEnv,
+    PromptRenderer,
+    TokensWithLogprobs,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+    group_datums,
+    rl_datum,
+)
 from asyncsess.rl.data import is_constant, kl_penalty, sample_train_kl
-from asyncsess.rl.rollouts import Group, Problem, Rollout, problems_for_step
+from asyncsess.rl.problem_env import problems_for_step
 from asyncsess.tasks import arithmetic, gsm8k
+from asyncsess.types import ModelInput
 
 
 def test_kl_penalty_matches_the_worked_numbers():
@@ -24,17 +37,36 @@ def test_sample_train_kl_uses_only_masked_tokens():
     assert sample_train_kl([[0.0]], [[0.0]], [[0]]) == {}
 
 
+def one_step(prompt: list[int], tokens: list[int], logprobs: list[float], reward: float) -> Trajectory:
+    return Trajectory([Transition(ModelInput.from_ints(prompt), TokensWithLogprobs(tokens, logprobs, "stop"), reward, True)], "completed")
+
+
 def test_constant_groups_give_no_datums_and_others_carry_advantages():
     assert is_constant([1, 1, 1]) and not is_constant([1, 0])
-    p = Problem("q", "4")
-    roll = [Rollout([5, 6], [-0.1, -0.2], "4", "stop", 1.0), Rollout([7], [-0.3], "x", "stop", 0.0)]
-    g = Group(p, [1, 2, 3], roll, sampler_step=0)
-    pairs = g.datums(normalize_std=False)
+    a, b = one_step([1, 2, 3], [5, 6], [-0.1, -0.2], 1.0), one_step([1, 2, 3], [7], [-0.3], 0.0)
+    pairs = group_datums(TrajectoryGroup([a, b], [0.0, 0.0], [{}, {}]))
     assert [d.loss_fn_inputs["advantages"].data for d, _ in pairs] == [[0, 0, 0.5, 0.5], [0, 0, -0.5]]
     assert [m for _, m in pairs] == [[0, 0, 1, 1], [0, 0, 1]]
-    same = Group(p, [1, 2, 3], [roll[0], roll[0]], sampler_step=0)
-    assert same.datums() == []
-    assert Group.from_dict(g.to_dict()) == g
+    # a one-step trajectory's datum is the single-turn datum of its prompt and completion
+    assert pairs[0][0] == rl_datum([1, 2, 3], [5, 6], [-0.1, -0.2], 0.5)
+    assert group_datums(TrajectoryGroup([a, a], [0.0, 0.0], [{}, {}])) == []
+    normed = group_datums(TrajectoryGroup([a, b], [0.0, 0.0], [{}, {}]), normalize_std=True)
+    assert normed[0][0].loss_fn_inputs["advantages"].data[-1] == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.anyio
+async def test_a_problem_env_is_one_graded_step():
+    async with ServiceClient("mock://") as svc:
+        tokenizer = (await svc.create_sampling_client(base_model="mock/bigram-tiny")).get_tokenizer()
+    renderer = PromptRenderer(tokenizer)
+    problem = Problem("2+2?", "4")
+    env = ProblemEnv(renderer, problem, lambda p, reply: (float(reply == p.answer), {"correct": float(reply == p.answer)}))
+    ob, stop = await env.initial_observation()
+    assert ob.to_ints() == renderer.prompt(problem) and stop == renderer.stop and stop
+    result = await env.step(tokenizer.encode("4", add_special_tokens=False))
+    assert result.episode_done and result.reward == 1.0 and result.metrics == {"correct": 1.0}
+    wrong = await ProblemEnv(renderer, problem, env.grader).step(tokenizer.encode("5", add_special_tokens=False))
+    assert wrong.episode_done and wrong.reward == 0.0 and wrong.metrics == {"correct": 0.0}
 
 
 def test_problem_batches_are_deterministic_and_cover_each_epoch():
@@ -70,3 +102,48 @@ def test_gsm8k_answers_after_hashes(tmp_path):
     assert p.answer == "42" and p.question.startswith("Q?")
     assert gsm8k.grade(p, "thinking... #### 42")[0] == 1.0
     assert gsm8k.grade(p, "42") == (0.0, {"correct": 0.0, "format": 0.0})
+
+
+class CountingPolicy:
+    """Replies ``[7]`` (log-prob -1) and counts single and group requests."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    async def __call__(self, model_input, stop):
+        self.calls.append(1)
+        return TokensWithLogprobs([7], [-1.0], "stop")
+
+    async def complete_group(self, model_input, stop, n):
+        self.calls.append(n)
+        return [TokensWithLogprobs([7 + i], [-1.0], "stop") for i in range(n)]
+
+
+@pytest.mark.anyio
+async def test_a_group_sharing_its_first_observation_is_sampled_in_one_request():
+    from asyncsess.rl import Env, EnvGroupBuilder, StepResult, do_group_rollout
+
+    class OneStep(Env):
+        def __init__(self, prompt: list[int]) -> None:
+            self.prompt = prompt
+
+        async def initial_observation(self):
+            return ModelInput.from_ints(self.prompt), [0]
+
+        async def step(self, action):
+            return StepResult(float(action[0]), True)
+
+    class Builder(EnvGroupBuilder):
+        def __init__(self, prompts: list[list[int]]) -> None:
+            self.prompts = prompts
+
+        async def make_envs(self):
+            return [OneStep(p) for p in self.prompts]
+
+    policy = CountingPolicy()
+    group = await do_group_rollout(Builder([[1, 2], [1, 2], [1, 2]]), policy, sampler_step=4)
+    assert policy.calls == [3] and group.sampler_step == 4
+    assert [t.reward for t in group.trajectories] == [7.0, 8.0, 9.0]  # each env got its own sample, in order
+    policy = CountingPolicy()
+    await do_group_rollout(Builder([[1, 2], [1, 3]]), policy)  # different prompts: one request each
+    assert policy.calls == [1, 1]

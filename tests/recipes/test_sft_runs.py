@@ -6,7 +6,7 @@ import pytest
 
 from asyncsess import AdamParams, InvalidInputError, ServiceClient
 from asyncsess.chat import assistant_spans, turn_stop_tokens
-from asyncsess.rl.rl_train import RLConfig
+from asyncsess.rl import RLConfig
 from asyncsess.runs.checkpoints import last_checkpoint, parse_overrides, prepare_run_dir, save_checkpoint
 from asyncsess.runs.metrics import MetricsLogger, read_metrics
 from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from rich.console import Console
 
-from ..rl.rl_train import RLConfig, RLResult, train_rl
+from ..rl import RLConfig, RLResult, problem_datasets, train_rl
 from ..runs.metrics import read_metrics
 from ..runs.progress import print_before_after
 from ..tasks import arithmetic
@@ -39,6 +39,7 @@ DEMO = RLConfig(
     normalize_std=True,
     remove_constant_reward_groups=True,
     max_staleness=0,
+    num_minibatches=1,
     max_steps=1_000,
     max_minutes=5.0,
     save_every=25,
@@ -70,12 +71,14 @@ async def run_demo(
 ) -> RLResult:
     """Run the demo and print the before/after table and the run's speed."""
     console = console or Console()
+    url = local_checkpoint_dir(url, run_dir)  # so that --resume finds them from a new process
     cfg = RLConfig.model_validate(
         {**DEMO.model_dump(), "base_model": model, "url": url, "max_minutes": minutes, "max_steps": steps, "seed": seed}
     )
     train, test = arithmetic.split(n_train=5_000, n_test=n_test, seed=seed)
     console.print(f"GRPO on arithmetic: {cfg.base_model} at {cfg.url}, up to {steps} steps / {minutes} min of training; run dir {run_dir}")
-    result = await train_rl(cfg, train, test, arithmetic.grade, run_dir, if_exists="resume" if resume else "overwrite", progress=progress)
+    data = problem_datasets(train, test, arithmetic.grade, cfg)
+    result = await train_rl(cfg, data, run_dir, if_exists="resume" if resume else "overwrite", progress=progress)
     steps_done = [r for r in read_metrics(result.run_dir) if "tokens/sampled" in r]
     sampled = sum(r["tokens/sampled"] for r in steps_done)
     sample_s = sum(r["time/sample_batch"] for r in steps_done)

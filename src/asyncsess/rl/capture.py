@@ -5,9 +5,9 @@ The OpenAI front (:mod:`asyncsess.serve.openai_front`) records every call it ser
 log-probs, the weight version that produced them, the finish reason and the usage. Calls carry the rollout
 id the agent set (header ``X-Rollout-Id``, ``metadata.rollout_id`` or ``user``).
 
-:func:`build_trajectory` turns the calls of one rollout into an :class:`asyncsess.rl.env.Trajectory`: one
+:func:`build_trajectory` turns the calls of one rollout into an :class:`asyncsess.rl.types.Trajectory`: one
 transition per call (observation = prompt tokens, action = completion tokens with their log-probs), so
-:func:`asyncsess.rl.env.trajectory_datums` merges consecutive calls into one datum where the later prompt
+:func:`asyncsess.rl.data.trajectory_datums` merges consecutive calls into one datum where the later prompt
 extends the earlier prompt + completion token for token, trains only the sampled tokens (mask 1) and masks
 everything the template, the user or a tool put in between (mask 0). Where a prompt does *not* extend what
 the model saw and said before (re-tokenization drift: a reply re-rendered differently, an edited history),
@@ -25,7 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..types import Datum, ModelInput
-from .env import TokensWithLogprobs, Trajectory, Transition, trajectory_datums
+from .data import trajectory_datums
+from .types import TokensWithLogprobs, Trajectory, Transition
 
 __all__ = [
     "CapturedChoice",
@@ -98,7 +99,7 @@ class AgentTrajectory(BaseModel):
     weight_versions: list[int]
 
     def trajectory(self) -> Trajectory:
-        """As an :class:`asyncsess.rl.env.Trajectory` (one transition per call; the reward on the last)."""
+        """As an :class:`asyncsess.rl.types.Trajectory` (one transition per call; the reward on the last)."""
         transitions = []
         for i, (call, k) in enumerate(zip(self.calls, self.chosen)):
             choice = call.choices[k]

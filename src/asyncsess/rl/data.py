@@ -1,5 +1,5 @@
-"""RL math shared by the recipes (torch-free): group advantages, the KL penalty, sampler-vs-trainer
-KL metrics, and datum builders. Formulas: ``spec/losses.md`` §5; checked against its §6 numbers."""
+"""RL math (torch-free): group advantages, the KL penalty, sampler-vs-trainer KL metrics, and datum
+builders (one completion, a whole trajectory, a group). Formulas follow tinker-cookbook's ``rl/data_processing``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..types import Datum, ModelInput, TensorData
+from .types import Trajectory, TrajectoryGroup
 
-__all__ = ["center_advantages", "is_constant", "kl_penalty", "sample_train_kl", "rl_datum", "sft_datum", "datum_tokens"]
+__all__ = [
+    "center_advantages",
+    "is_constant",
+    "kl_penalty",
+    "sample_train_kl",
+    "rl_datum",
+    "sft_datum",
+    "datum_tokens",
+    "trajectory_datums",
+    "group_datums",
+]
 
 
 def center_advantages(rewards: Sequence[float], normalize_std: bool = False, eps: float = 1e-6) -> list[float]:
@@ -95,3 +106,59 @@ def sft_datum(prompt: Sequence[int], completion: Sequence[int], weight: float = 
 def datum_tokens(datum: Datum) -> list[int]:
     """The whole sequence a next-token datum covers: its input plus the last target token."""
     return [*datum.model_input.to_ints(), int(datum.loss_fn_inputs["target_tokens"].data[-1])]
+
+
+def trajectory_datums(trajectory: Trajectory, advantage: float) -> list[tuple[Datum, list[float]]]:
+    """RL datums of one trajectory with its action masks.
+
+    Turns are merged while each observation starts with everything so far (previous observations and
+    actions); otherwise a new datum starts. Action tokens carry their sampler log-probs and ``advantage``;
+    observation tokens carry log-prob 0 and advantage 0 (mask 0). A one-step trajectory gives what
+    :func:`rl_datum` gives for its prompt and completion.
+    """
+    out: list[tuple[Datum, list[float]]] = []
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    mask: list[float] = []
+
+    def flush() -> None:
+        if len(tokens) > 1 and any(mask[1:]):
+            n = len(tokens) - 1
+            adv = [advantage * m for m in mask[1:]]
+            datum = Datum.model_construct(
+                model_input=ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": TensorData.model_construct(data=tokens[1:], dtype="int64", shape=[n]),
+                    "logprobs": TensorData.model_construct(data=logprobs[1:], dtype="float32", shape=[n]),
+                    "advantages": TensorData.model_construct(data=adv, dtype="float32", shape=[n]),
+                },
+            )
+            out.append((datum, mask[1:]))
+        del tokens[:], logprobs[:], mask[:]
+
+    def add(new: Sequence[int], lps: Sequence[float], m: float) -> None:
+        tokens.extend(new)
+        logprobs.extend(lps)
+        mask.extend([m] * len(new))
+
+    for t in trajectory.transitions:
+        ob = t.ob.to_ints()
+        if len(t.ac.logprobs) != len(t.ac.tokens):
+            raise ValueError(f"{len(t.ac.tokens)} action tokens but {len(t.ac.logprobs)} log-probs")
+        if not tokens or ob[: len(tokens)] != tokens:
+            flush()
+        new = ob[len(tokens) :]
+        add(new, [0.0] * len(new), 0.0)
+        add(t.ac.tokens, t.ac.logprobs, 1.0)
+    flush()
+    return out
+
+
+def group_datums(group: TrajectoryGroup, normalize_std: bool = False) -> list[tuple[Datum, list[float]]]:
+    """Datums of the group's trajectories with a non-zero centred advantage ``R - mean(R)`` (optionally
+    divided by the group's std), with their action masks."""
+    out = []
+    for trajectory, adv in zip(group.trajectories, center_advantages(group.total_rewards, normalize_std=normalize_std)):
+        if adv != 0.0:
+            out.extend(trajectory_datums(trajectory, adv))
+    return out

@@ -1,161 +1,307 @@
-"""Single-turn problem rollouts: render a problem as a chat prompt, sample a group of answers, grade them,
-turn the group into RL datums, and evaluate held-out accuracy greedily."""
+"""Playing episodes: the policies (:class:`SamplerCompleter`, :class:`ScriptedCompleter`), a group played
+concurrently (:func:`do_group_rollout`), the sampler pool that hands each rollout a weight version, and
+the scheduler that plays the run's groups ahead of the trainer under a staleness bound.
+
+A group whose envs all start from the same observation (every single-turn problem, the first turn of most
+multi-turn ones) samples that first action in one request of ``n = group_size`` (one prefill), seeded when
+the policy has a seed, so a run at a fixed seed is reproducible.
+"""
 
 from __future__ import annotations
 
-import functools
-import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
+from anyio.abc import TaskGroup
 
-from ..chat import chat_tokens, turn_stop_tokens
 from ..client import SamplingClient
-from ..types import Datum, SamplingParams
-from .data import center_advantages, rl_datum
+from ..types import ModelInput, SamplingParams
+from .types import STOP_REASONS, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition
 
-__all__ = ["Problem", "Grader", "Rollout", "Group", "PromptRenderer", "sample_group", "evaluate", "problems_for_step"]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A question put to the model as one user message, and its reference answer."""
-
-    question: str
-    answer: str
-    system: str | None = None
-
-    def messages(self) -> list[dict[str, str]]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return [*head, {"role": "user", "content": self.question}]
+if TYPE_CHECKING:
+    from .types import Env, EnvGroupBuilder, RLDataset, StopCondition, TokenCompleter
 
 
-# (problem, decoded reply) -> (reward, metrics such as {"correct": 1.0})
-Grader = Callable[[Problem, str], tuple[float, dict[str, float]]]
+__all__ = [
+    "SamplerCompleter",
+    "ScriptedCompleter",
+    "do_rollout",
+    "do_group_rollout",
+    "rollout_metrics",
+    "SamplerPool",
+    "RolloutScheduler",
+    "FinishedGroup",
+]
 
 
-@dataclass
-class Rollout:
-    tokens: list[int]
-    logprobs: list[float]
-    text: str
-    stop_reason: str
-    reward: float
-    metrics: dict[str, float] = field(default_factory=dict)
+class SamplerCompleter:
+    """Samples from a :class:`SamplingClient`; ``max_tokens`` is capped to the context window.
 
+    ``complete_group`` samples ``n`` continuations of one observation in one request, with ``seed``.
+    """
 
-@dataclass
-class Group:
-    """``len(rollouts)`` answers to one problem, sampled from the weights after ``sampler_step`` optimizer steps."""
+    def __init__(
+        self, sampler: SamplingClient, max_tokens: int, temperature: float = 1.0, context_window: int | None = None, seed: int | None = None
+    ):
+        self.sampler, self.max_tokens, self.temperature, self.context_window = sampler, max_tokens, temperature, context_window
+        self.seed = seed
 
-    problem: Problem
-    prompt: list[int]
-    rollouts: list[Rollout]
-    sampler_step: int
-    seconds: float = 0.0
+    async def __call__(self, model_input: ModelInput, stop: StopCondition) -> TokensWithLogprobs:
+        return (await self._sample(model_input, stop, 1, None))[0]
 
-    @property
-    def rewards(self) -> list[float]:
-        return [r.reward for r in self.rollouts]
+    async def complete_group(self, model_input: ModelInput, stop: StopCondition, n: int) -> list[TokensWithLogprobs]:
+        return await self._sample(model_input, stop, n, self.seed)
 
-    def datums(self, normalize_std: bool = False) -> list[tuple[Datum, list[float]]]:
-        """RL datums of the rollouts with a non-zero advantage, each with its action mask."""
+    async def _sample(self, model_input: ModelInput, stop: StopCondition, n: int, seed: int | None) -> list[TokensWithLogprobs]:
+        max_tokens = self.max_tokens
+        if self.context_window is not None:
+            max_tokens = max(1, min(max_tokens, self.context_window - model_input.length))
+        params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, stop=list(stop) or None, seed=seed)
         out = []
-        for r, adv in zip(self.rollouts, center_advantages(self.rewards, normalize_std=normalize_std)):
-            if adv != 0.0 and r.tokens:
-                mask = [0.0] * (len(self.prompt) - 1) + [1.0] * len(r.tokens)
-                out.append((rl_datum(self.prompt, r.tokens, r.logprobs, adv), mask))
+        for seq in (await self.sampler.sample(model_input, n, params)).sequences:
+            if seq.logprobs is None:
+                raise ValueError("the sampler returned no log-probs; RL needs them")
+            out.append(TokensWithLogprobs(list(seq.tokens), [float(x) for x in seq.logprobs], seq.stop_reason))
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Group:
-        return cls(
-            problem=Problem(**d["problem"]),
-            prompt=list(d["prompt"]),
-            rollouts=[Rollout(**r) for r in d["rollouts"]],
-            sampler_step=int(d["sampler_step"]),
-            seconds=float(d.get("seconds", 0.0)),
-        )
+class ScriptedCompleter:
+    """A policy whose replies are scripted and scored by a real sampler's log-probs (tests, benchmarks).
 
+    ``script(conversation)`` gets the decoded observation (special tokens included) and returns the reply,
+    or ``None`` to let the model sample it. A scripted reply is encoded, ends with the first stop token id
+    (as a sampled turn would) and gets ``compute_logprobs`` from the sampler, so the datums it yields are
+    exactly those a sampled reply with the same tokens would give.
+    """
 
-class PromptRenderer:
-    """Problems as chat prompts for one tokenizer, with the tokens that end the assistant's turn."""
+    def __init__(
+        self,
+        sampler: SamplingClient,
+        script: Callable[[str], str | None],
+        max_tokens: int,
+        temperature: float = 1.0,
+        context_window: int | None = None,
+    ):
+        self.sampler, self.script, self.max_tokens = sampler, script, max_tokens
+        self.tokenizer = sampler.get_tokenizer()
+        self.fallback = SamplerCompleter(sampler, max_tokens, temperature, context_window)
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.stop: list[int] = turn_stop_tokens(tokenizer)
-        self._cache: dict[Problem, list[int]] = {}
-
-    def prompt(self, problem: Problem) -> list[int]:
-        if problem not in self._cache:
-            self._cache[problem] = chat_tokens(self.tokenizer, problem.messages(), add_generation_prompt=True)
-        return self._cache[problem]
-
-    def reply(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
-
-    def params(self, max_tokens: int, temperature: float, seed: int | None = None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(self.stop), seed=seed)
-
-
-async def sample_group(
-    sampler: SamplingClient,
-    renderer: PromptRenderer,
-    problem: Problem,
-    grader: Grader,
-    group_size: int,
-    params: SamplingParams,
-    sampler_step: int,
-) -> Group:
-    """Sample ``group_size`` answers to ``problem`` in one request and grade them."""
-    start = time.perf_counter()
-    prompt = renderer.prompt(problem)
-    result = await sampler.sample(prompt, group_size, params)
-    rollouts = []
-    for seq in result.sequences:
-        text = renderer.reply(seq.tokens)
-        reward, metrics = grader(problem, text)
-        rollouts.append(Rollout(list(seq.tokens), list(seq.logprobs or []), text, seq.stop_reason, float(reward), dict(metrics)))
-    return Group(problem, prompt, rollouts, sampler_step, time.perf_counter() - start)
+    async def __call__(self, model_input: ModelInput, stop: StopCondition) -> TokensWithLogprobs:
+        prompt = model_input.to_ints()
+        text = self.script(self.tokenizer.decode(prompt))
+        if text is None:
+            return await self.fallback(model_input, stop)
+        tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ends = [s for s in stop if isinstance(s, int)]
+        reason = "stop"
+        if len(tokens) + bool(ends) > self.max_tokens:
+            tokens, reason = tokens[: self.max_tokens], "length"
+        elif ends:
+            tokens.append(ends[0])
+        logprobs = await self.sampler.compute_logprobs(prompt + tokens)
+        return TokensWithLogprobs(tokens, [float(x or 0.0) for x in logprobs[len(prompt) :]], reason)
 
 
-async def evaluate(
-    sampler: SamplingClient, renderer: PromptRenderer, problems: Sequence[Problem], grader: Grader, max_tokens: int
-) -> tuple[dict[str, float], list[str]]:
-    """Greedy (temperature 0) accuracy on ``problems``: mean ``reward`` and grader metrics, and the replies."""
-    params = renderer.params(max_tokens, temperature=0.0)
-    replies: list[str] = [""] * len(problems)
-    scores: list[tuple[float, dict[str, float]]] = [(0.0, {})] * len(problems)
+async def _play(env: Env, policy: TokenCompleter, ob: ModelInput, stop: StopCondition, first: TokensWithLogprobs | None) -> Trajectory:
+    transitions = []
+    while True:
+        ac, first = first or await policy(ob, stop), None
+        result = await env.step(ac.tokens)
+        transitions.append(Transition(ob, ac, float(result.reward), result.episode_done, dict(result.metrics)))
+        if result.episode_done:
+            reason = "max_tokens" if ac.stop_reason == "length" else result.stop_reason or "completed"
+            return Trajectory(transitions, reason)
+        ob, stop = result.next_observation, result.next_stop_condition
+
+
+async def do_rollout(env: Env, policy: TokenCompleter) -> Trajectory:
+    """Play one episode to its end."""
+    ob, stop = await env.initial_observation()
+    return await _play(env, policy, ob, stop, None)
+
+
+async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sampler_step: int = 0) -> TrajectoryGroup:
+    """Play every env of a group concurrently, then add the group rewards. Where all envs start from the same
+    observation and the policy has ``complete_group``, their first actions are sampled in one request."""
+    envs = list(await builder.make_envs())
+    starts = [await env.initial_observation() for env in envs]
+    firsts: Sequence[TokensWithLogprobs | None] = [None] * len(envs)
+    complete_group = getattr(policy, "complete_group", None)
+    if len(envs) > 1 and complete_group is not None:
+        first, stop = starts[0][0], list(starts[0][1])
+        if all((ob is first or ob.to_ints() == first.to_ints()) and list(s) == stop for ob, s in starts[1:]):
+            firsts = await complete_group(starts[0][0], starts[0][1], len(envs))
+    trajectories: list[Trajectory | None] = [None] * len(envs)
 
     async def one(i: int) -> None:
-        result = await sampler.sample(renderer.prompt(problems[i]), 1, params)
-        replies[i] = renderer.reply(result.sequences[0].tokens)
-        scores[i] = grader(problems[i], replies[i])
+        trajectories[i] = await _play(envs[i], policy, starts[i][0], starts[i][1], firsts[i])
 
     async with anyio.create_task_group() as tg:
-        for i in range(len(problems)):
+        for i in range(len(envs)):
             tg.start_soon(one, i)
-    n = max(1, len(problems))
-    metrics = {"reward/total": sum(r for r, _ in scores) / n}
-    for key in sorted({k for _, m in scores for k in m}):
-        metrics[key] = sum(m.get(key, 0.0) for _, m in scores) / n
-    return metrics, replies
+    done = [t for t in trajectories if t is not None]
+    group = await builder.compute_group_rewards(done, envs)
+    return TrajectoryGroup(done, [float(r) for r, _ in group], [dict(m) for _, m in group], sampler_step)
 
 
-def problems_for_step(problems: Sequence[Problem], step: int, batch_size: int, seed: int) -> list[Problem]:
-    """Batch ``step`` of an endless epoch-shuffled pass over ``problems`` (deterministic, so resumable)."""
-    n = len(problems)
-    return [problems[_epoch_order(n, seed, k // n)[k % n]] for k in range(step * batch_size, (step + 1) * batch_size)]
+def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+    """Means over trajectories: ``env/all/reward/total``, ``env/all/<metric>`` (over the trajectories that
+    report it), ``env/all/turns_per_episode``, ``env/all/ac_tokens_per_turn``, ``env/all/ob_tokens_per_turn``,
+    and the share of each stop reason as ``stop/<reason>``."""
+    rows = [(t, total, gm) for g in groups for t, total, gm in zip(g.trajectories, g.total_rewards, g.group_metrics)]
+    n = max(1, len(rows))
+    turns = [len(t.transitions) for t, _, _ in rows]
+    nturns = max(1, sum(turns))
+    out = {
+        "env/all/reward/total": sum(total for _, total, _ in rows) / n,
+        "env/all/turns_per_episode": sum(turns) / n,
+        "env/all/ac_tokens_per_turn": sum(len(x.ac.tokens) for t, _, _ in rows for x in t.transitions) / nturns,
+        "env/all/ob_tokens_per_turn": sum(x.ob.length for t, _, _ in rows for x in t.transitions) / nturns,
+    }
+    episode = [{**t.metrics, **gm} for t, _, gm in rows]
+    for key in sorted({k for m in episode for k in m}):
+        values = [m[key] for m in episode if key in m]
+        out[f"env/all/{key}"] = sum(values) / len(values)
+    reasons = [t.stop_reason for t, _, _ in rows]
+    for reason in dict.fromkeys([*STOP_REASONS, *reasons]):
+        out[f"stop/{reason}"] = reasons.count(reason) / n
+    return out
 
 
-@functools.lru_cache(maxsize=8)
-def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    order = list(range(n))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order
+class SamplerPool:
+    """The newest sampling client (and its weight version) and older ones still used by rollouts; an old one
+    is stopped once no rollout uses it."""
+
+    def __init__(self, version: int, client: SamplingClient) -> None:
+        self.version, self.client = version, client
+        self._clients: dict[int, SamplingClient] = {id(client): client}
+        self._users: Counter[int] = Counter()
+
+    def acquire(self) -> tuple[int, SamplingClient]:
+        self._users[id(self.client)] += 1
+        return self.version, self.client
+
+    def release(self, client: SamplingClient) -> None:
+        self._users[id(client)] -= 1
+
+    async def publish(self, version: int, client: SamplingClient) -> None:
+        self.version, self.client = version, client
+        self._clients[id(client)] = client
+        for key, old in list(self._clients.items()):
+            if old is not client and self._users[key] <= 0:
+                del self._clients[key]
+                await old.stop()
+
+
+# (builder, sampler, its weight version, the group's position in the run's stream) -> the played group
+PlayFn = Callable[["EnvGroupBuilder", SamplingClient, int, int], Awaitable[TrajectoryGroup]]
+
+
+@dataclass
+class FinishedGroup:
+    index: int  # position of the group in the run's stream of groups
+    version: int  # optimizer steps of the weights it was sampled from
+    group: TrajectoryGroup | None
+    error: Exception | None
+    started: float
+    finished: float
+
+
+class RolloutScheduler:
+    """Plays the run's groups ahead of the trainer, at most ``slots`` of them started and not yet trained.
+
+    Group ``index`` is builder ``index % groups_per_batch`` of batch ``index // groups_per_batch``; each is
+    played with the newest weights when its slot frees; a requeued group is played again before new ones.
+    ``finished`` groups (saved with a checkpoint, see :meth:`settle`) are ready to train from the start.
+    """
+
+    def __init__(
+        self,
+        tg: TaskGroup,
+        dataset: RLDataset,
+        groups_per_batch: int,
+        slots: int,
+        samplers: SamplerPool,
+        play: PlayFn,
+        cursor: int,
+        finished: Sequence[FinishedGroup] = (),
+    ) -> None:
+        self._tg, self._dataset, self._per_batch = tg, dataset, groups_per_batch
+        self._slots = anyio.Semaphore(max(0, slots - len(finished)))
+        self._samplers, self._play_group = samplers, play
+        self.cursor = cursor  # the next group never started
+        self._queue: deque[int] = deque()  # requeued, to play again
+        self.open: set[int] = {f.index for f in finished}  # started and not yet trained
+        self._ready: list[FinishedGroup] = list(finished)
+        self._changed = anyio.Event()
+
+    async def dispatch(self) -> None:
+        """Start a group whenever a slot is free; the groups of freed slots start together, in one tick, so their
+        sampling requests reach the backend together (and batch there)."""
+        while True:
+            await self._slots.acquire()
+            self._start()
+            while True:
+                try:
+                    self._slots.acquire_nowait()
+                except anyio.WouldBlock:
+                    break
+                self._start()
+
+    def _start(self) -> None:
+        if self._queue:
+            index = self._queue.popleft()
+        else:
+            index, self.cursor = self.cursor, self.cursor + 1
+        self.open.add(index)
+        version, sampler = self._samplers.acquire()
+        self._tg.start_soon(self._play, index, version, sampler)
+
+    async def _play(self, index: int, version: int, sampler: SamplingClient) -> None:
+        t0 = time.perf_counter()
+        group: TrajectoryGroup | None = None
+        error: Exception | None = None
+        try:
+            builder = self._dataset.get_batch(index // self._per_batch)[index % self._per_batch]
+            group = await self._play_group(builder, sampler, version, index)
+        except Exception as err:
+            error = err
+        finally:
+            self._samplers.release(sampler)
+        self._ready.append(FinishedGroup(index, version, group, error, t0, time.perf_counter()))
+        self._changed.set()
+
+    async def take(self) -> FinishedGroup:
+        """A finished group, the one sampled from the oldest weights first; a rollout's error is raised here."""
+        while not self._ready:
+            self._changed = anyio.Event()
+            await self._changed.wait()
+        done = min(self._ready, key=lambda f: (f.version, f.index))
+        self._ready.remove(done)
+        if done.error is not None:
+            raise done.error
+        return done
+
+    def requeue(self, index: int) -> None:
+        self._queue.appendleft(index)
+        self._slots.release()
+
+    def trained(self, indices: Sequence[int]) -> None:
+        for index in indices:
+            self.open.discard(index)
+            self._slots.release()
+
+    async def settle(self) -> tuple[int, list[FinishedGroup]]:
+        """Wait until every started group has finished; then :attr:`cursor` and the finished, untrained groups (a
+        checkpoint saves them, so a resumed run trains exactly what an uninterrupted one would)."""
+        while not self.open <= {f.index for f in self._ready}:
+            self._changed = anyio.Event()
+            await self._changed.wait()
+        for f in self._ready:
+            if f.error is not None:
+                raise f.error
+        return self.cursor, sorted(self._ready, key=lambda f: f.index)

@@ -3,7 +3,7 @@
 The model calls a tool by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in its reply
 (the Hermes/Qwen convention); each result goes back as a ``tool`` message and the model gets another turn.
 The next observation is the whole conversation rendered again by the template, exactly what a chat server
-would show the model; :func:`asyncsess.rl.env.trajectory_datums` still merges the turns into one datum when that
+would show the model; :func:`asyncsess.rl.data.trajectory_datums` still merges the turns into one datum when that
 rendering extends the previous observation and action, which holds for prefix-stable templates.
 
 Templates differ in what they support, so :class:`ChatRenderer` probes the tokenizer once: where the template
@@ -22,7 +22,7 @@ from typing import Any
 
 from ..chat import Message, turn_stop_tokens
 from ..types import ModelInput
-from .env import Action, Env, Observation, StepResult, StopCondition
+from .types import Action, Env, Observation, StepResult, StopCondition
 
 __all__ = ["Tool", "ToolCall", "parse_tool_calls", "ChatRenderer", "ToolEnv"]
 

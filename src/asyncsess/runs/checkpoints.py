@@ -20,8 +20,8 @@ from pydantic import BaseModel, Field
 
 from ..client import ServiceClient, TrainingClient
 from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
-from .metrics import read_metrics
 from ..retry import RetryPolicy
+from .metrics import read_metrics
 
 __all__ = [
     "CHECKPOINTS_FILE",

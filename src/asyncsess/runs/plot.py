@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .metrics import read_metrics
 from .checkpoints import CONFIG_FILE
+from .metrics import read_metrics
 
 __all__ = ["PANELS", "plot_run", "log_to_mlflow"]
 

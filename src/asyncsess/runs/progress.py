@@ -39,12 +39,16 @@ def progress_bar(description: str, total: int | None, enabled: bool = True, cons
         yield _Bar(progress, total, description)
 
 
+# episode shape and stop reasons: in metrics.jsonl, left out of the before/after table
+_SHAPE = ("/turns_per_episode", "/ac_tokens_per_turn", "/ob_tokens_per_turn")
+
+
 def print_before_after(before: dict[str, float], after: dict[str, float], title: str, console: Console | None = None) -> None:
-    """A table of each metric before and after training, with the change."""
+    """A table of each reward and task metric before and after training, with the change."""
     table = Table(title=title)
     for col in ("metric", "before", "after", "change"):
         table.add_column(col, justify="left" if col == "metric" else "right")
-    for key in sorted(set(before) | set(after)):
+    for key in sorted(k for k in set(before) | set(after) if not (k.endswith(_SHAPE) or "/stop/" in f"/{k}")):
         b, a = before.get(key), after.get(key)
         change = f"{a - b:+.3f}" if a is not None and b is not None else ""
         table.add_row(key, "" if b is None else f"{b:.3f}", "" if a is None else f"{a:.3f}", change)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from ..rl.rollouts import Problem
+from ..rl.problem_env import Problem
 
 __all__ = ["QUESTION", "make_problems", "split", "grade"]
 

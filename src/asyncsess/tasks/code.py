@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rl.env import Env, EnvGroupBuilder
 from ..rl.tool_env import ChatRenderer, Tool, ToolEnv
+from ..rl.types import Env, EnvGroupBuilder
 from ..sandbox import Sandbox, TestCase, TestReport
 
 __all__ = [

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from ..rl.rollouts import Problem
+from ..rl.problem_env import Problem
 
 __all__ = ["INSTRUCTION", "load", "final_answer", "grade"]
 

@@ -5,7 +5,7 @@ Each rollout gets its own ``openai.AsyncOpenAI`` whose calls go in-process to an
 that group, tagged with the rollout's id. When the agent returns its reward, the calls it made are merged into
 a trajectory (:func:`asyncsess.rl.capture.build_trajectory`: only sampled tokens trained, re-tokenization drift
 split and counted), ``group_size`` rollouts of one task form a group with centred advantages, and the datums
-are trained by the same loop as environment RL (:func:`asyncsess.rl.env_train.train_env_rl`): staleness bound,
+are trained by the one RL loop (:func:`asyncsess.rl.train.train_rl`, through its ``play_group`` hook): staleness bound,
 ``metrics.jsonl`` (plus ``env/all/calls`` and ``env/all/drift`` per episode), checkpoints and resume.
 
 Every finished rollout is appended to ``trajectories.jsonl`` in the run directory (calls, merged segments
@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+from pydantic import Field
 
 from ..backends.base import Tokenizer
 from ..client import SamplingClient
 from .capture import AgentTrajectory, build_trajectory
-from .env import Env, EnvGroupBuilder, ProblemDataset, RLDataset, TrajectoryGroup
-from .env_train import EnvRLConfig, EnvRLResult, train_env_rl
+from .problem_env import ProblemDataset
+from .train import RLConfig, RLResult, train_rl
+from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup
 
 __all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
 
@@ -36,9 +38,15 @@ __all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
 Agent = Callable[[Any, Any], Awaitable[float]]
 
 
-class AgentRLConfig(EnvRLConfig):
-    """Environment-RL settings, plus the model name the agent's requests use and the front's ``n`` bound."""
+class AgentRLConfig(RLConfig):
+    """RL settings (defaults for long agent turns), plus the model name the agent's requests use and the front's ``n`` bound."""
 
+    lora_rank: int = 32
+    lora_alpha: float | None = 64.0
+    learning_rate: float = 4e-5
+    max_tokens: int = Field(default=512, ge=1)
+    loss_fn: str = "cispo"
+    max_steps: int = Field(default=50, ge=0)
     model_name: str = "policy"
     max_n: int = 64
 
@@ -113,7 +121,7 @@ async def train_agent_rl(
     *,
     if_exists: Literal["resume", "overwrite", "raise"] = "resume",
     progress: bool = True,
-) -> EnvRLResult:
+) -> RLResult:
     """GRPO on ``agent``: ``groups_per_batch`` tasks per step, ``group_size`` rollouts each; ``test_tasks`` are
     played once each, greedily, before the first step, every ``eval_every`` steps and after the last."""
     if not tasks:
@@ -129,4 +137,4 @@ async def train_agent_rl(
             runner.append(_AgentRunner(config, agent, Path(run_dir)))
         return await runner[0].play(builder, sampler, temperature, version)
 
-    return await train_env_rl(config, make_datasets, run_dir, play_group=play, if_exists=if_exists, progress=progress)
+    return await train_rl(config, make_datasets, run_dir, play_group=play, if_exists=if_exists, progress=progress)

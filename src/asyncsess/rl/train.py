@@ -1,0 +1,376 @@
+"""The RL loop: one config, one loop, for single-turn problems, multi-turn envs and OpenAI-speaking agents.
+
+Rollouts run ahead of the trainer, one task per group, each played with the newest weights when it starts
+(tinker-cookbook's async mode). At most ``groups_per_batch × (k + 1)`` groups are started and not yet trained
+(``k = max_staleness``): that paces sampling, and a slot is freed when its group has been trained on. The
+trainer takes finished groups oldest weights first; a group more than ``k`` optimizer steps old is requeued
+(played again with the newest weights), so no group trained at step ``s`` was sampled before step ``s - k``.
+``k = 0`` is the synchronous on-policy loop, and there a run at a fixed seed is reproducible and resumes bit
+for bit (each group's sampling seed follows from its position in the run). ``forward_backward`` is submitted
+per sub-batch (``groups_per_batch / num_minibatches`` groups) as soon as that many groups have finished;
+one ``optim_step`` (AdamW with the config's settings) closes each step.
+
+Advantages are group-centred (``R - mean(R)``, optionally std-normalised); groups of equal rewards add no
+datums; an optional KL penalty against the base model moves the advantages (cookbook). ``metrics.jsonl`` gets
+one line per step and held-out results (``test/...``, greedy, one episode per held-out builder) before the
+first step, every ``eval_every`` steps and after the last. Checkpoints go to ``checkpoints.jsonl`` with the
+position in the stream of groups and the groups started but not trained; a rerun in the same directory
+resumes there. A lost session is recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+from pydantic import ConfigDict, Field, model_validator
+
+from ..backends.base import Tokenizer
+from ..client import SamplingClient, ServiceClient, TrainingClient
+from ..futures import APIFuture
+from ..runs.checkpoints import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
+from ..runs.metrics import MetricsLogger, read_metrics
+from ..runs.progress import progress_bar
+from ..types import AdamParams, Datum, ForwardBackwardOutput, TensorData
+from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
+from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics
+from .types import EnvGroupBuilder, RLDataset, TokenCompleter, TrajectoryGroup
+
+__all__ = ["RLConfig", "RLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_rl"]
+
+# (tokenizer) -> (training dataset, held-out group builders: one episode each)
+MakeDatasets = Callable[[Tokenizer], tuple[RLDataset, Sequence[EnvGroupBuilder]]]
+# (sampler, max_tokens, temperature, context_window) -> the policy that plays episodes
+MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenCompleter]
+# (builder, sampler, temperature, sampler_step) -> the played group; default: the envs played by the completer
+PlayGroup = Callable[[EnvGroupBuilder, SamplingClient, float, int], Awaitable[TrajectoryGroup]]
+
+
+class RLConfig(RecoveryConfig):
+    """Settings of an RL run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = "mock://"
+    base_model: str = "mock/bigram-tiny"
+    lora_rank: int = 16
+    lora_alpha: float | None = 32.0
+    train_unembed: bool = False
+    seed: int = 0
+    # the optimizer: AdamW, one step per batch
+    learning_rate: float = 1e-4
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    adam_eps: float = Field(default=1e-8, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    grad_clip_norm: float = Field(default=0.0, ge=0.0)
+    # the batch: groups_per_batch problems × group_size episodes
+    groups_per_batch: int = Field(default=8, ge=1)
+    group_size: int = Field(default=8, ge=1)
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = 1.0
+    context_window: int | None = None  # caps prompt + max_tokens; default: the base model's, where the backend says
+    # the loss
+    loss_fn: str = "ppo"
+    loss_fn_config: dict[str, float] | None = None
+    normalize_std: bool = False  # divide centred advantages by the group std (math_rl and the demo do)
+    remove_constant_reward_groups: bool = True
+    kl_penalty_coef: float = 0.0
+    # overlap: sampling runs up to max_staleness optimizer steps ahead; forward_backward in sub-batches
+    max_staleness: int = Field(default=0, ge=0)
+    num_minibatches: int = Field(default=1, ge=1)
+    # the run
+    max_steps: int = Field(default=100, ge=0)
+    max_minutes: float | None = None
+    eval_every: int = 0
+    save_every: int = 0
+
+    @model_validator(mode="after")
+    def _minibatches(self) -> RLConfig:
+        if self.num_minibatches > self.groups_per_batch:
+            raise ValueError(f"num_minibatches ({self.num_minibatches}) exceeds groups_per_batch ({self.groups_per_batch})")
+        return self
+
+    def adam(self) -> AdamParams:
+        return AdamParams(
+            learning_rate=self.learning_rate,
+            beta1=self.adam_beta1,
+            beta2=self.adam_beta2,
+            eps=self.adam_eps,
+            weight_decay=self.weight_decay,
+            grad_clip_norm=self.grad_clip_norm,
+        )
+
+
+@dataclass
+class RLResult:
+    run_dir: Path
+    steps: int
+    before: dict[str, float]
+    after: dict[str, float]
+    train_seconds: float
+    final_checkpoint: CheckpointRecord
+
+
+async def train_rl(
+    config: RLConfig,
+    make_datasets: MakeDatasets,
+    run_dir: str | Path,
+    *,
+    make_completer: MakeCompleter | None = None,
+    play_group: PlayGroup | None = None,
+    if_exists: Literal["resume", "overwrite", "raise"] = "resume",
+    progress: bool = True,
+) -> RLResult:
+    """Run (or resume) RL on the envs of ``make_datasets(tokenizer)`` (for single-turn problems:
+    :func:`asyncsess.rl.problem_env.problem_datasets`).
+
+    ``make_completer`` replaces the policy that plays each env (default: sampling with the config's
+    settings); ``play_group`` replaces how a whole group is played (the agent loop runs the user's agents
+    through the OpenAI front there).
+    """
+    cfg = config
+
+    async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> RLResult:
+        path, record = prepare_run_dir(run_dir, cfg, mode)
+        start = record.step if record else 0
+        with MetricsLogger(path, resume_step=start if record or recovered else None) as log:
+            async with ServiceClient(cfg.url) as svc:
+                tc = await open_training_client(svc, cfg, record)
+                train, test = make_datasets(tc.get_tokenizer())
+                window = cfg.context_window
+                if window is None:
+                    caps = await svc.get_server_capabilities()
+                    window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
+                reference = await svc.create_sampling_client(base_model=tc.base_model) if cfg.kl_penalty_coef else None
+                loop = _Loop(cfg, tc, train, list(test), window, path, log, make_completer, play_group, reference)
+                loop.pending_metrics = dict(recovered)
+                return await loop.run(start, record, progress)
+
+    return await run_recovering(attempt, if_exists, url=cfg.url, run_dir=run_dir, recovery=cfg)
+
+
+class _Loop:
+    def __init__(
+        self,
+        cfg: RLConfig,
+        tc: TrainingClient,
+        train: RLDataset,
+        test: list[EnvGroupBuilder],
+        window: int | None,
+        path: Path,
+        log: MetricsLogger,
+        make_completer: MakeCompleter | None,
+        play_group: PlayGroup | None,
+        reference: SamplingClient | None,
+    ) -> None:
+        self.cfg, self.tc, self.train, self.test, self.window, self.path, self.log = cfg, tc, train, test, window, path, log
+        self.make_completer, self.play_group, self.reference = make_completer, play_group, reference
+        self.samplers: SamplerPool | None = None
+        self.pending_metrics: dict[str, float] = {}  # logged with the next step (a recovery's figures)
+
+    async def play(self, builder: EnvGroupBuilder, sampler: SamplingClient, version: int, index: int | None) -> TrajectoryGroup:
+        """Play one group; ``index`` is its position in the run (its sampling seed), ``None`` for a greedy evaluation."""
+        cfg = self.cfg
+        t = 0.0 if index is None else cfg.temperature
+        if self.play_group is not None:
+            return await self.play_group(builder, sampler, t, version)
+        if self.make_completer is not None:
+            policy = self.make_completer(sampler, cfg.max_tokens, t, self.window)
+        else:
+            seed = None if index is None else cfg.seed * 1_000_003 + (index // cfg.groups_per_batch) * 1_000 + index % cfg.groups_per_batch
+            policy = SamplerCompleter(sampler, cfg.max_tokens, t, self.window, seed)
+        return await do_group_rollout(builder, policy, version)
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy episodes on the held-out builders with the newest weights."""
+        if not self.test:
+            return {}
+        assert self.samplers is not None
+        version, sampler = self.samplers.acquire()
+        groups: list[TrajectoryGroup | None] = [None] * len(self.test)
+        try:
+
+            async def one(i: int) -> None:
+                groups[i] = await self.play(self.test[i], sampler, version, None)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(self.test)):
+                    tg.start_soon(one, i)
+        finally:
+            self.samplers.release(sampler)
+        return {f"test/{k}": v for k, v in rollout_metrics([g for g in groups if g is not None]).items()}
+
+    async def run(self, start: int, record: CheckpointRecord | None, progress: bool) -> RLResult:
+        cfg = self.cfg
+        self.samplers = SamplerPool(start, await self.tc.save_weights_and_get_sampling_client())
+        train_seconds = 0.0
+        if start == 0:
+            before = await self.evaluate()
+        else:  # the evaluation before step 0, and the training time spent so far, from the run's own records
+            records = [r for r in read_metrics(self.path) if r["step"] < start]
+            before = next(({k: v for k, v in r.items() if k.startswith("test/")} for r in records if r["step"] == 0), {})
+            train_seconds = next((r["time/total"] for r in reversed(records) if r.get("time/total") is not None), 0.0)
+        extra = record.extra if record is not None else {}
+        finished = []
+        if "pending_file" in extra:
+            now = time.perf_counter()
+            saved = json.loads((self.path / extra["pending_file"]).read_text())
+            finished = [FinishedGroup(f["index"], f["version"], TrajectoryGroup.from_dict(f["group"]), None, now, now) for f in saved]
+        eval_metrics = before if start == 0 else {}
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            rollouts = RolloutScheduler(
+                tg,
+                self.train,
+                cfg.groups_per_batch,
+                cfg.groups_per_batch * (cfg.max_staleness + 1),
+                self.samplers,
+                self.play,
+                int(extra.get("cursor", start * cfg.groups_per_batch)),
+                finished,
+            )
+            tg.start_soon(rollouts.dispatch)
+            try:  # a failure is raised as itself, not inside the task group's ExceptionGroup
+                step, train_seconds = await self.steps(start, train_seconds, rollouts, eval_metrics, progress)
+                cursor, finished = await rollouts.settle()  # the groups in flight finish; a resumed run trains them
+            except Exception as err:
+                failure = err
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        after = await self.evaluate()
+        self.log.log(step, {"progress/step": step, **after})
+        final = await self.checkpoint(step, cursor, finished, final=True)
+        return RLResult(self.path, step, before, after, train_seconds, final)
+
+    async def steps(
+        self, start: int, train_seconds: float, rollouts: RolloutScheduler, eval_metrics: dict[str, float], progress: bool
+    ) -> tuple[int, float]:
+        """Train from step ``start`` to ``max_steps`` (or ``max_minutes``); the steps done and the training seconds."""
+        cfg = self.cfg
+        step, step_seconds = start, 0.0
+        with progress_bar("RL", total=cfg.max_steps if cfg.max_minutes is None else None, enabled=progress) as bar:
+            bar.advance(start)
+            while step < cfg.max_steps:
+                if cfg.max_minutes is not None and train_seconds + step_seconds >= 60 * cfg.max_minutes:
+                    break
+                t0 = time.perf_counter()
+                metrics = await self.train_step(step, rollouts)
+                step += 1
+                step_seconds = time.perf_counter() - t0
+                train_seconds += step_seconds
+                metrics.update({"time/step": step_seconds, "time/total": train_seconds, **eval_metrics, **self.pending_metrics})
+                self.pending_metrics = {}
+                self.log.log(step - 1, metrics)
+                bar.advance(status=f"reward {metrics['env/all/reward/total']:.3f}")
+                eval_metrics = {}
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+                    eval_metrics = await self.evaluate()
+                if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+                    await self.checkpoint(step, *await rollouts.settle(), final=False)
+        return step, train_seconds
+
+    def datums(self, finished: list[FinishedGroup]) -> list[tuple[Datum, list[float]]]:
+        cfg = self.cfg
+        groups = [f.group for f in sorted(finished, key=lambda f: f.index) if f.group is not None]
+        used = [g for g in groups if not (cfg.remove_constant_reward_groups and is_constant(g.total_rewards))]
+        return [p for g in used for p in group_datums(g, cfg.normalize_std)]
+
+    async def train_step(self, step: int, rollouts: RolloutScheduler) -> dict[str, Any]:
+        cfg, tc = self.cfg, self.tc
+        assert self.samplers is not None
+        k, per_batch = cfg.max_staleness, cfg.groups_per_batch
+        sub_batch = -(-per_batch // cfg.num_minibatches)
+        taken: list[FinishedGroup] = []
+        waiting: list[FinishedGroup] = []
+        submitted: list[tuple[APIFuture[ForwardBackwardOutput], list[tuple[Datum, list[float]]]]] = []
+        requeued, wait = 0, 0.0
+        while len(taken) < per_batch:
+            tw = time.perf_counter()
+            done = await rollouts.take()
+            wait += time.perf_counter() - tw
+            if done.version < step - k:
+                rollouts.requeue(done.index)
+                requeued += 1
+                continue
+            taken.append(done)
+            waiting.append(done)
+            if len(waiting) == sub_batch or len(taken) == per_batch:
+                pairs = self.datums(waiting)
+                if pairs and self.reference is not None:
+                    pairs = await self.with_kl_penalty(pairs)
+                if pairs:
+                    submitted.append((tc.forward_backward([d for d, _ in pairs], cfg.loss_fn, cfg.loss_fn_config), pairs))
+                waiting = []
+        t1 = time.perf_counter()
+        taken.sort(key=lambda f: f.index)
+        groups = [f.group for f in taken if f.group is not None]
+        staleness = [step - f.version for f in taken]
+        sampled = sum(len(x.ac.tokens) for g in groups for t in g.trajectories for x in t.transitions)
+        sample_seconds = max((f.finished for f in taken), default=0.0) - min((f.started for f in taken), default=0.0)
+        metrics: dict[str, Any] = {
+            "progress/step": step,
+            "progress/done_frac": (step + 1) / max(1, cfg.max_steps),
+            **rollout_metrics(groups),
+            "env/all/constant_reward_groups": sum(is_constant(g.total_rewards) for g in groups),
+            "async/staleness_max": max(staleness, default=0),
+            "async/staleness_min": min(staleness, default=0),
+            "async/staleness_mean": sum(staleness) / max(1, len(staleness)),
+            "async/requeued": requeued,
+            "tokens/sampled": sampled,
+            "tokens/train": sum(d.model_input.length for _, pairs in submitted for d, _ in pairs),
+            "tokens/sampled_per_s": sampled / sample_seconds if sample_seconds > 0 else 0.0,
+            "train/datums": sum(len(pairs) for _, pairs in submitted),
+            "train/forward_backward_calls": len(submitted),
+            "time/sample_batch": sample_seconds,
+            "time/sample_wait": wait,
+            "time/group_rollout": sum(f.finished - f.started for f in taken) / max(1, len(taken)),
+        }
+        if submitted:
+            opt = tc.optim_step(cfg.adam())
+            sampler = await tc.save_weights_and_get_sampling_client()
+            outs = [await fut for fut, _ in submitted]
+            opt_out = await opt
+            pairs = [p for _, ps in submitted for p in ps]
+            trainer_lps = [o["logprobs"].data for out in outs for o in out.loss_fn_outputs]
+            metrics.update(sample_train_kl([d.loss_fn_inputs["logprobs"].data for d, _ in pairs], trainer_lps, [m for _, m in pairs]))
+            metrics["optim/loss"] = sum(out.metrics.get("loss:sum", 0.0) for out in outs)
+            metrics.update({f"optim/{k}": v for k, v in (opt_out.metrics or {}).items()})
+        else:  # no signal in this batch: the weights stay as they are
+            sampler = self.samplers.client
+        await self.samplers.publish(step + 1, sampler)
+        rollouts.trained([f.index for f in taken])
+        metrics["time/train"] = time.perf_counter() - t1
+        metrics["tokens/train_per_s"] = metrics["tokens/train"] / metrics["time/train"] if metrics["time/train"] > 0 else 0.0
+        return metrics
+
+    async def with_kl_penalty(self, pairs: list[tuple[Datum, list[float]]]) -> list[tuple[Datum, list[float]]]:
+        """The datums with the KL penalty against the base model in their advantages (averaged over ``pairs``)."""
+        assert self.reference is not None
+        futures = [self.reference.compute_logprobs(datum_tokens(d)) for d, _ in pairs]
+        refs = [[float(x or 0.0) for x in (await f)[1:]] for f in futures]
+        sampler = [d.loss_fn_inputs["logprobs"].data for d, _ in pairs]
+        deltas = kl_penalty(sampler, refs, [m for _, m in pairs], self.cfg.kl_penalty_coef)
+        out = []
+        for (d, m), delta in zip(pairs, deltas):
+            adv = [a + x for a, x in zip(d.loss_fn_inputs["advantages"].data, delta)]
+            inputs = {**d.loss_fn_inputs, "advantages": TensorData.model_construct(data=adv, dtype="float32", shape=[len(adv)])}
+            out.append((Datum.model_construct(model_input=d.model_input, loss_fn_inputs=inputs), m))
+        return out
+
+    async def checkpoint(self, step: int, cursor: int, finished: list[FinishedGroup], final: bool) -> CheckpointRecord:
+        """Save the state (and at the end the sampler weights) with the position in the stream of groups
+        (``cursor``, the next group never started) and the groups sampled but not trained (``pending-<step>.json``)."""
+        extra: dict[str, Any] = {"cursor": cursor}
+        if finished:
+            extra["pending_file"] = f"pending-{step:06d}.json"
+            groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]
+            (self.path / extra["pending_file"]).write_text(json.dumps(groups))
+        name = f"{'final' if final else 'step'}-{step:06d}"
+        return await save_checkpoint(self.tc, self.path, name, step, kind="both" if final else "state", final=final, extra=extra)

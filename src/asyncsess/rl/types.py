@@ -1,0 +1,178 @@
+"""The RL vocabulary (torch-free), after tinker-cookbook's ``rl/types.py``.
+
+An :class:`Env` is one episode: ``initial_observation()`` gives the first prompt (tokens) and the stop
+condition, ``step(action)`` takes the sampled tokens and returns a :class:`StepResult`. An
+:class:`EnvGroupBuilder` makes the ``group_size`` envs of one problem, whose rewards are centred within the
+group; an :class:`RLDataset` hands out batches of builders. A :class:`TokenCompleter` is the policy. Playing
+an env gives a :class:`Trajectory` of :class:`Transition` s; a group's trajectories form a
+:class:`TrajectoryGroup`. Single-turn problems are one-step envs (:mod:`asyncsess.rl.problem_env`), chat
+episodes with tools are :class:`asyncsess.rl.tool_env.ToolEnv`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from ..types import ModelInput
+
+__all__ = [
+    "Action",
+    "Observation",
+    "StopCondition",
+    "STOP_REASONS",
+    "StepResult",
+    "Env",
+    "EnvGroupBuilder",
+    "RLDataset",
+    "TokensWithLogprobs",
+    "TokenCompleter",
+    "Transition",
+    "Trajectory",
+    "TrajectoryGroup",
+]
+
+Action = list[int]
+Observation = ModelInput
+StopCondition = list[str] | list[int]
+
+# Why an episode ended (logged as ``stop/<reason>``): the env ended it normally, the model used up its
+# turns, the last action hit ``max_tokens``, it could not be parsed, or the conversation outgrew the context.
+STOP_REASONS = ("completed", "max_turns", "max_tokens", "parse_error", "context_overflow")
+
+
+@dataclass
+class StepResult:
+    """What an env returns for one action. ``stop_reason`` says why a finished episode ended (default completed)."""
+
+    reward: float
+    episode_done: bool
+    next_observation: Observation = field(default_factory=ModelInput.empty)
+    next_stop_condition: StopCondition = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str | None = None
+
+
+class Env(abc.ABC):
+    """One episode; single use."""
+
+    @abc.abstractmethod
+    async def initial_observation(self) -> tuple[Observation, StopCondition]: ...
+
+    @abc.abstractmethod
+    async def step(self, action: Action) -> StepResult: ...
+
+
+class EnvGroupBuilder(abc.ABC):
+    """Makes the envs of one group (the same problem ``group_size`` times)."""
+
+    @abc.abstractmethod
+    async def make_envs(self) -> Sequence[Env]: ...
+
+    async def compute_group_rewards(self, trajectories: Sequence[Trajectory], envs: Sequence[Env]) -> list[tuple[float, dict[str, float]]]:
+        """Rewards that depend on the whole group (pairwise, multi-agent), added to each trajectory's; default 0."""
+        return [(0.0, {}) for _ in trajectories]
+
+
+class RLDataset(Protocol):
+    """Batches of group builders; ``get_batch(i)`` is batch ``i`` of the run."""
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass
+class TokensWithLogprobs:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" or "length"
+
+
+class TokenCompleter(Protocol):
+    """The policy: continues an observation until a stop condition or its token budget."""
+
+    async def __call__(self, model_input: ModelInput, stop: StopCondition) -> TokensWithLogprobs: ...
+
+
+@dataclass
+class Transition:
+    ob: Observation
+    ac: TokensWithLogprobs
+    reward: float
+    episode_done: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    transitions: list[Transition]
+    stop_reason: str
+
+    @property
+    def reward(self) -> float:
+        return sum(t.reward for t in self.transitions)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The episode's metrics: each step's, a later step's value winning on a shared key."""
+        out: dict[str, float] = {}
+        for t in self.transitions:
+            out.update(t.metrics)
+        return out
+
+
+@dataclass
+class TrajectoryGroup:
+    """One group's trajectories, their group rewards, and the weights (optimizer steps) they were sampled from."""
+
+    trajectories: list[Trajectory]
+    group_rewards: list[float]
+    group_metrics: list[dict[str, float]]
+    sampler_step: int = 0
+
+    @property
+    def total_rewards(self) -> list[float]:
+        return [t.reward + g for t, g in zip(self.trajectories, self.group_rewards)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON-able data (a group saved with a checkpoint)."""
+        return {
+            "trajectories": [
+                {
+                    "transitions": [
+                        {
+                            "ob": t.ob.model_dump(mode="json"),
+                            "ac": asdict(t.ac),
+                            "reward": t.reward,
+                            "episode_done": t.episode_done,
+                            "metrics": t.metrics,
+                        }
+                        for t in traj.transitions
+                    ],
+                    "stop_reason": traj.stop_reason,
+                }
+                for traj in self.trajectories
+            ],
+            "group_rewards": self.group_rewards,
+            "group_metrics": self.group_metrics,
+            "sampler_step": self.sampler_step,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrajectoryGroup:
+        trajectories = [
+            Trajectory(
+                [
+                    Transition(
+                        ModelInput.model_validate(t["ob"]), TokensWithLogprobs(**t["ac"]), t["reward"], t["episode_done"], t["metrics"]
+                    )
+                    for t in traj["transitions"]
+                ],
+                traj["stop_reason"],
+            )
+            for traj in d["trajectories"]
+        ]
+        return cls(trajectories, list(d["group_rewards"]), list(d["group_metrics"]), int(d["sampler_step"]))
