@@ -1,13 +1,33 @@
-"""Chat rendering through the tokenizer's own chat template: token ids, assistant spans, turn stops."""
+"""Chat rendering through the tokenizer's own chat template: token ids, assistant spans, turn stops, and
+conversations with tools (:class:`ChatRenderer`, :func:`parse_tool_calls`), shared by the RL tool envs and the
+OpenAI front.
+
+Templates differ in what they support, so :class:`ChatRenderer` probes the tokenizer once: where the template
+has no tool role (it raises, or drops the message) a result is sent as a user message wrapped in
+``<tool_response>…</tool_response>`` (how Qwen's template renders tool results), and where it ignores the
+``tools`` argument the tool signatures are added to the system message.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidInputError
 
-__all__ = ["Message", "chat_tokens", "assistant_spans", "turn_stop_tokens"]
+__all__ = [
+    "Message",
+    "chat_tokens",
+    "assistant_spans",
+    "turn_stop_tokens",
+    "Tool",
+    "ToolCall",
+    "parse_tool_calls",
+    "ChatRenderer",
+]
 
 Message = Mapping[str, str]
 
@@ -37,7 +57,7 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[i
             raise InvalidInputError(
                 "the chat template does not render a conversation prefix as a token prefix",
                 field=f"messages[{i}]",
-                fix="use a tokenizer whose chat template is prefix-stable, or build datums with asyncsess.rl.data.sft_datum",
+                fix="use a tokenizer whose chat template is prefix-stable, or build datums with asyncsess.rl.sft_datum",
             )
         spans.append((len(head), len(upto)))
     full = chat_tokens(tokenizer, messages)
@@ -55,3 +75,119 @@ def turn_stop_tokens(tokenizer: Any) -> list[int]:
     if eos is not None:
         stops.append(int(eos))
     return list(dict.fromkeys(stops))
+
+
+ToolFn = Callable[[Mapping[str, Any]], Awaitable[tuple[str, dict[str, float]]]]
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_PROBE = "asyncsess-probe-7f3a"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: ``run(arguments) -> (result text, metrics)``."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments
+    run: ToolFn
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
+    """The tool calls in a reply, and an error message when one is malformed (not JSON, no name, unclosed)."""
+    calls: list[ToolCall] = []
+    for body in _CALL.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as err:
+            return calls, f"a tool call is not JSON: {err}"
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), dict):
+            return calls, 'a tool call must be {"name": str, "arguments": object}'
+        calls.append(ToolCall(obj["name"], dict(obj.get("arguments", {}))))
+    if text.count("<tool_call>") != len(calls):
+        return calls, "a <tool_call> is not closed"
+    return calls, None
+
+
+class ChatRenderer:
+    """Renders conversations with tools for one tokenizer; ``stop`` holds the tokens that end an assistant turn."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.stop: list[int] = turn_stop_tokens(tokenizer)
+        self.tool_role = self._renders(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": _PROBE}]
+        )
+        self._native_tools: dict[str, bool] = {}
+
+    def tokens(self, messages: Sequence[Message], tools: Sequence[Tool] = (), add_generation_prompt: bool = True) -> list[int]:
+        """The conversation's tokens as the model sees it (with the prompt for the next assistant turn)."""
+        schemas = [t.schema() for t in tools]
+        msgs = self._portable(messages)
+        if schemas and not self._shows_tools(schemas):
+            msgs = _with_tool_prompt(msgs, schemas)
+            schemas = []
+        return self._render(msgs, schemas, add_generation_prompt)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def _render(self, messages: Sequence[Message], tools: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        extra = {"tools": tools} if tools else {}
+        out = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt, **extra)
+        if not isinstance(out, list):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def _renders(self, messages: list[dict[str, str]]) -> bool:
+        try:
+            return _PROBE in self.tokenizer.decode(self._render(messages, [], False))
+        except Exception:  # the template rejects the conversation (an unknown role)
+            return False
+
+    def _shows_tools(self, schemas: list[dict[str, Any]]) -> bool:
+        key = json.dumps(schemas, sort_keys=True)
+        if key not in self._native_tools:
+            probe = [{"role": "user", "content": "hi"}]
+            try:
+                self._native_tools[key] = self._render(probe, schemas, True) != self._render(probe, [], True)
+            except Exception:
+                self._native_tools[key] = False
+        return self._native_tools[key]
+
+    def _portable(self, messages: Sequence[Message]) -> list[dict[str, str]]:
+        """Tool results as user messages where the template has no tool role (adjacent ones joined)."""
+        if self.tool_role:
+            return [dict(m) for m in messages]
+        out: list[dict[str, str]] = []
+        for m in messages:
+            if m.get("role") != "tool":
+                out.append(dict(m))
+                continue
+            wrapped = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            if out and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + wrapped
+            else:
+                out.append({"role": "user", "content": wrapped, "_tool": "1"})
+        return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
+
+
+def _with_tool_prompt(messages: list[dict[str, str]], schemas: list[dict[str, Any]]) -> list[dict[str, str]]:
+    signatures = "\n".join(json.dumps(s) for s in schemas)
+    prompt = (
+        "You can call these tools:\n<tools>\n" + signatures + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> and end your turn; '
+        "the result comes back in <tool_response></tool_response>."
+    )
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.rl.capture import CaptureStore, build_trajectory, read_trajectories
+from asyncsess.rl.capture import build_trajectory, read_trajectories
+from asyncsess.serve.capture import CaptureStore
 from asyncsess.serve.openai_front import OpenAIFront
 
 from .helpers import CALC, ScriptedSampler

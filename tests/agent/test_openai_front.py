@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from asyncsess import SamplingParams, ServiceClient
-from asyncsess.rl.capture import CapturedCall
+from asyncsess.serve.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
 
 pytestmark = pytest.mark.anyio

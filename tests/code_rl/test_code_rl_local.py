@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from asyncsess.chat import ChatRenderer
 from asyncsess.rl import ScriptedCompleter
-from asyncsess.rl.tool_env import ChatRenderer
 from asyncsess.tasks import code
 from examples import code_rl
 

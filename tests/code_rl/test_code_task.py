@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncsess.rl.tool_env import ChatRenderer
+from asyncsess.chat import ChatRenderer
 from asyncsess.sandbox import LocalSandbox, TestCase
 from asyncsess.tasks import code
 from asyncsess_mock import CharTokenizer

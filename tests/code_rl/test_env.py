@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from asyncsess.chat import ChatRenderer, Tool, parse_tool_calls
 from asyncsess.rl import (
     StepResult,
     TokensWithLogprobs,
@@ -17,7 +18,7 @@ from asyncsess.rl import (
     rollout_metrics,
     trajectory_datums,
 )
-from asyncsess.rl.tool_env import ChatRenderer, Tool, ToolEnv, parse_tool_calls
+from asyncsess.rl.tool_env import ToolEnv
 from asyncsess.types import ModelInput
 from asyncsess_mock import CharTokenizer
 

@@ -1,4 +1,4 @@
-"""The backend seam: a narrow async protocol, the op records that cross it, and the URL registry.
+"""The backend seam: a narrow async protocol and the op records that cross it (the URL registry: registry.py).
 
 A backend is a class with an entry point in group ``asyncsess.backends`` named after its URL scheme.
 Everything user-facing (futures, ordering, retries, backpressure, custom-loss lowering, sync facade)

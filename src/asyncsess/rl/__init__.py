@@ -3,12 +3,14 @@
 advantages and datums (:mod:`.data`), THE loop (:mod:`.train`), and RL for OpenAI-speaking agents
 (:mod:`.agent`, :mod:`.capture`). A recipe imports from here."""
 
+from ..chat import ChatRenderer, Tool, ToolCall, parse_tool_calls
+from ..serve.capture import CapturedCall, CaptureStore
 from .agent import Agent, AgentGroupBuilder, AgentRLConfig, train_agent_rl
-from .capture import AgentTrajectory, CapturedCall, CaptureStore, build_trajectory, read_trajectories
+from .capture import AgentTrajectory, build_trajectory, read_trajectories
 from .data import center_advantages, group_datums, is_constant, kl_penalty, rl_datum, sample_train_kl, sft_datum, trajectory_datums
 from .problem_env import Grader, Problem, ProblemDataset, ProblemEnv, ProblemGroupBuilder, PromptRenderer, problem_datasets
 from .rollouts import SamplerCompleter, ScriptedCompleter, do_group_rollout, do_rollout, rollout_metrics
-from .tool_env import ChatRenderer, Tool, ToolCall, ToolEnv, parse_tool_calls
+from .tool_env import ToolEnv
 from .train import MakeCompleter, MakeDatasets, PlayGroup, RLConfig, RLResult, train_rl
 from .types import (
     STOP_REASONS,

@@ -1,7 +1,7 @@
 """Token-faithful captures of OpenAI-style calls, merged per rollout into trajectories and RL datums.
 
 The OpenAI front (:mod:`asyncsess.serve.openai_front`) records every call it serves as a
-:class:`CapturedCall`: the exact prompt tokens it rendered, each choice's sampled tokens and the sampler's
+:class:`asyncsess.serve.capture.CapturedCall`: the exact prompt tokens it rendered, each choice's sampled tokens and the sampler's
 log-probs, the weight version that produced them, the finish reason and the usage. Calls carry the rollout
 id the agent set (header ``X-Rollout-Id``, ``metadata.rollout_id`` or ``user``).
 
@@ -18,57 +18,20 @@ tokens are observation tokens of the new segment, never trained on as the model'
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from ..serve.capture import CapturedCall
 from ..types import Datum, ModelInput
 from .data import trajectory_datums
 from .types import TokensWithLogprobs, Trajectory, Transition
 
-__all__ = [
-    "CapturedChoice",
-    "CapturedCall",
-    "Drift",
-    "AgentTrajectory",
-    "CaptureStore",
-    "build_trajectory",
-    "read_trajectories",
-]
+__all__ = ["Drift", "AgentTrajectory", "build_trajectory", "read_trajectories"]
 
 DriftReason = Literal["completion_retokenized", "prompt_changed"]
-
-
-class CapturedChoice(BaseModel):
-    """One sampled continuation: its tokens, the sampler's log-prob of each, and how it ended."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    index: int
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    text: str = ""
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class CapturedCall(BaseModel):
-    """Everything the front knows about one served call."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rollout_id: str
-    call_index: int  # position of the call within its rollout
-    endpoint: Literal["chat.completions", "completions"]
-    model: str
-    sampler_id: str
-    weight_version: int  # which refresh of the weights sampled it (the loop's optimizer step)
-    prompt_tokens: list[int]
-    choices: list[CapturedChoice]
-    usage: dict[str, int]
-    request: dict[str, Any] = Field(default_factory=dict)  # messages / prompt and sampling settings, as sent
 
 
 class Drift(BaseModel):
@@ -185,47 +148,6 @@ def build_trajectory(rollout_id: str, calls: Sequence[CapturedCall], reward: flo
 
 def _extends(prompt: Sequence[int], before: Sequence[int]) -> bool:
     return len(prompt) >= len(before) and list(prompt[: len(before)]) == list(before)
-
-
-class CaptureStore:
-    """The calls the front served, by rollout id, in the order they were served."""
-
-    def __init__(self) -> None:
-        self._calls: dict[str, list[CapturedCall]] = {}
-        self._counts: dict[str, int] = {}
-
-    def reserve(self, rollout_id: str) -> int:
-        """The call index of a new call of ``rollout_id``: the order in which its calls arrived."""
-        n = self._counts.get(rollout_id, 0)
-        self._counts[rollout_id] = n + 1
-        return n
-
-    def add(self, call: CapturedCall) -> None:
-        self._calls.setdefault(call.rollout_id, []).append(call)
-
-    def calls(self, rollout_id: str) -> list[CapturedCall]:
-        return sorted(self._calls.get(rollout_id, []), key=lambda c: c.call_index)
-
-    def pop(self, rollout_id: str) -> list[CapturedCall]:
-        """The calls of ``rollout_id``, forgotten by the store."""
-        self._counts.pop(rollout_id, None)
-        return sorted(self._calls.pop(rollout_id, []), key=lambda c: c.call_index)
-
-    def rollout_ids(self) -> list[str]:
-        return list(self._calls)
-
-    def __iter__(self) -> Iterator[CapturedCall]:
-        for calls in list(self._calls.values()):
-            yield from calls
-
-    def write_jsonl(self, path: str | Path) -> int:
-        """Append every captured call as one JSON line; returns how many were written."""
-        n = 0
-        with open(path, "a", encoding="utf-8") as f:
-            for call in self:
-                f.write(call.model_dump_json() + "\n")
-                n += 1
-        return n
 
 
 def read_trajectories(path: str | Path) -> list[dict[str, Any]]:

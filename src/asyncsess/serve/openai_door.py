@@ -11,7 +11,7 @@ Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker
 
 Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
 exists. Each (key, sampler) pair has one :class:`~.openai_front.OpenAIFront`; a key's fronts share one
-:class:`~asyncsess.rl.capture.CaptureStore`, so captures are per key. A capture's ``weight_version`` is the
+:class:`~asyncsess.serve.capture.CaptureStore`, so captures are per key. A capture's ``weight_version`` is the
 optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`` is the ``model`` it named.
 """
 
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
-from ..rl.capture import CaptureStore
+from .capture import CaptureStore
 from .openai_front import OpenAIFront
 from .openai_wire import FrontError
 from .tinker_api import TinkerDoor, api_key_of, caller

@@ -5,11 +5,11 @@ for whatever backend the sampler runs on (mock, local, http, sagemaker, tinker).
 ``front.openai_client()`` is an ``openai.AsyncOpenAI`` whose httpx client goes through ``front.transport()``
 (an ``httpx.ASGITransport`` on ``front.app()``); or mount ``front.router()`` into a server.
 
-Chat messages are rendered with the model's own chat template through :class:`asyncsess.rl.tool_env.ChatRenderer`
+Chat messages are rendered with the model's own chat template through :class:`asyncsess.chat.ChatRenderer`
 (tools included); replies are parsed for Hermes-style ``<tool_call>{...}</tool_call>`` blocks (the convention
 of the templates the project ships) and returned as ``tool_calls``. An assistant message that comes back with
 tool-call ids this front issued is rendered from the exact text the model produced, so the next prompt extends
-the previous one token for token. Every call is captured (:mod:`asyncsess.rl.capture`) under the rollout id the
+the previous one token for token. Every call is captured (:mod:`asyncsess.serve.capture`) under the rollout id the
 caller set: header ``X-Rollout-Id``, else ``metadata["rollout_id"]``, else ``user``, else ``"default"``.
 
 Bad requests get a 400 (404 for an unknown model) with an OpenAI-shaped body naming the parameter; a parameter
@@ -31,11 +31,11 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from ..chat import ChatRenderer, Tool, parse_tool_calls
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError
-from ..rl.capture import CapturedCall, CapturedChoice, CaptureStore
-from ..rl.tool_env import ChatRenderer, Tool, parse_tool_calls
 from ..types import SampledSequence, SamplingParams
+from .capture import CapturedCall, CapturedChoice, CaptureStore
 from .openai_wire import (
     ChatRequest,
     Choice,

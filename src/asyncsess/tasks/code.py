@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rl.tool_env import ChatRenderer, Tool, ToolEnv
+from ..chat import ChatRenderer, Tool
+from ..rl.tool_env import ToolEnv
 from ..rl.types import Env, EnvGroupBuilder
 from ..sandbox import Sandbox, TestCase, TestReport
 

@@ -1,0 +1,84 @@
+"""What the OpenAI front records of every call it serves, by rollout id (turned into trajectories by
+:mod:`asyncsess.rl.capture`): the exact prompt tokens, each choice's sampled tokens and the sampler's
+log-probs, the weight version that produced them, the finish reason and the usage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["CapturedChoice", "CapturedCall", "CaptureStore"]
+
+
+class CapturedChoice(BaseModel):
+    """One sampled continuation: its tokens, the sampler's log-prob of each, and how it ended."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class CapturedCall(BaseModel):
+    """Everything the front knows about one served call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    call_index: int  # position of the call within its rollout
+    endpoint: Literal["chat.completions", "completions"]
+    model: str
+    sampler_id: str
+    weight_version: int  # which refresh of the weights sampled it (the loop's optimizer step)
+    prompt_tokens: list[int]
+    choices: list[CapturedChoice]
+    usage: dict[str, int]
+    request: dict[str, Any] = Field(default_factory=dict)  # messages / prompt and sampling settings, as sent
+
+
+class CaptureStore:
+    """The calls the front served, by rollout id, in the order they were served."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, list[CapturedCall]] = {}
+        self._counts: dict[str, int] = {}
+
+    def reserve(self, rollout_id: str) -> int:
+        """The call index of a new call of ``rollout_id``: the order in which its calls arrived."""
+        n = self._counts.get(rollout_id, 0)
+        self._counts[rollout_id] = n + 1
+        return n
+
+    def add(self, call: CapturedCall) -> None:
+        self._calls.setdefault(call.rollout_id, []).append(call)
+
+    def calls(self, rollout_id: str) -> list[CapturedCall]:
+        return sorted(self._calls.get(rollout_id, []), key=lambda c: c.call_index)
+
+    def pop(self, rollout_id: str) -> list[CapturedCall]:
+        """The calls of ``rollout_id``, forgotten by the store."""
+        self._counts.pop(rollout_id, None)
+        return sorted(self._calls.pop(rollout_id, []), key=lambda c: c.call_index)
+
+    def rollout_ids(self) -> list[str]:
+        return list(self._calls)
+
+    def __iter__(self) -> Iterator[CapturedCall]:
+        for calls in list(self._calls.values()):
+            yield from calls
+
+    def write_jsonl(self, path: str | Path) -> int:
+        """Append every captured call as one JSON line; returns how many were written."""
+        n = 0
+        with open(path, "a", encoding="utf-8") as f:
+            for call in self:
+                f.write(call.model_dump_json() + "\n")
+                n += 1
+        return n
