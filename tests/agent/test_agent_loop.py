@@ -20,7 +20,7 @@ async def test_recipe_reward_rises_and_metrics_and_trajectories_are_written(tmp_
     result = await agent_rl.main([f"run_dir={tmp_path}", *FAST])
     records = check_metrics_file(tmp_path, {"env/all/reward/total", "env/all/calls", "env/all/drift", "async/staleness_max", "optim/loss"})
     rewards = [r["env/all/reward/total"] for r in records if "env/all/reward/total" in r]
-    assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+    assert len(rewards) == 12 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert result.after["test/env/all/reward/total"] > result.before["test/env/all/reward/total"]
     lines = read_trajectories(tmp_path / "trajectories.jsonl")
     final = result.final_checkpoint.extra
@@ -30,6 +30,16 @@ async def test_recipe_reward_rises_and_metrics_and_trajectories_are_written(tmp_
     assert {line["temperature"] for line in lines} == {0.0, 1.0}
     for line in lines:
         assert line["calls"] and all(c["request"]["tools"][0]["function"]["name"] == "calc" for c in line["calls"])
+
+
+async def test_the_same_seed_gives_the_same_run_whatever_order_the_calls_arrive_in(tmp_path):
+    """Rollouts run concurrently, so their calls reach the sampler in an order the event loop picks; each
+    rollout samples with its own seed, so two runs with the same seed draw the same tokens."""
+    runs = []
+    for name in ("a", "b"):
+        await agent_rl.main([f"run_dir={tmp_path / name}", "max_steps=3", "eval_every=0", "save_every=0", "n_test=2", "group_size=6"])
+        runs.append([r["env/all/reward/total"] for r in read_metrics(tmp_path / name) if "env/all/reward/total" in r])
+    assert len(runs[0]) == 3 and runs[0] == runs[1]
 
 
 def sampled(line: dict) -> tuple[list[int], list[float]]:

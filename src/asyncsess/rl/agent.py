@@ -16,6 +16,7 @@ replaces what the agent asks for, so the sampled tokens follow the policy the lo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -69,9 +70,13 @@ class _AgentRunner:
         self.front = OpenAIFront(model_name=cfg.model_name, max_n=cfg.max_n, max_tokens=cfg.max_tokens, context_window=cfg.context_window)
         self.jsonl = path / "trajectories.jsonl"
 
-    async def rollout(self, task: Any, sampler: SamplingClient, temperature: float, version: int) -> AgentTrajectory:
+    async def rollout(self, task: Any, sampler: SamplingClient, temperature: float, version: int, index: int = 0) -> AgentTrajectory:
         rid = f"rollout-{uuid.uuid4().hex}"
-        self.front.bind(rid, sampler, version, temperature)
+        # a seed from the run, the weights, the task and the rollout's place in its group: the same tokens
+        # whatever order the group's concurrent calls reach the sampler in
+        key = f"{self.cfg.seed}:{version}:{_jsonable(task)!r}:{index}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 2
+        self.front.bind(rid, sampler, version, temperature, seed=seed)
         try:
             async with self.front.openai_client(rid) as client:
                 reward = float(await self.agent(client, task))
@@ -88,7 +93,7 @@ class _AgentRunner:
 
         async def one(i: int) -> None:
             try:
-                done[i] = await self.rollout(builder.task, sampler, temperature, version)
+                done[i] = await self.rollout(builder.task, sampler, temperature, version, i)
             except Exception as err:  # raised below as itself, not inside an ExceptionGroup
                 errors.append(err)
 

@@ -76,6 +76,14 @@ class _Binding:
     version: int
     temperature: float | None = None  # forced for every call of the rollout (the loop's policy), if set
     name: str | None = None  # what captures call the sampler (default: its sampler_id)
+    seed: int | None = None  # calls that set no seed get seed + i for the rollout's i-th such call
+    seeded_calls: int = 0
+
+    def next_seed(self) -> int | None:
+        if self.seed is None:
+            return None
+        self.seeded_calls += 1
+        return (self.seed + self.seeded_calls - 1) % 2**63
 
 
 class OpenAIFront:
@@ -114,9 +122,14 @@ class OpenAIFront:
         """Serve calls without a bound rollout from ``sampler`` (weights ``version``) from now on."""
         self._default = _Binding(sampler, version)
 
-    def bind(self, rollout_id: str, sampler: SamplingClient, version: int, temperature: float | None = None) -> None:
-        """Serve every call of ``rollout_id`` from ``sampler``; ``temperature`` overrides what the agent asks."""
-        self._bindings[rollout_id] = _Binding(sampler, version, temperature)
+    def bind(
+        self, rollout_id: str, sampler: SamplingClient, version: int, temperature: float | None = None, *, seed: int | None = None
+    ) -> None:
+        """Serve every call of ``rollout_id`` from ``sampler``; ``temperature`` overrides what the agent asks.
+
+        With ``seed``, a call that sets no seed of its own samples with ``seed + i`` (its place among the
+        rollout's calls), so concurrent rollouts draw the same tokens whatever order their calls arrive in."""
+        self._bindings[rollout_id] = _Binding(sampler, version, temperature, seed=seed)
 
     def unbind(self, rollout_id: str) -> None:
         self._bindings.pop(rollout_id, None)
@@ -259,7 +272,7 @@ class OpenAIFront:
             max_tokens=budget,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            seed=None if req.seed is None else req.seed % 2**63,
+            seed=binding.next_seed() if req.seed is None else req.seed % 2**63,
             stop=stop or None,
         )
 
