@@ -118,7 +118,10 @@ def run_demo(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     run_dir = out / "demo"
     cmd = [str(Path(sys.executable).with_name("asyncsess")), "demo", "--minutes", str(args.minutes), "--seed", str(args.seed)]
     cmd += ["--run-dir", str(run_dir), "--url", args.url, "--no-progress"]
-    if args.n_test != 100:
+    if args.n_test != 100:  # the demo's default held-out set is 100 problems
+        helptext = subprocess.run([cmd[0], "demo", "--help"], capture_output=True, text=True).stdout
+        if "--n-test" not in helptext:
+            raise SystemExit("--n-test: this asyncsess demo has no --n-test flag, so both runs must use its 100 problems")
         cmd += ["--n-test", str(args.n_test)]
     rc, wall, rss = run_measured(cmd, out / "demo.log")
     if rc != 0:

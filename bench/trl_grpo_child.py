@@ -31,6 +31,12 @@ def main(job_path: str, out_path: str) -> None:
     dtype = getattr(torch, job["dtype"])
     tok = AutoTokenizer.from_pretrained(job["model_dir"], gguf_file=job["gguf_file"])
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], gguf_file=job["gguf_file"], dtype=dtype)
+    # transformers marks a GGUF load as quantized even when every weight came out as a plain dense tensor (as
+    # here, and as in the demo's engine); the Trainer then refuses it, so drop the marker once that is checked
+    dense = all(p.dtype == dtype for p in model.parameters())
+    if getattr(model, "hf_quantizer", None) is not None and dense:
+        model.hf_quantizer = None
+        model.is_quantized = False
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -116,6 +122,7 @@ def main(job_path: str, out_path: str) -> None:
         report_to=[],
         seed=job["seed"],
         disable_tqdm=True,
+        gradient_checkpointing=False,  # the demo does not recompute activations
     )
     lora = LoraConfig(
         r=job["lora_rank"],
