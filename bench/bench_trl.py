@@ -210,8 +210,7 @@ def unmatched(args: argparse.Namespace, demo_cfg: dict[str, Any]) -> list[str]:
         "so the rollouts differ; top_p 1, no top_k on both",
         "stop tokens: both stop at the chat template's end-of-turn tokens (TRL through `generation_kwargs.eos_token_id`)",
         f"precision: both `{args.dtype}` weights; the demo's engine LoRA/optimizer dtype is the backend's, TRL's is PEFT's "
-        "(adapters in float32) with the Trainer's "
-        + ("bf16 autocast" if args.dtype == "bfloat16" else "float32 math"),
+        "(adapters in float32) with the Trainer's " + ("bf16 autocast" if args.dtype == "bfloat16" else "float32 math"),
         "LoRA init: both PEFT defaults under the same seed, but different RNG streams, so the initial adapters differ",
         "budget: both stop after the first optimizer step that ends past the budget; the demo's clock covers its "
         "steps (sampling + training), TRL's runs from `on_train_begin` to the last `on_step_end`",
@@ -263,8 +262,7 @@ def main() -> None:
         runs.append(run_trl(args, out, demo_cfg))
     report = [
         f"seed {args.seed}, {args.minutes:g} min budget, {args.dtype}, {args.n_test} held-out problems; "
-        f"load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}, at end "
-        + " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+        f"load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}, at end " + " / ".join(f"{x:.2f}" for x in os.getloadavg()),
         "",
         table(runs),
     ]
@@ -276,7 +274,9 @@ def main() -> None:
     text = "\n".join(report)
     print(text)
     (out / "report.md").write_text(text + "\n")
-    (out / "result.json").write_text(json.dumps({"args": vars(args), "runs": [{k: v for k, v in r.items() if k != "config"} for r in runs]}, indent=1))
+    (out / "result.json").write_text(
+        json.dumps({"args": vars(args), "runs": [{k: v for k, v in r.items() if k != "config"} for r in runs]}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ from typing import Any
 
 def main(job_path: str, out_path: str) -> None:
     import torch
-    from asyncsess.rl.rollouts import Problem
-    from asyncsess.tasks.arithmetic import grade
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from asyncsess.rl.rollouts import Problem
+    from asyncsess.tasks.arithmetic import grade
 
     job = json.loads(Path(job_path).read_text())
     torch.manual_seed(job["seed"])
