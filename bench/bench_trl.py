@@ -212,8 +212,9 @@ def unmatched(args: argparse.Namespace, demo_cfg: dict[str, Any]) -> list[str]:
         f"precision: both `{args.dtype}` weights; the demo's engine LoRA/optimizer dtype is the backend's, TRL's is PEFT's "
         "(adapters in float32) with the Trainer's " + ("bf16 autocast" if args.dtype == "bfloat16" else "float32 math"),
         "LoRA init: both PEFT defaults under the same seed, but different RNG streams, so the initial adapters differ",
-        "budget: both stop after the first optimizer step that ends past the budget; the demo's clock covers its "
-        "steps (sampling + training), TRL's runs from `on_train_begin` to the last `on_step_end`",
+        "budget: both stop when the training time so far plus the last step's length reaches the budget (the demo's "
+        "rule); the demo's clock covers its steps (sampling + training), TRL's runs from `on_train_begin` to the last "
+        "`on_step_end` (so it includes TRL's dataloader start)",
         "evaluation: same held-out problems, chat template, greedy decoding and max tokens; the demo evaluates through "
         "its sampler (requests batched by the engine), TRL through `generate` in left-padded batches of 32",
     ]
