@@ -209,8 +209,9 @@ def unmatched(args: argparse.Namespace, demo_cfg: dict[str, Any]) -> list[str]:
         "sampling: the demo's engine seeds each request; TRL samples with `transformers.generate` under the trainer seed, "
         "so the rollouts differ; top_p 1, no top_k on both",
         "stop tokens: both stop at the chat template's end-of-turn tokens (TRL through `generation_kwargs.eos_token_id`)",
-        f"precision: both `{args.dtype}` weights; the demo's engine LoRA/optimizer dtype is the backend's, TRL's is PEFT's "
-        "(adapters in float32) with the Trainer's " + ("bf16 autocast" if args.dtype == "bfloat16" else "float32 math"),
+        f"precision: both load the weights in `{args.dtype}` and keep PEFT's float32 adapters; the demo's engine "
+        "takes log-probs in float32 without autocast, TRL trains "
+        + ("under the Trainer's bf16 autocast" if args.dtype == "bfloat16" else "in float32"),
         "LoRA init: both PEFT defaults under the same seed, but different RNG streams, so the initial adapters differ",
         "budget: both stop when the training time so far plus the last step's length reaches the budget (the demo's "
         "rule); the demo's clock covers its steps (sampling + training), TRL's runs from `on_train_begin` to the last "
