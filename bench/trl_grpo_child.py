@@ -23,6 +23,7 @@ def main(job_path: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from asyncsess.chat import chat_tokens
     from asyncsess.rl.rollouts import Problem
     from asyncsess.tasks.arithmetic import grade
 
@@ -36,8 +37,8 @@ def main(job_path: str, out_path: str) -> None:
     # here, and as in the demo's engine); the Trainer then refuses it, so drop the marker once that is checked
     dense = all(p.dtype == dtype for p in model.parameters())
     if getattr(model, "hf_quantizer", None) is not None and dense:
-        model.hf_quantizer = None
-        model.is_quantized = False
+        setattr(model, "hf_quantizer", None)  # noqa: B010 (mypy types Module attributes as Tensor | Module)
+        setattr(model, "is_quantized", False)  # noqa: B010
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -54,8 +55,7 @@ def main(job_path: str, out_path: str) -> None:
         with torch.no_grad():
             for i in range(0, len(problems), 32):
                 chunk = problems[i : i + 32]
-                ids = [tok.apply_chat_template(messages(p["question"]), tokenize=True, add_generation_prompt=True) for p in chunk]
-                ids = [x if isinstance(x, list) else x["input_ids"] for x in ids]
+                ids = [chat_tokens(tok, messages(p["question"]), add_generation_prompt=True) for p in chunk]  # the demo's renderer
                 width = max(len(x) for x in ids)
                 input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
                 mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
