@@ -200,7 +200,8 @@ def unmatched(args: argparse.Namespace, demo_cfg: dict[str, Any]) -> list[str]:
     """Every setting that differs between the two runs, or that cannot be shown equal."""
     return [
         f"loss: the demo's `{demo_cfg['loss_fn']}` (PPO clip 0.2, summed over tokens, on-policy) vs TRL `loss_type={TRL_LOSS}` "
-        "(same clipped surrogate on-policy, sum over tokens / (batch × max_completion_length): a constant factor Adam absorbs); "
+        "(same clipped surrogate on-policy, sum over tokens / (batch × max_completion_length): a constant factor Adam absorbs; "
+        "the demo's ratio is taken against the sampler's log-probs, TRL's against its own detached ones, so exactly 1); "
         "TRL's `beta=0` (no KL), `num_iterations=1`, `epsilon=0.2`",
         "constant-reward groups: the demo leaves them out of the batch; TRL keeps them with advantage 0 (no gradient, "
         "but they count in the dr_grpo normaliser)",
