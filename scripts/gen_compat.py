@@ -9,7 +9,7 @@ type fields and error classes. Each row gets asyncsess's equivalent and a status
 - ``ignored``: accepted and ignored, for the reason given;
 - ``differs`` / ``missing``: for the reason given (``REASONS`` below; a row without one says so).
 
-Run ``python scripts/gen_compat.py`` (or ``nox -s compat``); ``--check`` exits 1 when the file is stale.
+Run ``python scripts/gen_compat.py`` (or ``nox -s tinker``); ``--check`` exits 1 when the file is stale.
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ def render() -> str:
         + anchors["tinker"]["version"]
         + "` and `sagemaker-train=="
         + anchors["sagemaker"]["version"]
-        + "` (module `sagemaker.train.training_session`) by reflection; do not edit by hand. `nox -s compat` fails when it is stale.",
+        + "` (module `sagemaker.train.training_session`) by reflection; do not edit by hand. `nox -s tinker` fails when it is stale.",
         "",
         "Every public method of the anchors' clients (and each of its parameters: name, kind, default), their futures,",
         "the public fields of their types and their error classes, mapped to asyncsess. A loop written for either anchor",

@@ -53,6 +53,18 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+# suites that exercise the OS (subprocesses, namespaces, limits) rather than the Python version: the mock matrix
+# runs them on one Python, under both anyio backends (marker `once`, see noxfile.py)
+_ONCE = ("sandbox/", "code_rl/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        rel = item.path.relative_to(_HERE).as_posix() if item.path.is_relative_to(_HERE) else ""
+        if rel.startswith(_ONCE):
+            item.add_marker(pytest.mark.once)
+
+
 @pytest.fixture(params=[os.environ.get("ASYNCSESS_ANYIO_BACKEND", "asyncio")])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -1,4 +1,4 @@
-"""docs/compatibility.md is generated from the installed official packages and must be up to date (``nox -s compat``)."""
+"""docs/compatibility.md is generated from the installed official packages and must be up to date (``nox -s tinker``)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from .conftest import API_KEY, _free_port
 
 pytestmark = [pytest.mark.cookbook, pytest.mark.local]
 
-SERVER_PYTHON = os.environ.get("ASYNCSESS_SERVER_PYTHON", ".nox/tinker_local/bin/python")
+SERVER_PYTHON = os.environ.get("ASYNCSESS_SERVER_PYTHON", ".nox/tinker/bin/python")
 STEPS = int(os.environ.get("ASYNCSESS_COOKBOOK_STEPS", "24"))
 
 _EXPORT = """
