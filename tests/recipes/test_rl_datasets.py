@@ -38,11 +38,7 @@ async def state(path: str, url: str = "mock://") -> tuple[np.ndarray, np.ndarray
 def comparable(run_dir: Path) -> list[dict]:
     """metrics.jsonl without wall-clock figures (and a recovery's own)."""
     return [
-        {
-            k: v
-            for k, v in r.items()
-            if not (k.startswith(("time/", "recovery/")) or k.endswith("_per_s") or k == "progress/done_frac")
-        }
+        {k: v for k, v in r.items() if not (k.startswith(("time/", "recovery/")) or k.endswith("_per_s") or k == "progress/done_frac")}
         for r in read_metrics(run_dir)
     ]
 

@@ -322,9 +322,10 @@ class MockBackend(Backend):
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
         self.calls["list_checkpoints"] += 1
         stored = dict(self._checkpoints)
-        for path in self._store.paths() if self._store is not None else []:
-            if path not in stored and (ckpt := self._store.load(path)) is not None:
-                stored[path] = ckpt
+        if self._store is not None:
+            for path in self._store.paths():
+                if path not in stored and (ckpt := self._store.load(path)) is not None:
+                    stored[path] = ckpt
         return [c.record() for c in stored.values() if not c.ephemeral and session_id in (None, c.session_id)]
 
     async def delete_checkpoint(self, path: str) -> None:

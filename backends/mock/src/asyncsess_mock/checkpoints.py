@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class DiskStore:
         assert file is not None, ckpt.path  # paths come from checkpoint_path(), whose parts are checked
         file.parent.mkdir(parents=True, exist_ok=True)
         meta = {f.name: getattr(ckpt, f.name) for f in fields(ckpt) if f.name not in ("delta", "adam")}
-        arrays = {"delta": ckpt.delta, "meta": np.array(json.dumps(meta))}
+        arrays: dict[str, Any] = {"delta": ckpt.delta, "meta": np.array(json.dumps(meta))}
         if ckpt.adam is not None:
             arrays.update(adam_m=ckpt.adam.m, adam_v=ckpt.adam.v, adam_step=np.array(ckpt.adam.step))
         tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")

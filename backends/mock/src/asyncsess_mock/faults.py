@@ -47,7 +47,7 @@ class MockConfig:
             raise InvalidInputError(f"unknown parameter(s) {', '.join(unknown)}", field="url", fix=f"known: {', '.join(known)}")
         values: dict[str, Any] = {}
         for name, f in known.items():
-            kind = {"int": int, "str": str}.get(getattr(f.type, "__name__", f.type), float)
+            kind: type = {"int": int, "str": str}.get(str(getattr(f.type, "__name__", f.type)), float)
             default: Any = f.default
             if kind is str:
                 values[name] = url.get_str(name, default)
