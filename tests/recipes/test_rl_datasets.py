@@ -268,3 +268,31 @@ async def test_a_killed_training_process_resumes_bit_for_bit(tmp_path):
     assert_same_state(await state(whole.final_checkpoint.state_path), await state(final["state_path"], url), 5)
     assert drawn(tmp_path / "run" / "draws.jsonl") == drawn(tmp_path / "whole" / "draws.jsonl")
     assert comparable(tmp_path / "run") == comparable(tmp_path / "whole")
+
+
+def test_drawn_batches_keep_what_is_still_needed(tmp_path):
+    """Batch i is the i-th draw; batches below ``needed()`` are forgotten; ``state(first)`` is the state
+    before the batch of group ``first``, and restoring it draws the same batches again."""
+    from asyncsess.rl.datasets import DrawnBatches
+
+    def stream() -> ShuffleBufferStream:
+        return ShuffleBufferStream(PROBLEMS, 2, lambda p: p.question, 3, tmp_path / "log")  # type: ignore[arg-type,return-value]
+
+    data = DrawnBatches(stream(), 2)
+    needed = [0]
+    data.needed = lambda: needed[0]
+    assert data.get_batch(3) and len(data) == 4 and data.first == 0  # drew batches 0..3
+    batches = [list(data.get_batch(i)) for i in range(4)]
+    saved = data.state(5)  # group 5 is in batch 2
+    assert saved["batch"] == 2 and saved["state"]["served"] == 2 and saved["type"].endswith("ShuffleBufferStream")
+    needed[0] = 5
+    data.get_batch(4)  # a new draw forgets batches 0 and 1
+    assert data.first == 2 and len(data.kept) == 3
+    with pytest.raises(RuntimeError):
+        data.get_batch(1)
+    with pytest.raises(RuntimeError):
+        data.state(2)
+    again = DrawnBatches(stream(), 2, json.loads(json.dumps(saved)))
+    assert again.first == 2 and [list(again.get_batch(i)) for i in (2, 3)] == batches[2:]
+    assert again.state(6)["state"] == data.state(6)["state"]  # at batch 3, a drawn one
+    assert again.get_batch(4) == data.get_batch(4) and again.state(10)["state"] == data.state(10)["state"]  # the next to draw
