@@ -60,7 +60,7 @@ async def test_a_users_stream_resumes_bit_for_bit(tmp_path, k):
     record = last_checkpoint(tmp_path / "split")
     assert first.steps == 3 and record is not None and record.step == 3
     saved = record.extra["dataset"]
-    assert saved["type"].endswith("user_stream.ShuffleBufferStream") and set(saved["state"]) == {"read", "buffer", "served", "rng"}
+    assert saved["type"] == "ShuffleBufferStream" and set(saved["state"]) == {"read", "buffer", "served", "rng"}
     if k:  # groups started but not trained are saved with the state of the first of their batches
         pending = json.loads((tmp_path / "split" / record.extra["pending_file"]).read_text())
         assert pending and saved["batch"] == min(g["index"] for g in pending) // cfg.groups_per_batch < record.extra["cursor"] // 4
@@ -212,7 +212,7 @@ async def test_resuming_with_a_dataset_that_does_not_fit_is_refused(tmp_path):
     await train_rl(cfg, shuffled(PROBLEMS), tmp_path / "shuffled", progress=False)
     await train_rl(cfg, broken("", cfg, tmp_path / "draws"), tmp_path / "careless", progress=False)
     cases = [
-        (tmp_path / "stream", shuffled(PROBLEMS), "make_datasets", "user_stream.ShuffleBufferStream"),  # another class
+        (tmp_path / "stream", shuffled(PROBLEMS), "make_datasets", "a ShuffleBufferStream, make_datasets returned a ShuffledDataset"),
         (tmp_path / "stream", problem_datasets(PROBLEMS, [], digit_share, cfg), "make_datasets", "index-addressed"),
         (tmp_path / "indexed", shuffled(PROBLEMS), "make_datasets", "no dataset state"),
         (tmp_path / "shuffled", shuffled(PROBLEMS[:5]), "items", "12 items"),  # the same class, a state it cannot take

@@ -72,7 +72,8 @@ class ShuffledDataset(Generic[T]):
 
 
 def _type_name(dataset: object) -> str:
-    return f"{type(dataset).__module__}.{type(dataset).__qualname__}"
+    """The class as written, without its module (``python train.py`` and ``python -m pkg.train`` name it alike)."""
+    return type(dataset).__qualname__
 
 
 def _dump(dataset: StatefulDataset) -> str:
