@@ -130,7 +130,8 @@ async def train_rl(
     progress: bool = True,
 ) -> RLResult:
     """Run (or resume) RL on the envs of ``make_datasets(tokenizer)`` (for single-turn problems:
-    :func:`asyncsess.rl.problem_env.problem_datasets`).
+    :func:`asyncsess.rl.problem_env.problem_datasets`). Its training dataset is an :class:`RLDataset`
+    (batches by index) or a :class:`StatefulDataset` (drawn in order, its state saved with each checkpoint).
 
     ``make_completer`` replaces the policy that plays each env (default: sampling with the config's
     settings); ``play_group`` replaces how a whole group is played (the agent loop runs the user's agents
