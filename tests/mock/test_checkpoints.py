@@ -125,3 +125,45 @@ async def test_bad_checkpoint_name(open_session):
         await s.run("save_state", name="a/b")
     assert err.value.field == "name"
     await b.stop_session(s.id)
+
+
+@pytest.mark.anyio
+async def test_checkpoint_dir_keeps_checkpoints_for_another_process(open_session, datum, tmp_path):
+    """``?checkpoint_dir=``: what one process saved, a backend that never saw it (another process) loads exactly."""
+    from asyncsess.backends.base import parse_url
+
+    b = MockBackend.from_url(parse_url(f"mock://?checkpoint_dir={tmp_path}"))
+    s = await open_session(b)
+    await _train(s, _batches(b.tokenizer, datum)[:2])
+    state = await s.run("save_state", name="half")
+    weights = await s.run("save_weights", name="half")
+    assert (tmp_path / s.id / "weights" / "half.npz").is_file() and not list(tmp_path.rglob("*.tmp"))
+    m0, v0, _ = b.optimizer_state(s.id)
+    for path in (state.path, weights.path):  # forget them in this process: as a fresh process would
+        del MockBackend._checkpoints[path]
+
+    other = MockBackend.from_url(parse_url(f"mock://?checkpoint_dir={tmp_path}"))
+    assert other._id_prefix != b._id_prefix  # session ids, hence paths, never repeat across processes
+    r = await open_session(other, from_path=state.path, with_optimizer=True)
+    np.testing.assert_array_equal(other.weights(r.id), b.weights(s.id))
+    m, v, step = other.optimizer_state(r.id)
+    assert step == 2 and np.array_equal(m, m0) and np.array_equal(v, v0)
+    assert {c.path for c in await other.list_checkpoints(s.id)} == {state.path, weights.path}
+    sampler = await other.create_sampler(SamplerSpec(model_path=weights.path))
+    await other.stop_session(sampler)
+    with pytest.raises(InvalidInputError) as err:  # sampler weights are no training state, on disk as in memory
+        await other.create_training_session(TrainingSessionSpec("", from_path=weights.path))
+    assert err.value.field == "from_path"
+    for bad in ("mock://../weights/half", f"mock://{s.id}/weights/..", "mock://x/other/half"):
+        with pytest.raises(InvalidInputError) as err:
+            await other.create_training_session(TrainingSessionSpec("", from_path=bad))
+        assert err.value.field == "from_path"
+    await other.delete_checkpoint(state.path)
+    assert not (tmp_path / s.id / "weights" / "half.npz").exists()
+    with pytest.raises(InvalidInputError):
+        await other.create_training_session(TrainingSessionSpec("", from_path=state.path))
+    with pytest.raises(InvalidInputError) as err:  # no checkpoint_dir: the process-wide store only
+        await MockBackend().create_sampler(SamplerSpec(model_path=weights.path))
+    assert err.value.field == "model_path"
+    for backend, sid in [(b, s.id), (other, r.id)]:
+        await backend.stop_session(sid)

@@ -14,8 +14,9 @@ Advantages are group-centred (``R - mean(R)``, optionally std-normalised); group
 datums; an optional KL penalty against the base model moves the advantages (cookbook). ``metrics.jsonl`` gets
 one line per step and held-out results (``test/...``, greedy, one episode per held-out builder) before the
 first step, every ``eval_every`` steps and after the last. Checkpoints go to ``checkpoints.jsonl`` with the
-position in the stream of groups and the groups started but not trained; a rerun in the same directory
-resumes there. A lost session is recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`).
+position in the stream of groups, the groups started but not trained, and a stateful dataset's state
+(:class:`~asyncsess.rl.types.StatefulDataset`); a rerun in the same directory resumes there. A lost session is
+recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
 from ..types import AdamParams, Datum, ForwardBackwardOutput, TensorData
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
+from .datasets import DrawnBatches, run_dataset
 from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics
-from .types import EnvGroupBuilder, RLDataset, TokenCompleter, TrajectoryGroup
+from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, TrajectoryGroup
 
 __all__ = ["RLConfig", "RLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_rl"]
 
 # (tokenizer) -> (training dataset, held-out group builders: one episode each)
-MakeDatasets = Callable[[Tokenizer], tuple[RLDataset, Sequence[EnvGroupBuilder]]]
+MakeDatasets = Callable[[Tokenizer], tuple[RLDataset | StatefulDataset, Sequence[EnvGroupBuilder]]]
 # (sampler, max_tokens, temperature, context_window) -> the policy that plays episodes
 MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenCompleter]
 # (builder, sampler, temperature, sampler_step) -> the played group; default: the envs played by the completer
@@ -128,7 +130,8 @@ async def train_rl(
     progress: bool = True,
 ) -> RLResult:
     """Run (or resume) RL on the envs of ``make_datasets(tokenizer)`` (for single-turn problems:
-    :func:`asyncsess.rl.problem_env.problem_datasets`).
+    :func:`asyncsess.rl.problem_env.problem_datasets`). Its training dataset is an :class:`RLDataset`
+    (batches by index) or a :class:`StatefulDataset` (drawn in order, its state saved with each checkpoint).
 
     ``make_completer`` replaces the policy that plays each env (default: sampling with the config's
     settings); ``play_group`` replaces how a whole group is played (the agent loop runs the user's agents
@@ -143,12 +146,13 @@ async def train_rl(
             async with ServiceClient(cfg.url) as svc:
                 tc = await open_training_client(svc, cfg, record)
                 train, test = make_datasets(tc.get_tokenizer())
+                data = run_dataset(train, cfg.groups_per_batch, record.extra if record else None)  # checked, restored
                 window = cfg.context_window
                 if window is None:
                     caps = await svc.get_server_capabilities()
                     window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
                 reference = await svc.create_sampling_client(base_model=tc.base_model) if cfg.kl_penalty_coef else None
-                loop = _Loop(cfg, tc, train, list(test), window, path, log, make_completer, play_group, reference)
+                loop = _Loop(cfg, tc, data, list(test), window, path, log, make_completer, play_group, reference)
                 loop.pending_metrics = dict(recovered)
                 return await loop.run(start, record, progress)
 
@@ -235,6 +239,8 @@ class _Loop:
                 int(extra.get("cursor", start * cfg.groups_per_batch)),
                 finished,
             )
+            if isinstance(self.train, DrawnBatches):  # it keeps the batches of groups not yet trained
+                self.train.needed = lambda: min(rollouts.open, default=rollouts.cursor)
             tg.start_soon(rollouts.dispatch)
             try:  # a failure is raised as itself, not inside the task group's ExceptionGroup
                 step, train_seconds = await self.steps(start, train_seconds, rollouts, eval_metrics, progress)
@@ -366,8 +372,11 @@ class _Loop:
 
     async def checkpoint(self, step: int, cursor: int, finished: list[FinishedGroup], final: bool) -> CheckpointRecord:
         """Save the state (and at the end the sampler weights) with the position in the stream of groups
-        (``cursor``, the next group never started) and the groups sampled but not trained (``pending-<step>.json``)."""
+        (``cursor``, the next group never started) and the groups sampled but not trained (``pending-<step>.json``);
+        a stateful dataset's state from which those groups are drawn again goes in the record (``dataset``)."""
         extra: dict[str, Any] = {"cursor": cursor}
+        if isinstance(self.train, DrawnBatches):
+            extra["dataset"] = self.train.state(min((f.index for f in finished), default=cursor))
         if finished:
             extra["pending_file"] = f"pending-{step:06d}.json"
             groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]

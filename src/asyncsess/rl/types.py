@@ -3,7 +3,8 @@
 An :class:`Env` is one episode: ``initial_observation()`` gives the first prompt (tokens) and the stop
 condition, ``step(action)`` takes the sampled tokens and returns a :class:`StepResult`. An
 :class:`EnvGroupBuilder` makes the ``group_size`` envs of one problem, whose rewards are centred within the
-group; an :class:`RLDataset` hands out batches of builders. A :class:`TokenCompleter` is the policy. Playing
+group; an :class:`RLDataset` hands out batches of builders by index (its order a pure function of the
+index), a :class:`StatefulDataset` draws them in order and saves its position as JSON data. A :class:`TokenCompleter` is the policy. Playing
 an env gives a :class:`Trajectory` of :class:`Transition` s; a group's trajectories form a
 :class:`TrajectoryGroup`. Single-turn problems are one-step envs (:mod:`asyncsess.rl.problem_env`), chat
 episodes with tools are :class:`asyncsess.rl.tool_env.ToolEnv`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..types import ModelInput
 
@@ -27,6 +28,7 @@ __all__ = [
     "Env",
     "EnvGroupBuilder",
     "RLDataset",
+    "StatefulDataset",
     "TokensWithLogprobs",
     "TokenCompleter",
     "Transition",
@@ -82,6 +84,24 @@ class RLDataset(Protocol):
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]: ...
 
     def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class StatefulDataset(Protocol):
+    """Batches of group builders drawn in order (a stream, a shuffling generator, a file reader), whose position
+    is saved with each checkpoint and restored on resume.
+
+    ``next_batch()`` draws the next ``groups_per_batch`` builders (endlessly: start a new epoch rather than
+    stop). ``state_dict()`` returns the position as JSON data (cursor, epoch, RNG state as lists and ints);
+    ``load_state_dict(state)`` puts the dataset back there, so the batches drawn next are those drawn after
+    ``state_dict()`` was taken. :class:`asyncsess.rl.datasets.ShuffledDataset` is one, ready to use.
+    """
+
+    def next_batch(self) -> Sequence[EnvGroupBuilder]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import itertools
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -48,7 +49,7 @@ from asyncsess.types import (
     TrainingResult,
 )
 
-from .checkpoints import StoredCheckpoint, check_name, checkpoint_path
+from .checkpoints import DiskStore, StoredCheckpoint, check_name, checkpoint_path
 from .faults import Faults, MockConfig
 from .losses import MULTI_TARGET_LOSSES
 from .model import base_table, log_softmax_table
@@ -102,6 +103,9 @@ class MockBackend(Backend):
         self._samplers: dict[str, _Sampler] = {}
         self._models_used: dict[str, None] = {}
         self._ordinal = itertools.count()
+        self._store = DiskStore(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        # with a store shared by processes, session ids (and so checkpoint paths) must not repeat across them
+        self._id_prefix = f"{uuid.uuid4().hex[:8]}-" if self._store else ""
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> MockBackend:
@@ -167,7 +171,7 @@ class MockBackend(Backend):
         trainer = MockTrainer(base_model, self.tokenizer.vocab_size, self.config.max_context)
         if ckpt is not None:
             trainer.load(ckpt.delta, ckpt.adam if spec.with_optimizer else None)
-        sid = f"mock-train-{next(self._ids)}"
+        sid = f"mock-train-{self._id_prefix}{next(self._ids)}"
         sess = _TrainingSession(
             id=sid,
             seed=spec.seed,
@@ -295,13 +299,19 @@ class MockBackend(Backend):
             ttl_seconds=op.ttl_seconds,
         )
         self._checkpoints[path] = ckpt
+        if self._store is not None:
+            self._store.save(ckpt)
         return ckpt
 
     def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
         ckpt = self._checkpoints.get(path)
+        if ckpt is None and self._store is not None:
+            ckpt = self._store.load(path)
         if ckpt is None:
             raise InvalidInputError(
-                f"no checkpoint at {path!r}", field=field, fix="use a path returned by save_state / save_weights in this process"
+                f"no checkpoint at {path!r}",
+                field=field,
+                fix="use a path returned by save_state / save_weights in this process (or in one with the same ?checkpoint_dir=)",
             )
         if state_only and ckpt.kind != "state":
             raise InvalidInputError(
@@ -311,11 +321,17 @@ class MockBackend(Backend):
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
         self.calls["list_checkpoints"] += 1
-        return [c.record() for c in self._checkpoints.values() if not c.ephemeral and session_id in (None, c.session_id)]
+        stored = dict(self._checkpoints)
+        if self._store is not None:
+            for path in self._store.paths():
+                if path not in stored and (ckpt := self._store.load(path)) is not None:
+                    stored[path] = ckpt
+        return [c.record() for c in stored.values() if not c.ephemeral and session_id in (None, c.session_id)]
 
     async def delete_checkpoint(self, path: str) -> None:
         self.calls["delete_checkpoint"] += 1
-        if self._checkpoints.pop(path, None) is None:
+        on_disk = self._store is not None and self._store.delete(path)
+        if self._checkpoints.pop(path, None) is None and not on_disk:
             raise NotFoundError(f"no checkpoint at {path!r}", field="path", fix="see list_checkpoints()")
 
     def export_sampler(self, sampler_id: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class MockConfig:
     gap_timeout_s: float = 60.0
     max_context: int = 512
     default_max_tokens: int = 32
+    checkpoint_dir: str = ""  # also keep checkpoints on disk here, for another process to resume from
 
     @classmethod
     def from_url(cls, url: ParsedURL, options: dict[str, Any]) -> MockConfig:
@@ -46,9 +47,12 @@ class MockConfig:
             raise InvalidInputError(f"unknown parameter(s) {', '.join(unknown)}", field="url", fix=f"known: {', '.join(known)}")
         values: dict[str, Any] = {}
         for name, f in known.items():
-            kind = int if f.type in ("int", int) else float
+            kind: type = {"int": int, "str": str}.get(str(getattr(f.type, "__name__", f.type)), float)
             default: Any = f.default
-            values[name] = url.get_int(name, default) if kind is int else url.get_float(name, default)
+            if kind is str:
+                values[name] = url.get_str(name, default)
+            else:
+                values[name] = url.get_int(name, default) if kind is int else url.get_float(name, default)
             if name in options:
                 values[name] = kind(options[name])
         cfg = cls(**values)
@@ -58,6 +62,8 @@ class MockConfig:
     def _check(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, str):
+                continue
             if f.name.endswith("_rate") and not 0.0 <= value <= 1.0:
                 raise InvalidInputError(f"{f.name}={value} is not a probability", field=f"url ?{f.name}=", fix="use a value in [0, 1]")
             if f.name != "seed" and value < 0:

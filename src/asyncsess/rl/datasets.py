@@ -1,0 +1,208 @@
+"""Stateful datasets: :class:`ShuffledDataset` (an endless pass reshuffled each epoch by its own generator) and
+:class:`DrawnBatches`, which lets the RL loop address a :class:`~asyncsess.rl.types.StatefulDataset` by batch
+index and saves, with each checkpoint, the state from which the groups not yet trained are drawn again.
+
+``state_dict()`` is checked when the run starts (JSON data, and ``load_state_dict`` of it gives it back) and
+on every draw, so a dataset whose state cannot be saved fails with :class:`~asyncsess.errors.InvalidInputError`
+before a training step, never halfway through writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from .types import EnvGroupBuilder, RLDataset, StatefulDataset
+
+__all__ = ["ShuffledDataset", "DrawnBatches", "run_dataset"]
+
+T = TypeVar("T")
+_FIX_JSON = "return dicts, lists, str, int, float, bool and None (random.getstate() as lists, numpy values via int() or .tolist())"
+
+
+class ShuffledDataset(Generic[T]):
+    """``batch_size`` builders per batch (``build(item)``) from an endless pass over ``items``, reshuffled each epoch
+    by its own generator (numpy PCG64 seeded with ``seed``). Its state is the epoch, the position in it and the
+    generator's state when the epoch began, so a run over it resumes exactly."""
+
+    def __init__(self, items: Sequence[T], batch_size: int, build: Callable[[T], EnvGroupBuilder], seed: int = 0) -> None:
+        if not items:
+            raise InvalidInputError("no items", field="items", fix="pass at least one item")
+        if batch_size < 1:
+            raise InvalidInputError(f"batch_size={batch_size}", field="batch_size", fix="use groups_per_batch (>= 1)")
+        self.items, self.batch_size, self.build = list(items), batch_size, build
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.epoch = -1
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.position = 0
+        self._epoch_start = self.rng.bit_generator.state
+        self.order = self.rng.permutation(len(self.items))
+
+    def next_batch(self) -> list[EnvGroupBuilder]:
+        out = []
+        for _ in range(self.batch_size):
+            if self.position == len(self.items):
+                self._new_epoch()
+            out.append(self.build(self.items[int(self.order[self.position])]))
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_items": len(self.items), "epoch": self.epoch, "position": self.position, "rng": self._epoch_start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_items"] != len(self.items):
+            raise InvalidInputError(
+                f"the state is of {state['num_items']} items, this dataset has {len(self.items)}",
+                field="items",
+                fix="resume with the same items, or start a new run directory",
+            )
+        self.rng.bit_generator.state = state["rng"]
+        self.epoch = state["epoch"] - 1
+        self._new_epoch()
+        self.position = state["position"]
+
+
+def _type_name(dataset: object) -> str:
+    """The class as written, without its module (``python train.py`` and ``python -m pkg.train`` name it alike)."""
+    return type(dataset).__qualname__
+
+
+def _dump(dataset: StatefulDataset) -> str:
+    """``dataset.state_dict()`` as JSON text (a copy: later draws cannot change it)."""
+    state = dataset.state_dict()
+    if not isinstance(state, dict):
+        raise InvalidInputError(f"{_type_name(dataset)}.state_dict() returned a {type(state).__name__}", field="state_dict", fix=_FIX_JSON)
+    try:
+        return json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise InvalidInputError(f"{_type_name(dataset)}.state_dict() is not JSON data: {err}", field="state_dict", fix=_FIX_JSON) from err
+
+
+def _load(dataset: StatefulDataset, state: dict[str, Any], what: str) -> str:
+    """Load ``state`` (``what`` it is, for errors) and check the dataset now reports it; its state as JSON text."""
+    name = _type_name(dataset)
+    try:
+        dataset.load_state_dict(json.loads(json.dumps(state)))
+    except InvalidInputError:
+        raise
+    except Exception as err:
+        raise InvalidInputError(
+            f"{name}.load_state_dict() failed on {what}: {err!r}",
+            field="load_state_dict",
+            fix="restore every key state_dict() returns, converting JSON lists back where needed (tuple(...) for random.setstate)",
+        ) from err
+    now = _dump(dataset)
+    if json.loads(now) != state:
+        raise InvalidInputError(
+            f"{name} does not round-trip its state: after load_state_dict({what}) state_dict() returns {now[:200]}",
+            field="load_state_dict",
+            fix="make load_state_dict(state) restore exactly what state_dict() returned",
+        )
+    return now
+
+
+class DrawnBatches:
+    """A :class:`~asyncsess.rl.types.StatefulDataset` addressed by batch index (an :class:`RLDataset`): batch ``i`` is
+    the ``i``-th ``next_batch()``. It keeps each drawn batch still needed, with the dataset's state before it,
+    so :meth:`state` can name the state from which a resumed run draws again what was not yet trained.
+
+    ``saved`` (from :meth:`state`, in a checkpoint) restores the dataset there. ``needed()`` (set by the loop)
+    is the lowest group index still needed; batches below it are forgotten when a new one is drawn.
+    """
+
+    def __init__(self, dataset: StatefulDataset, groups_per_batch: int, saved: dict[str, Any] | None = None) -> None:
+        self.dataset, self.per_batch = dataset, groups_per_batch
+        self.first = 0  # the number of the first kept batch
+        self.kept: deque[tuple[str, list[EnvGroupBuilder]]] = deque()  # (state before it, its builders)
+        self.needed: Callable[[], int] = lambda: 0
+        if saved is None:
+            self._state = _load(dataset, json.loads(_dump(dataset)), "its own state_dict()")
+            return
+        if saved.get("type") != _type_name(dataset):
+            raise InvalidInputError(
+                f"the checkpoint holds the state of a {saved.get('type')}, make_datasets returned a {_type_name(dataset)}",
+                field="make_datasets",
+                fix="resume with the same dataset class, or start a new run directory",
+            )
+        self.first = int(saved["batch"])
+        self._state = _load(dataset, saved["state"], f"the state saved at batch {self.first}")
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        if index < self.first:
+            raise RuntimeError(f"batch {index} was forgotten (kept from {self.first}); a group below needed() was asked for")
+        while index >= self.first + len(self.kept):
+            self._draw()
+        return self.kept[index - self.first][1]
+
+    def _draw(self) -> None:
+        drop = min(self.needed() // self.per_batch, self.first + len(self.kept)) - self.first
+        for _ in range(max(drop, 0)):
+            self.kept.popleft()
+            self.first += 1
+        number = self.first + len(self.kept)
+        name = _type_name(self.dataset)
+        try:
+            batch = list(self.dataset.next_batch())
+        except StopIteration as err:
+            raise InvalidInputError(
+                f"{name} ran out at batch {number}", field="next_batch", fix="make next_batch() endless (start a new epoch)"
+            ) from err
+        if len(batch) != self.per_batch:
+            raise InvalidInputError(
+                f"{name}.next_batch() gave {len(batch)} builders at batch {number}, the run takes {self.per_batch}",
+                field="next_batch",
+                fix="return groups_per_batch builders per batch",
+            )
+        self.kept.append((self._state, batch))
+        self._state = _dump(self.dataset)
+
+    def state(self, first_needed: int) -> dict[str, Any]:
+        """What a checkpoint saves: the dataset's type, and its state before the batch of group ``first_needed``
+        (the lowest index not yet trained, or the next never started)."""
+        number = first_needed // self.per_batch
+        if number < self.first or number > self.first + len(self.kept):
+            raise RuntimeError(f"batch {number} is not kept (kept: {self.first} to {self.first + len(self.kept) - 1})")
+        text = self.kept[number - self.first][0] if number < self.first + len(self.kept) else self._state
+        return {"type": _type_name(self.dataset), "batch": number, "state": json.loads(text)}
+
+    def __len__(self) -> int:
+        """The batches drawn so far."""
+        return self.first + len(self.kept)
+
+
+def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, saved: dict[str, Any] | None) -> RLDataset | DrawnBatches:
+    """The dataset the loop addresses by index: an :class:`RLDataset` as it is, a :class:`StatefulDataset` as
+    :class:`DrawnBatches` restored to ``saved`` (a checkpoint's ``extra``, ``None`` for a new run)."""
+    extra = saved or {}
+    if isinstance(dataset, StatefulDataset):
+        if saved is not None and "dataset" not in extra:
+            raise InvalidInputError(
+                f"the checkpoint holds no dataset state (it was written by a run over an index-addressed dataset), "
+                f"make_datasets returned a {_type_name(dataset)}",
+                field="make_datasets",
+                fix="resume with the same dataset, or start a new run directory",
+            )
+        return DrawnBatches(dataset, groups_per_batch, extra.get("dataset"))
+    if "dataset" in extra:
+        raise InvalidInputError(
+            f"the checkpoint holds the state of a {extra['dataset'].get('type')}, make_datasets returned an "
+            f"index-addressed {_type_name(dataset)}",
+            field="make_datasets",
+            fix="resume with the same dataset, or start a new run directory",
+        )
+    if not callable(getattr(dataset, "get_batch", None)):
+        raise InvalidInputError(
+            f"{_type_name(dataset)} is neither an RLDataset nor a StatefulDataset",
+            field="make_datasets",
+            fix="give it get_batch(index) and __len__(), or next_batch(), state_dict() and load_state_dict()",
+        )
+    return dataset
