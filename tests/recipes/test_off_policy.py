@@ -103,7 +103,8 @@ def test_metrics_by_hand():
     assert m["off_policy/clip_frac"] == pytest.approx(1 / 3) and m["off_policy/mask_frac"] == 0.0
     mis = off_policy_metrics(Q, P, M, importance_weights(Q, P, M, "mis"))
     assert mis["off_policy/mask_frac"] == pytest.approx(2 / 3) and mis["off_policy/is_weight_mean"] == pytest.approx(1 / 3)
-    assert set(off_policy_metrics(Q, P, M)) == {"off_policy/kl"}
+    assert m["off_policy/ratio_max"] == pytest.approx(3.0)
+    assert set(off_policy_metrics(Q, P, M)) == {"off_policy/kl", "off_policy/ratio_max"}
     assert off_policy_metrics(Q, Q, M)["off_policy/kl"] == 0.0  # on-policy
 
 

@@ -160,7 +160,8 @@ def off_policy_metrics(
     correction: Correction | None = None,
 ) -> dict[str, float]:
     """``off_policy/kl``: the sampler-trainer KL(q‖p) by the k3 estimator ``mean((r - 1) - log r)`` over the
-    sampled tokens (unbiased for samples from ``q``, never negative); with a correction also
+    sampled tokens (unbiased for samples from ``q``, never negative), ``off_policy/ratio_max`` (the largest raw
+    ``r``, capped at ``e^700``: what an uncorrected ``importance_sampling`` loss multiplies by); with a correction also
     ``off_policy/is_weight_mean`` and ``_max`` (over the sampled tokens, dropped ones as 0),
     ``off_policy/clip_frac`` (share of sampled tokens whose weight was truncated to the cap) and
     ``off_policy/mask_frac`` (share dropped by a mask). Empty when no token is sampled."""
@@ -170,7 +171,7 @@ def off_policy_metrics(
         return {}
     d = np.concatenate([r[1] - r[0] for r in rows])[m]
     ratio = np.exp(np.minimum(d, 700.0))
-    metrics = {"off_policy/kl": float(np.mean(ratio - 1.0 - d))}
+    metrics = {"off_policy/kl": float(np.mean(ratio - 1.0 - d)), "off_policy/ratio_max": float(ratio.max())}
     if correction is not None:
         w = np.concatenate(correction.weights)[m]
         metrics.update(
