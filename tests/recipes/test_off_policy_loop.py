@@ -70,14 +70,14 @@ def test_unknown_modes_name_the_field():
 
 
 async def test_tis_learns_faster_than_ppo_against_stale_behaviour_at_no_higher_kl(tmp_path):
-    """Staleness 3, lr 1.0, 4 seeds: the default (TIS, anchor p) against the loop without correction (ppo
-    clipped around the sampler's log-probs, which zeroes the gradient of most stale tokens). Measured over
-    16 seeds in two batches of 8: final reward 0.60 vs 0.48 and 0.74 vs 0.53; every batch of 4 seeds
-    differs by at least 0.09. The KL does not blow up without correction on mock:// (docs/recipes.md)."""
-    cfg = BASE.model_copy(update={"max_staleness": 3, "max_steps": 30, "learning_rate": 1.0})
+    """Staleness 3, lr 1.0, 24 steps, 3 seeds: the default (TIS, anchor p) against the loop without correction
+    (ppo clipped around the sampler's log-probs, which zeroes the gradient of the stale tokens outside the
+    clip). Measured over seeds 0-17: final reward 0.57 vs 0.40, each batch of 3 seeds apart by 0.11 to 0.29,
+    mean KL within 0.9-1.2x. Without correction the KL does not blow up on mock:// (docs/recipes.md)."""
+    cfg = BASE.model_copy(update={"max_staleness": 3, "max_steps": 24, "learning_rate": 1.0})
     finals: dict[str, list[float]] = {"tis": [], "none": []}
     kls: dict[str, list[float]] = {"tis": [], "none": []}
-    for seed in range(4):
+    for seed in range(3):
         for mode in finals:
             path = tmp_path / f"{mode}-{seed}"
             await run(cfg.model_copy(update={"seed": seed, "off_policy": mode}), [], path)
