@@ -66,7 +66,15 @@ async def test_a_staleness_2_run_with_off_policy_correction_learns_on_the_tiny_m
     target = await sometimes_said(train_q[:16])
     train, test = [Problem(q, target) for q in train_q], [Problem(q, target) for q in test_q]
     cfg = RLConfig(
-        url=URL, base_model="tiny-llama", lora_rank=8, lora_alpha=16, learning_rate=3e-3, max_tokens=1, max_steps=15, seed=0, max_staleness=2
+        url=URL,
+        base_model="tiny-llama",
+        lora_rank=8,
+        lora_alpha=16,
+        learning_rate=3e-3,
+        max_tokens=1,
+        max_steps=15,
+        seed=0,
+        max_staleness=2,
     )
     assert cfg.off_policy == "tis"
     result = await train_rl(cfg, problem_datasets(train, test, exact, cfg), tmp_path, progress=False)

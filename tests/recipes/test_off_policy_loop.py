@@ -7,7 +7,7 @@ from asyncsess.rl import RLConfig
 from asyncsess.runs.metrics import read_metrics
 
 from .helpers import check_metrics_file
-from .test_rl_loop import BASE, PROBLEMS, run, state
+from .test_rl_loop import BASE, run, state
 
 pytestmark = pytest.mark.anyio
 STALE = BASE.model_copy(update={"max_staleness": 3, "max_steps": 24, "learning_rate": 0.5})

@@ -296,7 +296,7 @@ class _Loop:
         taken: list[FinishedGroup] = []
         waiting: list[FinishedGroup] = []
         submitted: list[tuple[APIFuture[ForwardBackwardOutput], list[tuple[Datum, list[float]]]]] = []
-        behaviour: list[list[float]] = []  # the sampler's log-probs of the submitted datums
+        behaviour: list[Sequence[float]] = []  # the sampler's log-probs of the submitted datums
         correction: Correction | None = None  # the off-policy weights applied, when correcting
         requeued, wait = 0, 0.0
         while len(taken) < per_batch:
@@ -316,7 +316,9 @@ class _Loop:
                 if pairs:
                     behaviour.extend(d.loss_fn_inputs["logprobs"].data for d, _ in pairs)
                     if cfg.off_policy != "none" and k > 0:  # the proximal forward: see docs/recipes.md
-                        pairs, c = await correct_batch(tc, pairs, cfg.off_policy, cap=cfg.is_cap, low=cfg.is_mask_low, high=cfg.is_mask_high)
+                        pairs, c = await correct_batch(
+                            tc, pairs, cfg.off_policy, cap=cfg.is_cap, low=cfg.is_mask_low, high=cfg.is_mask_high
+                        )
                         correction = c if correction is None else correction + c
                     submitted.append((tc.forward_backward([d for d, _ in pairs], cfg.loss_fn, cfg.loss_fn_config), pairs))
                 waiting = []
