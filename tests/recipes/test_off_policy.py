@@ -132,3 +132,23 @@ def test_config_fields_are_validated():
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RLConfig(**bad)
+
+
+@pytest.mark.anyio
+async def test_correct_batch_takes_the_proximal_log_probs_from_one_forward():
+    from asyncsess import ServiceClient
+    from asyncsess.rl.off_policy import correct_batch
+
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client(base_model="mock/bigram-tiny", rank=4)
+        d = rl_datum([5, 6], [7, 8, 9], [-9.0, -0.1, -3.0], advantage=1.0)
+        mask = [0.0, 1.0, 1.0, 1.0]
+        truth = (await tc.forward([d], "importance_sampling")).loss_fn_outputs[0]["logprobs"].data
+        ((out, m),), c = await correct_batch(tc, [(d, mask)], "tis", cap=2.0, low=0.5, high=2.0)
+        assert m == mask and out.loss_fn_inputs["logprobs"].data == pytest.approx(truth)
+        q = d.loss_fn_inputs["logprobs"].data
+        want = [0.0] + [min(math.exp(p - x), 2.0) for p, x in zip(truth[1:], q[1:])]
+        assert c.weights[0].tolist() == pytest.approx(want) and out.loss_fn_inputs["advantages"].data == pytest.approx(want)
+        bad = rl_datum([5, 6], [7, 8, 9], [-1.0, math.nan, -1.0], advantage=1.0)
+        with pytest.raises(InvalidInputError, match=r"behaviour\[0\]\[2\]"):
+            await correct_batch(tc, [(bad, mask)], "tis", cap=2.0, low=0.5, high=2.0)

@@ -191,8 +191,9 @@ async def correct_batch(
     """One ``forward`` (``cross_entropy``, weights 0) gives the proximal log-probs ``p`` of the (datum, mask)
     pairs at the current weights; the pairs come back corrected (:func:`correct_datums`) with the weights."""
     datums = [d for d, _ in pairs]
+    behaviour = [d.loss_fn_inputs["logprobs"].data for d in datums]
+    _arrays(behaviour, behaviour, [m for _, m in pairs])  # bad sampler log-probs fail before the forward is sent
     out = await tc.forward(list(ce_view(datums)), "cross_entropy")
     proximal = [o["logprobs"].data for o in out.loss_fn_outputs]
-    behaviour = [d.loss_fn_inputs["logprobs"].data for d in datums]
     correction = importance_weights(behaviour, proximal, [m for _, m in pairs], mode, cap=cap, low=low, high=high)
     return list(zip(correct_datums(datums, proximal, correction), [m for _, m in pairs])), correction
