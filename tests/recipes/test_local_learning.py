@@ -14,6 +14,7 @@ import pytest
 
 from asyncsess import SamplingParams, ServiceClient
 from asyncsess.rl import Problem, PromptRenderer, RLConfig, problem_datasets, train_rl
+from asyncsess.runs.metrics import read_metrics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.local]
 URL = "local://?device=cpu"
@@ -55,3 +56,30 @@ async def test_math_rl_loop_raises_held_out_accuracy_on_the_tiny_model(tmp_path)
     result = await train_rl(cfg, problem_datasets(train, test, exact, cfg), tmp_path, progress=False)
     before, after = result.before["test/env/all/correct"], result.after["test/env/all/correct"]
     assert before < 0.5 and after >= before + 0.5, (target, before, after)
+
+
+@pytest.mark.torch
+async def test_a_staleness_2_run_with_off_policy_correction_learns_on_the_tiny_model(tmp_path):
+    """The same task with sampling two steps ahead and the default correction (TIS, cap 2)."""
+    test_q = questions(50, seed=1)
+    train_q = questions(200, seed=0, exclude=set(test_q))
+    target = await sometimes_said(train_q[:16])
+    train, test = [Problem(q, target) for q in train_q], [Problem(q, target) for q in test_q]
+    cfg = RLConfig(
+        url=URL,
+        base_model="tiny-llama",
+        lora_rank=8,
+        lora_alpha=16,
+        learning_rate=3e-3,
+        max_tokens=1,
+        max_steps=15,
+        seed=0,
+        max_staleness=2,
+    )
+    assert cfg.off_policy == "tis"
+    result = await train_rl(cfg, problem_datasets(train, test, exact, cfg), tmp_path, progress=False)
+    before, after = result.before["test/env/all/correct"], result.after["test/env/all/correct"]
+    assert before < 0.5 and after >= before + 0.5, (target, before, after)
+    records = [r for r in read_metrics(tmp_path) if "off_policy/is_weight_max" in r]
+    assert records and max(r["async/staleness_max"] for r in records) == 2
+    assert all(0 < r["off_policy/is_weight_max"] <= 2.0 and r["off_policy/kl"] >= 0 for r in records)

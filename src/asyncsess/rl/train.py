@@ -40,6 +40,7 @@ from ..runs.progress import progress_bar
 from ..types import AdamParams, Datum, ForwardBackwardOutput, TensorData
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
 from .datasets import DrawnBatches, run_dataset
+from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
 from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, TrajectoryGroup
 
@@ -86,6 +87,11 @@ class RLConfig(RecoveryConfig):
     # overlap: sampling runs up to max_staleness optimizer steps ahead; forward_backward in sub-batches
     max_staleness: int = Field(default=0, ge=0)
     num_minibatches: int = Field(default=1, ge=1)
+    # off-policy correction of stale groups (rl/off_policy.py; only when max_staleness > 0): ratio cap, mask bounds
+    off_policy: OffPolicyMode = "tis"
+    is_cap: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    is_mask_low: float = Field(default=0.5, ge=0.0, le=1.0)
+    is_mask_high: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     # the run
     max_steps: int = Field(default=100, ge=0)
     max_minutes: float | None = None
@@ -296,6 +302,8 @@ class _Loop:
         taken: list[FinishedGroup] = []
         waiting: list[FinishedGroup] = []
         submitted: list[tuple[APIFuture[ForwardBackwardOutput], list[tuple[Datum, list[float]]]]] = []
+        behaviour: list[Sequence[float]] = []  # the sampler's log-probs of the submitted datums
+        correction: Correction | None = None  # the off-policy weights applied, when correcting
         requeued, wait = 0, 0.0
         while len(taken) < per_batch:
             tw = time.perf_counter()
@@ -312,6 +320,12 @@ class _Loop:
                 if pairs and self.reference is not None:
                     pairs = await self.with_kl_penalty(pairs)
                 if pairs:
+                    behaviour.extend(d.loss_fn_inputs["logprobs"].data for d, _ in pairs)
+                    if cfg.off_policy != "none" and k > 0:  # the proximal forward: see docs/recipes.md
+                        pairs, c = await correct_batch(
+                            tc, pairs, cfg.off_policy, cap=cfg.is_cap, low=cfg.is_mask_low, high=cfg.is_mask_high
+                        )
+                        correction = c if correction is None else correction + c
                     submitted.append((tc.forward_backward([d for d, _ in pairs], cfg.loss_fn, cfg.loss_fn_config), pairs))
                 waiting = []
         t1 = time.perf_counter()
@@ -345,7 +359,8 @@ class _Loop:
             opt_out = await opt
             pairs = [p for _, ps in submitted for p in ps]
             trainer_lps = [o["logprobs"].data for out in outs for o in out.loss_fn_outputs]
-            metrics.update(sample_train_kl([d.loss_fn_inputs["logprobs"].data for d, _ in pairs], trainer_lps, [m for _, m in pairs]))
+            metrics.update(sample_train_kl(behaviour, trainer_lps, [m for _, m in pairs]))
+            metrics.update(off_policy_metrics(behaviour, trainer_lps, [m for _, m in pairs], correction))
             metrics["optim/loss"] = sum(out.metrics.get("loss:sum", 0.0) for out in outs)
             metrics.update({f"optim/{k}": v for k, v in (opt_out.metrics or {}).items()})
         else:  # no signal in this batch: the weights stay as they are
