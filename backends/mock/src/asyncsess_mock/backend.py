@@ -71,6 +71,7 @@ class _TrainingSession:
     sequencer: Sequencer[TrainingResult]
     stopped: str | None = None
     ops_applied: int = 0
+    before_step: np.ndarray | None = None  # D before the last optim_step (kept only for refresh faults)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class MockBackend(Backend):
         self._samplers: dict[str, _Sampler] = {}
         self._models_used: dict[str, None] = {}
         self._ordinal = itertools.count()
+        self._refresh_faults: dict[str, np.ndarray] = {}  # sampler checkpoint path -> the (wrong) D its first sampler serves
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> MockBackend:
@@ -251,6 +253,8 @@ class MockBackend(Backend):
             case ForwardBackwardOp(data=data, loss_fn=loss_fn, loss_fn_config=config):
                 result = trainer.forward_backward(data, loss_fn, config)
             case OptimStepOp(adam_params=params):
+                if trainer.adam.step + 1 in (self.config.drop_refresh_at, self.config.repeat_refresh_at):
+                    sess.before_step = trainer.delta.copy()
                 result = trainer.optim_step(params)
             case SaveStateOp():
                 result = self._save(sess, "state", op.name or f"{op.seq:06d}", op).response()
@@ -295,6 +299,11 @@ class MockBackend(Backend):
             ttl_seconds=op.ttl_seconds,
         )
         self._checkpoints[path] = ckpt
+        if kind == "sampler" and sess.before_step is not None and ckpt.step in (self.config.drop_refresh_at, self.config.repeat_refresh_at):
+            # the injected refresh fault: the first sampler on these weights serves the wrong ones
+            served = sess.before_step if ckpt.step == self.config.drop_refresh_at else 2 * ckpt.delta - sess.before_step
+            self._refresh_faults[path] = served.copy()
+            sess.before_step = None
         return ckpt
 
     def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
@@ -333,8 +342,9 @@ class MockBackend(Backend):
             logp = log_softmax_table(base_table(base_model, v) + (delta if delta is not None else 0.0))
         elif spec.model_path:
             ckpt = self._checkpoint(spec.model_path, "model_path")
-            base_model, seed, delta = ckpt.base_model, ckpt.seed, ckpt.delta
-            logp = log_softmax_table(base_table(base_model, v) + ckpt.delta)
+            base_model, seed = ckpt.base_model, ckpt.seed
+            delta = self._refresh_faults.pop(spec.model_path, ckpt.delta)
+            logp = log_softmax_table(base_table(base_model, v) + delta)
         elif spec.base_model:
             base_model, seed, delta = spec.base_model, None, None
             logp = log_softmax_table(base_table(base_model, v))
