@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+from asyncsess import ServiceClient
+from asyncsess.errors import InvalidInputError, SessionGoneError
+from asyncsess.rl.data import sft_datum
+from asyncsess.rl.refresh import RefreshProbe, default_tolerance, probe_tokens
 
-from asyncsess import ServiceClient  # noqa: E402
-from asyncsess.errors import InvalidInputError, SessionGoneError  # noqa: E402
-from asyncsess.rl.data import sft_datum  # noqa: E402
-from asyncsess.rl.refresh import RefreshProbe, default_tolerance, probe_tokens  # noqa: E402
-
-from .helpers import DEVICE_KW  # noqa: E402
+from .helpers import DEVICE_KW
 
 pytestmark = [pytest.mark.local, pytest.mark.torch, pytest.mark.anyio]
 

@@ -348,9 +348,7 @@ class Sessions:
         ref = self.samplers.get(sampler_id)
         if ref is None:
             if sampler_id in self._retired:
-                raise SessionGoneError(
-                    f"sampler {sampler_id} is gone: {self._retired[sampler_id]}", operation="sample"
-                )
+                raise SessionGoneError(f"sampler {sampler_id} is gone: {self._retired[sampler_id]}")
             raise SessionGoneError(f"sampler {sampler_id} is stopped or unknown")
         return ref
 
