@@ -15,7 +15,8 @@ datums; an optional KL penalty against the base model moves the advantages (cook
 one line per step and held-out results (``test/...``, greedy, one episode per held-out builder) before the
 first step, every ``eval_every`` steps and after the last. Checkpoints go to ``checkpoints.jsonl`` with the
 position in the stream of groups and the groups started but not trained; a rerun in the same directory
-resumes there. A lost session is recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`).
+resumes there. A lost session is recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`). Every
+sampler refresh is checked against the trainer (``verify_refresh``, :mod:`.refresh`).
 """
 
 from __future__ import annotations
