@@ -153,3 +153,25 @@ def test_default_tolerances_by_scheme():
     assert default_tolerance("local://") == default_tolerance("http://127.0.0.1:1") == 2e-3
     assert default_tolerance("sagemaker://us-west-2") == 5e-2
     assert np.isclose(default_tolerance("MOCK://"), 1e-5)
+
+
+async def test_a_resumed_run_whose_adapter_is_applied_twice_fails_before_its_first_step(tmp_path, monkeypatch):
+    import asyncsess_mock.backend as mock_backend
+    from asyncsess_mock.model import base_table, log_softmax_table
+
+    cfg = rl_config("mock://", max_steps=3)
+    await run_rl(cfg, tmp_path)
+    doubled = []
+
+    def adapter_twice(logits):  # the first sampler of the resumed run serves base + 2·D
+        if not doubled:
+            doubled.append(True)
+            base = base_table(cfg.base_model, logits.shape[0])
+            return log_softmax_table(base + 2 * (logits - base))
+        return log_softmax_table(logits)
+
+    monkeypatch.setattr(mock_backend, "log_softmax_table", adapter_twice)
+    with pytest.raises(SamplerRefreshError) as info:
+        await run_rl(cfg.model_copy(update={"max_steps": 5}), tmp_path)
+    assert (info.value.expected_version, info.value.observed) == (3, "neither") and doubled
+    assert max(r["step"] for r in read_metrics(tmp_path)) == 2  # no step from 3 on: nothing trained on the bad sampler
