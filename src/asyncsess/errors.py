@@ -49,6 +49,7 @@ __all__ = [
     "OperationCancelledError",
     "FacadeMisuseError",
     "ResourceExhaustedError",
+    "SamplerRefreshError",
 ]
 
 
@@ -285,3 +286,47 @@ class ResourceExhaustedError(ServerError):
     def __init__(self, message: str, *, budget: int | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.budget = budget
+
+
+class SamplerRefreshError(OperationError):
+    """A refreshed sampler does not serve the weights it was made from (see :mod:`asyncsess.rl.refresh`).
+
+    ``expected_version`` is the trainer's weight version (optimizer steps) the sampler should serve;
+    ``observed`` says what it serves instead: ``"previous"`` (the refresh did not take: still version
+    ``previous_version``, by default ``expected_version - 1``) or ``"neither"`` (matches no trainer version, e.g. the last update or the
+    adapter applied twice after a resume). ``max_abs_diff`` is the probe's largest log-prob difference
+    from the trainer at ``expected_version``; ``tolerance`` the bound it broke.
+    """
+
+    def __init__(
+        self,
+        *,
+        expected_version: int,
+        observed: str,
+        max_abs_diff: float,
+        tolerance: float,
+        previous_version: int | None = None,
+        fix: str | None = None,
+        **kw,
+    ) -> None:
+        prev = expected_version - 1 if previous_version is None else previous_version
+        what = {
+            "previous": f"still serves weight version {prev}: the refresh did not take",
+            "neither": f"matches neither version {expected_version} nor version {prev}: the update (or the adapter) was applied twice "
+            "or the wrong adapter was loaded",
+        }.get(observed, observed)
+        fix = fix or (
+            "check that the backend loads the new adapter under a new name (no stale cache) and applies it once; "
+            "restart the sampler from save_weights_and_get_sampling_client()"
+        )
+        message = (
+            f"sampler refresh to weight version {expected_version} {what} "
+            f"(probe log-probs differ from the trainer's by up to {max_abs_diff:.3g} > tolerance {tolerance:.3g}) (fix: {fix})"
+        )
+        super().__init__(message, operation=kw.pop("operation", "sampler_refresh"), **kw)
+        self.expected_version = expected_version
+        self.previous_version = prev
+        self.observed = observed
+        self.max_abs_diff = max_abs_diff
+        self.tolerance = tolerance
+        self.fix = fix

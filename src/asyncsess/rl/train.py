@@ -16,7 +16,8 @@ one line per step and held-out results (``test/...``, greedy, one episode per he
 first step, every ``eval_every`` steps and after the last. Checkpoints go to ``checkpoints.jsonl`` with the
 position in the stream of groups, the groups started but not trained, and a stateful dataset's state
 (:class:`~asyncsess.rl.types.StatefulDataset`); a rerun in the same directory resumes there. A lost session is
-recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`).
+recovered (:class:`~asyncsess.runs.checkpoints.RecoveryConfig`). Every sampler refresh is checked against the
+trainer (``verify_refresh``, :mod:`.refresh`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..types import AdamParams, Datum, ForwardBackwardOutput, TensorData
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
 from .datasets import DrawnBatches, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
+from .refresh import RefreshProbe, default_tolerance, probe_tokens
 from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, TrajectoryGroup
 
@@ -97,6 +99,9 @@ class RLConfig(RecoveryConfig):
     max_minutes: float | None = None
     eval_every: int = 0
     save_every: int = 0
+    # check each sampler refresh against the trainer (asyncsess.rl.refresh); tolerance None: by URL scheme
+    verify_refresh: bool = True
+    refresh_tolerance: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _minibatches(self) -> RLConfig:
@@ -182,6 +187,8 @@ class _Loop:
         self.cfg, self.tc, self.train, self.test, self.window, self.path, self.log = cfg, tc, train, test, window, path, log
         self.make_completer, self.play_group, self.reference = make_completer, play_group, reference
         self.samplers: SamplerPool | None = None
+        tol = cfg.refresh_tolerance or default_tolerance(cfg.url)
+        self.probe = RefreshProbe(probe_tokens(tc.get_tokenizer()), tol) if cfg.verify_refresh else None
         self.pending_metrics: dict[str, float] = {}  # logged with the next step (a recovery's figures)
 
     async def play(self, builder: EnvGroupBuilder, sampler: SamplingClient, version: int, index: int | None) -> TrajectoryGroup:
@@ -218,7 +225,9 @@ class _Loop:
 
     async def run(self, start: int, record: CheckpointRecord | None, progress: bool) -> RLResult:
         cfg = self.cfg
-        self.samplers = SamplerPool(start, await self.tc.save_weights_and_get_sampling_client())
+        sampler, probe, _ = await self.refresh(None)
+        await self.verify(start, probe, sampler, None)  # a resumed adapter loaded twice fails here
+        self.samplers = SamplerPool(start, sampler)
         train_seconds = 0.0
         if start == 0:
             before = await self.evaluate()
@@ -354,7 +363,7 @@ class _Loop:
         }
         if submitted:
             opt = tc.optim_step(cfg.adam())
-            sampler = await tc.save_weights_and_get_sampling_client()
+            sampler, probe, latency = await self.refresh(opt)
             outs = [await fut for fut, _ in submitted]
             opt_out = await opt
             pairs = [p for _, ps in submitted for p in ps]
@@ -363,12 +372,33 @@ class _Loop:
             metrics.update(off_policy_metrics(behaviour, trainer_lps, [m for _, m in pairs], correction))
             metrics["optim/loss"] = sum(out.metrics.get("loss:sum", 0.0) for out in outs)
             metrics.update({f"optim/{k}": v for k, v in (opt_out.metrics or {}).items()})
+            metrics.update(await self.verify(step + 1, probe, sampler, latency))
         else:  # no signal in this batch: the weights stay as they are
             sampler = self.samplers.client
         await self.samplers.publish(step + 1, sampler)
         rollouts.trained([f.index for f in taken])
         metrics["time/train"] = time.perf_counter() - t1
         metrics["tokens/train_per_s"] = metrics["tokens/train"] / metrics["time/train"] if metrics["time/train"] > 0 else 0.0
+        return metrics
+
+    async def refresh(self, opt: APIFuture[Any] | None) -> tuple[SamplingClient, APIFuture[ForwardBackwardOutput] | None, float]:
+        """A sampler on the weights after ``opt``, the trainer's probe of those weights (submitted before the save, so
+        on the same weights) and the refresh latency: seconds from ``opt`` done to the sampler ready."""
+        done: list[float] = []
+        if opt is not None:
+            opt.add_done_callback(lambda _: done.append(time.perf_counter()))
+        probe = self.probe.submit(self.tc) if self.probe is not None else None
+        sampler = await self.tc.save_weights_and_get_sampling_client()
+        ready = time.perf_counter()
+        return sampler, probe, max(0.0, ready - done[0]) if done else 0.0
+
+    async def verify(
+        self, version: int, probe: APIFuture[ForwardBackwardOutput] | None, sampler: SamplingClient, latency: float | None
+    ) -> dict[str, Any]:
+        """The refresh's metrics; :class:`~asyncsess.errors.SamplerRefreshError` if ``sampler`` does not serve ``version``."""
+        metrics: dict[str, Any] = {} if latency is None else {"time/refresh_latency": latency}
+        if self.probe is not None and probe is not None:
+            metrics.update((await self.probe.check(version, probe, sampler)).metrics())
         return metrics
 
     async def with_kl_penalty(self, pairs: list[tuple[Datum, list[float]]]) -> list[tuple[Datum, list[float]]]:

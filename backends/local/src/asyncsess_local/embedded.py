@@ -9,7 +9,8 @@ directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``
 torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``, ``vllm_kv_cache_mb``,
 ``vllm_max_loras``, ``vllm_max_cpu_loras``, ``vllm_max_lora_rank``, ``vllm_max_model_len``,
 ``vllm_unembed`` (see :class:`VllmOptions`; the keyword option ``vllm=VllmOptions(...)`` also takes
-any other engine argument).
+any other engine argument), ``retain_snapshots`` (ephemeral sampler snapshots kept per training session,
+0 = while samplers use them; see :mod:`.sessions`).
 E.g. ``local://?model=/models/qwen3-0.6b&dir=./runs&sampler=vllm&vllm_memory=0.35``.
 
 Every request is checked here (shapes, vocabulary, context length, loss options, paths) so bad input
@@ -73,9 +74,14 @@ class LocalBackend(Backend):
         gap_timeout: float = 60.0,
         sampler: str | None = None,
         vllm: VllmOptions | None = None,
+        retain_snapshots: int = 0,
     ) -> None:
         if token_budget < 1:
             raise InvalidInputError(f"token_budget={token_budget} is out of range", field="token_budget", fix="use at least 1")
+        if not 0 <= retain_snapshots < 2**31:
+            raise InvalidInputError(
+                f"retain_snapshots={retain_snapshots} is out of range", field="retain_snapshots", fix="use 0 (no bound) or a count >= 1"
+            )
         self.default_model = model
         self._config = EngineConfig(
             device=device,
@@ -85,6 +91,7 @@ class LocalBackend(Backend):
             checkpoint_layers=checkpoint_layers,
             sampler=sampler or "auto",
             vllm=vllm or VllmOptions(),
+            retain_snapshots=retain_snapshots,
         )
         self._gap_timeout = gap_timeout
         self._engine: Engine | None = None
@@ -103,6 +110,7 @@ class LocalBackend(Backend):
             checkpoint_layers=options.pop("checkpoint_layers", q.get("checkpoint_layers") or "auto"),
             sampler=options.pop("sampler", q.get("sampler") or None),
             vllm=options.pop("vllm", None) or _vllm_options(url),
+            retain_snapshots=options.pop("retain_snapshots", url.get_int("retain_snapshots", 0)),
         )
 
     @property

@@ -76,6 +76,7 @@ class EngineConfig:
     max_sample_rows: int = 256  # rows decoded together
     sampler: str = "auto"  # torch, vllm, or auto (vllm when installed and on CUDA)
     vllm: VllmOptions = field(default_factory=VllmOptions)
+    retain_snapshots: int = 0  # ephemeral sampler snapshots kept per session (0: while samplers use them); see sessions.py
 
 
 # ------------------------------------------------------------------------------- the queue's items
@@ -159,6 +160,7 @@ class Engine:
             checkpoint_layers=self.config.checkpoint_layers,
             models=self.config.models,
             vllm=self.config.vllm,
+            retain_snapshots=self.config.retain_snapshots,
         )
         self.state = Sessions(options, self.store)
         self.stats = {"passes": 0, "pass_ops": 0, "sample_batches": 0, "sample_rows": 0, "oom": 0}

@@ -6,6 +6,12 @@ a *snapshot*: an adapter copied from a session by an ephemeral ``save_weights`` 
 or loaded from a saved checkpoint. Snapshots are reference-counted by the samplers on them and dropped
 when none uses them (a live session's newest one stays); a snapshot vLLM can load is staged into it.
 
+A sampler refresh (ephemeral ``save_weights`` + ``create_sampler``) never touches disk: the adapter is
+copied in memory under a versioned name ``<model_id>-v<step>-<n>``. ``retain_snapshots`` (engine option,
+``local://?retain_snapshots=N``; 0 = no bound) keeps at most N ephemeral snapshots per training session:
+taking one more drops the oldest, and samplers still on it answer :class:`SessionGoneError` (an RL loop
+with ``max_staleness = k`` needs ``N >= k + 2``: the versions rollouts may still use plus the new one).
+
 Everything here runs on the engine thread (see :mod:`.engine`).
 """
 
@@ -95,6 +101,7 @@ class SlotOptions:
     checkpoint_layers: str  # auto, on or off
     models: dict[str, str]
     vllm: VllmOptions
+    retain_snapshots: int = 0  # ephemeral snapshots kept per training session (0: as long as samplers use them)
 
 
 class Sessions:
@@ -109,6 +116,7 @@ class Sessions:
         self._snapshots: dict[str, _Snapshot] = {}  # path -> snapshot adapter
         self._latest: dict[str, str] = {}  # training session -> path of its newest ephemeral snapshot
         self._names = itertools.count(1)
+        self._retired: dict[str, str] = {}  # sampler id -> why its snapshot was dropped while it was live
 
     # ---------------------------------------------------------------------------- base models
 
@@ -241,6 +249,7 @@ class Sessions:
             self.slots[sess.base_model].host.remove(sess.adapter)
             self._latest.pop(session_id, None)
             self._drop_unused(session_id)
+        self._retired.pop(session_id, None)
         ref = self.samplers.pop(session_id, None)
         if ref is not None and ref.path is not None and ref.path in self._snapshots:
             snap = self._snapshots[ref.path]
@@ -251,12 +260,28 @@ class Sessions:
         """An ephemeral ``save_weights``: copy the session's adapter into an in-memory snapshot for samplers."""
         slot = self.slots[sess.base_model]
         path = f"{EPHEMERAL}{sess.model_id}/{op.seq}"
-        adapter = f"s{next(self._names)}"
+        adapter = f"{sess.model_id}-v{sess.step}-{next(self._names)}"  # versioned: never reused for other weights
         slot.host.copy(sess.adapter, adapter)
         self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, lineage=sess.model_id)
         self._latest[sess.model_id] = path
         self._drop_unused(sess.model_id)  # older snapshots no sampler uses any more
+        self._retain(sess.model_id)
         return CheckpointResponse(path=path, kind="sampler", step=sess.step)
+
+    def snapshot_adapters(self, owner: str) -> list[str]:
+        """The adapter names of ``owner``'s live ephemeral snapshots, oldest first."""
+        return [snap.adapter for snap in self._snapshots.values() if snap.owner == owner]
+
+    def _retain(self, owner: str) -> None:
+        """Drop ``owner``'s oldest snapshots beyond ``retain_snapshots``; their samplers are retired."""
+        keep = self.options.retain_snapshots
+        paths = [path for path, snap in self._snapshots.items() if snap.owner == owner]
+        for path in paths[: max(0, len(paths) - keep)] if keep else []:
+            for sampler_id, ref in list(self.samplers.items()):
+                if ref.path == path:
+                    del self.samplers[sampler_id]
+                    self._retired[sampler_id] = f"its weights ({path}) were dropped: retain_snapshots={keep} newer snapshots exist"
+            self._drop_snapshot(path)
 
     def _drop_unused(self, owner: str | None, only: str | None = None) -> None:
         """Drop ``owner``'s snapshots that no sampler uses, except the newest one of a live session."""
@@ -322,6 +347,8 @@ class Sessions:
         """What the sampler ``sampler_id`` samples from; :class:`SessionGoneError` when it is stopped or unknown."""
         ref = self.samplers.get(sampler_id)
         if ref is None:
+            if sampler_id in self._retired:
+                raise SessionGoneError(f"sampler {sampler_id} is gone: {self._retired[sampler_id]}")
             raise SessionGoneError(f"sampler {sampler_id} is stopped or unknown")
         return ref
 

@@ -72,6 +72,7 @@ class _TrainingSession:
     sequencer: Sequencer[TrainingResult]
     stopped: str | None = None
     ops_applied: int = 0
+    before_step: np.ndarray | None = None  # D before the last optim_step (kept only for refresh faults)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class MockBackend(Backend):
         self._store = DiskStore(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
         # with a store shared by processes, session ids (and so checkpoint paths) must not repeat across them
         self._id_prefix = f"{uuid.uuid4().hex[:8]}-" if self._store else ""
+        self._refresh_faults: dict[str, np.ndarray] = {}  # sampler checkpoint path -> the (wrong) D its first sampler serves
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> MockBackend:
@@ -255,6 +257,8 @@ class MockBackend(Backend):
             case ForwardBackwardOp(data=data, loss_fn=loss_fn, loss_fn_config=config):
                 result = trainer.forward_backward(data, loss_fn, config)
             case OptimStepOp(adam_params=params):
+                if trainer.adam.step + 1 in (self.config.drop_refresh_at, self.config.repeat_refresh_at):
+                    sess.before_step = trainer.delta.copy()
                 result = trainer.optim_step(params)
             case SaveStateOp():
                 result = self._save(sess, "state", op.name or f"{op.seq:06d}", op).response()
@@ -301,6 +305,11 @@ class MockBackend(Backend):
         self._checkpoints[path] = ckpt
         if self._store is not None:
             self._store.save(ckpt)
+        if kind == "sampler" and sess.before_step is not None and ckpt.step in (self.config.drop_refresh_at, self.config.repeat_refresh_at):
+            # the injected refresh fault: the first sampler on these weights serves the wrong ones
+            served = sess.before_step if ckpt.step == self.config.drop_refresh_at else 2 * ckpt.delta - sess.before_step
+            self._refresh_faults[path] = served.copy()
+            sess.before_step = None
         return ckpt
 
     def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
@@ -349,8 +358,9 @@ class MockBackend(Backend):
             logp = log_softmax_table(base_table(base_model, v) + (delta if delta is not None else 0.0))
         elif spec.model_path:
             ckpt = self._checkpoint(spec.model_path, "model_path")
-            base_model, seed, delta = ckpt.base_model, ckpt.seed, ckpt.delta
-            logp = log_softmax_table(base_table(base_model, v) + ckpt.delta)
+            base_model, seed = ckpt.base_model, ckpt.seed
+            delta = self._refresh_faults.pop(spec.model_path, ckpt.delta)
+            logp = log_softmax_table(base_table(base_model, v) + delta)
         elif spec.base_model:
             base_model, seed, delta = spec.base_model, None, None
             logp = log_softmax_table(base_table(base_model, v))

@@ -37,6 +37,10 @@ class MockConfig:
     max_context: int = 512
     default_max_tokens: int = 32
     checkpoint_dir: str = ""  # also keep checkpoints on disk here, for another process to resume from
+    # sampler refresh faults (0: off): the first sampler on the weights of optimizer step N serves the weights
+    # before that step (drop) or with that step's update applied twice (repeat)
+    drop_refresh_at: int = 0
+    repeat_refresh_at: int = 0
 
     @classmethod
     def from_url(cls, url: ParsedURL, options: dict[str, Any]) -> MockConfig:
@@ -68,6 +72,12 @@ class MockConfig:
                 raise InvalidInputError(f"{f.name}={value} is not a probability", field=f"url ?{f.name}=", fix="use a value in [0, 1]")
             if f.name != "seed" and value < 0:
                 raise InvalidInputError(f"{f.name}={value} is negative", field=f"url ?{f.name}=", fix="use a value >= 0")
+        if self.drop_refresh_at and self.drop_refresh_at == self.repeat_refresh_at:
+            raise InvalidInputError(
+                f"drop_refresh_at and repeat_refresh_at are both {self.drop_refresh_at}",
+                field="url ?repeat_refresh_at=",
+                fix="inject one refresh fault per step",
+            )
         if self.max_context < 2 or self.default_max_tokens < 1:
             raise InvalidInputError("context too small", field="url ?max_context=", fix="use max_context >= 2 and default_max_tokens >= 1")
 
