@@ -100,11 +100,11 @@ async def test_a_spent_time_budget_starts_no_step(tmp_path):
 
 @pytest.mark.parametrize("k", [0, 2])
 async def test_a_lost_session_is_recovered_from_the_last_checkpoint_bit_exactly(tmp_path, k):
-    """The server drops the session every 13 ops; the loop reopens from checkpoints.jsonl and ends where an
+    """The server drops the session every 17 ops; the loop reopens from checkpoints.jsonl and ends where an
     uninterrupted run ends, weights, optimizer state and metrics alike."""
     cfg = BASE.model_copy(update={"max_steps": 6, "save_every": 2, "max_staleness": k, "seed": 5})
     whole = await run(cfg, PROBLEMS[:4], tmp_path / "whole")
-    flaky = cfg.model_copy(update={"url": "mock://?stop_after_ops=13", "max_recoveries": 10, "recovery_wait_s": 5.0})
+    flaky = cfg.model_copy(update={"url": "mock://?stop_after_ops=17", "max_recoveries": 10, "recovery_wait_s": 5.0})
     recovered = await run(flaky, PROBLEMS[:4], tmp_path / "flaky")
     a, b = await state(whole.final_checkpoint.state_path), await state(recovered.final_checkpoint.state_path)
     assert a[3] == b[3] == 6
