@@ -51,7 +51,7 @@ ONCE_ON = "3.11"
 @nox.session
 @nox.parametrize("python,anyio_backend", MATRIX)
 def tests(session: nox.Session, anyio_backend: str) -> None:
-    """The mock:// suite (torch-free) on every Python, under asyncio and trio; the `once` suites on ONCE_ON only."""
+    """The mock:// suite (torch-free) on every Python, under asyncio and trio; the `once` suites on ONCE_ON only (marker `once`: the OS-level suites and long Python-independent tests)."""
     _mock_suite(session, anyio_backend, everything=session.python == ONCE_ON)
 
 

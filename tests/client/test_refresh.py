@@ -99,6 +99,7 @@ async def loop(url: str, steps: int, lr: float = 0.05):
         return results, probe
 
 
+@pytest.mark.once  # long and Python-independent: one Python of the mock matrix runs it
 async def test_a_thousand_clean_refreshes_raise_no_false_alarm():
     results, probe = await loop("mock://", 1000, lr=0.05)
     assert len(results) == 1000 and probe.checks == 1001

@@ -69,6 +69,7 @@ def test_unknown_modes_name_the_field():
         RLConfig(off_policy="TIS")
 
 
+@pytest.mark.once  # long and Python-independent: one Python of the mock matrix runs it
 async def test_tis_learns_faster_than_ppo_against_stale_behaviour_at_no_higher_kl(tmp_path):
     """Staleness 3, lr 1.0, 24 steps, 3 seeds: the default (TIS, anchor p) against the loop without correction
     (ppo clipped around the sampler's log-probs, which zeroes the gradient of the stale tokens outside the
