@@ -48,6 +48,7 @@ from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_conf
 from .adapters import BASE
 from .completion import Completion
 from .engine import Engine, EngineConfig
+from .losses import MULTI_TARGET_LOSSES
 from .sampler import SampleJob
 from .sessions import MAX_LORA_RANK, SamplerRef, Slot
 from .vllm_sampler import VllmOptions
@@ -131,7 +132,9 @@ class LocalBackend(Backend):
         if self.default_model:
             await self.engine.call(self.engine.state.slot, self.default_model)
         slots = self.engine.state.distinct_slots()
-        return ServerCapabilities(supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK)
+        return ServerCapabilities(
+            supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK, multi_target_losses=sorted(MULTI_TARGET_LOSSES)
+        )
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         _check_session_spec(spec)
@@ -339,7 +342,7 @@ def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
 def _checked_pass(op: PassOp, slot: Slot) -> PassOp:
     loss_fn = check_loss_fn(op.loss_fn or "cross_entropy")
     config = check_loss_fn_config(loss_fn, op.loss_fn_config)
-    data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size)
+    data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size, multi_target=loss_fn in MULTI_TARGET_LOSSES)
     for i, d in enumerate(data):
         if d.model_input.length > slot.max_context:
             raise InvalidInputError(

@@ -7,6 +7,9 @@ restarting positions into a block-causal mask, so sequences never attend to each
 holds one sequence keeps the plain causal path. The LM head runs over ``chunk`` real positions at a
 time, under activation checkpointing when gradients are needed, so the ``[tokens, vocab]`` logits never
 exist for the whole batch at once.
+
+A target may be ``(n,)`` (one token per position) or ``(n, K)`` (K candidate tokens per position, the
+multi-target losses): each chunk's logits are gathered at all K columns, so K costs a gather, not a pass.
 """
 
 from __future__ import annotations
@@ -21,8 +24,19 @@ __all__ = ["packed_logprobs", "head_is_plain", "next_token_logprobs", "topk_rows
 
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
-    logits = head(hidden).float()
-    return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
+    """``[n, K]`` log-probs of ``targets`` (``[n, K]``) under ``head(hidden)``."""
+    return _gather_logprobs(head(hidden), targets)
+
+
+def _gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    logits = logits.float()
+    return logits.gather(-1, targets) - logits.logsumexp(-1, keepdim=True)
+
+
+def _as_columns(targets: Tensor, width: int) -> Tensor:
+    """``(n,)`` or ``(n, K)`` targets as ``(n, width)``, padded with token 0 (its log-prob is dropped)."""
+    cols = targets[:, None] if targets.dim() == 1 else targets
+    return cols if cols.shape[1] == width else torch.nn.functional.pad(cols, (0, width - cols.shape[1]))
 
 
 def _rows(lengths: list[int]) -> list[list[int]]:
@@ -60,12 +74,15 @@ def _pack(seqs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor, Te
             order.append(i)
             at += n
         pos[r, at:] = torch.arange(width - at, device=device)  # filler: its own segment, never scored
-    targets = torch.cat([seqs[i][1] for i in order])
+    width_k = max(1 if t.dim() == 1 else t.shape[1] for _, t in seqs)
+    targets = torch.cat([_as_columns(seqs[i][1], width_k) for i in order])
     return ids, pos, torch.cat(flat), targets, order
 
 
 def packed_logprobs(model: Any, seqs: list[tuple[Tensor, Tensor]], *, chunk: int = 1024, plain_head: bool = True) -> list[Tensor]:
     """fp32 log-prob of ``targets[i]`` after ``inputs[:i+1]`` for each ``(inputs, targets)`` pair.
+
+    Each result has its targets' shape: ``(n,)``, or ``(n, K)`` for K targets per position.
 
     ``model`` is a transformers causal LM (peft layers inside act as usual). Gradients flow when
     autograd is enabled. ``plain_head=False`` is for models whose logits are not just
@@ -85,16 +102,12 @@ def packed_logprobs(model: Any, seqs: list[tuple[Tensor, Tensor]], *, chunk: int
     else:
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         logits = logits.reshape(-1, logits.shape[-1])[index]
-        flat = torch.cat(
-            [
-                logits[s : s + chunk].float().gather(-1, targets[s : s + chunk, None])[:, 0] - logits[s : s + chunk].float().logsumexp(-1)
-                for s in range(0, logits.shape[0], chunk)
-            ]
-        )
+        flat = torch.cat([_gather_logprobs(logits[s : s + chunk], targets[s : s + chunk]) for s in range(0, logits.shape[0], chunk)])
     pieces = flat.split([len(seqs[i][0]) for i in order])
     out: list[Tensor] = [pieces[0]] * len(seqs)
     for k, i in enumerate(order):
-        out[i] = pieces[k]
+        t = seqs[i][1]
+        out[i] = pieces[k][:, 0] if t.dim() == 1 else pieces[k][:, : t.shape[1]]
     return out
 
 

@@ -143,6 +143,12 @@ def checkpoint_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+def _tensor(value: TensorData, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A checked TensorData as a tensor of its own shape."""
+    t = torch.tensor(value.data, dtype=dtype, device=device)
+    return t.reshape(value.shape) if value.shape else t
+
+
 def run_ops(
     host: LoraHost,
     sess: TrainSession,
@@ -167,8 +173,8 @@ def run_ops(
             d = items[i][1]
             ids = torch.tensor(d.model_input.to_ints(), dtype=torch.long, device=device)
             lfi = d.loss_fn_inputs
-            seqs.append((ids, torch.tensor(lfi["target_tokens"].data, dtype=torch.long, device=device)))
-            inputs.append({k: torch.tensor(v.data, dtype=torch.float32, device=device) for k, v in lfi.items() if k != "target_tokens"})
+            seqs.append((ids, _tensor(lfi["target_tokens"], torch.long, device)))  # (n,) or (n, K)
+            inputs.append({k: _tensor(v, torch.float32, device) for k, v in lfi.items() if k != "target_tokens"})
         with torch.set_grad_enabled(backward):
             lps = packed_logprobs(model, seqs, chunk=chunk, plain_head=plain_head)
             losses = []
@@ -180,10 +186,10 @@ def run_ops(
                 total.backward()
         # one device-to-host copy per micro-batch, not one per datum
         values = torch.stack([x.detach().float() for x in losses]).cpu().tolist()
-        flat = torch.cat([lp.detach().float() for lp in lps]).cpu()
-        for i, value, lp in zip(batch, values, flat.split([len(x) for x in lps])):
+        flat = torch.cat([lp.detach().float().reshape(-1) for lp in lps]).cpu()
+        for i, value, lp, src in zip(batch, values, flat.split([x.numel() for x in lps]), lps):
             loss_sums[items[i][0]] += value
-            logprobs[i] = lp
+            logprobs[i] = lp.reshape(src.shape)
     outputs = []
     for oi in range(len(ops)):
         mine = [i for i, (o, _) in enumerate(items) if o == oi]
