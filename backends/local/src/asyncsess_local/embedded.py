@@ -5,7 +5,8 @@ directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``
 ``dtype`` (``auto``/``float32``/``bfloat16``), ``dir`` (checkpoint root; default a fresh temp dir),
 ``token_budget`` (tokens per training micro-batch; halved after running out of memory),
 ``checkpoint_layers`` (``auto``/``on``/``off``: recompute decoder layers in backward; auto = CUDA and
->= 1B parameters), ``sampler`` (``auto``: vLLM when it is installed and the device is CUDA, else
+>= 1B parameters), ``shared_prefix`` (datums of one pass sharing at least this many leading tokens run
+that prefix once; 0 = off), ``sampler`` (``auto``: vLLM when it is installed and the device is CUDA, else
 torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``, ``vllm_kv_cache_mb``,
 ``vllm_max_loras``, ``vllm_max_cpu_loras``, ``vllm_max_lora_rank``, ``vllm_max_model_len``,
 ``vllm_unembed`` (see :class:`VllmOptions`; the keyword option ``vllm=VllmOptions(...)`` also takes
@@ -71,12 +72,17 @@ class LocalBackend(Backend):
         checkpoint_dir: str | None = None,
         token_budget: int = 8192,
         checkpoint_layers: str = "auto",
+        shared_prefix: int = EngineConfig.shared_prefix,
         gap_timeout: float = 60.0,
         sampler: str | None = None,
         vllm: VllmOptions | None = None,
     ) -> None:
         if token_budget < 1:
             raise InvalidInputError(f"token_budget={token_budget} is out of range", field="token_budget", fix="use at least 1")
+        if not 0 <= shared_prefix <= 2**31:
+            raise InvalidInputError(
+                f"shared_prefix={shared_prefix} is out of range", field="shared_prefix", fix="use 0 (off) or a token count"
+            )
         self.default_model = model
         self._config = EngineConfig(
             device=device,
@@ -84,6 +90,7 @@ class LocalBackend(Backend):
             checkpoint_dir=checkpoint_dir,
             token_budget=token_budget,
             checkpoint_layers=checkpoint_layers,
+            shared_prefix=shared_prefix,
             sampler=sampler or "auto",
             vllm=vllm or VllmOptions(),
         )
@@ -102,6 +109,7 @@ class LocalBackend(Backend):
             checkpoint_dir=options.pop("checkpoint_dir", q.get("dir") or None),
             token_budget=options.pop("token_budget", url.get_int("token_budget", 8192)),
             checkpoint_layers=options.pop("checkpoint_layers", q.get("checkpoint_layers") or "auto"),
+            shared_prefix=options.pop("shared_prefix", url.get_int("shared_prefix", EngineConfig.shared_prefix)),
             sampler=options.pop("sampler", q.get("sampler") or None),
             vllm=options.pop("vllm", None) or _vllm_options(url),
         )

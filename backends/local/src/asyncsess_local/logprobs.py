@@ -14,11 +14,15 @@ multi-target losses): each chunk's logits are gathered at all K columns, so K co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from .prefix import PrefixGroup
 
 __all__ = ["packed_logprobs", "head_is_plain", "next_token_logprobs", "topk_rows"]
 
@@ -55,31 +59,82 @@ def _rows(lengths: list[int]) -> list[list[int]]:
     return rows
 
 
-def _pack(seqs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor, Tensor, list[int]]:
-    """``[rows, width]`` ids and positions, the flat index of every real token, its target, and the order."""
+@dataclass
+class _Packed:
+    ids: Tensor  # [rows, width]
+    pos: Tensor  # [rows, width] position ids
+    index: Tensor  # flat index (into rows·width) of every scored position, sequence by sequence in ``order``
+    targets: Tensor  # [len(index), K]
+    order: list[int]
+    mask: Tensor | None  # [rows, 1, width, width] True where attention is allowed; None: block-causal by positions
+
+
+def _pack(seqs: list[tuple[Tensor, Tensor]], groups: Sequence[PrefixGroup] | None = None) -> _Packed:
+    """Pack ``seqs`` into rows; a group of two or more lays out its prefix once, then each member's suffix."""
     device = seqs[0][0].device
     lengths = [len(s) for s, _ in seqs]
-    rows = _rows(lengths)
-    width = max(sum(lengths[i] for i in row) for row in rows)
+    units = list(groups) if groups is not None else [PrefixGroup(0, (i,)) for i in range(len(seqs))]
+    spans = [u.span(lengths) for u in units]
+    rows = _rows(spans)
+    width = max(sum(spans[u] for u in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     pos = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    shared = any(len(u.members) > 1 for u in units)
+    seg = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # only read when ``shared``
+    branch = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     flat, order = [], []
     for r, row in enumerate(rows):
         at = 0
-        for i in row:
-            n = lengths[i]
-            ids[r, at : at + n] = seqs[i][0]
-            pos[r, at : at + n] = torch.arange(n, device=device)
-            flat.append(torch.arange(r * width + at, r * width + at + n, device=device))
-            order.append(i)
-            at += n
+        for u in row:
+            unit = units[u]
+            trunk = unit.prefix if len(unit.members) > 1 else lengths[unit.members[0]]
+            first = seqs[unit.members[0]][0]
+            ids[r, at : at + trunk] = first[:trunk]
+            pos[r, at : at + trunk] = torch.arange(trunk, device=device)
+            seg[r, at:] = u + 1
+            base, at = r * width + at, at + trunk
+            for b, i in enumerate(unit.members if len(unit.members) > 1 else ()):
+                n = lengths[i] - trunk
+                ids[r, at : at + n] = seqs[i][0][trunk:]
+                pos[r, at : at + n] = torch.arange(trunk, lengths[i], device=device)
+                branch[r, at : at + n] = b + 1
+                flat.append(
+                    torch.cat(
+                        [torch.arange(base, base + trunk, device=device), torch.arange(r * width + at, r * width + at + n, device=device)]
+                    )
+                )
+                order.append(i)
+                at += n
+            if len(unit.members) == 1:
+                flat.append(torch.arange(base, base + trunk, device=device))
+                order.append(unit.members[0])
         pos[r, at:] = torch.arange(width - at, device=device)  # filler: its own segment, never scored
+        seg[r, at:] = 0
     width_k = max(1 if t.dim() == 1 else t.shape[1] for _, t in seqs)
     targets = torch.cat([_as_columns(seqs[i][1], width_k) for i in order])
-    return ids, pos, torch.cat(flat), targets, order
+    mask = None
+    if shared:  # prefix-tree mask: causal, within one unit, and a suffix sees only the trunk and itself
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        same = seg[:, :, None] == seg[:, None, :]
+        sees = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+        mask = (causal & same & sees)[:, None]
+    return _Packed(ids, pos, torch.cat(flat), targets, order, mask)
 
 
-def packed_logprobs(model: Any, seqs: list[tuple[Tensor, Tensor]], *, chunk: int = 1024, plain_head: bool = True) -> list[Tensor]:
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask as the additive float mask every attention implementation takes."""
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def packed_logprobs(
+    model: Any,
+    seqs: list[tuple[Tensor, Tensor]],
+    *,
+    chunk: int = 1024,
+    plain_head: bool = True,
+    groups: Sequence[PrefixGroup] | None = None,
+) -> list[Tensor]:
     """fp32 log-prob of ``targets[i]`` after ``inputs[:i+1]`` for each ``(inputs, targets)`` pair.
 
     Each result has its targets' shape: ``(n,)``, or ``(n, K)`` for K targets per position.
@@ -87,11 +142,17 @@ def packed_logprobs(model: Any, seqs: list[tuple[Tensor, Tensor]], *, chunk: int
     ``model`` is a transformers causal LM (peft layers inside act as usual). Gradients flow when
     autograd is enabled. ``plain_head=False`` is for models whose logits are not just
     ``head(hidden)`` (soft-capping, scaling): their full logits are computed, then reduced in chunks.
+    ``groups`` (from :func:`~.prefix.find_groups`, covering every sequence once) run each group's shared
+    prefix once; the result is the same as without them, up to float rounding.
     """
-    ids, pos, index, targets, order = _pack(seqs)
+    packed = _pack(seqs, groups)
+    index, targets = packed.index, packed.targets
+    kw: dict[str, Any] = {"input_ids": packed.ids, "position_ids": packed.pos, "use_cache": False}
+    if packed.mask is not None:
+        kw["attention_mask"] = _additive(packed.mask, model.dtype)
     grad = torch.is_grad_enabled()
     if plain_head:
-        hidden = model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        hidden = model.get_decoder()(**kw).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])[index]
         head = model.get_output_embeddings()
         parts = []
@@ -100,9 +161,10 @@ def packed_logprobs(model: Any, seqs: list[tuple[Tensor, Tensor]], *, chunk: int
             parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False) if grad else _chunk_logprobs(head, h, t))
         flat = torch.cat(parts)
     else:
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        logits = model(**kw).logits
         logits = logits.reshape(-1, logits.shape[-1])[index]
         flat = torch.cat([_gather_logprobs(logits[s : s + chunk], targets[s : s + chunk]) for s in range(0, logits.shape[0], chunk)])
+    order = packed.order
     pieces = flat.split([len(seqs[i][0]) for i in order])
     out: list[Tensor] = [pieces[0]] * len(seqs)
     for k, i in enumerate(order):
