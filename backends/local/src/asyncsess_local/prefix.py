@@ -8,7 +8,6 @@ not fit a micro-batch's token budget into smaller groups with the same prefix.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,10 +31,12 @@ class PrefixGroup:
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    return len(os.path.commonprefix([a, b]))  # type: ignore[type-var]
+    """The length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
 
 
-def find_groups(tokens: Sequence[Sequence[int]], min_prefix: int) -> list[PrefixGroup]:
+def find_groups(tokens: Sequence[list[int]], min_prefix: int) -> list[PrefixGroup]:
     """Every datum in exactly one group; a group of two or more shares at least ``min_prefix`` (≥ 1) tokens.
 
     The datums are sorted, so a group is a run of neighbours and its prefix the smallest common prefix of

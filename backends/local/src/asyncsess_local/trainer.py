@@ -83,7 +83,7 @@ def _pack_budget(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def micro_batches(tokens: Sequence[Sequence[int]], budget: int, shared_prefix: int = 0) -> list[list[PrefixGroup]]:
+def micro_batches(tokens: Sequence[list[int]], budget: int, shared_prefix: int = 0) -> list[list[PrefixGroup]]:
     """Datums in micro-batches of at most ``budget`` packed tokens, as prefix groups (a datum alone: a group of one).
 
     ``shared_prefix`` ≤ 0 keeps the datums' order and one group per datum; otherwise datums sharing at
