@@ -121,6 +121,25 @@ def _pack(seqs: list[tuple[Tensor, Tensor]], groups: Sequence[PrefixGroup] | Non
     return _Packed(ids, pos, torch.cat(flat), targets, order, mask)
 
 
+def _fold(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The distinct positions of ``index``, and for each entry its distinct position and its rank among equals."""
+    unique, inverse = torch.unique(index, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=len(unique))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(inverse)
+    rank[order] = torch.arange(len(inverse), device=index.device) - starts[inverse[order]]
+    return unique, inverse, rank
+
+
+def _spread(targets: Tensor, inverse: Tensor, rank: Tensor, rows: int) -> Tensor:
+    """``[rows, R·K]`` targets: entry ``e``'s K targets in row ``inverse[e]``, columns ``rank[e]·K ...``."""
+    k = targets.shape[1]
+    out = torch.zeros(rows, (int(rank.max()) + 1) * k, dtype=targets.dtype, device=targets.device)
+    out[inverse[:, None], rank[:, None] * k + torch.arange(k, device=targets.device)] = targets
+    return out
+
+
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean attention mask as the additive float mask every attention implementation takes."""
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
@@ -143,13 +162,17 @@ def packed_logprobs(
     autograd is enabled. ``plain_head=False`` is for models whose logits are not just
     ``head(hidden)`` (soft-capping, scaling): their full logits are computed, then reduced in chunks.
     ``groups`` (from :func:`~.prefix.find_groups`, covering every sequence once) run each group's shared
-    prefix once; the result is the same as without them, up to float rounding.
+    prefix once, through the decoder and through the LM head (each prefix position's logits are gathered
+    at every member's target); the result is the same as without them, up to float rounding.
     """
     packed = _pack(seqs, groups)
     index, targets = packed.index, packed.targets
     kw: dict[str, Any] = {"input_ids": packed.ids, "position_ids": packed.pos, "use_cache": False}
     if packed.mask is not None:
         kw["attention_mask"] = _additive(packed.mask, model.dtype)
+        # a shared prefix position is scored once, at every member's target: fold the duplicates into columns
+        index, inverse, columns = _fold(index)
+        targets = _spread(targets, inverse, columns, len(index))
     grad = torch.is_grad_enabled()
     if plain_head:
         hidden = model.get_decoder()(**kw).last_hidden_state
@@ -164,6 +187,9 @@ def packed_logprobs(
         logits = model(**kw).logits
         logits = logits.reshape(-1, logits.shape[-1])[index]
         flat = torch.cat([_gather_logprobs(logits[s : s + chunk], targets[s : s + chunk]) for s in range(0, logits.shape[0], chunk)])
+    if packed.mask is not None:
+        k = packed.targets.shape[1]
+        flat = flat[inverse[:, None], columns[:, None] * k + torch.arange(k, device=flat.device)]
     order = packed.order
     pieces = flat.split([len(seqs[i][0]) for i in order])
     out: list[Tensor] = [pieces[0]] * len(seqs)
