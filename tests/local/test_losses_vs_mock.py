@@ -85,7 +85,7 @@ def test_per_token_clip_bounds_agree(loss_fn):
     pt = torch.tensor(p, dtype=torch.float64, requires_grad=True)
     loss = datum_loss(loss_fn, pt, {k: torch.tensor(v, dtype=torch.float64) for k, v in inputs.items()}, config)
     loss.backward()
-    assert float(loss) == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(-pt.grad.numpy(), ref_g, rtol=1e-12, atol=1e-12)
     scalar, _ = mock_losses.compute_loss(
         loss_fn, p, {k: inputs[k] for k in ("logprobs", "advantages")}, config, np.zeros(5, dtype=np.int64)
@@ -109,5 +109,5 @@ def test_multi_target_losses_agree(loss_fn):
     pt = torch.tensor(p, dtype=torch.float64, requires_grad=True)
     loss = datum_loss(loss_fn, pt, {k: torch.tensor(v, dtype=torch.float64) for k, v in inputs.items()})
     loss.backward()
-    assert float(loss) == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(-pt.grad.numpy().ravel(), ref_g, rtol=1e-12, atol=1e-12)

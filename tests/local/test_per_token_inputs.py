@@ -245,3 +245,36 @@ def test_bad_multi_target_shapes_get_a_400_over_http(tiny, tmp_path):
             assert r.json()["result"]["loss_fn_outputs"][0]["logprobs"]["shape"] == [3, 2]
     finally:
         w.stop()
+
+
+async def test_csr_n_by_k_targets_train_through_the_client(tiny):
+    """The client (and so the Tinker door, which calls it) sends (N, K) targets to local://, CSR or dense alike."""
+    from urllib.parse import quote
+
+    from asyncsess import ServiceClient, TensorData
+
+    from .helpers import DEVICE_QUERY
+
+    crow, col = [0, 2, 3, 3, 6], [0, 2, 1, 0, 1, 2]
+    sparse = {"shape": [4, 3], "sparse_crow_indices": crow, "sparse_col_indices": col}
+    dense_t = [40, 0, 7, 0, 41, 0, 0, 0, 0, 42, 9, 11]
+    dense_w = [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.25, 2.0]
+    results = []
+    async with ServiceClient(f"local://?model={quote(tiny)}&{DEVICE_QUERY}") as svc:
+        for lfi in (
+            {
+                "target_tokens": {"data": [40, 7, 41, 42, 9, 11], "dtype": "int64", **sparse},
+                "weights": {"data": [1.0, 0.5, 1.0, 1.0, 0.25, 2.0], "dtype": "float32", **sparse},
+            },
+            {
+                "target_tokens": TensorData(data=dense_t, dtype="int64", shape=[4, 3]),
+                "weights": TensorData(data=dense_w, dtype="float32", shape=[4, 3]),
+            },
+        ):
+            tc = await svc.create_lora_training_client(tiny, rank=4, seed=7)
+            out = await tc.forward_backward([{"model_input": [1, 40, 41, 42], "loss_fn_inputs": lfi}], "cross_entropy")
+            results.append((out.loss, out.loss_fn_outputs[0]["logprobs"].data, out.loss_fn_outputs[0]["logprobs"].shape))
+            await tc.stop()
+    assert results[0] == results[1] and results[0][2] == [4, 3]
+    lp = np.asarray(results[0][1]).reshape(4, 3)
+    assert results[0][0] == pytest.approx(-(lp * np.asarray(dense_w).reshape(4, 3)).sum(), rel=1e-5)
