@@ -35,17 +35,17 @@ __all__ = [
     "is_checkpoint_name",
 ]
 
-# loss name -> (required keys, optional keys)
+# loss name -> (required keys, optional keys); the clip bounds may also be given per token
 _RL_OPTIONAL = frozenset({"weights"})
+_CLIP = frozenset({"clip_low_threshold", "clip_high_threshold"})
 LOSS_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "cross_entropy": (frozenset({"target_tokens", "weights"}), frozenset()),
     "importance_sampling": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL),
-    "ppo": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL),
-    "cispo": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL),
+    "ppo": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL | _CLIP),
+    "cispo": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL | _CLIP),
     "dro": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL),
-    "gspo": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL | {"sequence_ratio_mask"}),
+    "gspo": (frozenset({"target_tokens", "logprobs", "advantages"}), _RL_OPTIONAL | _CLIP | {"sequence_ratio_mask"}),
 }
-_CLIP = frozenset({"clip_low_threshold", "clip_high_threshold"})
 LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
     "cross_entropy": frozenset(),
     "importance_sampling": frozenset(),
@@ -192,6 +192,7 @@ def check_datums(
                     fix=f"give one value per target: shape {expected}{also}",
                 )
         check_finite(d, i)
+        _check_clip_tensors(d, i)
         if max_length is not None and n > max_length:
             raise InvalidInputError(
                 f"{n} tokens exceed the model's context of {max_length}", field=f"data[{i}].model_input", fix="shorten it"
@@ -207,6 +208,19 @@ def check_datums(
                 )
         out.append(d)
     return tuple(out)
+
+
+_CLIP_FLOOR = {"clip_low_threshold": (0.0, "≥ 0", "0.8"), "clip_high_threshold": (1.0, "≥ 1", "1.2")}
+
+
+def _check_clip_tensors(d: Datum, i: int) -> None:
+    """Per-token clip bounds obey the config's rules (low ≥ 0, high ≥ 1), so the bounds never cross."""
+    for key, (floor, rule, example) in _CLIP_FLOOR.items():
+        tensor = d.loss_fn_inputs.get(key)
+        if tensor is not None and any(v < floor for v in tensor.data):
+            raise InvalidInputError(
+                f"every value must be {rule}", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix=f"absolute ratio bounds, e.g. {example}"
+            )
 
 
 def _all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:

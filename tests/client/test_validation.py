@@ -96,3 +96,26 @@ async def test_url_defaults_to_the_environment_then_local(monkeypatch):
     assert ServiceClient().url == "mock://?latency_ms=1"
     monkeypatch.delenv("ASYNCSESS_URL")
     assert ServiceClient().url == "local://"
+
+
+async def test_per_token_clip_bounds_pass_the_client_and_are_checked():
+    """ppo / cispo / gspo take per-token clip bounds; like the config's, low must be ≥ 0 and high ≥ 1."""
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        base = {"target_tokens": [2, 3, 4], "logprobs": [-1.0, -2.0, -1.5], "advantages": [1.0, -1.0, 0.5]}
+        ok = Datum(
+            model_input=ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={**base, "clip_low_threshold": [0.8] * 3, "clip_high_threshold": [1.2] * 3},
+        )
+        by_tokens = await tc.forward(ok, "ppo")
+        by_config = await tc.forward(
+            Datum(model_input=ok.model_input, loss_fn_inputs=base), "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+        )
+        assert by_tokens.metrics["loss:sum"] == by_config.metrics["loss:sum"]
+        for key, bad in [("clip_low_threshold", [0.8, -0.1, 0.8]), ("clip_high_threshold", [1.2, 1.2, 0.9])]:
+            d = Datum(model_input=ok.model_input, loss_fn_inputs={**base, key: bad})
+            with pytest.raises(InvalidInputError) as err:
+                tc.forward_backward(d, "ppo")
+            assert err.value.field == f"data[0].loss_fn_inputs[{key!r}]"
+        with pytest.raises(InvalidInputError, match="does not use"):  # dro has no clip
+            tc.forward_backward(Datum(model_input=ok.model_input, loss_fn_inputs={**base, "clip_low_threshold": [0.8] * 3}), "dro")

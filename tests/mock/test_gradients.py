@@ -138,3 +138,60 @@ def test_multi_target_cross_entropy_equals_the_targets_spelled_out():
     assert out.loss_fn_outputs[0]["logprobs"].data == ref.loss_fn_outputs[0]["logprobs"].data
     assert out.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"])
     np.testing.assert_allclose(multi.grad, flat.grad)
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
+def test_constant_per_token_clip_equals_the_config_clip(loss_fn):
+    """Per-token ``clip_low_threshold`` / ``clip_high_threshold`` inputs replace the config's bounds."""
+    config_run, data = _setup(loss_fn)
+    out = config_run.forward_backward(data, loss_fn, CONFIGS[loss_fn])
+    token_run, _ = _setup(loss_fn)
+    per_token = [
+        Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                **d.loss_fn_inputs,
+                "clip_low_threshold": [0.9] * d.model_input.length,
+                "clip_high_threshold": [1.1] * d.model_input.length,
+            },
+        )
+        for d in data
+    ]
+    got = token_run.forward_backward(per_token, loss_fn, {"clip_low_threshold": 0.1, "clip_high_threshold": 9.0})
+    assert got.metrics["loss:sum"] == out.metrics["loss:sum"]
+    np.testing.assert_array_equal(token_run.grad, config_run.grad)
+    tight_run, _ = _setup(loss_fn)
+    tight_run.forward_backward(per_token, loss_fn, None)
+    tight_run.grad[:] = 0.0
+    n = [d.model_input.length for d in per_token]
+    tight = [
+        Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={**d.loss_fn_inputs, "clip_low_threshold": [1.0] * k, "clip_high_threshold": [1.0] * k},
+        )
+        for d, k in zip(per_token, n)
+    ]
+    tight_run.forward_backward(tight, loss_fn, None)
+    assert np.abs(tight_run.grad - config_run.grad).max() > 1e-6  # the per-token bounds are really read
+
+
+def test_multi_target_importance_sampling_equals_the_targets_spelled_out():
+    tok = [5, 9, 14]
+    targets = [[9, 20], [14, 30], [40, 41]]
+    lfi = {"logprobs": [[-1.0, -3.0], [-2.0, -0.5], [-4.0, -4.5]], "advantages": [[1.0, -0.5], [0.0, 2.0], [-1.0, 0.25]]}
+    multi = MockTrainer("m", V)
+    out = multi.forward_backward([Datum(model_input=tok, loss_fn_inputs={"target_tokens": targets, **lfi})], "importance_sampling")
+    flat = MockTrainer("m", V)
+    spelled = [
+        Datum(
+            model_input=tok,
+            loss_fn_inputs={"target_tokens": [t[k] for t in targets], **{key: [row[k] for row in v] for key, v in lfi.items()}},
+        )
+        for k in range(2)
+    ]
+    ref = flat.forward_backward(spelled, "importance_sampling")
+    got = np.asarray(out.loss_fn_outputs[0]["logprobs"].data).reshape(3, 2)
+    for k in range(2):
+        np.testing.assert_allclose(got[:, k], ref.loss_fn_outputs[k]["logprobs"].data)
+    assert out.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"])
+    np.testing.assert_allclose(multi.grad, flat.grad)

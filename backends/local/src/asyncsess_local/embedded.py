@@ -5,7 +5,8 @@ directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``
 ``dtype`` (``auto``/``float32``/``bfloat16``), ``dir`` (checkpoint root; default a fresh temp dir),
 ``token_budget`` (tokens per training micro-batch; halved after running out of memory),
 ``checkpoint_layers`` (``auto``/``on``/``off``: recompute decoder layers in backward; auto = CUDA and
->= 1B parameters), ``sampler`` (``auto``: vLLM when it is installed and the device is CUDA, else
+>= 1B parameters), ``shared_prefix`` (datums of one pass sharing at least this many leading tokens run
+that prefix once; 0 = off), ``sampler`` (``auto``: vLLM when it is installed and the device is CUDA, else
 torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``, ``vllm_kv_cache_mb``,
 ``vllm_max_loras``, ``vllm_max_cpu_loras``, ``vllm_max_lora_rank``, ``vllm_max_model_len``,
 ``vllm_unembed`` (see :class:`VllmOptions`; the keyword option ``vllm=VllmOptions(...)`` also takes
@@ -49,6 +50,7 @@ from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_conf
 from .adapters import BASE
 from .completion import Completion
 from .engine import Engine, EngineConfig
+from .losses import MULTI_TARGET_LOSSES
 from .sampler import SampleJob
 from .sessions import MAX_LORA_RANK, SamplerRef, Slot
 from .vllm_sampler import VllmOptions
@@ -71,6 +73,7 @@ class LocalBackend(Backend):
         checkpoint_dir: str | None = None,
         token_budget: int = 8192,
         checkpoint_layers: str = "auto",
+        shared_prefix: int = EngineConfig.shared_prefix,
         gap_timeout: float = 60.0,
         sampler: str | None = None,
         vllm: VllmOptions | None = None,
@@ -82,6 +85,10 @@ class LocalBackend(Backend):
             raise InvalidInputError(
                 f"retain_snapshots={retain_snapshots} is out of range", field="retain_snapshots", fix="use 0 (no bound) or a count >= 1"
             )
+        if not 0 <= shared_prefix <= 2**31:
+            raise InvalidInputError(
+                f"shared_prefix={shared_prefix} is out of range", field="shared_prefix", fix="use 0 (off) or a token count"
+            )
         self.default_model = model
         self._config = EngineConfig(
             device=device,
@@ -89,6 +96,7 @@ class LocalBackend(Backend):
             checkpoint_dir=checkpoint_dir,
             token_budget=token_budget,
             checkpoint_layers=checkpoint_layers,
+            shared_prefix=shared_prefix,
             sampler=sampler or "auto",
             vllm=vllm or VllmOptions(),
             retain_snapshots=retain_snapshots,
@@ -108,6 +116,7 @@ class LocalBackend(Backend):
             checkpoint_dir=options.pop("checkpoint_dir", q.get("dir") or None),
             token_budget=options.pop("token_budget", url.get_int("token_budget", 8192)),
             checkpoint_layers=options.pop("checkpoint_layers", q.get("checkpoint_layers") or "auto"),
+            shared_prefix=options.pop("shared_prefix", url.get_int("shared_prefix", EngineConfig.shared_prefix)),
             sampler=options.pop("sampler", q.get("sampler") or None),
             vllm=options.pop("vllm", None) or _vllm_options(url),
             retain_snapshots=options.pop("retain_snapshots", url.get_int("retain_snapshots", 0)),
@@ -139,7 +148,9 @@ class LocalBackend(Backend):
         if self.default_model:
             await self.engine.call(self.engine.state.slot, self.default_model)
         slots = self.engine.state.distinct_slots()
-        return ServerCapabilities(supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK)
+        return ServerCapabilities(
+            supported_models=[s.describe() for s in slots], max_lora_rank=MAX_LORA_RANK, multi_target_losses=sorted(MULTI_TARGET_LOSSES)
+        )
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         _check_session_spec(spec)
@@ -347,7 +358,7 @@ def _checked_tokens(tokens: list[int], slot: Slot, field: str) -> list[int]:
 def _checked_pass(op: PassOp, slot: Slot) -> PassOp:
     loss_fn = check_loss_fn(op.loss_fn or "cross_entropy")
     config = check_loss_fn_config(loss_fn, op.loss_fn_config)
-    data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size)
+    data = check_datums(list(op.data), loss_fn, vocab_size=slot.vocab_size, multi_target=loss_fn in MULTI_TARGET_LOSSES)
     for i, d in enumerate(data):
         if d.model_input.length > slot.max_context:
             raise InvalidInputError(

@@ -73,6 +73,7 @@ class EngineConfig:
     token_budget: int = 8192  # tokens per packed training micro-batch (halved after running out of memory)
     checkpoint_layers: str = "auto"  # recompute decoder layers in backward: on, off, auto (CUDA and >= 1B parameters)
     logprob_chunk: int = 1024  # positions per LM-head chunk
+    shared_prefix: int = 16  # datums of a pass sharing >= this many leading tokens run that prefix once (0: off)
     max_sample_rows: int = 256  # rows decoded together
     sampler: str = "auto"  # torch, vllm, or auto (vllm when installed and on CUDA)
     vllm: VllmOptions = field(default_factory=VllmOptions)
@@ -426,6 +427,7 @@ class Engine:
                     token_budget=budget,
                     chunk=self.config.logprob_chunk,
                     plain_head=slot.plain_head,
+                    shared_prefix=self.config.shared_prefix,
                 )
             except BaseException as err:
                 if not trainer.is_oom(err):

@@ -4,6 +4,11 @@ Every function takes ``p`` (the trainer's fp32 log-probs of the target tokens, s
 gradient) and the datum's other inputs as fp32 tensors, and returns a scalar. Datums are summed by the
 caller. Weights and advantages are used as given (any real value, never clamped). The RL losses accept
 an optional ``weights`` mask (SageMaker datums carry one) that multiplies each token's term.
+
+``clip_low_threshold`` / ``clip_high_threshold`` may also come per token in the inputs (shape ``(N,)``);
+they then replace the config's bounds. ``cross_entropy`` and ``importance_sampling`` take ``(N, K)``
+targets (:data:`MULTI_TARGET_LOSSES`): ``p`` and every other input then have shape ``(N, K)`` and each of
+the ``N·K`` entries is one term of the sum, exactly as in the mock.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["LOSSES", "DEFAULT_CLIP_LOW", "DEFAULT_CLIP_HIGH", "DEFAULT_DRO_BETA", "datum_loss"]
+__all__ = ["LOSSES", "MULTI_TARGET_LOSSES", "DEFAULT_CLIP_LOW", "DEFAULT_CLIP_HIGH", "DEFAULT_DRO_BETA", "datum_loss"]
 
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
 DEFAULT_DRO_BETA = 0.1  # not published by Tinker; the miles Tinker executor uses 0.1
+
+MULTI_TARGET_LOSSES = frozenset({"cross_entropy", "importance_sampling"})  # take (N, K) target_tokens
 
 Inputs = Mapping[str, Tensor]
 Config = Mapping[str, float]
@@ -28,8 +35,21 @@ def _mask(inputs: Inputs) -> Tensor | float:
     return 1.0 if w is None else w
 
 
-def _clip(config: Config) -> tuple[float, float]:
-    return float(config.get("clip_low_threshold", DEFAULT_CLIP_LOW)), float(config.get("clip_high_threshold", DEFAULT_CLIP_HIGH))
+def _clip(inputs: Inputs, config: Config) -> tuple[Tensor | float, Tensor | float]:
+    """The ratio bounds: per-token inputs when given, else the config's, else the defaults."""
+    lo = inputs.get("clip_low_threshold")
+    hi = inputs.get("clip_high_threshold")
+    return (
+        float(config.get("clip_low_threshold", DEFAULT_CLIP_LOW)) if lo is None else lo,
+        float(config.get("clip_high_threshold", DEFAULT_CLIP_HIGH)) if hi is None else hi,
+    )
+
+
+def _clamp(x: Tensor, lo: Tensor | float, hi: Tensor | float) -> Tensor:
+    """``clamp(x, lo, hi)`` for float or per-token bounds (the same autograd rule either way)."""
+    if isinstance(lo, float) and isinstance(hi, float):
+        return x.clamp(lo, hi)
+    return x.clamp(torch.as_tensor(lo, dtype=x.dtype, device=x.device), torch.as_tensor(hi, dtype=x.dtype, device=x.device))
 
 
 def cross_entropy(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
@@ -45,17 +65,17 @@ def importance_sampling(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
 
 def ppo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     """``L = −Σ min(r·A, clamp(r, lo, hi)·A)`` (absolute ratio bounds)."""
-    lo, hi = _clip(config)
+    lo, hi = _clip(inputs, config)
     adv = inputs["advantages"]
     ratio = torch.exp(p - inputs["logprobs"])
-    objective = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+    objective = torch.minimum(ratio * adv, _clamp(ratio, lo, hi) * adv)
     return -(objective * _mask(inputs)).sum()
 
 
 def cispo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     """``L = −Σ sg[clamp(r, lo, hi)]·p·A``: the clip bounds the coefficient, the gradient always flows."""
-    lo, hi = _clip(config)
-    coef = torch.exp(p - inputs["logprobs"]).clamp(lo, hi).detach()
+    lo, hi = _clip(inputs, config)
+    coef = _clamp(torch.exp(p - inputs["logprobs"]), lo, hi).detach()
     return -(coef * p * inputs["advantages"] * _mask(inputs)).sum()
 
 
@@ -72,7 +92,7 @@ def gspo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     ``M`` is ``sequence_ratio_mask`` (default: every token). Per token ``s_t = sg[s]·exp(p − sg[p])``
     has value ``s`` and the gradient of the token's own log-prob.
     """
-    lo, hi = _clip(config)
+    lo, hi = _clip(inputs, config)
     adv = inputs["advantages"]
     mask = inputs.get("sequence_ratio_mask")
     if mask is None:
@@ -80,7 +100,7 @@ def gspo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     count = mask.sum()
     log_ratio = ((p.detach() - inputs["logprobs"]) * mask).sum() / count.clamp(min=1.0)
     s_t = torch.exp(log_ratio) * torch.exp(p - p.detach())
-    objective = torch.minimum(s_t * adv, s_t.clamp(lo, hi) * adv)
+    objective = torch.minimum(s_t * adv, _clamp(s_t, lo, hi) * adv)
     return -(objective * _mask(inputs)).sum()
 
 

@@ -22,6 +22,7 @@ from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse
 from .adapters import LoraHost
 from .logprobs import packed_logprobs
 from .losses import datum_loss
+from .prefix import PrefixGroup, find_groups, split_group
 
 __all__ = [
     "TrainSession",
@@ -36,6 +37,7 @@ __all__ = [
     "save_grads",
     "restore_grads",
     "single_datum_batches",
+    "micro_batches",
 ]
 
 
@@ -79,6 +81,20 @@ def _pack_budget(lengths: list[int], budget: int) -> list[list[int]]:
         batches[-1].append(i)
         used += n
     return batches
+
+
+def micro_batches(tokens: Sequence[list[int]], budget: int, shared_prefix: int = 0) -> list[list[PrefixGroup]]:
+    """Datums in micro-batches of at most ``budget`` packed tokens, as prefix groups (a datum alone: a group of one).
+
+    ``shared_prefix`` ≤ 0 keeps the datums' order and one group per datum; otherwise datums sharing at
+    least ``shared_prefix`` leading tokens form groups that count their prefix once against the budget.
+    """
+    lengths = [len(t) for t in tokens]
+    if shared_prefix <= 0:
+        return [[PrefixGroup(0, (i,)) for i in batch] for batch in _pack_budget(lengths, budget)]
+    groups = [part for g in find_groups(tokens, shared_prefix) for part in split_group(g, lengths, budget)]
+    spans = [g.span(lengths) for g in groups]
+    return [[groups[k] for k in batch] for batch in _pack_budget(spans, budget)]
 
 
 def single_datum_batches(lengths: list[int], budget: int) -> bool:
@@ -143,6 +159,12 @@ def checkpoint_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+def _tensor(value: TensorData, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A checked TensorData as a tensor of its own shape."""
+    t = torch.tensor(value.data, dtype=dtype, device=device)
+    return t.reshape(value.shape) if value.shape else t
+
+
 def run_ops(
     host: LoraHost,
     sess: TrainSession,
@@ -153,24 +175,32 @@ def run_ops(
     token_budget: int,
     chunk: int,
     plain_head: bool,
+    shared_prefix: int = 0,
 ) -> list[ForwardBackwardOutput]:
-    """Run ``forward`` (``backward=False``) or ``forward_backward`` ops of one session in one pass."""
+    """Run ``forward`` (``backward=False``) or ``forward_backward`` ops of one session in one pass.
+
+    ``shared_prefix`` > 0: datums sharing at least that many leading tokens run the prefix once (prefix.py).
+    """
     host.activate(sess.adapter, trainable=backward)
     model = host.peft.get_base_model()
     items: list[tuple[int, Any]] = [(oi, d) for oi, op in enumerate(ops) for d in op.data]
-    lengths = [d.model_input.length for _, d in items]
+    tokens = [d.model_input.to_ints() for _, d in items]
+    lengths = [len(t) for t in tokens]
     logprobs: list[Tensor | None] = [None] * len(items)
     loss_sums = [0.0] * len(ops)
-    for batch in _pack_budget(lengths, token_budget):
+    for groups in micro_batches(tokens, token_budget, shared_prefix):
+        batch = [i for g in groups for i in g.members]
+        local = {i: k for k, i in enumerate(batch)}
         seqs, inputs = [], []
         for i in batch:
             d = items[i][1]
-            ids = torch.tensor(d.model_input.to_ints(), dtype=torch.long, device=device)
+            ids = torch.tensor(tokens[i], dtype=torch.long, device=device)
             lfi = d.loss_fn_inputs
-            seqs.append((ids, torch.tensor(lfi["target_tokens"].data, dtype=torch.long, device=device)))
-            inputs.append({k: torch.tensor(v.data, dtype=torch.float32, device=device) for k, v in lfi.items() if k != "target_tokens"})
+            seqs.append((ids, _tensor(lfi["target_tokens"], torch.long, device)))  # (n,) or (n, K)
+            inputs.append({k: _tensor(v, torch.float32, device) for k, v in lfi.items() if k != "target_tokens"})
+        shared = [PrefixGroup(g.prefix, tuple(local[i] for i in g.members)) for g in groups]
         with torch.set_grad_enabled(backward):
-            lps = packed_logprobs(model, seqs, chunk=chunk, plain_head=plain_head)
+            lps = packed_logprobs(model, seqs, chunk=chunk, plain_head=plain_head, groups=shared)
             losses = []
             for i, lp, inp in zip(batch, lps, inputs):
                 op = ops[items[i][0]]
@@ -180,10 +210,10 @@ def run_ops(
                 total.backward()
         # one device-to-host copy per micro-batch, not one per datum
         values = torch.stack([x.detach().float() for x in losses]).cpu().tolist()
-        flat = torch.cat([lp.detach().float() for lp in lps]).cpu()
-        for i, value, lp in zip(batch, values, flat.split([len(x) for x in lps])):
+        flat = torch.cat([lp.detach().float().reshape(-1) for lp in lps]).cpu()
+        for i, value, lp, src in zip(batch, values, flat.split([x.numel() for x in lps]), lps):
             loss_sums[items[i][0]] += value
-            logprobs[i] = lp
+            logprobs[i] = lp.reshape(src.shape)
     outputs = []
     for oi in range(len(ops)):
         mine = [i for i, (o, _) in enumerate(items) if o == oi]
