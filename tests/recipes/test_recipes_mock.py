@@ -89,6 +89,9 @@ def test_demo_command_on_mock(tmp_path):
     check_metrics_file(tmp_path, RL_KEYS)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["group_size"], config["lora_rank"], config["max_tokens"], config["normalize_std"]) == (8, 16, 16, True)
+    wider = CliRunner().invoke(app, [*args[:-3], "--steps", "1", "--n-test", "7", "--run-dir", str(tmp_path / "b"), "--no-progress"])
+    assert wider.exit_code == 0 and "held-out greedy accuracy (7 problems) after 1 steps" in wider.output, wider.output
+    assert CliRunner().invoke(app, [*args, "--n-test", "0"]).exit_code == 2  # refused by the option's range
 
 
 def test_demo_keeps_local_checkpoints_in_the_run_dir(tmp_path):

@@ -26,10 +26,11 @@ def demo(
     seed: int = typer.Option(0, help="Seed of the problems, the LoRA init and the sampling."),
     run_dir: Path = typer.Option(Path("runs/demo"), help="Where metrics.jsonl, checkpoints.jsonl and config.json go."),
     resume: bool = typer.Option(False, help="Resume the run in --run-dir instead of starting over."),
+    n_test: int = typer.Option(100, min=1, max=10_000, help="Held-out problems graded before and after (500 for a tighter estimate)."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """GRPO on offline arithmetic; prints held-out greedy accuracy before and after."""
-    anyio.run(lambda: run_demo(model, url, minutes or None, steps, seed, run_dir, resume, progress=progress))
+    anyio.run(lambda: run_demo(model, url, minutes or None, steps, seed, run_dir, resume, n_test=n_test, progress=progress))
 
 
 @app.command()
