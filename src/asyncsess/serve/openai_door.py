@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import anyio
 from fastapi import APIRouter, Request
@@ -29,10 +30,10 @@ from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
 from .capture import CaptureStore
 from .openai_front import OpenAIFront
-from .openai_wire import FrontError
+from .openai_wire import ChatRequest, CompletionRequest, FrontError
 from .tinker_api import TinkerDoor, api_key_of, caller
 
-__all__ = ["OpenAIDoor", "openai_router"]
+__all__ = ["OpenAIDoor", "FrontSource", "openai_router"]
 
 
 class OpenAIDoor:
@@ -131,10 +132,24 @@ class OpenAIDoor:
         return [*sorted(await self._base_models()), *samplers, *paths]
 
 
-def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = None) -> APIRouter:
-    """The ``/v1`` routes over ``oai``; with ``api_keys`` every route needs ``X-API-Key`` or a Bearer key."""
+class FrontSource(Protocol):
+    """What :func:`openai_router` serves from: the front for an (API key, ``model``), the models a key may
+    name, and a key's captures. :class:`OpenAIDoor` is one; the local worker's ``WorkerFronts`` another."""
 
-    def key_of(request: Request) -> str | None:
+    async def front(self, key: str | None, model: str) -> OpenAIFront: ...
+
+    async def models(self, key: str | None) -> list[str]: ...
+
+    def captures(self, key: str | None) -> CaptureStore: ...
+
+
+def openai_router(
+    oai: FrontSource, api_keys: set[str] | frozenset[str] | None = None, *, key_of: Callable[[Request], str | None] | None = None
+) -> APIRouter:
+    """The ``/v1`` routes over ``oai``; with ``api_keys`` every route needs ``X-API-Key`` or a Bearer key.
+    ``key_of``: how a request names its key, instead (a server whose middleware already checked it)."""
+
+    def checked_key(request: Request) -> str | None:
         key = api_key_of(request, api_keys)
         if api_keys and key is None:
             raise FrontError(
@@ -145,6 +160,8 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
             )
         return key
 
+    key_of = key_of or checked_key
+
     async def sample(request: Request, chat: bool) -> Response:
         try:
             key = key_of(request)
@@ -154,7 +171,7 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
                 raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
-                raise FrontError("give the model to sample: a base model, a sampling session id or a tinker:// path", "model")
+                raise FrontError("give the model to sample: a name from GET /v1/models", "model")
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
@@ -162,11 +179,11 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
 
     r = APIRouter(prefix="/v1")
 
-    @r.post("/chat/completions")
+    @r.post("/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         return await sample(request, True)
 
-    @r.post("/completions")
+    @r.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await sample(request, False)
 
@@ -190,3 +207,21 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
         return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
 
     return r
+
+
+def _body_schema(model: type[ChatRequest] | type[CompletionRequest]) -> dict[str, Any]:
+    """The request body's JSON schema for ``/openapi.json`` (the front validates the body itself)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

@@ -42,16 +42,21 @@ class FrontError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+MAX_TEXT_CHARS = 1_000_000  # one message, prompt or tool description; a context holds far less
+
+
 def _check_text(value: Any) -> Any:
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"contains a lone surrogate at index {err.start}; send valid Unicode text") from None
+        if "\x00" in value:
+            raise ValueError(f"contains a NUL character at index {value.index(chr(0))}; remove it")
     return value
 
 
-Text = Annotated[str, AfterValidator(_check_text)]
+Text = Annotated[str, AfterValidator(_check_text), Field(max_length=MAX_TEXT_CHARS)]
 
 
 class _Req(BaseModel):
@@ -120,8 +125,8 @@ class SamplingRequest(_Req):
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: Annotated[Text, Field(max_length=256)] | None = None
+    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(default=None, max_length=16)
 
     @field_validator("stop")
     @classmethod
@@ -136,8 +141,8 @@ class SamplingRequest(_Req):
 
 
 class ChatRequest(SamplingRequest):
-    messages: list[Message] = Field(min_length=1)
-    tools: list[_ToolDef] | None = None
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    tools: list[_ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
