@@ -196,15 +196,23 @@ def openai_router(
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "asyncsess"} for m in await oai.models(key)]
         return JSONResponse({"object": "list", "data": data})
 
-    @r.api_route("/asyncsess/rollouts/{rollout_id}", methods=["GET", "DELETE"])
-    async def rollout(rollout_id: str, request: Request) -> Response:
-        """The calls this key made under ``rollout_id``; ``DELETE`` also forgets them."""
+    async def rollout_calls(rollout_id: str, request: Request, take: bool) -> Response:
         try:
             store = oai.captures(key_of(request))
         except FrontError as err:
             return err.response()
-        calls = store.pop(rollout_id) if request.method == "DELETE" else store.calls(rollout_id)
+        calls = store.pop(rollout_id) if take else store.calls(rollout_id)
         return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
+
+    @r.get("/asyncsess/rollouts/{rollout_id}")
+    async def rollout(rollout_id: str, request: Request) -> Response:
+        """The calls this key made under ``rollout_id``."""
+        return await rollout_calls(rollout_id, request, take=False)
+
+    @r.delete("/asyncsess/rollouts/{rollout_id}")
+    async def take_rollout(rollout_id: str, request: Request) -> Response:
+        """The calls this key made under ``rollout_id``, forgotten by the server."""
+        return await rollout_calls(rollout_id, request, take=True)
 
     return r
 
