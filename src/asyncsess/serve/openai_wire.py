@@ -38,11 +38,17 @@ class FrontError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}}
+        param = None if self.param is None else _printable(self.param)
+        body = {"error": {"message": _printable(self.message), "type": "invalid_request_error", "param": param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
 
 
 MAX_TEXT_CHARS = 1_000_000  # one message, prompt or tool description; a context holds far less
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udxxx`` escapes (it can be sent as UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _check_text(value: Any) -> Any:
@@ -160,6 +166,10 @@ def validation_error(err: ValidationError) -> FrontError:
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
     loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
     param = ".".join(loc) or None
+    if e["type"] == "string_unicode" and isinstance(e.get("input"), str):  # a parameter name that is not valid Unicode
+        name = _printable(e["input"])
+        param = ".".join([*loc, name])
+        return FrontError(f"the parameter name '{name}' is not valid Unicode (a lone surrogate); remove it", param, code="invalid_value")
     if e["type"] == "extra_forbidden":
         return FrontError(
             f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"
