@@ -82,7 +82,7 @@ def check(status: int, body: bytes, where: str) -> None:
     elif status >= 400 and err is not None and _openai_route(where) and set(err) == {"message", "type", "param", "code"}:
         # OpenAI's shape; ``param`` names the field (null only for a body that is not a JSON object). The
         # worker's key and size checks in front of these routes answer in the worker's shape (below).
-        if not (err["message"] and (err["param"] or err["code"] == "invalid_json")):
+        if not (err["message"] and (err["param"] is not None or err["code"] == "invalid_json")):
             problem = "an OpenAI refusal without param"
     elif status >= 400 and err is not None and status not in (404,):
         if not (err.get("field") and err.get("fix")):

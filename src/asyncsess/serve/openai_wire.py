@@ -165,7 +165,7 @@ def validation_error(err: ValidationError) -> FrontError:
     e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
     loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
-    param = ".".join(loc) or None
+    param = ".".join(loc) if loc else None  # an empty name ("") is named as it is
     if e["type"] == "string_unicode" and isinstance(e.get("input"), str):  # a parameter name that is not valid Unicode
         name = _printable(e["input"])
         param = ".".join([*loc, name])
