@@ -23,15 +23,29 @@ from asyncsess.chat import ChatRenderer, Tool  # noqa: E402
 from asyncsess.rl.capture import build_trajectory  # noqa: E402
 from asyncsess.serve.capture import CapturedCall  # noqa: E402
 
-from .server_helpers import KEY, MINE, OTHER, THEIRS, assert_openai_refused, new_sampler, new_session, raw_json, send  # noqa: E402
-from .server_helpers import start_worker  # noqa: E402
+from .server_helpers import (  # noqa: E402
+    KEY,
+    MINE,
+    OTHER,
+    THEIRS,
+    assert_openai_refused,
+    new_sampler,
+    new_session,
+    raw_json,
+    send,
+    start_worker,
+)
 
 pytestmark = [pytest.mark.local, pytest.mark.torch]
 TOLERANCE = 1e-4
 TOOLS = [
     {
         "type": "function",
-        "function": {"name": "calc", "description": "evaluate", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}},
+        "function": {
+            "name": "calc",
+            "description": "evaluate",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+        },
     }
 ]
 ASK = [{"role": "user", "content": "what is 2 plus 3?"}]
@@ -130,14 +144,21 @@ def test_logprobs_and_n_match_compute_logprobs_and_the_stream_equals_the_plain_r
     kwargs = dict(model=model, messages=ASK, n=3, seed=7, max_tokens=12, logprobs=True, top_logprobs=2, temperature=1.0)
     plain = mine.chat.completions.create(**kwargs, extra_headers={"X-Rollout-Id": "plain"})
     chunks = list(
-        mine.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}, extra_headers={"X-Rollout-Id": "streamed"})
+        mine.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}, extra_headers={"X-Rollout-Id": "streamed"}
+        )
     )
     assert [ch.index for ch in plain.choices] == [0, 1, 2]
     assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == plain.usage.model_dump()
     assert all(ch.usage is None for ch in chunks[:-1])
     for ch in plain.choices:
         text = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices and x.choices[0].index == ch.index)
-        streamed = [e for x in chunks if x.choices and x.choices[0].index == ch.index and x.choices[0].logprobs for e in x.choices[0].logprobs.content]
+        streamed = [
+            e
+            for x in chunks
+            if x.choices and x.choices[0].index == ch.index and x.choices[0].logprobs
+            for e in x.choices[0].logprobs.content
+        ]
         assert text == ch.message.content
         assert [e.token for e in streamed] == [e.token for e in ch.logprobs.content]
         assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in ch.logprobs.content], abs=TOLERANCE)
@@ -156,7 +177,9 @@ def test_logprobs_and_n_match_compute_logprobs_and_the_stream_equals_the_plain_r
 
 
 def test_completions_capture_under_metadata_rollout_id(c, mine, model):
-    out = mine.completions.create(model=model, prompt="what is", max_tokens=5, seed=3, logprobs=1, extra_body={"metadata": {"rollout_id": "legacy"}})
+    out = mine.completions.create(
+        model=model, prompt="what is", max_tokens=5, seed=3, logprobs=1, extra_body={"metadata": {"rollout_id": "legacy"}}
+    )
     [call] = captured(c, "legacy")
     assert call.endpoint == "completions" and len(call.choices[0].tokens) == out.usage.completion_tokens
     assert call.choices[0].logprobs == pytest.approx(out.choices[0].logprobs.token_logprobs, abs=TOLERANCE)

@@ -132,7 +132,9 @@ class SamplingRequest(_Req):
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
     user: Annotated[Text, Field(max_length=256)] | None = None
-    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16
+    )
 
     @field_validator("stop")
     @classmethod
