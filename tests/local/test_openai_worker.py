@@ -288,3 +288,15 @@ def test_captures_per_tenant_are_bounded(model, tmp_path):
             assert captured(c, "r11")[0].prompt_tokens  # the newest is whole
     finally:
         w.stop()
+
+
+def test_the_agent_example_trains_through_the_endpoint(worker, model):
+    """examples/agent_worker_http.py: the unmodified calculator agent on the worker's /v1, trained from the captures."""
+    import anyio
+
+    from examples import agent_worker_http
+
+    rows = anyio.run(agent_worker_http.main, [f"url={worker.url}", f"api_key={KEY}", f"base_model={model}", "steps=2", "group_size=2"])
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["weight_version"] for r in rows] == [0, 1]  # each step samples the weights the step before saved
+    assert all(r["calls"] >= 1 and r["sampled_tokens"] > 0 and r["drift"] == 0 and math.isfinite(r["reward"]) for r in rows)
