@@ -185,13 +185,14 @@ def test_completions_capture_under_metadata_rollout_id(c, mine, model):
     assert call.choices[0].logprobs == pytest.approx(out.choices[0].logprobs.token_logprobs, abs=TOLERANCE)
 
 
-def test_a_session_id_serves_its_latest_weights_with_their_step(c, mine, model):
+def test_a_session_id_serves_its_latest_weights_with_their_step(c, worker, mine, model):
     sid = new_session(c, model, MINE)
     datum = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]}}
     ask = dict(model=sid, messages=ASK, max_tokens=4, seed=2, extra_headers={"X-Rollout-Id": f"s-{sid}"})
     mine.chat.completions.create(**ask)  # no weights saved yet: the session's base weights
+    samplers = set(worker.backend.engine.samplers)
     seq = 0
-    for _ in range(2):
+    for _ in range(3):
         for op in (
             {"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [datum]},
             {"kind": "optim_step", "adam_params": {"learning_rate": 1e-2}},
@@ -202,11 +203,14 @@ def test_a_session_id_serves_its_latest_weights_with_their_step(c, mine, model):
             assert r.status_code == 200, r.text
         mine.chat.completions.create(**ask)
     calls = captured(c, f"s-{sid}")
-    assert [(x.sampler_id, x.weight_version) for x in calls] == [(sid, 0), (sid, 1), (sid, 2)]
+    assert [(x.sampler_id, x.weight_version) for x in calls] == [(sid, 0), (sid, 1), (sid, 2), (sid, 3)]
     assert sid in [m.id for m in mine.models.list().data]
+    # open for the session: its latest weights, and the ones before for calls still running on them
+    assert len(set(worker.backend.engine.samplers) - samplers) == 2
     c.delete(f"/v1/sessions/{sid}", headers=MINE)
     with pytest.raises(openai.NotFoundError):  # a stopped session is no model any more
         mine.chat.completions.create(**ask)
+    assert set(worker.backend.engine.samplers) <= samplers  # and its samplers are stopped
 
 
 def test_tenants_see_and_capture_only_their_own(c, mine, theirs, model):

@@ -48,6 +48,7 @@ class WorkerFronts:
         self._captures: dict[str | None, CaptureStore] = {}
         self._base: dict[str, str] = {}  # base model -> the sampler on its base weights (shared by tenants)
         self._session_samplers: dict[str, tuple[str, str]] = {}  # training session -> (weights path, sampler id)
+        self._retired: dict[str, str] = {}  # training session -> the sampler on its weights before the latest
         self._lock = anyio.Lock()
 
     @contextlib.asynccontextmanager
@@ -60,9 +61,8 @@ class WorkerFronts:
             finally:
                 self._svc = None
                 with anyio.CancelScope(shield=True):
-                    for sampler_id in [*self._base.values(), *(s for _, s in self._session_samplers.values())]:
-                        with contextlib.suppress(Exception):
-                            await self.backend.stop_session(sampler_id)
+                    for sampler_id in [*self._base.values(), *(s for _, s in self._session_samplers.values()), *self._retired.values()]:
+                        await self._stop(sampler_id)
 
     def captures(self, key: str | None) -> CaptureStore:
         return self._captures.setdefault(key, CaptureStore(self.max_capture_tokens))
@@ -80,7 +80,11 @@ class WorkerFronts:
             del self._fronts[(key, model)]
             self._served.pop((key, model), None)
         for sid in [s for s in self._session_samplers if s not in self.backend.engine.sessions]:
-            _, sampler_id = self._session_samplers.pop(sid)
+            await self._stop(self._session_samplers.pop(sid)[1])
+            await self._stop(self._retired.pop(sid, None))
+
+    async def _stop(self, sampler_id: str | None) -> None:
+        if sampler_id is not None:
             with contextlib.suppress(Exception):
                 await self.backend.stop_session(sampler_id)
 
@@ -92,9 +96,10 @@ class WorkerFronts:
         current = self._session_samplers.get(session_id)
         if current is None or current[0] != path:
             self._session_samplers[session_id] = (path, await self.backend.create_sampler(SamplerSpec(model_path=path)))
-            if current is not None:  # the previous weights: a call still on them gets a 503 (clients retry it)
-                with contextlib.suppress(Exception):
-                    await self.backend.stop_session(current[1])
+            if current is not None:
+                # the previous weights stay open until the next change, for the calls still running on them
+                await self._stop(self._retired.pop(session_id, None))
+                self._retired[session_id] = current[1]
         return self._session_samplers[session_id][1], self.owners.weight_steps.get(path, 0)
 
     async def _base_sampler(self, base_model: str) -> str:
