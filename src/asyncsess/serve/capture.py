@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CapturedChoice", "CapturedCall", "CaptureStore"]
+__all__ = ["CapturedChoice", "CapturedCall", "CaptureStore", "MAX_CAPTURE_TOKENS"]
+
+MAX_CAPTURE_TOKENS = 4_000_000  # what a server keeps per API key by default: about 100 MB of captures at the most
 
 
 class CapturedChoice(BaseModel):

@@ -11,7 +11,8 @@ Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker
 
 Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
 exists. Each (key, sampler) pair has one :class:`~.openai_front.OpenAIFront`; a key's fronts share one
-:class:`~asyncsess.serve.capture.CaptureStore`, so captures are per key. A capture's ``weight_version`` is the
+:class:`~asyncsess.serve.capture.CaptureStore` (bounded at ``max_capture_tokens``, oldest rollouts dropped first),
+so captures are per key. A capture's ``weight_version`` is the
 optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`` is the ``model`` it named.
 """
 
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
-from .capture import CaptureStore
+from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront
 from .openai_wire import ChatRequest, CompletionRequest, FrontError
 from .tinker_api import TinkerDoor, api_key_of, caller
@@ -39,8 +40,9 @@ __all__ = ["OpenAIDoor", "FrontSource", "openai_router"]
 class OpenAIDoor:
     """OpenAI fronts over the samplers of ``door``, one per (API key, sampler), with per-key captures."""
 
-    def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256) -> None:
+    def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256, max_capture_tokens: int = MAX_CAPTURE_TOKENS) -> None:
         self.door = door
+        self.max_capture_tokens = max_capture_tokens
         self.max_n, self.max_tokens = max_n, max_tokens
         self._svc: ServiceClient | None = None
         self._fronts: dict[tuple[str | None, str], OpenAIFront] = {}
@@ -64,7 +66,7 @@ class OpenAIDoor:
 
     def captures(self, key: str | None) -> CaptureStore:
         """The captures of the API key ``key`` (None on a server without keys)."""
-        return self._captures.setdefault(key, CaptureStore())
+        return self._captures.setdefault(key, CaptureStore(self.max_capture_tokens))
 
     # ------------------------------------------------------------------ resolving ``model``
 

@@ -30,9 +30,8 @@ from asyncsess.serve.openai_wire import FrontError
 from .embedded import MAX_NUM_SAMPLES, LocalBackend
 from .tenants import Owners
 
-__all__ = ["WorkerFronts", "router", "MAX_CAPTURE_TOKENS"]
+__all__ = ["WorkerFronts", "router"]
 
-MAX_CAPTURE_TOKENS = 4_000_000  # per tenant: about 100 MB of captures at the most
 MAX_COMPLETION_TOKENS = 256  # the completion budget of a request that sets none
 
 

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncsess.backends import LoadStateOp, SaveWeightsOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
@@ -54,7 +55,7 @@ def create_app(
     max_body_bytes: int = bodies.MAX_BODY_BYTES,
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
-    max_capture_tokens: int = openai_api.MAX_CAPTURE_TOKENS,
+    max_capture_tokens: int = MAX_CAPTURE_TOKENS,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
