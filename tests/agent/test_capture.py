@@ -8,7 +8,7 @@ import pytest
 
 from asyncsess import ServiceClient
 from asyncsess.rl.capture import build_trajectory, read_trajectories
-from asyncsess.serve.capture import CaptureStore
+from asyncsess.serve.capture import CapturedCall, CapturedChoice, CaptureStore
 from asyncsess.serve.openai_front import OpenAIFront
 
 from .helpers import CALC, ScriptedSampler
@@ -130,3 +130,41 @@ async def test_store_jsonl_and_trajectory_records_round_trip(real, tmp_path):
     [rec] = read_trajectories(tmp_path / "t.jsonl")
     assert rec["reward"] == 0.25 and rec["weight_versions"] == [3] and rec["segments"] == traj.segments()
     assert store.calls("j") == [] and store.reserve("j") == 0
+
+
+def _call(rollout: str, index: int, tokens: int) -> CapturedCall:
+    choice = CapturedChoice(index=0, tokens=[7] * tokens, logprobs=[-1.0] * tokens, finish_reason="length")
+    return CapturedCall(
+        rollout_id=rollout,
+        call_index=index,
+        endpoint="completions",
+        model="m",
+        sampler_id="s",
+        weight_version=0,
+        prompt_tokens=[1] * tokens,
+        choices=[choice],
+        usage={},
+    )
+
+
+def test_a_bounded_store_drops_the_oldest_rollouts_first():
+    store = CaptureStore(max_tokens=100)
+    for r in ("a", "b", "c"):
+        store.add(_call(r, store.reserve(r), 15))  # 30 tokens each
+    assert store.tokens == 90 and store.dropped_calls == 0
+    store.add(_call("a", store.reserve("a"), 15))  # "a" is now the most recent rollout: "b" goes
+    assert store.rollout_ids() == ["c", "a"] and store.dropped_calls == 1 and store.tokens == 90
+    assert [c.call_index for c in store.calls("a")] == [0, 1]
+    assert store.calls("b") == [] and store.reserve("b") == 0  # a dropped rollout starts again at call 0
+    store.add(_call("d", store.reserve("d"), 200))  # one call over the whole bound: kept alone until taken
+    assert store.rollout_ids() == ["d"] and store.dropped_calls == 4 and store.tokens == 400
+    store.add(_call("d", store.reserve("d"), 10))  # the same rollout grows: its oldest call goes
+    assert [c.call_index for c in store.calls("d")] == [1] and store.tokens == 20
+    assert [c.call_index for c in store.pop("d")] == [1] and store.tokens == 0
+
+
+def test_an_unbounded_store_keeps_everything():
+    store = CaptureStore()
+    for i in range(50):
+        store.add(_call(str(i), 0, 1000))
+    assert len(store.rollout_ids()) == 50 and store.dropped_calls == 0

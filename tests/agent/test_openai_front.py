@@ -172,7 +172,10 @@ BAD = [
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": "nul \x00 ok"}]}, 200, None),
+    ({"messages": [{"role": "user", "content": "nul \x00 no"}]}, 400, "messages.0.content"),  # NUL is refused, as by the worker
+    ({"user": "\ud800"}, 400, "user"),
+    ({"\udfff": 1}, 400, "\\udfff"),  # a parameter name that is not valid Unicode, named with an escape
+    ({"metadata": {"rollout_id": "r" * 513}}, 400, "metadata.rollout_id"),
     ({"messages": [{"role": "user", "content": "long " * 20000}]}, 400, "prompt"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0.type"),
 ]

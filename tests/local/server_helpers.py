@@ -47,6 +47,15 @@ def assert_refused(r: httpx.Response, field: str | None = None, status: int = 40
     return err
 
 
+def assert_openai_refused(r: httpx.Response, param: str | None, status: int = 400) -> dict[str, Any]:
+    """An OpenAI route's refusal: a 4xx with OpenAI's error body naming the parameter."""
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"] and err["code"], err
+    assert err["param"] == param, err
+    return err
+
+
 def new_session(c: httpx.Client, tiny: str, headers: dict[str, str], rank: int = 2) -> str:
     r = c.post("/v1/sessions", json={"base_model": tiny, "rank": rank, "seed": 0}, headers=headers)
     assert r.status_code == 200, r.text

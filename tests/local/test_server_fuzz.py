@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.parse
 from collections import Counter
 from typing import Any
@@ -78,12 +79,23 @@ def check(status: int, body: bytes, where: str) -> None:
             STATS["seq_gap_503"] += 1
         else:
             problem = f"server error {status}"
+    elif status >= 400 and err is not None and _openai_route(where) and set(err) == {"message", "type", "param", "code"}:
+        # OpenAI's shape; ``param`` names the field (null only for a body that is not a JSON object). The
+        # worker's key and size checks in front of these routes answer in the worker's shape (below).
+        if not (err["message"] and (err["param"] is not None or err["code"] == "invalid_json")):
+            problem = "an OpenAI refusal without param"
     elif status >= 400 and err is not None and status not in (404,):
         if not (err.get("field") and err.get("fix")):
             problem = "a refusal without field and fix"
     if problem:
         STATS["failures"] += 1
         FAILURES.append(f"{problem}: {where} -> {status} {body[:300]!r}")
+
+
+def _openai_route(where: str) -> bool:
+    """The OpenAI routes answer in OpenAI's error shape (the key check in front of them in the worker's)."""
+    path = where.split(" ")[1] if " " in where else ""
+    return path in ("/v1/chat/completions", "/v1/completions") or re.fullmatch(r"/v1/asyncsess/rollouts/[^/]+", path) is not None
 
 
 def assert_clean() -> None:
@@ -103,8 +115,10 @@ def _clamp(case: Any) -> Any:
         for k in ("max_tokens", "max_completion_tokens"):
             if type(body.get(k)) is int and body[k] >= 1:
                 body[k] = min(body[k], 4)
-        if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+        if ("messages" in body or "model" in body) and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = 4
+        if "model" in body:  # an OpenAI body: no sampling_params
+            return case
         sp = body.get("sampling_params")
         if "prompt" in body and not isinstance(sp, dict):
             body["sampling_params"] = sp = {} if sp is None else sp
@@ -298,6 +312,32 @@ def _templates(ids: dict[str, str], seq: int, their_sid: str) -> list[tuple[str,
                 "stream": True,
             },
         ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": tiny,
+                "messages": [
+                    {"role": "user", "content": "what is 2 plus 3?"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "5"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "calc", "description": "d", "parameters": {"type": "object"}}}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "metadata": {"rollout_id": "fz"},
+            },
+        ),
+        ("POST", "/v1/completions", {"model": tiny, "prompt": "what is", "max_tokens": 3, "logprobs": 2, "n": 2, "user": "fz"}),
+        ("POST", "/v1/completions", {"model": sid, "prompt": [5, 6, 7], "max_tokens": 3, "stop": ["\n"], "seed": 1}),
+        ("GET", "/v1/asyncsess/rollouts/fz", None),
     ]
 
 

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .server_helpers import KEY, MINE, assert_healthy, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+from .server_helpers import KEY, MINE, assert_healthy, assert_openai_refused, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
 
 pytestmark = pytest.mark.local
 
@@ -73,7 +73,7 @@ def test_base_model_is_a_name_from_the_list_never_a_path(c, worker, tiny, name):
     if r is not None:
         assert_refused(r, "base_model")
     body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model")
+    assert_openai_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model", status=404 if name else 400)
     assert set(worker.backend.engine.slots) == {tiny}  # nothing else was loaded
 
 
@@ -262,28 +262,33 @@ def test_tiny_temperatures_decode_greedily_without_nan(c, ids, temperature):
     assert all(lp == lp and abs(lp) < 1e30 for s in seqs for lp in s["logprobs"])
 
 
-CHAT_CASES = [
+CHAT_CASES = [  # OpenAI's error shape: ``param`` names the field as a dotted path
     ({"stop": ""}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [str(i) for i in range(17)]}, "stop"),
     ({"temperature": NAN}, "temperature"),
+    ({"temperature": INF}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
-    ({"seed": -1}, "seed"),
+    ({"temperature": "hot"}, "temperature"),
     ({"seed": 2**64}, "seed"),
     ({"n": 0}, "n"),
     ({"n": 10**9}, "n"),
+    ({"n": "2"}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 10**6}, "sampling_params.max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "a\x00"}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a\x00"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages.0.content"),
 ]
 
 
 @pytest.mark.parametrize(("extra", "field"), CHAT_CASES)
 def test_chat_inputs_are_refused_with_the_field(c, tiny, extra, field):
     body = {"model": tiny, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
-    assert_refused(send(c, "POST", "/v1/chat/completions", body, MINE), field)
+    assert_openai_refused(send(c, "POST", "/v1/chat/completions", body, MINE), field)
 
 
 def test_chat_tiny_temperature_and_stop_strings(c, tiny):

@@ -4,13 +4,17 @@ log-probs, the weight version that produced them, the finish reason and the usag
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CapturedChoice", "CapturedCall", "CaptureStore"]
+__all__ = ["CapturedChoice", "CapturedCall", "CaptureStore", "MAX_CAPTURE_TOKENS"]
+
+MAX_CAPTURE_TOKENS = 4_000_000  # what a server keeps per API key by default: about 100 MB of captures at the most
 
 
 class CapturedChoice(BaseModel):
@@ -44,10 +48,20 @@ class CapturedCall(BaseModel):
 
 
 class CaptureStore:
-    """The calls the front served, by rollout id, in the order they were served."""
+    """The calls the front served, by rollout id, in the order they were served.
 
-    def __init__(self) -> None:
-        self._calls: dict[str, list[CapturedCall]] = {}
+    ``max_tokens`` bounds the memory: a call costs its prompt and sampled tokens plus its request's JSON at
+    four characters a token. Past the bound the store forgets whole rollouts, least recently added to
+    first (the one being added to last, and then only its oldest calls); ``dropped_calls`` counts them. A
+    trainer that takes its rollouts as they finish never sees a drop; one that never takes them does not
+    grow the server without bound.
+    """
+
+    def __init__(self, max_tokens: int | None = None) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.dropped_calls = 0
+        self._calls: OrderedDict[str, list[CapturedCall]] = OrderedDict()
         self._counts: dict[str, int] = {}
 
     def reserve(self, rollout_id: str) -> int:
@@ -58,6 +72,19 @@ class CaptureStore:
 
     def add(self, call: CapturedCall) -> None:
         self._calls.setdefault(call.rollout_id, []).append(call)
+        self._calls.move_to_end(call.rollout_id)
+        self.tokens += _cost(call)
+        if self.max_tokens is not None:
+            while self.tokens > self.max_tokens and self._calls:
+                oldest = next(iter(self._calls))
+                calls = self._calls[oldest]
+                if oldest == call.rollout_id and len(calls) == 1:
+                    break  # one call over the whole bound is kept until taken
+                gone = self._calls.pop(oldest) if oldest != call.rollout_id else [calls.pop(0)]
+                if oldest != call.rollout_id:
+                    self._counts.pop(oldest, None)
+                self.tokens -= sum(_cost(c) for c in gone)
+                self.dropped_calls += len(gone)
 
     def calls(self, rollout_id: str) -> list[CapturedCall]:
         return sorted(self._calls.get(rollout_id, []), key=lambda c: c.call_index)
@@ -65,7 +92,9 @@ class CaptureStore:
     def pop(self, rollout_id: str) -> list[CapturedCall]:
         """The calls of ``rollout_id``, forgotten by the store."""
         self._counts.pop(rollout_id, None)
-        return sorted(self._calls.pop(rollout_id, []), key=lambda c: c.call_index)
+        calls = self._calls.pop(rollout_id, [])
+        self.tokens -= sum(_cost(c) for c in calls)
+        return sorted(calls, key=lambda c: c.call_index)
 
     def rollout_ids(self) -> list[str]:
         return list(self._calls)
@@ -82,3 +111,9 @@ class CaptureStore:
                 f.write(call.model_dump_json() + "\n")
                 n += 1
         return n
+
+
+def _cost(call: CapturedCall) -> int:
+    """What a call weighs in a store's ``max_tokens``: its tokens, and its request at 4 characters a token."""
+    tokens = len(call.prompt_tokens) + sum(len(c.tokens) + len(c.text) // 4 for c in call.choices)
+    return tokens + len(json.dumps(call.request, default=str)) // 4

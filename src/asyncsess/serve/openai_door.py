@@ -11,7 +11,8 @@ Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker
 
 Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
 exists. Each (key, sampler) pair has one :class:`~.openai_front.OpenAIFront`; a key's fronts share one
-:class:`~asyncsess.serve.capture.CaptureStore`, so captures are per key. A capture's ``weight_version`` is the
+:class:`~asyncsess.serve.capture.CaptureStore` (bounded at ``max_capture_tokens``, oldest rollouts dropped first),
+so captures are per key. A capture's ``weight_version`` is the
 optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`` is the ``model`` it named.
 """
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import anyio
 from fastapi import APIRouter, Request
@@ -27,19 +29,20 @@ from fastapi.responses import JSONResponse, Response
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
-from .capture import CaptureStore
+from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront
-from .openai_wire import FrontError
+from .openai_wire import ChatRequest, CompletionRequest, FrontError
 from .tinker_api import TinkerDoor, api_key_of, caller
 
-__all__ = ["OpenAIDoor", "openai_router"]
+__all__ = ["OpenAIDoor", "FrontSource", "openai_router"]
 
 
 class OpenAIDoor:
     """OpenAI fronts over the samplers of ``door``, one per (API key, sampler), with per-key captures."""
 
-    def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256) -> None:
+    def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256, max_capture_tokens: int = MAX_CAPTURE_TOKENS) -> None:
         self.door = door
+        self.max_capture_tokens = max_capture_tokens
         self.max_n, self.max_tokens = max_n, max_tokens
         self._svc: ServiceClient | None = None
         self._fronts: dict[tuple[str | None, str], OpenAIFront] = {}
@@ -63,7 +66,7 @@ class OpenAIDoor:
 
     def captures(self, key: str | None) -> CaptureStore:
         """The captures of the API key ``key`` (None on a server without keys)."""
-        return self._captures.setdefault(key, CaptureStore())
+        return self._captures.setdefault(key, CaptureStore(self.max_capture_tokens))
 
     # ------------------------------------------------------------------ resolving ``model``
 
@@ -131,10 +134,24 @@ class OpenAIDoor:
         return [*sorted(await self._base_models()), *samplers, *paths]
 
 
-def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = None) -> APIRouter:
-    """The ``/v1`` routes over ``oai``; with ``api_keys`` every route needs ``X-API-Key`` or a Bearer key."""
+class FrontSource(Protocol):
+    """What :func:`openai_router` serves from: the front for an (API key, ``model``), the models a key may
+    name, and a key's captures. :class:`OpenAIDoor` is one; the local worker's ``WorkerFronts`` another."""
 
-    def key_of(request: Request) -> str | None:
+    async def front(self, key: str | None, model: str) -> OpenAIFront: ...
+
+    async def models(self, key: str | None) -> list[str]: ...
+
+    def captures(self, key: str | None) -> CaptureStore: ...
+
+
+def openai_router(
+    oai: FrontSource, api_keys: set[str] | frozenset[str] | None = None, *, key_of: Callable[[Request], str | None] | None = None
+) -> APIRouter:
+    """The ``/v1`` routes over ``oai``; with ``api_keys`` every route needs ``X-API-Key`` or a Bearer key.
+    ``key_of``: how a request names its key, instead (a server whose middleware already checked it)."""
+
+    def checked_key(request: Request) -> str | None:
         key = api_key_of(request, api_keys)
         if api_keys and key is None:
             raise FrontError(
@@ -145,6 +162,8 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
             )
         return key
 
+    key_of = key_of or checked_key
+
     async def sample(request: Request, chat: bool) -> Response:
         try:
             key = key_of(request)
@@ -154,7 +173,7 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
                 raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
-                raise FrontError("give the model to sample: a base model, a sampling session id or a tinker:// path", "model")
+                raise FrontError("give the model to sample: a name from GET /v1/models", "model")
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
@@ -162,11 +181,11 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
 
     r = APIRouter(prefix="/v1")
 
-    @r.post("/chat/completions")
+    @r.post("/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         return await sample(request, True)
 
-    @r.post("/completions")
+    @r.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await sample(request, False)
 
@@ -179,14 +198,40 @@ def openai_router(oai: OpenAIDoor, api_keys: set[str] | frozenset[str] | None = 
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "asyncsess"} for m in await oai.models(key)]
         return JSONResponse({"object": "list", "data": data})
 
-    @r.api_route("/asyncsess/rollouts/{rollout_id}", methods=["GET", "DELETE"])
-    async def rollout(rollout_id: str, request: Request) -> Response:
-        """The calls this key made under ``rollout_id``; ``DELETE`` also forgets them."""
+    async def rollout_calls(rollout_id: str, request: Request, take: bool) -> Response:
         try:
             store = oai.captures(key_of(request))
         except FrontError as err:
             return err.response()
-        calls = store.pop(rollout_id) if request.method == "DELETE" else store.calls(rollout_id)
+        calls = store.pop(rollout_id) if take else store.calls(rollout_id)
         return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
 
+    @r.get("/asyncsess/rollouts/{rollout_id}")
+    async def rollout(rollout_id: str, request: Request) -> Response:
+        """The calls this key made under ``rollout_id``."""
+        return await rollout_calls(rollout_id, request, take=False)
+
+    @r.delete("/asyncsess/rollouts/{rollout_id}")
+    async def take_rollout(rollout_id: str, request: Request) -> Response:
+        """The calls this key made under ``rollout_id``, forgotten by the server."""
+        return await rollout_calls(rollout_id, request, take=True)
+
     return r
+
+
+def _body_schema(model: type[ChatRequest] | type[CompletionRequest]) -> dict[str, Any]:
+    """The request body's JSON schema for ``/openapi.json`` (the front validates the body itself)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

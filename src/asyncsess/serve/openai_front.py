@@ -56,6 +56,7 @@ __all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER"]
 ROLLOUT_HEADER = "x-rollout-id"
 VERSION_HEADER = "x-weight-version"
 DEFAULT_ROLLOUT = "default"
+MAX_ROLLOUT_ID_CHARS = 256
 _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 
@@ -118,9 +119,10 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ binding samplers to rollouts
 
-    def publish(self, sampler: SamplingClient, version: int) -> None:
-        """Serve calls without a bound rollout from ``sampler`` (weights ``version``) from now on."""
-        self._default = _Binding(sampler, version)
+    def publish(self, sampler: SamplingClient, version: int, *, sampler_name: str | None = None) -> None:
+        """Serve calls without a bound rollout from ``sampler`` (weights ``version``) from now on;
+        ``sampler_name``: what its captures call it (default: its sampler_id)."""
+        self._default = _Binding(sampler, version, name=sampler_name)
 
     def bind(
         self, rollout_id: str, sampler: SamplingClient, version: int, temperature: float | None = None, *, seed: int | None = None
@@ -219,6 +221,8 @@ class OpenAIFront:
             except ValidationError as err:
                 raise validation_error(err) from None
             rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
+            if len(rollout) > MAX_ROLLOUT_ID_CHARS:
+                raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", ROLLOUT_HEADER)
             return await handler(req, rollout)
         except FrontError as err:
             self.counts["errors"] += 1
@@ -260,6 +264,9 @@ class OpenAIFront:
         if req.n > self.max_n:
             raise FrontError(f"n={req.n} is more than this server allows ({self.max_n})", "n")
         budget = max_tokens or self.max_tokens
+        if self.context_window is not None and max_tokens is not None and max_tokens > self.context_window:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise FrontError(f"{name}={max_tokens} is more than the model's context ({self.context_window} tokens)", name)
         if self.context_window is not None:
             room = self.context_window - prompt_len
             if room < 1:

@@ -38,8 +38,17 @@ class FrontError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}}
+        param = None if self.param is None else _printable(self.param)
+        body = {"error": {"message": _printable(self.message), "type": "invalid_request_error", "param": param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
+
+
+MAX_TEXT_CHARS = 1_000_000  # one message, prompt or tool description; a context holds far less
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udxxx`` escapes (it can be sent as UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _check_text(value: Any) -> Any:
@@ -48,10 +57,12 @@ def _check_text(value: Any) -> Any:
             value.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"contains a lone surrogate at index {err.start}; send valid Unicode text") from None
+        if "\x00" in value:
+            raise ValueError(f"contains a NUL character at index {value.index(chr(0))}; remove it")
     return value
 
 
-Text = Annotated[str, AfterValidator(_check_text)]
+Text = Annotated[str, AfterValidator(_check_text), Field(max_length=MAX_TEXT_CHARS)]
 
 
 class _Req(BaseModel):
@@ -120,8 +131,10 @@ class SamplingRequest(_Req):
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: Annotated[Text, Field(max_length=256)] | None = None
+    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16
+    )
 
     @field_validator("stop")
     @classmethod
@@ -136,8 +149,8 @@ class SamplingRequest(_Req):
 
 
 class ChatRequest(SamplingRequest):
-    messages: list[Message] = Field(min_length=1)
-    tools: list[_ToolDef] | None = None
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    tools: list[_ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
@@ -154,7 +167,11 @@ def validation_error(err: ValidationError) -> FrontError:
     e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
     loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
-    param = ".".join(loc) or None
+    param = ".".join(loc) if loc else None  # an empty name ("") is named as it is
+    if e["type"] == "string_unicode" and isinstance(e.get("input"), str):  # a parameter name that is not valid Unicode
+        name = _printable(e["input"])
+        param = ".".join([*loc, name])
+        return FrontError(f"the parameter name '{name}' is not valid Unicode (a lone surrogate); remove it", param, code="invalid_value")
     if e["type"] == "extra_forbidden":
         return FrontError(
             f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"

@@ -29,8 +29,6 @@ from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
 from .sessions import MAX_LORA_RANK
 
 __all__ = [
-    "ChatMessage",
-    "ChatRequest",
     "LogprobsBody",
     "OpBody",
     "ForwardBody",
@@ -256,36 +254,6 @@ class LogprobsBody(_Body):
     """``POST /v1/samplers/{id}/logprobs``."""
 
     tokens: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
-
-
-Role = Annotated[str, Field(min_length=1, max_length=32), _CLEAN]
-Content = Annotated[str, Field(max_length=100_000), _CLEAN]
-StopText = Annotated[str, Field(min_length=1, max_length=1000), _CLEAN]
-ChatModel = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), _CLEAN]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Role
-    content: Content
-
-
-class ChatRequest(BaseModel):
-    """The subset of OpenAI's chat-completions body the worker honours (other fields are ignored)."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    model: ChatModel
-    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1, le=2**31)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=64)
-    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
-    seed: Seed | None = None
-    stream: bool = False
 
 
 _FIXES = {

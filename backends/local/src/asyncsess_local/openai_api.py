@@ -1,138 +1,161 @@
-"""The worker's OpenAI-compatible routes: ``GET /v1/models`` and ``POST /v1/chat/completions`` (text in,
-text out; ``stream`` as server-sent events).
+"""The worker's OpenAI-compatible routes: the core front (:mod:`asyncsess.serve.openai_front`) per tenant.
 
-A chat ``model`` is a base model, one of the key's samplers, or one of its training sessions (its latest
-``save_weights``, else its base model); the sampler a chat uses is made once per key and target.
+``POST /v1/chat/completions`` (tools and tool calls, ``n``, log-probs, stop, seed, streaming with usage),
+``POST /v1/completions``, ``GET /v1/models`` and ``GET``/``DELETE /v1/asyncsess/rollouts/{id}`` (the captured
+tokens of a rollout) are :func:`asyncsess.serve.openai_door.openai_router` over :class:`WorkerFronts`.
+
+A ``model`` is, for the tenant (API key) that names it: one of its samplers, one of its training sessions
+(the session's latest ``save_weights``, else its base weights), or a base model the worker serves. Anything
+else, another tenant's ids included, is a 404 ``model_not_found`` that does not say whether it exists. Each
+(tenant, model) has one :class:`~asyncsess.serve.openai_front.OpenAIFront`; a tenant's fronts share one
+capture store, bounded at ``max_capture_tokens`` (oldest rollouts dropped first), so a tenant reads only its
+own captures. Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
+import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
+import anyio
+from fastapi import APIRouter, Request
 
-from asyncsess.backends import SampleRequest, SamplerSpec
-from asyncsess.errors import InvalidInputError
-from asyncsess.types import SamplingParams
+from asyncsess.backends import SamplerSpec
+from asyncsess.client import SamplingClient, ServiceClient
+from asyncsess.serve.capture import CaptureStore
+from asyncsess.serve.openai_door import openai_router
+from asyncsess.serve.openai_front import OpenAIFront
+from asyncsess.serve.openai_wire import FrontError
 
-from . import bodies
-from .embedded import LocalBackend
+from .embedded import MAX_NUM_SAMPLES, LocalBackend
 from .tenants import Owners
 
-__all__ = ["router"]
+__all__ = ["WorkerFronts", "router"]
+
+MAX_COMPLETION_TOKENS = 256  # the completion budget of a request that sets none
 
 
-def router(backend: LocalBackend, owners: Owners, base_models: Callable[[], set[str]], api_key: Callable[..., str]) -> APIRouter:
-    """The OpenAI routes over ``backend``; ``api_key``: the dependency naming the request's tenant,
-    ``base_models``: the base models a client may name."""
-    api = APIRouter()
+class WorkerFronts:
+    """The OpenAI fronts of a worker: one per (tenant, model), over the tenant's own samplers and sessions."""
 
-    async def chat_sampler(key: str, model: str) -> tuple[str, str]:
-        """(sampler id, base model) for a chat ``model``: a sampler, a training session's latest weights, or a base model."""
-        engine = backend.engine
-        if owners.by_id.get(model) == key and model in engine.samplers:
-            return model, engine.samplers[model].slot.name
-        if owners.by_id.get(model) == key and model in engine.sessions:
-            path = owners.latest_sampler_path.get(model)
-            spec = SamplerSpec(model_path=path) if path else SamplerSpec(base_model=engine.sessions[model].base_model)
-            target, base = path or f"base:{spec.base_model}", engine.sessions[model].base_model
-        elif model in base_models():
-            spec, target, base = SamplerSpec(base_model=model), f"base:{model}", model
-        else:
-            raise InvalidInputError(f"unknown model {model!r}", field="model", fix="see GET /v1/models")
-        if (key, target) not in owners.chat_samplers:
-            owners.chat_samplers[(key, target)] = await backend.create_sampler(spec)
-        return owners.chat_samplers[(key, target)], base
+    def __init__(self, backend: LocalBackend, owners: Owners, base_models: Callable[[], set[str]], *, max_capture_tokens: int) -> None:
+        self.backend, self.owners, self.base_models = backend, owners, base_models
+        self.max_capture_tokens = max_capture_tokens
+        self._svc: ServiceClient | None = None
+        self._fronts: dict[tuple[str | None, str], OpenAIFront] = {}
+        self._served: dict[tuple[str | None, str], str] = {}  # (tenant, model) -> the sampler its front serves from
+        self._captures: dict[str | None, CaptureStore] = {}
+        self._base: dict[str, str] = {}  # base model -> the sampler on its base weights (shared by tenants)
+        self._session_samplers: dict[str, tuple[str, str]] = {}  # training session -> (weights path, sampler id)
+        self._retired: dict[str, str] = {}  # training session -> the sampler on its weights before the latest
+        self._lock = anyio.Lock()
 
-    @api.get("/v1/models")
-    async def models(key: str = Depends(api_key)) -> Any:
-        engine = backend.engine
-        names = sorted(base_models()) + sorted(
-            i for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers)
-        )
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in names]}
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[WorkerFronts]:
+        """Enter once the backend is open; on exit stop the samplers opened here."""
+        async with ServiceClient("hub://", backend=self.backend, heartbeat_interval=0) as svc:
+            self._svc = svc
+            try:
+                yield self
+            finally:
+                self._svc = None
+                with anyio.CancelScope(shield=True):
+                    for sampler_id in [*self._base.values(), *(s for _, s in self._session_samplers.values()), *self._retired.values()]:
+                        await self._stop(sampler_id)
 
-    @api.post("/v1/chat/completions")
-    async def chat(body: bodies.ChatRequest, key: str = Depends(api_key)) -> Any:
-        sampler_id, base = await chat_sampler(key, body.model)
-        tok: Any = backend.get_tokenizer(base)  # a transformers tokenizer (chat template, special ids)
-        try:
-            prompt = tok.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=True)
-        except Exception as err:  # no chat template, bad roles...
-            raise InvalidInputError(f"cannot apply the chat template: {err}", field="messages") from None
-        if isinstance(prompt, dict) or hasattr(prompt, "keys"):
-            prompt = prompt["input_ids"]
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop
-        try:
-            params = SamplingParams(
-                max_tokens=body.max_completion_tokens or body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                seed=body.seed,
-                stop=None if not stops else [*stops, *([tok.eos_token_id] if tok.eos_token_id is not None else [])],
-            )
-        except ValidationError as err:
-            raise bodies.invalid_input(err.errors()) from None
-        out = await backend.sample(sampler_id, SampleRequest(tuple(prompt), body.n, params))
-        special = set(tok.all_special_ids)
-        texts = []
-        for s in out.sequences:
-            text = tok.decode([t for t in s.tokens if t not in special], skip_special_tokens=True)
-            for stop in stops or []:
-                text = text.split(stop, 1)[0]
-            texts.append(text)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex[:16]}", int(time.time())
-        finish = ["stop" if s.stop_reason == "stop" else "length" for s in out.sequences]
-        usage = {
-            "prompt_tokens": out.usage.prefill_tokens,
-            "completion_tokens": out.usage.decode_tokens,
-            "total_tokens": out.usage.prefill_tokens + out.usage.decode_tokens,
-        }
-        if not body.stream:
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": body.model,
-                "choices": [
-                    {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f, "logprobs": None}
-                    for i, (t, f) in enumerate(zip(texts, finish))
-                ],
-                "usage": usage,
-            }
+    def captures(self, key: str | None) -> CaptureStore:
+        return self._captures.setdefault(key, CaptureStore(self.max_capture_tokens))
 
-        def chunk(i: int, delta: dict[str, Any], finish_reason: str | None) -> str:
-            obj = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "choices": [{"index": i, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-            }
-            return f"data: {json.dumps(obj)}\n\n"
+    def _own(self, key: str | None, model: str) -> str | None:
+        """``"sampler"`` / ``"session"`` when ``model`` is a live one of ``key``'s, else None."""
+        engine = self.backend.engine
+        if key is None or self.owners.by_id.get(model) != key:
+            return None
+        return "sampler" if model in engine.samplers else "session" if model in engine.sessions else None
 
-        async def events() -> AsyncIterator[str]:
-            for i, (s, text, f) in enumerate(zip(out.sequences, texts, finish)):
-                yield chunk(i, {"role": "assistant", "content": ""}, None)
-                pieces, sent = [], ""
-                for n in range(1, len(s.tokens) + 1):  # one event per token, as the text grows
-                    now = tok.decode([t for t in s.tokens[:n] if t not in special], skip_special_tokens=True)
-                    if len(now) > len(sent) and text.startswith(now):
-                        pieces.append(now[len(sent) :])
-                        sent = now
-                if sent != text:
-                    pieces.append(text[len(sent) :])
-                for p in pieces:
-                    yield chunk(i, {"content": p}, None)
-                yield chunk(i, {}, f)
-            yield "data: [DONE]\n\n"
+    async def _forget_stopped(self) -> None:
+        """Drop the fronts of stopped samplers and sessions, and the samplers opened for those sessions."""
+        for key, model in [k for k in self._fronts if k[1] not in self._base and self._own(*k) is None]:
+            del self._fronts[(key, model)]
+            self._served.pop((key, model), None)
+        for sid in [s for s in self._session_samplers if s not in self.backend.engine.sessions]:
+            await self._stop(self._session_samplers.pop(sid)[1])
+            await self._stop(self._retired.pop(sid, None))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    async def _stop(self, sampler_id: str | None) -> None:
+        if sampler_id is not None:
+            with contextlib.suppress(Exception):
+                await self.backend.stop_session(sampler_id)
 
-    return api
+    async def _session_sampler(self, session_id: str) -> tuple[str, int]:
+        """The sampler on a session's latest ``save_weights`` (made when they change) and their step."""
+        path = self.owners.latest_weights.get(session_id)
+        if path is None:
+            return await self._base_sampler(self.backend.engine.sessions[session_id].base_model), 0
+        current = self._session_samplers.get(session_id)
+        if current is None or current[0] != path:
+            self._session_samplers[session_id] = (path, await self.backend.create_sampler(SamplerSpec(model_path=path)))
+            if current is not None:
+                # the previous weights stay open until the next change, for the calls still running on them
+                await self._stop(self._retired.pop(session_id, None))
+                self._retired[session_id] = current[1]
+        return self._session_samplers[session_id][1], self.owners.weight_steps.get(path, 0)
+
+    async def _base_sampler(self, base_model: str) -> str:
+        if base_model not in self._base:
+            self._base[base_model] = await self.backend.create_sampler(SamplerSpec(base_model=base_model))
+        return self._base[base_model]
+
+    async def front(self, key: str | None, model: str) -> OpenAIFront:
+        """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
+        engine = self.backend.engine
+        async with self._lock:
+            await self._forget_stopped()
+            kind = self._own(key, model)
+            if kind == "sampler":
+                ref = engine.samplers[model]
+                sampler_id, base, version = model, ref.slot.name, self.owners.weight_steps.get(ref.path or "", 0)
+            elif kind == "session":
+                base = engine.sessions[model].base_model
+                sampler_id, version = await self._session_sampler(model)
+            elif model in self.base_models():
+                sampler_id, base, version = await self._base_sampler(model), model, 0
+            else:
+                raise FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
+            ref = engine.samplers[sampler_id]
+            context = ref.slot.sample_context(ref.adapter)
+            front = self._fronts.get((key, model))
+            if front is None or self._served.get((key, model)) != sampler_id:
+                assert self._svc is not None, "WorkerFronts.running() is not active"
+                sampler = SamplingClient(self._svc, sampler_id, base)
+                if front is None:
+                    front = self._fronts[(key, model)] = OpenAIFront(
+                        sampler,
+                        version=version,
+                        model_name=model,
+                        captures=self.captures(key),
+                        max_n=MAX_NUM_SAMPLES,
+                        max_tokens=MAX_COMPLETION_TOKENS,
+                        context_window=context,
+                        sampler_name=model,
+                    )
+                else:  # new weights of the session: the same front and captures
+                    front.publish(sampler, version, sampler_name=model)
+                    front.context_window = context
+                self._served[(key, model)] = sampler_id
+            return front
+
+    async def models(self, key: str | None) -> list[str]:
+        """What ``key`` may name: the base models, then its live sessions and samplers."""
+        engine = self.backend.engine
+        own = sorted(i for i, k in self.owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers))
+        return [*sorted(self.base_models()), *own]
+
+
+def router(fronts: WorkerFronts) -> APIRouter:
+    """The OpenAI routes over ``fronts``; the tenant is the one the worker's key check set on the request."""
+
+    def key_of(request: Request) -> str:
+        return str(request.scope["asyncsess.key"])
+
+    return openai_router(fronts, key_of=key_of)

@@ -1,5 +1,5 @@
-"""The worker: the local engine behind HTTP (FastAPI on uvicorn), plus an OpenAI-compatible chat API
-(its routes in :mod:`.openai_api`).
+"""The worker: the local engine behind HTTP (FastAPI on uvicorn), plus the OpenAI-compatible API with token
+capture (the core front per tenant: :mod:`.openai_api`).
 
 Every request needs an API key (``Authorization: Bearer <key>`` or ``X-API-Key``); a session, sampler or
 checkpoint belongs to the key that created it and is invisible to other keys. Bad input gets a 4xx
@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncsess.backends import LoadStateOp, SaveWeightsOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
@@ -54,11 +55,13 @@ def create_app(
     max_body_bytes: int = bodies.MAX_BODY_BYTES,
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
+    max_capture_tokens: int = MAX_CAPTURE_TOKENS,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
     samplers one key may hold open at once; ``max_inflight_per_key``: requests one key may have in flight
-    (more get a 429 with ``Retry-After``). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
+    (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
+    (oldest rollouts dropped past it). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
@@ -66,12 +69,20 @@ def create_app(
     ready = threading.Event()
     allowed_extra = set(models)
 
+    def base_models() -> set[str]:
+        """The base models a client may name: the backend's default, the configured ones, those loaded."""
+        names = {s.name for s in backend.engine.slots.values()} | allowed_extra
+        return names | {backend.default_model} if backend.default_model else names
+
+    fronts = openai_api.WorkerFronts(backend, owners, base_models, max_capture_tokens=max_capture_tokens)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.open()
-        ready.set()
         try:
-            yield
+            async with fronts.running():
+                ready.set()
+                yield
         finally:
             ready.clear()
             await backend.aclose()
@@ -118,11 +129,6 @@ def create_app(
 
     def api_key(request: Request) -> str:
         return request.scope["asyncsess.key"]  # set by _Guard, which refused the request otherwise
-
-    def base_models() -> set[str]:
-        """The base models a client may name: the backend's default, the configured ones, those loaded."""
-        names = {s.name for s in backend.engine.slots.values()} | allowed_extra
-        return names | {backend.default_model} if backend.default_model else names
 
     def check_base_model(name: str | None, field: str) -> str:
         if not name or name not in base_models():
@@ -206,7 +212,7 @@ def create_app(
             op = backend.check_op(session_id, op)  # refused here, before the op takes its seq
         result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
-            owners.latest_sampler_path[session_id] = result.path
+            owners.saved_weights(session_id, result.path, result.step)
         return wire.encode_result(result)
 
     @app.post("/v1/samplers")
@@ -246,7 +252,8 @@ def create_app(
             tok.save_pretrained(tmp)
             return {"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}}
 
-    app.include_router(openai_api.router(backend, owners, base_models, api_key))
+    app.state.openai_fronts = fronts
+    app.include_router(openai_api.router(fronts))
     return app
 
 
@@ -390,7 +397,7 @@ class _Thread:
 
 def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = "127.0.0.1", port: int = 0, **app_options: Any) -> _Thread:
     """Start a worker on ``host:port`` (port 0: a free one) in this process; ``.url``, ``.stop()``.
-    ``app_options`` go to :func:`create_app` (``models``, ``max_body_bytes``, ``max_live_per_key``)."""
+    ``app_options`` go to :func:`create_app` (``models``, ``max_body_bytes``, ``max_live_per_key``, ...)."""
     return _Thread(create_app(backend, api_keys, **app_options), host, port).start()
 
 

@@ -22,8 +22,8 @@ class Owners:
 
     def __init__(self, journal: Path | None = None) -> None:
         self.by_id: dict[str, str] = {}
-        self.latest_sampler_path: dict[str, str] = {}  # training session -> last save_weights path
-        self.chat_samplers: dict[tuple[str, str], str] = {}  # (key, target) -> sampler id
+        self.latest_weights: dict[str, str] = {}  # training session -> its last save_weights path
+        self.weight_steps: dict[str, int] = {}  # save_weights path -> the optimizer step it holds
         self._journal = journal
         if journal is not None and journal.exists():
             for line in journal.read_text().splitlines():
@@ -36,6 +36,11 @@ class Owners:
         if durable and self._journal is not None:
             with self._journal.open("a") as f:
                 f.write(json.dumps({"id": object_id, "tenant": key}) + "\n")
+
+    def saved_weights(self, session_id: str, path: str, step: int) -> None:
+        """A session saved sampler weights: its OpenAI ``model`` now serves them (a capture's weight version: ``step``)."""
+        self.latest_weights[session_id] = path
+        self.weight_steps[path] = step
 
     def check(self, key: str, object_id: str) -> None:
         if self.by_id.get(object_id) != key:

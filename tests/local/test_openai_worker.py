@@ -1,0 +1,306 @@
+"""The worker's own OpenAI endpoint, driven by the official ``openai`` client against a worker on 127.0.0.1.
+
+The worker serves a tiny Llama fine-tuned here (full weights, a few dozen Adam steps, stopped as soon as
+greedy decoding reproduces it) to answer one prompt with a Hermes tool call, so that tool calls come from
+the model itself. Tolerance: the captured log-probs equal the worker's ``compute_logprobs`` on the captured
+tokens within 1e-4 (both fp32 on CPU; they differ only by batching and kernel order), and the log-probs a
+streamed reply carries equal the plain reply's within the same bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from asyncsess.chat import ChatRenderer, Tool  # noqa: E402
+from asyncsess.rl.capture import build_trajectory  # noqa: E402
+from asyncsess.serve.capture import CapturedCall  # noqa: E402
+
+from .server_helpers import (  # noqa: E402
+    KEY,
+    MINE,
+    OTHER,
+    THEIRS,
+    assert_openai_refused,
+    new_sampler,
+    new_session,
+    raw_json,
+    send,
+    start_worker,
+)
+
+pytestmark = [pytest.mark.local, pytest.mark.torch]
+TOLERANCE = 1e-4
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "what is 2 plus 3?"}]
+CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>'
+
+
+def _teach_tool_call(tiny: str, out: Path) -> str:
+    """A copy of the tiny model that answers ``ASK`` (rendered with ``TOOLS``) with ``CALL`` when greedy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    renderer = ChatRenderer(tok)
+    prompt = renderer.tokens(ASK, [Tool("calc", "evaluate", TOOLS[0]["function"]["parameters"], None)])  # type: ignore[arg-type]
+    reply = [*tok.encode(CALL, add_special_tokens=False), renderer.stop[0]]
+    ids = torch.tensor([prompt + reply])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for _ in range(300):
+            out_ = model(input_ids=ids, labels=labels)
+            greedy = out_.logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+            if greedy == reply:  # teacher forcing agrees everywhere: greedy decoding writes exactly the call
+                break
+            opt.zero_grad()
+            out_.loss.backward()
+            opt.step()
+        else:
+            raise AssertionError("the tiny model did not learn the tool call")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def model(tiny, tmp_path_factory):
+    return _teach_tool_call(tiny, tmp_path_factory.mktemp("tiny-tools"))
+
+
+@pytest.fixture(scope="module")
+def worker(model, tmp_path_factory):
+    w = start_worker(model, str(tmp_path_factory.mktemp("openai-ckpt")))
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def mine(worker):
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def theirs(worker):
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key=OTHER, max_retries=0, timeout=120)
+
+
+def captured(c: httpx.Client, rollout: str, headers: dict[str, str] = MINE, take: bool = False) -> list[CapturedCall]:
+    r = c.request("DELETE" if take else "GET", f"/v1/asyncsess/rollouts/{rollout}", headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["rollout_id"] == rollout
+    return [CapturedCall.model_validate(x) for x in r.json()["calls"]]
+
+
+def scored(c: httpx.Client, sampler: str, tokens: list[int]) -> list[float]:
+    r = c.post(f"/v1/samplers/{sampler}/logprobs", json={"tokens": tokens}, headers=MINE)
+    assert r.status_code == 200, r.text
+    return r.json()["logprobs"]
+
+
+def test_multi_turn_with_tools_and_tool_calls(c, mine, model):
+    first = mine.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=80, extra_headers={"X-Rollout-Id": "tools"}
+    )
+    [choice] = first.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expr": "2+3"}
+    # the next turn carries the reply and the tool's result, as an agent sends them
+    messages = [*ASK, choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    second = mine.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, max_tokens=8, seed=1, extra_headers={"X-Rollout-Id": "tools"}
+    )
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    calls = captured(c, "tools")
+    assert [x.call_index for x in calls] == [0, 1] and calls[0].choices[0].tool_calls[0]["id"] == call.id
+    one, two = calls
+    # the second prompt extends the first, token for token: the model's exact reply, then the tool result
+    assert two.prompt_tokens[: len(one.prompt_tokens) + len(one.choices[0].tokens)] == one.prompt_tokens + one.choices[0].tokens
+    traj = build_trajectory("tools", calls, 1.0)
+    assert traj.drift == [] and len(traj.segments()) == 1
+
+
+def test_logprobs_and_n_match_compute_logprobs_and_the_stream_equals_the_plain_reply(c, mine, model):
+    kwargs = dict(model=model, messages=ASK, n=3, seed=7, max_tokens=12, logprobs=True, top_logprobs=2, temperature=1.0)
+    plain = mine.chat.completions.create(**kwargs, extra_headers={"X-Rollout-Id": "plain"})
+    chunks = list(
+        mine.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}, extra_headers={"X-Rollout-Id": "streamed"}
+        )
+    )
+    assert [ch.index for ch in plain.choices] == [0, 1, 2]
+    assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert all(ch.usage is None for ch in chunks[:-1])
+    for ch in plain.choices:
+        text = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices and x.choices[0].index == ch.index)
+        streamed = [
+            e
+            for x in chunks
+            if x.choices and x.choices[0].index == ch.index and x.choices[0].logprobs
+            for e in x.choices[0].logprobs.content
+        ]
+        assert text == ch.message.content
+        assert [e.token for e in streamed] == [e.token for e in ch.logprobs.content]
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in ch.logprobs.content], abs=TOLERANCE)
+        assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - TOLERANCE for e in ch.logprobs.content)
+    [a], [b] = captured(c, "plain"), captured(c, "streamed")
+    assert a.prompt_tokens == b.prompt_tokens and [x.tokens for x in a.choices] == [x.tokens for x in b.choices]
+    assert a.usage == plain.usage.model_dump(exclude_none=True) and a.sampler_id == model and a.weight_version == 0
+    smp = new_sampler(c, MINE, base_model=model)
+    for x, ch in zip(a.choices, plain.choices):
+        assert x.logprobs == pytest.approx([e.logprob for e in ch.logprobs.content], abs=TOLERANCE)
+        full = scored(c, smp, a.prompt_tokens + x.tokens)
+        assert x.logprobs == pytest.approx(full[len(a.prompt_tokens) :], abs=TOLERANCE)
+    # DELETE takes a rollout: it is gone afterwards
+    assert len(captured(c, "plain", take=True)) == 1 and captured(c, "plain") == []
+    c.delete(f"/v1/sessions/{smp}", headers=MINE)
+
+
+def test_completions_capture_under_metadata_rollout_id(c, mine, model):
+    out = mine.completions.create(
+        model=model, prompt="what is", max_tokens=5, seed=3, logprobs=1, extra_body={"metadata": {"rollout_id": "legacy"}}
+    )
+    [call] = captured(c, "legacy")
+    assert call.endpoint == "completions" and len(call.choices[0].tokens) == out.usage.completion_tokens
+    assert call.choices[0].logprobs == pytest.approx(out.choices[0].logprobs.token_logprobs, abs=TOLERANCE)
+
+
+def test_a_session_id_serves_its_latest_weights_with_their_step(c, worker, mine, model):
+    sid = new_session(c, model, MINE)
+    datum = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]}}
+    ask = dict(model=sid, messages=ASK, max_tokens=4, seed=2, extra_headers={"X-Rollout-Id": f"s-{sid}"})
+    mine.chat.completions.create(**ask)  # no weights saved yet: the session's base weights
+    samplers = set(worker.backend.engine.samplers)
+    seq = 0
+    for _ in range(3):
+        for op in (
+            {"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [datum]},
+            {"kind": "optim_step", "adam_params": {"learning_rate": 1e-2}},
+            {"kind": "save_weights"},
+        ):
+            seq += 1
+            r = c.post(f"/v1/sessions/{sid}/ops", json={**op, "seq": seq, "idempotency_key": f"w{seq}"}, headers=MINE)
+            assert r.status_code == 200, r.text
+        mine.chat.completions.create(**ask)
+    calls = captured(c, f"s-{sid}")
+    assert [(x.sampler_id, x.weight_version) for x in calls] == [(sid, 0), (sid, 1), (sid, 2), (sid, 3)]
+    assert sid in [m.id for m in mine.models.list().data]
+    # open for the session: its latest weights, and the ones before for calls still running on them
+    assert len(set(worker.backend.engine.samplers) - samplers) == 2
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+    with pytest.raises(openai.NotFoundError):  # a stopped session is no model any more
+        mine.chat.completions.create(**ask)
+    assert set(worker.backend.engine.samplers) <= samplers  # and its samplers are stopped
+
+
+def test_tenants_see_and_capture_only_their_own(c, mine, theirs, model):
+    sid, smp = new_session(c, model, MINE), new_sampler(c, MINE, base_model=model)
+    mine.chat.completions.create(model=smp, messages=ASK, max_tokens=3, extra_headers={"X-Rollout-Id": "secret"})
+    listed = [m.id for m in theirs.models.list().data]
+    assert model in listed and sid not in listed and smp not in listed
+    assert {sid, smp} <= {m.id for m in mine.models.list().data}
+    for name, ghost in ((sid, "lora-000000000000"), (smp, "sampler-000000000000")):
+        with pytest.raises(openai.NotFoundError) as real:
+            theirs.chat.completions.create(model=name, messages=ASK, max_tokens=2, extra_headers={"X-Rollout-Id": "secret"})
+        with pytest.raises(openai.NotFoundError) as none:
+            theirs.chat.completions.create(model=ghost, messages=ASK, max_tokens=2)
+        assert real.value.body["message"].replace(name, "X") == none.value.body["message"].replace(ghost, "X")
+        assert real.value.body["param"] == "model"
+    # the other key reads and takes nothing under the same rollout id; its own call there stays its own
+    assert captured(c, "secret", THEIRS) == [] and captured(c, "secret", THEIRS, take=True) == []
+    theirs.chat.completions.create(model=model, messages=ASK, max_tokens=2, extra_headers={"X-Rollout-Id": "secret"})
+    [own] = captured(c, "secret")
+    [other] = captured(c, "secret", THEIRS)
+    assert own.sampler_id == smp and other.sampler_id == model
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+    c.delete(f"/v1/sessions/{smp}", headers=MINE)
+
+
+BAD = [
+    ({"model": "no-such-model"}, "model", 404),
+    ({"model": 5}, "model", 400),
+    ({"messages": "hi"}, "messages", 400),
+    ({"n": "2"}, "n", 400),
+    ({"n": 129}, "n", 400),
+    ({"max_tokens": 10**12}, "max_tokens", 400),
+    ({"presence_penalty": 0.5}, "presence_penalty", 400),
+    ({"response_format": {"type": "json_object"}}, "response_format", 400),
+    ({"temperature": math.nan}, "temperature", 400),
+    ({"temperature": math.inf}, "temperature", 400),
+    ({"temperature": -math.inf}, "temperature", 400),
+    ({"top_p": 0.0}, "top_p", 400),
+    ({"seed": 2**64}, "seed", 400),
+    ({"messages": [{"role": "user", "content": "a\x00b"}]}, "messages.0.content", 400),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content", 400),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]}]}, "messages.0.content.0.text", 400),
+    ({"user": "\ud800"}, "user", 400),
+    ({"stop": "\x00"}, "stop", 400),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools.0.function.strict", 400),
+]
+
+
+@pytest.mark.parametrize(("change", "param", "status"), BAD)
+def test_bad_requests_get_4xx_naming_the_field_and_the_worker_keeps_serving(c, model, change, param, status):
+    body = {"model": model, "messages": ASK, "max_tokens": 2, **change}
+    assert_openai_refused(send(c, "POST", "/v1/chat/completions", raw_json(body), MINE), param, status)
+    assert c.post("/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": 2}, headers=MINE).status_code == 200
+
+
+def test_the_official_client_gets_typed_errors(mine, model):
+    with pytest.raises(openai.NotFoundError) as err:
+        mine.chat.completions.create(model="nope", messages=ASK)
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        mine.chat.completions.create(model=model, messages=ASK, n=1000)
+    assert err.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as err:
+        mine.chat.completions.create(model=model, messages=ASK, logit_bias={"5": 1})
+    assert err.value.body["param"] == "logit_bias" and err.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(mine.base_url), api_key="wrong", max_retries=0).models.list()
+
+
+def test_captures_per_tenant_are_bounded(model, tmp_path):
+    w = start_worker(model, str(tmp_path), max_capture_tokens=400)
+    try:
+        client = openai.OpenAI(base_url=f"{w.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        with httpx.Client(base_url=w.url, timeout=120) as c:
+            for i in range(12):
+                client.chat.completions.create(model=model, messages=ASK, max_tokens=4, seed=i, extra_headers={"X-Rollout-Id": f"r{i}"})
+            kept = [i for i in range(12) if captured(c, f"r{i}")]
+            assert kept and kept == list(range(12 - len(kept), 12)) and len(kept) < 12  # the oldest went first
+            assert captured(c, "r11")[0].prompt_tokens  # the newest is whole
+    finally:
+        w.stop()
+
+
+def test_the_agent_example_trains_through_the_endpoint(worker, model):
+    """examples/agent_worker_http.py: the unmodified calculator agent on the worker's /v1, trained from the captures."""
+    import anyio
+
+    from examples import agent_worker_http
+
+    rows = anyio.run(agent_worker_http.main, [f"url={worker.url}", f"api_key={KEY}", f"base_model={model}", "steps=2", "group_size=2"])
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["weight_version"] for r in rows] == [0, 1]  # each step samples the weights the step before saved
+    assert all(r["calls"] >= 1 and r["sampled_tokens"] > 0 and r["drift"] == 0 and math.isfinite(r["reward"]) for r in rows)
