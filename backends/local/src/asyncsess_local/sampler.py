@@ -67,9 +67,19 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 class TorchSampler:
-    def __init__(self, host: LoraHost, tokenizer, device: torch.device, eos_ids: list[int], *, share_prefix: bool = True) -> None:
+    def __init__(
+        self,
+        host: LoraHost,
+        tokenizer,
+        device: torch.device,
+        eos_ids: list[int],
+        *,
+        share_prefix: bool = True,
+        contiguous_head: bool = True,
+    ) -> None:
         self.host = host
         self.share_prefix = share_prefix
+        self.contiguous_head = contiguous_head  # False only to measure the strided head (bench/bench_sampling_prefix.py)
         self.tokenizer = tokenizer
         self.device = device
         self.eos_ids = eos_ids
@@ -96,7 +106,8 @@ class TorchSampler:
                 self.host.activate(name, trainable=False)
         else:
             kwargs["adapter_names"] = adapters  # peft's mixed-adapter batch
-        last = torch.tensor([ids.shape[1] - 1], device=ids.device)  # an index, not 1: the head gets a contiguous copy
+        # an index tensor, not the int 1: the last position is gathered into a contiguous tensor for the head
+        last = torch.tensor([ids.shape[1] - 1], device=ids.device) if self.contiguous_head else 1
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=last, **kwargs)
         return out.logits[:, -1].float()
 
