@@ -184,4 +184,3 @@ async def test_concurrent_requests_share_a_prompt_and_match_alone(env):
             assert sa.logprobs == pytest.approx(sr.logprobs, abs=TOL)
     assert [s.tokens for s in results[0].sequences] == [s.tokens for s in results[2].sequences]  # same seed
     assert [s.tokens for s in results[0].sequences] != [s.tokens for s in results[1].sequences]
-
