@@ -1,10 +1,18 @@
 """The torch sampler: batched generation with a KV cache across concurrent requests and adapters.
 
-Each request's prompt is prefilled once (left-padded with the others), its cache rows are repeated
-``num_samples`` times, then all rows decode together; rows from different adapters share the batch
-through peft's mixed-adapter forward. Finished rows leave the cache, so a long sample does not make
-short ones pay. Returned log-probs are the model's own (temperature 1, before top-k/top-p), the same
-quantity ``compute_logprobs`` and the trainer report.
+Shared-prefix prefill: each distinct (adapter, prompt) among the batched requests is prefilled once
+(left-padded with the other distinct prompts), and its cache rows are repeated for every row that
+samples from it: the ``num_samples`` rows of a request, and the rows of concurrent requests with the
+same prompt (a GRPO group sent as separate calls). ``share_prefix=False`` prefills every row instead;
+both give the same tokens and log-probs. Then all rows decode together; rows from different adapters
+share the batch through peft's mixed-adapter forward. Finished rows leave the cache, so a long sample
+does not make short ones pay. Returned log-probs are the model's own (temperature 1, before
+top-k/top-p), the same quantity ``compute_logprobs`` and the trainer report.
+
+Only the last position's logits are computed, from a contiguous copy of its hidden states: the LM head
+given the strided ``[B, 1, H]`` slice of a ``[B, T, H]`` prefill falls off torch's folded matmul onto a
+batched one that copies the ``[H, vocab]`` weight once per row (10x slower in fp32, 300x and gigabytes in
+bf16, on CPU).
 
 A temperature below :data:`GREEDY_BELOW` (1e-4) decodes greedily, as 0 does: dividing by a smaller one
 would overflow the logits to inf and the softmax to NaN. A row whose probabilities are still not finite
@@ -59,8 +67,19 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 class TorchSampler:
-    def __init__(self, host: LoraHost, tokenizer, device: torch.device, eos_ids: list[int]) -> None:
+    def __init__(
+        self,
+        host: LoraHost,
+        tokenizer,
+        device: torch.device,
+        eos_ids: list[int],
+        *,
+        share_prefix: bool = True,
+        contiguous_head: bool = True,
+    ) -> None:
         self.host = host
+        self.share_prefix = share_prefix
+        self.contiguous_head = contiguous_head  # False only to measure the strided head (bench/bench_sampling_prefix.py)
         self.tokenizer = tokenizer
         self.device = device
         self.eos_ids = eos_ids
@@ -87,7 +106,9 @@ class TorchSampler:
                 self.host.activate(name, trainable=False)
         else:
             kwargs["adapter_names"] = adapters  # peft's mixed-adapter batch
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs)
+        # an index tensor, not the int 1: the last position is gathered into a contiguous tensor for the head
+        last = torch.tensor([ids.shape[1] - 1], device=ids.device) if self.contiguous_head else 1
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=last, **kwargs)
         return out.logits[:, -1].float()
 
     def _choose(self, logits: Tensor, rows: list[_Row], jobs: list[SampleJob]) -> Tensor:
@@ -119,24 +140,38 @@ class TorchSampler:
             return set(self.eos_ids), []
         return set(job.params.stop_token_ids()), job.params.stop_strings()
 
+    def _prefill_plan(self, jobs: list[SampleJob]) -> tuple[list[tuple[list[int], str]], list[int]]:
+        """The ``(prompt, adapter)`` rows to prefill, and for each decoding row (jobs in order, ``num_samples``
+        each) the prefill row it continues."""
+        if not self.share_prefix:
+            rows = [(j.prompt, j.adapter) for j in jobs for _ in range(j.num_samples)]
+            return rows, list(range(len(rows)))
+        first: dict[tuple[str, tuple[int, ...]], int] = {}
+        expand: list[int] = []
+        for j in jobs:
+            k = first.setdefault((j.adapter, tuple(j.prompt)), len(first))
+            expand.extend([k] * j.num_samples)
+        return [(list(p), a) for a, p in first], expand
+
     @torch.no_grad()
     def run(self, jobs: list[SampleJob]) -> list[SampleResponse]:
         from transformers import DynamicCache
 
         dev = self.device
-        width = max(len(j.prompt) for j in jobs)
-        ids = torch.zeros(len(jobs), width, dtype=torch.long, device=dev)
-        mask = torch.zeros(len(jobs), width, dtype=torch.long, device=dev)
-        for i, j in enumerate(jobs):
-            ids[i, width - len(j.prompt) :] = torch.tensor(j.prompt, device=dev)
-            mask[i, width - len(j.prompt) :] = 1
+        prefill, expand = self._prefill_plan(jobs)
+        width = max(len(p) for p, _ in prefill)
+        ids = torch.zeros(len(prefill), width, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(prefill), width, dtype=torch.long, device=dev)
+        for i, (p, _) in enumerate(prefill):
+            ids[i, width - len(p) :] = torch.tensor(p, device=dev)
+            mask[i, width - len(p) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self._forward(ids, mask, pos, cache, [j.adapter for j in jobs])
-
-        expand = torch.repeat_interleave(torch.arange(len(jobs), device=dev), torch.tensor([j.num_samples for j in jobs], device=dev))
-        cache.batch_select_indices(expand)
-        logits, mask = logits[expand], mask[expand]
+        logits = self._forward(ids, mask, pos, cache, [a for _, a in prefill])
+        if expand != list(range(len(prefill))):  # repeat each prefilled row's cache for the rows sampling from it
+            sel = torch.tensor(expand, device=dev)
+            cache.batch_select_indices(sel)
+            logits, mask = logits[sel], mask[sel]
         rows: list[_Row] = []
         for ji, j in enumerate(jobs):
             gen = self._generator(j.params.seed)
