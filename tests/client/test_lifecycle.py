@@ -115,7 +115,10 @@ def test_ctrl_c_in_a_blocking_script_stops_the_session(tmp_path):
     marker = tmp_path / "state"
     script = textwrap.dedent(
         f"""
-        import sys
+        import signal, sys
+        # a shell without job control starts background jobs with SIGINT ignored, and children inherit that
+        # (`nohup nox &` would then hang here): give the script Python's own Ctrl-C handler, as a terminal does
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from asyncsess.sync import ServiceClient
         from asyncsess_mock import MockBackend
         from asyncsess.rl.data import sft_datum

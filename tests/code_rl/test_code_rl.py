@@ -92,9 +92,16 @@ async def test_code_rl_runs_two_turns_with_bounded_staleness(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["loss_fn"] == "cispo" and config["loss_fn_config"] == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     final = result.final_checkpoint
-    assert final.final and final.step == 6 and (await state(final.state_path))[0] == 6
+    # one optimizer step per loop step that had signal (a batch of equal-reward groups trains nothing)
+    assert final.final and final.step == 6 and (await state(final.state_path))[0] == trained(records) >= 4
     # every group started was trained once or is saved with the checkpoint, sampled and not yet trained
     assert final.extra["cursor"] - len(pending(tmp_path, final)) == 6 * 2
+
+
+def trained(records: list[dict]) -> int:
+    """Loop steps that ran an optimizer step: which groups share a batch depends on timing when sampling runs
+    ahead, so now and then a batch holds only equal-reward groups and trains nothing."""
+    return sum(1 for r in records if r.get("train/datums", 0) > 0)
 
 
 def pending(run_dir, record) -> list[dict]:
@@ -112,7 +119,7 @@ async def test_code_rl_resumes_from_its_checkpoint(tmp_path):
     assert resumed.steps == 4 and resumed.before == first.before
     records = check_metrics_file(tmp_path, KEYS)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
-    assert (await state(resumed.final_checkpoint.state_path))[0] == 4
+    assert (await state(resumed.final_checkpoint.state_path))[0] == trained(records) >= 2
     final = resumed.final_checkpoint
     assert final.extra["cursor"] - len(pending(tmp_path, final)) == 4 * 2
 
