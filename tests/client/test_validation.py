@@ -105,11 +105,12 @@ async def test_per_token_clip_bounds_pass_the_client_and_are_checked():
         base = {"target_tokens": [2, 3, 4], "logprobs": [-1.0, -2.0, -1.5], "advantages": [1.0, -1.0, 0.5]}
         ok = Datum(
             model_input=ModelInput.from_ints([1, 2, 3]),
-            loss_fn_inputs={**base, "clip_low_threshold": [0.8] * 3, "clip_high_threshold": [1.2] * 3},
+            # bounds exact in float32, the dtype the Tinker wire gives per-token inputs (this test also runs over it)
+            loss_fn_inputs={**base, "clip_low_threshold": [0.75] * 3, "clip_high_threshold": [1.25] * 3},
         )
         by_tokens = await tc.forward(ok, "ppo")
         by_config = await tc.forward(
-            Datum(model_input=ok.model_input, loss_fn_inputs=base), "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+            Datum(model_input=ok.model_input, loss_fn_inputs=base), "ppo", {"clip_low_threshold": 0.75, "clip_high_threshold": 1.25}
         )
         assert by_tokens.metrics["loss:sum"] == by_config.metrics["loss:sum"]
         for key, bad in [("clip_low_threshold", [0.8, -0.1, 0.8]), ("clip_high_threshold", [1.2, 1.2, 0.9])]:
