@@ -36,3 +36,22 @@ DEVICE_KW = {"device": TEST_DEVICE, "dtype": TEST_DTYPE}  # LocalBackend(**DEVIC
 DEVICE_QUERY = f"device={TEST_DEVICE}&dtype={TEST_DTYPE}"  # local://?...&{DEVICE_QUERY}
 # absolute tolerance for comparing log-probs or weights of two runs that round differently (another packing)
 TOL = 1e-5 if TEST_DTYPE in ("float32", "fp32") else 5e-2
+
+
+async def base_and_tuned_samplers(b, tiny: str, steps: int):
+    """On an open backend: its tokenizer, a base sampler, and a sampler on an adapter trained ``steps`` SFT steps."""
+    from asyncsess.backends import SamplerSpec, TrainingSessionSpec
+    from asyncsess.types import AdamParams
+
+    tok = b.get_tokenizer(tiny)
+    a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=0))
+    ops = Ops()
+    for _ in range(steps):
+        await b.execute_training(
+            a.model_id, ops("forward_backward", data=(sft_datum(tok.encode("the cat and the dog")),), loss_fn="cross_entropy")
+        )
+        await b.execute_training(a.model_id, ops("optim_step", adam_params=AdamParams(learning_rate=5e-2)))
+    saved = await b.execute_training(a.model_id, ops("save_weights", ephemeral=True))
+    base = await b.create_sampler(SamplerSpec(base_model=tiny))
+    tuned = await b.create_sampler(SamplerSpec(model_path=saved.path))
+    return tok, base, tuned

@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec  # noqa: E402
+from asyncsess.backends import SampleRequest  # noqa: E402
 from asyncsess.errors import InvalidInputError, SessionGoneError  # noqa: E402
-from asyncsess.types import AdamParams, SamplingParams  # noqa: E402
+from asyncsess.types import SamplingParams  # noqa: E402
 
-from .helpers import Ops, sft_datum  # noqa: E402
+from .helpers import base_and_tuned_samplers  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 
@@ -22,17 +22,7 @@ async def env(backend_factory, tiny):
     """An open backend, a base sampler and a sampler on a trained adapter."""
     b = backend_factory()
     await b.open()
-    tok = b.get_tokenizer(tiny)
-    a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=0))
-    ops = Ops()
-    for _ in range(3):
-        await b.execute_training(
-            a.model_id, ops("forward_backward", data=(sft_datum(tok.encode("the cat and the dog")),), loss_fn="cross_entropy")
-        )
-        await b.execute_training(a.model_id, ops("optim_step", adam_params=AdamParams(learning_rate=5e-2)))
-    saved = await b.execute_training(a.model_id, ops("save_weights", ephemeral=True))
-    base = await b.create_sampler(SamplerSpec(base_model=tiny))
-    tuned = await b.create_sampler(SamplerSpec(model_path=saved.path))
+    tok, base, tuned = await base_and_tuned_samplers(b, tiny, steps=3)
     try:
         yield b, tok, base, tuned
     finally:
