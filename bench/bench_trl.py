@@ -30,14 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncsess.rl.rollouts import Problem, problems_for_step
+from asyncsess.rl.problem_env import Problem, problems_for_step
 from asyncsess.tasks import arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PIN = "trl==1.16.0"
 TORCH_PIN = "torch==2.13.0"  # the CPU wheel on this machine: installed first so pip never pulls a CUDA build
 CHILD = Path(__file__).with_name("trl_grpo_child.py")
-# the demo's optimizer (src/asyncsess/rl/rl_train.py: AdamParams in the training step; no weight decay, no clipping)
+# the demo's optimizer (src/asyncsess/rl/train.py: AdamParams in the training step; no weight decay, no clipping)
 DEMO_ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 # the demo's data (src/asyncsess/cli/demo.py: arithmetic.split(n_train=5_000, n_test, seed))
 DEMO_N_TRAIN = 5_000

@@ -24,7 +24,7 @@ def main(job_path: str, out_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncsess.chat import chat_tokens
-    from asyncsess.rl.rollouts import Problem
+    from asyncsess.rl.problem_env import Problem
     from asyncsess.tasks.arithmetic import grade
 
     job = json.loads(Path(job_path).read_text())
