@@ -60,11 +60,9 @@ class MockConfig:
                 values[name] = url.get_int(name, default) if kind is int else url.get_float(name, default)
             if name in options:
                 values[name] = kind(options[name])
-        cfg = cls(**values)
-        cfg._check()
-        return cfg
+        return cls(**values)
 
-    def _check(self) -> None:
+    def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, str):
