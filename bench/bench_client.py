@@ -6,7 +6,7 @@
 4. GRPO steps/s under 0 %, 5 % and 20 % injected faults (ratio to fault-free), with the failure after the
    call's latency and refused before it, and the old every-retry-backs-off policy for comparison.
 
-    python bench/bench_client.py [--quick] [--faults-only] [--rounds N]
+    python bench/bench_client.py [--quick] [--faults-only] [--rounds N] [--steps N] [--latency-ms MS]
 """
 
 from __future__ import annotations
@@ -222,9 +222,10 @@ def main() -> None:
     ap.add_argument("--faults-only", action="store_true", help="only the GRPO-under-faults table (part 4)")
     ap.add_argument("--rounds", type=int, default=3, help="best of this many runs per fault case")
     ap.add_argument("--latency-ms", type=float, default=2, help="the mock's latency in the fault table")
+    ap.add_argument("--steps", type=int, default=0, help="GRPO steps per fault run (default 30, 10 with --quick)")
     args = ap.parse_args()
     n = 200 if args.quick else 1000
-    steps = 10 if args.quick else 30
+    steps = args.steps or (10 if args.quick else 30)
     faults = faults_side_by_side(steps, args.rounds, args.latency_ms)
     if args.faults_only:
         print("\n".join(faults))

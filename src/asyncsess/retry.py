@@ -72,22 +72,24 @@ def is_retryable(err: BaseException) -> bool:
 
 
 class RetryBudget:
-    """Who may retry at once: a token bucket shared by one client's calls (gRPC's retry throttling).
+    """Who may retry at once: a token bucket shared by one client's calls (after gRPC's retry throttling).
 
     Each failed try spends a token and each success earns ``refund`` back; an immediate retry is allowed
-    only while more than half of ``capacity`` is left. Faults in fewer than about ``refund / (1 + refund)``
+    only while more than half of ``capacity`` is left. A lost response spends nothing: it says the network
+    dropped an answer, not that the backend is overloaded. Faults in fewer than ``refund / (1 + refund)``
     of tries (a third, by default) keep the bucket full; a backend that keeps failing drains it within
     ``capacity / 2`` failures, and from then on every retry backs off.
     """
 
-    def __init__(self, capacity: float = 10.0, refund: float = 0.5) -> None:
+    def __init__(self, capacity: float = 20.0, refund: float = 0.5) -> None:
         self.capacity = capacity
         self.refund = refund
         self.tokens = capacity
 
-    def failed(self) -> bool:
-        """Spend a token for a failed try; return whether the next retry may go out at once."""
-        self.tokens = max(0.0, self.tokens - 1.0)
+    def failed(self, err: BaseException | None = None) -> bool:
+        """Spend a token for a failed try (none for a lost response); return whether the next retry may go out at once."""
+        if not getattr(err, "lost_response", False):
+            self.tokens = max(0.0, self.tokens - 1.0)
         return self.tokens > self.capacity / 2
 
     def succeeded(self) -> None:
@@ -143,7 +145,7 @@ async def call_with_retry(
         if budget is not None:
             budget.succeeded()
         return result
-    may_hurry = budget.failed() if budget is not None else True
+    may_hurry = budget.failed(first_error) if budget is not None else True
 
     def exhausted(last: BaseException | None) -> RetriesExhaustedError:
         n = policy.max_attempts
@@ -167,7 +169,7 @@ async def call_with_retry(
         err = state.outcome.exception() if state.outcome else None
         if err is not None:
             if budget is not None:
-                budget.failed()
+                budget.failed(err)
             announce(state.attempt_number + 1, err, state.upcoming_sleep)
 
     retrying = AsyncRetrying(
@@ -185,8 +187,8 @@ async def call_with_retry(
                     budget.succeeded()
                 return result
     except RetryError as err:
-        if budget is not None:
-            budget.failed()
         last = err.last_attempt.exception()
+        if budget is not None:
+            budget.failed(last)
         raise exhausted(last) from last
     raise AssertionError("unreachable")  # pragma: no cover

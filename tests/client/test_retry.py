@@ -53,9 +53,9 @@ async def test_a_failing_backend_is_not_hammered_by_immediate_retries():
         assert len(errors) == 40
         assert svc.backend.calls["sample"] == 40 * 4, "max_attempts bounds the tries per request"
         immediate = [e for e in seen if e.sleep == 0.0]
-        assert len(immediate) == 4, "the budget (10 tokens, half kept) allows 4 retries without a sleep"
+        assert len(immediate) == 9, "the budget (20 tokens, half kept) allows 9 retries without a sleep"
         assert all(e.sleep == 0.001 * 2 ** (e.attempt - 1) for e in seen if e.sleep != 0.0)
-        assert sum(e.sleep for e in seen) >= (40 * 0.007) - 4 * 0.001, "everything else backed off 1 + 2 + 4 ms"
+        assert sum(e.sleep for e in seen) >= (40 * 0.007) - 9 * 0.001, "everything else backed off 1 + 2 + 4 ms"
         assert svc.retry_budget.tokens == 0.0
 
 
@@ -70,12 +70,16 @@ def test_the_budget_holds_at_rare_faults_drains_when_they_are_common_and_refills
     for _ in range(50):  # one failed try in two
         allowed.append(common.failed())
         common.succeeded()
-    assert allowed[:5] == [True] * 5 and not any(allowed[-20:])
+    assert allowed[:10] == [True] * 10 and not any(allowed[-20:])
     drained = RetryBudget()
-    assert [drained.failed() for _ in range(6)] == [True, True, True, True, False, False]
+    assert [drained.failed() for _ in range(11)] == [True] * 9 + [False] * 2
+    lost = TransientError("connection dropped while reading", lost_response=True)
+    assert not any(drained.failed(lost) for _ in range(5)) and drained.tokens == 9.0, "a lost answer spends nothing"
     for _ in range(10):
         drained.succeeded()
     assert drained.failed(), "ten successes earn immediate retries back"
+    lossy = RetryBudget()
+    assert all(lossy.failed(lost) for _ in range(100)), "lost answers alone never drain it"
 
 
 async def test_retry_after_is_honoured_exactly_on_a_first_retry_and_never_cut_short(monkeypatch):
