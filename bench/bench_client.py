@@ -133,16 +133,26 @@ async def grpo_step(latency_ms: int, pipelined: bool) -> float:
         return _best(times)
 
 
-def fault_policy(latency_ms: float, kind: str = "default") -> RetryPolicy:
-    """The default policy's shape on the bench's time scale: backoff from half a latency up to five.
+OP_SECONDS = 2.0  # the op time the default policy is scaled against: the mock's latency stands for a 2 s remote op
 
-    ``old``: every retry backs off (the schedule before issue 19); ``none``: no backoff at all, the bound a
-    retry schedule can reach under a fault model (not a policy to ship: it hammers a failing backend).
+
+def fault_policy(latency_ms: float, kind: str = "default") -> RetryPolicy:
+    """The default RetryPolicy on the bench's time scale, as if each ``latency_ms`` were a 2 s remote op.
+
+    ``old``: the same, with every retry backed off (the schedule before issue 19). ``coarse``: the schedule
+    this bench used before, backoff from half a latency (1 ms -> 10 ms at 2 ms), i.e. the default policy
+    against 0.4 s ops. ``none``: no backoff at all, the bound a schedule can reach under a fault model (not
+    a policy to ship: it hammers a failing backend).
     """
-    half = latency_ms / 2000
     if kind == "none":
         return RetryPolicy(initial_backoff=0.0, max_backoff=0.0, jitter=0.0)
-    return RetryPolicy(initial_backoff=half, max_backoff=10 * half, jitter=half, immediate_first_retry=kind != "old")
+    if kind == "coarse":
+        half = latency_ms / 2000
+        return RetryPolicy(initial_backoff=half, max_backoff=10 * half, jitter=half)
+    d, k = RetryPolicy(), latency_ms / 1000 / OP_SECONDS
+    return RetryPolicy(
+        initial_backoff=d.initial_backoff * k, max_backoff=d.max_backoff * k, jitter=d.jitter * k, immediate_first_retry=kind != "old"
+    )
 
 
 @dataclass
@@ -182,6 +192,7 @@ FAULT_CASES = {  # name: (rate, phase, policy kind)
     "5 %, refused before latency": (0.05, "before", "default"),
     "20 %, refused before latency": (0.2, "before", "default"),
     "20 %, refused before latency, old policy": (0.2, "before", "old"),
+    "20 %, refused before latency, backoff from half a latency": (0.2, "before", "coarse"),
     "20 %, refused before latency, no backoff at all (bound)": (0.2, "before", "none"),
 }
 
