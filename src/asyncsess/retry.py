@@ -77,7 +77,7 @@ class RetryBudget:
     Each failed try spends a token and each success earns ``refund`` back; an immediate retry is allowed
     only while more than half of ``capacity`` is left. A lost response spends nothing: it says the network
     dropped an answer, not that the backend is overloaded. Faults in fewer than ``refund / (1 + refund)``
-    of tries (a third, by default) keep the bucket full; a backend that keeps failing drains it within
+    of tries (a third, by default) do not drain the bucket; a backend that keeps failing drains it within
     ``capacity / 2`` failures, and from then on every retry backs off.
     """
 
