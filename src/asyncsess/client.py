@@ -54,7 +54,7 @@ from .errors import (
     UnsupportedError,
 )
 from .futures import APIFuture
-from .retry import RetryEvent, RetryPolicy, call_with_retry
+from .retry import RetryBudget, RetryEvent, RetryPolicy, call_with_retry
 from .sampling import QueueState, SamplingLimiter, SamplingStats
 from .types import (
     AdamParams,
@@ -132,6 +132,7 @@ class ServiceClient:
         self.url = url or os.environ.get("ASYNCSESS_URL") or DEFAULT_URL
         self._given = backend  # an open backend its owner keeps (a server's): neither opened nor closed here
         self.retry_policy = retry or RetryPolicy()
+        self.retry_budget = RetryBudget()  # shared by this client's calls: when a first retry may skip its backoff
         self.retries = 0
         self._on_retry = on_retry
         self._options = options
@@ -536,7 +537,9 @@ class ServiceClient:
             self._start(self._stop_quietly, self._orphans.pop())
 
     async def _call(self, operation: str, fn: Callable[[], Awaitable[T]], seq: int | None = None) -> T:
-        return await call_with_retry(self.retry_policy, fn, operation=operation, seq=seq, on_retry=self._record_retry)
+        return await call_with_retry(
+            self.retry_policy, fn, operation=operation, seq=seq, on_retry=self._record_retry, budget=self.retry_budget
+        )
 
     def _record_retry(self, event: RetryEvent) -> None:
         self.retries += 1

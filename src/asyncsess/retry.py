@@ -1,4 +1,8 @@
-"""The one retry policy every backend call goes through (tenacity, jittered exponential backoff)."""
+"""The one retry policy every backend call goes through (tenacity, jittered exponential backoff).
+
+The first retry of a transient fault goes out at once, while the client's :class:`RetryBudget` says faults
+are rare; later retries, and every retry once faults are common, back off exponentially with jitter.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_excepti
 
 from .errors import DeadlineExceededError, RetriesExhaustedError, TransientError
 
-__all__ = ["RetryPolicy", "RetryEvent", "is_retryable", "call_with_retry"]
+__all__ = ["RetryPolicy", "RetryEvent", "RetryBudget", "is_retryable", "call_with_retry"]
 
 log = logging.getLogger("asyncsess.retry")
 T = TypeVar("T")
@@ -26,8 +30,12 @@ class RetryPolicy:
     """How transient faults are retried. One policy per ServiceClient (``retry=RetryPolicy(...)``).
 
     - ``max_attempts``: tries per op, the first included.
-    - ``initial_backoff`` / ``max_backoff`` (s): exponential backoff bounds, with up to ``jitter`` s of
-      random jitter; a ``retry_after`` hint from the backend (HTTP ``Retry-After``) wins when longer.
+    - ``immediate_first_retry``: the first retry of a transient fault goes out without a sleep, as long
+      as the client's :class:`RetryBudget` holds (faults are rare); a lost response always does.
+    - ``initial_backoff`` / ``max_backoff`` (s): retry *k* sleeps ``min(max_backoff, initial_backoff *
+      2**(k-1))`` plus up to ``jitter`` s of random jitter; a ``retry_after`` hint from the backend (HTTP
+      ``Retry-After``) is never cut short: the sleep is at least the hint, and exactly the hint on a
+      first retry.
     - ``attempt_timeout`` (s): one try that takes longer is abandoned and retried (the backend's
       idempotency makes that safe).
     - ``deadline`` (s): the whole op, retries included, fails with ``DeadlineExceededError`` past this.
@@ -39,6 +47,7 @@ class RetryPolicy:
     jitter: float = 0.2
     attempt_timeout: float | None = 600.0
     deadline: float | None = 3600.0
+    immediate_first_retry: bool = True
 
     @classmethod
     def none(cls) -> RetryPolicy:
@@ -62,11 +71,39 @@ def is_retryable(err: BaseException) -> bool:
     return isinstance(err, (TransientError, TimeoutError, ConnectionError, httpx.TimeoutException, httpx.NetworkError))
 
 
-def _delay(policy: RetryPolicy, attempt: int, err: BaseException | None) -> float:
-    if attempt == 1 and getattr(err, "lost_response", False) and not getattr(err, "retry_after", None):
-        return 0.0  # only the answer was lost: fetch the stored result now, a backoff would buy nothing
-    delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (attempt - 1)) + random.uniform(0, policy.jitter)
+class RetryBudget:
+    """Who may retry at once: a token bucket shared by one client's calls (after gRPC's retry throttling).
+
+    Each failed try spends a token and each success earns ``refund`` back; an immediate retry is allowed
+    only while more than half of ``capacity`` is left. A lost response spends nothing: it says the network
+    dropped an answer, not that the backend is overloaded. Faults in fewer than ``refund / (1 + refund)``
+    of tries (a third, by default) do not drain the bucket; a backend that keeps failing drains it within
+    ``capacity / 2`` failures, and from then on every retry backs off.
+    """
+
+    def __init__(self, capacity: float = 20.0, refund: float = 0.5) -> None:
+        self.capacity = capacity
+        self.refund = refund
+        self.tokens = capacity
+
+    def failed(self, err: BaseException | None = None) -> bool:
+        """Spend a token for a failed try (none for a lost response); return whether the next retry may go out at once."""
+        if not getattr(err, "lost_response", False):
+            self.tokens = max(0.0, self.tokens - 1.0)
+        return self.tokens > self.capacity / 2
+
+    def succeeded(self) -> None:
+        self.tokens = min(self.capacity, self.tokens + self.refund)
+
+
+def _delay(policy: RetryPolicy, attempt: int, err: BaseException | None, *, may_hurry: bool = True) -> float:
+    """The sleep before retry ``attempt`` (1 = the first retry) after ``err``."""
     hint = getattr(err, "retry_after", None)
+    if attempt == 1 and getattr(err, "lost_response", False) and not hint:
+        return 0.0  # only the answer was lost: fetch the stored result now, a backoff would buy nothing
+    if attempt == 1 and policy.immediate_first_retry and may_hurry:
+        return float(hint) if hint else 0.0  # a throttle's Retry-After is honoured exactly
+    delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (attempt - 1)) + random.uniform(0, policy.jitter)
     return max(delay, hint) if hint else delay
 
 
@@ -77,11 +114,13 @@ async def call_with_retry(
     operation: str,
     seq: int | None = None,
     on_retry: Callable[[RetryEvent], None] | None = None,
+    budget: RetryBudget | None = None,
 ) -> T:
     """Call ``fn`` until it succeeds, fails for good, or the policy runs out.
 
     The first attempt takes a fast path (one cancel scope, no retry machinery); tenacity drives the
-    attempts after a retryable failure.
+    attempts after a retryable failure. ``budget`` (shared by the calls of one client) records every
+    try's outcome and decides whether a first retry may skip its backoff; without one it always may.
     """
     deadline_at = anyio.current_time() + policy.deadline if policy.deadline is not None else math.inf
 
@@ -97,11 +136,16 @@ async def call_with_retry(
         raise TransientError(f"no answer within {policy.attempt_timeout:g}s", operation=operation, seq=seq)
 
     try:
-        return await attempt()
+        result = await attempt()
     except Exception as err:
         if not is_retryable(err):
             raise
         first_error: BaseException = err
+    else:
+        if budget is not None:
+            budget.succeeded()
+        return result
+    may_hurry = budget.failed(first_error) if budget is not None else True
 
     def exhausted(last: BaseException | None) -> RetriesExhaustedError:
         n = policy.max_attempts
@@ -115,7 +159,7 @@ async def call_with_retry(
     if policy.max_attempts <= 1:
         raise exhausted(first_error) from first_error
     # Attempt 1 already failed: tenacity's attempt k is our attempt k + 1.
-    first_sleep = _delay(policy, 1, first_error)
+    first_sleep = _delay(policy, 1, first_error, may_hurry=may_hurry)
     if anyio.current_time() + first_sleep >= deadline_at:
         raise DeadlineExceededError(f"not done within the {policy.deadline:g}s deadline", operation=operation, seq=seq) from first_error
     announce(1, first_error, first_sleep)
@@ -124,6 +168,8 @@ async def call_with_retry(
     def before_sleep(state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome else None
         if err is not None:
+            if budget is not None:
+                budget.failed(err)
             announce(state.attempt_number + 1, err, state.upcoming_sleep)
 
     retrying = AsyncRetrying(
@@ -136,8 +182,13 @@ async def call_with_retry(
     try:
         async for tries in retrying:
             with tries:
-                return await attempt()
+                result = await attempt()
+                if budget is not None:
+                    budget.succeeded()
+                return result
     except RetryError as err:
         last = err.last_attempt.exception()
+        if budget is not None:
+            budget.failed(last)
         raise exhausted(last) from last
     raise AssertionError("unreachable")  # pragma: no cover

@@ -179,3 +179,28 @@ async def test_heartbeat_notices_a_remote_stop_before_the_next_op():
         with pytest.raises(SessionGoneError):
             tc.optim_step()  # refused at call time: the heartbeat already saw the session go
         assert tc.current_sequence_number == 1
+
+
+@pytest.mark.parametrize("phase", ["after", "before"])
+async def test_grpo_at_20_percent_faults_retries_at_once_and_stays_bit_identical(monkeypatch, phase):
+    """Issue 19's fault-ratio run, without a clock: at 20 % failed calls (+10 % lost answers) the client's
+    retry budget never drains, so every first retry goes out at once and only the rare second retries
+    sleep; the weights are bit-identical to a fault-free run whichever phase the failures come in."""
+    import examples.grpo_toy as grpo
+    from asyncsess.retry import _delay
+
+    policy = RetryPolicy(max_attempts=12, initial_backoff=0.001, max_backoff=0.01, jitter=0.0)
+    retries = []
+    real_cls = grpo.ServiceClient
+    monkeypatch.setattr(grpo, "ServiceClient", lambda url, **kw: real_cls(url, retry=policy, on_retry=retries.append, **kw))
+    clean, _ = await _grpo("mock://", 30)
+    faulty, _ = await _grpo(f"mock://?fail_rate=0.2&fail_phase={phase}&drop_response_rate=0.1&seed=3", 30)
+    assert np.array_equal(clean, faulty)
+    first = [e for e in retries if e.attempt == 1]
+    later = [e for e in retries if e.attempt > 1]
+    assert len(first) > 30 and all(e.sleep == 0.0 for e in first), "every first retry went out at once"
+    assert all(e.sleep >= 0.002 for e in later), "a second failure in a row backs off"
+    assert len(later) < len(first) / 2
+    old = RetryPolicy(max_attempts=12, initial_backoff=0.001, max_backoff=0.01, jitter=0.0, immediate_first_retry=False)
+    old_sleep = sum(_delay(old, e.attempt, e.error) for e in retries)
+    assert sum(e.sleep for e in retries) < 0.5 * old_sleep, "backing off every retry would sleep over twice as long"

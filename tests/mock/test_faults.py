@@ -175,3 +175,42 @@ async def test_stop_after_ops_stops_the_session_server_side(open_session, datum)
         await b.heartbeat(s.id)
     await b.stop_session(s.id)  # the client's stop is still fine
     assert len(b.applied_log) == 2
+
+
+def test_fail_phase_is_checked():
+    assert load_backend("mock://?fail_phase=before").config.fail_phase == "before"
+    assert load_backend("mock://").config.fail_phase == "after", "the default is the failure after the latency"
+    for bad in ("during", "", "BEFORE", "before\x00"):
+        with pytest.raises(InvalidInputError) as err:
+            MockBackend(MockConfig(fail_phase=bad))
+        assert err.value.field == "url ?fail_phase=" and "fail_phase=before" in str(err.value.fix)
+
+
+@pytest.mark.anyio
+async def test_a_refused_call_costs_no_latency_and_the_same_calls_fail_in_both_phases(open_session, datum, monkeypatch):
+    slept: list[float] = []
+    real_sleep = anyio.sleep
+
+    async def spy(seconds):
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(faults_module.anyio, "sleep", spy)
+    outcomes = {}
+    for phase in ("after", "before"):
+        b = MockBackend(MockConfig(latency_ms=20, fail_rate=0.3, fail_phase=phase, seed=4))
+        s = await open_session(b)
+        failed = []
+        slept.clear()
+        for i in range(40):  # one at a time, each a fresh seq (a failed op is never applied)
+            try:
+                await b.execute_training(s.id, s.op("forward", data=(datum(b.tokenizer.encode("x")),), loss_fn="cross_entropy"))
+            except TransientError as err:
+                assert f"fail_phase={phase}" in str(err)
+                failed.append(i)
+                s.seq -= 1  # the op was not applied: send the next one under the same number
+        outcomes[phase] = failed
+        n_ok = 40 - len(failed)
+        assert slept == [0.02] * (40 if phase == "after" else n_ok), "a refusal returns at once, a late failure after the latency"
+        await b.stop_session(s.id)
+    assert outcomes["after"] == outcomes["before"] and 5 < len(outcomes["after"]) < 25

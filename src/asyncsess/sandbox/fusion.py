@@ -17,7 +17,7 @@ import httpx
 from pydantic import BaseModel
 
 from asyncsess.errors import AsyncSessError, TransientError
-from asyncsess.retry import RetryPolicy, call_with_retry
+from asyncsess.retry import RetryBudget, RetryPolicy, call_with_retry
 from asyncsess.sandbox.base import BaseSandbox, Files
 from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
 
@@ -71,6 +71,7 @@ class SandboxFusionClient(BaseSandbox):
         self._memory_mb = memory_mb
         self._max_output_bytes = max_output_bytes
         self._retry = retry
+        self._retry_budget = RetryBudget()  # a sandbox server that keeps failing is not retried at once
         self._request_slack_s = request_slack_s
         self._client = client or httpx.AsyncClient()
         self._owns_client = client is None
@@ -132,7 +133,7 @@ class SandboxFusionClient(BaseSandbox):
             response.raise_for_status()
             return _RunCodeResponse.model_validate_json(response.content)
 
-        return await call_with_retry(self._retry, attempt, operation="sandbox_fusion.run_code")
+        return await call_with_retry(self._retry, attempt, operation="sandbox_fusion.run_code", budget=self._retry_budget)
 
     def _cap(self, text: str | None) -> tuple[str, bool]:
         data = (text or "").encode()

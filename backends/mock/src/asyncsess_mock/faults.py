@@ -28,6 +28,7 @@ class MockConfig:
     slow_rate: float = 0.0
     slow_ms: float = 0.0
     fail_rate: float = 0.0
+    fail_phase: str = "after"  # "after": a failure comes after the call's latency; "before": at once (refused)
     drop_response_rate: float = 0.0
     timeout_rate: float = 0.0
     hang_s: float = 3600.0
@@ -59,11 +60,9 @@ class MockConfig:
                 values[name] = url.get_int(name, default) if kind is int else url.get_float(name, default)
             if name in options:
                 values[name] = kind(options[name])
-        cfg = cls(**values)
-        cfg._check()
-        return cfg
+        return cls(**values)
 
-    def _check(self) -> None:
+    def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, str):
@@ -72,6 +71,10 @@ class MockConfig:
                 raise InvalidInputError(f"{f.name}={value} is not a probability", field=f"url ?{f.name}=", fix="use a value in [0, 1]")
             if f.name != "seed" and value < 0:
                 raise InvalidInputError(f"{f.name}={value} is negative", field=f"url ?{f.name}=", fix="use a value >= 0")
+        if self.fail_phase not in ("before", "after"):
+            raise InvalidInputError(
+                f"fail_phase={self.fail_phase!r} is not a phase", field="url ?fail_phase=", fix="use fail_phase=before or fail_phase=after"
+            )
         if self.drop_refresh_at and self.drop_refresh_at == self.repeat_refresh_at:
             raise InvalidInputError(
                 f"drop_refresh_at and repeat_refresh_at are both {self.drop_refresh_at}",
@@ -93,15 +96,20 @@ class Faults:
         return rate > 0 and self._rng.random() < rate
 
     async def before(self, what: str) -> None:
-        """Latency, then maybe a failure before anything is applied, or a hang the caller's deadline must end."""
+        """Latency, then maybe a failure before anything is applied, or a hang the caller's deadline must end.
+
+        With ``fail_phase=before`` a failure comes at once, without the latency (a refusal: 503, throttle,
+        connection refused). Calls made one at a time draw the same numbers in both phases, so the same calls fail.
+        """
         cfg = self.cfg
         delay = cfg.latency_ms + cfg.jitter_ms * self._rng.random() if cfg.jitter_ms else cfg.latency_ms
         if self._hit(cfg.slow_rate):
             delay += cfg.slow_ms
-        if delay:
+        refused = cfg.fail_phase == "before" and self._hit(cfg.fail_rate)
+        if delay and not refused:
             await anyio.sleep(delay / 1000)
-        if self._hit(cfg.fail_rate):
-            raise TransientError(f"injected failure before {what} (fail_rate={cfg.fail_rate})", operation=what)
+        if refused or (cfg.fail_phase == "after" and self._hit(cfg.fail_rate)):
+            raise TransientError(f"injected failure before {what} (fail_rate={cfg.fail_rate}, fail_phase={cfg.fail_phase})", operation=what)
         if self._hit(cfg.timeout_rate):
             await anyio.sleep(cfg.hang_s)
             raise TransientError(f"injected timeout: no answer to {what} for {cfg.hang_s:g}s", operation=what)
