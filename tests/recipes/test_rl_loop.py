@@ -147,3 +147,26 @@ def test_the_optimizer_settings_live_in_the_config():
     for bad in ({"adam_beta1": 1.0}, {"adam_eps": 0.0}, {"weight_decay": -0.1}, {"num_minibatches": 9, "groups_per_batch": 8}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RLConfig(**bad)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+async def test_the_learning_rate_decays_to_zero_over_the_steps(tmp_path, schedule):
+    cfg = BASE.model_copy(update={"max_steps": 6, "lr_schedule": schedule, "remove_constant_reward_groups": False})
+    await run(cfg, [], tmp_path)
+    lrs = [r["optim/learning_rate"] for r in read_metrics(tmp_path) if "optim/learning_rate" in r]
+    want = [0.3 * (1 - s / 6) if schedule == "linear" else 0.3 * 0.5 * (1 + np.cos(np.pi * s / 6)) for s in range(6)]
+    assert lrs == pytest.approx(want, rel=1e-6) and lrs[0] == 0.3 and lrs[-1] < 0.05
+
+
+async def test_a_timed_run_decays_by_its_training_time(tmp_path):
+    """With ``max_minutes``, whichever limit is nearer sets the decay: here the clock, not the 10_000 steps."""
+    cfg = BASE.model_copy(
+        update={"max_steps": 10_000, "max_minutes": 0.02, "lr_schedule": "linear", "remove_constant_reward_groups": False}
+    )
+    await run(cfg, [], tmp_path)
+    records = [r for r in read_metrics(tmp_path) if "optim/learning_rate" in r]
+    assert 2 <= len(records) < 10_000
+    # the step number and the training time behind each step when it started
+    want = [0.3 * (1 - max(r["step"] / 10_000, (r["time/total"] - r["time/step"]) / 1.2)) for r in records]
+    assert [r["optim/learning_rate"] for r in records] == pytest.approx(want, rel=1e-6)
+    assert records[-1]["optim/learning_rate"] < records[0]["optim/learning_rate"] == 0.3

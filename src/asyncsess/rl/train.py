@@ -38,6 +38,7 @@ from ..futures import APIFuture
 from ..runs.checkpoints import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
 from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
+from ..runs.schedule import LRSchedule, decayed_lr
 from ..types import AdamParams, Datum, ForwardBackwardOutput, TensorData
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
 from .datasets import DrawnBatches, run_dataset
@@ -69,6 +70,8 @@ class RLConfig(RecoveryConfig):
     seed: int = 0
     # the optimizer: AdamW, one step per batch
     learning_rate: float = 1e-4
+    # decays to 0 over the run, whichever limit ends it first: steps done / max_steps or training time / max_minutes
+    lr_schedule: LRSchedule = "constant"
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
     adam_eps: float = Field(default=1e-8, gt=0.0, le=1.0)
@@ -109,9 +112,10 @@ class RLConfig(RecoveryConfig):
             raise ValueError(f"num_minibatches ({self.num_minibatches}) exceeds groups_per_batch ({self.groups_per_batch})")
         return self
 
-    def adam(self) -> AdamParams:
+    def adam(self, done: float = 0.0) -> AdamParams:
+        """The optimizer's settings when the fraction ``done`` of the run is behind (for ``lr_schedule``)."""
         return AdamParams(
-            learning_rate=self.learning_rate,
+            learning_rate=decayed_lr(self.learning_rate, done, self.lr_schedule),
             beta1=self.adam_beta1,
             beta2=self.adam_beta2,
             eps=self.adam_eps,
@@ -282,7 +286,8 @@ class _Loop:
                 if cfg.max_minutes is not None and train_seconds + step_seconds >= 60 * cfg.max_minutes:
                     break
                 t0 = time.perf_counter()
-                metrics = await self.train_step(step, rollouts)
+                run_frac = max(step / max(1, cfg.max_steps), train_seconds / (60 * cfg.max_minutes) if cfg.max_minutes else 0.0)
+                metrics = await self.train_step(step, rollouts, run_frac)
                 step += 1
                 step_seconds = time.perf_counter() - t0
                 train_seconds += step_seconds
@@ -303,7 +308,7 @@ class _Loop:
         used = [g for g in groups if not (cfg.remove_constant_reward_groups and is_constant(g.total_rewards))]
         return [p for g in used for p in group_datums(g, cfg.normalize_std)]
 
-    async def train_step(self, step: int, rollouts: RolloutScheduler) -> dict[str, Any]:
+    async def train_step(self, step: int, rollouts: RolloutScheduler, run_frac: float = 0.0) -> dict[str, Any]:
         cfg, tc = self.cfg, self.tc
         assert self.samplers is not None
         k, per_batch = cfg.max_staleness, cfg.groups_per_batch
@@ -362,7 +367,7 @@ class _Loop:
             "time/group_rollout": sum(f.finished - f.started for f in taken) / max(1, len(taken)),
         }
         if submitted:
-            opt = tc.optim_step(cfg.adam())
+            opt = tc.optim_step(cfg.adam(run_frac))
             sampler, probe, latency = await self.refresh(opt)
             outs = [await fut for fut, _ in submitted]
             opt_out = await opt

@@ -3,7 +3,6 @@ submit-ahead pipelining, and the held-out NLL evaluator."""
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from ..chat import Message, assistant_spans
 from ..client import TrainingClient
 from ..errors import InvalidInputError
 from ..futures import APIFuture
+from ..runs.schedule import LRSchedule, decayed_lr
 from ..types import Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse, TensorData
 
 __all__ = ["TrainOn", "conversation_datum", "learning_rate", "SubmitAhead", "mean_nll", "nll"]
@@ -44,14 +44,9 @@ def conversation_datum(
     )
 
 
-def learning_rate(base: float, step: int, total: int, schedule: Literal["linear", "cosine", "constant"] = "linear") -> float:
+def learning_rate(base: float, step: int, total: int, schedule: LRSchedule = "linear") -> float:
     """``base`` decayed to 0 over ``total`` steps (cookbook SFT schedules)."""
-    frac = min(1.0, step / max(1, total))
-    if schedule == "linear":
-        return base * (1.0 - frac)
-    if schedule == "cosine":
-        return base * 0.5 * (1.0 + math.cos(math.pi * frac))
-    return base
+    return decayed_lr(base, step / max(1, total), schedule)
 
 
 class SubmitAhead:
