@@ -57,6 +57,11 @@ MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenComplete
 PlayGroup = Callable[[EnvGroupBuilder, SamplingClient, float, int], Awaitable[TrajectoryGroup]]
 
 
+# held-out episodes played at once: well under the client's sampling bound (256 requests), so that a large
+# evaluation neither pauses the pool (and logs it) nor crowds out the rollouts in flight
+EVAL_EPISODES_IN_FLIGHT = 128
+
+
 class RLConfig(RecoveryConfig):
     """Settings of an RL run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`)."""
 
@@ -215,10 +220,12 @@ class _Loop:
         assert self.samplers is not None
         version, sampler = self.samplers.acquire()
         groups: list[TrajectoryGroup | None] = [None] * len(self.test)
+        limit = anyio.CapacityLimiter(EVAL_EPISODES_IN_FLIGHT)
         try:
 
             async def one(i: int) -> None:
-                groups[i] = await self.play(self.test[i], sampler, version, None)
+                async with limit:
+                    groups[i] = await self.play(self.test[i], sampler, version, None)
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(self.test)):
