@@ -170,3 +170,13 @@ async def test_a_timed_run_decays_by_its_training_time(tmp_path):
     want = [0.3 * (1 - max(r["step"] / 10_000, (r["time/total"] - r["time/step"]) / 1.2)) for r in records]
     assert [r["optim/learning_rate"] for r in records] == pytest.approx(want, rel=1e-6)
     assert records[-1]["optim/learning_rate"] < records[0]["optim/learning_rate"] == 0.3
+
+
+async def test_a_large_evaluation_does_not_pause_the_sampling_pool(tmp_path, caplog):
+    """300 held-out problems against the client's 256-request bound: the loop paces them instead of queueing."""
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=2", "max_steps": 1})
+    test = [Problem(f"Held out {i}:", "0") for i in range(300)]
+    with caplog.at_level("WARNING", logger="asyncsess"):
+        result = await run(cfg, test, tmp_path)
+    assert result.before["test/env/all/turns_per_episode"] == 1.0 and len(test) == 300
+    assert not [r for r in caplog.records if "Sampling is paused" in r.getMessage()]
