@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,9 @@ class LoraHost:
         self.groups = linear_groups(model)
         first = next(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
         anchor = LoraConfig(r=1, lora_alpha=1, target_modules=[first], lora_dropout=0.0, init_lora_weights=False)
-        self.peft = PeftModel(model, anchor, adapter_name=_ANCHOR)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self.peft = PeftModel(model, anchor, adapter_name=_ANCHOR)
         with torch.no_grad():
             for p in self._raw_params(_ANCHOR).values():
                 p.zero_()
