@@ -247,6 +247,9 @@ def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None,
             raise InvalidInputError(str(err).splitlines()[0], field=field, fix="pass ModelInput or list[int]") from None
     if not tokens:
         raise InvalidInputError("is empty", field=field, fix="give at least one token")
+    if not 0 <= min(tokens) <= max(tokens) < 2**63:
+        bad = next(t for t in tokens if not 0 <= t < 2**63)
+        raise InvalidInputError(f"id {bad} is not a token id", field=field, fix="ids in 0..2**63-1")
     return tokens
 
 
