@@ -3,6 +3,7 @@ body names the field, never a 5xx; and the command starts, answers and refuses u
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,28 @@ def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, fiel
     resp = c.post(path, **kw)
     assert 400 <= resp.status_code < 500, resp.text
     _refused(resp, resp.status_code, field)
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/api/v1/create_session", {"tags": 5e-324, "user_metadata": {}}, "tags"),
+        ("/api/v1/create_session", {"tags": ["a", "\ud800"]}, "tags"),
+        ("/api/v1/create_session", {"user_metadata": [1]}, "user_metadata"),
+        ("/api/v1/create_session", {"user_metadata": True}, "user_metadata"),
+        ("/api/v1/create_session", {"user_metadata": {"k": "a\x00b"}}, "user_metadata"),
+        ("/api/v1/create_model", {"model_seq_id": 90, "base_model": "mock/bigram-tiny", "user_metadata": "x"}, "user_metadata"),
+        ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 90, "base_model": 2**63}, "base_model"),
+        ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 91, "base_model": "\ud800"}, "base_model"),
+        ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 92, "model_path": True}, "model_path"),
+    ],
+)
+def test_wrongly_typed_session_fields_are_refused_not_a_500(model, path: str, body: dict, field: str) -> None:
+    """Once a 500 (a TypeError, or a lone surrogate reaching the backend); the session is not created."""
+    c, sid, _ = model
+    raw = json.dumps({"session_id": sid, **body}).encode()  # keeps \ud800 as an escape
+    _refused(c.post(path, content=raw, headers={"Content-Type": "application/json"}), 400, field)
+    assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
 
 
 @pytest.mark.parametrize(
