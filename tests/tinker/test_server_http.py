@@ -53,6 +53,8 @@ def _refused(resp: httpx.Response, status: int, field: str | None) -> None:
         ("/api/v1/retrieve_future", {"request_id": 12}, "request_id"),
         ("/api/v1/retrieve_future", {"request_id": "never-issued"}, "request_id"),
         ("/api/v1/weights_info", {"tinker_path": "tinker://nope/weights/x"}, "tinker_path"),
+        ("/api/v1/create_session", b'{"a":' * 100_000, "body"),  # RecursionError in json.loads: once a 500
+        ("/api/v1/sessions/search", b"[" * 5_000 + b"]" * 5_000, "body"),
     ],
 )
 def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, field: str) -> None:
@@ -159,3 +161,10 @@ def test_the_serve_command_starts_and_answers(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_openai_door_refuses_a_body_nested_too_deeply(mock_server: Server) -> None:
+    """The door reads ``model`` from the body before the front does; a deep body was a 500 there."""
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        r = httpx.post(mock_server.url + route, content=b'{"model":' * 100_000, headers={**H, "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text[:200]

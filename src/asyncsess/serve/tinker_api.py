@@ -1088,6 +1088,8 @@ async def _json(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body(), parse_constant=lambda c: math.nan)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
+    except RecursionError:
+        raise ApiError(400, "body nests too deeply", field="body", fix="send a flat JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object", field="body")
     return body
