@@ -404,7 +404,9 @@ def test_a_body_that_is_not_a_json_object_is_a_400_on_every_route(sm, emulator, 
     name = _name()
     new_session(sm, name)
     control = httpx.post(
-        emulator.url, content=raw, headers={"X-Amz-Target": "SageMaker.DescribeTrainingSession", "Content-Type": "application/x-amz-json-1.1"}
+        emulator.url,
+        content=raw,
+        headers={"X-Amz-Target": "SageMaker.DescribeTrainingSession", "Content-Type": "application/x-amz-json-1.1"},
     )
     assert control.status_code == 400 and control.json()["__type"] == "SerializationException", control.text[:200]
     for path in ("operations", "sampling-operations"):
