@@ -377,11 +377,18 @@ MAX_STOPS = 64  # stop strings or token ids per request
 MAX_STOP_CHARS = 1000  # characters per stop string
 
 
+def _not_a_bool(v: Any) -> Any:
+    """A number field refuses True/False (pydantic's lax mode would read them as 1 and 0)."""
+    if isinstance(v, bool):
+        raise ValueError(f"{v} is a bool, not a number")
+    return v
+
+
 class SamplingParams(_Model):
     """Decoding parameters. Defaults follow Tinker; ``max_tokens=None`` means the backend's limit.
 
     ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
-    Numbers must be finite; a stop string must be non-empty; ``seed`` is in ``0..2**63-1``.
+    Numbers must be finite and not bools; a stop string must be non-empty; ``seed`` is in ``0..2**63-1``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -403,6 +410,8 @@ class SamplingParams(_Model):
             if isinstance(s, str) and not 0 < len(s) <= MAX_STOP_CHARS:
                 raise ValueError(f"a stop string must have 1..{MAX_STOP_CHARS} characters (use stop=[] for no stop)")
         return v
+
+    _no_bools = field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", mode="before")(_not_a_bool)
 
     @field_validator("top_k")
     @classmethod
@@ -445,7 +454,7 @@ MAX_LEARNING_RATE = 10.0
 class AdamParams(_Model):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip).
 
-    Every number must be finite; ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,
+    Every number must be finite (a bool is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,
     ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``.
     """
 
@@ -458,6 +467,8 @@ class AdamParams(_Model):
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
     grad_clip_norm: float = Field(default=0.0, ge=0.0)
     lora_plus_lr_ratio: float | None = Field(default=None, ge=1.0, le=1000.0)
+
+    _no_bools = field_validator("*", mode="before")(_not_a_bool)
 
     @field_validator("grad_clip_norm", mode="before")
     @classmethod

@@ -33,6 +33,7 @@ __all__ = [
     "check_count",
     "check_target_prompt_logprobs",
     "is_checkpoint_name",
+    "all_finite_f32",
 ]
 
 # loss name -> (required keys, optional keys); the clip bounds may also be given per token
@@ -223,7 +224,7 @@ def _check_clip_tensors(d: Datum, i: int) -> None:
             )
 
 
-def _all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:
+def all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:
     import numpy as np
 
     try:
@@ -247,6 +248,9 @@ def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None,
             raise InvalidInputError(str(err).splitlines()[0], field=field, fix="pass ModelInput or list[int]") from None
     if not tokens:
         raise InvalidInputError("is empty", field=field, fix="give at least one token")
+    if not 0 <= min(tokens) <= max(tokens) < 2**63:
+        bad = next(t for t in tokens if not 0 <= t < 2**63)
+        raise InvalidInputError(f"id {bad} is not a token id", field=field, fix="ids in 0..2**63-1")
     return tokens
 
 
@@ -446,7 +450,7 @@ def check_finite(d: Datum, i: int) -> None:
     """Float loss inputs must be finite in float32; token ids must be non-negative int64."""
     for key, tensor in d.loss_fn_inputs.items():
         if tensor.dtype == "float32":
-            if not _all_finite_f32(tensor.data):
+            if not all_finite_f32(tensor.data):
                 raise InvalidInputError(
                     "holds NaN, inf or a value beyond float32", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="give finite float32 values"
                 )

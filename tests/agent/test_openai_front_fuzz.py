@@ -75,3 +75,20 @@ def test_random_bodies_never_get_5xx(bodies):
                 assert ok.status_code == 200
 
     anyio.run(main, backend=os.environ.get("ASYNCSESS_ANYIO_BACKEND", "asyncio"))
+
+
+def test_a_body_nested_past_the_recursion_limit_is_a_400_not_a_500():
+    """``json.loads`` raises RecursionError (not ValueError) on deep nesting; it was a 500 on every OpenAI route."""
+
+    async def main() -> None:
+        async with ServiceClient("mock://") as svc:
+            front = OpenAIFront(await svc.create_sampling_client(base_model="mock/bigram-tiny"), max_n=4)
+            async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+                for route in ("/v1/chat/completions", "/v1/completions"):
+                    for raw in (b'{"messages":' * 100_000, b"[" * 100_000, b'{"a":' * 5_000 + b"1" + b"}" * 5_000):
+                        r = await http.post(route, content=raw, headers={"content-type": "application/json"})
+                        assert r.status_code == 400, (route, r.status_code, r.text[:200])
+                        assert r.json()["error"]["code"] == "invalid_json" and "deep" in r.json()["error"]["message"]
+                assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+    anyio.run(main, backend=os.environ.get("ASYNCSESS_ANYIO_BACKEND", "asyncio"))

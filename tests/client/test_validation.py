@@ -120,3 +120,34 @@ async def test_per_token_clip_bounds_pass_the_client_and_are_checked():
             assert err.value.field == f"data[0].loss_fn_inputs[{key!r}]"
         with pytest.raises(InvalidInputError, match="does not use"):  # dro has no clip
             tc.forward_backward(Datum(model_input=ok.model_input, loss_fn_inputs={**base, "clip_low_threshold": [0.8] * 3}), "dro")
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63, 2**64, -(2**63) - 1, 10**400])
+async def test_prompt_ids_outside_int64_are_refused_before_sending(tc, bad):
+    """A prompt id past int64 once reached the backend as an OverflowError; it is refused like a datum's."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    for call in (lambda: sc.sample([1, bad], 1, {"max_tokens": 2}), lambda: sc.compute_logprobs([1, bad])):
+        with pytest.raises(InvalidInputError) as err:
+            call()
+        assert err.value.field == "prompt" and "not a token id" in str(err.value) and err.value.fix
+    assert len((await sc.sample([1, 2], 1, {"max_tokens": 2})).sequences) == 1
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda tc, sc: tc.optim_step({"learning_rate": True}), "adam_params.learning_rate"),  # was read as lr = 1.0
+        (lambda tc, sc: tc.optim_step({"beta1": False}), "adam_params.beta1"),
+        (lambda tc, sc: sc.sample([1, 2], 1, {"max_tokens": True}), "sampling_params.max_tokens"),
+        (lambda tc, sc: sc.sample([1, 2], 1, {"seed": True}), "sampling_params.seed"),
+        (lambda tc, sc: sc.sample([1, 2], 1, {"temperature": False}), "sampling_params.temperature"),
+    ],
+)
+async def test_a_bool_where_a_number_goes_is_refused_not_read_as_1_or_0(tc, call, field):
+    sc = await tc.save_weights_and_get_sampling_client()
+    before = tc.current_sequence_number
+    with pytest.raises(InvalidInputError) as err:
+        call(tc, sc)
+    assert err.value.field == field and "bool" in str(err.value)
+    assert tc.current_sequence_number == before
+    assert (await tc.optim_step({"learning_rate": 1})).metrics["learning_rate"] == 1.0  # an int is still a number

@@ -46,6 +46,22 @@ async def test_greedy_is_deterministic_and_follows_the_argmax():
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])
+async def test_a_tiny_positive_temperature_samples_the_argmax_not_nan(temperature):
+    """rows / T overflowed to inf and inf - inf gave NaN probabilities: token 0 every time, silently."""
+
+    async def body(b, sid):
+        prompt = b.tokenizer.encode("The ")
+        greedy = await b.sample(sid, _req(prompt, 1, temperature=0.0, max_tokens=8, stop=[]))
+        with np.errstate(invalid="raise"):  # no NaN arithmetic (inf - inf) left in the draw
+            tiny = await b.sample(sid, _req(prompt, 3, temperature=temperature, max_tokens=8, stop=[], seed=1))
+        assert [s.tokens for s in tiny.sequences] == [greedy.sequences[0].tokens] * 3
+        assert all(np.isfinite(s.logprobs).all() for s in tiny.sequences)
+
+    await _with_sampler(body)
+
+
+@pytest.mark.anyio
 async def test_seed_makes_sampling_reproducible_and_independent_of_num_samples():
     async def body(b, sid):
         prompt = b.tokenizer.encode("ab")

@@ -21,6 +21,12 @@ def _name() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
+def _with_weights(weights: list[float]) -> dict:
+    datum = fb([1, 40, 41])["forwardBackward"]["datumList"][0]
+    datum["lossFnInputs"]["weights"]["data"] = weights
+    return {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [datum]}}
+
+
 def _code(err: pytest.ExceptionInfo[ClientError]) -> tuple[str, int]:
     return err.value.response["Error"]["Code"], err.value.response["ResponseMetadata"]["HTTPStatusCode"]
 
@@ -210,6 +216,10 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
             {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [fb([1, 2, 9999])["forwardBackward"]["datumList"][0]]}},
             "token id",
         ),
+        # non-finite or past-float32 weights were run, and the NaN result made GetTrainingOperationResult a 500
+        (_with_weights([float("nan"), 1.0]), "must be finite"),
+        (_with_weights([1.0, float("inf")]), "must be finite"),
+        (_with_weights([1e39, 1.0]), "must be finite"),
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
@@ -386,3 +396,24 @@ def test_sample_max_tokens_caps_generation_below_the_wire_minimum():
         assert max(len(s["tokens"]) for s in seqs) == 5 and any(s["stopReason"] == "length" for s in seqs)
         assert all(s["tokenUsage"]["decode"] == len(s["tokens"]) for s in seqs)
         sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("raw", [b'{"a":' * 100_000, b"\xff\xfe\xfd", b"[1]", b"null", b'"x"'])
+def test_a_body_that_is_not_a_json_object_is_a_400_on_every_route(sm, emulator, raw):
+    """Nesting past the recursion limit, bad UTF-8 and non-objects were 500 "Emulator error"s."""
+    name = _name()
+    new_session(sm, name)
+    control = httpx.post(
+        emulator.url,
+        content=raw,
+        headers={"X-Amz-Target": "SageMaker.DescribeTrainingSession", "Content-Type": "application/x-amz-json-1.1"},
+    )
+    assert control.status_code == 400 and control.json()["__type"] == "SerializationException", control.text[:200]
+    for path in ("operations", "sampling-operations"):
+        r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
+    for path in ("sample", "sample-with-response-stream"):
+        r = httpx.post(f"{emulator.url}/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    sm.stop_training_session(TrainingSessionName=name)

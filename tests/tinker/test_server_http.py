@@ -3,6 +3,7 @@ body names the field, never a 5xx; and the command starts, answers and refuses u
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +53,8 @@ def _refused(resp: httpx.Response, status: int, field: str | None) -> None:
         ("/api/v1/retrieve_future", {"request_id": 12}, "request_id"),
         ("/api/v1/retrieve_future", {"request_id": "never-issued"}, "request_id"),
         ("/api/v1/weights_info", {"tinker_path": "tinker://nope/weights/x"}, "tinker_path"),
+        ("/api/v1/create_session", b'{"a":' * 100_000, "body"),  # RecursionError in json.loads: once a 500
+        ("/api/v1/sessions/search", b"[" * 5_000 + b"]" * 5_000, "body"),
     ],
 )
 def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, field: str) -> None:
@@ -60,6 +63,28 @@ def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, fiel
     resp = c.post(path, **kw)
     assert 400 <= resp.status_code < 500, resp.text
     _refused(resp, resp.status_code, field)
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/api/v1/create_session", {"tags": 5e-324, "user_metadata": {}}, "tags"),
+        ("/api/v1/create_session", {"tags": ["a", "\ud800"]}, "tags"),
+        ("/api/v1/create_session", {"user_metadata": [1]}, "user_metadata"),
+        ("/api/v1/create_session", {"user_metadata": True}, "user_metadata"),
+        ("/api/v1/create_session", {"user_metadata": {"k": "a\x00b"}}, "user_metadata"),
+        ("/api/v1/create_model", {"model_seq_id": 90, "base_model": "mock/bigram-tiny", "user_metadata": "x"}, "user_metadata"),
+        ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 90, "base_model": 2**63}, "base_model"),
+        ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 91, "base_model": "\ud800"}, "base_model"),
+        ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 92, "model_path": True}, "model_path"),
+    ],
+)
+def test_wrongly_typed_session_fields_are_refused_not_a_500(model, path: str, body: dict, field: str) -> None:
+    """Once a 500 (a TypeError, or a lone surrogate reaching the backend); the session is not created."""
+    c, sid, _ = model
+    raw = json.dumps({"session_id": sid, **body}).encode()  # keeps \ud800 as an escape
+    _refused(c.post(path, content=raw, headers={"Content-Type": "application/json"}), 400, field)
+    assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -136,3 +161,10 @@ def test_the_serve_command_starts_and_answers(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_openai_door_refuses_a_body_nested_too_deeply(mock_server: Server) -> None:
+    """The door reads ``model`` from the body before the front does; a deep body was a 500 there."""
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        r = httpx.post(mock_server.url + route, content=b'{"model":' * 100_000, headers={**H, "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text[:200]

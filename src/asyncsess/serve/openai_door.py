@@ -19,7 +19,6 @@ optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -31,7 +30,7 @@ from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront
-from .openai_wire import ChatRequest, CompletionRequest, FrontError
+from .openai_wire import ChatRequest, CompletionRequest, FrontError, parse_body
 from .tinker_api import TinkerDoor, api_key_of, caller
 
 __all__ = ["OpenAIDoor", "FrontSource", "openai_router"]
@@ -167,10 +166,7 @@ def openai_router(
     async def sample(request: Request, chat: bool) -> Response:
         try:
             key = key_of(request)
-            try:
-                body = json.loads(await request.body())  # the front reads it again (Starlette keeps it)
-            except (ValueError, UnicodeDecodeError) as err:
-                raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
+            body = parse_body(await request.body())  # the front reads it again (Starlette keeps it)
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
                 raise FrontError("give the model to sample: a name from GET /v1/models", "model")

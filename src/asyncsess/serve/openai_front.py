@@ -47,6 +47,7 @@ from .openai_wire import (
     completion_chunks,
     legacy_logprobs,
     lp_entry,
+    parse_body,
     usage,
     validation_error,
 )
@@ -210,10 +211,7 @@ class OpenAIFront:
     async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any) -> Response:
         self.counts["requests"] += 1
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as err:
-                raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
+            body = parse_body(await request.body())
             if not isinstance(body, dict):
                 raise FrontError("the body must be a JSON object", None, code="invalid_json")
             try:

@@ -43,6 +43,16 @@ class FrontError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
+    except RecursionError:
+        raise FrontError("the body nests too deeply", None, code="invalid_json") from None
+
+
 MAX_TEXT_CHARS = 1_000_000  # one message, prompt or tool description; a context holds far less
 
 

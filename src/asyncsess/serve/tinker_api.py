@@ -49,7 +49,15 @@ from ..backends.base import (
 from ..backends.sequencer import Sequencer
 from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
-from ..validation import check_datums, check_loss_fn, check_loss_fn_config, coerce_adam_params, coerce_prompt, coerce_sampling_params
+from ..validation import (
+    check_datums,
+    check_loss_fn,
+    check_loss_fn_config,
+    check_user_metadata,
+    coerce_adam_params,
+    coerce_prompt,
+    coerce_sampling_params,
+)
 from . import tinker_proto
 from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
@@ -384,8 +392,8 @@ class TinkerDoor:
         name, project = body.get("display_name"), body.get("project_id")
         self.sessions[sid] = _Session(
             sid,
-            list(body.get("tags") or []),
-            dict(body.get("user_metadata") or {}),
+            _tags(body),
+            _metadata(body),
             now,
             now,
             owner=owner,
@@ -495,6 +503,7 @@ class TinkerDoor:
         rank = _int(lora, "rank", 32, field="lora_config.rank")
         if rank < 1:
             raise ApiError(400, f"rank={rank}", field="lora_config.rank", fix="use a rank >= 1")
+        meta = _metadata(body)
         model_id = f"{session.id}:train:{seq}"
         promise, fresh = self._once(model_id, body, "create_model", session.id)
         if fresh:
@@ -506,13 +515,13 @@ class TinkerDoor:
                 train_mlp=bool(lora.get("train_mlp", True)),
                 train_attn=bool(lora.get("train_attn", True)),
                 train_unembed=bool(lora.get("train_unembed", True)),
-                user_metadata={str(k): str(v) for k, v in (body.get("user_metadata") or {}).items()},
+                user_metadata=meta,
             )
 
             async def work() -> Callable[[Promise], None]:
                 info = await self.backend.create_training_session(spec)
                 await self._adopt(session, info.model_id)
-                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(body.get("user_metadata") or {}))
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
                 return lambda p: p.resolve(json={"model_id": model_id, "type": "create_model"})
 
             self._spawn(promise, work)
@@ -742,6 +751,7 @@ class TinkerDoor:
         if body.get("session_id") is not None:  # create via load: the model's first request
             session = self._session(_str(body, "session_id"))
             model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
+            meta = _metadata(body)
             promise, fresh = self._once(model_id, body, "load_weights", session.id)
             if fresh:
                 base_model = body.get("base_model") or (ck.base_model if ck else "")
@@ -753,7 +763,7 @@ class TinkerDoor:
                 async def work() -> Callable[[Promise], None]:
                     info = await self.backend.create_training_session(spec)
                     await self._adopt(session, info.model_id)
-                    self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(body.get("user_metadata") or {}))
+                    self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
                     return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
                 self._spawn(promise, work)
@@ -790,11 +800,11 @@ class TinkerDoor:
         sid = f"{session.id}:sample:{_int(body, 'sampling_session_seq_id')}"
         if sid in self.samplers:
             return {"sampling_session_id": sid, "type": "create_sampling_session"}
-        path = body.get("model_path")
-        base_model = body.get("base_model")
+        path = _str(body, "model_path") if body.get("model_path") is not None else None
+        base_model = _str(body, "base_model") if body.get("base_model") is not None else None
         backend_path, version = None, 0
         if path:
-            backend_path, ck = self._checkpoint(str(path), "model_path")
+            backend_path, ck = self._checkpoint(path, "model_path")
             base_model, version = (ck.base_model, ck.step) if ck else (base_model, 0)
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
@@ -1023,6 +1033,11 @@ def _str(body: dict[str, Any], key: str) -> str:
         raise ApiError(400, f"expected a non-empty string, got {type(v).__name__}", field=key)
     if "\x00" in v:
         raise ApiError(400, "contains NUL", field=key)
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "is not valid Unicode (a lone surrogate?)", field=key, fix="send UTF-8-encodable text") from None
     return v
 
 
@@ -1033,6 +1048,28 @@ def _int(body: dict[str, Any], key: str, default: int | None = None, *, field: s
     if not -(2**62) < v < 2**62:
         raise ApiError(400, "out of range", field=field or key)
     return v
+
+
+def _metadata(body: dict[str, Any]) -> dict[str, str]:
+    """``user_metadata``: an object (Tinker's ``dict[str, Any]``), kept as text; NUL, lone surrogates refused."""
+    meta = body.get("user_metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise ApiError(400, f"expected an object, got {type(meta).__name__}", field="user_metadata", fix='e.g. {"run": "a"}')
+    try:
+        return check_user_metadata({k: v if isinstance(v, str) else str(v) for k, v in (meta or {}).items()})
+    except InvalidInputError as err:
+        raise ApiError.from_error(err) from None
+
+
+def _tags(body: dict[str, Any]) -> list[str]:
+    """``tags``: a list of strings (checked as metadata values are)."""
+    tags = body.get("tags")
+    if tags is not None and not isinstance(tags, list):
+        raise ApiError(400, f"expected a list of strings, got {type(tags).__name__}", field="tags", fix='e.g. ["rl"]')
+    try:
+        return list(check_user_metadata({str(i): t for i, t in enumerate(tags or [])}, field="tags").values())
+    except InvalidInputError as err:
+        raise ApiError.from_error(err) from None
 
 
 def _name(path: Any, default: str) -> str:
@@ -1051,6 +1088,8 @@ async def _json(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body(), parse_constant=lambda c: math.nan)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
+    except RecursionError:
+        raise ApiError(400, "body nests too deeply", field="body", fix="send a flat JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object", field="body")
     return body

@@ -167,8 +167,11 @@ class MockSampler:
 
 
 def _draw(rows: np.ndarray, u: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """One token per row from ``softmax(rows / T)`` restricted by top-k then top-p, by inverse CDF on ``u``."""
-    logits = rows / params.temperature
+    """One token per row from ``softmax(rows / T)`` restricted by top-k then top-p, by inverse CDF on ``u``.
+
+    The row max is subtracted before dividing, so a tiny T (a subnormal) gives -inf, not inf - inf = NaN."""
+    with np.errstate(over="ignore"):
+        logits = (rows - rows.max(axis=1, keepdims=True)) / params.temperature
     filtered = params.top_k > 0 or params.top_p < 1.0
     if filtered:
         order = np.argsort(-logits, axis=1, kind="stable")

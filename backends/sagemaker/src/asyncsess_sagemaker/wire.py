@@ -24,6 +24,7 @@ from asyncsess.types import (
     TensorData,
     Usage,
 )
+from asyncsess.validation import all_finite_f32
 
 from .arns import parse_model_package_arn
 from .service_models import RUNTIME, enum_values, runtime_model
@@ -131,6 +132,10 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
                 raise ShapeError(f"{tpath}.data", "Member must be a flat list of numbers", data)
             if tensor["dtype"] == "int64" and not all(isinstance(v, int) or float(v).is_integer() for v in data):
                 raise ShapeError(f"{tpath}.data", "int64 data must hold integers", data)
+            if tensor["dtype"] == "int64" and not all(-(2**63) <= int(v) < 2**63 for v in data):
+                raise ShapeError(f"{tpath}.data", "int64 data must fit in 64 bits", data)
+            if tensor["dtype"] == "float32" and not all_finite_f32(data):
+                raise ShapeError(f"{tpath}.data", "float32 data must be finite (no NaN, no Infinity) and within float32", data)
             shape = tensor.get("shape")
             if shape is not None:
                 size = 1

@@ -42,6 +42,18 @@ CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + H
 _JSON11 = "application/x-amz-json-1.1"
 
 
+def _json_object(raw: bytes, error: Callable[[str], AwsError]) -> dict[str, Any]:
+    """A request body as a JSON object (empty: ``{}``); not JSON (bad UTF-8, nested past the recursion
+    limit included) or not an object is ``error(message)``, a 400, never the 500 of an emulator bug."""
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise error("The request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise error("The request body must be a JSON object")
+    return body
+
+
 def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
@@ -128,10 +140,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             if prefix != "SageMaker" or model is None:
                 raise AwsError("UnknownOperationException", f"Operation {target or '(no X-Amz-Target)'} is not supported by this emulator")
             await faults.before(op_name)
-            try:
-                body = json.loads(await request.body() or b"{}")
-            except json.JSONDecodeError:
-                raise AwsError("SerializationException", "The request body is not valid JSON") from None
+            body = _json_object(await request.body(), lambda message: AwsError("SerializationException", message))
             _validate(model, body)
             out = await getattr(service, _snake(op_name))(body)
             if config.check_responses:
@@ -153,10 +162,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
                 await faults.before(model.name)
                 params: dict[str, Any] = dict(request.path_params)
                 if model.input_shape.serialization.get("payload") is None and request.method == "POST":
-                    try:
-                        params.update(json.loads(await request.body() or b"{}"))
-                    except json.JSONDecodeError:
-                        raise AwsError.validation("The request body is not valid JSON") from None
+                    params.update(_json_object(await request.body(), AwsError.validation))
                 _validate(model, params)
                 response = await handler(request, params)
                 if faults.lose_response(model.name):
@@ -186,13 +192,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     package_header = runtime.shape_for("SampleTrainingSessionInput").members["modelPackageArn"].serialization["name"]
 
     async def chat_request(request: Request) -> tuple[dict[str, Any], str | None]:
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except json.JSONDecodeError:
-            raise AwsError.validation("The request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise AwsError.validation("The request body must be a JSON object")
-        return body, request.headers.get(package_header)
+        return _json_object(await request.body(), AwsError.validation), request.headers.get(package_header)
 
     async def sample_handler(request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
