@@ -62,6 +62,14 @@ class EncodedTextChunk(_Model):
     tokens: list[int]
     type: Literal["encoded_text"] = "encoded_text"
 
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _no_bools(cls, v: Any) -> Any:
+        """A bool is not a token id (pydantic's lax mode would read ``True`` as id 1)."""
+        if isinstance(v, (list, tuple)) and any(isinstance(t, bool) for t in v):
+            raise ValueError("a token id is an int, not a bool")
+        return v
+
     @property
     def length(self) -> int:
         return len(self.tokens)
@@ -109,8 +117,8 @@ class ModelInput(_Model):
         if isinstance(value, list) and all(type(t) is int for t in value):  # the common case, fast
             return cls.from_ints(value)
         if isinstance(value, (list, tuple)):
-            if not all(isinstance(t, int) or (hasattr(t, "__index__") and not isinstance(t, bool)) for t in value):
-                raise TypeError("a prompt given as a list must hold token ids (int)")
+            if not all((isinstance(t, int) or hasattr(t, "__index__")) and not isinstance(t, bool) for t in value):
+                raise TypeError("a prompt given as a list must hold token ids (int, not bool)")
             return cls.from_ints([int(t) for t in value])
         raise TypeError(f"cannot make a ModelInput from {type(value).__name__}; pass list[int] or ModelInput")
 

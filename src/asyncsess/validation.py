@@ -244,8 +244,12 @@ def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None,
     else:
         try:
             tokens = ModelInput.from_any(prompt).to_ints()
-        except (TypeError, ValidationError) as err:
-            raise InvalidInputError(str(err).splitlines()[0], field=field, fix="pass ModelInput or list[int]") from None
+        except TypeError as err:
+            raise InvalidInputError(str(err), field=field, fix="pass ModelInput or list[int]") from None
+        except ValidationError as err:
+            e = err.errors()[0]
+            where = ".".join(map(str, e["loc"]))
+            raise InvalidInputError(f"{where}: {e['msg']}", field=field, fix="pass ModelInput or list[int]") from None
     if not tokens:
         raise InvalidInputError("is empty", field=field, fix="give at least one token")
     if not 0 <= min(tokens) <= max(tokens) < 2**63:

@@ -151,3 +151,17 @@ async def test_a_bool_where_a_number_goes_is_refused_not_read_as_1_or_0(tc, call
     assert err.value.field == field and "bool" in str(err.value)
     assert tc.current_sequence_number == before
     assert (await tc.optim_step({"learning_rate": 1})).metrics["learning_rate"] == 1.0  # an int is still a number
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[1, True], (False, 2), {"chunks": [{"type": "encoded_text", "tokens": [1, True]}]}],
+    ids=["list", "tuple", "model-input-json"],
+)
+async def test_a_bool_in_a_prompt_is_refused_not_read_as_token_1(tc, prompt):
+    """JSON ``true`` among the token ids (the Tinker wire's ``prompt.chunks[].tokens``) was read as id 1."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    for call in (lambda: sc.sample(prompt, 1, {"max_tokens": 2}), lambda: sc.compute_logprobs(prompt)):
+        with pytest.raises(InvalidInputError) as err:
+            call()
+        assert err.value.field == "prompt" and "bool" in str(err.value)
