@@ -85,7 +85,7 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400_not_a_500():
             front = OpenAIFront(await svc.create_sampling_client(base_model="mock/bigram-tiny"), max_n=4)
             async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
                 for route in ("/v1/chat/completions", "/v1/completions"):
-                    for raw in (b'{"messages":' * 100_000, b"[" * 100_000, b'{"a":' * 5_000 + b"1" + b"}" * 5_000):
+                    for raw in (b'{"messages":' * 100_000, b"[" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
                         r = await http.post(route, content=raw, headers={"content-type": "application/json"})
                         assert r.status_code == 400, (route, r.status_code, r.text[:200])
                         assert r.json()["error"]["code"] == "invalid_json" and "deep" in r.json()["error"]["message"]
