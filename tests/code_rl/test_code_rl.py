@@ -83,7 +83,7 @@ async def test_code_rl_runs_two_turns_with_bounded_staleness(tmp_path):
     # two turns: some episodes called check_solution and answered after reading the verdict
     assert all(1.0 <= r["env/all/turns_per_episode"] <= 2.0 for r in steps)
     assert any(r["env/all/turns_per_episode"] > 1.0 and r["env/all/tool_calls"] > 0 for r in steps)
-    assert any(r["env/all/check/tests_passed"] > 0 for r in steps)
+    assert any(r.get("env/all/check/tests_passed", 0.0) > 0 for r in steps)  # only steps whose episodes called the check have it
     assert any(r["stop/max_turns"] > 0 or r["stop/parse_error"] > 0 for r in steps)
     # forward_backward streamed in sub-batches, and the reward spans the cookbook's values
     assert any(r["train/forward_backward_calls"] == 2 for r in steps)
