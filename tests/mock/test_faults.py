@@ -33,16 +33,22 @@ def test_url_parameters_are_parsed_and_checked():
         load_backend("mock://?stop_after_ops=two")
 
 
-@pytest.mark.anyio
-async def test_latency_jitter_and_slow_calls_sleep(open_session, datum, monkeypatch):
-    slept: list[float] = []
+@pytest.fixture
+def slept(monkeypatch) -> list[float]:
+    """The seconds the fault injector asked to sleep (it does not wait them)."""
+    seconds: list[float] = []
     real_sleep = anyio.sleep
 
-    async def spy(seconds):
-        slept.append(seconds)
+    async def spy(s):
+        seconds.append(s)
         await real_sleep(0)
 
     monkeypatch.setattr(faults_module.anyio, "sleep", spy)
+    return seconds
+
+
+@pytest.mark.anyio
+async def test_latency_jitter_and_slow_calls_sleep(open_session, datum, slept):
 
     b = MockBackend(MockConfig(latency_ms=20))
     s = await open_session(b)
@@ -187,15 +193,7 @@ def test_fail_phase_is_checked():
 
 
 @pytest.mark.anyio
-async def test_a_refused_call_costs_no_latency_and_the_same_calls_fail_in_both_phases(open_session, datum, monkeypatch):
-    slept: list[float] = []
-    real_sleep = anyio.sleep
-
-    async def spy(seconds):
-        slept.append(seconds)
-        await real_sleep(0)
-
-    monkeypatch.setattr(faults_module.anyio, "sleep", spy)
+async def test_a_refused_call_costs_no_latency_and_the_same_calls_fail_in_both_phases(open_session, datum, slept):
     outcomes = {}
     for phase in ("after", "before"):
         b = MockBackend(MockConfig(latency_ms=20, fail_rate=0.3, fail_phase=phase, seed=4))
