@@ -144,7 +144,13 @@ def test_the_optimizer_settings_live_in_the_config():
     adam = cfg.adam()
     assert (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.grad_clip_norm) == (0.01, 0.8, 0.99, 1e-6, 1.0)
     assert (RLConfig().adam().beta1, RLConfig().adam().beta2, RLConfig().adam().eps) == (0.9, 0.95, 1e-8)  # the recipes' values
-    for bad in ({"adam_beta1": 1.0}, {"adam_eps": 0.0}, {"weight_decay": -0.1}, {"num_minibatches": 9, "groups_per_batch": 8}):
+    for bad in (
+        {"adam_beta1": 1.0},
+        {"adam_eps": 0.0},
+        {"weight_decay": -0.1},
+        {"num_minibatches": 9, "groups_per_batch": 8},
+        {"lr_schedule": "exp"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RLConfig(**bad)
 
