@@ -78,11 +78,43 @@ async def test_sequencer_keeps_a_bounded_window_of_results():
 
     seqr = Sequencer(run, keep_results=3)
     ops = [OptimStepOp(seq=i, idempotency_key=f"k{i}") for i in range(1, 7)]
+    assert not any(seqr.stored(op) for op in ops)
     assert [await seqr.execute(op) for op in ops] == [10, 20, 30, 40, 50, 60]
+    assert [seqr.stored(op) for op in ops] == [False, False, False, True, True, True], "the kept window, nothing older"
+    assert not seqr.stored(OptimStepOp(seq=6, idempotency_key="another-key")), "another key is not a re-delivery"
     assert await seqr.execute(ops[-1]) == 60 and await seqr.execute(ops[3]) == 40  # recent: stored result
     with pytest.raises(ConflictError):
         await seqr.execute(ops[0])  # pruned: refused, never re-run
     assert seqr.applied == [1, 2, 3, 4, 5, 6]
+
+
+async def test_sequencer_stored_means_done_not_merely_arrived():
+    from asyncsess.backends.sequencer import Sequencer
+
+    release = anyio.Event()
+
+    async def run(op):
+        await release.wait()
+        if op.seq == 2:
+            raise ValueError("bad op")
+        return op.seq
+
+    seqr = Sequencer(run)
+    first, second, early = (OptimStepOp(seq=i, idempotency_key=f"k{i}") for i in (1, 2, 4))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(seqr.execute, first)
+        tg.start_soon(seqr.execute, early)  # waits for 2 and 3
+        await anyio.wait_all_tasks_blocked()
+        assert not seqr.stored(first), "running: a re-delivery would wait for it, not fetch it"
+        assert not seqr.stored(early), "waiting for its turn"
+        release.set()
+        await anyio.wait_all_tasks_blocked()
+        assert seqr.stored(first)
+        tg.cancel_scope.cancel()
+    with pytest.raises(ValueError):
+        await seqr.execute(second)
+    assert seqr.stored(second), "a failure is stored too: its re-delivery gets the same error"
+    assert not seqr.stored(early), "a cancelled wait frees its slot for a retry"
 
 
 async def test_large_batches_are_chunked_and_train_like_one_batch():

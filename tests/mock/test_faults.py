@@ -6,8 +6,8 @@ import anyio
 import pytest
 
 from asyncsess.backends import SampleRequest, SamplerSpec, load_backend
-from asyncsess.errors import InvalidInputError, SessionGoneError, TransientError
-from asyncsess.types import SamplingParams
+from asyncsess.errors import ConflictError, InvalidInputError, SessionGoneError, TransientError
+from asyncsess.types import SampleResponse, SamplingParams
 from asyncsess_mock import MockBackend, MockConfig
 from asyncsess_mock import faults as faults_module
 
@@ -212,3 +212,158 @@ async def test_a_refused_call_costs_no_latency_and_the_same_calls_fail_in_both_p
         assert slept == [0.02] * (40 if phase == "after" else n_ok), "a refusal returns at once, a late failure after the latency"
         await b.stop_session(s.id)
     assert outcomes["after"] == outcomes["before"] and 5 < len(outcomes["after"]) < 25
+
+
+@pytest.mark.anyio
+async def test_a_lost_training_answer_is_fetched_from_the_store_without_the_latency(open_session, datum, slept):
+    b = MockBackend(MockConfig(latency_ms=20, jitter_ms=5, slow_rate=0.5, slow_ms=100, fetch_ms=1, drop_response_rate=1.0))
+    s = await open_session(b)
+    op = _fb(s, b.tokenizer, datum)
+    for _ in range(3):  # every answer is lost, the fetches' too: the client's retry loop resends the same seq + key
+        with pytest.raises(TransientError, match="lost response"):
+            await b.execute_training(s.id, op)
+    assert slept[0] >= 0.02 and slept[1:] == [0.001, 0.001], "one op latency, then one fetch round trip per retry"
+    assert b.applied_log == [(s.id, 1, "forward_backward")]
+    free = MockBackend(MockConfig(latency_ms=20, drop_response_rate=1.0))  # fetch_ms defaults to 0: a fetch does not sleep
+    t = await open_session(free)
+    slept.clear()
+    op = _fb(t, free.tokenizer, datum)
+    for _ in range(2):
+        with pytest.raises(TransientError):
+            await free.execute_training(t.id, op)
+    assert slept == [0.02]
+    for backend, sid in [(b, s.id), (free, t.id)]:
+        await backend.stop_session(sid)
+
+
+@pytest.mark.anyio
+async def test_an_op_that_was_never_applied_pays_the_full_latency_again(open_session, datum, slept):
+    b = MockBackend(MockConfig(latency_ms=20, fetch_ms=1, fail_rate=1.0))
+    s = await open_session(b)
+    op = _fb(s, b.tokenizer, datum)
+    for _ in range(2):
+        with pytest.raises(TransientError, match="injected failure"):
+            await b.execute_training(s.id, op)
+    assert slept == [0.02, 0.02] and b.applied_log == []
+    await b.stop_session(s.id)
+
+
+@pytest.mark.anyio
+async def test_a_fetch_draws_the_same_faults_as_a_full_call(open_session, datum):
+    """Whether a retry is answered from the store changes its sleep, never which later calls fail."""
+
+    async def outcomes(fetch_ms: float) -> list[str]:
+        b = MockBackend(MockConfig(fail_rate=0.3, drop_response_rate=0.4, fetch_ms=fetch_ms, seed=8))
+        s = await open_session(b)
+        out = []
+        for _ in range(12):
+            op = _fb(s, b.tokenizer, datum)
+            while True:
+                try:
+                    await b.execute_training(s.id, op)
+                    out.append("ok")
+                    break
+                except TransientError as err:
+                    out.append("lost" if err.lost_response else "failed")
+        assert [seq for _, seq, _ in b.applied_log] == list(range(1, 13))
+        await b.stop_session(s.id)
+        return out
+
+    pattern = await outcomes(0)
+    assert pattern == await outcomes(3)
+    assert "lost" in pattern and "failed" in pattern
+    # a retry after a lost answer is a fetch, and it still draws: some fetches lose their answer again
+    assert any(a == b == "lost" for a, b in zip(pattern, pattern[1:]))
+
+
+def _sample_request(prompt: tuple[int, ...], request_id: str, **params) -> SampleRequest:
+    return SampleRequest(prompt, 2, SamplingParams(max_tokens=4, **params), request_id=request_id)
+
+
+@pytest.fixture
+def sampled(monkeypatch) -> list[tuple[int, ...]]:
+    """The prompts the mock's sampler actually sampled (a stored answer is not sampled again)."""
+    from asyncsess_mock.sampler import MockSampler
+
+    prompts: list[tuple[int, ...]] = []
+    real = MockSampler.sample
+
+    def spy(self, request, request_no, sampler_id):
+        prompts.append(request.prompt)
+        return real(self, request, request_no, sampler_id)
+
+    monkeypatch.setattr(MockSampler, "sample", spy)
+    return prompts
+
+
+@pytest.mark.anyio
+async def test_a_lost_sample_is_answered_from_the_store(slept, sampled):
+    b = MockBackend(MockConfig(latency_ms=20, fetch_ms=1, drop_response_rate=0.5, seed=1))
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+
+    async def until_answered(request: SampleRequest) -> tuple[SampleResponse, int]:
+        lost = 0
+        while True:  # the client's retry loop: the same request, the same request_id
+            try:
+                return await b.sample(sid, request), lost
+            except TransientError as err:
+                assert err.lost_response
+                lost += 1
+
+    request = _sample_request((1, 40), "r-1")  # unseeded: sampling it again would draw other tokens
+    answer, lost = await until_answered(request)
+    assert lost >= 1, "seed 1 loses the first answer"
+    assert sampled == [(1, 40)], "sampled once, however many times its answer was lost"
+    assert slept == [0.02] + [0.001] * lost
+    again, _ = await until_answered(request)
+    assert again == answer and again is not answer, "the same answer, not an object the caller could have changed"
+    fresh, _ = await until_answered(_sample_request((1, 40), "r-2"))
+    assert len(sampled) == 2 and fresh.sequences != answer.sequences, "a new request_id is a new request"
+    await b.stop_session(sid)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "other",
+    [
+        _sample_request((1, 41), "r-1"),  # another prompt
+        _sample_request((1, 40), "r-1", temperature=0.5),  # another sampling parameter
+        SampleRequest((1, 40), 3, SamplingParams(max_tokens=4), request_id="r-1"),  # another count
+        SampleRequest((1, 40), 2, SamplingParams(max_tokens=4), include_prompt_logprobs=True, request_id="r-1"),
+    ],
+)
+async def test_a_request_id_reused_for_another_request_is_a_conflict_not_the_old_answer(other, sampled):
+    b = MockBackend()
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+    await b.sample(sid, _sample_request((1, 40), "r-1"))
+    with pytest.raises(ConflictError) as err:
+        await b.sample(sid, other)
+    assert err.value.field == "request_id" and "r-1" in str(err.value) and err.value.fix
+    assert len(sampled) == 1
+    other_sampler = await b.create_sampler(SamplerSpec(base_model="m"))
+    await b.sample(other_sampler, other)  # request ids are per sampler
+    no_id = _sample_request((1, 40), "")
+    first, second = await b.sample(sid, no_id), await b.sample(sid, no_id)  # no request_id: never stored
+    assert len(sampled) == 4 and first.sequences != second.sequences
+    for x in (sid, other_sampler):
+        await b.stop_session(x)
+
+
+@pytest.mark.anyio
+async def test_the_sample_store_keeps_the_newest_answers(sampled):
+    b = MockBackend(MockConfig(keep_samples=2))
+    sid = await b.create_sampler(SamplerSpec(base_model="m"))
+    for i in range(3):
+        await b.sample(sid, _sample_request((1, 40 + i), f"r-{i}"))
+    await b.sample(sid, _sample_request((1, 42), "r-2"))  # kept
+    await b.sample(sid, _sample_request((1, 41), "r-1"))  # kept
+    assert len(sampled) == 3
+    await b.sample(sid, _sample_request((1, 40), "r-0"))  # the oldest was evicted: sampled again
+    assert sampled == [(1, 40), (1, 41), (1, 42), (1, 40)]
+    off = MockBackend(MockConfig(keep_samples=0))
+    oid = await off.create_sampler(SamplerSpec(base_model="m"))
+    for _ in range(2):
+        await off.sample(oid, _sample_request((1, 40), "r-0"))
+    assert len(sampled) == 6, "keep_samples=0 keeps nothing"
+    for backend, x in [(b, sid), (off, oid)]:
+        await backend.stop_session(x)

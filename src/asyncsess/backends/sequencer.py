@@ -52,6 +52,8 @@ class Sequencer(Generic[R]):
     - The same ``seq`` with another key is a :class:`ConflictError`, and so is a re-delivery of an op
       more than ``keep_results`` ops old (its result is no longer kept).
     - After an op fails, every later op fails with :class:`PoisonedError` naming the cause.
+    - :meth:`stored` says whether a delivery would be answered from the store, so a backend can answer it
+      as cheaply as a real server answers a re-delivered op: one round trip, no op time.
     """
 
     def __init__(
@@ -70,6 +72,12 @@ class Sequencer(Generic[R]):
     @property
     def next_seq(self) -> int:
         return self._next
+
+    def stored(self, op: Sequenced) -> bool:
+        """Whether ``op`` (same ``seq`` and key) already ran and its result or error is kept: executing it again
+        returns that outcome at once, without running anything."""
+        slot = self._slots.get(op.seq)
+        return slot is not None and slot.key == op.idempotency_key and slot.done.is_set()
 
     def stop(self, reason: str = "stopped") -> None:
         """Refuse every later op; wake waiters so they fail instead of hanging."""

@@ -14,7 +14,8 @@ import itertools
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import anyio
@@ -85,6 +86,7 @@ class _Sampler:
     base_model: str = ""
     seed: int | None = None
     delta: np.ndarray | None = None
+    answered: OrderedDict[str, tuple[SampleRequest, SampleResponse]] = field(default_factory=OrderedDict)  # by request_id, oldest first
 
 
 class MockBackend(Backend):
@@ -238,7 +240,7 @@ class MockBackend(Backend):
         self.calls["execute_training"] += 1
         op = require_op(op)
         sess = self._live_session(session_id)
-        await sess.faults.before(op.kind)
+        await sess.faults.before(op.kind, fetch=sess.sequencer.stored(op))
         if sess.faults.duplicate():
             result = await _deliver_twice(sess.sequencer, op)
         else:
@@ -398,11 +400,27 @@ class MockBackend(Backend):
         return handle
 
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
+        """Sample, or answer a request_id this sampler already answered from its store (a retry after a lost answer)."""
         self.calls["sample"] += 1
         handle = self._sampler(sampler_id)
-        await handle.faults.before("sample")
-        response = handle.sampler.sample(request, handle.requests, handle.id)
-        handle.requests += 1
+        stored = handle.answered.get(request.request_id) if request.request_id else None
+        if stored is not None and stored[0] != request:
+            raise ConflictError(
+                f"request_id {request.request_id!r} was already used for another sample request on this sampler",
+                field="request_id",
+                fix="give each new request its own request_id; reuse one only to retry the same request",
+                operation="sample",
+            )
+        await handle.faults.before("sample", fetch=stored is not None)
+        if stored is not None:
+            response = stored[1].model_copy(deep=True)  # a fresh answer, as one off the wire would be
+        else:
+            response = handle.sampler.sample(request, handle.requests, handle.id)
+            handle.requests += 1
+            if request.request_id and self.config.keep_samples:
+                handle.answered[request.request_id] = (request, response)
+                if len(handle.answered) > self.config.keep_samples:
+                    handle.answered.popitem(last=False)
         handle.faults.drop_response("sample")
         return response
 

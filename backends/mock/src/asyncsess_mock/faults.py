@@ -27,6 +27,7 @@ class MockConfig:
     jitter_ms: float = 0.0
     slow_rate: float = 0.0
     slow_ms: float = 0.0
+    fetch_ms: float = 0.0  # the round trip that answers a re-delivered op from the store (instead of the op's latency)
     fail_rate: float = 0.0
     fail_phase: str = "after"  # "after": a failure comes after the call's latency; "before": at once (refused)
     drop_response_rate: float = 0.0
@@ -42,6 +43,7 @@ class MockConfig:
     # before that step (drop) or with that step's update applied twice (repeat)
     drop_refresh_at: int = 0
     repeat_refresh_at: int = 0
+    keep_samples: int = 1024  # answered samples each sampler keeps by request_id, for a retry to fetch
 
     @classmethod
     def from_url(cls, url: ParsedURL, options: dict[str, Any]) -> MockConfig:
@@ -95,16 +97,21 @@ class Faults:
     def _hit(self, rate: float) -> bool:
         return rate > 0 and self._rng.random() < rate
 
-    async def before(self, what: str) -> None:
+    async def before(self, what: str, *, fetch: bool = False) -> None:
         """Latency, then maybe a failure before anything is applied, or a hang the caller's deadline must end.
 
         With ``fail_phase=before`` a failure comes at once, without the latency (a refusal: 503, throttle,
         connection refused). Calls made one at a time draw the same numbers in both phases, so the same calls fail.
+        ``fetch``: the call is a re-delivery the backend answers from its store; it sleeps ``fetch_ms`` instead
+        of the op's latency, jitter and slowness, and draws the same numbers as any call (so it can fail,
+        hang or lose its answer like one, and the draws of later calls do not depend on which calls were fetches).
         """
         cfg = self.cfg
         delay = cfg.latency_ms + cfg.jitter_ms * self._rng.random() if cfg.jitter_ms else cfg.latency_ms
         if self._hit(cfg.slow_rate):
             delay += cfg.slow_ms
+        if fetch:
+            delay = cfg.fetch_ms
         refused = cfg.fail_phase == "before" and self._hit(cfg.fail_rate)
         if delay and not refused:
             await anyio.sleep(delay / 1000)
