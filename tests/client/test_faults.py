@@ -138,6 +138,45 @@ async def test_a_lost_response_is_fetched_at_once_and_applied_once():
         assert [kind for _, _, kind in svc.backend.applied_log].count("forward_backward") == 1
 
 
+async def test_a_lost_sample_is_retried_under_its_request_id_and_answered_from_the_store(monkeypatch):
+    """Each logical sample has one request_id, sent again by its retries; the backend answers a retry from
+    its store, so even unseeded samples come out as in a fault-free run."""
+    from asyncsess_mock.sampler import MockSampler
+
+    sampled = []
+    real_sample = MockSampler.sample
+
+    def spy(self, request, request_no, sampler_id):
+        sampled.append(request.request_id)
+        return real_sample(self, request, request_no, sampler_id)
+
+    monkeypatch.setattr(MockSampler, "sample", spy)
+
+    async def run(url: str) -> tuple[list, list[str]]:
+        sent: list[str] = []
+        async with ServiceClient(url, retry=FAST) as svc:
+            sc = await svc.create_sampling_client(base_model="m")
+            real = svc.backend.sample
+
+            async def recording(sampler_id, request):
+                sent.append(request.request_id)
+                return await real(sampler_id, request)
+
+            monkeypatch.setattr(svc.backend, "sample", recording)
+            out = [await sc.sample([1, 40], 2, {"max_tokens": 6}) for _ in range(12)]  # no seed: a resample would differ
+            assert svc.retries == len(sent) - 12
+        return [[s.tokens for s in r.sequences] for r in out], sent
+
+    clean, _ = await run("mock://?seed=2")
+    sampled.clear()
+    faulty, sent = await run("mock://?seed=2&drop_response_rate=0.4")
+    assert faulty == clean
+    assert len(sent) > 15, "answers were lost and retried"
+    assert len(set(sent)) == 12 and all(sent), "one request_id per logical request, reused by its retries"
+    assert sent == sorted(sent, key=sent.index), "a request's retries follow it, under its id"
+    assert sampled == list(dict.fromkeys(sent)), "each request sampled once: every retry was answered from the store"
+
+
 async def test_throttling_is_backed_off_even_when_the_response_was_lost():
     from asyncsess.retry import _delay
 

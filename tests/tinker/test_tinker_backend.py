@@ -113,6 +113,36 @@ async def test_sampling_logprobs_and_sampler_refresh(mock_server: Server) -> Non
         assert (await sc.compute_logprobs([5, 6, 42]))[2] == pytest.approx(before[2]), "the old sampler keeps its weights"
 
 
+async def test_a_lost_sample_answer_is_fetched_under_the_same_seq_id(mock_server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As Tinker's SDK does, a retried sample keeps its seq_id: the server returns the future it has, and the
+    sample is not drawn again."""
+    from asyncsess import RetryPolicy, TransientError
+
+    async with ServiceClient(url_of(mock_server), retry=RetryPolicy(initial_backoff=0.001, jitter=0.0)) as svc:
+        sc = await svc.create_sampling_client(base_model=BASE)
+        backend = svc.backend
+        real_send = backend._send
+        seq_ids: list[int] = []
+        lose = iter([True])
+
+        async def flaky(method: str, path: str, **kw):
+            if path == "/api/v1/asample":
+                seq_ids.append(kw["json"]["seq_id"])
+            resp = await real_send(method, path, **kw)
+            if path == "/api/v1/retrieve_future" and next(lose, False):
+                raise TransientError("connection dropped while reading", lost_response=True)
+            return resp
+
+        monkeypatch.setattr(backend, "_send", flaky)
+        drawn = mock_server.backend.calls["sample"]
+        first = await sc.sample([5, 6], 2, SamplingParams(max_tokens=4))  # no seed: drawing again would differ
+        assert svc.retries == 1 and seq_ids == [0, 0], "the retry re-sent the same seq_id"
+        assert mock_server.backend.calls["sample"] == drawn + 1, "the server answered the retry from its store"
+        second = await sc.sample([5, 6], 2, SamplingParams(max_tokens=4))
+        assert seq_ids == [0, 0, 1] and mock_server.backend.calls["sample"] == drawn + 2, "a new request is a new seq_id"
+        assert len(first.sequences) == len(second.sequences) == 2
+
+
 async def test_rl_loop_reward_rises(mock_server: Server) -> None:
     """A GRPO loop on token ids (reward: how often token 42 appears) over tinker://."""
     async with ServiceClient(url_of(mock_server)) as svc:

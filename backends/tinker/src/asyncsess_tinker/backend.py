@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections import OrderedDict
 from typing import Any, ClassVar
 
 import anyio
@@ -51,6 +52,7 @@ from asyncsess.types import (
 __all__ = ["TinkerBackend"]
 
 PROTO = "application/x-protobuf"
+KEEP_SAMPLE_IDS = 1024  # per sampler: request_ids whose seq_id a retry reuses (Tinker-wire servers keep ~1024 seq_ids)
 _FOLDER_KIND = {"weights": "training", "sampler_weights": "sampler"}
 
 
@@ -78,6 +80,7 @@ class TinkerBackend(Backend):
         self._model_seq = 0
         self._sampler_seq = 0
         self._sample_seq: dict[str, int] = {}
+        self._sample_ids: dict[str, OrderedDict[str, int]] = {}  # sampler -> request_id -> its seq_id, the newest last
         self._models: dict[str, GetInfoResponse] = {}
         self._tokenizers: dict[str, Any] = {}  # Hugging Face tokenizers (a Tokenizer)
         self._tokenizer = tokenizer
@@ -227,6 +230,7 @@ class TinkerBackend(Backend):
                 pass  # already gone
         else:
             self._sample_seq.pop(session_id, None)
+            self._sample_ids.pop(session_id, None)
 
     async def heartbeat(self, session_id: str) -> None:
         await self._post("/api/v1/session_heartbeat", {"session_id": self.session_id, "type": "session_heartbeat"})
@@ -285,13 +289,23 @@ class TinkerBackend(Backend):
             raise InvalidInputError("neither model_path nor base_model", field="model_path", fix="pass a saved path or a base model name")
         sid = (await self._post("/api/v1/create_sampling_session", body))["sampling_session_id"]
         self._sample_seq[sid] = 0
+        self._sample_ids[sid] = OrderedDict()
         return sid
 
-    async def _asample(self, sampler_id: str, body: dict[str, Any]) -> SampleResponse:
+    async def _asample(self, sampler_id: str, body: dict[str, Any], request_id: str = "") -> SampleResponse:
+        """Submit and wait. A retry of one request (same ``request_id``) is sent under the same ``seq_id``, as
+        Tinker's SDK does, so the server hands back the future it already has instead of sampling again."""
         if sampler_id not in self._sample_seq:
             raise InvalidInputError(f"no sampler {sampler_id!r} on this client", field="sampler_id", fix="use an id from create_sampler")
-        seq = self._sample_seq[sampler_id]
-        self._sample_seq[sampler_id] = seq + 1
+        ids = self._sample_ids[sampler_id]
+        seq = ids.get(request_id) if request_id else None
+        if seq is None:
+            seq = self._sample_seq[sampler_id]
+            self._sample_seq[sampler_id] = seq + 1
+            if request_id:
+                ids[request_id] = seq
+                if len(ids) > KEEP_SAMPLE_IDS:
+                    ids.popitem(last=False)
         body = {**body, "sampling_session_id": sampler_id, "seq_id": seq, "type": "sample"}
         fut = (await self._send("POST", "/api/v1/asample", json=body, headers={"X-Tinker-Sampling-Backpressure": "1"})).json()
         return tinker_proto.decode_sample_response(await self._result(fut, proto=True))
@@ -304,7 +318,7 @@ class TinkerBackend(Backend):
             "sampling_params": params,
             "prompt_logprobs": request.include_prompt_logprobs or None,
         }
-        return await self._asample(sampler_id, {k: v for k, v in body.items() if v is not None})
+        return await self._asample(sampler_id, {k: v for k, v in body.items() if v is not None}, request.request_id)
 
     async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
         body = {
