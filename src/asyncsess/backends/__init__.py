@@ -1,5 +1,6 @@
 """The backend seam: the :class:`Backend` protocol, the op records that cross it, the URL registry, the
-per-session :class:`Sequencer` every driver can reuse, and the torch-free ``http://`` driver for a worker.
+per-session :class:`Sequencer` and per-sampler :class:`SampleStore` every driver can reuse, and the torch-free
+``http://`` driver for a worker.
 
 Nothing here imports a backend package; backends import this.
 """
@@ -26,6 +27,7 @@ from .base import (
     unknown_op,
 )
 from .registry import available_schemes, load_backend
+from .sample_store import SampleStore
 from .sequencer import Sequencer
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "SaveWeightsOp",
     "ParsedURL",
     "SampleRequest",
+    "SampleStore",
     "SamplerSpec",
     "Sequencer",
     "Tokenizer",

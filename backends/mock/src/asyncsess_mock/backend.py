@@ -14,7 +14,6 @@ import itertools
 import time
 import uuid
 from collections import Counter
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -37,6 +36,7 @@ from asyncsess.backends import (
     require_op,
     unknown_op,
 )
+from asyncsess.backends.sample_store import SampleStore
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import ConflictError, InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.types import (
@@ -86,7 +86,7 @@ class _Sampler:
     base_model: str = ""
     seed: int | None = None
     delta: np.ndarray | None = None
-    answered: OrderedDict[str, tuple[SampleRequest, SampleResponse]] = field(default_factory=OrderedDict)  # by request_id, oldest first
+    answers: SampleStore = field(default_factory=SampleStore)  # for retries after a lost answer, by request_id
 
 
 class MockBackend(Backend):
@@ -385,6 +385,7 @@ class MockBackend(Backend):
             base_model=base_model,
             seed=seed,
             delta=delta,
+            answers=SampleStore(self.config.keep_samples),
         )
         self._samplers[handle.id] = handle
         self._open[handle.id] = "sampler"
@@ -403,24 +404,13 @@ class MockBackend(Backend):
         """Sample, or answer a request_id this sampler already answered from its store (a retry after a lost answer)."""
         self.calls["sample"] += 1
         handle = self._sampler(sampler_id)
-        stored = handle.answered.get(request.request_id) if request.request_id else None
-        if stored is not None and stored[0] != request:
-            raise ConflictError(
-                f"request_id {request.request_id!r} was already used for another sample request on this sampler",
-                field="request_id",
-                fix="give each new request its own request_id; reuse one only to retry the same request",
-                operation="sample",
-            )
+        stored = handle.answers.lookup(request)  # a reused id with another request: ConflictError, before any fault draw
         await handle.faults.before("sample", fetch=stored is not None)
-        if stored is not None:
-            response = stored[1].model_copy(deep=True)  # a fresh answer, as one off the wire would be
-        else:
+        response = stored
+        if response is None:
             response = handle.sampler.sample(request, handle.requests, handle.id)
             handle.requests += 1
-            if request.request_id and self.config.keep_samples:
-                handle.answered[request.request_id] = (request, response)
-                if len(handle.answered) > self.config.keep_samples:
-                    handle.answered.popitem(last=False)
+            handle.answers.add(request, response)
         handle.faults.drop_response("sample")
         return response
 
