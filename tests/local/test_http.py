@@ -71,6 +71,11 @@ async def test_round_trip(worker, tiny):
         prompt = tok.encode("the answer is")
         res = await b.sample(sampler, SampleRequest(tuple(prompt), 2, SamplingParams(max_tokens=5, temperature=0.0, stop=[])))
         assert [len(s.tokens) for s in res.sequences] == [5, 5] and res.usage.decode_tokens == 10
+        # a sample re-sent under its request_id (a retry after a lost answer) is answered from the worker's store
+        retry = SampleRequest(tuple(prompt), 2, SamplingParams(max_tokens=5, temperature=1.5, stop=[]), request_id="r-http")
+        drawn = engine.stats["sample_rows"]
+        assert await b.sample(sampler, retry) == await b.sample(sampler, retry)
+        assert engine.stats["sample_rows"] == drawn + 2, "its 2 rows were decoded once"
         lp = await b.compute_logprobs(sampler, prompt + res.sequences[0].tokens)
         assert lp[0] is None and lp[len(prompt) :] == pytest.approx(res.sequences[0].logprobs, abs=1e-4)
         listed = await b.list_checkpoints(info.model_id)

@@ -184,3 +184,34 @@ async def test_base_sampler_is_the_plain_model(env, tiny_dir):
     greedy = (await b.sample(base, _req(probe, 1, max_tokens=4, temperature=0.0, stop=[]))).sequences[0].tokens
     ref = model.generate(torch.tensor([probe]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(probe) :].tolist()
     assert greedy == ref
+
+
+async def test_a_retried_request_id_is_answered_from_the_store(env, monkeypatch):
+    """A retry after a lost answer (same request_id, same request) is not sampled again; the id reused for
+    another request is a ConflictError, and bad input is still refused for its own field."""
+    from asyncsess.errors import ConflictError
+
+    b, tok, base, tuned = env
+    runs: list[str] = []
+    real = b.engine.sample
+
+    async def counting(sampler_id, job):
+        runs.append(sampler_id)
+        return await real(sampler_id, job)
+
+    monkeypatch.setattr(b.engine, "sample", counting)
+    prompt = tuple(tok.encode("hello"))
+    request = SampleRequest(prompt, 3, SamplingParams(max_tokens=6, temperature=1.5, stop=[]), request_id="r-1")  # unseeded
+    first = await b.sample(tuned, request)
+    again = await b.sample(tuned, request)
+    assert again == first and runs == [tuned]
+    with pytest.raises(ConflictError) as err:
+        await b.sample(tuned, SampleRequest(prompt[:-1], 3, request.sampling_params, request_id="r-1"))
+    assert err.value.field == "request_id"
+    with pytest.raises(InvalidInputError) as err:
+        await b.sample(tuned, SampleRequest(prompt, 3, SamplingParams(max_tokens=10**6), request_id="r-1"))
+    assert err.value.field == "sampling_params.max_tokens"
+    await b.sample(base, request)  # ids are per sampler
+    await b.sample(tuned, SampleRequest(prompt, 3, request.sampling_params))  # no id: never kept
+    await b.sample(tuned, SampleRequest(prompt, 3, request.sampling_params))
+    assert runs == [tuned, base, tuned, tuned]

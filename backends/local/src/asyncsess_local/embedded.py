@@ -42,6 +42,7 @@ from asyncsess.backends import (
     TrainingSessionSpec,
     unknown_op,
 )
+from asyncsess.backends.sample_store import SampleStore
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import InvalidInputError, SessionGoneError
 from asyncsess.types import MAX_SEED, Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
@@ -104,6 +105,7 @@ class LocalBackend(Backend):
         self._gap_timeout = gap_timeout
         self._engine: Engine | None = None
         self._sequencers: dict[str, Sequencer[Completion]] = {}
+        self._answers: dict[str, SampleStore] = {}  # sampler -> its recent answers by request_id, for retries
         self._tokenizers: dict[str, Any] = {}
 
     @classmethod
@@ -164,6 +166,7 @@ class LocalBackend(Backend):
         seq = self._sequencers.pop(session_id, None)
         if seq is not None:
             seq.stop("stopped")
+        self._answers.pop(session_id, None)
         await self.engine.call(self.engine.state.stop_session, session_id)
 
     def next_seq(self, session_id: str) -> int | None:
@@ -245,6 +248,13 @@ class LocalBackend(Backend):
         job = SampleJob(prompt=prompt, num_samples=request.num_samples, params=params, max_tokens=max_tokens)
         if request.target_prompt_logprobs is not None and max(max(r) for r in request.target_prompt_logprobs) >= ref.slot.vocab_size:
             raise InvalidInputError(f"an id is outside the vocabulary [0, {ref.slot.vocab_size})", field="target_prompt_logprobs")
+        answers = self._answers.get(sampler_id)
+        if answers is None:  # a new sampler: forget the stores of samplers stopped another way (expiry, session end)
+            self._answers = {k: v for k, v in self._answers.items() if k in self.engine.samplers}
+            answers = self._answers[sampler_id] = SampleStore()
+        kept = answers.lookup(request)  # a retry after a lost answer: not sampled again
+        if kept is not None:
+            return kept
         out = await self.engine.sample(sampler_id, job)
         if request.include_prompt_logprobs:
             out.prompt_logprobs = await self.engine.logprobs(sampler_id, prompt)
@@ -252,6 +262,7 @@ class LocalBackend(Backend):
             await self.engine.call(self._logprob_extras, ref, prompt, request, out)
         for i, s in enumerate(out.sequences):
             s.sequence_id = f"{request.request_id or sampler_id}:{i}"
+        answers.add(request, out)
         return out
 
     def _logprob_extras(self, ref: SamplerRef, prompt: list[int], request: SampleRequest, out: SampleResponse) -> None:
