@@ -249,16 +249,18 @@ async def test_an_op_that_was_never_applied_pays_the_full_latency_again(open_ses
 
 
 @pytest.mark.anyio
-async def test_a_fetch_draws_the_same_faults_as_a_full_call(open_session, datum):
+async def test_a_fetch_draws_the_same_faults_as_a_full_call(open_session, datum, slept, monkeypatch):
     """Whether a retry is answered from the store changes its sleep, never which later calls fail."""
+    from asyncsess.backends.sequencer import Sequencer
 
-    async def outcomes(fetch_ms: float) -> list[str]:
-        b = MockBackend(MockConfig(fail_rate=0.3, drop_response_rate=0.4, fetch_ms=fetch_ms, seed=8))
+    async def outcomes() -> tuple[list[str], list[float]]:
+        b = MockBackend(MockConfig(latency_ms=10, jitter_ms=4, slow_rate=0.3, slow_ms=50, fail_rate=0.3, drop_response_rate=0.4, seed=8))
         s = await open_session(b)
+        slept.clear()
         out = []
         for _ in range(12):
             op = _fb(s, b.tokenizer, datum)
-            while True:
+            while True:  # the client's retry loop
                 try:
                     await b.execute_training(s.id, op)
                     out.append("ok")
@@ -267,13 +269,20 @@ async def test_a_fetch_draws_the_same_faults_as_a_full_call(open_session, datum)
                     out.append("lost" if err.lost_response else "failed")
         assert [seq for _, seq, _ in b.applied_log] == list(range(1, 13))
         await b.stop_session(s.id)
-        return out
+        return out, list(slept)
 
-    pattern = await outcomes(0)
-    assert pattern == await outcomes(3)
-    assert "lost" in pattern and "failed" in pattern
-    # a retry after a lost answer is a fetch, and it still draws: some fetches lose their answer again
-    assert any(a == b == "lost" for a, b in zip(pattern, pattern[1:]))
+    fetched, fetch_sleeps = await outcomes()
+    monkeypatch.setattr(Sequencer, "stored", lambda self, op: False)  # every retry pays the full latency
+    full, full_sleeps = await outcomes()
+    assert fetched == full, "the same calls fail, lose their answer or succeed"
+    assert "lost" in fetched and "failed" in fetched
+    n_fetches, applied = 0, False
+    for outcome in fetched:  # once an op's answer was lost, every later call for it is a fetch
+        n_fetches += applied
+        applied = outcome == "lost" or (applied and outcome != "ok")
+    assert n_fetches >= 2 and fetch_sleeps.count(0.0) == 0
+    assert len(full_sleeps) - len(fetch_sleeps) == n_fetches, "a fetch (fetch_ms=0) does not sleep"
+    assert [d for d in full_sleeps if d not in fetch_sleeps] and set(fetch_sleeps) <= set(full_sleeps)
 
 
 def _sample_request(prompt: tuple[int, ...], request_id: str, **params) -> SampleRequest:
