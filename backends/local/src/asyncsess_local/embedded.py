@@ -61,6 +61,8 @@ __all__ = ["LocalBackend", "MAX_NUM_SAMPLES", "MAX_LORA_ALPHA"]
 MAX_NUM_SAMPLES = 128  # samples per request
 MAX_LORA_ALPHA = 1e4
 
+KEEP_ANSWERS = 256  # answered samples each sampler keeps by request_id, for retries to fetch
+
 
 class LocalBackend(Backend):
     scheme = "local"
@@ -106,6 +108,7 @@ class LocalBackend(Backend):
         self._engine: Engine | None = None
         self._sequencers: dict[str, Sequencer[Completion]] = {}
         self._answers: dict[str, SampleStore] = {}  # sampler -> its recent answers by request_id, for retries
+        # (a retry comes at once after a lost answer, so a short memory suffices and bounds a tenant's answers)
         self._tokenizers: dict[str, Any] = {}
 
     @classmethod
@@ -251,7 +254,7 @@ class LocalBackend(Backend):
         answers = self._answers.get(sampler_id)
         if answers is None:  # a new sampler: forget the stores of samplers stopped another way (expiry, session end)
             self._answers = {k: v for k, v in self._answers.items() if k in self.engine.samplers}
-            answers = self._answers[sampler_id] = SampleStore()
+            answers = self._answers[sampler_id] = SampleStore(KEEP_ANSWERS)
         kept = answers.lookup(request)  # a retry after a lost answer: not sampled again
         if kept is not None:
             return kept
