@@ -13,10 +13,12 @@ reaps everything the program started.
 from __future__ import annotations
 
 import functools
+import grp
 import json
 import logging
 import math
 import os
+import pwd
 import shutil
 import signal
 import stat
@@ -113,6 +115,7 @@ class LocalSandbox(BaseSandbox):
             ("cpus", cpus),
         ):
             _check_positive(field, value)
+        _check_uids(uids)
         self._root = os.geteuid() == 0
         self._timeout_s = timeout_s
         self._memory_mb = memory_mb
@@ -421,6 +424,28 @@ def _check_positive(field: str, value):
         kind = "an int" if integer else "a finite number"
         raise InvalidInputError(f"must be {kind} in (0, {limit}], got {value!r}", field=field, fix=f"pass {field} > 0")
     return value
+
+
+_UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "unchanged" to setresuid
+
+
+def _check_uids(uids: object) -> None:
+    """InvalidInputError unless ``uids`` is a non-empty range of uids (and gids) that no account or group owns.
+
+    The supervisor kills every process of a run's uid with kill(-1) as that uid before and after each run: on
+    uid 0 that would kill the whole host, on a user's uid all of that user's processes; a gid that names a group
+    would hand the program that group's files.
+    """
+    fix = "pass a range of unused ids, like the default range(200_000, 204_096)"
+    if not isinstance(uids, range) or not uids:
+        raise InvalidInputError(f"must be a non-empty range, got {uids!r}", field="uids", fix=fix)
+    taken = [(f"user {u.pw_name!r}", u.pw_uid) for u in pwd.getpwall() if u.pw_uid in uids]
+    taken += [(f"group {g.gr_name!r}", g.gr_gid) for g in grp.getgrall() if g.gr_gid in uids]
+    if taken:
+        what, uid = min(taken, key=lambda t: t[1])
+        raise InvalidInputError(f"{uids!r} holds id {uid}, owned by {what}", field="uids", fix=fix)
+    if min(uids[0], uids[-1]) < 1 or max(uids[0], uids[-1]) > _UID_MAX:
+        raise InvalidInputError(f"{uids!r} leaves 1..{_UID_MAX}", field="uids", fix=fix)
 
 
 def _encode(field: str, text: str, what: str = "") -> bytes:
