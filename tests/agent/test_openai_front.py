@@ -152,6 +152,9 @@ BAD = [
     ({"parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
     ({"stop": [""]}, 400, "stop"),
+    ({"stop": "x" * 1001}, 400, "stop"),  # longer than a sampler takes (was a 500)
+    ({"stop": ["a", "x" * 100_000]}, 400, "stop"),
+    ({"stop": "x" * 1000}, 200, None),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages.0.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools.0.function.strict"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200, None),

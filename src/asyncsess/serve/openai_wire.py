@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
+from ..types import MAX_STOP_CHARS
+
 __all__ = [
     "FrontError",
     "Message",
@@ -153,6 +155,8 @@ class SamplingRequest(_Req):
             _check_text(s)
             if s == "":
                 raise ValueError("an empty stop string would stop at once; drop it")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS}")
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop strings")
         return v
