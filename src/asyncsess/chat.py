@@ -110,6 +110,8 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
             return calls, f"a tool call is not JSON: {err}"
+        except RecursionError:  # a model can write "[[[[..." past the parser's recursion limit
+            return calls, "a tool call nests too deeply"
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), dict):
             return calls, 'a tool call must be {"name": str, "arguments": object}'
         calls.append(ToolCall(obj["name"], dict(obj.get("arguments", {}))))

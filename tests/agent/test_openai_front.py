@@ -171,6 +171,19 @@ BAD = [
         400,
         "messages.0.tool_calls.0.function.arguments",
     ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}],
+                }
+            ]
+        },
+        400,
+        "messages.0.tool_calls.0.function.arguments",  # nested past the recursion limit (was a 500)
+    ),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
