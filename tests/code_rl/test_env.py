@@ -69,6 +69,9 @@ def test_parse_tool_calls():
     assert parse_tool_calls(call + '<tool_call>{"name": "f"')[1] == "a <tool_call> is not closed"
     deep = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"
     assert parse_tool_calls(deep) == ([], "a tool call nests too deeply")  # a model's reply, not a RecursionError
+    for constant in ("NaN", "Infinity", "-Infinity"):  # Python's json reads them; the calls' JSON readers do not
+        bad = '<tool_call>{"name": "f", "arguments": {"a": %s}}</tool_call>' % constant
+        assert parse_tool_calls(bad)[1] == f"a tool call is not JSON: {constant} is not a JSON value"
 
 
 def test_renderer_falls_back_where_the_template_has_no_tool_role():
