@@ -70,7 +70,7 @@ def test_parse_tool_calls():
     deep = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"
     assert parse_tool_calls(deep) == ([], "a tool call nests too deeply")  # a model's reply, not a RecursionError
     for constant in ("NaN", "Infinity", "-Infinity"):  # Python's json reads them; the calls' JSON readers do not
-        bad = '<tool_call>{"name": "f", "arguments": {"a": %s}}</tool_call>' % constant
+        bad = '<tool_call>{"name": "f", "arguments": {"a": ' + constant + "}}</tool_call>"
         assert parse_tool_calls(bad)[1] == f"a tool call is not JSON: {constant} is not a JSON value"
 
 
