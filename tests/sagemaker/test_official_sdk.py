@@ -126,3 +126,16 @@ def test_sdk_resumes_from_the_latest_checkpoint_and_deletes_packages(service, sd
     assert gone.model_package_deleted and gone.artifacts_retained
     assert weights not in [i.model_package_arn for i in service.list_model_packages(max_results=None)]
     assert not service.delete_model_package(weights).model_package_deleted  # already gone: idempotent
+
+
+def test_sdk_reads_prompt_logprobs_and_their_top_k(service):
+    """The SDK types a sample's promptLogprobs List[float]: a null for the first token made every
+    include_prompt_logprobs=True sample fail in its own response parsing."""
+    sampler = service.create_sampling_client(base_model=BASE_ARN)
+    prompt = ts.ModelInput.from_ints([1, 40, 41, 42])
+    params = ts.SamplingParams(max_tokens=512, seed=0)
+    result = sampler.sample(prompt, num_samples=1, sampling_params=params, include_prompt_logprobs=True, topk_prompt_logprobs=2).result()
+    computed = sampler.compute_logprobs(prompt).result()
+    assert computed[0] is None and len(computed) == 4
+    assert result.prompt_logprobs == pytest.approx(computed[1:], abs=1e-5)  # the scored tokens, in order
+    assert len(result.topk_prompt_logprobs) >= 3 and all(len(row) <= 2 for row in result.topk_prompt_logprobs)
