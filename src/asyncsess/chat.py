@@ -102,14 +102,20 @@ class ToolCall:
     arguments: dict[str, Any]
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     """The tool calls in a reply, and an error message when one is malformed (not JSON, no name, unclosed)."""
     calls: list[ToolCall] = []
     for body in _CALL.findall(text):
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as err:
+            obj = json.loads(body, parse_constant=_not_json)
+        except ValueError as err:  # JSONDecodeError, or NaN/Infinity (Python's extension: a JSON parser refuses it)
             return calls, f"a tool call is not JSON: {err}"
+        except RecursionError:  # a model can write "[[[[..." past the parser's recursion limit
+            return calls, "a tool call nests too deeply"
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), dict):
             return calls, 'a tool call must be {"name": str, "arguments": object}'
         calls.append(ToolCall(obj["name"], dict(obj.get("arguments", {}))))

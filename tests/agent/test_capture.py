@@ -168,3 +168,14 @@ def test_an_unbounded_store_keeps_everything():
     for i in range(50):
         store.add(_call(str(i), 0, 1000))
     assert len(store.rollout_ids()) == 50 and store.dropped_calls == 0
+
+
+async def test_a_tool_call_that_is_not_json_is_returned_as_text(real):
+    """NaN is no JSON value: a reply calling a tool with it is text (finish "stop"), never tool_calls whose
+    ``arguments`` a JSON reader (JavaScript's, or json.loads with strict constants) would refuse."""
+    written = '<tool_call>{"name": "calc", "arguments": {"expr": NaN}}</tool_call>'
+    front = OpenAIFront(ScriptedSampler(real, [written]))
+    async with front.openai_client("nan") as client:
+        reply = await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == written

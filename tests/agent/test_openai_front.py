@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from random import Random
 
 import anyio
 import httpx
@@ -13,6 +14,8 @@ import pytest
 from asyncsess import SamplingParams, ServiceClient
 from asyncsess.serve.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
+from asyncsess.serve.openai_wire import _content_pieces
+from asyncsess_mock import CharTokenizer
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "Say hi."}]
@@ -152,6 +155,9 @@ BAD = [
     ({"parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
     ({"stop": [""]}, 400, "stop"),
+    ({"stop": "x" * 1001}, 400, "stop"),  # longer than a sampler takes (was a 500)
+    ({"stop": ["a", "x" * 100_000]}, 400, "stop"),
+    ({"stop": "x" * 1000}, 200, None),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages.0.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools.0.function.strict"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200, None),
@@ -167,6 +173,19 @@ BAD = [
         },
         400,
         "messages.0.tool_calls.0.function.arguments",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}],
+                }
+            ]
+        },
+        400,
+        "messages.0.tool_calls.0.function.arguments",  # nested past the recursion limit (was a 500)
     ),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hi"}, 400, "messages"),
@@ -262,3 +281,43 @@ async def test_captures_can_be_fetched_and_dropped_over_http(sampler):
         assert dropped["calls"] == got["calls"]
         assert (await http.get("/v1/asyncsess/rollouts/remote")).json()["calls"] == []
     assert front.captures.rollout_ids() == []
+
+
+class _Counting:
+    """A tokenizer wrapper that counts the tokens it decodes (what streaming a reply costs)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, tokens, skip_special_tokens: bool = False) -> str:
+        self.decoded += len(tokens)
+        return self.tok.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+
+class _Bytes:
+    """One token per byte: characters of several bytes come complete only after their last token."""
+
+    def decode(self, tokens, skip_special_tokens: bool = False) -> str:
+        return bytes(tokens).decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_streamed_pieces_add_up_to_the_content_at_a_cost_linear_in_the_reply(skip):
+    """Decoding tokens[:i + 1] afresh for every token made a 4,096-token streamed reply take seconds of the event
+    loop (quadratic); the pieces now cost a few tokens each and still add up to the content exactly."""
+    mock = CharTokenizer()
+    rng = Random(0)
+    tokens = [rng.randrange(len(mock)) for _ in range(4096)]  # special tokens among them
+    text = mock.decode(tokens, skip_special_tokens=skip)
+    for content in (text, text[: len(text) // 3], ""):  # the whole reply, one cut at a stop string, nothing
+        tok = _Counting(mock)
+        pieces = _content_pieces(tok, tokens, content, skip_special_tokens=skip)
+        assert "".join(pieces) == content and len(tokens) <= len(pieces) <= len(tokens) + 1
+        assert tok.decoded <= 12 * len(tokens)  # was about len(tokens) ** 2 / 2
+    whole = _content_pieces(mock, tokens, text, skip_special_tokens=skip)
+    assert sum(1 for p in whole[: len(tokens)] if p) >= len(text) // 2  # streamed as it goes, not at the end
+    reply = "héllo ✓ 日本 🙂".encode() + b"\xff" * 3000 + b"!"  # multi-byte characters, then undecodable bytes
+    tok = _Counting(_Bytes())
+    pieces = _content_pieces(tok, list(reply), reply.decode("utf-8", "replace"))
+    assert "".join(pieces) == reply.decode("utf-8", "replace") and tok.decoded <= 12 * len(reply)
+    assert pieces[:6] == ["h", "", "é", "l", "l", "o"]  # a character appears once its last byte arrived

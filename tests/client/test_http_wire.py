@@ -191,3 +191,24 @@ def test_text_utf8_cannot_carry_is_refused_both_ways_naming_the_field(op: Traini
     with pytest.raises(InvalidInputError) as err:
         wire.decode_op(body)  # as a worker decoding such a body
     assert err.value.field == field
+
+
+def test_errors_carry_openai_param_and_code_and_still_decode_to_their_class() -> None:
+    """The worker's key, size and route checks answer its OpenAI routes in this shape: the openai client reads
+    ``param`` and ``code`` from it (they were missing), and the asyncsess client still rebuilds the typed error."""
+    from asyncsess import errors
+
+    cases = [
+        (
+            errors.InvalidInputError("missing or wrong API key", field="Authorization", fix="send a key"),
+            "Authorization",
+            "invalid_input_error",
+        ),
+        (errors.RateLimitError("too many requests", retry_after=1.0), None, "rate_limit_error"),
+    ]
+    for err, param, code in cases:
+        body = json.loads(json.dumps(wire.encode_error(err)))
+        info = body["error"]
+        assert {"message", "type", "param", "code"} <= set(info) and (info["param"], info["code"]) == (param, code)
+        back = wire.decode_error(body, wire.status_for(err))
+        assert type(back) is type(err) and str(back) == str(err) and getattr(back, "field", None) == param

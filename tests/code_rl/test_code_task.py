@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncsess.chat import ChatRenderer
+from asyncsess.chat import ChatRenderer, parse_tool_calls
 from asyncsess.sandbox import LocalSandbox, TestCase
 from asyncsess.tasks import code
 from asyncsess_mock import CharTokenizer
@@ -87,6 +87,10 @@ async def test_check_solution_reports_the_first_failing_test(sandbox):
     crash = json.loads((await tool.run({"code": "raise SystemExit(3)"}))[0])
     assert crash["details"][0]["status"] == "runtime_error" and crash["details"][1] == {"test": 1, "status": "runtime_error"}
     assert json.loads((await tool.run({}))[0]) == {"error": 'check_solution needs {"code": "<python program>"}'}
+    # a model's call whose JSON escapes decode to a lone surrogate: a tool error, not an exception that ends the run
+    [call], _ = parse_tool_calls('<tool_call>{"name": "check_solution", "arguments": {"code": "print(\'\\ud800\')"}}</tool_call>')
+    text, metrics = await tool.run(call.arguments)
+    assert json.loads(text)["error"].startswith("the program cannot be run: code: not encodable as UTF-8") and metrics == {}
 
 
 async def test_a_code_episode_with_a_check_then_an_answer(sandbox):

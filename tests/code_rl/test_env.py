@@ -67,6 +67,11 @@ def test_parse_tool_calls():
     assert parse_tool_calls("<tool_call>{oops</tool_call>")[1].startswith("a tool call is not JSON")
     assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[1] is not None
     assert parse_tool_calls(call + '<tool_call>{"name": "f"')[1] == "a <tool_call> is not closed"
+    deep = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"
+    assert parse_tool_calls(deep) == ([], "a tool call nests too deeply")  # a model's reply, not a RecursionError
+    for constant in ("NaN", "Infinity", "-Infinity"):  # Python's json reads them; the calls' JSON readers do not
+        bad = '<tool_call>{"name": "f", "arguments": {"a": ' + constant + "}}</tool_call>"
+        assert parse_tool_calls(bad)[1] == f"a tool call is not JSON: {constant} is not a JSON value"
 
 
 def test_renderer_falls_back_where_the_template_has_no_tool_role():

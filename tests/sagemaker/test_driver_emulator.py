@@ -166,6 +166,8 @@ async def test_samplers_on_foreign_checkpoints_get_their_own_session(emulator):
         assert len(out.sequences) == 2 and all(len(s.tokens) <= 3 for s in out.sequences)
         logprobs = await sc.compute_logprobs([1, 40, 41])
         assert logprobs[0] is None and len(logprobs) == 3
+        scored = await sc.sample([1, 40, 41], 1, SamplingParams(max_tokens=3, seed=0), include_prompt_logprobs=True)
+        assert scored.prompt_logprobs[0] is None and scored.prompt_logprobs[1:] == pytest.approx(logprobs[1:], abs=1e-5)
         sampler_session = next(iter(svc.backend._samplers.values())).session
         assert sampler_session != tc.model_id
     sm, _ = clients(emulator.url)

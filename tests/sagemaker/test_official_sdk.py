@@ -100,3 +100,42 @@ def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emu
         assert {op["status"] for op in state["operations"].values()} == {"Completed"}
     finally:
         tc.stop()
+
+
+def test_sdk_resumes_from_the_latest_checkpoint_and_deletes_packages(service, sdk_emulator):
+    """The SDK's resume and clean-up flow: latest package of each kind, a client from the checkpoint with its
+    optimizer, and delete_model_package (DeleteModelPackage answers nothing, which the response check took for
+    an emulator bug: a 500, so the SDK reported the deleted package as not deleted)."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    batch = [_sft_datum([1, 40, 41, 42, 43, 2])]
+    try:
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(ts.AdamParams(learning_rate=0.01)).result()
+        checkpoint = tc.save_state("resume me").result().model_package_arn
+        weights = tc.save_weights_for_sampler("deploy me").result().model_package_arn
+    finally:
+        tc.stop()
+    assert service.get_latest_model_package(ts.ModelPackageKind.CHECKPOINT).model_package_arn == checkpoint
+    assert service.get_latest_model_package(ts.ModelPackageKind.MODEL).model_package_arn == weights
+    resumed = service.create_training_client_from_state_with_optimizer(checkpoint)
+    try:
+        assert resumed.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"] > 0
+    finally:
+        resumed.stop()
+    gone = service.delete_model_package(weights)
+    assert gone.model_package_deleted and gone.artifacts_retained
+    assert weights not in [i.model_package_arn for i in service.list_model_packages(max_results=None)]
+    assert not service.delete_model_package(weights).model_package_deleted  # already gone: idempotent
+
+
+def test_sdk_reads_prompt_logprobs_and_their_top_k(service):
+    """The SDK types a sample's promptLogprobs List[float]: a null for the first token made every
+    include_prompt_logprobs=True sample fail in its own response parsing."""
+    sampler = service.create_sampling_client(base_model=BASE_ARN)
+    prompt = ts.ModelInput.from_ints([1, 40, 41, 42])
+    params = ts.SamplingParams(max_tokens=512, seed=0)
+    result = sampler.sample(prompt, num_samples=1, sampling_params=params, include_prompt_logprobs=True, topk_prompt_logprobs=2).result()
+    computed = sampler.compute_logprobs(prompt).result()
+    assert computed[0] is None and len(computed) == 4
+    assert result.prompt_logprobs == pytest.approx(computed[1:], abs=1e-5)  # the scored tokens, in order
+    assert len(result.topk_prompt_logprobs) >= 3 and all(len(row) <= 2 for row in result.topk_prompt_logprobs)

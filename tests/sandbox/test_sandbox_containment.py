@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
 import os
 import select
 import socket
@@ -18,6 +19,7 @@ import anyio
 import pytest
 
 from asyncsess.errors import InvalidInputError
+from asyncsess.sandbox import TestCase
 
 from .conftest import TEST_UIDS, assert_healthy, processes_of, root_only
 
@@ -327,6 +329,17 @@ async def test_bad_code_and_stdin_text_are_typed_errors(make_sandbox):
     for kwargs, field in (({"code": "print('\ud800')"}, "code"), ({"code": "pass", "stdin": "\udfff"}, "stdin")):
         with pytest.raises(InvalidInputError) as caught:
             await sandbox.run(**kwargs)
+        assert caught.value.field == field
+    # run_tests refuses them as one InvalidInputError (it raised an ExceptionGroup from its task group)
+    good = TestCase(stdin="1", expected_stdout="1")
+    for code, tests, kwargs, field in (
+        ("print('\ud800')", [good], {}, "code"),
+        ("print(input())", [good, TestCase(stdin="\udfff", expected_stdout="")], {}, "tests[1].stdin"),
+        ("print(input())", [good], {"timeout_s": math.nan}, "timeout_s"),
+        ("print(input())", [good], {"memory_mb": 0}, "memory_mb"),
+    ):
+        with pytest.raises(InvalidInputError) as caught:
+            await sandbox.run_tests(code, tests, **kwargs)
         assert caught.value.field == field
     ok = await sandbox.run("import os\nprint(sorted(os.listdir('d')))", files={"d/a b\n.txt": "1", "d/é.txt": b"\xff"})
     assert (ok.status, ok.stdout) == ("ok", "['a b\\n.txt', 'é.txt']\n"), ok

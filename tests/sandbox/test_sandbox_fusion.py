@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from asyncsess.errors import InvalidInputError
 from asyncsess.retry import RetryPolicy
 from asyncsess.sandbox import Sandbox, SandboxFusionClient, TestCase
 
@@ -198,6 +200,36 @@ async def test_unreachable_server_is_a_sandbox_error():
         async with SandboxFusionClient(f"http://127.0.0.1:{port}/run_code", retry=RetryPolicy.none()) as client:
             result = await client.run("print(1)")
     assert result.status == "sandbox_error" and "connect" in result.stderr.lower()
+
+
+async def test_bad_input_is_a_typed_error_before_any_request(fake_server):
+    """As with LocalSandbox: a bad limit, text that is not valid Unicode or a bad file is an InvalidInputError naming
+    the field (it was a sandbox_error from the server's 4xx, or a TypeError from base64 of a non-bytes file)."""
+    for field, value in (("timeout_s", math.nan), ("timeout_s", -1), ("memory_mb", 1.5), ("max_concurrency", 0)):
+        with pytest.raises(InvalidInputError) as caught:
+            SandboxFusionClient(fake_server.url, **{field: value})
+        assert caught.value.field == field
+    async with SandboxFusionClient(fake_server.url) as client:
+        runs = [
+            ({"code": "print('\ud800')"}, "code"),
+            ({"code": "print(1)", "stdin": "\udfff"}, "stdin"),
+            ({"code": b"print(1)"}, "code"),
+            ({"code": "print(1)", "timeout_s": math.inf}, "timeout_s"),
+            ({"code": "print(1)", "memory_mb": True}, "memory_mb"),
+            ({"code": "print(1)", "files": {"../x": "y"}}, "files"),
+            ({"code": "print(1)", "files": {"/etc/x": "y"}}, "files"),
+            ({"code": "print(1)", "files": {"a": 5}}, "files"),
+            ({"code": "print(1)", "files": {"a": "\ud800"}}, "files"),
+            ({"code": "print(1)", "files": {"a": "x", "a/b": "y"}}, "files"),
+        ]
+        for kwargs, field in runs:
+            code = kwargs.pop("code")
+            with pytest.raises(InvalidInputError) as caught:
+                await client.run(code, **kwargs)
+            assert caught.value.field == field, (kwargs, field)
+        assert fake_server.requests == []  # nothing was sent
+        ok = await client.run("print(open('d/in.txt').read())", files={"d/in.txt": b"bytes ok"})
+        assert (ok.status, ok.stdout) == ("ok", "bytes ok\n")
 
 
 async def test_concurrency_is_bounded_and_fifty_requests_complete(fake_server):

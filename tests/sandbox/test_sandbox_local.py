@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grp
 import math
 import os
+import pwd
 
 import anyio
 import pytest
@@ -227,6 +229,32 @@ async def test_invalid_limits_are_rejected(make_sandbox):
         tiny = await one_uid.run("while True:\n    pass", timeout_s=5e-324)
         assert tiny.status in ("timeout", "sandbox_error"), tiny
     await assert_healthy(one_uid)  # and its one uid was not retired
+
+
+def test_uids_of_root_accounts_groups_or_out_of_range_are_refused(make_sandbox):
+    """The supervisor kill(-1)s as a run's uid before and after it: uids=range(0, 1) once killed every process on
+    the host. Ids that an account or group owns, or that are no uid at all, are refused before anything runs."""
+    user = max(pwd.getpwall(), key=lambda u: u.pw_uid)  # e.g. nobody
+    group = max(grp.getgrall(), key=lambda g: g.gr_gid)
+    bad = {
+        "range(0, 1)": range(0, 1),
+        "range(5, -1, -1)": range(5, -1, -1),
+        "range(-3, 0)": range(-3, 0),
+        "range(0)": range(0),
+        "a list": [200_000, 200_001],
+        "range(2**32 - 1, 2**32)": range(2**32 - 1, 2**32),
+        "range(2**40, 2**40 + 1)": range(2**40, 2**40 + 1),
+        "a user's uid": range(user.pw_uid, user.pw_uid + 1),
+        "a group's gid": range(group.gr_gid - 1, group.gr_gid + 2),
+        "a wide range over every account": range(0, 1 << 31),
+    }
+    for what, uids in bad.items():
+        with pytest.raises(InvalidInputError) as caught:
+            make_sandbox(uids=uids)
+        assert caught.value.field == "uids", what
+    with pytest.raises(InvalidInputError, match=r"range\(0, 1\) holds id 0, owned by user 'root'"):
+        make_sandbox(uids=range(0, 1))
+    make_sandbox(uids=range(200_000, 204_096, 7))  # the default's kind: unused ids
 
 
 async def test_a_broken_interpreter_is_a_sandbox_error(make_sandbox):

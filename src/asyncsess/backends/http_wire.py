@@ -7,6 +7,7 @@ are rebuilt as the same typed exception on the client.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -117,10 +118,14 @@ def decode_result(body: dict[str, Any]) -> TrainingResult:
 
 
 def encode_error(err: errors.AsyncSessError) -> dict[str, Any]:
+    """``{"error": {"type", "message", "field", "fix", ...}}``, with OpenAI's ``param`` (the field) and ``code``
+    (the type in snake case) too: the worker's key, size and route checks answer its OpenAI routes in this shape,
+    and the openai client reads an error's ``param`` and ``code`` from there."""
     state = {k: getattr(err, k) for k in _FIELDS if getattr(err, k, None) is not None}
     if isinstance(err, errors.PoisonedError) and err.cause is not None:
         state["cause"] = str(err.cause)
-    return {"error": {"type": type(err).__name__, **state}}
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).lower()  # InvalidInputError -> invalid_input_error
+    return {"error": {"type": type(err).__name__, **state, "param": getattr(err, "field", None), "code": code}}
 
 
 def decode_error(body: Any, status: int) -> errors.AsyncSessError:

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 
 from asyncsess.errors import InvalidInputError
+from asyncsess.sandbox.inputs import check_limit, encode_text
 from asyncsess.sandbox.results import ExecutionResult, TestCase, TestReport, TestResult, outputs_match
 
 __all__ = ["Files", "Sandbox", "BaseSandbox"]
@@ -55,6 +56,13 @@ class BaseSandbox(abc.ABC):
     ) -> TestReport:
         if not tests:
             raise InvalidInputError("no tests to run", field="tests", fix="give at least one TestCase")
+        # Bad input is refused here, as one InvalidInputError, not from inside the task group (an ExceptionGroup).
+        encode_text("code", code)
+        for i, test in enumerate(tests):
+            encode_text(f"tests[{i}].stdin", test.stdin)
+        for field, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb)):
+            if value is not None:
+                check_limit(field, value)
         results: list[TestResult | None] = [None] * len(tests)
 
         async def one(i: int, test: TestCase) -> None:

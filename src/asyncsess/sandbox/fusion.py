@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from asyncsess.errors import AsyncSessError, TransientError
 from asyncsess.retry import RetryBudget, RetryPolicy, call_with_retry
 from asyncsess.sandbox.base import BaseSandbox, Files
+from asyncsess.sandbox.inputs import check_files, check_limit, encode_text
 from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
 
 __all__ = ["SandboxFusionClient"]
@@ -45,12 +46,13 @@ class _RunCodeResponse(BaseModel):
 class SandboxFusionClient(BaseSandbox):
     """Runs Python on a SandboxFusion server; at most ``max_concurrency`` requests are in flight.
 
-        ``url`` defaults to ``$SANDBOX_URL`` or ``http://localhost:8080/run_code``; a base URL gets ``/run_code``
-        appended. Timeouts, network errors, 429 and 5xx are retried under ``retry`` (asyncsess's one retry policy);
-    a request that still fails, and a
-        server-side ``SandboxError``, become an ``ExecutionResult`` with status ``sandbox_error``. SandboxFusion does
-        not report memory exhaustion or CPU time: ``memory`` is inferred from a ``MemoryError`` at the end of stderr,
-        and ``cpu_s`` is ``None``. Output past ``max_output_bytes`` is cut here and reported as ``output_limit``.
+    ``url`` defaults to ``$SANDBOX_URL`` or ``http://localhost:8080/run_code``; a base URL gets ``/run_code``
+    appended. Bad input (limits, code or stdin that is not valid text, bad ``files`` names or contents) is an
+    InvalidInputError before any request, as with LocalSandbox. Timeouts, network errors, 429 and 5xx are retried
+    under ``retry`` (asyncsess's one retry policy); a request that still fails, and a server-side ``SandboxError``,
+    become an ``ExecutionResult`` with status ``sandbox_error``. SandboxFusion does not report memory exhaustion or
+    CPU time: ``memory`` is inferred from a ``MemoryError`` at the end of stderr, and ``cpu_s`` is ``None``. Output
+    past ``max_output_bytes`` is cut here and reported as ``output_limit``.
     """
 
     def __init__(
@@ -65,6 +67,14 @@ class SandboxFusionClient(BaseSandbox):
         request_slack_s: float = 30.0,
         client: httpx.AsyncClient | None = None,
     ) -> None:
+        for field, value in (
+            ("max_concurrency", max_concurrency),
+            ("timeout_s", timeout_s),
+            ("memory_mb", memory_mb),
+            ("max_output_bytes", max_output_bytes),
+            ("request_slack_s", request_slack_s),
+        ):
+            check_limit(field, value)
         url = (url or os.environ.get("SANDBOX_URL") or DEFAULT_URL).rstrip("/")
         self.url = url if url.endswith("/run_code") else url + "/run_code"
         self._timeout_s = timeout_s
@@ -96,15 +106,18 @@ class SandboxFusionClient(BaseSandbox):
         memory_mb: int | None = None,
         files: Files | None = None,
     ) -> ExecutionResult:
-        timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        body = {
+        timeout_s = self._timeout_s if timeout_s is None else check_limit("timeout_s", timeout_s)
+        memory_mb = self._memory_mb if memory_mb is None else check_limit("memory_mb", memory_mb)
+        encode_text("code", code)
+        encode_text("stdin", stdin)
+        body: dict[str, object] = {
             "code": code,
             "language": "python",
             "compile_timeout": timeout_s,
             "run_timeout": timeout_s,
-            "memory_limit_MB": self._memory_mb if memory_mb is None else memory_mb,
+            "memory_limit_MB": memory_mb,
             "stdin": stdin,
-            "files": {name: _b64(content) for name, content in (files or {}).items()},
+            "files": {name: base64.b64encode(content).decode() for name, content in check_files(files).items()},
             "fetch_files": [],
         }
         async with self._limiter:
@@ -166,7 +179,3 @@ class SandboxFusionClient(BaseSandbox):
             stderr=stderr,
             wall_s=run.execution_time if run.execution_time is not None else wall_s,
         )
-
-
-def _b64(content: str | bytes) -> str:
-    return base64.b64encode(content.encode() if isinstance(content, str) else content).decode()

@@ -13,10 +13,12 @@ reaps everything the program started.
 from __future__ import annotations
 
 import functools
+import grp
 import json
 import logging
 import math
 import os
+import pwd
 import shutil
 import signal
 import stat
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import anyio
 from anyio.abc import ByteReceiveStream, Process
@@ -35,6 +37,7 @@ from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import _cgroups
 from asyncsess.sandbox._uids import UidLease, acquire_uid
 from asyncsess.sandbox.base import BaseSandbox, Files
+from asyncsess.sandbox.inputs import check_files, check_limit, encode_text
 from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
 
 __all__ = ["Isolation", "LocalSandbox"]
@@ -54,7 +57,6 @@ _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTE
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where hosts keep unix sockets and shared scratch files; each is covered by an empty tmpfs in a run's mounts.
 _SOCKET_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/dev/mqueue")
-_NAME_MAX, _PATH_MAX = 255, 1024
 
 
 class Isolation(BaseModel):
@@ -112,7 +114,8 @@ class LocalSandbox(BaseSandbox):
             ("workdir_mb", workdir_mb),
             ("cpus", cpus),
         ):
-            _check_positive(field, value)
+            check_limit(field, value)
+        _check_uids(uids)
         self._root = os.geteuid() == 0
         self._timeout_s = timeout_s
         self._memory_mb = memory_mb
@@ -175,10 +178,14 @@ class LocalSandbox(BaseSandbox):
         memory_mb: int | None = None,
         files: Files | None = None,
     ) -> ExecutionResult:
-        timeout_s = self._timeout_s if timeout_s is None else _check_positive("timeout_s", timeout_s)
-        memory_mb = self._memory_mb if memory_mb is None else _check_positive("memory_mb", memory_mb)
-        contents = self._check_files(code, files)
-        stdin_bytes = _encode("stdin", stdin)
+        timeout_s = self._timeout_s if timeout_s is None else check_limit("timeout_s", timeout_s)
+        memory_mb = self._memory_mb if memory_mb is None else check_limit("memory_mb", memory_mb)
+        contents = {CODE_FILE: encode_text("code", code), **check_files(files, reserved=CODE_FILE)}
+        if sum(map(len, contents.values())) > self._workdir_mb << 20:
+            raise InvalidInputError(
+                f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
+            )
+        stdin_bytes = encode_text("stdin", stdin)
         namespaces = await self._namespaces_available()
         async with self._limiter:
             return await self._execute(contents, stdin_bytes, timeout_s, memory_mb, namespaces)
@@ -220,29 +227,6 @@ class LocalSandbox(BaseSandbox):
             self._notes.append(f"no cgroup per run ({why or 'no cgroup hierarchy with a memory controller'}): {_FALLBACK_NOTE}")
             log.warning("LocalSandbox: %s", self._notes[-1])
         return cgroup
-
-    def _check_files(self, code: str, files: Files | None) -> dict[str, bytes]:
-        contents = {CODE_FILE: _encode("code", code)}
-        taken = {CODE_FILE}  # every file and every directory a file needs
-        for name, content in (files or {}).items():
-            path = _check_file_name(name)
-            parents = [str(p) for p in PurePosixPath(path).parents][:-1]  # without "."
-            clash = path in taken or any(p in contents for p in parents)
-            if clash:
-                raise InvalidInputError(
-                    f"file name {name!r} collides with another file or directory (or with {CODE_FILE})",
-                    field="files",
-                    fix="give every file its own path; a file cannot also be a directory",
-                )
-            taken.update([path, *parents])
-            if not isinstance(content, (str, bytes, bytearray, memoryview)):
-                raise InvalidInputError(f"content of {name!r} is a {type(content).__name__}", field="files", fix="pass str or bytes")
-            contents[path] = _encode("files", content, f"content of {name!r} is ") if isinstance(content, str) else bytes(content)
-        if sum(map(len, contents.values())) > self._workdir_mb << 20:
-            raise InvalidInputError(
-                f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
-            )
-        return contents
 
     async def _execute(
         self, contents: Mapping[str, bytes], stdin: bytes, timeout_s: float, memory_mb: int, namespaces: bool
@@ -402,57 +386,26 @@ def _terminate(proc: Process) -> None:
         pass
 
 
-_LIMITS = {  # field: (integer only, largest accepted value)
-    "max_concurrency": (True, 1 << 16),
-    "timeout_s": (False, 86_400.0),
-    "memory_mb": (True, 1 << 24),
-    "max_output_bytes": (True, 1 << 40),
-    "max_processes": (True, 1 << 16),
-    "workdir_mb": (True, 1 << 20),
-    "cpus": (False, 4096.0),
-}
+_UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "unchanged" to setresuid
 
 
-def _check_positive(field: str, value):
-    """``value`` if it is a number in (0, limit] (an int where the field counts something), else InvalidInputError."""
-    integer, limit = _LIMITS[field]
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value <= limit:  # NaN fails the bounds
-        kind = "an int" if integer else "a finite number"
-        raise InvalidInputError(f"must be {kind} in (0, {limit}], got {value!r}", field=field, fix=f"pass {field} > 0")
-    return value
+def _check_uids(uids: object) -> None:
+    """InvalidInputError unless ``uids`` is a non-empty range of uids (and gids) that no account or group owns.
 
-
-def _encode(field: str, text: str, what: str = "") -> bytes:
-    try:
-        return text.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(
-            f"{what}not encodable as UTF-8 at position {exc.start} ({exc.reason})", field=field, fix="remove lone surrogates"
-        ) from None
-    except AttributeError:
-        raise InvalidInputError(f"expected str, got {type(text).__name__}", field=field, fix="pass a str") from None
-
-
-def _check_file_name(name: object) -> str:
-    """The normalised relative path of a ``files`` key, or InvalidInputError naming what is wrong with it."""
-    fix = f"use a relative path like 'data/input.txt': no NUL, no '..', no absolute path, not {CODE_FILE}"
-    if not isinstance(name, str):
-        raise InvalidInputError(f"file name {name!r} is a {type(name).__name__}", field="files", fix=fix)
-    raw = _encode("files", name)
-    path = PurePosixPath(name)
-    checks = (
-        ("\0" in name, "contains NUL"),
-        (path.is_absolute(), "is absolute"),
-        (".." in path.parts, "contains '..'"),
-        (not path.parts or name.endswith("/"), "names no file"),
-        (len(raw) > _PATH_MAX, f"is longer than {_PATH_MAX} bytes"),
-        (any(len(part.encode()) > _NAME_MAX for part in path.parts), f"has a part longer than {_NAME_MAX} bytes"),
-    )
-    problem = next((why for failed, why in checks if failed), None)
-    if problem:
-        raise InvalidInputError(f"file name {name!r} {problem}", field="files", fix=fix)
-    return str(path)
+    The supervisor kills every process of a run's uid with kill(-1) as that uid before and after each run: on
+    uid 0 that would kill the whole host, on a user's uid all of that user's processes; a gid that names a group
+    would hand the program that group's files.
+    """
+    fix = "pass a range of unused ids, like the default range(200_000, 204_096)"
+    if not isinstance(uids, range) or not uids:
+        raise InvalidInputError(f"must be a non-empty range, got {uids!r}", field="uids", fix=fix)
+    taken = [(f"user {u.pw_name!r}", u.pw_uid) for u in pwd.getpwall() if u.pw_uid in uids]
+    taken += [(f"group {g.gr_name!r}", g.gr_gid) for g in grp.getgrall() if g.gr_gid in uids]
+    if taken:
+        what, uid = min(taken, key=lambda t: t[1])
+        raise InvalidInputError(f"{uids!r} holds id {uid}, owned by {what}", field="uids", fix=fix)
+    if min(uids[0], uids[-1]) < 1 or max(uids[0], uids[-1]) > _UID_MAX:
+        raise InvalidInputError(f"{uids!r} leaves 1..{_UID_MAX}", field="uids", fix=fix)
 
 
 def _hideable(paths: Sequence[str], needed: Sequence[str], *, strict: bool) -> list[str]:

@@ -362,7 +362,7 @@ class OpenAIFront:
             for j, c in enumerate(m.tool_calls or []):
                 try:
                     json.loads(c.function.arguments)
-                except ValueError:
+                except (ValueError, RecursionError):  # nested past the parser's recursion limit too
                     raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.{j}.function.arguments") from None
         for i, t in enumerate(req.tools or []):
             if t.function.strict:

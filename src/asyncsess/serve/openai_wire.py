@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
+from ..types import MAX_STOP_CHARS
+
 __all__ = [
     "FrontError",
     "Message",
@@ -153,6 +155,8 @@ class SamplingRequest(_Req):
             _check_text(s)
             if s == "":
                 raise ValueError("an empty stop string would stop at once; drop it")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS}")
         if isinstance(v, list) and len(v) > 16:
             raise ValueError("at most 16 stop strings")
         return v
@@ -239,17 +243,37 @@ def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
     return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _content_pieces(tok: Any, tokens: list[int], content: str) -> list[str]:
-    """Per-token text deltas whose concatenation is ``content`` (incremental decoding, cut at its end)."""
-    pieces, prev = [], ""
+_STALL_TOKENS = 4  # a UTF-8 character spans at most 4 byte tokens
+
+
+def _content_pieces(tok: Any, tokens: list[int], content: str, skip_special_tokens: bool = True) -> list[str]:
+    """Per-token text deltas whose concatenation is ``content``.
+
+    Incremental decoding over a sliding window (vLLM's detokenizer: each step decodes only the tokens since the
+    last emitted text), so the cost is linear in the reply's length; decoding ``tokens[:i + 1]`` afresh for every
+    token made a long streamed reply quadratic, blocking the event loop for seconds. A delta waits while it ends in
+    an incomplete character; one that does not continue ``content`` (cut at a stop string, a window that decodes
+    differently) is dropped, and whatever ``content`` still lacks comes as a last piece. The window never holds
+    more than a few tokens that added no text, so even a reply of undecodable bytes or skipped tokens stays linear.
+    """
+    pieces: list[str] = []
+    done = prefix = read = 0  # characters of content emitted; the window is tokens[prefix:read] (+ the new one)
     for i in range(len(tokens)):
-        cur = str(tok.decode(tokens[: i + 1], skip_special_tokens=True))[: len(content)]
-        if not content.startswith(cur):  # a multi-byte character not complete yet
-            cur = prev
-        pieces.append(cur[len(prev) :])
-        prev = cur
-    if prev != content:
-        pieces.append(content[len(prev) :])
+        before = str(tok.decode(tokens[prefix:read], skip_special_tokens=skip_special_tokens))
+        now = str(tok.decode(tokens[prefix : i + 1], skip_special_tokens=skip_special_tokens))
+        piece = ""
+        stalled = i + 1 - read >= _STALL_TOKENS  # no new character for that long: stop waiting, keep the window short
+        if len(now) > len(before) and (stalled or not now.endswith("\ufffd")):
+            delta, rest = now[len(before) :], content[done:]
+            if rest.startswith(delta) or delta.startswith(rest):  # (the second: content ends inside this token)
+                piece = delta[: len(rest)]
+            prefix, read = read, i + 1
+        elif stalled:  # tokens that decode to nothing (skipped special tokens)
+            prefix, read = i, i + 1
+        pieces.append(piece)
+        done += len(piece)
+    if done < len(content):
+        pieces.append(content[done:])
     return pieces
 
 
@@ -279,7 +303,7 @@ async def chat_chunks(
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
-            pieces = _content_pieces(tok, c.tokens, c.content or "")
+            pieces = _content_pieces(tok, c.tokens, c.content or "", skip_special_tokens=False)  # as the content
             for k, piece in enumerate(pieces):
                 yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
         yield chunk(c.index, {}, c.finish)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..chat import ChatRenderer, Tool
+from ..errors import InvalidInputError
 from ..rl.tool_env import ToolEnv
 from ..rl.types import Env, EnvGroupBuilder
 from ..sandbox import Sandbox, TestCase, TestReport
@@ -143,7 +144,12 @@ def check_solution_tool(problem: CodeProblem, sandbox: Sandbox, timeout_s: float
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return json.dumps({"error": 'check_solution needs {"code": "<python program>"}'}), {}
-        report = await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
+        try:
+            report = await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
+        except InvalidInputError as err:  # the model's program, e.g. a lone surrogate written as a JSON escape
+            if err.field != "code":
+                raise
+            return json.dumps({"error": f"the program cannot be run: {err}"}), {}
         return json.dumps(_verdict(problem.tests, report)), {
             "check/tests_passed": float(report.passed),
             "check/test_count": float(report.total),

@@ -42,8 +42,13 @@ def _regex(pattern: str) -> re.Pattern[str] | None:
         return None
 
 
-def check_shape(value: Any, shape: Shape, path: str = "") -> None:
-    """Raise :class:`ShapeError` at the first violation."""
+def check_shape(value: Any, shape: Shape | None, path: str = "") -> None:
+    """Raise :class:`ShapeError` at the first violation. ``shape=None`` (an operation without input or output,
+    such as DeleteModelPackage's answer) admits only an empty object."""
+    if shape is None:
+        if value:
+            raise ShapeError(path, "Member must be empty: the operation has no members here", value)
+        return
     _check(value, shape, path)
 
 

@@ -351,7 +351,11 @@ def sample_response_to_wire(resp: SampleResponse, prompt_length: int, include_pr
         seqs.append(item)
     out: dict[str, Any] = {"sequences": seqs}
     if include_prompt_logprobs and resp.prompt_logprobs is not None:
-        out["promptLogprobs"] = logprobs_to_wire(resp.prompt_logprobs)
+        # Numbers only: the official SDK types a sample's promptLogprobs List[float] (a computeLogprobs result
+        # Optional[float]) and refuses a null, so the first token (no context) is left out, as
+        # logprobs_from_wire expects.
+        lps = logprobs_to_wire(resp.prompt_logprobs)
+        out["promptLogprobs"] = lps[1:] if lps and lps[0] is None else lps
     if resp.topk_prompt_logprobs is not None:  # list<list<TokenLogprob>>; [] where a position was not scored
         out["topkPromptLogprobs"] = [[{"tokenId": t, "logprob": float(lp)} for t, lp in row or []] for row in resp.topk_prompt_logprobs]
     return out
