@@ -248,3 +248,29 @@ async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
         await client.completions.create(model=sampler, prompt=[5, 6], max_tokens=2)
     assert err.value.status_code == 410 and err.value.body["param"] == "model" and err.value.body["code"] == "model_gone"
     assert (await client.completions.create(model=BASE, prompt=[5, 6], max_tokens=2)).choices
+
+
+async def test_a_body_over_the_limit_is_a_413_in_each_doors_shape_and_the_server_goes_on() -> None:
+    app = create_app(load_backend("mock://"), {KEY_A}, poll_timeout=5.0, max_body_bytes=4096)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=30) as http:
+            h = {"X-API-Key": KEY_A}
+            big = {"tags": [], "user_metadata": {"x": "y" * 5000}}
+            resp = await http.post("/api/v1/create_session", json=big, headers=h)  # declared by Content-Length
+            assert resp.status_code == 413 and resp.json()["field"] == "body" and "4096" in resp.json()["fix"]
+
+            async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams in
+                yield b'{"tags": [], "user_metadata": {"x": "'
+                for _ in range(10):
+                    yield b"y" * 1000
+                yield b'"}}'
+
+            resp = await http.post("/api/v1/create_session", content=chunks(), headers={**h, "Content-Type": "application/json"})
+            assert resp.status_code == 413 and resp.json()["field"] == "body"
+            with pytest.raises(openai.APIStatusError) as err:
+                await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=[{"role": "user", "content": "y" * 5000}])
+            assert err.value.status_code == 413
+            assert err.value.body["param"] == "body" and err.value.body["code"] == "body_too_large"  # type: ignore[index]
+            await _sampling_session(http, KEY_A)  # small bodies still go through
+            reply = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=4)
+            assert reply.choices[0].message.content is not None

@@ -6,6 +6,7 @@ import os
 
 import typer
 
+from .body_limit import MAX_BODY_BYTES
 from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
 
 __all__ = ["serve"]
@@ -28,6 +29,7 @@ def serve(
         help="Seconds without a heartbeat (the tinker SDK sends one every 10 s) before a session expires: its models and "
         "samplers are stopped on the backend and its futures dropped; 0 = never.",
     ),
+    max_body_mb: float = typer.Option(MAX_BODY_BYTES / 2**20, min=0.001, help="Largest request body in MiB; a larger one gets a 413."),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
     """Serve Tinker's HTTP API (point TINKER_BASE_URL here) and the OpenAI API (/v1) in front of an asyncsess backend."""
@@ -37,5 +39,11 @@ def serve(
     from .tinker_api import create_app
 
     keys = set(api_key) or {k for k in os.environ.get("ASYNCSESS_API_KEYS", "").split(",") if k}
-    app = create_app(load_backend(backend), keys or None, poll_timeout=poll_timeout, session_timeout=session_timeout)
+    app = create_app(
+        load_backend(backend),
+        keys or None,
+        poll_timeout=poll_timeout,
+        session_timeout=session_timeout,
+        max_body_bytes=int(max_body_mb * 2**20),
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -59,6 +59,7 @@ from ..validation import (
     coerce_sampling_params,
 )
 from . import tinker_proto
+from .body_limit import MAX_BODY_BYTES, BodyLimit
 from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
@@ -1284,10 +1285,19 @@ def create_app(
     *,
     poll_timeout: float = POLL_TIMEOUT,
     session_timeout: float = SESSION_TIMEOUT,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
-    OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``."""
+    OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
+    A request body over ``max_body_bytes`` is a 413 in the door's error shape, before any of it is buffered."""
     from .openai_door import OpenAIDoor, openai_router
+    from .openai_wire import FrontError
+
+    def too_large(scope: Any) -> JSONResponse:
+        message, fix = "the request body is too large", f"send at most {max_body_bytes} bytes"
+        if str(scope.get("path", "")).startswith("/v1/"):
+            return FrontError(f"{message}: {fix}", "body", 413, "body_too_large").response()
+        return ApiError(413, message, field="body", fix=fix).response()
 
     door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout)
     oai = OpenAIDoor(door)
@@ -1303,4 +1313,5 @@ def create_app(
     install_error_handlers(app)
     app.include_router(tinker_router(door, api_keys))
     app.include_router(openai_router(oai, api_keys))
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=too_large)
     return app

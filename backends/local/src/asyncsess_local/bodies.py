@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
+from asyncsess.serve import body_limit
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
 from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
 
@@ -48,7 +49,7 @@ __all__ = [
     "invalid_input",
 ]
 
-MAX_BODY_BYTES = 256 * 2**20  # a request body larger than this gets a 413
+MAX_BODY_BYTES = body_limit.MAX_BODY_BYTES  # a request body larger than this gets a 413
 MAX_DATUMS = 1024  # datums per forward / forward_backward (ServerCapabilities.max_batch_datums)
 MAX_PROMPT_TOKENS = 1 << 20  # tokens per prompt or logprobs request (the context length is checked after)
 MAX_ID_CHARS = 64  # session, sampler and model ids

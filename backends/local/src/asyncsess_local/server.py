@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncsess.backends import LoadStateOp, SaveWeightsOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.types import CheckpointResponse
 
@@ -275,10 +276,6 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class _Guard:
     """ASGI middleware in front of every route: the API key (401), the body size (413), and a last resort
     for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
@@ -326,35 +323,17 @@ class _Guard:
             return await reply(429, err, {"Retry-After": "1"})
         self.inflight[tenant] += 1
         try:
-            length = dict(scope.get("headers") or ()).get(b"content-length", b"0")
-            if not length.isdigit() or int(length) > self.max_body:
-                return await reply(413, InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes"))
-            seen = 0
-
             too_large = InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes")
-            answered = False  # the 413 went out; whatever the app sends after it is dropped
-
-            async def counted() -> Any:
-                nonlocal seen, answered
-                message = await receive()
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    await reply(413, too_large)
-                    answered = True
-                    raise _TooLarge()
-                return message
 
             async def tracked(message: Any) -> None:
                 nonlocal started
-                if answered:
-                    return
                 started = started or message["type"] == "http.response.start"
                 await send(message)
 
             try:
-                await self.app(scope, counted, tracked)
-            except _TooLarge:
-                pass
+                await BodyLimit(self.app, self.max_body, lambda _: _JSON(wire.encode_error(too_large), status_code=413))(
+                    scope, receive, tracked
+                )
             except Exception as err:
                 incident = uuid.uuid4().hex[:12]
                 log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))
