@@ -215,3 +215,19 @@ async def test_a_retried_request_id_is_answered_from_the_store(env, monkeypatch)
     await b.sample(tuned, SampleRequest(prompt, 3, request.sampling_params))  # no id: never kept
     await b.sample(tuned, SampleRequest(prompt, 3, request.sampling_params))
     assert runs == [tuned, base, tuned, tuned]
+
+
+def test_the_inverse_cdf_draw_follows_the_distribution_and_never_picks_a_zero_token() -> None:
+    from asyncsess_local.sampler import _draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]] * 4000 + [[0.0] * 5 + [1.0]] * 10 + [[1.0] + [0.0] * 5] * 10)
+    drawn = _draw(probs, torch.Generator().manual_seed(7))
+    assert drawn[4000:4010].tolist() == [5] * 10 and drawn[4010:].tolist() == [0] * 10  # all the mass at either end
+    counts = torch.bincount(drawn[:4000], minlength=6).double()
+    assert counts[[0, 2, 5]].sum() == 0  # filtered tokens (probability 0) are never drawn
+    expected = 4000 * probs[0].double()
+    nz = expected > 0
+    chi2 = float((((counts - expected) ** 2)[nz] / expected[nz]).sum())
+    assert chi2 < 13.8  # 2 degrees of freedom: p = 0.001
+    assert torch.equal(drawn, _draw(probs, torch.Generator().manual_seed(7)))  # a seeded generator repeats
+    assert not torch.equal(drawn[:4000], _draw(probs[:4000], torch.Generator().manual_seed(8)))

