@@ -66,6 +66,10 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def _greedy(logits: Tensor) -> Tensor:
+    return logits.nan_to_num(nan=float("-inf")).argmax(-1)
+
+
 def _draw(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One token per row of ``probs`` by inverse CDF: a uniform draw per row, searched in the float64 running
     sum. The same distribution as ``torch.multinomial``, which costs ~25x more on CPU over a 49k vocabulary
@@ -130,14 +134,14 @@ class TorchSampler:
             while end < len(rows) and rows[end].job == rows[start].job:
                 end += 1
             p = jobs[rows[start].job].params
-            greedy = logits[start:end].nan_to_num(nan=float("-inf")).argmax(-1)
+            rows_logits = logits[start:end]
             if p.temperature < GREEDY_BELOW:
-                out[start:end] = greedy
+                out[start:end] = _greedy(rows_logits)
             else:
-                probs = _filter(logits[start:end] / p.temperature, p.top_k, p.top_p).softmax(-1)
+                probs = _filter(rows_logits / p.temperature, p.top_k, p.top_p).softmax(-1)
                 ok = probs.isfinite().all(-1) & (probs.sum(-1) > 0)
                 drawn = _draw(probs, rows[start].generator)  # one draw per row either way: the stream stays in step
-                out[start:end] = drawn if bool(ok.all()) else torch.where(ok, drawn, greedy)
+                out[start:end] = drawn if bool(ok.all()) else torch.where(ok, drawn, _greedy(rows_logits))
             start = end
         return out
 
