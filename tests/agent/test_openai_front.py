@@ -14,7 +14,7 @@ import pytest
 from asyncsess import SamplingParams, ServiceClient
 from asyncsess.serve.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
-from asyncsess.serve.openai_wire import _content_pieces
+from asyncsess.serve.openai_wire import content_pieces
 from asyncsess_mock import CharTokenizer
 
 pytestmark = pytest.mark.anyio
@@ -311,13 +311,13 @@ def test_streamed_pieces_add_up_to_the_content_at_a_cost_linear_in_the_reply(ski
     text = mock.decode(tokens, skip_special_tokens=skip)
     for content in (text, text[: len(text) // 3], ""):  # the whole reply, one cut at a stop string, nothing
         tok = _Counting(mock)
-        pieces = _content_pieces(tok, tokens, content, skip_special_tokens=skip)
+        pieces = content_pieces(tok, tokens, content, skip_special_tokens=skip)
         assert "".join(pieces) == content and len(tokens) <= len(pieces) <= len(tokens) + 1
         assert tok.decoded <= 12 * len(tokens)  # was about len(tokens) ** 2 / 2
-    whole = _content_pieces(mock, tokens, text, skip_special_tokens=skip)
+    whole = content_pieces(mock, tokens, text, skip_special_tokens=skip)
     assert sum(1 for p in whole[: len(tokens)] if p) >= len(text) // 2  # streamed as it goes, not at the end
     reply = "héllo ✓ 日本 🙂".encode() + b"\xff" * 3000 + b"!"  # multi-byte characters, then undecodable bytes
     tok = _Counting(_Bytes())
-    pieces = _content_pieces(tok, list(reply), reply.decode("utf-8", "replace"))
+    pieces = content_pieces(tok, list(reply), reply.decode("utf-8", "replace"))
     assert "".join(pieces) == reply.decode("utf-8", "replace") and tok.decoded <= 12 * len(reply)
     assert pieces[:6] == ["h", "", "é", "l", "l", "o"]  # a character appears once its last byte arrived

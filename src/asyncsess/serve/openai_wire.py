@@ -26,6 +26,7 @@ __all__ = [
     "lp_entry",
     "legacy_logprobs",
     "chat_chunks",
+    "content_pieces",
     "completion_chunks",
 ]
 
@@ -246,7 +247,7 @@ def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
 _STALL_TOKENS = 4  # a UTF-8 character spans at most 4 byte tokens
 
 
-def _content_pieces(tok: Any, tokens: list[int], content: str, skip_special_tokens: bool = True) -> list[str]:
+def content_pieces(tok: Any, tokens: list[int], content: str, skip_special_tokens: bool = True) -> list[str]:
     """Per-token text deltas whose concatenation is ``content``.
 
     Incremental decoding over a sliding window (vLLM's detokenizer: each step decodes only the tokens since the
@@ -303,7 +304,7 @@ async def chat_chunks(
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
-            pieces = _content_pieces(tok, c.tokens, c.content or "", skip_special_tokens=False)  # as the content
+            pieces = content_pieces(tok, c.tokens, c.content or "", skip_special_tokens=False)  # as the content
             for k, piece in enumerate(pieces):
                 yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
         yield chunk(c.index, {}, c.finish)
@@ -321,7 +322,7 @@ async def completion_chunks(
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]})
 
     for c in choices:
-        pieces = _content_pieces(tok, c.tokens, c.content or "")
+        pieces = content_pieces(tok, c.tokens, c.content or "")
         legacy = legacy_logprobs(tok, c) if logprobs else None
         for k, piece in enumerate(pieces):
             lp = None

@@ -37,6 +37,7 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError
+from asyncsess.serve.openai_wire import content_pieces
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
@@ -690,9 +691,12 @@ class EmulatedService:
         prompt, completion, finish, tok = await self.chat(name, request, model_package)
         chat_id = f"chatcmpl-{uuid.uuid4().hex[:12]}"
 
+        text = str(tok.decode(completion))
+        pieces = content_pieces(tok, completion, text, skip_special_tokens=False)  # whole characters; joined, the reply
+
         async def events() -> AsyncIterator[bytes]:
-            for i, token in enumerate(completion):
-                delta = {"role": "assistant", "content": tok.decode([token])} if i == 0 else {"content": tok.decode([token])}
+            for i, piece in enumerate(pieces):
+                delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
                 yield _sse(
                     {
                         "id": chat_id,
