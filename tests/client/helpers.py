@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import threading
+
+import anyio
 
 from asyncsess import Datum, ModelInput, TensorData
 
@@ -33,8 +36,12 @@ def random_tokens(rng: random.Random, n: int, lo: int = 5, hi: int = 90) -> list
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
-def count_concurrency(backend, monkeypatch, method: str = "sample") -> dict[str, int]:
-    """Wrap ``backend.<method>`` to record how many calls were in flight at once (``peak``)."""
+def count_concurrency(backend, monkeypatch, method: str = "sample", hold: threading.Event | None = None) -> dict[str, int]:
+    """Wrap ``backend.<method>`` to record how many calls were in flight at once (``peak``).
+
+    With ``hold``, each call waits inside the wrapper until ``hold`` is set, so a test can see every call in
+    flight at once without racing the backend's latency.
+    """
     state = {"now": 0, "peak": 0}
     real = getattr(backend, method)
 
@@ -42,9 +49,20 @@ def count_concurrency(backend, monkeypatch, method: str = "sample") -> dict[str,
         state["now"] += 1
         state["peak"] = max(state["peak"], state["now"])
         try:
+            while hold is not None and not hold.is_set():
+                await anyio.sleep(0.002)
             return await real(*args, **kwargs)
         finally:
             state["now"] -= 1
 
     monkeypatch.setattr(backend, method, counting)
     return state
+
+
+async def until(predicate, polls: int = 5000) -> bool:
+    """Poll ``predicate`` every 2 ms (liveness only: the caller asserts on the result)."""
+    for _ in range(polls):
+        if predicate():
+            return True
+        await anyio.sleep(0.002)
+    return predicate()

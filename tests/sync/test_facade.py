@@ -100,12 +100,19 @@ def test_futures_execute_in_call_order_and_samples_run_concurrently(monkeypatch)
         assert [seq for sid, seq, _ in svc.backend.applied_log if sid == tc.model_id] == [1, 2, 3, 4, 5, 6]
 
         sc = svc.create_sampling_client(base_model="mock/bigram-tiny")
-        state = count_concurrency(svc.backend, monkeypatch)
+        hold = threading.Event()
+        state = count_concurrency(svc.backend, monkeypatch, hold=hold)
         samples = [sc.sample([1, 40], 1, sync_api.SamplingParams(max_tokens=2)) for _ in range(32)]
         assert all(not f.done() for f in samples), "submission must not wait for the result"
+        for _ in range(5000):  # liveness only: all 32 reach the backend while none has finished
+            if state["now"] == 32:
+                break
+            hold.wait(0.002)
+        assert state["now"] == 32, "all 32 are in flight at once: about one latency, not 32 (timed in bench/)"
+        hold.set()
         results = [f.result() for f in samples]
         assert len(results) == 32 and all(len(r.sequences) == 1 for r in results)
-        assert state["peak"] == 32, "all 32 were in flight at once: about one latency, not 32 (timed in bench/)"
+        assert state["now"] == 0 and state["peak"] == 32
 
 
 def test_eight_threads_drive_their_own_training_clients():
