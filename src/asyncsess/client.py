@@ -970,6 +970,11 @@ class TrainingClient:
         self._raise_if_unusable(operation)
         seq, key = self._reserve()
         op = make(seq=seq, idempotency_key=key)
+        try:
+            self._svc.backend.precheck(self.model_id, op)
+        except BaseException:
+            self._next_seq -= 1  # refused before it took its place: the number is free again
+            raise
         fut: APIFuture[Any] = APIFuture(operation, op.seq)
         fut._withdrawable = False  # an ordered op keeps its place once numbered
         return self._track(fut, self._run_op, op)

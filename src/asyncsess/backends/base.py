@@ -240,6 +240,12 @@ class Backend(abc.ABC):
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
         """Run one ordered op (see the module docstring for the exactly-once contract)."""
 
+    def precheck(self, session_id: str, op: TrainingOp) -> None:
+        """Refuse at once what this backend can judge without a round trip (an in-process backend: a load path
+        that holds no checkpoint). The client calls it while numbering ``op``, so a refusal consumes no ``seq``
+        and poisons nothing; it raises :class:`~asyncsess.errors.InvalidInputError`. Default: nothing to check
+        here (a remote backend refuses on its side)."""
+
     @abc.abstractmethod
     async def create_sampler(self, spec: SamplerSpec) -> str:
         """Return a sampler id for the given weights."""

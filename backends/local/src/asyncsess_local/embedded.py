@@ -192,6 +192,10 @@ class LocalBackend(Backend):
         """Check ``op`` and queue it on the engine (the sequencer calls this in ``seq`` order)."""
         return self.engine.submit_training(session_id, self.check_op(session_id, op))
 
+    def precheck(self, session_id: str, op: TrainingOp) -> None:
+        if isinstance(op, LoadStateOp) and session_id in self.engine.sessions:
+            self.check_op(session_id, op)  # the path resolves to a checkpoint under the root
+
     def check_op(self, session_id: str, op: TrainingOp) -> TrainingOp:
         """``op`` checked against its session (shapes, vocabulary, context, loss options, names, paths) and
         coerced; the worker calls this before sequencing, so a refused op consumes no ``seq``."""

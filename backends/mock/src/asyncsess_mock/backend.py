@@ -248,6 +248,20 @@ class MockBackend(Backend):
         sess.faults.drop_response(op.kind)
         return result
 
+    def precheck(self, session_id: str, op: TrainingOp) -> None:
+        if isinstance(op, LoadStateOp) and (sess := self._sessions.get(session_id)) is not None:
+            self._loadable(sess, op.path)
+
+    def _loadable(self, sess: _TrainingSession, path: str) -> StoredCheckpoint:
+        ckpt = self._checkpoint(path, "path", state_only=True)
+        if ckpt.base_model != sess.trainer.base_model:
+            raise InvalidInputError(
+                f"{path} holds {ckpt.base_model!r}, this session trains {sess.trainer.base_model!r}",
+                field="path",
+                fix="load it into a training client of that base model",
+            )
+        return ckpt
+
     async def _apply(self, session_id: str, op: TrainingOp) -> TrainingResult:
         """The sequencer's executor: runs one op on the trainer, in order, once."""
         sess = self._sessions[session_id]
@@ -268,9 +282,7 @@ class MockBackend(Backend):
                 name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
                 result = self._save(sess, "merged" if op.merge_weights else "sampler", name, op).response()
             case LoadStateOp(path=path):
-                ckpt = self._checkpoint(path, "path", state_only=True)
-                if ckpt.base_model != trainer.base_model:
-                    raise InvalidInputError(f"{path} holds {ckpt.base_model!r}, this session trains {trainer.base_model!r}", field="path")
+                ckpt = self._loadable(sess, path)
                 trainer.load(ckpt.delta, ckpt.adam if op.with_optimizer else None)
                 result = LoadWeightsResponse.model_construct(path=ckpt.path, step=trainer.adam.step)
             case _:
