@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import anyio
+
 from asyncsess.backends import OP_TYPES, TrainingOp
 from asyncsess.types import Datum, ModelInput
 
@@ -55,3 +57,29 @@ async def base_and_tuned_samplers(b, tiny: str, steps: int):
     base = await b.create_sampler(SamplerSpec(base_model=tiny))
     tuned = await b.create_sampler(SamplerSpec(model_path=saved.path))
     return tok, base, tuned
+
+
+async def hold_engine(engine):
+    """Block the engine thread on a gate (returns the gate and the call's completion) once it has taken the
+    call, so that what the test sends next waits in the engine's queue."""
+    import threading
+
+    gate = threading.Event()
+    busy = engine.call_soon(gate.wait)
+    for _ in range(10_000):  # liveness only
+        if not engine._queue:
+            break
+        await anyio.sleep(0.002)
+    assert not engine._queue, "the engine thread never took the gate"
+    return gate, busy
+
+
+async def until_queued(engine, n: int) -> None:
+    """Wait until ``n`` sample requests sit in the engine's queue (behind :func:`hold_engine`'s gate)."""
+    from asyncsess_local.engine import SampleWork
+
+    for _ in range(10_000):  # liveness only: the assertion below is what counts
+        if sum(isinstance(w, SampleWork) for w in list(engine._queue)) >= n:
+            break
+        await anyio.sleep(0.002)
+    assert sum(isinstance(w, SampleWork) for w in list(engine._queue)) == n

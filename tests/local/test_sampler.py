@@ -12,7 +12,7 @@ from asyncsess.backends import SampleRequest  # noqa: E402
 from asyncsess.errors import InvalidInputError, SessionGoneError  # noqa: E402
 from asyncsess.types import SamplingParams  # noqa: E402
 
-from .helpers import base_and_tuned_samplers  # noqa: E402
+from .helpers import base_and_tuned_samplers, hold_engine, until_queued  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 
@@ -108,10 +108,8 @@ async def test_concurrent_requests_are_batched_and_match_unbatched(env):
     alone = [await b.sample(s, _req(p, 2, max_tokens=6, temperature=0.0, stop=[])) for s, p in zip(samplers, prompts)]
     engine = b.engine
     batches = engine.stats["sample_batches"]
-    import threading
 
-    gate = threading.Event()
-    busy = engine.call_soon(gate.wait)
+    gate, busy = await hold_engine(engine)
     results = [None] * len(prompts)
 
     async def one(i):
@@ -120,7 +118,7 @@ async def test_concurrent_requests_are_batched_and_match_unbatched(env):
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
-        await anyio.sleep(0.2)  # every request is queued behind the gate
+        await until_queued(engine, len(prompts))  # every request is queued behind the gate
         gate.set()
         await busy.wait()
     assert engine.stats["sample_batches"] == batches + 1  # one generation for all four, across two adapters
@@ -148,14 +146,12 @@ async def test_bad_sampling_input_is_refused(env):
 
 
 async def test_batches_are_capped_by_rows(env):
-    import threading
 
     b, tok, base, tuned = env
     engine = b.engine
     engine.config.max_sample_rows = 3
     before = engine.stats["sample_batches"]
-    gate = threading.Event()
-    busy = engine.call_soon(gate.wait)
+    gate, busy = await hold_engine(engine)
 
     async def one():
         out = await b.sample(base, _req(tok.encode("hello"), 2, max_tokens=2, temperature=0.0, stop=[]))
@@ -164,7 +160,7 @@ async def test_batches_are_capped_by_rows(env):
     async with anyio.create_task_group() as tg:
         for _ in range(3):
             tg.start_soon(one)
-        await anyio.sleep(0.2)
+        await until_queued(b.engine, 3)
         gate.set()
         await busy.wait()
     assert engine.stats["sample_batches"] == before + 3  # 2 + 2 rows would exceed 3: one request per batch

@@ -4,8 +4,6 @@ a contiguous hidden tensor (the strided prefill slice makes torch copy the head'
 
 from __future__ import annotations
 
-import threading
-
 import anyio
 import pytest
 
@@ -14,7 +12,7 @@ torch = pytest.importorskip("torch")
 from asyncsess.backends import SampleRequest  # noqa: E402
 from asyncsess.types import SamplingParams  # noqa: E402
 
-from .helpers import TOL, base_and_tuned_samplers  # noqa: E402
+from .helpers import TOL, base_and_tuned_samplers, hold_engine, until_queued  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.torch, pytest.mark.anyio]
 
@@ -150,8 +148,7 @@ async def test_concurrent_requests_share_a_prompt_and_match_alone(env):
     alone = [await b.sample(tuned, r) for r in reqs]
     engine = b.engine
     probe = Probe(engine.slots[next(iter(engine.slots))].host.peft.get_base_model())
-    gate = threading.Event()
-    busy = engine.call_soon(gate.wait)
+    gate, busy = await hold_engine(engine)
     results: list = [None] * len(reqs)
 
     async def one(i):
@@ -161,7 +158,7 @@ async def test_concurrent_requests_share_a_prompt_and_match_alone(env):
         async with anyio.create_task_group() as tg:
             for i in range(len(reqs)):
                 tg.start_soon(one, i)
-            await anyio.sleep(0.2)  # every request is queued behind the gate
+            await until_queued(b.engine, len(reqs))  # every request is queued behind the gate
             gate.set()
             await busy.wait()
     finally:
