@@ -1009,8 +1009,9 @@ class TrainingClient:
         except PoisonedError:
             raise
         except Exception as err:
-            if isinstance(err, AsyncSessError) and err.request_id is None:
-                err.request_id = op.idempotency_key
+            if isinstance(err, AsyncSessError):
+                err.request_id = err.request_id or op.idempotency_key
+                err.seq = op.seq if err.seq is None else err.seq
             self._poison_after(op.seq, err)
             raise
 

@@ -86,15 +86,14 @@ async def test_non_retryable_errors_are_not_retried(monkeypatch):
     async with ServiceClient("mock://", retry=FAST, on_retry=seen.append) as svc:
         tc = await svc.create_lora_training_client("m", rank=4)
         calls = []
-        real = svc.backend.execute_training
 
-        async def counting(session_id, op):
+        async def refusing(session_id, op):  # what only the backend can judge (a remote one's 400)
             calls.append(op.seq)
-            return await real(session_id, op)
+            raise InvalidInputError("the backend refuses this op", field="name", fix="pass another one")
 
-        monkeypatch.setattr(svc.backend, "execute_training", counting)
+        monkeypatch.setattr(svc.backend, "execute_training", refusing)
         with pytest.raises(InvalidInputError) as err:
-            await tc.load_state("mock://no-such-session/weights/x")  # only the backend knows the path is unknown
+            await tc.save_state("x")
         assert calls == [1] and seen == []
         assert err.value.seq == 1 and err.value.request_id
 
