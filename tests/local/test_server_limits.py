@@ -240,6 +240,12 @@ SAMPLE_CASES = [
     ({"sampling_params": {"max_tokens": 2**70}}, "sampling_params.max_tokens"),
     ({"sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
     ({"request_id": "a\x00"}, "request_id"),
+    # [len(prompt) - 1][K] target ids: other shapes were a 500 (the gather or max() failed on the engine)
+    ({"target_prompt_logprobs": []}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": [[7], [7]]}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": [[]]}, "target_prompt_logprobs"),
+    ({"prompt": [5, 6, 7], "target_prompt_logprobs": [[7], [7, 8]]}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": [[-2]]}, "target_prompt_logprobs[0][0]"),
 ]
 
 
@@ -247,6 +253,27 @@ SAMPLE_CASES = [
 def test_sampling_inputs_are_finite_and_capped(c, ids, extra, field):
     body = {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 2}, **extra}
     assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/sample", body, MINE), field)
+
+
+def test_target_prompt_logprobs_of_the_right_shape_are_answered(c, ids):
+    body = {"prompt": [5, 6, 7], "sampling_params": {"max_tokens": 1}, "target_prompt_logprobs": [[6, -1], [7, 6]]}
+    r = c.post(f"/v1/samplers/{ids['smp']}/sample", json=body, headers=MINE)
+    assert r.status_code == 200, r.text
+    picked = r.json()["target_prompt_logprobs"]
+    assert picked["shape"] == [2, 2] and picked["data"][1] == 0.0 and all(x < 0 for i, x in enumerate(picked["data"]) if i != 1)
+
+
+def test_a_load_state_path_the_session_cannot_load_is_refused_before_taking_a_seq(c, tiny, ids):
+    """A save_weights path, or the state of a session with another LoRA rank, is refused by the worker's
+    check before the op is numbered (it failed when applied, after taking its seq)."""
+    sid = new_session(c, tiny, MINE, rank=4)
+    r = c.post(f"/v1/sessions/{sid}/ops", json={"kind": "save_weights", "seq": 1, "idempotency_key": "w", "name": "w"}, headers=MINE)
+    assert r.status_code == 200, r.text
+    for path in (r.json()["result"]["path"], ids["state"]):  # sampler weights; a rank-2 session's state
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(ids, kind="load_state", path=path), MINE), "path")
+        assert "sampler checkpoint" in err["message"] or "rank" in err["message"], err
+    r = c.post(f"/v1/sessions/{sid}/ops", json=_op(ids, adam_params={"learning_rate": 1e-3}), headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # seq 2 was still free
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-5, 1e-4])

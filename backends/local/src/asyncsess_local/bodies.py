@@ -23,7 +23,7 @@ from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp,
 from asyncsess.errors import InvalidInputError
 from asyncsess.serve import body_limit
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
-from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
+from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_target_prompt_logprobs, check_ttl_seconds
 
 from .checkpoints import MAX_PATH_CHARS, CheckpointStore
 from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
@@ -238,7 +238,8 @@ class SampleBody(_Body):
     target_prompt_logprobs: list[TargetIds] | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
 
     def request(self) -> SampleRequest:
-        targets = tuple(tuple(row) for row in self.target_prompt_logprobs) if self.target_prompt_logprobs is not None else None
+        """The backend's request; ``target_prompt_logprobs`` must be ``[len(prompt) - 1][K]`` ids (InvalidInputError)."""
+        targets = check_target_prompt_logprobs(self.target_prompt_logprobs, len(self.prompt))
         return SampleRequest(
             tuple(self.prompt),
             self.num_samples,
