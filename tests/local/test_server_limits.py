@@ -308,6 +308,7 @@ CHAT_CASES = [  # OpenAI's error shape: ``param`` names the field as a dotted pa
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "a\x00"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools.0.function.description"),
     ({"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages.0.content"),
 ]
 

@@ -47,13 +47,50 @@ class FrontError(Exception):
 
 
 def parse_body(raw: bytes) -> Any:
-    """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``."""
+    """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
+
+    A lone surrogate (a ``\\ud800`` escape) anywhere in it, a key or a value, is a 400 naming where: such text
+    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
     except RecursionError:
         raise FrontError("the body nests too deeply", None, code="invalid_json") from None
+    _refuse_surrogates(body)
+    return body
+
+
+def _refuse_surrogates(body: Any) -> None:
+    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate."""
+    if isinstance(body, str) and not _encodable(body):
+        raise FrontError("the body is a string with a lone surrogate; send a JSON object", None, code="invalid_json")
+    todo: list[tuple[list[str], Any]] = [([], body)]
+    while todo:  # iterative: the body may nest nearly to the recursion limit
+        path, value = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            name = str(key)
+            if not _encodable(name):
+                param = ".".join([*path, _printable(name)])
+                raise FrontError(
+                    f"the parameter name '{param}' is not valid Unicode (a lone surrogate); remove it", param, code="invalid_value"
+                )
+            if isinstance(item, str) and not _encodable(item):
+                param = ".".join([*path, name])
+                raise FrontError(
+                    f"invalid value for '{param}': it holds a lone surrogate; send valid Unicode text", param, code="invalid_value"
+                )
+            if isinstance(item, (dict, list)):
+                todo.append(([*path, name], item))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 MAX_TEXT_CHARS = 1_000_000  # one message, prompt or tool description; a context holds far less
@@ -183,10 +220,6 @@ def validation_error(err: ValidationError) -> FrontError:
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
     loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
     param = ".".join(loc) if loc else None  # an empty name ("") is named as it is
-    if e["type"] == "string_unicode" and isinstance(e.get("input"), str):  # a parameter name that is not valid Unicode
-        name = _printable(e["input"])
-        param = ".".join([*loc, name])
-        return FrontError(f"the parameter name '{name}' is not valid Unicode (a lone surrogate); remove it", param, code="invalid_value")
     if e["type"] == "extra_forbidden":
         return FrontError(
             f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"
