@@ -73,7 +73,8 @@ def test_base_model_is_a_name_from_the_list_never_a_path(c, worker, tiny, name):
     if r is not None:
         assert_refused(r, "base_model")
     body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert_openai_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model", status=404 if name else 400)
+    unnamable = not name or "\ud800" in name  # no model has this name: a 400 (a lone surrogate is not text)
+    assert_openai_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model", status=400 if unnamable else 404)
     assert set(worker.backend.engine.slots) == {tiny}  # nothing else was loaded
 
 
@@ -116,6 +117,13 @@ SESSION_CASES = [
     ({"user_metadata": {"k": "\x00"}}, "user_metadata.k"),
     ({"user_metadata": {str(i): "v" for i in range(65)}}, "user_metadata"),
     ({"bogus": 1}, "bogus"),
+    # a bool, a string or a float where an int or a bool goes (rank=true made a rank-1 session)
+    ({"rank": True}, "rank"),
+    ({"rank": 2.0}, "rank"),
+    ({"seed": True}, "seed"),
+    ({"alpha": True}, "alpha"),
+    ({"train_mlp": "yes"}, "train_mlp"),
+    ({"with_optimizer": 1}, "with_optimizer"),
 ]
 
 
@@ -139,6 +147,9 @@ OP_CASES = [
     ({"seq": -1}, "seq"),
     ({"seq": 2**70}, "seq"),
     ({"seq": 5000}, "seq"),  # too far ahead: refused at once, not held for the gap timeout
+    ({"seq": True}, "seq"),  # was taken as seq 1 (and used it up)
+    ({"seq": "1"}, "seq"),
+    ({"kind": "save_state", "ttl_seconds": True}, "ttl_seconds"),
     ({"idempotency_key": "\ud800"}, "idempotency_key"),
     (
         {
@@ -240,6 +251,10 @@ SAMPLE_CASES = [
     ({"sampling_params": {"max_tokens": 2**70}}, "sampling_params.max_tokens"),
     ({"sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
     ({"request_id": "a\x00"}, "request_id"),
+    ({"prompt": [5, True]}, "prompt[1]"),  # was sampled as token 1
+    ({"prompt": ["5"]}, "prompt[0]"),
+    ({"num_samples": True}, "num_samples"),
+    ({"topk_sample_logprobs": True}, "topk_sample_logprobs"),
     # [len(prompt) - 1][K] target ids: other shapes were a 500 (the gather or max() failed on the engine)
     ({"target_prompt_logprobs": []}, "target_prompt_logprobs"),
     ({"target_prompt_logprobs": [[7], [7]]}, "target_prompt_logprobs"),
@@ -297,6 +312,9 @@ CHAT_CASES = [  # OpenAI's error shape: ``param`` names the field as a dotted pa
     ({"temperature": INF}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),  # was sampled at temperature 1
+    ({"temperature": "1"}, "temperature"),
+    ({"top_p": True}, "top_p"),
     ({"seed": 2**64}, "seed"),
     ({"n": 0}, "n"),
     ({"n": 10**9}, "n"),
@@ -327,7 +345,7 @@ def test_chat_tiny_temperature_and_stop_strings(c, tiny):
     assert r.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("logprob_tokens", [[], [-1], [2**70], [1, 10**6], "abc"])
+@pytest.mark.parametrize("logprob_tokens", [[], [-1], [2**70], [1, 10**6], "abc", [5, True], ["5"]])
 def test_logprobs_tokens_are_checked(c, ids, logprob_tokens):
     assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/logprobs", {"tokens": logprob_tokens}, MINE))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
 
 from ..types import MAX_STOP_CHARS
 
@@ -30,7 +30,7 @@ __all__ = [
     "completion_chunks",
 ]
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a bool or a string
 
 
 class FrontError(Exception):

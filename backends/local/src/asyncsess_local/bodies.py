@@ -4,7 +4,8 @@ This is the worker's validation layer. FastAPI checks every body against these m
 runs (so a rejection consumes no sequence number), publishes them in ``/openapi.json``, and answers a
 failure with a 400 naming the field. Limits, all documented in docs/backend-local.md:
 
-- numbers are finite (NaN and ±inf are refused), with the ranges below;
+- numbers are finite (NaN and ±inf are refused), with the ranges below, and of their JSON type (strict: a
+  bool, a string or ``2.0`` where an int goes is refused, as is ``1`` or ``"true"`` where a bool goes);
 - free text holds no NUL and no lone surrogate, and has a length cap;
 - checkpoint names match a full-string pattern; checkpoint paths are at most 1024 characters;
 - counts are capped: datums per op, tokens per prompt, samples per request, stop strings.
@@ -113,7 +114,7 @@ TargetIds = Annotated[list[Annotated[int, Field(ge=-1, lt=2**31)]], Field(max_le
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class SessionBody(_Body):
