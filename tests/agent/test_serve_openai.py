@@ -237,6 +237,29 @@ async def test_a_published_sampler_path_serves_every_key_with_captures_apart(ser
     assert len(app.state.openai_door._opened) == 1  # one sampler on those weights, shared
 
 
+async def test_an_unpublished_or_deleted_path_serves_no_other_key_any_more(server) -> None:
+    """Key B sampled key A's published weights; once A unpublishes them, or deletes them, B gets the 404 of a
+    path it never saw (B's cached front kept serving them)."""
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "pub"}, headers=a)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    route = f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub"
+    b_client = _openai(http, KEY_B)
+    for take_back in ("/publish", ""):  # unpublish, then (published again) delete
+        assert (await http.post(route + "/publish", headers=a)).status_code == 204
+        await b_client.completions.create(model=path, prompt=[5, 6], max_tokens=2)  # B may use it while published
+        assert (await http.delete(route + take_back, headers=a)).status_code == 204
+        with pytest.raises(openai.NotFoundError):
+            await b_client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            await b_client.chat.completions.create(model=path, messages=HI, max_tokens=2)
+    assert path not in [m.id for m in (await b_client.models.list()).data]
+
+
 async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
     _, http = server
     sampler = await _sampling_session(http, KEY_A)

@@ -101,8 +101,6 @@ class OpenAIDoor:
                 )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
             backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step)
-        elif (key, model) in self._fronts:
-            return self._fronts[(key, model)]
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
