@@ -260,6 +260,30 @@ async def test_an_unpublished_or_deleted_path_serves_no_other_key_any_more(serve
     assert path not in [m.id for m in (await b_client.models.list()).data]
 
 
+async def test_a_rollout_id_with_slashes_is_read_back_and_dot_segments_are_refused(server) -> None:
+    """A rollout id such as "task/3/sample-0" was captured, but GET/DELETE /v1/asyncsess/rollouts/task/3/sample-0
+    matched no route (404): a trainer in another process never got those calls."""
+    _, http = server
+    h = {"X-API-Key": KEY_A}
+    body = {"model": BASE, "messages": HI, "max_tokens": 2}
+    for rollout, where in [
+        ("task/3/sample-0", {"headers": {"X-Rollout-Id": "task/3/sample-0"}}),
+        ("a//b/", {"metadata": {"rollout_id": "a//b/"}}),
+    ]:
+        extra = where.get("metadata")
+        resp = await http.post(
+            "/v1/chat/completions", json={**body, **({"metadata": extra} if extra else {})}, headers={**h, **where.get("headers", {})}
+        )
+        assert resp.status_code == 200, resp.text
+        got = await http.get(f"/v1/asyncsess/rollouts/{rollout}", headers=h)
+        assert got.status_code == 200 and got.json()["rollout_id"] == rollout and len(got.json()["calls"]) == 1, got.text
+        taken = await http.delete(f"/v1/asyncsess/rollouts/{rollout}", headers=h)
+        assert len(taken.json()["calls"]) == 1 and (await http.get(f"/v1/asyncsess/rollouts/{rollout}", headers=h)).json()["calls"] == []
+    for rollout in (".", "..", "a/../b", "a/./b", "x/.."):  # a URL cannot carry these: refused before sampling
+        resp = await http.post("/v1/chat/completions", json={**body, "user": rollout}, headers=h)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-rollout-id", resp.text
+
+
 async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
     _, http = server
     sampler = await _sampling_session(http, KEY_A)

@@ -200,12 +200,12 @@ def openai_router(
         calls = store.pop(rollout_id) if take else store.calls(rollout_id)
         return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
 
-    @r.get("/asyncsess/rollouts/{rollout_id}")
+    @r.get("/asyncsess/rollouts/{rollout_id:path}")
     async def rollout(rollout_id: str, request: Request) -> Response:
         """The calls this key made under ``rollout_id``."""
         return await rollout_calls(rollout_id, request, take=False)
 
-    @r.delete("/asyncsess/rollouts/{rollout_id}")
+    @r.delete("/asyncsess/rollouts/{rollout_id:path}")
     async def take_rollout(rollout_id: str, request: Request) -> Response:
         """The calls this key made under ``rollout_id``, forgotten by the server."""
         return await rollout_calls(rollout_id, request, take=True)
