@@ -287,6 +287,8 @@ def test_a_load_state_path_the_session_cannot_load_is_refused_before_taking_a_se
     for path in (r.json()["result"]["path"], ids["state"]):  # sampler weights; a rank-2 session's state
         err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(ids, kind="load_state", path=path), MINE), "path")
         assert "sampler checkpoint" in err["message"] or "rank" in err["message"], err
+    weights = r.json()["result"]["path"]
+    assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": weights}, MINE), "from_path")  # was named 'path'
     r = c.post(f"/v1/sessions/{sid}/ops", json=_op(ids, adam_params={"learning_rate": 1e-3}), headers=MINE)
     assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # seq 2 was still free
 
