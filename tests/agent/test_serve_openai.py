@@ -284,6 +284,20 @@ async def test_a_rollout_id_with_slashes_is_read_back_and_dot_segments_are_refus
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-rollout-id", resp.text
 
 
+async def test_an_unknown_route_or_method_is_refused_in_each_doors_shape(server) -> None:
+    """FastAPI's bare {"detail": "Not Found"} was the answer on both doors (the official client's models.retrieve hits
+    a route serve does not have)."""
+    _, http = server
+    with pytest.raises(openai.NotFoundError) as err:
+        await _openai(http, KEY_A).models.retrieve(BASE)
+    assert err.value.body["param"] == "path" and err.value.body["code"] == "not_found"
+    resp = await http.get("/v1/chat/completions", headers={"X-API-Key": KEY_A})
+    error = resp.json()["error"]
+    assert resp.status_code == 405 and set(error) == {"message", "type", "param", "code"} and error["param"] == "method", resp.text
+    resp = await http.get("/api/v1/no_such_route", headers={"X-API-Key": KEY_A})
+    assert resp.status_code == 404 and resp.json()["field"] == "path" and resp.json()["fix"], resp.text
+
+
 async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
     _, http = server
     sampler = await _sampling_session(http, KEY_A)
