@@ -132,6 +132,14 @@ def test_session_numbers_are_finite_and_in_range(c, tiny, extra, field):
     assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, **extra}, MINE), field)
 
 
+def test_a_new_session_answers_with_its_metadata_and_options(c, tiny):
+    """As docs/compatibility.md says (and mock:// does): they were dropped from the answer."""
+    options = {"training_session_name": "grpo-run-1", "s3_output_path": "s3://bucket/out"}
+    body = {"base_model": tiny, "rank": 2, "user_metadata": {"run": "7"}, "session_options": options}
+    info = c.post("/v1/sessions", json=body, headers=MINE).json()
+    assert info["user_metadata"] == {"run": "7"} and info["session_options"] == options, info
+
+
 OP_CASES = [
     ({"adam_params": {"learning_rate": INF}}, "adam_params.learning_rate"),
     ({"adam_params": {"learning_rate": NAN}}, "adam_params.learning_rate"),

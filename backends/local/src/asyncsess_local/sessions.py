@@ -242,7 +242,16 @@ class Sessions:
             slot.host.remove(adapter)
             raise
         self.sessions[model_id] = sess
-        return GetInfoResponse(model_id=model_id, base_model=base_name, lora_rank=rank, lora_alpha=alpha, seed=spec.seed, step=sess.step)
+        return GetInfoResponse(
+            model_id=model_id,
+            base_model=base_name,
+            lora_rank=rank,
+            lora_alpha=alpha,
+            seed=spec.seed,
+            step=sess.step,
+            user_metadata=dict(spec.user_metadata),
+            session_options=dict(spec.session_options),
+        )
 
     def stop_session(self, session_id: str) -> None:
         """Stop a training session or a sampler (unknown ids are ignored)."""
