@@ -257,6 +257,26 @@ async def test_a_lone_surrogate_anywhere_is_refused_and_the_rollout_stays_readab
             assert got.status_code == 200 and len(got.json()["calls"]) == 1, got.text
 
 
+NULLABLE = ["n", "stream", "stream_options", "logprobs", "top_logprobs", "temperature", "top_p", "stop", "seed", "max_tokens"]
+NULLABLE += ["max_completion_tokens", "user", "metadata", "tools", "tool_choice", "parallel_tool_calls"]
+NULLABLE += ["frequency_penalty", "presence_penalty", "logit_bias", "response_format", "store", "service_tier"]  # not implemented
+
+
+async def test_a_null_parameter_is_one_not_sent(sampler):
+    """OpenAI's parameters are nullable, and clients other than the official one send nulls: "n": null was a 400."""
+    front = OpenAIFront(sampler)
+    body = {"model": "policy", "messages": HI, "max_tokens": 4, "seed": 7}
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        plain = await http.post("/v1/chat/completions", json=body)
+        nulls = await http.post("/v1/chat/completions", json={**dict.fromkeys(NULLABLE), **body})
+        assert nulls.status_code == 200, nulls.text
+        assert nulls.json()["choices"] == plain.json()["choices"]
+        r = await http.post("/v1/completions", json={"model": "policy", "prompt": "hi", "n": None, "logprobs": None, "echo": None})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        r = await http.post("/v1/chat/completions", json={"model": "policy", "messages": None})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "missing_required_parameter", r.text
+
+
 async def test_broken_bodies_get_400(sampler):
     front = OpenAIFront(sampler)
     async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
