@@ -287,6 +287,9 @@ async def test_broken_bodies_get_400(sampler):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         r = await http.post("/v1/completions", json={"model": "policy", "prompt": "x", "echo": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+        for batch in (["a", "b"], [[1, 2], [3]]):  # OpenAI's batched prompts: was "'prompt.0': Input should be a valid integer"
+            r = await http.post("/v1/completions", json={"model": "policy", "prompt": batch})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "batch" in r.json()["error"]["message"], r.text
 
 
 async def test_the_official_client_raises_typed_errors(sampler):

@@ -231,6 +231,13 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[StrictInt]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(p, (str, list)) for p in v):
+            raise ValueError("a batch of prompts is not supported; send one prompt (text or token ids) per request")
+        return v
+
 
 def validation_error(err: ValidationError) -> FrontError:
     e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
