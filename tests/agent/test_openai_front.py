@@ -215,6 +215,68 @@ async def test_bad_requests_get_4xx_naming_the_parameter_and_the_server_keeps_se
         assert ok.status_code == 200
 
 
+def _tool_call(name: str = "f", call_id: str = "c1") -> dict:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}],
+    }
+
+
+SURROGATES = [  # a lone surrogate in a string the schema does not check itself (they were captured, then every read was a 500)
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools.0.function.description"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"enum": ["\udfff"]}}}}}]},
+        "tools.0.function.parameters.properties.x.enum.0",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "\ud800"}}]},
+        "tools.0.function.name",
+    ),  # was named 'tools.0.function.name.\ud800'
+    ({"messages": [_tool_call(name="\ud800")]}, "messages.0.tool_calls.0.function.name"),
+    ({"messages": [_tool_call(call_id="\ud800")]}, "messages.0.tool_calls.0.id"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "\udbff"}]}, "messages.0.tool_call_id"),
+    ({"metadata": {"\ud800": "x"}}, "metadata.\\ud800"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), SURROGATES)
+async def test_a_lone_surrogate_anywhere_is_refused_and_the_rollout_stays_readable(sampler, change, param):
+    front = OpenAIFront(sampler)
+    body = {"model": "policy", "messages": HI, "max_tokens": 4, **change}
+    headers = {"content-type": "application/json", "x-rollout-id": "r"}
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        assert (
+            await http.post("/v1/chat/completions", json={"model": "policy", "messages": HI, "max_tokens": 4}, headers=headers)
+        ).status_code == 200
+        content = json.dumps(body).encode()  # the surrogate as a \ud800 escape
+        r = await http.post("/v1/chat/completions", content=content, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        for method in ("GET", "DELETE"):
+            got = await http.request(method, "/v1/asyncsess/rollouts/r")
+            assert got.status_code == 200 and len(got.json()["calls"]) == 1, got.text
+
+
+NULLABLE = ["n", "stream", "stream_options", "logprobs", "top_logprobs", "temperature", "top_p", "stop", "seed", "max_tokens"]
+NULLABLE += ["max_completion_tokens", "user", "metadata", "tools", "tool_choice", "parallel_tool_calls"]
+NULLABLE += ["frequency_penalty", "presence_penalty", "logit_bias", "response_format", "store", "service_tier"]  # not implemented
+
+
+async def test_a_null_parameter_is_one_not_sent(sampler):
+    """OpenAI's parameters are nullable, and clients other than the official one send nulls: "n": null was a 400."""
+    front = OpenAIFront(sampler)
+    body = {"model": "policy", "messages": HI, "max_tokens": 4, "seed": 7}
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        plain = await http.post("/v1/chat/completions", json=body)
+        nulls = await http.post("/v1/chat/completions", json={**dict.fromkeys(NULLABLE), **body})
+        assert nulls.status_code == 200, nulls.text
+        assert nulls.json()["choices"] == plain.json()["choices"]
+        r = await http.post("/v1/completions", json={"model": "policy", "prompt": "hi", "n": None, "logprobs": None, "echo": None})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        r = await http.post("/v1/chat/completions", json={"model": "policy", "messages": None})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "missing_required_parameter", r.text
+
+
 async def test_broken_bodies_get_400(sampler):
     front = OpenAIFront(sampler)
     async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
@@ -225,6 +287,9 @@ async def test_broken_bodies_get_400(sampler):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         r = await http.post("/v1/completions", json={"model": "policy", "prompt": "x", "echo": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+        for batch in (["a", "b"], [[1, 2], [3]]):  # OpenAI's batched prompts: was "'prompt.0': Input should be a valid integer"
+            r = await http.post("/v1/completions", json={"model": "policy", "prompt": batch})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "batch" in r.json()["error"]["message"], r.text
 
 
 async def test_the_official_client_raises_typed_errors(sampler):

@@ -237,6 +237,67 @@ async def test_a_published_sampler_path_serves_every_key_with_captures_apart(ser
     assert len(app.state.openai_door._opened) == 1  # one sampler on those weights, shared
 
 
+async def test_an_unpublished_or_deleted_path_serves_no_other_key_any_more(server) -> None:
+    """Key B sampled key A's published weights; once A unpublishes them, or deletes them, B gets the 404 of a
+    path it never saw (B's cached front kept serving them)."""
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "pub"}, headers=a)
+    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    route = f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub"
+    b_client = _openai(http, KEY_B)
+    for take_back in ("/publish", ""):  # unpublish, then (published again) delete
+        assert (await http.post(route + "/publish", headers=a)).status_code == 204
+        await b_client.completions.create(model=path, prompt=[5, 6], max_tokens=2)  # B may use it while published
+        assert (await http.delete(route + take_back, headers=a)).status_code == 204
+        with pytest.raises(openai.NotFoundError):
+            await b_client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            await b_client.chat.completions.create(model=path, messages=HI, max_tokens=2)
+    assert path not in [m.id for m in (await b_client.models.list()).data]
+
+
+async def test_a_rollout_id_with_slashes_is_read_back_and_dot_segments_are_refused(server) -> None:
+    """A rollout id such as "task/3/sample-0" was captured, but GET/DELETE /v1/asyncsess/rollouts/task/3/sample-0
+    matched no route (404): a trainer in another process never got those calls."""
+    _, http = server
+    h = {"X-API-Key": KEY_A}
+    body = {"model": BASE, "messages": HI, "max_tokens": 2}
+    for rollout, where in [
+        ("task/3/sample-0", {"headers": {"X-Rollout-Id": "task/3/sample-0"}}),
+        ("a//b/", {"metadata": {"rollout_id": "a//b/"}}),
+    ]:
+        extra = where.get("metadata")
+        resp = await http.post(
+            "/v1/chat/completions", json={**body, **({"metadata": extra} if extra else {})}, headers={**h, **where.get("headers", {})}
+        )
+        assert resp.status_code == 200, resp.text
+        got = await http.get(f"/v1/asyncsess/rollouts/{rollout}", headers=h)
+        assert got.status_code == 200 and got.json()["rollout_id"] == rollout and len(got.json()["calls"]) == 1, got.text
+        taken = await http.delete(f"/v1/asyncsess/rollouts/{rollout}", headers=h)
+        assert len(taken.json()["calls"]) == 1 and (await http.get(f"/v1/asyncsess/rollouts/{rollout}", headers=h)).json()["calls"] == []
+    for rollout in (".", "..", "a/../b", "a/./b", "x/.."):  # a URL cannot carry these: refused before sampling
+        resp = await http.post("/v1/chat/completions", json={**body, "user": rollout}, headers=h)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-rollout-id", resp.text
+
+
+async def test_an_unknown_route_or_method_is_refused_in_each_doors_shape(server) -> None:
+    """FastAPI's bare {"detail": "Not Found"} was the answer on both doors (the official client's models.retrieve hits
+    a route serve does not have)."""
+    _, http = server
+    with pytest.raises(openai.NotFoundError) as err:
+        await _openai(http, KEY_A).models.retrieve(BASE)
+    assert err.value.body["param"] == "path" and err.value.body["code"] == "not_found"
+    resp = await http.get("/v1/chat/completions", headers={"X-API-Key": KEY_A})
+    error = resp.json()["error"]
+    assert resp.status_code == 405 and set(error) == {"message", "type", "param", "code"} and error["param"] == "method", resp.text
+    resp = await http.get("/api/v1/no_such_route", headers={"X-API-Key": KEY_A})
+    assert resp.status_code == 404 and resp.json()["field"] == "path" and resp.json()["fix"], resp.text
+
+
 async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:
     _, http = server
     sampler = await _sampling_session(http, KEY_A)

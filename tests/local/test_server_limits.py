@@ -73,7 +73,8 @@ def test_base_model_is_a_name_from_the_list_never_a_path(c, worker, tiny, name):
     if r is not None:
         assert_refused(r, "base_model")
     body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert_openai_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model", status=404 if name else 400)
+    unnamable = not name or "\ud800" in name  # no model has this name: a 400 (a lone surrogate is not text)
+    assert_openai_refused(send(c, "POST", "/v1/chat/completions", body, MINE), "model", status=400 if unnamable else 404)
     assert set(worker.backend.engine.slots) == {tiny}  # nothing else was loaded
 
 
@@ -116,12 +117,27 @@ SESSION_CASES = [
     ({"user_metadata": {"k": "\x00"}}, "user_metadata.k"),
     ({"user_metadata": {str(i): "v" for i in range(65)}}, "user_metadata"),
     ({"bogus": 1}, "bogus"),
+    # a bool, a string or a float where an int or a bool goes (rank=true made a rank-1 session)
+    ({"rank": True}, "rank"),
+    ({"rank": 2.0}, "rank"),
+    ({"seed": True}, "seed"),
+    ({"alpha": True}, "alpha"),
+    ({"train_mlp": "yes"}, "train_mlp"),
+    ({"with_optimizer": 1}, "with_optimizer"),
 ]
 
 
 @pytest.mark.parametrize(("extra", "field"), SESSION_CASES)
 def test_session_numbers_are_finite_and_in_range(c, tiny, extra, field):
     assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, **extra}, MINE), field)
+
+
+def test_a_new_session_answers_with_its_metadata_and_options(c, tiny):
+    """As docs/compatibility.md says (and mock:// does): they were dropped from the answer."""
+    options = {"training_session_name": "grpo-run-1", "s3_output_path": "s3://bucket/out"}
+    body = {"base_model": tiny, "rank": 2, "user_metadata": {"run": "7"}, "session_options": options}
+    info = c.post("/v1/sessions", json=body, headers=MINE).json()
+    assert info["user_metadata"] == {"run": "7"} and info["session_options"] == options, info
 
 
 OP_CASES = [
@@ -139,6 +155,9 @@ OP_CASES = [
     ({"seq": -1}, "seq"),
     ({"seq": 2**70}, "seq"),
     ({"seq": 5000}, "seq"),  # too far ahead: refused at once, not held for the gap timeout
+    ({"seq": True}, "seq"),  # was taken as seq 1 (and used it up)
+    ({"seq": "1"}, "seq"),
+    ({"kind": "save_state", "ttl_seconds": True}, "ttl_seconds"),
     ({"idempotency_key": "\ud800"}, "idempotency_key"),
     (
         {
@@ -240,6 +259,16 @@ SAMPLE_CASES = [
     ({"sampling_params": {"max_tokens": 2**70}}, "sampling_params.max_tokens"),
     ({"sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
     ({"request_id": "a\x00"}, "request_id"),
+    ({"prompt": [5, True]}, "prompt[1]"),  # was sampled as token 1
+    ({"prompt": ["5"]}, "prompt[0]"),
+    ({"num_samples": True}, "num_samples"),
+    ({"topk_sample_logprobs": True}, "topk_sample_logprobs"),
+    # [len(prompt) - 1][K] target ids: other shapes were a 500 (the gather or max() failed on the engine)
+    ({"target_prompt_logprobs": []}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": [[7], [7]]}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": [[]]}, "target_prompt_logprobs"),
+    ({"prompt": [5, 6, 7], "target_prompt_logprobs": [[7], [7, 8]]}, "target_prompt_logprobs"),
+    ({"target_prompt_logprobs": [[-2]]}, "target_prompt_logprobs[0][0]"),
 ]
 
 
@@ -247,6 +276,29 @@ SAMPLE_CASES = [
 def test_sampling_inputs_are_finite_and_capped(c, ids, extra, field):
     body = {"prompt": [5, 6], "num_samples": 1, "sampling_params": {"max_tokens": 2}, **extra}
     assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/sample", body, MINE), field)
+
+
+def test_target_prompt_logprobs_of_the_right_shape_are_answered(c, ids):
+    body = {"prompt": [5, 6, 7], "sampling_params": {"max_tokens": 1}, "target_prompt_logprobs": [[6, -1], [7, 6]]}
+    r = c.post(f"/v1/samplers/{ids['smp']}/sample", json=body, headers=MINE)
+    assert r.status_code == 200, r.text
+    picked = r.json()["target_prompt_logprobs"]
+    assert picked["shape"] == [2, 2] and picked["data"][1] == 0.0 and all(x < 0 for i, x in enumerate(picked["data"]) if i != 1)
+
+
+def test_a_load_state_path_the_session_cannot_load_is_refused_before_taking_a_seq(c, tiny, ids):
+    """A save_weights path, or the state of a session with another LoRA rank, is refused by the worker's
+    check before the op is numbered (it failed when applied, after taking its seq)."""
+    sid = new_session(c, tiny, MINE, rank=4)
+    r = c.post(f"/v1/sessions/{sid}/ops", json={"kind": "save_weights", "seq": 1, "idempotency_key": "w", "name": "w"}, headers=MINE)
+    assert r.status_code == 200, r.text
+    for path in (r.json()["result"]["path"], ids["state"]):  # sampler weights; a rank-2 session's state
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(ids, kind="load_state", path=path), MINE), "path")
+        assert "sampler checkpoint" in err["message"] or "rank" in err["message"], err
+    weights = r.json()["result"]["path"]
+    assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": weights}, MINE), "from_path")  # was named 'path'
+    r = c.post(f"/v1/sessions/{sid}/ops", json=_op(ids, adam_params={"learning_rate": 1e-3}), headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # seq 2 was still free
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-5, 1e-4])
@@ -270,6 +322,9 @@ CHAT_CASES = [  # OpenAI's error shape: ``param`` names the field as a dotted pa
     ({"temperature": INF}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),  # was sampled at temperature 1
+    ({"temperature": "1"}, "temperature"),
+    ({"top_p": True}, "top_p"),
     ({"seed": 2**64}, "seed"),
     ({"n": 0}, "n"),
     ({"n": 10**9}, "n"),
@@ -281,6 +336,7 @@ CHAT_CASES = [  # OpenAI's error shape: ``param`` names the field as a dotted pa
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "a\x00"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools.0.function.description"),
     ({"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages.0.content"),
 ]
 
@@ -299,7 +355,7 @@ def test_chat_tiny_temperature_and_stop_strings(c, tiny):
     assert r.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("logprob_tokens", [[], [-1], [2**70], [1, 10**6], "abc"])
+@pytest.mark.parametrize("logprob_tokens", [[], [-1], [2**70], [1, 10**6], "abc", [5, True], ["5"]])
 def test_logprobs_tokens_are_checked(c, ids, logprob_tokens):
     assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/logprobs", {"tokens": logprob_tokens}, MINE))
 

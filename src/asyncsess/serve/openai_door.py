@@ -101,8 +101,6 @@ class OpenAIDoor:
                 )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
             backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step)
-        elif (key, model) in self._fronts:
-            return self._fronts[(key, model)]
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
@@ -202,12 +200,12 @@ def openai_router(
         calls = store.pop(rollout_id) if take else store.calls(rollout_id)
         return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
 
-    @r.get("/asyncsess/rollouts/{rollout_id}")
+    @r.get("/asyncsess/rollouts/{rollout_id:path}")
     async def rollout(rollout_id: str, request: Request) -> Response:
         """The calls this key made under ``rollout_id``."""
         return await rollout_calls(rollout_id, request, take=False)
 
-    @r.delete("/asyncsess/rollouts/{rollout_id}")
+    @r.delete("/asyncsess/rollouts/{rollout_id:path}")
     async def take_rollout(rollout_id: str, request: Request) -> Response:
         """The calls this key made under ``rollout_id``, forgotten by the server."""
         return await rollout_calls(rollout_id, request, take=True)

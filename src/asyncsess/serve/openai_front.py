@@ -62,6 +62,15 @@ _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 
 
+def _check_rollout_id(rollout: str) -> None:
+    """A rollout id its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine; a
+    ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL)."""
+    if len(rollout) > MAX_ROLLOUT_ID_CHARS:
+        raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", ROLLOUT_HEADER)
+    if any(part in (".", "..") for part in rollout.split("/")):
+        raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", ROLLOUT_HEADER)
+
+
 def _topk(k: int) -> dict[str, Any]:
     """The ``sample`` keyword that asks for ``k`` alternatives per sampled token."""
     return {"topk_sample_logprobs": k} if k else {}
@@ -161,7 +170,7 @@ class OpenAIFront:
         r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
         r.add_api_route("/v1/models", self._models_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/stats", self._stats_route, methods=["GET"])
-        r.add_api_route("/v1/asyncsess/rollouts/{rollout_id}", self._rollout_route, methods=["GET", "DELETE"])
+        r.add_api_route("/v1/asyncsess/rollouts/{rollout_id:path}", self._rollout_route, methods=["GET", "DELETE"])
         return r
 
     def app(self) -> FastAPI:
@@ -219,8 +228,7 @@ class OpenAIFront:
             except ValidationError as err:
                 raise validation_error(err) from None
             rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
-            if len(rollout) > MAX_ROLLOUT_ID_CHARS:
-                raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", ROLLOUT_HEADER)
+            _check_rollout_id(rollout)
             return await handler(req, rollout)
         except FrontError as err:
             self.counts["errors"] += 1

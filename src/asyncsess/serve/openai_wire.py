@@ -9,7 +9,18 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ..types import MAX_STOP_CHARS
 
@@ -30,7 +41,7 @@ __all__ = [
     "completion_chunks",
 ]
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a bool or a string
 
 
 class FrontError(Exception):
@@ -47,13 +58,50 @@ class FrontError(Exception):
 
 
 def parse_body(raw: bytes) -> Any:
-    """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``."""
+    """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
+
+    A lone surrogate (a ``\\ud800`` escape) anywhere in it, a key or a value, is a 400 naming where: such text
+    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
     except RecursionError:
         raise FrontError("the body nests too deeply", None, code="invalid_json") from None
+    _refuse_surrogates(body)
+    return body
+
+
+def _refuse_surrogates(body: Any) -> None:
+    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate."""
+    if isinstance(body, str) and not _encodable(body):
+        raise FrontError("the body is a string with a lone surrogate; send a JSON object", None, code="invalid_json")
+    todo: list[tuple[list[str], Any]] = [([], body)]
+    while todo:  # iterative: the body may nest nearly to the recursion limit
+        path, value = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            name = str(key)
+            if not _encodable(name):
+                param = ".".join([*path, _printable(name)])
+                raise FrontError(
+                    f"the parameter name '{param}' is not valid Unicode (a lone surrogate); remove it", param, code="invalid_value"
+                )
+            if isinstance(item, str) and not _encodable(item):
+                param = ".".join([*path, name])
+                raise FrontError(
+                    f"invalid value for '{param}': it holds a lone surrogate; send valid Unicode text", param, code="invalid_value"
+                )
+            if isinstance(item, (dict, list)):
+                todo.append(([*path, name], item))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 MAX_TEXT_CHARS = 1_000_000  # one message, prompt or tool description; a context holds far less
@@ -149,6 +197,12 @@ class SamplingRequest(_Req):
         default=None, max_length=16
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        """OpenAI's parameters are nullable: ``"n": null`` is ``n`` not sent (a null unsupported one asks for nothing)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -177,16 +231,19 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[StrictInt]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(p, (str, list)) for p in v):
+            raise ValueError("a batch of prompts is not supported; send one prompt (text or token ids) per request")
+        return v
+
 
 def validation_error(err: ValidationError) -> FrontError:
     e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
     loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
     param = ".".join(loc) if loc else None  # an empty name ("") is named as it is
-    if e["type"] == "string_unicode" and isinstance(e.get("input"), str):  # a parameter name that is not valid Unicode
-        name = _printable(e["input"])
-        param = ".".join([*loc, name])
-        return FrontError(f"the parameter name '{name}' is not valid Unicode (a lone surrogate); remove it", param, code="invalid_value")
     if e["type"] == "extra_forbidden":
         return FrontError(
             f"unsupported parameter {param!r}: this server does not implement it; remove it", param, code="unsupported_parameter"

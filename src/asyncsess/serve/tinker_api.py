@@ -1289,15 +1289,22 @@ def create_app(
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
-    A request body over ``max_body_bytes`` is a 413 in the door's error shape, before any of it is buffered."""
+    A request body over ``max_body_bytes`` is a 413 in the door's error shape, before any of it is buffered; so
+    are an unknown route (404) and a method a route does not take (405)."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     from .openai_door import OpenAIDoor, openai_router
     from .openai_wire import FrontError
 
+    def refusal(path: str, status: int, message: str, field: str, fix: str, code: str) -> JSONResponse:
+        """A refusal in the error shape of the door ``path`` belongs to (OpenAI's under ``/v1/``)."""
+        if path.startswith("/v1/"):
+            return FrontError(f"{message}: {fix}", field, status, code).response()
+        return ApiError(status, message, field=field, fix=fix).response()
+
     def too_large(scope: Any) -> JSONResponse:
-        message, fix = "the request body is too large", f"send at most {max_body_bytes} bytes"
-        if str(scope.get("path", "")).startswith("/v1/"):
-            return FrontError(f"{message}: {fix}", "body", 413, "body_too_large").response()
-        return ApiError(413, message, field="body", fix=fix).response()
+        path = str(scope.get("path", ""))
+        return refusal(path, 413, "the request body is too large", "body", f"send at most {max_body_bytes} bytes", "body_too_large")
 
     door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout)
     oai = OpenAIDoor(door)
@@ -1311,6 +1318,13 @@ def create_app(
     app.state.tinker_door = door
     app.state.openai_door = oai
     install_error_handlers(app)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _no_route(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        field, code = ("method", "method_not_allowed") if err.status_code == 405 else ("path", "not_found")
+        message = f"{request.method} {request.url.path[:200]}: {err.detail}"
+        return refusal(request.url.path, err.status_code, message, field, "see the routes in GET /openapi.json", code)
+
     app.include_router(tinker_router(door, api_keys))
     app.include_router(openai_router(oai, api_keys))
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=too_large)

@@ -4,7 +4,8 @@ This is the worker's validation layer. FastAPI checks every body against these m
 runs (so a rejection consumes no sequence number), publishes them in ``/openapi.json``, and answers a
 failure with a 400 naming the field. Limits, all documented in docs/backend-local.md:
 
-- numbers are finite (NaN and ±inf are refused), with the ranges below;
+- numbers are finite (NaN and ±inf are refused), with the ranges below, and of their JSON type (strict: a
+  bool, a string or ``2.0`` where an int goes is refused, as is ``1`` or ``"true"`` where a bool goes);
 - free text holds no NUL and no lone surrogate, and has a length cap;
 - checkpoint names match a full-string pattern; checkpoint paths are at most 1024 characters;
 - counts are capped: datums per op, tokens per prompt, samples per request, stop strings.
@@ -23,7 +24,7 @@ from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp,
 from asyncsess.errors import InvalidInputError
 from asyncsess.serve import body_limit
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
-from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_ttl_seconds
+from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_target_prompt_logprobs, check_ttl_seconds
 
 from .checkpoints import MAX_PATH_CHARS, CheckpointStore
 from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
@@ -113,7 +114,7 @@ TargetIds = Annotated[list[Annotated[int, Field(ge=-1, lt=2**31)]], Field(max_le
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class SessionBody(_Body):
@@ -238,7 +239,8 @@ class SampleBody(_Body):
     target_prompt_logprobs: list[TargetIds] | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
 
     def request(self) -> SampleRequest:
-        targets = tuple(tuple(row) for row in self.target_prompt_logprobs) if self.target_prompt_logprobs is not None else None
+        """The backend's request; ``target_prompt_logprobs`` must be ``[len(prompt) - 1][K]`` ids (InvalidInputError)."""
+        targets = check_target_prompt_logprobs(self.target_prompt_logprobs, len(self.prompt))
         return SampleRequest(
             tuple(self.prompt),
             self.num_samples,

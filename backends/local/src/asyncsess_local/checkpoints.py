@@ -189,17 +189,27 @@ class CheckpointStore:
         uri = self.commit(scratch, final, {**_session_meta(sess, "state"), **_save_meta(op)})
         return CheckpointResponse(path=uri, kind="state", step=sess.step)
 
+    def check_state(self, path: Path, sess: TrainSession, field: str = "path") -> dict[str, Any]:
+        """The metadata of a ``save_state`` directory that ``sess`` can load (its LoRA rank and targets);
+        anything else is an InvalidInputError naming ``field``."""
+        meta = self.meta(path)
+        if meta.get("kind") != "state":
+            raise InvalidInputError(f"{self.uri(path)} is a {meta.get('kind')} checkpoint", field=field, fix="pass a save_state path")
+        if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
+            raise InvalidInputError(
+                "the checkpoint's LoRA rank or targets differ from this session's",
+                field=field,
+                fix="load it into a session created with its rank and train_* options (or with from_path)",
+            )
+        return meta
+
     def load_state(self, host: LoraHost, sess: TrainSession, path: Path, *, with_optimizer: bool) -> None:
         """Put a ``save_state`` directory's weights (and optimizer state, else a fresh one) into ``sess``."""
         from safetensors.torch import load_file
 
         from .trainer import load_optimizer_tensors
 
-        meta = self.meta(path)
-        if meta.get("kind") != "state":
-            raise InvalidInputError(f"{self.uri(path)} is a {meta.get('kind')} checkpoint", field="path", fix="pass a save_state path")
-        if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
-            raise InvalidInputError("the checkpoint's LoRA rank or targets differ from this session's", field="path")
+        meta = self.check_state(path, sess)
         host.load_state_dict(sess.adapter, load_file(str(path / "adapter.safetensors")))
         for p in sess.params.values():
             p.grad = None
@@ -210,7 +220,8 @@ class CheckpointStore:
             sess.optimizer.state.clear()
 
     def load_state_op(self, host: LoraHost, sess: TrainSession, op: LoadStateOp) -> None:
-        """:meth:`load_state` for a ``load_state`` op (its path resolved under the root)."""
+        """:meth:`load_state` for a ``load_state`` op (its path resolved under the root, checked again: it may
+        have changed since the op was queued)."""
         self.load_state(host, sess, self.resolve(op.path), with_optimizer=op.with_optimizer)
 
     def save_weights(self, slot: Slot, sess: TrainSession, op: SaveWeightsOp, dtype: torch.dtype) -> CheckpointResponse:

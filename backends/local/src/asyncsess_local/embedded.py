@@ -194,7 +194,7 @@ class LocalBackend(Backend):
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
         if isinstance(op, LoadStateOp) and session_id in self.engine.sessions:
-            self.check_op(session_id, op)  # the path resolves to a checkpoint under the root
+            self.check_op(session_id, op)  # the path holds a save_state under the root that this session can load
 
     def check_op(self, session_id: str, op: TrainingOp) -> TrainingOp:
         """``op`` checked against its session (shapes, vocabulary, context, loss options, names, paths) and
@@ -214,7 +214,7 @@ class LocalBackend(Backend):
                     self.engine.store.check_name(name)
                 return op
             case LoadStateOp(path=path):
-                self.engine.store.resolve(path)
+                self.engine.store.check_state(self.engine.store.resolve(path), sess)  # a resumable state this session fits
                 return op
             case _:
                 unknown_op(op)

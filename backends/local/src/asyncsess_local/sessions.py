@@ -189,10 +189,12 @@ class Sessions:
         meta: dict[str, Any] = {}
         ckpt: Path | None = None
         if spec.from_path:
-            ckpt = self.store.resolve(spec.from_path)
+            ckpt = self.store.resolve(spec.from_path, "from_path")
             meta = self.store.meta(ckpt)
             if meta.get("kind") != "state":
-                raise InvalidInputError(f"{spec.from_path} is a {meta.get('kind')} checkpoint", field="path", fix="pass a save_state path")
+                raise InvalidInputError(
+                    f"{spec.from_path} is a {meta.get('kind')} checkpoint", field="from_path", fix="pass a save_state path"
+                )
         base_name = spec.base_model or meta.get("base_model", "")
         slot = self.slot(base_name)
         if meta:
@@ -240,7 +242,16 @@ class Sessions:
             slot.host.remove(adapter)
             raise
         self.sessions[model_id] = sess
-        return GetInfoResponse(model_id=model_id, base_model=base_name, lora_rank=rank, lora_alpha=alpha, seed=spec.seed, step=sess.step)
+        return GetInfoResponse(
+            model_id=model_id,
+            base_model=base_name,
+            lora_rank=rank,
+            lora_alpha=alpha,
+            seed=spec.seed,
+            step=sess.step,
+            user_metadata=dict(spec.user_metadata),
+            session_options=dict(spec.session_options),
+        )
 
     def stop_session(self, session_id: str) -> None:
         """Stop a training session or a sampler (unknown ids are ignored)."""
