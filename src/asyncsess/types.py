@@ -417,6 +417,11 @@ class SamplingParams(_Model):
         for s in items:
             if isinstance(s, str) and not 0 < len(s) <= MAX_STOP_CHARS:
                 raise ValueError(f"a stop string must have 1..{MAX_STOP_CHARS} characters (use stop=[] for no stop)")
+            if isinstance(s, str) and not s.isascii():
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("a stop string must be valid Unicode (no lone surrogates)") from None
         return v
 
     _no_bools = field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", mode="before")(_not_a_bool)

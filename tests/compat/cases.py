@@ -98,6 +98,8 @@ CASES: list[Case] = [
     ("sample-nan-temperature", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"temperature": NAN}), "sampling_params"),
     ("sample-zero-max-tokens", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 0}), "sampling_params"),
     ("sample-top-p-zero", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"top_p": 0.0}), "sampling_params"),
+    ("sample-stop-surrogate", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": ["ok", SURROGATE]}), "sampling_params"),
+    ("sample-stop-too-long", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": LONG}), "sampling_params"),
     ("sample-params-wrong-type", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, "greedy"), "sampling_params"),
     ("sample-empty-prompt", "sc", lambda sc: sc.sample([], 1), "prompt"),
     ("sample-float-prompt", "sc", lambda sc: sc.sample([1.5, 2.0], 1), "prompt"),
