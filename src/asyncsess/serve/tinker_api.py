@@ -632,6 +632,8 @@ class TinkerDoor:
         vocab = await self._vocab_size(m.base_model)
 
         def check() -> Callable[..., TrainingOp] | InvalidInputError:
+            if wire.error is not None:
+                return wire.error
             try:
                 loss_fn = check_loss_fn(wire.loss_fn)
                 data = check_datums(wire.data, loss_fn, vocab_size=vocab)
@@ -695,9 +697,9 @@ class TinkerDoor:
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
-        name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
 
         def make() -> Callable[[], Awaitable[Any]]:
+            name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
             run = self._op(m, functools.partial(SaveStateOp, name=name))
 
             async def go() -> Callable[[Promise], None]:
@@ -710,15 +712,14 @@ class TinkerDoor:
 
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
-        seq = _int(body, "seq_id")
-        ephemeral_seq = body.get("sampling_session_seq_id")
-        if ephemeral_seq is not None:
-            ephemeral_seq = _int(body, "sampling_session_seq_id")
-        name = _name(body.get("path"), f"ephemeral-{seq:06d}")
-        if body.get("path") is None and ephemeral_seq is None:
-            raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
 
         def make() -> Callable[[], Awaitable[Any]]:
+            ephemeral_seq = body.get("sampling_session_seq_id")
+            if ephemeral_seq is not None:
+                ephemeral_seq = _int(body, "sampling_session_seq_id")
+            name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
+            if body.get("path") is None and ephemeral_seq is None:
+                raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
             run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None))
 
             async def go() -> Callable[[Promise], None]:
@@ -743,35 +744,22 @@ class TinkerDoor:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         return path, None
 
-    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _training_state(self, body: dict[str, Any]) -> tuple[str, str, _Checkpoint | None]:
+        """``load_weights``' path, the backend path behind it and its checkpoint record (a training state, not sampler weights)."""
         path = _str(body, "path")
-        with_optimizer = bool(body.get("optimizer", False))
         backend_path, ck = self._checkpoint(path, "path")
         if ck is not None and ck.kind != "training":
             raise ApiError(400, f"{path} holds sampler weights", field="path", fix="load a path from save_state (…/weights/…)")
+        return path, backend_path, ck
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        with_optimizer = bool(body.get("optimizer", False))
         if body.get("session_id") is not None:  # create via load: the model's first request
-            session = self._session(_str(body, "session_id"))
-            model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
-            meta = _metadata(body)
-            promise, fresh = self._once(model_id, body, "load_weights", session.id)
-            if fresh:
-                base_model = body.get("base_model") or (ck.base_model if ck else "")
-                rank = ck.rank if ck else 32
-                spec = TrainingSessionSpec(
-                    base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
-                )
-
-                async def work() -> Callable[[Promise], None]:
-                    info = await self.backend.create_training_session(spec)
-                    await self._adopt(session, info.model_id)
-                    self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
-                    return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
-
-                self._spawn(promise, work)
-            return _future(promise, model_id)
+            return self._create_from_state(body, with_optimizer)
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
+            path, backend_path, _ = self._training_state(body)
             run = self._op(m, functools.partial(LoadStateOp, path=backend_path, with_optimizer=with_optimizer))
 
             async def go() -> Callable[[Promise], None]:
@@ -781,6 +769,28 @@ class TinkerDoor:
             return go
 
         return self._submit_json(m, body, "load_weights", make)
+
+    def _create_from_state(self, body: dict[str, Any], with_optimizer: bool) -> dict[str, Any]:
+        path, backend_path, ck = self._training_state(body)
+        session = self._session(_str(body, "session_id"))
+        model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
+        meta = _metadata(body)
+        promise, fresh = self._once(model_id, body, "load_weights", session.id)
+        if fresh:
+            base_model = body.get("base_model") or (ck.base_model if ck else "")
+            rank = ck.rank if ck else 32
+            spec = TrainingSessionSpec(
+                base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
+            )
+
+            async def work() -> Callable[[Promise], None]:
+                info = await self.backend.create_training_session(spec)
+                await self._adopt(session, info.model_id)
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
+                return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
+
+            self._spawn(promise, work)
+        return _future(promise, model_id)
 
     # ------------------------------------------------------------------------------- sampling
 

@@ -1,0 +1,91 @@
+"""What the official ``tinker`` SDK (0.38) gets for bad input a stranger sends through it: a 4xx it raises
+readably, and nothing else changes — the refused request's ``seq_id`` is used up, so the model's next request
+runs, and nothing is saved or created."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import tinker
+from tinker import types
+
+from .conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.tinker
+
+BASE = "mock/bigram-tiny"
+GAP = 2.0  # seconds a model's queue waits for a missing seq_id before failing the requests behind it
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    for srv in start_server("mock://"):
+        srv.door.gap_timeout = GAP  # a request left waiting on a seq_id the server never used up fails fast
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def service(server: Server) -> Iterator[tinker.ServiceClient]:
+    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield sc
+    sc.holder.close()
+
+
+def _datum(weights: list[float], **inputs: list[float]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": weights, **inputs},
+    )
+
+
+GOOD = [_datum([1.0, 1.0, 1.0])]
+IS_INPUTS = {"logprobs": [-1.0, -1.0, -1.0], "advantages": [1.0, 1.0, 1.0]}
+
+Refusal = Callable[[tinker.TrainingClient], Any]
+REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
+    "NaN weight": (lambda tc: tc.forward_backward([_datum([1.0, math.nan, 1.0])], "cross_entropy"), tinker.BadRequestError, "weights"),
+    "infinite logprob": (
+        lambda tc: tc.forward_backward(
+            [_datum([1.0, 1.0, 1.0], logprobs=[-1.0, -math.inf, -1.0], advantages=[1.0, 1.0, 1.0])], "importance_sampling"
+        ),
+        tinker.BadRequestError,
+        "logprobs",
+    ),
+    "forward of a NaN advantage": (
+        lambda tc: tc.forward([_datum([1.0, 1.0, 1.0], logprobs=[-1.0] * 3, advantages=[math.nan] * 3)], "importance_sampling"),
+        tinker.BadRequestError,
+        "advantages",
+    ),
+    "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
+    "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
+    "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_op_uses_up_its_seq_id(service: tinker.ServiceClient, server: Server, case: str) -> None:
+    """The SDK numbers every op; a refusal the server did not count as that op's turn left the model's queue
+    waiting for it, so every later op failed ('ops N..N never arrived')."""
+    call, error, match = REFUSALS[case]
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    tc.forward_backward(GOOD, "cross_entropy").result()
+    with pytest.raises(error, match=match):
+        call(tc).result()
+    out = tc.forward_backward(GOOD, "cross_entropy").result()  # waited GAP s, then failed, before the fix
+    assert out.metrics["loss:sum"] > 0
+    assert tc.optim_step(types.AdamParams(learning_rate=0.1)).result() is not None
+    assert [
+        c.checkpoint_id for c in tinker.RestClient(base_url=server.url, api_key=API_KEY).list_checkpoints(tc.model_id).result().checkpoints
+    ] == []
+
+
+def test_load_state_of_sampler_weights_uses_up_its_seq_id(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    sampler_path = tc.save_weights_for_sampler("for-sampling").result().path
+    before = tc.forward(GOOD, "cross_entropy").result().metrics["loss:sum"]
+    with pytest.raises(tinker.BadRequestError, match="holds sampler weights"):
+        tc.load_state(sampler_path).result()
+    assert tc.forward(GOOD, "cross_entropy").result().metrics["loss:sum"] == before  # runs, on unchanged weights
