@@ -89,3 +89,39 @@ def test_load_state_of_sampler_weights_uses_up_its_seq_id(service: tinker.Servic
     with pytest.raises(tinker.BadRequestError, match="holds sampler weights"):
         tc.load_state(sampler_path).result()
     assert tc.forward(GOOD, "cross_entropy").result().metrics["loss:sum"] == before  # runs, on unchanged weights
+
+
+OTHER_KEY = "tml-asyncsess-other"
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Server]:
+    """One server, two tenants."""
+    yield from start_server("mock://", api_keys={API_KEY, OTHER_KEY})
+
+
+def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
+    """A path that is not ``tinker://`` goes to the backend as is; mock:// names its sessions mock-train-1, 2, ...,
+    so another key could resume (and read) a tenant's training state by spelling its backend path."""
+    owner = tinker.ServiceClient(base_url=shared.url, api_key=API_KEY)
+    other = tinker.ServiceClient(base_url=shared.url, api_key=OTHER_KEY)
+    try:
+        tc = owner.create_lora_training_client(base_model=BASE, rank=8).result()
+        tc.forward_backward(GOOD, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.5)).result()
+        state = shared.door.checkpoints[tc.save_state("mine").result().path].backend_path
+        backend_id = shared.door.models[tc.model_id].backend_id
+        assert state == f"mock://{backend_id}/weights/mine"  # what a stranger can guess
+        for spelled in (state, f"mock://{backend_id}/weights/../weights/mine"):
+            with pytest.raises(tinker.NotFoundError, match="path"):
+                other.create_training_client_from_state_with_optimizer(spelled).result()
+        theirs = other.create_lora_training_client(base_model=BASE, rank=8).result()
+        before = theirs.forward(GOOD, "cross_entropy").result().metrics["loss:sum"]
+        with pytest.raises(tinker.NotFoundError, match="path"):
+            theirs.load_state(state).result()
+        assert theirs.forward(GOOD, "cross_entropy").result().metrics["loss:sum"] == before  # nothing loaded
+        mine = owner.create_training_client_from_state_with_optimizer(state).result()  # the owner still may
+        assert mine.forward(GOOD, "cross_entropy").result().metrics == tc.forward(GOOD, "cross_entropy").result().metrics
+    finally:
+        owner.holder.close()
+        other.holder.close()

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -244,6 +245,9 @@ class TinkerDoor:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
+        # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
+        self._backend_models: dict[str, str] = {}
+        self._backend_paths: dict[str, str] = {}
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
         self._vocab: dict[str, int | None] = {}
@@ -479,6 +483,7 @@ class TinkerDoor:
 
         m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout)
         self.models[model_id] = m
+        self._backend_models[backend_id] = model_id
         session.models.append(model_id)
         return m
 
@@ -691,6 +696,7 @@ class TinkerDoor:
     def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str) -> _Checkpoint:
         path = f"tinker://{m.id}/{folder}/{name}"
         ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, time.time(), resp.step)
+        self._backend_paths[resp.path] = m.id
         self.checkpoints[path] = ck
         m.checkpoints.append(path)
         return ck
@@ -724,6 +730,7 @@ class TinkerDoor:
 
             async def go() -> Callable[[Promise], None]:
                 resp: CheckpointResponse = await run()
+                self._backend_paths[resp.path] = m.id
                 if body.get("path") is not None:
                     ck = self._record(m, resp, "sampler_weights", name, "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
@@ -736,13 +743,22 @@ class TinkerDoor:
         return self._submit_json(m, body, "save_weights_for_sampler", make)
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
-        """The backend path behind a ``tinker://`` path (other paths pass through to the backend)."""
+        """The backend path behind a ``tinker://`` path (other paths pass through to the backend, unless they name
+        another key's model: those are "not found", as its ``tinker://`` paths are)."""
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        if path.startswith("tinker://"):
+        if path.startswith("tinker://") or not all(self.owns(self.models[m].session_id) for m in self._backend_owners(path)):
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         return path, None
+
+    def _backend_owners(self, path: str) -> set[str]:
+        """The door models a backend path belongs to: the one that saved it, and any whose backend id is one of its
+        parts (``mock://<id>/…``, ``local://…/<id>/…``, however the path is spelled)."""
+        owners = {self._backend_models[part] for part in re.split(r"[/:\\]", path) if part in self._backend_models}
+        if path in self._backend_paths:
+            owners.add(self._backend_paths[path])
+        return owners
 
     def _training_state(self, body: dict[str, Any]) -> tuple[str, str, _Checkpoint | None]:
         """``load_weights``' path, the backend path behind it and its checkpoint record (a training state, not sampler weights)."""
