@@ -125,3 +125,38 @@ def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
     finally:
         owner.holder.close()
         other.holder.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"rank": 4096}, "lora_config.rank"),
+        ({"rank": 2**40}, "lora_config.rank"),
+        ({"seed": 2**63}, "lora_config.seed"),
+        ({"seed": -1}, "lora_config.seed"),
+    ],
+)
+def test_create_model_refuses_a_rank_or_seed_out_of_range(
+    service: tinker.ServiceClient, server: Server, options: dict[str, int], match: str
+) -> None:
+    """The door handed any rank and seed to the backend (mock:// took rank 2**40; local:// would try to allocate
+    it). asyncsess's own client refuses both before sending; now the door does too, creating nothing."""
+    models = len(server.door.models)
+    with pytest.raises(tinker.BadRequestError, match=match):
+        service.create_lora_training_client(base_model=BASE, **{"rank": 8, **options}).result()
+    assert len(server.door.models) == models
+
+
+def test_checkpoint_ttl_out_of_range_is_refused(service: tinker.ServiceClient, server: Server) -> None:
+    """A TTL of 10**30 s was stored, and every listing of the run's checkpoints was then a 500 (no such date)."""
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    path = tc.save_state("kept").result().path
+    for ttl in (10**30, 2**63, 0):
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+            rest.set_checkpoint_ttl_from_tinker_path(path, ttl).result()
+    [ck] = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert ck.expires_at is None
+    rest.set_checkpoint_ttl_from_tinker_path(path, 86400).result()
+    [ck] = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert ck.expires_at is not None and ck.expires_at > ck.time

@@ -52,8 +52,11 @@ from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGo
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
     check_datums,
+    check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
+    check_seed,
+    check_ttl_seconds,
     check_user_metadata,
     coerce_adam_params,
     coerce_prompt,
@@ -506,9 +509,11 @@ class TinkerDoor:
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise ApiError(400, "must be an object", field="lora_config")
-        rank = _int(lora, "rank", 32, field="lora_config.rank")
-        if rank < 1:
-            raise ApiError(400, f"rank={rank}", field="lora_config.rank", fix="use a rank >= 1")
+        try:
+            rank = check_lora_rank(lora.get("rank", 32), field="lora_config.rank")
+            seed = check_seed(lora.get("seed"), field="lora_config.seed")
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
         meta = _metadata(body)
         model_id = f"{session.id}:train:{seq}"
         promise, fresh = self._once(model_id, body, "create_model", session.id)
@@ -517,7 +522,7 @@ class TinkerDoor:
                 base_model=base_model,
                 rank=rank,
                 alpha=DEFAULT_LORA_ALPHA,
-                seed=lora.get("seed"),
+                seed=seed,
                 train_mlp=bool(lora.get("train_mlp", True)),
                 train_attn=bool(lora.get("train_attn", True)),
                 train_unembed=bool(lora.get("train_unembed", True)),
@@ -969,9 +974,10 @@ class TinkerDoor:
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
-        ttl = body.get("ttl_seconds")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
-            raise ApiError(400, f"ttl_seconds={ttl!r:.40}", field="ttl_seconds", fix="a positive number of seconds, or null for never")
+        try:
+            ttl = check_ttl_seconds(body.get("ttl_seconds"))
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
         ck.expires_at = None if ttl is None else time.time() + ttl
 
     def publish(self, model_id: str, checkpoint_id: str, public: bool) -> None:
