@@ -73,6 +73,7 @@ log = logging.getLogger("asyncsess.serve.tinker")
 T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
+MAX_TEXT = 1024  # characters of a display_name or project_id
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 EXPIRED = {"type": "expired"}
 # forward_backward bodies up to this size (bytes, decompressed) are decoded, checked and answered on the event loop: there
@@ -225,6 +226,10 @@ def _status_matches(query: dict[str, Any], status: dict[str, Any] | None) -> boo
         return False
     reasons = query.get("reasons")
     return status["type"] != "client_finished" or reasons is None or status["reason"]["type"] in reasons
+
+
+def _is_status_query(q: Any) -> bool:
+    return isinstance(q, dict) and (q.get("reasons") is None or isinstance(q["reasons"], list))
 
 
 def _hash(body: Any) -> str:
@@ -397,17 +402,8 @@ class TinkerDoor:
     def create_session(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         sid = str(uuid.uuid4())
         now = time.time()
-        name, project = body.get("display_name"), body.get("project_id")
-        self.sessions[sid] = _Session(
-            sid,
-            _tags(body),
-            _metadata(body),
-            now,
-            now,
-            owner=owner,
-            display_name=name if isinstance(name, str) else None,
-            project_id=project if isinstance(project, str) else None,
-        )
+        tags, meta, name, project = _tags(body), _metadata(body), _opt_text(body, "display_name"), _opt_text(body, "project_id")
+        self.sessions[sid] = _Session(sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project)
         return {"type": "create_session", "session_id": sid}
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -420,7 +416,7 @@ class TinkerDoor:
         meta, statuses, projects = body.get("user_metadata") or {}, body.get("statuses"), body.get("project_ids")
         if not isinstance(meta, dict):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
-        if statuses is not None and not (isinstance(statuses, list) and statuses and all(isinstance(q, dict) for q in statuses)):
+        if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
             raise ApiError(400, "must be a non-empty list of status queries", field="statuses", fix='e.g. [{"type": "active"}]')
         if projects is not None and not isinstance(projects, list):
             raise ApiError(400, "must be a list of project ids", field="project_ids")
@@ -1011,10 +1007,7 @@ class TinkerDoor:
         s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
-        project = body.get("project_id")
-        if project is not None and not isinstance(project, str):
-            raise ApiError(400, "must be a string or null", field="project_id")
-        s.project_id = project
+        s.project_id = _opt_text(body, "project_id")
 
     async def capabilities(self) -> dict[str, Any]:
         caps = await self.backend.capabilities()
@@ -1072,6 +1065,16 @@ def _str(body: dict[str, Any], key: str) -> str:
         except UnicodeEncodeError:
             raise ApiError(400, "is not valid Unicode (a lone surrogate?)", field=key, fix="send UTF-8-encodable text") from None
     return v
+
+
+def _opt_text(body: dict[str, Any], key: str) -> str | None:
+    """An optional text field (``display_name``, ``project_id``): absent, or at most 1024 characters of clean text."""
+    if body.get(key) in (None, ""):
+        return None
+    text = _str(body, key)
+    if len(text) > MAX_TEXT:
+        raise ApiError(400, f"{len(text)} characters", field=key, fix=f"keep it to {MAX_TEXT}")
+    return text
 
 
 def _int(body: dict[str, Any], key: str, default: int | None = None, *, field: str | None = None) -> int:
