@@ -680,7 +680,7 @@ class TinkerDoor:
 
             async def go() -> Callable[[Promise], None]:
                 out: OptimStepResponse = await run()
-                return lambda p: p.resolve(json={"metrics": out.metrics or {}, "type": "optim_step"})
+                return lambda p: p.resolve(json={"metrics": _json_floats(out.metrics or {}), "type": "optim_step"})
 
             return go
 
@@ -1065,6 +1065,16 @@ def _str(body: dict[str, Any], key: str) -> str:
         except UnicodeEncodeError:
             raise ApiError(400, "is not valid Unicode (a lone surrogate?)", field=key, fix="send UTF-8-encodable text") from None
     return v
+
+
+def _json_floats(metrics: dict[str, float]) -> dict[str, float | str]:
+    """Metrics for a JSON answer: NaN and infinities (an exploded gradient's grad_norm) as the strings "NaN",
+    "Infinity", "-Infinity", which the SDK's pydantic types read back as floats. JSON has no such numbers: the
+    answer was a 500 on every poll, which the SDK retried without end."""
+    return {
+        k: v if not isinstance(v, float) or math.isfinite(v) else str(v).replace("inf", "Infinity").replace("nan", "NaN")
+        for k, v in metrics.items()
+    }
 
 
 def _opt_text(body: dict[str, Any], key: str) -> str | None:
