@@ -74,6 +74,7 @@ from .types import (
     TrainingRun,
 )
 from .validation import (
+    MAX_SAMPLES,
     MAX_TOPK,
     check_checkpoint_path,
     check_count,
@@ -1200,7 +1201,7 @@ class SamplingClient:
         """
         self._require_attached("sample")
         tokens = coerce_prompt(prompt, self._encode)
-        check_count(num_samples, "num_samples", low=1, high=1000)
+        check_count(num_samples, "num_samples", low=1, high=MAX_SAMPLES)
         params = coerce_sampling_params(sampling_params)
         _check_bool(include_prompt_logprobs, "include_prompt_logprobs")
         k_prompt = check_count(topk_prompt_logprobs or 0, "topk_prompt_logprobs", high=MAX_TOPK)

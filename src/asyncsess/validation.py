@@ -16,6 +16,7 @@ from .errors import InvalidInputError, UnsupportedError
 from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = [
+    "MAX_SAMPLES",
     "LOSS_INPUTS",
     "LOSS_CONFIG_KEYS",
     "check_loss_fn",
@@ -295,6 +296,7 @@ _NAME_FIX = "1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit (free te
 MAX_TOPK = 1024  # alternatives per position for top-k log-probs
 MAX_DESCRIPTION = 1024  # SageMaker's limit on a model package description
 MAX_METADATA_ITEMS = 64
+MAX_SAMPLES = 1000  # samples one request may ask for
 MAX_METADATA_CHARS = 1024
 _SESSION_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # SageMaker's TrainingSessionName
 

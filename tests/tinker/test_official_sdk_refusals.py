@@ -171,3 +171,27 @@ def test_a_step_with_non_finite_metrics_is_answered(service: tinker.ServiceClien
     assert math.isinf(tc.forward_backward([extreme], "importance_sampling").result().metrics["loss:sum"])
     step = tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)  # a guard: without the fix it never answers
     assert math.isnan(step.metrics["grad_norm"])
+
+
+def test_a_sample_of_too_many_sequences_is_refused(service: tinker.ServiceClient) -> None:
+    """num_samples had no upper bound: 10**6 samples ran on the server (mock:// on its event loop, which froze
+    every tenant's requests) and built one huge answer. The door now refuses what asyncsess's client refuses."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt, params = types.ModelInput.from_ints([5, 6]), types.SamplingParams(max_tokens=1, seed=0)
+    with pytest.raises(tinker.BadRequestError, match="num_samples"):
+        sampler.sample(prompt, num_samples=1001, sampling_params=params).result()
+    assert len(sampler.sample(prompt, num_samples=1000, sampling_params=params).result().sequences) == 1000
+
+
+def test_a_bad_prompt_logprobs_last_n_is_refused(service: tinker.ServiceClient, server: Server) -> None:
+    """The SDK checks it itself; sent raw, "x" was accepted and failed the sample later with a ValueError."""
+    import httpx
+
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 900, "num_samples": 1, "prompt_logprobs": True}
+    body |= {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}, "sampling_params": {"max_tokens": 1}}
+    for last_n in ("x", 0, -5, 2.5):
+        resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"prompt_logprobs_last_n": last_n}, headers={"X-API-Key": API_KEY})
+        assert resp.status_code == 400 and resp.json()["field"] == "prompt_logprobs_last_n", resp.text

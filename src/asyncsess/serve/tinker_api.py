@@ -51,6 +51,8 @@ from ..backends.sequencer import Sequencer
 from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
+    MAX_SAMPLES,
+    check_count,
     check_datums,
     check_lora_rank,
     check_loss_fn,
@@ -861,9 +863,9 @@ class TinkerDoor:
         try:
             prompt = coerce_prompt(body.get("prompt"), field="prompt")
             params = coerce_sampling_params(body.get("sampling_params"))
-            n = _int(body, "num_samples", 1)
-            if n < 1:
-                raise ApiError(400, f"num_samples={n}", field="num_samples", fix="ask for at least one sample")
+            n = check_count(body.get("num_samples", 1), "num_samples", low=1, high=MAX_SAMPLES)
+            if body.get("prompt_logprobs_last_n") is not None and _int(body, "prompt_logprobs_last_n") < 1:
+                raise ApiError(400, "must be 1 or more", field="prompt_logprobs_last_n", fix="count the prompt positions to keep")
             for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
                 if body.get(k):
                     raise ApiError(400, "top-k log-probs are not offered", field=k, fix="leave it at 0")
