@@ -311,6 +311,35 @@ def test_throttling_is_injected_with_the_runtime_status_and_code(sm, rt, emulato
     sm.stop_training_session(TrainingSessionName=name)
 
 
+@pytest.mark.parametrize(
+    "params, where",
+    [
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"topK": -5}, "top_k"),
+        ({"stop": ["x" * 100_000]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_get_validation_exception(sm, emulator, params, where):
+    """The emulator ran these and failed the operation afterwards (a pydantic error as errorDetails); bad input
+    is a ValidationException when sent, as the rest of a sample config is."""
+    name = _name()
+    new_session(sm, name)
+    _, rt = clients(emulator.url, validate=False)
+    sample = {"prompt": {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}, "numSamples": 1}
+    with pytest.raises(ClientError) as err:
+        rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"sample": sample | {"samplingParams": {"maxTokens": 512} | params}}
+        )
+    assert _code(err) == ("ValidationException", 400)
+    assert "samplingParams" in err.value.response["Error"]["Message"] and where in err.value.response["Error"]["Message"]
+    ok = rt.execute_sampling_operation(
+        trainingSessionName=name, operationConfig={"sample": sample | {"samplingParams": {"maxTokens": 512}}}
+    )
+    assert wait_op(rt.get_sampling_operation_result, name, ok["operationId"])["status"] == "Completed"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_sampling_compute_logprobs_and_weights_for_sampling(sm, rt, emulator):
     name = _name()
     new_session(sm, name)
