@@ -397,6 +397,30 @@ def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
     sm.stop_training_session(TrainingSessionName=name)
 
 
+@pytest.mark.parametrize(
+    "request_body, says",
+    [
+        ({"messages": ["hi"]}, "list of objects"),
+        ({"messages": [{"content": "hi"}]}, "unknown role"),
+        ({"messages": [{"role": "user", "content": "x" * 100_000}]}, "exceed the context"),
+    ],
+)
+def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, emulator, request_body, says):
+    """Each was a 500 InternalServerException ('Emulator error': an AttributeError, or the tokenizer's or
+    sampler's InvalidInputError uncaught), plain and streamed; the session keeps answering."""
+    name = _name()
+    new_session(sm, name)
+    raw = json.dumps(request_body).encode()
+    with pytest.raises(rt.exceptions.ValidationException, match=says):
+        rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json", accept="application/json")
+    with pytest.raises(rt.exceptions.ValidationException, match=says):
+        rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw, contentType="application/json")
+    ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=ok, contentType="application/json")["body"].read())
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     resp = httpx.post(
         emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}"
