@@ -733,10 +733,10 @@ class TinkerDoor:
 
             async def go() -> Callable[[Promise], None]:
                 resp: CheckpointResponse = await run()
-                self._backend_paths[resp.path] = m.id
                 if body.get("path") is not None:
                     ck = self._record(m, resp, "sampler_weights", name, "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
+                self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
