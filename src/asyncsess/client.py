@@ -74,13 +74,16 @@ from .types import (
     TrainingRun,
 )
 from .validation import (
+    MAX_SAMPLES,
     MAX_TOPK,
     check_checkpoint_path,
     check_count,
     check_datums,
     check_description,
+    check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
+    check_seed,
     check_session_options,
     check_target_prompt_logprobs,
     check_ttl_seconds,
@@ -242,12 +245,10 @@ class ServiceClient:
         per-call session options, which ``sagemaker://`` sends and other backends record in
         ``get_info().session_options``.
         """
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1024:
-            raise InvalidInputError(f"{rank!r} is not a LoRA rank", field="rank", fix="an int in 1..1024, e.g. rank=32")
+        check_lora_rank(rank)
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf")):
             raise InvalidInputError(f"{alpha!r} must be > 0", field="alpha", fix="e.g. alpha=2*rank, or None for the backend default")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise InvalidInputError(f"{seed!r} is not a seed", field="seed", fix="an int in 0..2**63-1, or None")
+        check_seed(seed)
         mlp, attn, unembed = (True if f is None else f for f in (train_mlp, train_attn, train_unembed))  # SageMaker: None = default
         if not (mlp or attn or unembed):
             raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="leave at least one True")
@@ -454,8 +455,7 @@ class ServiceClient:
         if base_model is not None:
             _check_base_model(base_model)
         rank, alpha = options.pop("rank", 32), options.pop("alpha", None)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1024:
-            raise InvalidInputError(f"{rank!r} is not a LoRA rank", field="rank", fix="an int in 1..1024")
+        check_lora_rank(rank)
         for ignored in ("seed", "train_mlp", "train_attn", "train_unembed"):
             options.pop(ignored, None)
         known = {"training_session_name", "model_package_group_arn", "s3_output_path", "kms_key_arn", "vpc_config"}
@@ -1202,7 +1202,7 @@ class SamplingClient:
         """
         self._require_attached("sample")
         tokens = coerce_prompt(prompt, self._encode)
-        check_count(num_samples, "num_samples", low=1, high=1000)
+        check_count(num_samples, "num_samples", low=1, high=MAX_SAMPLES)
         params = coerce_sampling_params(sampling_params)
         _check_bool(include_prompt_logprobs, "include_prompt_logprobs")
         k_prompt = check_count(topk_prompt_logprobs or 0, "topk_prompt_logprobs", high=MAX_TOPK)

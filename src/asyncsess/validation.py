@@ -16,6 +16,7 @@ from .errors import InvalidInputError, UnsupportedError
 from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = [
+    "MAX_SAMPLES",
     "LOSS_INPUTS",
     "LOSS_CONFIG_KEYS",
     "check_loss_fn",
@@ -28,6 +29,8 @@ __all__ = [
     "split_name_and_description",
     "check_description",
     "check_ttl_seconds",
+    "check_lora_rank",
+    "check_seed",
     "check_user_metadata",
     "check_session_options",
     "check_count",
@@ -293,6 +296,7 @@ _NAME_FIX = "1-128 of A-Z a-z 0-9 . _ - starting with a letter or digit (free te
 MAX_TOPK = 1024  # alternatives per position for top-k log-probs
 MAX_DESCRIPTION = 1024  # SageMaker's limit on a model package description
 MAX_METADATA_ITEMS = 64
+MAX_SAMPLES = 1000  # samples one request may ask for
 MAX_METADATA_CHARS = 1024
 _SESSION_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # SageMaker's TrainingSessionName
 
@@ -365,6 +369,18 @@ def check_ttl_seconds(ttl: Any) -> int | None:
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1 or ttl > 10 * 366 * 86400:
         raise InvalidInputError(f"{ttl!r} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
     return ttl
+
+
+def check_lora_rank(rank: Any, field: str = "rank") -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1024:
+        raise InvalidInputError(f"{rank!r:.40} is not a LoRA rank", field=field, fix="an int in 1..1024, e.g. rank=32")
+    return rank
+
+
+def check_seed(seed: Any, field: str = "seed") -> int | None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise InvalidInputError(f"{seed!r:.40} is not a seed", field=field, fix="an int in 0..2**63-1, or None")
+    return seed
 
 
 def check_user_metadata(meta: Any, field: str = "user_metadata") -> dict[str, str]:

@@ -311,6 +311,35 @@ def test_throttling_is_injected_with_the_runtime_status_and_code(sm, rt, emulato
     sm.stop_training_session(TrainingSessionName=name)
 
 
+@pytest.mark.parametrize(
+    "params, where",
+    [
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"topK": -5}, "top_k"),
+        ({"stop": ["x" * 100_000]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_get_validation_exception(sm, emulator, params, where):
+    """The emulator ran these and failed the operation afterwards (a pydantic error as errorDetails); bad input
+    is a ValidationException when sent, as the rest of a sample config is."""
+    name = _name()
+    new_session(sm, name)
+    _, rt = clients(emulator.url, validate=False)
+    sample = {"prompt": {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}, "numSamples": 1}
+    with pytest.raises(ClientError) as err:
+        rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"sample": sample | {"samplingParams": {"maxTokens": 512} | params}}
+        )
+    assert _code(err) == ("ValidationException", 400)
+    assert "samplingParams" in err.value.response["Error"]["Message"] and where in err.value.response["Error"]["Message"]
+    ok = rt.execute_sampling_operation(
+        trainingSessionName=name, operationConfig={"sample": sample | {"samplingParams": {"maxTokens": 512}}}
+    )
+    assert wait_op(rt.get_sampling_operation_result, name, ok["operationId"])["status"] == "Completed"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_sampling_compute_logprobs_and_weights_for_sampling(sm, rt, emulator):
     name = _name()
     new_session(sm, name)
@@ -365,6 +394,30 @@ def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     with pytest.raises(rt.exceptions.ValidationException):
         rt.sample_training_session(trainingSessionName=name, body=b'{"prompt": "no messages"}', contentType="application/json")
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize(
+    "request_body, says",
+    [
+        ({"messages": ["hi"]}, "list of objects"),
+        ({"messages": [{"content": "hi"}]}, "unknown role"),
+        ({"messages": [{"role": "user", "content": "x" * 100_000}]}, "exceed the context"),
+    ],
+)
+def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, emulator, request_body, says):
+    """Each was a 500 InternalServerException ('Emulator error': an AttributeError, or the tokenizer's or
+    sampler's InvalidInputError uncaught), plain and streamed; the session keeps answering."""
+    name = _name()
+    new_session(sm, name)
+    raw = json.dumps(request_body).encode()
+    with pytest.raises(rt.exceptions.ValidationException, match=says):
+        rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json", accept="application/json")
+    with pytest.raises(rt.exceptions.ValidationException, match=says):
+        rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw, contentType="application/json")
+    ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=ok, contentType="application/json")["body"].read())
+    assert answer["choices"][0]["message"]["role"] == "assistant"
     sm.stop_training_session(TrainingSessionName=name)
 
 

@@ -168,3 +168,28 @@ def test_the_openai_door_refuses_a_body_nested_too_deeply(mock_server: Server) -
     for route in ("/v1/chat/completions", "/v1/completions"):
         r = httpx.post(mock_server.url + route, content=b'{"model":' * 100_000, headers={**H, "Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text[:200]
+
+
+def test_session_text_fields_are_checked_so_search_keeps_working(mock_server: Server) -> None:
+    """A display_name or project_id with a lone surrogate was stored, and every search of that key's sessions was
+    then a 500 (the answer cannot be encoded); a status query whose reasons is not a list was a 500 (TypeError)."""
+    import tinker
+    from tinker import types
+
+    c = httpx.Client(base_url=mock_server.url, headers=H, timeout=30)
+    post = lambda path, raw: c.post(path, content=raw, headers={"Content-Type": "application/json"})  # noqa: E731
+    for body, field in [
+        (b'{"display_name": "\\ud800"}', "display_name"),
+        (b'{"project_id": "p\\udfff"}', "project_id"),
+        (b'{"display_name": "a\\u0000b"}', "display_name"),
+        (json.dumps({"display_name": "x" * 100_000}).encode(), "display_name"),
+        (b'{"display_name": ["x"]}', "display_name"),
+    ]:
+        _refused(post("/api/v1/create_session", body), 400, field)
+    sid = c.post("/api/v1/create_session", json={"display_name": "clean"}).json()["session_id"]
+    _refused(c.put(f"/api/v1/sessions/{sid}/project", content=b'{"project_id": "\\ud800"}'), 400, "project_id")
+    assert c.post(f"/api/v1/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code == 200
+    _refused(c.post("/api/v1/sessions/search", json={"statuses": [{"type": "client_finished", "reasons": 5}]}), 400, "statuses")
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    found = rest.search_sessions(types.SessionSearchRequest(session_id=sid)).result().sessions
+    assert [(s.session_id, s.display_name, s.project_id) for s in found] == [(sid, "clean", "")]

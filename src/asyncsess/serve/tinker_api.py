@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,9 +51,14 @@ from ..backends.sequencer import Sequencer
 from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
+    MAX_SAMPLES,
+    check_count,
     check_datums,
+    check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
+    check_seed,
+    check_ttl_seconds,
     check_user_metadata,
     coerce_adam_params,
     coerce_prompt,
@@ -69,6 +75,7 @@ log = logging.getLogger("asyncsess.serve.tinker")
 T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
+MAX_TEXT = 1024  # characters of a display_name or project_id
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 EXPIRED = {"type": "expired"}
 # forward_backward bodies up to this size (bytes, decompressed) are decoded, checked and answered on the event loop: there
@@ -223,6 +230,10 @@ def _status_matches(query: dict[str, Any], status: dict[str, Any] | None) -> boo
     return status["type"] != "client_finished" or reasons is None or status["reason"]["type"] in reasons
 
 
+def _is_status_query(q: Any) -> bool:
+    return isinstance(q, dict) and (q.get("reasons") is None or isinstance(q["reasons"], list))
+
+
 def _hash(body: Any) -> str:
     raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True, default=str).encode()
     return hashlib.sha256(raw).hexdigest()
@@ -244,6 +255,9 @@ class TinkerDoor:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
+        # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
+        self._backend_models: dict[str, str] = {}
+        self._backend_paths: dict[str, str] = {}
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
         self._vocab: dict[str, int | None] = {}
@@ -390,17 +404,8 @@ class TinkerDoor:
     def create_session(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         sid = str(uuid.uuid4())
         now = time.time()
-        name, project = body.get("display_name"), body.get("project_id")
-        self.sessions[sid] = _Session(
-            sid,
-            _tags(body),
-            _metadata(body),
-            now,
-            now,
-            owner=owner,
-            display_name=name if isinstance(name, str) else None,
-            project_id=project if isinstance(project, str) else None,
-        )
+        tags, meta, name, project = _tags(body), _metadata(body), _opt_text(body, "display_name"), _opt_text(body, "project_id")
+        self.sessions[sid] = _Session(sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project)
         return {"type": "create_session", "session_id": sid}
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -413,7 +418,7 @@ class TinkerDoor:
         meta, statuses, projects = body.get("user_metadata") or {}, body.get("statuses"), body.get("project_ids")
         if not isinstance(meta, dict):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
-        if statuses is not None and not (isinstance(statuses, list) and statuses and all(isinstance(q, dict) for q in statuses)):
+        if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
             raise ApiError(400, "must be a non-empty list of status queries", field="statuses", fix='e.g. [{"type": "active"}]')
         if projects is not None and not isinstance(projects, list):
             raise ApiError(400, "must be a list of project ids", field="project_ids")
@@ -479,6 +484,7 @@ class TinkerDoor:
 
         m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout)
         self.models[model_id] = m
+        self._backend_models[backend_id] = model_id
         session.models.append(model_id)
         return m
 
@@ -501,9 +507,11 @@ class TinkerDoor:
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise ApiError(400, "must be an object", field="lora_config")
-        rank = _int(lora, "rank", 32, field="lora_config.rank")
-        if rank < 1:
-            raise ApiError(400, f"rank={rank}", field="lora_config.rank", fix="use a rank >= 1")
+        try:
+            rank = check_lora_rank(lora.get("rank", 32), field="lora_config.rank")
+            seed = check_seed(lora.get("seed"), field="lora_config.seed")
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
         meta = _metadata(body)
         model_id = f"{session.id}:train:{seq}"
         promise, fresh = self._once(model_id, body, "create_model", session.id)
@@ -512,7 +520,7 @@ class TinkerDoor:
                 base_model=base_model,
                 rank=rank,
                 alpha=DEFAULT_LORA_ALPHA,
-                seed=lora.get("seed"),
+                seed=seed,
                 train_mlp=bool(lora.get("train_mlp", True)),
                 train_attn=bool(lora.get("train_attn", True)),
                 train_unembed=bool(lora.get("train_unembed", True)),
@@ -632,6 +640,8 @@ class TinkerDoor:
         vocab = await self._vocab_size(m.base_model)
 
         def check() -> Callable[..., TrainingOp] | InvalidInputError:
+            if wire.error is not None:
+                return wire.error
             try:
                 loss_fn = check_loss_fn(wire.loss_fn)
                 data = check_datums(wire.data, loss_fn, vocab_size=vocab)
@@ -672,7 +682,7 @@ class TinkerDoor:
 
             async def go() -> Callable[[Promise], None]:
                 out: OptimStepResponse = await run()
-                return lambda p: p.resolve(json={"metrics": out.metrics or {}, "type": "optim_step"})
+                return lambda p: p.resolve(json={"metrics": _json_floats(out.metrics or {}), "type": "optim_step"})
 
             return go
 
@@ -689,15 +699,16 @@ class TinkerDoor:
     def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str) -> _Checkpoint:
         path = f"tinker://{m.id}/{folder}/{name}"
         ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, time.time(), resp.step)
+        self._backend_paths[resp.path] = m.id
         self.checkpoints[path] = ck
         m.checkpoints.append(path)
         return ck
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
-        name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
 
         def make() -> Callable[[], Awaitable[Any]]:
+            name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
             run = self._op(m, functools.partial(SaveStateOp, name=name))
 
             async def go() -> Callable[[Promise], None]:
@@ -710,15 +721,14 @@ class TinkerDoor:
 
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
-        seq = _int(body, "seq_id")
-        ephemeral_seq = body.get("sampling_session_seq_id")
-        if ephemeral_seq is not None:
-            ephemeral_seq = _int(body, "sampling_session_seq_id")
-        name = _name(body.get("path"), f"ephemeral-{seq:06d}")
-        if body.get("path") is None and ephemeral_seq is None:
-            raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
 
         def make() -> Callable[[], Awaitable[Any]]:
+            ephemeral_seq = body.get("sampling_session_seq_id")
+            if ephemeral_seq is not None:
+                ephemeral_seq = _int(body, "sampling_session_seq_id")
+            name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
+            if body.get("path") is None and ephemeral_seq is None:
+                raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
             run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None))
 
             async def go() -> Callable[[Promise], None]:
@@ -726,6 +736,7 @@ class TinkerDoor:
                 if body.get("path") is not None:
                     ck = self._record(m, resp, "sampler_weights", name, "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
+                self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
@@ -735,43 +746,39 @@ class TinkerDoor:
         return self._submit_json(m, body, "save_weights_for_sampler", make)
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
-        """The backend path behind a ``tinker://`` path (other paths pass through to the backend)."""
+        """The backend path behind a ``tinker://`` path (other paths pass through to the backend, unless they name
+        another key's model: those are "not found", as its ``tinker://`` paths are)."""
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        if path.startswith("tinker://"):
+        if path.startswith("tinker://") or not all(self.owns(self.models[m].session_id) for m in self._backend_owners(path)):
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         return path, None
 
-    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _backend_owners(self, path: str) -> set[str]:
+        """The door models a backend path belongs to: the one that saved it, and any whose backend id is one of its
+        parts (``mock://<id>/…``, ``local://…/<id>/…``, however the path is spelled)."""
+        owners = {self._backend_models[part] for part in re.split(r"[/:\\]", path) if part in self._backend_models}
+        if path in self._backend_paths:
+            owners.add(self._backend_paths[path])
+        return owners
+
+    def _training_state(self, body: dict[str, Any]) -> tuple[str, str, _Checkpoint | None]:
+        """``load_weights``' path, the backend path behind it and its checkpoint record (a training state, not sampler weights)."""
         path = _str(body, "path")
-        with_optimizer = bool(body.get("optimizer", False))
         backend_path, ck = self._checkpoint(path, "path")
         if ck is not None and ck.kind != "training":
             raise ApiError(400, f"{path} holds sampler weights", field="path", fix="load a path from save_state (…/weights/…)")
+        return path, backend_path, ck
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        with_optimizer = bool(body.get("optimizer", False))
         if body.get("session_id") is not None:  # create via load: the model's first request
-            session = self._session(_str(body, "session_id"))
-            model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
-            meta = _metadata(body)
-            promise, fresh = self._once(model_id, body, "load_weights", session.id)
-            if fresh:
-                base_model = body.get("base_model") or (ck.base_model if ck else "")
-                rank = ck.rank if ck else 32
-                spec = TrainingSessionSpec(
-                    base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
-                )
-
-                async def work() -> Callable[[Promise], None]:
-                    info = await self.backend.create_training_session(spec)
-                    await self._adopt(session, info.model_id)
-                    self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
-                    return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
-
-                self._spawn(promise, work)
-            return _future(promise, model_id)
+            return self._create_from_state(body, with_optimizer)
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
+            path, backend_path, _ = self._training_state(body)
             run = self._op(m, functools.partial(LoadStateOp, path=backend_path, with_optimizer=with_optimizer))
 
             async def go() -> Callable[[Promise], None]:
@@ -781,6 +788,28 @@ class TinkerDoor:
             return go
 
         return self._submit_json(m, body, "load_weights", make)
+
+    def _create_from_state(self, body: dict[str, Any], with_optimizer: bool) -> dict[str, Any]:
+        path, backend_path, ck = self._training_state(body)
+        session = self._session(_str(body, "session_id"))
+        model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
+        meta = _metadata(body)
+        promise, fresh = self._once(model_id, body, "load_weights", session.id)
+        if fresh:
+            base_model = body.get("base_model") or (ck.base_model if ck else "")
+            rank = ck.rank if ck else 32
+            spec = TrainingSessionSpec(
+                base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
+            )
+
+            async def work() -> Callable[[Promise], None]:
+                info = await self.backend.create_training_session(spec)
+                await self._adopt(session, info.model_id)
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
+                return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
+
+            self._spawn(promise, work)
+        return _future(promise, model_id)
 
     # ------------------------------------------------------------------------------- sampling
 
@@ -834,9 +863,9 @@ class TinkerDoor:
         try:
             prompt = coerce_prompt(body.get("prompt"), field="prompt")
             params = coerce_sampling_params(body.get("sampling_params"))
-            n = _int(body, "num_samples", 1)
-            if n < 1:
-                raise ApiError(400, f"num_samples={n}", field="num_samples", fix="ask for at least one sample")
+            n = check_count(body.get("num_samples", 1), "num_samples", low=1, high=MAX_SAMPLES)
+            if body.get("prompt_logprobs_last_n") is not None and _int(body, "prompt_logprobs_last_n") < 1:
+                raise ApiError(400, "must be 1 or more", field="prompt_logprobs_last_n", fix="count the prompt positions to keep")
             for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
                 if body.get(k):
                     raise ApiError(400, "top-k log-probs are not offered", field=k, fix="leave it at 0")
@@ -943,9 +972,10 @@ class TinkerDoor:
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
-        ttl = body.get("ttl_seconds")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
-            raise ApiError(400, f"ttl_seconds={ttl!r:.40}", field="ttl_seconds", fix="a positive number of seconds, or null for never")
+        try:
+            ttl = check_ttl_seconds(body.get("ttl_seconds"))
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
         ck.expires_at = None if ttl is None else time.time() + ttl
 
     def publish(self, model_id: str, checkpoint_id: str, public: bool) -> None:
@@ -979,10 +1009,7 @@ class TinkerDoor:
         s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
-        project = body.get("project_id")
-        if project is not None and not isinstance(project, str):
-            raise ApiError(400, "must be a string or null", field="project_id")
-        s.project_id = project
+        s.project_id = _opt_text(body, "project_id")
 
     async def capabilities(self) -> dict[str, Any]:
         caps = await self.backend.capabilities()
@@ -1040,6 +1067,26 @@ def _str(body: dict[str, Any], key: str) -> str:
         except UnicodeEncodeError:
             raise ApiError(400, "is not valid Unicode (a lone surrogate?)", field=key, fix="send UTF-8-encodable text") from None
     return v
+
+
+def _json_floats(metrics: dict[str, float]) -> dict[str, float | str]:
+    """Metrics for a JSON answer: NaN and infinities (an exploded gradient's grad_norm) as the strings "NaN",
+    "Infinity", "-Infinity", which the SDK's pydantic types read back as floats. JSON has no such numbers: the
+    answer was a 500 on every poll, which the SDK retried without end."""
+    return {
+        k: v if not isinstance(v, float) or math.isfinite(v) else str(v).replace("inf", "Infinity").replace("nan", "NaN")
+        for k, v in metrics.items()
+    }
+
+
+def _opt_text(body: dict[str, Any], key: str) -> str | None:
+    """An optional text field (``display_name``, ``project_id``): absent, or at most 1024 characters of clean text."""
+    if body.get(key) in (None, ""):
+        return None
+    text = _str(body, key)
+    if len(text) > MAX_TEXT:
+        raise ApiError(400, f"{len(text)} characters", field=key, fix=f"keep it to {MAX_TEXT}")
+    return text
 
 
 def _int(body: dict[str, Any], key: str, default: int | None = None, *, field: str | None = None) -> int:

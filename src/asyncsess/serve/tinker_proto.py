@@ -72,12 +72,20 @@ def compress(body: bytes, level: int = 3) -> bytes:
 
 
 class ForwardBackwardWire:
-    """A decoded ``ForwardBackwardRequest``."""
+    """A decoded ``ForwardBackwardRequest``. ``error``: why its loss config or data were refused (the model and
+    ``seq_id`` are still known, so the server can use up that turn)."""
 
-    __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "forward_only", "data")
+    __slots__ = ("model_id", "seq_id", "loss_fn", "loss_fn_config", "forward_only", "data", "error")
 
     def __init__(
-        self, model_id: str, seq_id: int, loss_fn: str, loss_fn_config: dict[str, float] | None, forward_only: bool, data: list[Datum]
+        self,
+        model_id: str,
+        seq_id: int,
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
+        forward_only: bool,
+        data: list[Datum],
+        error: InvalidInputError | None = None,
     ) -> None:
         self.model_id = model_id
         self.seq_id = seq_id
@@ -85,6 +93,7 @@ class ForwardBackwardWire:
         self.loss_fn_config = loss_fn_config
         self.forward_only = forward_only
         self.data = data
+        self.error = error
 
 
 def _tensor_from_pb(msg: Any, where: str) -> TensorData:
@@ -123,13 +132,24 @@ def _tensor_from_pb(msg: Any, where: str) -> TensorData:
 
 
 def decode_forward_backward(body: bytes) -> ForwardBackwardWire:
-    """Parse a (decompressed) ``ForwardBackwardRequest``; raise ``InvalidInputError`` naming the bad field."""
+    """Parse a (decompressed) ``ForwardBackwardRequest``. A body that is not one raises ``InvalidInputError``; bad
+    config or data come back as the wire's ``error``, naming the field."""
     pb = _pb()
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as err:  # protobuf's DecodeError
         raise InvalidInputError(f"not a ForwardBackwardRequest protobuf ({err})", field="body") from None
+    wire = ForwardBackwardWire(msg.model_id, msg.seq_id, msg.loss_fn, None, msg.forward_only, [])
+    try:
+        wire.loss_fn_config = _config_from_pb(msg)
+        wire.data = [_datum_from_pb(d, i) for i, d in enumerate(msg.data)]
+    except InvalidInputError as err:
+        wire.error = err
+    return wire
+
+
+def _config_from_pb(msg: Any) -> dict[str, float] | None:
     config: dict[str, float] = {}
     for k, v in msg.loss_fn_config_v2.items():
         if v.WhichOneof("value") == "text":
@@ -137,20 +157,21 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardWire:
         config[k] = v.number
     for k, num in msg.loss_fn_config.items():
         config.setdefault(k, num)
-    data: list[Datum] = []
-    for i, d in enumerate(msg.data):
-        chunks = []
-        for j, c in enumerate(d.model_input):
-            kind = c.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise InvalidInputError(f"{kind} chunks are not supported", field=f"data[{i}].model_input[{j}]", fix="send token ids")
-            raw = c.encoded_text.tokens
-            if len(raw) % 4:
-                raise InvalidInputError("token bytes are not int32", field=f"data[{i}].model_input[{j}]")
-            chunks.append(EncodedTextChunk.model_construct(tokens=np.frombuffer(raw, dtype="<i4").tolist(), type="encoded_text"))
-        inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]") for k, t in d.loss_fn_inputs.items()}
-        data.append(Datum.model_construct(model_input=ModelInput.model_construct(chunks=chunks), loss_fn_inputs=inputs))
-    return ForwardBackwardWire(msg.model_id, msg.seq_id, msg.loss_fn, config or None, msg.forward_only, data)
+    return config or None
+
+
+def _datum_from_pb(d: Any, i: int) -> Datum:
+    chunks = []
+    for j, c in enumerate(d.model_input):
+        kind = c.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidInputError(f"{kind} chunks are not supported", field=f"data[{i}].model_input[{j}]", fix="send token ids")
+        raw = c.encoded_text.tokens
+        if len(raw) % 4:
+            raise InvalidInputError("token bytes are not int32", field=f"data[{i}].model_input[{j}]")
+        chunks.append(EncodedTextChunk.model_construct(tokens=np.frombuffer(raw, dtype="<i4").tolist(), type="encoded_text"))
+    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]") for k, t in d.loss_fn_inputs.items()}
+    return Datum.model_construct(model_input=ModelInput.model_construct(chunks=chunks), loss_fn_inputs=inputs)
 
 
 def _tensor_to_pb(msg: Any, td: TensorData) -> None:

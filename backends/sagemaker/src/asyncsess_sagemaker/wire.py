@@ -201,6 +201,19 @@ def check_sample_config(config: dict[str, Any], vocab_size: int | None = None) -
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ShapeError(f"{path}.prompt", f"token id must be in [0, {vocab_size})", bad)
+    if kind == "sample":
+        try:
+            sampling_params_from_wire(body["samplingParams"])
+        except ValueError as err:  # pydantic's ValidationError: a seed, top_k or stop string the sampler refuses
+            raise ShapeError(f"{path}.samplingParams", _first_error(err), body["samplingParams"]) from None
+
+
+def _first_error(err: ValueError) -> str:
+    errors = getattr(err, "errors", None)
+    if not callable(errors) or not errors():
+        return str(err)
+    first = errors()[0]
+    return f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
 
 
 # ---------------------------------------------------------------------------------- conversions

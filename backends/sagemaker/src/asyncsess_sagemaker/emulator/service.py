@@ -36,7 +36,7 @@ from asyncsess.backends import (
     unknown_op,
 )
 from asyncsess.backends.sequencer import Sequencer
-from asyncsess.errors import AsyncSessError, PoisonedError, SessionGoneError
+from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, SessionGoneError
 from asyncsess.serve.openai_wire import content_pieces
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
@@ -661,13 +661,18 @@ class EmulatedService:
         if model_package is not None:
             self._known_package(model_package)
         messages = request.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise AwsError.validation("The request body must be a JSON chat-completions request with a non-empty 'messages' list")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise AwsError.validation(
+                "The request body must be a JSON chat-completions request with a non-empty 'messages' list of objects"
+            )
         tok = self.inner.get_tokenizer(sess.model.model_id)
-        if hasattr(tok, "apply_chat_template"):
-            prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-        else:
-            prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
+        try:
+            if hasattr(tok, "apply_chat_template"):
+                prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            else:
+                prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
+        except Exception as err:  # the messages are the only input: an unknown role, content the template cannot render
+            raise AwsError.validation(f"The messages cannot be rendered as a prompt: {err}") from None
         try:
             params = SamplingParams.model_validate(
                 {
@@ -681,7 +686,12 @@ class EmulatedService:
         except ValueError as err:
             raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
         sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
-        resp = await self.inner.sample(sampler, SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=self._capped(params)))
+        try:
+            resp = await self.inner.sample(
+                sampler, SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=self._capped(params))
+            )
+        except InvalidInputError as err:  # e.g. a prompt longer than the model's context
+            raise AwsError.validation(str(err)) from None
         seq = resp.sequences[0]
         sess.prefill_tokens += len(prompt)
         sess.sample_tokens += len(seq.tokens)

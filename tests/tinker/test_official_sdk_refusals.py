@@ -1,0 +1,197 @@
+"""What the official ``tinker`` SDK (0.38) gets for bad input a stranger sends through it: a 4xx it raises
+readably, and nothing else changes — the refused request's ``seq_id`` is used up, so the model's next request
+runs, and nothing is saved or created."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import tinker
+from tinker import types
+
+from .conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.tinker
+
+BASE = "mock/bigram-tiny"
+GAP = 2.0  # seconds a model's queue waits for a missing seq_id before failing the requests behind it
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    for srv in start_server("mock://"):
+        srv.door.gap_timeout = GAP  # a request left waiting on a seq_id the server never used up fails fast
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def service(server: Server) -> Iterator[tinker.ServiceClient]:
+    sc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield sc
+    sc.holder.close()
+
+
+def _datum(weights: list[float], **inputs: list[float]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": weights, **inputs},
+    )
+
+
+GOOD = [_datum([1.0, 1.0, 1.0])]
+IS_INPUTS = {"logprobs": [-1.0, -1.0, -1.0], "advantages": [1.0, 1.0, 1.0]}
+
+Refusal = Callable[[tinker.TrainingClient], Any]
+REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
+    "NaN weight": (lambda tc: tc.forward_backward([_datum([1.0, math.nan, 1.0])], "cross_entropy"), tinker.BadRequestError, "weights"),
+    "infinite logprob": (
+        lambda tc: tc.forward_backward(
+            [_datum([1.0, 1.0, 1.0], logprobs=[-1.0, -math.inf, -1.0], advantages=[1.0, 1.0, 1.0])], "importance_sampling"
+        ),
+        tinker.BadRequestError,
+        "logprobs",
+    ),
+    "forward of a NaN advantage": (
+        lambda tc: tc.forward([_datum([1.0, 1.0, 1.0], logprobs=[-1.0] * 3, advantages=[math.nan] * 3)], "importance_sampling"),
+        tinker.BadRequestError,
+        "advantages",
+    ),
+    "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
+    "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
+    "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_refused_op_uses_up_its_seq_id(service: tinker.ServiceClient, server: Server, case: str) -> None:
+    """The SDK numbers every op; a refusal the server did not count as that op's turn left the model's queue
+    waiting for it, so every later op failed ('ops N..N never arrived')."""
+    call, error, match = REFUSALS[case]
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    tc.forward_backward(GOOD, "cross_entropy").result()
+    with pytest.raises(error, match=match):
+        call(tc).result()
+    out = tc.forward_backward(GOOD, "cross_entropy").result()  # waited GAP s, then failed, before the fix
+    assert out.metrics["loss:sum"] > 0
+    assert tc.optim_step(types.AdamParams(learning_rate=0.1)).result() is not None
+    assert [
+        c.checkpoint_id for c in tinker.RestClient(base_url=server.url, api_key=API_KEY).list_checkpoints(tc.model_id).result().checkpoints
+    ] == []
+
+
+def test_load_state_of_sampler_weights_uses_up_its_seq_id(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    sampler_path = tc.save_weights_for_sampler("for-sampling").result().path
+    before = tc.forward(GOOD, "cross_entropy").result().metrics["loss:sum"]
+    with pytest.raises(tinker.BadRequestError, match="holds sampler weights"):
+        tc.load_state(sampler_path).result()
+    assert tc.forward(GOOD, "cross_entropy").result().metrics["loss:sum"] == before  # runs, on unchanged weights
+
+
+OTHER_KEY = "tml-asyncsess-other"
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Server]:
+    """One server, two tenants."""
+    yield from start_server("mock://", api_keys={API_KEY, OTHER_KEY})
+
+
+def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
+    """A path that is not ``tinker://`` goes to the backend as is; mock:// names its sessions mock-train-1, 2, ...,
+    so another key could resume (and read) a tenant's training state by spelling its backend path."""
+    owner = tinker.ServiceClient(base_url=shared.url, api_key=API_KEY)
+    other = tinker.ServiceClient(base_url=shared.url, api_key=OTHER_KEY)
+    try:
+        tc = owner.create_lora_training_client(base_model=BASE, rank=8).result()
+        tc.forward_backward(GOOD, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.5)).result()
+        state = shared.door.checkpoints[tc.save_state("mine").result().path].backend_path
+        backend_id = shared.door.models[tc.model_id].backend_id
+        assert state == f"mock://{backend_id}/weights/mine"  # what a stranger can guess
+        for spelled in (state, f"mock://{backend_id}/weights/../weights/mine"):
+            with pytest.raises(tinker.NotFoundError, match="path"):
+                other.create_training_client_from_state_with_optimizer(spelled).result()
+        theirs = other.create_lora_training_client(base_model=BASE, rank=8).result()
+        before = theirs.forward(GOOD, "cross_entropy").result().metrics["loss:sum"]
+        with pytest.raises(tinker.NotFoundError, match="path"):
+            theirs.load_state(state).result()
+        assert theirs.forward(GOOD, "cross_entropy").result().metrics["loss:sum"] == before  # nothing loaded
+        mine = owner.create_training_client_from_state_with_optimizer(state).result()  # the owner still may
+        assert mine.forward(GOOD, "cross_entropy").result().metrics == tc.forward(GOOD, "cross_entropy").result().metrics
+    finally:
+        owner.holder.close()
+        other.holder.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"rank": 4096}, "lora_config.rank"),
+        ({"rank": 2**40}, "lora_config.rank"),
+        ({"seed": 2**63}, "lora_config.seed"),
+        ({"seed": -1}, "lora_config.seed"),
+    ],
+)
+def test_create_model_refuses_a_rank_or_seed_out_of_range(
+    service: tinker.ServiceClient, server: Server, options: dict[str, int], match: str
+) -> None:
+    """The door handed any rank and seed to the backend (mock:// took rank 2**40; local:// would try to allocate
+    it). asyncsess's own client refuses both before sending; now the door does too, creating nothing."""
+    models = len(server.door.models)
+    with pytest.raises(tinker.BadRequestError, match=match):
+        service.create_lora_training_client(base_model=BASE, **{"rank": 8, **options}).result()
+    assert len(server.door.models) == models
+
+
+def test_checkpoint_ttl_out_of_range_is_refused(service: tinker.ServiceClient, server: Server) -> None:
+    """A TTL of 10**30 s was stored, and every listing of the run's checkpoints was then a 500 (no such date)."""
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    path = tc.save_state("kept").result().path
+    for ttl in (10**30, 2**63, 0):
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+            rest.set_checkpoint_ttl_from_tinker_path(path, ttl).result()
+    [ck] = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert ck.expires_at is None
+    rest.set_checkpoint_ttl_from_tinker_path(path, 86400).result()
+    [ck] = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert ck.expires_at is not None and ck.expires_at > ck.time
+
+
+def test_a_step_with_non_finite_metrics_is_answered(service: tinker.ServiceClient) -> None:
+    """A sampling log-prob of -1e30 (finite, so accepted) overflows the importance ratio: the gradient is NaN and
+    so is optim_step's grad_norm. Its answer was a 500 on every poll (JSON has no NaN), which the SDK retried
+    without end; now it arrives, the NaN as the SDK's float, as in-process."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    extreme = _datum([1.0, 1.0, 1.0], logprobs=[-1.0, -1e30, -1.0], advantages=[1.0, 1.0, 1.0])
+    assert math.isinf(tc.forward_backward([extreme], "importance_sampling").result().metrics["loss:sum"])
+    step = tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)  # a guard: without the fix it never answers
+    assert math.isnan(step.metrics["grad_norm"])
+
+
+def test_a_sample_of_too_many_sequences_is_refused(service: tinker.ServiceClient) -> None:
+    """num_samples had no upper bound: 10**6 samples ran on the server (mock:// on its event loop, which froze
+    every tenant's requests) and built one huge answer. The door now refuses what asyncsess's client refuses."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt, params = types.ModelInput.from_ints([5, 6]), types.SamplingParams(max_tokens=1, seed=0)
+    with pytest.raises(tinker.BadRequestError, match="num_samples"):
+        sampler.sample(prompt, num_samples=1001, sampling_params=params).result()
+    assert len(sampler.sample(prompt, num_samples=1000, sampling_params=params).result().sequences) == 1000
+
+
+def test_a_bad_prompt_logprobs_last_n_is_refused(service: tinker.ServiceClient, server: Server) -> None:
+    """The SDK checks it itself; sent raw, "x" was accepted and failed the sample later with a ValueError."""
+    import httpx
+
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 900, "num_samples": 1, "prompt_logprobs": True}
+    body |= {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}, "sampling_params": {"max_tokens": 1}}
+    for last_n in ("x", 0, -5, 2.5):
+        resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"prompt_logprobs_last_n": last_n}, headers={"X-API-Key": API_KEY})
+        assert resp.status_code == 400 and resp.json()["field"] == "prompt_logprobs_last_n", resp.text
