@@ -30,6 +30,15 @@ _NEEDS = {
 }
 _HERE = Path(__file__).parent
 
+# Property-based tests draw the same examples on every run, so that a CI gate never depends on luck;
+# ASYNCSESS_FUZZ_RANDOM=1 draws new ones each run, to explore (ASYNCSESS_FUZZ_EXAMPLES scales the fuzz suites).
+if importlib.util.find_spec("hypothesis") is not None:
+    from hypothesis import settings as _hypothesis
+
+    _hypothesis.register_profile("repeatable", derandomize=True)
+    _hypothesis.register_profile("explore", derandomize=False)
+    _hypothesis.load_profile("explore" if os.environ.get("ASYNCSESS_FUZZ_RANDOM") == "1" else "repeatable")
+
 
 def _installed(module: str) -> bool:
     try:

@@ -194,6 +194,9 @@ BAD = [
     ({"messages": [{"role": "user", "content": "nul \x00 no"}]}, 400, "messages.0.content"),  # NUL is refused, as by the worker
     ({"user": "\ud800"}, 400, "user"),
     ({"\udfff": 1}, 400, "\\udfff"),  # a parameter name that is not valid Unicode, named with an escape
+    ({'qu]"x': 2**31}, 400, 'qu]"x'),  # an unknown name with a bracket (was param null: taken for a union branch)
+    ({"list[int]": 1}, 400, "list[int]"),
+    ({"messages": [{"role": "user", "content": "x", "a[0]": 1}]}, 400, "messages.0.a[0]"),
     ({"metadata": {"rollout_id": "r" * 513}}, 400, "metadata.rollout_id"),
     ({"messages": [{"role": "user", "content": "long " * 20000}]}, 400, "prompt"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0.type"),

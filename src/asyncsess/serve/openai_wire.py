@@ -241,8 +241,10 @@ class CompletionRequest(SamplingRequest):
 
 def validation_error(err: ValidationError) -> FrontError:
     e = max(err.errors(), key=lambda x: len(x["loc"]))  # of a union's branches, the one that got furthest
+    raw = [str(x) for x in e["loc"]]
+    own = raw[-1:] if e["type"] == "extra_forbidden" else []  # an unknown key is the caller's name, whatever it holds
     # drop the union branch names pydantic adds (str, list[...], function-after[...])
-    loc = [str(x) for x in e["loc"] if not any(c in str(x) for c in "[]") and x not in ("str", "int", "list")]
+    loc = [x for x in raw[: len(raw) - len(own)] if not any(c in x for c in "[]") and x not in ("str", "int", "list")] + own
     param = ".".join(loc) if loc else None  # an empty name ("") is named as it is
     if e["type"] == "extra_forbidden":
         return FrontError(
