@@ -216,14 +216,20 @@ async def test_the_tinker_routes_hide_another_keys_sessions(server) -> None:
     assert (await http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=a)).json()["base_model"] == BASE
 
 
-async def test_a_published_sampler_path_serves_every_key_with_captures_apart(server) -> None:
-    app, http = server
-    a = {"X-API-Key": KEY_A}
+async def _sampler_saved_as_pub(http, a: dict[str, str]) -> tuple[str, str]:
+    """A new model of key ``a`` and the tinker:// path of its sampler weights saved as ``pub``."""
     sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
     fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
     model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
     fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "pub"}, headers=a)
     path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    return model_id, path
+
+
+async def test_a_published_sampler_path_serves_every_key_with_captures_apart(server) -> None:
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    model_id, path = await _sampler_saved_as_pub(http, a)
     with pytest.raises(openai.NotFoundError):
         await _openai(http, KEY_B, "p").completions.create(model=path, prompt=[5, 6], max_tokens=3)
     resp = await http.post(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub/publish", headers=a)
@@ -242,11 +248,7 @@ async def test_an_unpublished_or_deleted_path_serves_no_other_key_any_more(serve
     path it never saw (B's cached front kept serving them)."""
     app, http = server
     a = {"X-API-Key": KEY_A}
-    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
-    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
-    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
-    fut = await http.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "pub"}, headers=a)
-    path = (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).json()["path"]
+    model_id, path = await _sampler_saved_as_pub(http, a)
     route = f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub"
     b_client = _openai(http, KEY_B)
     for take_back in ("/publish", ""):  # unpublish, then (published again) delete
