@@ -83,6 +83,7 @@ from .validation import (
     check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
+    check_overwrite,
     check_seed,
     check_session_options,
     check_target_prompt_logprobs,
@@ -928,8 +929,8 @@ class TrainingClient:
             "overwrite": _check_bool(overwrite, "overwrite"),
             "user_metadata": check_user_metadata(meta) or None,
         }
-        if name is not None and (kind, name) in self._saved_names and not overwrite:  # the backend would refuse it after numbering
-            raise ConflictError(f"this session already saved {name!r}", field="name", fix="pick another name, or pass overwrite=True")
+        if name is not None:  # a remote backend would refuse it only after numbering
+            check_overwrite(name, (kind, name) in self._saved_names, fields["overwrite"])
         return fields
 
     def _remember(self, kind: str, fields: dict[str, Any], fut: APIFuture[T]) -> APIFuture[T]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import InvalidInputError, UnsupportedError
+from .errors import ConflictError, InvalidInputError, UnsupportedError
 from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "coerce_sampling_params",
     "coerce_adam_params",
     "check_checkpoint_name",
+    "check_overwrite",
     "split_name_and_description",
     "check_description",
     "check_ttl_seconds",
@@ -311,6 +312,15 @@ def check_checkpoint_name(name: Any, field: str = "name") -> str:
         shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:80]) + "..."
         raise InvalidInputError(f"{shown} is not a checkpoint name", field=field, fix=_NAME_FIX)
     return name  # type: ignore[no-any-return]
+
+
+def check_overwrite(name: str, taken: bool, overwrite: bool) -> None:
+    """A save under ``name`` where a checkpoint already is: a :class:`ConflictError` naming ``overwrite``,
+    unless ``overwrite`` is set (then the save replaces it). Every backend refuses it before numbering."""
+    if taken and not overwrite:
+        raise ConflictError(
+            f"a checkpoint named {name!r} already exists", field="overwrite", fix="pass overwrite=True to replace it, or pick another name"
+        )
 
 
 def _check_text(value: Any, field: str, limit: int) -> str:

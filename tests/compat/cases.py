@@ -2,7 +2,8 @@
 
 Each case is ``(id, target, call, field)``: ``call(obj)`` must raise (or its future must fail with)
 an ``InvalidInputError`` whose ``field`` contains ``field``; ``target`` says which object it gets:
-the TrainingClient (``"tc"``), the SamplingClient (``"sc"``) or the ServiceClient (``"svc"``).
+the TrainingClient (``"tc"``), the SamplingClient (``"sc"``) or the ServiceClient (``"svc"``). The suites
+save a checkpoint named ``TAKEN`` on the TrainingClient first.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def good_datum() -> Datum:
 NAN, INF = math.nan, math.inf
 LONG = "x" * 5000
 SURROGATE = "\ud800"
+TAKEN = "taken"  # a name the suites have saved before the cases run
 
 Case = tuple[str, str, Callable[[Any], Any], str]
 
@@ -81,6 +83,8 @@ CASES: list[Case] = [
     ("save-ttl-negative", "tc", lambda tc: tc.save_state("ok", -1), "ttl_seconds"),
     ("save-ttl-float", "tc", lambda tc: tc.save_state("ok", ttl_seconds=1.5), "ttl_seconds"),
     ("save-overwrite-not-bool", "tc", lambda tc: tc.save_state("ok", overwrite="yes"), "overwrite"),
+    ("save-name-taken", "tc", lambda tc: tc.save_state(TAKEN), "overwrite"),
+    ("sampler-save-name-taken", "tc", lambda tc: tc.save_weights_for_sampler(TAKEN), "overwrite"),
     ("save-metadata-not-str", "tc", lambda tc: tc.save_state("ok", user_metadata={"k": 1}), "user_metadata"),
     ("save-metadata-surrogate-key", "tc", lambda tc: tc.save_state("ok", user_metadata={SURROGATE: "v"}), "user_metadata"),
     ("sampler-save-merge-not-bool", "tc", lambda tc: tc.save_weights_for_sampler("ok", "yes"), "merge_weights"),

@@ -28,6 +28,8 @@ async def run_all(url: str, base_model: str, options: dict[str, Any] | None = No
     async with ServiceClient(url, **(options or {})) as svc:
         tc = await svc.create_lora_training_client(base_model, rank=4)
         sc = await tc.save_weights_and_get_sampling_client()
+        await tc.save_state(cases.TAKEN)
+        await tc.save_weights_for_sampler(cases.TAKEN)
         for name, target, call, field in cases.CASES:
             if name in skip:
                 continue

@@ -7,7 +7,7 @@ import pytest
 
 from asyncsess import InvalidInputError, ServiceClient
 
-from .cases import CASES, check_still_works, expect_rejected, good_datum
+from .cases import CASES, TAKEN, check_still_works, expect_rejected, good_datum
 
 pytestmark = pytest.mark.anyio
 
@@ -18,6 +18,8 @@ async def test_bad_input_is_rejected_before_numbering(target, call, field):
         tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
         await tc.forward_backward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": [40, 41, 2], "weights": [1.0] * 3})
         sc = await tc.save_weights_and_get_sampling_client()
+        await tc.save_state(TAKEN)
+        await tc.save_weights_for_sampler(TAKEN)
         before = tc.current_sequence_number
         obj = {"tc": tc, "sc": sc, "svc": svc}[target]
         await expect_rejected(lambda: call(obj), field)

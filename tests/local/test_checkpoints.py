@@ -4,14 +4,15 @@ real peft/transformers loaders read, listing, and paths outside the storage root
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncsess.backends import SamplerSpec, TrainingSessionSpec  # noqa: E402
-from asyncsess.errors import InvalidInputError, PoisonedError  # noqa: E402
+from asyncsess.backends import SamplerSpec, SaveStateOp, SaveWeightsOp, TrainingSessionSpec  # noqa: E402
+from asyncsess.errors import ConflictError, InvalidInputError, PoisonedError  # noqa: E402
 from asyncsess.types import AdamParams  # noqa: E402
 
 from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
@@ -192,5 +193,54 @@ async def test_merged_export_of_a_tied_embedding_model_keeps_the_embeddings(tmp_
         assert got == pytest.approx(engine_lp[1:], abs=1e-4)
         base = AutoModelForCausalLM.from_pretrained(tied)
         assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)
+    finally:
+        await b.aclose()
+
+
+async def test_a_taken_name_is_refused_before_numbering_and_overwrite_replaces_it_whole(backend_factory, tiny, monkeypatch):
+    """A save under a name that holds a checkpoint is refused by ``precheck`` (the client's call while numbering)
+    unless overwrite=True; a replacement that fails part-way leaves the older checkpoint whole under the name."""
+    b = backend_factory()
+    try:
+        await b.open()
+        data = [sft_datum(b.get_tokenizer(tiny).encode(t)) for t in TEXTS]
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=3))
+        ops = Ops()
+        first = await b.execute_training(a.model_id, ops("save_state", name="ckpt"))
+        await b.execute_training(a.model_id, ops("save_weights", name="w"))
+        await _steps(b, a.model_id, ops, data, 1)
+        final = _path(first.path)
+        for taken in (
+            SaveStateOp(seq=ops.seq + 1, idempotency_key="k", name="ckpt"),
+            SaveWeightsOp(seq=ops.seq + 1, idempotency_key="k", name="w"),
+        ):
+            with pytest.raises(ConflictError) as err:
+                b.precheck(a.model_id, taken)
+            assert err.value.field == "overwrite" and "overwrite=True" in (err.value.fix or "")
+        assert json.loads((final / "asyncsess.json").read_text())["step"] == 0
+
+        replaced = await b.execute_training(a.model_id, ops("save_state", name="ckpt", overwrite=True))
+        assert replaced.path == first.path and replaced.step == 1
+        assert json.loads((final / "asyncsess.json").read_text())["step"] == 1
+        resumed = await b.create_training_session(TrainingSessionSpec(base_model=tiny, from_path=first.path, with_optimizer=True))
+        assert resumed.step == 1
+
+        real_rename = Path.rename
+
+        def rename(self, target):  # the new checkpoint never gets into place (a full disk, a crash)
+            if Path(target) == final and self.parent == final.parent:
+                raise OSError("injected: rename failed")
+            return real_rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", rename)
+        await _steps(b, a.model_id, ops, data, 1)
+        with pytest.raises(Exception, match="injected"):
+            await b.execute_training(a.model_id, ops("save_state", name="ckpt", overwrite=True))
+        monkeypatch.undo()
+        assert json.loads((final / "asyncsess.json").read_text())["step"] == 1  # the older one, whole
+        assert sorted(p.name for p in final.parent.iterdir()) == ["ckpt"]  # no scratch or replaced copy left
+
+        shutil.copytree(final, final.parent / ".ckpt.crashed")  # what a killed worker leaves mid-save
+        assert sorted(c.checkpoint_id.split("/")[-1] for c in await b.list_checkpoints(a.model_id)) == ["ckpt", "w"]
     finally:
         await b.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from asyncsess import ServiceClient
 from asyncsess.backends import SamplerSpec, TrainingSessionSpec
 from asyncsess.errors import ConflictError, InvalidInputError
 from asyncsess.types import AdamParams
@@ -113,8 +114,26 @@ async def test_sampler_weights_list_checkpoints_and_errors(open_session, datum):
     assert err.value.field == "model_path"
     with pytest.raises(ConflictError) as err:
         await s.run("save_state", name="ckpt")
-    assert err.value.field == "name"
+    assert err.value.field == "overwrite"
     await b.stop_session(s.id)
+
+
+@pytest.mark.anyio
+async def test_a_taken_name_is_refused_before_numbering_even_one_the_backend_chose():
+    """The backend judges a save's name while the client numbers it (``precheck``): a name that holds a checkpoint
+    is refused naming ``overwrite`` and takes no seq, though this client never saved that name itself."""
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        auto = await tc.save_state()  # named by the backend
+        name = auto.path.rsplit("/", 1)[1]
+        before = tc.current_sequence_number
+        with pytest.raises(ConflictError) as err:
+            tc.save_state(name)
+        assert err.value.field == "overwrite" and "overwrite=True" in (err.value.fix or "")
+        assert tc.current_sequence_number == before
+        await tc.optim_step(HP)
+        replaced = await tc.save_state(name, overwrite=True)
+        assert (replaced.path, replaced.step) == (auto.path, 1)
 
 
 @pytest.mark.anyio

@@ -20,7 +20,17 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import ConfigDict
 
 from ..errors import InvalidInputError, UnsupportedError
-from ..types import AdamParams, Checkpoint, Datum, GetInfoResponse, SampleResponse, SamplingParams, ServerCapabilities, TrainingResult
+from ..types import (
+    AdamParams,
+    Checkpoint,
+    CheckpointKind,
+    Datum,
+    GetInfoResponse,
+    SampleResponse,
+    SamplingParams,
+    ServerCapabilities,
+    TrainingResult,
+)
 
 __all__ = [
     "Backend",
@@ -102,6 +112,11 @@ class SaveStateOp(_SaveOp):
 
     kind: Literal["save_state"] = "save_state"
 
+    @property
+    def checkpoint_kind(self) -> CheckpointKind:
+        """What it writes: ``state``."""
+        return "state"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveWeightsOp(_SaveOp):
@@ -109,6 +124,11 @@ class SaveWeightsOp(_SaveOp):
 
     kind: Literal["save_weights"] = "save_weights"
     merge_weights: bool = False
+
+    @property
+    def checkpoint_kind(self) -> CheckpointKind:
+        """What it writes: ``merged`` with ``merge_weights``, else ``sampler``."""
+        return "merged" if self.merge_weights else "sampler"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,7 +262,7 @@ class Backend(abc.ABC):
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
         """Refuse at once what this backend can judge without a round trip (an in-process backend: a load path
-        that holds no checkpoint). The client calls it while numbering ``op``, so a refusal consumes no ``seq``
+        that holds no checkpoint, a save name that holds one without ``overwrite``). The client calls it while numbering ``op``, so a refusal consumes no ``seq``
         and poisons nothing; it raises :class:`~asyncsess.errors.InvalidInputError`. Default: nothing to check
         here (a remote backend refuses on its side)."""
 

@@ -2,7 +2,9 @@
 
 Layout: ``<root>/<model_id>/<kind>/<name>/`` with kind ``state`` (adapter + optimizer + step, for
 resuming), ``sampler`` (a PEFT adapter directory) or ``merged`` (a full transformers model directory
-plus its adapter). Every directory holds ``asyncsess.json`` (what it is). The URI of a directory is
+plus its adapter). Every directory holds ``asyncsess.json`` (what it is). A save is written into a hidden
+scratch directory (``.<name>.*``, never listed) and renamed into place, so a name only ever holds a whole
+checkpoint; a name that holds one is refused unless the save says ``overwrite``. The URI of a directory is
 ``local://`` + its absolute path; paths that resolve outside the root are refused, so a worker never
 reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/...`` names
 an in-memory sampler snapshot that has no directory (see :mod:`.sessions`).
@@ -24,12 +26,14 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import Checkpoint, CheckpointResponse
+from asyncsess.validation import check_overwrite
 
 if TYPE_CHECKING:
     import torch
@@ -136,18 +140,24 @@ class CheckpointStore:
             )
         return real
 
-    def begin(self, model_id: str, kind: str, name: str) -> tuple[Path, Path]:
-        """A scratch directory to write into and the final directory it will become (see :meth:`commit`)."""
+    def target(self, model_id: str, kind: str, name: str, overwrite: bool) -> Path:
+        """The directory a save of ``name`` goes to; a ConflictError naming ``overwrite`` when a checkpoint is
+        there already and ``overwrite`` is not set."""
         final = self.root / model_id / kind / self.check_name(name)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}.")), final
+        check_overwrite(name, final.exists(), overwrite)
+        return final
 
-    def commit(self, scratch: Path, final: Path, meta: dict[str, Any]) -> str:
-        """Write the metadata and move ``scratch`` into place (replacing an older save of that name)."""
-        (scratch / META).write_text(json.dumps({**meta, "time": time.time()}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        scratch.rename(final)
+    def write(self, final: Path, meta: dict[str, Any], fill: Callable[[Path], None]) -> str:
+        """``fill`` a scratch directory next to ``final``, then swap it in whole: a save that fails (or a crash)
+        leaves the older checkpoint of that name as it was, never a half-written one under the name."""
+        final.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        try:
+            fill(scratch)
+            (scratch / META).write_text(json.dumps({**meta, "time": time.time()}, indent=2))
+            _swap_in(scratch, final)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         return self.uri(final)
 
     @staticmethod
@@ -159,6 +169,8 @@ class CheckpointStore:
         out = []
         for meta_file in sorted(self.root.glob(pattern)):
             d = meta_file.parent
+            if d.name.startswith("."):  # a save being written, or an older one being replaced
+                continue
             meta = json.loads(meta_file.read_text())
             out.append(
                 Checkpoint(
@@ -183,11 +195,11 @@ class CheckpointStore:
 
         from .trainer import optimizer_tensors
 
-        scratch, final = self.begin(sess.model_id, "state", op.name or f"step-{sess.step:06d}-{op.seq}")
-        save_file({k: v.cpu() for k, v in host.state_dict(sess.adapter).items()}, str(scratch / "adapter.safetensors"))
-        save_file(optimizer_tensors(sess), str(scratch / "optimizer.safetensors"))
-        uri = self.commit(scratch, final, {**_session_meta(sess, "state"), **_save_meta(op)})
-        return CheckpointResponse(path=uri, kind="state", step=sess.step)
+        def fill(d: Path) -> None:
+            save_file({k: v.cpu() for k, v in host.state_dict(sess.adapter).items()}, str(d / "adapter.safetensors"))
+            save_file(optimizer_tensors(sess), str(d / "optimizer.safetensors"))
+
+        return self._save(sess, op, fill)
 
     def check_state(self, path: Path, sess: TrainSession, field: str = "path") -> dict[str, Any]:
         """The metadata of a ``save_state`` directory that ``sess`` can load (its LoRA rank and targets);
@@ -226,16 +238,39 @@ class CheckpointStore:
 
     def save_weights(self, slot: Slot, sess: TrainSession, op: SaveWeightsOp, dtype: torch.dtype) -> CheckpointResponse:
         """A PEFT adapter directory under ``sampler/``, or with ``merge_weights`` a full model under ``merged/``."""
-        kind = "merged" if op.merge_weights else "sampler"
-        scratch, final = self.begin(sess.model_id, kind, op.name or f"step-{sess.step:06d}-{op.seq}")
-        if op.merge_weights:
-            slot.host.export_peft(sess.adapter, scratch / "adapter")
-            _write_merged(slot, scratch / "adapter", scratch, dtype)
-            uri = self.commit(scratch, final, {**_session_meta(sess, kind), **_save_meta(op)})
-            return CheckpointResponse(path=uri, kind="merged", step=sess.step)
-        slot.host.export_peft(sess.adapter, scratch)
-        uri = self.commit(scratch, final, {**_session_meta(sess, kind), **_save_meta(op)})
-        return CheckpointResponse(path=uri, kind="sampler", step=sess.step)
+
+        def fill(d: Path) -> None:
+            if op.merge_weights:
+                slot.host.export_peft(sess.adapter, d / "adapter")
+                _write_merged(slot, d / "adapter", d, dtype)
+            else:
+                slot.host.export_peft(sess.adapter, d)
+
+        return self._save(sess, op, fill)
+
+    def _save(self, sess: TrainSession, op: SaveStateOp | SaveWeightsOp, fill: Callable[[Path], None]) -> CheckpointResponse:
+        """Write ``op``'s checkpoint (``fill`` writes the files) under its name, or ``step-<step>-<seq>`` without one."""
+        kind = op.checkpoint_kind
+        final = self.target(sess.model_id, kind, op.name or f"step-{sess.step:06d}-{op.seq}", op.overwrite)
+        uri = self.write(final, {**_session_meta(sess, kind), **_save_meta(op)}, fill)
+        return CheckpointResponse(path=uri, kind=kind, step=sess.step)
+
+
+def _swap_in(scratch: Path, final: Path) -> None:
+    """Rename ``scratch`` to ``final``; an older ``final`` is renamed aside first and removed once the new one is
+    in place (put back if that fails). Each rename is atomic, so ``final`` is only ever a whole checkpoint."""
+    if not final.exists():
+        scratch.rename(final)
+        return
+    old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.old.")) / final.name
+    final.rename(old)
+    try:
+        scratch.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
+    finally:
+        shutil.rmtree(old.parent, ignore_errors=True)
 
 
 def _write_merged(slot: Slot, adapter_dir: Path, out: Path, dtype: torch.dtype) -> None:

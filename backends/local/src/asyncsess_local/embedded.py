@@ -193,8 +193,8 @@ class LocalBackend(Backend):
         return self.engine.submit_training(session_id, self.check_op(session_id, op))
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
-        if isinstance(op, LoadStateOp) and session_id in self.engine.sessions:
-            self.check_op(session_id, op)  # the path holds a save_state under the root that this session can load
+        if isinstance(op, (LoadStateOp, SaveStateOp, SaveWeightsOp)) and session_id in self.engine.sessions:
+            self.check_op(session_id, op)  # a load path this session can load; a save name that is free (or overwrite)
 
     def check_op(self, session_id: str, op: TrainingOp) -> TrainingOp:
         """``op`` checked against its session (shapes, vocabulary, context, loss options, names, paths) and
@@ -212,6 +212,8 @@ class LocalBackend(Backend):
             case SaveStateOp(name=name) | SaveWeightsOp(name=name):
                 if name:
                     self.engine.store.check_name(name)
+                if name and not op.ephemeral:
+                    self.engine.store.target(session_id, op.checkpoint_kind, name, op.overwrite)  # free, or overwrite=True
                 return op
             case LoadStateOp(path=path):
                 self.engine.store.check_state(self.engine.store.resolve(path), sess)  # a resumable state this session fits

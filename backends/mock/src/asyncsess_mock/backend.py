@@ -38,7 +38,7 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sample_store import SampleStore
 from asyncsess.backends.sequencer import Sequencer
-from asyncsess.errors import ConflictError, InvalidInputError, NotFoundError, SessionGoneError
+from asyncsess.errors import InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.types import (
     LOSS_FUNCTIONS,
     Checkpoint,
@@ -49,6 +49,7 @@ from asyncsess.types import (
     SupportedModel,
     TrainingResult,
 )
+from asyncsess.validation import check_overwrite
 
 from .checkpoints import DiskStore, StoredCheckpoint, check_name, checkpoint_path
 from .faults import Faults, MockConfig
@@ -251,6 +252,8 @@ class MockBackend(Backend):
     def precheck(self, session_id: str, op: TrainingOp) -> None:
         if isinstance(op, LoadStateOp) and (sess := self._sessions.get(session_id)) is not None:
             self._loadable(sess, op.path)
+        if isinstance(op, (SaveStateOp, SaveWeightsOp)) and op.name and session_id in self._sessions:
+            self._save_path(session_id, op.checkpoint_kind, op.name, op)  # a free name, or overwrite=True
 
     def _loadable(self, sess: _TrainingSession, path: str) -> StoredCheckpoint:
         ckpt = self._checkpoint(path, "path", state_only=True)
@@ -277,10 +280,10 @@ class MockBackend(Backend):
                     sess.before_step = trainer.delta.copy()
                 result = trainer.optim_step(params)
             case SaveStateOp():
-                result = self._save(sess, "state", op.name or f"{op.seq:06d}", op).response()
+                result = self._save(sess, op.checkpoint_kind, op.name or f"{op.seq:06d}", op).response()
             case SaveWeightsOp():
                 name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
-                result = self._save(sess, "merged" if op.merge_weights else "sampler", name, op).response()
+                result = self._save(sess, op.checkpoint_kind, name, op).response()
             case LoadStateOp(path=path):
                 ckpt = self._loadable(sess, path)
                 trainer.load(ckpt.delta, ckpt.adam if op.with_optimizer else None)
@@ -296,9 +299,7 @@ class MockBackend(Backend):
     def _save(
         self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, op: SaveStateOp | SaveWeightsOp
     ) -> StoredCheckpoint:
-        path = checkpoint_path(sess.id, kind, check_name(name))
-        if path in self._checkpoints and not op.overwrite:
-            raise ConflictError(f"{path} already exists", field="name", fix="pick another name, or pass overwrite=True")
+        path = self._save_path(sess.id, kind, name, op)
         trainer = sess.trainer
         ckpt = StoredCheckpoint(
             path=path,
@@ -325,6 +326,12 @@ class MockBackend(Backend):
             self._refresh_faults[path] = served.copy()
             sess.before_step = None
         return ckpt
+
+    def _save_path(self, session_id: str, kind: Literal["state", "sampler", "merged"], name: str, op: SaveStateOp | SaveWeightsOp) -> str:
+        """Where a save of ``name`` goes; a ConflictError naming ``overwrite`` when a checkpoint is there (unless ``op.overwrite``)."""
+        path = checkpoint_path(session_id, kind, check_name(name))
+        check_overwrite(name, path in self._checkpoints, op.overwrite)
+        return path
 
     def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
         ckpt = self._checkpoints.get(path)
