@@ -139,6 +139,38 @@ def test_auth_and_ownership(worker, tiny):
         assert c.post("/v1/sessions", json={"base_model": tiny, "from_path": path}, headers=mine).status_code == 200
 
 
+def test_a_taken_name_is_refused_before_numbering_and_ephemeral_saves_stay_off_disk(worker, tiny):
+    """Over HTTP: a save under a taken name is a 400 naming ``overwrite`` that leaves its seq free; overwrite=True
+    replaces it. An ephemeral save (a sampler refresh), merged or not, is an in-memory snapshot: never listed, no
+    directory; an ephemeral save_state is refused (it is always durable)."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=worker.url, timeout=60, headers=h) as c:
+        sid = c.post("/v1/sessions", json={"base_model": tiny, "rank": 2}).json()["model_id"]
+
+        def op(seq, kind, **body):
+            return c.post(f"/v1/sessions/{sid}/ops", json={"kind": kind, "seq": seq, "idempotency_key": f"k{seq}", **body})
+
+        saved = op(1, "save_state", name="a")
+        assert saved.status_code == 200, saved.text
+        path = saved.json()["result"]["path"]
+        r = op(2, "save_state", name="a")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "ConflictError" and r.json()["error"]["field"] == "overwrite", r.text
+        assert "overwrite=True" in r.json()["error"]["fix"]
+        r = op(2, "save_weights", ephemeral=True, merge_weights=True)  # seq 2 is still free
+        assert r.status_code == 200, r.text
+        snapshot = r.json()["result"]["path"]
+        assert snapshot.startswith("local://ephemeral/")
+        assert c.post("/v1/samplers", json={"model_path": snapshot}).status_code == 200
+        assert op(3, "optim_step", adam_params={}).json()["result"]["step"] == 1
+        r = op(4, "save_state", name="a", overwrite=True)
+        assert r.status_code == 200 and r.json()["result"]["path"] == path and r.json()["result"]["step"] == 1, r.text
+        r = op(5, "save_state", ephemeral=True)
+        assert r.status_code == 400 and r.json()["error"]["field"] == "ephemeral", r.text
+        listed = c.get("/v1/checkpoints", params={"session_id": sid}).json()
+        assert [(x["path"], x["step"]) for x in listed] == [(path, 1)]
+        assert sorted(p.name for p in (worker.backend.engine.store.root / sid).iterdir()) == ["state"]
+
+
 BAD_BODIES = [
     ("POST", "/v1/sessions", b"{not json"),
     ("POST", "/v1/sessions", [1, 2]),

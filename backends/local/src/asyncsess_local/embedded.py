@@ -209,6 +209,10 @@ class LocalBackend(Backend):
                 raise InvalidInputError("optim_step needs adam_params", field="adam_params", fix="pass AdamParams(learning_rate=...)")
             case OptimStepOp():
                 return op
+            case SaveStateOp(ephemeral=True):
+                raise InvalidInputError(
+                    "a save_state is durable", field="ephemeral", fix="drop ephemeral (an ephemeral save_weights snapshots for samplers)"
+                )
             case SaveStateOp(name=name) | SaveWeightsOp(name=name):
                 if name:
                     self.engine.store.check_name(name)

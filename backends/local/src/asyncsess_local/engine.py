@@ -402,7 +402,7 @@ class Engine:
             case SaveStateOp() as op:
                 return [self.store.save_state(slot.host, sess, op)]
             case SaveWeightsOp() as op:
-                if op.ephemeral and not op.merge_weights:
+                if op.ephemeral:  # for samplers only: in memory, never on disk (a merged model would not be used)
                     return [self.state.snapshot(sess, op)]
                 return [self.store.save_weights(slot, sess, op, self.dtype)]
             case LoadStateOp() as op:
