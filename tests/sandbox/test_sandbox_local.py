@@ -12,6 +12,7 @@ import pytest
 
 from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import Sandbox, TestCase
+from asyncsess.sandbox.results import ExecutionResult
 
 from .conftest import ROOT, TEST_UIDS, assert_healthy
 
@@ -187,6 +188,41 @@ async def test_concurrency_is_bounded_by_max_concurrency(make_sandbox):
             tg.start_soon(one)
     most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
     assert 2 <= most <= 3  # runs overlap, but never more than the limit
+
+
+@pytest.mark.parametrize("loops", [("asyncio", "asyncio"), ("asyncio", "trio"), ("trio", "asyncio")])
+def test_one_sandbox_serves_event_loops_one_after_another(make_sandbox, monkeypatch, loops):
+    """The limit holds in each of two event loops run one after the other (the sync facade's, a test's), whatever
+    their backends; the limiter used to belong to the first loop's backend. No program runs: ``_execute`` is a
+    stand-in that records how many runs are inside the limit at once."""
+    sandbox = make_sandbox(max_concurrency=2, namespaces=False, cgroups=False)
+    inside: list[int] = []
+    peaks: list[int] = []
+
+    async def execute(*args):
+        inside.append(1)
+        peaks.append(len(inside))
+        await anyio.sleep(0.01)
+        inside.pop()
+        return ExecutionResult(status="ok", stdout="done\n")
+
+    monkeypatch.setattr(sandbox, "_execute", execute)
+
+    async def five_at_once() -> list[str]:
+        out: list[str] = []
+
+        async def one() -> None:
+            out.append((await sandbox.run("print('done')")).stdout)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(one)
+        return out
+
+    for backend in loops:
+        peaks.clear()
+        assert anyio.run(five_at_once, backend=backend) == ["done\n"] * 5
+        assert max(peaks) == 2 and len(peaks) == 5, (backend, peaks)
 
 
 async def test_cancelled_run_is_cleaned_up(make_sandbox):

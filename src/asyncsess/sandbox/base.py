@@ -3,19 +3,40 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import anyio
+from anyio.lowlevel import RunVar
 
 from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox.inputs import check_limit, encode_text
 from asyncsess.sandbox.results import ExecutionResult, TestCase, TestReport, TestResult, outputs_match
 
-__all__ = ["Files", "Sandbox", "BaseSandbox"]
+__all__ = ["Files", "Sandbox", "BaseSandbox", "PerLoop"]
+
+T = TypeVar("T")
 
 Files = Mapping[str, "str | bytes"]
 """Extra files placed in the program's working directory: relative path -> content."""
+
+
+class PerLoop(Generic[T]):
+    """One ``make()`` per running event loop, made on first use there. anyio's limiters and locks belong to the
+    loop (and backend) that first waits on them, and a sandbox outlives loops: each ``anyio.run`` /
+    ``asyncio.run`` (the sync facade's, a test's) gets its own."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._var: RunVar[T] = RunVar(f"asyncsess.sandbox.PerLoop.{id(self)}")
+
+    def get(self) -> T:
+        try:
+            return self._var.get()
+        except LookupError:
+            value = self._make()
+            self._var.set(value)
+            return value
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import _cgroups
 from asyncsess.sandbox._uids import UidLease, acquire_uid
-from asyncsess.sandbox.base import BaseSandbox, Files
+from asyncsess.sandbox.base import BaseSandbox, Files, PerLoop
 from asyncsess.sandbox.inputs import check_files, check_limit, encode_text
 from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
 
@@ -74,7 +74,7 @@ class Isolation(BaseModel):
 
 
 class LocalSandbox(BaseSandbox):
-    """Runs untrusted Python in a child process, at most ``max_concurrency`` at a time.
+    """Runs untrusted Python in a child process, at most ``max_concurrency`` at a time (in each event loop).
 
     ``namespaces=None`` probes on first use whether mount, network, IPC and PID namespaces work (they need root)
     and degrades with a logged warning if not; ``True`` fails closed (every run is a ``sandbox_error``) if they
@@ -137,8 +137,9 @@ class LocalSandbox(BaseSandbox):
         self._socket_guard = socket_guard
         self._uids = uids
         self._kill = shutil.which("kill")
-        self._limiter = anyio.CapacityLimiter(max_concurrency or os.cpu_count() or 4)
-        self._probe_lock = anyio.Lock()
+        limit = max_concurrency or os.cpu_count() or 4
+        self._limiter = PerLoop(lambda: anyio.CapacityLimiter(limit))  # runs at once, per event loop
+        self._probe_lock = PerLoop(anyio.Lock)
         self._notes: list[str] = []
         if not self._root:
             self._notes.append(
@@ -187,15 +188,15 @@ class LocalSandbox(BaseSandbox):
             )
         stdin_bytes = encode_text("stdin", stdin)
         namespaces = await self._namespaces_available()
-        async with self._limiter:
+        async with self._limiter.get():
             return await self._execute(contents, stdin_bytes, timeout_s, memory_mb, namespaces)
 
     async def _namespaces_available(self) -> bool:
         if self._namespaces is not None:
             return self._namespaces
-        async with self._probe_lock:
+        async with self._probe_lock.get():
             if self._namespaces is None:
-                async with self._limiter:
+                async with self._limiter.get():
                     probe = await self._execute({CODE_FILE: b""}, b"", max(self._timeout_s, 10.0), self._memory_mb, True)
                 unavailable = "namespaces unavailable" in probe.stderr
                 self._namespaces = not unavailable  # any other failure: keep them, so runs fail closed, loudly
