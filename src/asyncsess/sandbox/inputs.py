@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import PurePosixPath
+from typing import TypeVar
 
 from asyncsess.errors import InvalidInputError
 
 __all__ = ["check_limit", "encode_text", "check_file_name", "check_files"]
 
 NAME_MAX, PATH_MAX = 255, 1024
+Number = TypeVar("Number", int, float)
 
 LIMITS = {  # field: (integer only, largest accepted value)
     "max_concurrency": (True, 1 << 16),
@@ -24,7 +26,7 @@ LIMITS = {  # field: (integer only, largest accepted value)
 }
 
 
-def check_limit(field: str, value):
+def check_limit(field: str, value: Number) -> Number:
     """``value`` if it is a number in (0, limit] (an int where the field counts something), else InvalidInputError."""
     integer, limit = LIMITS[field]
     kinds = (int,) if integer else (int, float)
