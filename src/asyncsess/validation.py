@@ -316,7 +316,8 @@ def check_checkpoint_name(name: Any, field: str = "name") -> str:
 
 def check_overwrite(name: str, taken: bool, overwrite: bool) -> None:
     """A save under ``name`` where a checkpoint already is: a :class:`ConflictError` naming ``overwrite``,
-    unless ``overwrite`` is set (then the save replaces it). Every backend refuses it before numbering."""
+    unless ``overwrite`` is set (then the save replaces it). The client (names it saved) and the in-process
+    backends (names they hold) refuse it before numbering."""
     if taken and not overwrite:
         raise ConflictError(
             f"a checkpoint named {name!r} already exists", field="overwrite", fix="pass overwrite=True to replace it, or pick another name"

@@ -42,6 +42,7 @@ from asyncsess.errors import InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.types import (
     LOSS_FUNCTIONS,
     Checkpoint,
+    CheckpointKind,
     GetInfoResponse,
     LoadWeightsResponse,
     SampleResponse,
@@ -296,9 +297,7 @@ class MockBackend(Backend):
             self._stop(sess, f"stopped by the server after {sess.ops_applied} ops (stop_after_ops)")
         return result
 
-    def _save(
-        self, sess: _TrainingSession, kind: Literal["state", "sampler", "merged"], name: str, op: SaveStateOp | SaveWeightsOp
-    ) -> StoredCheckpoint:
+    def _save(self, sess: _TrainingSession, kind: CheckpointKind, name: str, op: SaveStateOp | SaveWeightsOp) -> StoredCheckpoint:
         path = self._save_path(sess.id, kind, name, op)
         trainer = sess.trainer
         ckpt = StoredCheckpoint(
@@ -327,7 +326,7 @@ class MockBackend(Backend):
             sess.before_step = None
         return ckpt
 
-    def _save_path(self, session_id: str, kind: Literal["state", "sampler", "merged"], name: str, op: SaveStateOp | SaveWeightsOp) -> str:
+    def _save_path(self, session_id: str, kind: CheckpointKind, name: str, op: SaveStateOp | SaveWeightsOp) -> str:
         """Where a save of ``name`` goes; a ConflictError naming ``overwrite`` when a checkpoint is there (unless ``op.overwrite``)."""
         path = checkpoint_path(session_id, kind, check_name(name))
         check_overwrite(name, path in self._checkpoints, op.overwrite)
