@@ -172,6 +172,22 @@ def test_checkpoint_ttl_out_of_range_is_refused(service: tinker.ServiceClient, s
     assert ck.expires_at is not None and ck.expires_at > ck.time
 
 
+def test_a_step_on_a_non_finite_gradient_is_refused_and_the_model_goes_on(service: tinker.ServiceClient, server: Server) -> None:
+    """A sampling log-prob of -1e30 overflowed the importance ratio: the gradient was NaN, optim_step applied it
+    and the weights were NaN for good. The log-prob is now refused (REFUSALS); a non-finite gradient that gets
+    through anyway is not applied: the step fails readably and the model's next requests run."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    tc.forward_backward(GOOD, "cross_entropy").result()
+    backend_id = server.door.models[tc.model_id].backend_id
+    server.backend.trainer(backend_id).grad[5, 6] = math.nan  # type: ignore[attr-defined]
+    with pytest.raises(tinker.RequestFailedError, match="NonFiniteGradientError.*not applied") as err:
+        tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)
+    assert err.value.category == "user"  # a StrEnum
+    assert tc.forward_backward(GOOD, "cross_entropy").result().metrics["loss:sum"] > 0
+    step = tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)
+    assert math.isfinite(step.metrics["grad_norm"]) and step.metrics["grad_norm"] > 0
+
+
 def test_a_sample_of_too_many_sequences_is_refused(service: tinker.ServiceClient) -> None:
     """num_samples had no upper bound: 10**6 samples ran on the server (mock:// on its event loop, which froze
     every tenant's requests) and built one huge answer. The door now refuses what asyncsess's client refuses."""
