@@ -46,6 +46,7 @@ from .errors import (
     AsyncSessError,
     ConflictError,
     InvalidInputError,
+    NonFiniteGradientError,
     NotFoundError,
     OperationCancelledError,
     PoisonedError,
@@ -1013,7 +1014,8 @@ class TrainingClient:
             if isinstance(err, AsyncSessError):
                 err.request_id = err.request_id or op.idempotency_key
                 err.seq = op.seq if err.seq is None else err.seq
-            self._poison_after(op.seq, err)
+            if not isinstance(err, NonFiniteGradientError):  # a skipped step left the session as it was
+                self._poison_after(op.seq, err)
             raise
 
     async def _run_custom(

@@ -39,6 +39,7 @@ __all__ = [
     "AsyncSessError",
     "InvalidInputError",
     "UnsupportedError",
+    "NonFiniteGradientError",
     "ConflictError",
     "TransientError",
     "RetriesExhaustedError",
@@ -130,6 +131,24 @@ class InvalidInputError(APIStatusError, ValueError):
 
 class UnsupportedError(InvalidInputError):
     """The backend does not offer this feature (a loss, a model, an option)."""
+
+
+class NonFiniteGradientError(InvalidInputError, OperationError):
+    """``optim_step`` met a gradient whose norm is NaN or infinite and applied nothing (torch's
+    ``clip_grad_norm_(error_if_nonfinite=True)`` test): weights and optimizer state are as before the call, the
+    gradient is cleared, and the session lives on — neither the backend nor the client is poisoned, so the next
+    ``forward_backward`` starts afresh.
+    """
+
+    def __init__(self, norm: float, **kw) -> None:
+        super().__init__(
+            f"the gradient accumulated since the last optim_step has norm {norm}; the step was not applied and the "
+            "gradient was cleared (weights and optimizer state are unchanged)",
+            field="gradient",
+            fix="look for huge advantages or weights in the forward_backward calls since the last step, or lower "
+            "learning_rate; the session is intact, so send the next forward_backward",
+            **kw,
+        )
 
 
 class ConflictError(InvalidInputError):

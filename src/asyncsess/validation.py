@@ -17,6 +17,8 @@ from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, ModelInput, Sampling
 
 __all__ = [
     "MAX_SAMPLES",
+    "MAX_LOG_RATIO",
+    "SAMPLER_LOGPROB_RANGE",
     "LOSS_INPUTS",
     "LOSS_CONFIG_KEYS",
     "check_loss_fn",
@@ -197,7 +199,7 @@ def check_datums(
                     fix=f"give one value per target: shape {expected}{also}",
                 )
         check_finite(d, i)
-        _check_clip_tensors(d, i)
+        _check_ranges(d, i)
         if max_length is not None and n > max_length:
             raise InvalidInputError(
                 f"{n} tokens exceed the model's context of {max_length}", field=f"data[{i}].model_input", fix="shorten it"
@@ -215,17 +217,29 @@ def check_datums(
     return tuple(out)
 
 
-_CLIP_FLOOR = {"clip_low_threshold": (0.0, "≥ 0", "0.8"), "clip_high_threshold": (1.0, "≥ 1", "1.2")}
+# A sampler's log-prob is log p ≤ 0: up to 1e-3 above 0 is float noise (exp(1e-3) − 1 = 0.1 % in a ratio); below
+# −1e6 is no log-prob (vLLM reports −9999 for −inf, Tinker's top-k filler is −99999). Outside this range the
+# importance ratio exp(p − q) overflows and one optim_step turns the weights to NaN.
+SAMPLER_LOGPROB_RANGE = (-1e6, 1e-3)
+# The losses cap log r = p − q here (r ≤ e^20 ≈ 4.9e8; verl clamps at 20 too), so exp never overflows.
+MAX_LOG_RATIO = 20.0
+
+# per-token inputs with a physical range: key -> (lowest, highest, rule, fix)
+_RANGES = {
+    "logprobs": (*SAMPLER_LOGPROB_RANGE, "a sampler log-prob in [-1e6, 0.001]", "send the sampler's log-probs (log p ≤ 0), e.g. -0.7"),
+    "clip_low_threshold": (0.0, math.inf, "≥ 0", "absolute ratio bounds, e.g. 0.8"),
+    "clip_high_threshold": (1.0, math.inf, "≥ 1", "absolute ratio bounds, e.g. 1.2"),
+}
 
 
-def _check_clip_tensors(d: Datum, i: int) -> None:
-    """Per-token clip bounds obey the config's rules (low ≥ 0, high ≥ 1), so the bounds never cross."""
-    for key, (floor, rule, example) in _CLIP_FLOOR.items():
+def _check_ranges(d: Datum, i: int) -> None:
+    """Per-token inputs with a physical range stay in it: sampler log-probs, and clip bounds obeying the config's
+    rules (low ≥ 0, high ≥ 1) so the bounds never cross."""
+    for key, (low, high, rule, fix) in _RANGES.items():
         tensor = d.loss_fn_inputs.get(key)
-        if tensor is not None and any(v < floor for v in tensor.data):
-            raise InvalidInputError(
-                f"every value must be {rule}", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix=f"absolute ratio bounds, e.g. {example}"
-            )
+        bad = None if tensor is None else next((v for v in tensor.data if not low <= v <= high), None)
+        if bad is not None:
+            raise InvalidInputError(f"{bad!r} is not {rule}", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix=fix)
 
 
 def all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:

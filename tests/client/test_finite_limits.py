@@ -83,3 +83,25 @@ async def test_the_client_refuses_before_sending():
         sc = await tc.save_weights_and_get_sampling_client("s")
         with pytest.raises(InvalidInputError, match="sampling_params.seed"):
             sc.sample([1, 2], 1, {"seed": -1})
+
+
+RL_LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+
+
+def _rl(q):
+    return {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "logprobs": [-0.5, q], "advantages": [1.0, 1.0]}}
+
+
+@pytest.mark.parametrize("loss_fn", RL_LOSSES)
+@pytest.mark.parametrize("bad", [50.0, 0.0011, -1e30, -1.1e6])
+def test_sampler_logprobs_must_be_log_probabilities(loss_fn, bad):
+    """exp(p − q) overflowed for q = +50 or −1e30 and one optim_step turned the weights to NaN."""
+    with pytest.raises(InvalidInputError) as err:
+        check_datums([_rl(bad)], loss_fn)
+    assert err.value.field == "data[0].loss_fn_inputs['logprobs']" and err.value.fix and repr(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("q", [0.0, 1e-3, -1e-7, -80.0, -9999.0, -99999.0, -1e6])
+def test_legal_sampler_logprobs_pass(q):
+    """Float noise just above 0, a bf16 sampler's −80, vLLM's −9999 for −inf and Tinker's −99999 top-k filler."""
+    assert check_datums([_rl(q)], "ppo")[0].loss_fn_inputs["logprobs"].data[1] == pytest.approx(q)

@@ -48,6 +48,8 @@ CASES: list[Case] = [
     ("fb-empty", "tc", lambda tc: tc.forward_backward([]), "data"),
     ("fb-nan-weight", "tc", lambda tc: tc.forward_backward([datum(weights=[1.0, NAN, 1.0, 1.0, 1.0])]), "weights"),
     ("fb-inf-advantage", "tc", lambda tc: tc.forward_backward([rl(advantages=[INF] * 5)], "importance_sampling"), "advantages"),
+    ("fb-sampler-logprob-positive", "tc", lambda tc: tc.forward_backward([rl(logprobs=[50.0] * 5)], "importance_sampling"), "logprobs"),
+    ("fb-sampler-logprob-huge-negative", "tc", lambda tc: tc.forward_backward([rl(logprobs=[-1e30] * 5)], "ppo"), "logprobs"),
     ("fb-subnormal-ok-but-wrong-length", "tc", lambda tc: tc.forward_backward([datum(weights=[5e-324] * 4)]), "weights"),
     ("fb-negative-token", "tc", lambda tc: tc.forward_backward([datum([1, -3, 41, 2])]), "data[0]"),
     ("fb-huge-token", "tc", lambda tc: tc.forward_backward([datum([1, 2**70, 41, 2])]), "data[0]"),

@@ -103,3 +103,20 @@ def test_custom_loss_lowering_of_is_gives_the_cispo_surrogate():
     loss, g = _loss_and_g("cross_entropy", {}, P, {"weights": [1.221403, 0.452419, -3.644238]})
     assert loss == pytest.approx(-6.134871, abs=1e-5)
     assert g == pytest.approx([1.221403, 0.452419, -3.644238], abs=1e-6)
+
+
+@pytest.mark.parametrize(("loss_fn", "config"), [(c[0], c[1]) for c in CASES if c[0] != "cross_entropy"], ids=str)
+def test_very_negative_sampler_logprobs_never_overflow_in_float32(loss_fn, config):
+    """exp(p − q) overflowed to inf in fp32 (q = −100 is enough) and inf·0 made NaN gradients: the log-ratio is
+    capped at 20, exactly as in the mock."""
+    from asyncsess_mock.losses import compute_loss
+
+    q, adv = [-80.0, -1e6, -0.7, -100.0], [1.0, -1.0, 0.5, 0.0]
+    p = torch.full((4,), -0.5, dtype=torch.float32, requires_grad=True)
+    inputs = {"logprobs": torch.tensor(q), "advantages": torch.tensor(adv)}
+    loss = datum_loss(loss_fn, p, inputs, config)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(p.grad).all()
+    ref_loss, ref_g = compute_loss(loss_fn, p.detach().double().numpy(), {k: v.double().numpy() for k, v in inputs.items()}, config)
+    assert float(loss.detach()) == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
+    assert (-p.grad).tolist() == pytest.approx(ref_g.tolist(), rel=1e-5, abs=1e-5)

@@ -193,6 +193,19 @@ OP_CASES = [
         "loss_fn_config.clip_low_threshold",
     ),
     ({"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [{"model_input": [1]}] * 1025}, "data"),
+    *(  # sampler log-probs that are no log-probs: exp(p − q) overflowed and the step made the weights NaN
+        (
+            {
+                "kind": "forward_backward",
+                "loss_fn": loss_fn,
+                "data": [
+                    {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "logprobs": [-1.0, q], "advantages": [1.0, 1.0]}}
+                ],
+            },
+            "data[0].loss_fn_inputs['logprobs']",
+        )
+        for loss_fn, q in (("importance_sampling", 50.0), ("ppo", -1e30))
+    ),
 ]
 
 

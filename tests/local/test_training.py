@@ -293,3 +293,65 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_dir):
         full = packed_logprobs(model, seqs, chunk=5, plain_head=False)
         for a, b in zip(packed, full):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _huge_advantages(tok) -> Datum:
+    """Legal inputs (finite float32) whose gradient overflows fp32: advantages of 3e38."""
+    ids = tok.encode(TEXT)
+    n = len(ids) - 1
+    inputs = {"target_tokens": ids[1:], "logprobs": [-1.0] * n, "advantages": [3e38] * n}
+    return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+
+
+async def test_a_non_finite_gradient_is_not_applied_and_the_session_lives_on(backend_factory, tiny):
+    """The inf/NaN gradient was applied and the adapter's weights became NaN for good. Now optim_step refuses it
+    (typed), leaves weights and AdamW state as they were, zeroes the gradient, and the session runs on."""
+    from asyncsess.errors import NonFiniteGradientError
+
+    b = backend_factory()
+    try:
+        await b.open()
+        tok = b.get_tokenizer(tiny)
+        good = sft_datum(tok.encode(TEXT))
+        info = await _session(b, tiny)
+        sess, ops, hp = b.engine.sessions[info.model_id], Ops(), AdamParams(learning_rate=1e-2)
+        await b.execute_training(info.model_id, ops("forward_backward", data=(good,), loss_fn="cross_entropy"))
+        await b.execute_training(info.model_id, ops("optim_step", adam_params=hp))
+        weights = {k: p.detach().clone() for k, p in sess.params.items()}
+        moments = {k: {n: t.clone() for n, t in s.items()} for k, s in sess.optimizer.state.items()}
+        await b.execute_training(info.model_id, ops("forward_backward", data=(_huge_advantages(tok),), loss_fn="importance_sampling"))
+        with pytest.raises(NonFiniteGradientError) as err:
+            await b.execute_training(info.model_id, ops("optim_step", adam_params=AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)))
+        assert err.value.field == "gradient" and err.value.seq == 4 and err.value.operation == "optim_step"
+        assert all(torch.equal(weights[k], p) for k, p in sess.params.items())
+        assert all(torch.equal(moments[p][n], t) for p, s in sess.optimizer.state.items() for n, t in s.items())
+        assert all(p.grad is None for p in sess.params.values()) and sess.step == 1
+        # not poisoned: the next pass and step run, on a fresh gradient
+        await b.execute_training(info.model_id, ops("forward_backward", data=(good,), loss_fn="cross_entropy"))
+        assert (await b.execute_training(info.model_id, ops("optim_step", adam_params=hp))).step == 2
+        assert all(torch.isfinite(p).all() and not torch.equal(weights[k], p) for k, p in sess.params.items() if "lora_B" in k)
+    finally:
+        await b.aclose()
+
+
+async def test_a_non_finite_gradient_over_http_is_a_typed_400_and_the_client_goes_on(backend_factory, tiny):
+    from asyncsess import ServiceClient
+    from asyncsess.errors import NonFiniteGradientError
+    from asyncsess_local.server import serve_in_thread
+
+    worker = serve_in_thread(backend_factory(), ["k"])
+    try:
+        async with ServiceClient(worker.url, api_key="k") as svc:
+            tc = await svc.create_lora_training_client(tiny, rank=4)
+            tok = tc.get_tokenizer()
+            bad = _huge_advantages(tok)
+            await tc.forward_backward([bad], "importance_sampling")
+            step = tc.optim_step(AdamParams(learning_rate=1e-2))
+            after = tc.forward_backward([sft_datum(tok.encode(TEXT))], "cross_entropy")  # queued behind the step
+            with pytest.raises(NonFiniteGradientError, match="not applied") as err:
+                await step
+            assert err.value.status_code == 400 and err.value.field == "gradient"
+            assert (await after).metrics["loss:sum"] > 0
+            assert (await tc.optim_step(AdamParams(learning_rate=1e-2))).step == 1
+    finally:
+        worker.stop()

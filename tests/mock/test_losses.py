@@ -145,3 +145,20 @@ def test_config_is_validated():
     with pytest.raises(InvalidInputError) as err:
         parse_config("dro", {"beta": "x"})
     assert "beta" in err.value.field
+
+
+EXTREME_Q = np.array([-80.0, -1e6, -0.7, -90.0])  # legal sampler log-probs: a bf16 sampler's -80, the -1e6 floor
+
+
+@pytest.mark.parametrize(("loss_fn", "config"), [(r[0], r[1]) for r in ROWS if r[0] != "cross_entropy"])
+def test_very_negative_sampler_logprobs_never_overflow(loss_fn, config):
+    """exp(p − q) overflowed to inf (q = −1e6), inf·0 gave NaN where A = 0: the log-ratio is capped at 20."""
+    p = np.array([-0.5, -0.5, -0.5, -0.5])
+    inputs = {"logprobs": EXTREME_Q, "advantages": np.array([1.0, -1.0, 0.5, 0.0])}
+    with np.errstate(over="raise", invalid="raise"):
+        loss, g = compute_loss(loss_fn, p, inputs, config)
+    assert np.isfinite(loss) and np.isfinite(g).all()
+    if loss_fn in ("importance_sampling", "ppo"):  # past the cap the ratio is constant: no gradient through it
+        assert g[0] == g[1] == 0.0 and g[3] == 0.0
+    if loss_fn == "importance_sampling":
+        assert loss == pytest.approx(-(np.exp(20.0) * (1 - 1) + 0.5 * np.exp(0.2)))

@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from asyncsess import ServiceClient
+from asyncsess.errors import InvalidInputError, NonFiniteGradientError
 from asyncsess.types import AdamParams, Datum
 from asyncsess_mock import CharTokenizer, MockTrainer
 from asyncsess_mock.optim import AdamState, adamw_step
@@ -82,3 +84,37 @@ def test_trainer_optim_step_uses_accumulated_gradient_and_reports_metrics():
     assert out.step == 1
     assert out.metrics == {"grad_norm": pytest.approx(np.linalg.norm(grad)), "learning_rate": 0.05}
     assert trainer.forward([datum], "cross_entropy").metrics["loss:sum"] < before
+
+
+@pytest.mark.anyio
+async def test_a_non_finite_gradient_is_not_applied_and_the_session_lives_on():
+    """The NaN gradient of a bad batch was applied: the weights became NaN for good. Now optim_step refuses it with
+    a typed error, changes nothing, clears the gradient, and neither the backend nor the client is poisoned: the
+    op queued behind it runs, and the run ends exactly as one that never saw the bad batch."""
+    good = [{"model_input": [1, 40, 41], "loss_fn_inputs": {"target_tokens": [40, 41, 2], "weights": [1.0] * 3}}]
+    hp = AdamParams(learning_rate=0.05)
+    async with ServiceClient("mock://") as svc:
+        bad_run, ref = [await svc.create_lora_training_client("mock/bigram-tiny", rank=4) for _ in range(2)]
+        for tc in (bad_run, ref):
+            await tc.forward_backward(good, "cross_entropy")
+            await tc.optim_step(hp)
+        backend = svc.backend
+        await bad_run.forward_backward(good, "cross_entropy")
+        backend.trainer(bad_run.model_id).grad[3, 4] = math.nan  # what an overflowing loss left behind
+        weights, (m, v, step) = backend.weights(bad_run.model_id), backend.optimizer_state(bad_run.model_id)
+        skipped = bad_run.optim_step(hp)
+        after = bad_run.forward_backward(good, "cross_entropy")  # already queued behind the step
+        with pytest.raises(NonFiniteGradientError) as info:
+            await skipped
+        err = info.value
+        assert err.field == "gradient" and err.seq == skipped.seq and "nan" in str(err) and "not applied" in str(err)
+        assert isinstance(err, InvalidInputError) and err.status_code == 400
+        np.testing.assert_array_equal(backend.weights(bad_run.model_id), weights)
+        m2, v2, step2 = backend.optimizer_state(bad_run.model_id)
+        assert step2 == step == 1 and np.array_equal(m2, m) and np.array_equal(v2, v)
+        await after
+        assert (await bad_run.optim_step(hp)).step == 2
+        await ref.forward_backward(good, "cross_entropy")
+        await ref.optim_step(hp)
+        np.testing.assert_array_equal(backend.weights(bad_run.model_id), backend.weights(ref.model_id))
+        assert np.isfinite(backend.weights(bad_run.model_id)).all()

@@ -27,6 +27,14 @@ def _with_weights(weights: list[float]) -> dict:
     return {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [datum]}}
 
 
+def _with_sampler_logprobs(loss: str, logprobs: list[float]) -> dict:
+    """An RL datum whose sampler log-probs are ``logprobs`` (exp(p − q) overflowed for +50 or −1e30)."""
+    datum = fb([1, 40, 41])["forwardBackward"]["datumList"][0]
+    n = len(logprobs)
+    datum["lossFnInputs"] |= {"logprobs": {"data": logprobs, "dtype": "float32"}, "advantages": {"data": [1.0] * n, "dtype": "float32"}}
+    return {"forwardBackward": {"lossFnName": loss, "datumList": [datum]}}
+
+
 def _code(err: pytest.ExceptionInfo[ClientError]) -> tuple[str, int]:
     return err.value.response["Error"]["Code"], err.value.response["ResponseMetadata"]["HTTPStatusCode"]
 
@@ -220,6 +228,9 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
         (_with_weights([float("nan"), 1.0]), "must be finite"),
         (_with_weights([1.0, float("inf")]), "must be finite"),
         (_with_weights([1e39, 1.0]), "must be finite"),
+        # sampler log-probs that are no log-probs were run: the ratio overflowed and the step made the weights NaN
+        (_with_sampler_logprobs("importance_sampling", [-1.0, 50.0]), "sampler log-probs must be in"),
+        (_with_sampler_logprobs("ppo", [-1e30, -1.0]), "sampler log-probs must be in"),
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):

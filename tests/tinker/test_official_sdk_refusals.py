@@ -54,6 +54,16 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
         tinker.BadRequestError,
         "logprobs",
     ),
+    "positive sampling logprob": (
+        lambda tc: tc.forward_backward([_datum([1.0] * 3, logprobs=[-1.0, 50.0, -1.0], advantages=[1.0] * 3)], "importance_sampling"),
+        tinker.BadRequestError,
+        "logprobs",
+    ),
+    "sampling logprob of -1e30": (
+        lambda tc: tc.forward_backward([_datum([1.0] * 3, logprobs=[-1.0, -1e30, -1.0], advantages=[1.0] * 3)], "ppo"),
+        tinker.BadRequestError,
+        "logprobs",
+    ),
     "forward of a NaN advantage": (
         lambda tc: tc.forward([_datum([1.0, 1.0, 1.0], logprobs=[-1.0] * 3, advantages=[math.nan] * 3)], "importance_sampling"),
         tinker.BadRequestError,
@@ -162,15 +172,20 @@ def test_checkpoint_ttl_out_of_range_is_refused(service: tinker.ServiceClient, s
     assert ck.expires_at is not None and ck.expires_at > ck.time
 
 
-def test_a_step_with_non_finite_metrics_is_answered(service: tinker.ServiceClient) -> None:
-    """A sampling log-prob of -1e30 (finite, so accepted) overflows the importance ratio: the gradient is NaN and
-    so is optim_step's grad_norm. Its answer was a 500 on every poll (JSON has no NaN), which the SDK retried
-    without end; now it arrives, the NaN as the SDK's float, as in-process."""
+def test_a_step_on_a_non_finite_gradient_is_refused_and_the_model_goes_on(service: tinker.ServiceClient, server: Server) -> None:
+    """A sampling log-prob of -1e30 overflowed the importance ratio: the gradient was NaN, optim_step applied it
+    and the weights were NaN for good. The log-prob is now refused (REFUSALS); a non-finite gradient that gets
+    through anyway is not applied: the step fails readably and the model's next requests run."""
     tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
-    extreme = _datum([1.0, 1.0, 1.0], logprobs=[-1.0, -1e30, -1.0], advantages=[1.0, 1.0, 1.0])
-    assert math.isinf(tc.forward_backward([extreme], "importance_sampling").result().metrics["loss:sum"])
-    step = tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)  # a guard: without the fix it never answers
-    assert math.isnan(step.metrics["grad_norm"])
+    tc.forward_backward(GOOD, "cross_entropy").result()
+    backend_id = server.door.models[tc.model_id].backend_id
+    server.backend.trainer(backend_id).grad[5, 6] = math.nan  # type: ignore[attr-defined]
+    with pytest.raises(tinker.RequestFailedError, match="NonFiniteGradientError.*not applied") as err:
+        tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)
+    assert err.value.category == "user"  # a StrEnum
+    assert tc.forward_backward(GOOD, "cross_entropy").result().metrics["loss:sum"] > 0
+    step = tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)
+    assert math.isfinite(step.metrics["grad_norm"]) and step.metrics["grad_norm"] > 0
 
 
 def test_a_sample_of_too_many_sequences_is_refused(service: tinker.ServiceClient) -> None:

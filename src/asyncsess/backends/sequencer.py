@@ -12,7 +12,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
-from ..errors import AsyncSessError, ConflictError, PoisonedError, SessionGoneError, TransientError
+from ..errors import AsyncSessError, ConflictError, NonFiniteGradientError, PoisonedError, SessionGoneError, TransientError
 
 __all__ = ["Sequenced", "Sequencer"]
 
@@ -51,7 +51,8 @@ class Sequencer(Generic[R]):
     - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running.
     - The same ``seq`` with another key is a :class:`ConflictError`, and so is a re-delivery of an op
       more than ``keep_results`` ops old (its result is no longer kept).
-    - After an op fails, every later op fails with :class:`PoisonedError` naming the cause.
+    - After an op fails, every later op fails with :class:`PoisonedError` naming the cause, unless the failure
+      left the session as it was (:class:`NonFiniteGradientError`: a skipped ``optim_step``).
     - :meth:`stored` says whether a delivery would be answered from the store, so a backend can answer it
       as cheaply as a real server answers a re-delivered op: one round trip, no op time.
     """
@@ -129,7 +130,8 @@ class Sequencer(Generic[R]):
                 raise
         except Exception as err:
             slot.error = err
-            self._poison = self._poison or (op.seq, err)
+            if not isinstance(err, NonFiniteGradientError):
+                self._poison = self._poison or (op.seq, err)
         finally:
             self._advance()
             slot.done.set()

@@ -11,7 +11,8 @@ the event loop never blocks on torch. Each time the thread wakes it takes everyt
 - after a session's op fails, fails that session's later ops with :class:`PoisonedError` -- except
   running out of device memory in a (forward-)backward pass: the pass is retried with half the token
   budget (gradients put back, cache emptied) until every datum is alone in its micro-batch, and only
-  then fails with :class:`ResourceExhaustedError`; the session stays usable and the lowered budget stays.
+  then fails with :class:`ResourceExhaustedError`; the session stays usable and the lowered budget stays;
+  and except an ``optim_step`` skipped for a NaN/inf gradient (:class:`NonFiniteGradientError`).
 
 State (base models, sessions, sampler snapshots: :class:`~.sessions.Sessions`) is touched only on this
 thread; checkpoints are written and read by :class:`~.checkpoints.CheckpointStore`.
@@ -42,6 +43,7 @@ from asyncsess.backends import (
 from asyncsess.errors import (
     AsyncSessError,
     InvalidInputError,
+    NonFiniteGradientError,
     PoisonedError,
     ResourceExhaustedError,
     ServerError,
@@ -317,6 +319,10 @@ class Engine:
             self._oom = True
             for w in group:
                 w.done.set_error(ResourceExhaustedError(err.message, budget=err.budget, operation=w.op.kind, seq=w.op.seq))
+            return
+        except NonFiniteGradientError as err:  # a skipped optim_step (a barrier, alone): nothing applied, the session lives on
+            err.operation, err.seq = group[0].op.kind, group[0].op.seq
+            group[0].done.set_error(err)
             return
         except BaseException as err:
             sess.failed = self._api_error(err)

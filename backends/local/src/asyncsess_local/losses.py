@@ -8,7 +8,8 @@ an optional ``weights`` mask (SageMaker datums carry one) that multiplies each t
 ``clip_low_threshold`` / ``clip_high_threshold`` may also come per token in the inputs (shape ``(N,)``);
 they then replace the config's bounds. ``cross_entropy`` and ``importance_sampling`` take ``(N, K)``
 targets (:data:`MULTI_TARGET_LOSSES`): ``p`` and every other input then have shape ``(N, K)`` and each of
-the ``N·K`` entries is one term of the sum, exactly as in the mock.
+the ``N·K`` entries is one term of the sum, exactly as in the mock. The log-ratio ``p − q`` is capped at
+``MAX_LOG_RATIO`` (20) before ``exp`` (:func:`_ratio`), so no ratio overflows to inf (and no ``inf·0`` to NaN).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
+
+from asyncsess.validation import MAX_LOG_RATIO
 
 __all__ = ["LOSSES", "MULTI_TARGET_LOSSES", "DEFAULT_CLIP_LOW", "DEFAULT_CLIP_HIGH", "DEFAULT_DRO_BETA", "datum_loss"]
 
@@ -52,6 +55,11 @@ def _clamp(x: Tensor, lo: Tensor | float, hi: Tensor | float) -> Tensor:
     return x.clamp(torch.as_tensor(lo, dtype=x.dtype, device=x.device), torch.as_tensor(hi, dtype=x.dtype, device=x.device))
 
 
+def _ratio(p: Tensor, q: Tensor) -> Tensor:
+    """``exp(min(p − q, MAX_LOG_RATIO))``: past the cap the ratio has no gradient (as in the mock)."""
+    return torch.exp((p - q).clamp(max=MAX_LOG_RATIO))
+
+
 def cross_entropy(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     """``L = Σ −w·p``."""
     return -(inputs["weights"] * p).sum()
@@ -59,7 +67,7 @@ def cross_entropy(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
 
 def importance_sampling(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     """``L = −Σ r·A`` with ``r = exp(p − q)`` unclipped."""
-    ratio = torch.exp(p - inputs["logprobs"])
+    ratio = _ratio(p, inputs["logprobs"])
     return -(ratio * inputs["advantages"] * _mask(inputs)).sum()
 
 
@@ -67,7 +75,7 @@ def ppo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     """``L = −Σ min(r·A, clamp(r, lo, hi)·A)`` (absolute ratio bounds)."""
     lo, hi = _clip(inputs, config)
     adv = inputs["advantages"]
-    ratio = torch.exp(p - inputs["logprobs"])
+    ratio = _ratio(p, inputs["logprobs"])
     objective = torch.minimum(ratio * adv, _clamp(ratio, lo, hi) * adv)
     return -(objective * _mask(inputs)).sum()
 
@@ -75,7 +83,7 @@ def ppo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
 def cispo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     """``L = −Σ sg[clamp(r, lo, hi)]·p·A``: the clip bounds the coefficient, the gradient always flows."""
     lo, hi = _clip(inputs, config)
-    coef = _clamp(torch.exp(p - inputs["logprobs"]), lo, hi).detach()
+    coef = _clamp(_ratio(p, inputs["logprobs"]), lo, hi).detach()
     return -(coef * p * inputs["advantages"] * _mask(inputs)).sum()
 
 
@@ -99,7 +107,7 @@ def gspo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
         mask = torch.ones_like(p)
     count = mask.sum()
     log_ratio = ((p.detach() - inputs["logprobs"]) * mask).sum() / count.clamp(min=1.0)
-    s_t = torch.exp(log_ratio) * torch.exp(p - p.detach())
+    s_t = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)) * torch.exp(p - p.detach())
     objective = torch.minimum(s_t * adv, _clamp(s_t, lo, hi) * adv)
     return -(objective * _mask(inputs)).sum()
 

@@ -8,6 +8,7 @@ that yields the same gradient as running them one by one (up to float rounding).
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from asyncsess.backends import PassOp
+from asyncsess.errors import NonFiniteGradientError
 from asyncsess.types import AdamParams, ForwardBackwardOutput, OptimStepResponse, TensorData, Usage
 
 from .adapters import LoraHost
@@ -229,13 +231,19 @@ def run_ops(
 
 
 def optim_step(sess: TrainSession, adam: AdamParams) -> OptimStepResponse:
-    """One AdamW step with ``adam``'s settings (weight decay, grad-norm clip, LoRA+ ratio); zero the grads."""
+    """One AdamW step with ``adam``'s settings (weight decay, grad-norm clip, LoRA+ ratio); zero the grads.
+
+    A gradient whose norm is NaN or infinite is zeroed without a step: :class:`NonFiniteGradientError`.
+    """
     params = list(sess.params.values())
     grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    norm = float(total)
+    if not math.isfinite(norm):
+        sess.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradientError(norm)
     if adam.grad_clip_norm > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm))
-    else:
-        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, total)
     ratio = adam.lora_plus_lr_ratio or 1.0
     for gi, group in enumerate(sess.optimizer.param_groups):
         group.update(

@@ -2,7 +2,8 @@
 
 Every loss is sum-reduced over tokens and datums and returns ``(loss, g)`` with ``g = −∂L/∂p`` per token
 (stop-gradient terms frozen). Arrays are flat over the whole batch; ``seg`` gives each token's datum
-index (only GSPO needs it). RL losses multiply each per-token term by ``weights`` when given (a mask;
+index (only GSPO needs it). The log-ratio ``p − q`` is capped at ``MAX_LOG_RATIO`` (20) before ``exp``, so no
+ratio overflows; a token past the cap gets no gradient through its ratio (the derivative of the cap). RL losses multiply each per-token term by ``weights`` when given (a mask;
 SageMaker datums carry one); ``cross_entropy`` defaults ``weights`` to ones.
 
 Config keys: ``clip_low_threshold`` / ``clip_high_threshold`` (ppo, cispo, gspo; absolute ratio bounds,
@@ -17,6 +18,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from asyncsess.errors import InvalidInputError, UnsupportedError
+from asyncsess.validation import MAX_LOG_RATIO
 
 __all__ = ["LOSSES", "REQUIRED_INPUTS", "MULTI_TARGET_LOSSES", "compute_loss", "parse_config"]
 
@@ -72,6 +74,12 @@ def _clip_bounds(inputs: Arrays, cfg: Mapping[str, float]) -> tuple[np.ndarray |
     return lo, hi
 
 
+def _ratio(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``r = exp(min(p − q, MAX_LOG_RATIO))`` and the mask where the cap is not hit (there ``∂r/∂p = r``, else 0)."""
+    log_ratio = p - q
+    return np.exp(np.minimum(log_ratio, MAX_LOG_RATIO)), log_ratio <= MAX_LOG_RATIO
+
+
 def _pessimistic(ratio: np.ndarray, adv: np.ndarray, lo, hi) -> tuple[np.ndarray, np.ndarray]:
     """``min(ratio·A, clip(ratio)·A)`` and the mask where the unclipped branch (the one with gradient) is taken."""
     unclipped = ratio * adv
@@ -86,21 +94,21 @@ def cross_entropy(p, inputs, cfg, seg):
 
 
 def importance_sampling(p, inputs, cfg, seg):
-    w = _weights(inputs)
-    term = w * np.exp(p - inputs["logprobs"]) * inputs["advantages"]
-    return float(-term.sum()), term
+    ratio, live = _ratio(p, inputs["logprobs"])
+    term = _weights(inputs) * ratio * inputs["advantages"]
+    return float(-term.sum()), np.where(live, term, 0.0)
 
 
 def ppo(p, inputs, cfg, seg):
     adv, w = inputs["advantages"], _weights(inputs)
-    ratio = np.exp(p - inputs["logprobs"])
+    ratio, live = _ratio(p, inputs["logprobs"])
     objective, flows = _pessimistic(ratio, adv, *_clip_bounds(inputs, cfg))
-    return float(-(w * objective).sum()), np.where(flows, w * ratio * adv, 0.0)
+    return float(-(w * objective).sum()), np.where(flows & live, w * ratio * adv, 0.0)
 
 
 def cispo(p, inputs, cfg, seg):
     adv, w = inputs["advantages"], _weights(inputs)
-    coeff = w * np.clip(np.exp(p - inputs["logprobs"]), *_clip_bounds(inputs, cfg)) * adv
+    coeff = w * np.clip(_ratio(p, inputs["logprobs"])[0], *_clip_bounds(inputs, cfg)) * adv
     return float(-(coeff * p).sum()), coeff
 
 
@@ -118,7 +126,7 @@ def gspo(p, inputs, cfg, seg):
     n_seg = int(seg.max()) + 1 if seg.size else 0
     num = np.bincount(seg, weights=mask * (p - inputs["logprobs"]), minlength=n_seg)
     den = np.bincount(seg, weights=mask, minlength=n_seg)
-    seq_ratio = np.exp(np.divide(num, den, out=np.zeros(n_seg), where=den != 0))[seg]
+    seq_ratio = np.exp(np.minimum(np.divide(num, den, out=np.zeros(n_seg), where=den != 0), MAX_LOG_RATIO))[seg]
     objective, flows = _pessimistic(seq_ratio, adv, *_clip_bounds(inputs, cfg))
     return float(-(w * objective).sum()), np.where(flows, w * seq_ratio * adv, 0.0)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from asyncsess.errors import NonFiniteGradientError
 from asyncsess.types import AdamParams
 
 __all__ = ["AdamState", "adamw_step"]
@@ -31,11 +32,15 @@ class AdamState:
 def adamw_step(param: np.ndarray, grad: np.ndarray, state: AdamState, hp: AdamParams) -> dict[str, float]:
     """Update ``param`` and ``state`` in place; ``grad`` is read only. Returns ``grad_norm`` (before clipping) and ``learning_rate``.
 
+    A gradient whose norm is NaN or infinite changes nothing and raises :class:`NonFiniteGradientError`.
+
     Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW``:
     clip by ``max_norm / (norm + 1e-6)`` when that is below 1; ``param *= 1 − lr·wd``;
     ``param −= lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)``. ``lora_plus_lr_ratio`` has no meaning for a full table and is ignored.
     """
     norm = float(np.sqrt(np.vdot(grad, grad)))
+    if not math.isfinite(norm):
+        raise NonFiniteGradientError(norm)  # before anything changes
     if hp.grad_clip_norm > 0:
         coeff = hp.grad_clip_norm / (norm + 1e-6)
         if coeff < 1.0:

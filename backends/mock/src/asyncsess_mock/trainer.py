@@ -76,8 +76,11 @@ class MockTrainer:
         )
 
     def optim_step(self, params: AdamParams | None = None) -> OptimStepResponse:
-        metrics = adamw_step(self.delta, self.grad, self.adam, params or AdamParams())
-        self.grad[:] = 0.0
+        """One AdamW step; a non-finite gradient is cleared without a step (``NonFiniteGradientError``)."""
+        try:
+            metrics = adamw_step(self.delta, self.grad, self.adam, params or AdamParams())
+        finally:
+            self.grad[:] = 0.0
         self._weights_changed()
         return OptimStepResponse.model_construct(metrics=metrics, step=self.adam.step)
 

@@ -24,7 +24,7 @@ from asyncsess.types import (
     TensorData,
     Usage,
 )
-from asyncsess.validation import all_finite_f32
+from asyncsess.validation import SAMPLER_LOGPROB_RANGE, all_finite_f32
 
 from .arns import parse_model_package_arn
 from .service_models import RUNTIME, enum_values, runtime_model
@@ -136,6 +136,9 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
                 raise ShapeError(f"{tpath}.data", "int64 data must fit in 64 bits", data)
             if tensor["dtype"] == "float32" and not all_finite_f32(data):
                 raise ShapeError(f"{tpath}.data", "float32 data must be finite (no NaN, no Infinity) and within float32", data)
+            low, high = SAMPLER_LOGPROB_RANGE
+            if key == "logprobs" and not all(low <= v <= high for v in data):
+                raise ShapeError(f"{tpath}.data", f"sampler log-probs must be in [{low:g}, {high:g}] (log p ≤ 0)", data)
             shape = tensor.get("shape")
             if shape is not None:
                 size = 1
