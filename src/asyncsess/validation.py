@@ -29,6 +29,7 @@ __all__ = [
     "coerce_adam_params",
     "check_checkpoint_name",
     "check_overwrite",
+    "free_name",
     "split_name_and_description",
     "check_description",
     "check_ttl_seconds",
@@ -336,6 +337,16 @@ def check_overwrite(name: str, taken: bool, overwrite: bool) -> None:
         raise ConflictError(
             f"a checkpoint named {name!r} already exists", field="overwrite", fix="pass overwrite=True to replace it, or pick another name"
         )
+
+
+def free_name(base: str, taken: Callable[[str], bool]) -> str:
+    """``base``, or the first free of ``base-2``, ``base-3``, ...: the name a backend picks for an unnamed save, so
+    that an earlier save the user named ``base`` never makes it refuse."""
+    name, k = base, 1
+    while taken(name):
+        k += 1
+        name = f"{base}-{k}"
+    return name
 
 
 def _check_text(value: Any, field: str, limit: int) -> str:

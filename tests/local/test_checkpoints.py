@@ -244,3 +244,19 @@ async def test_a_taken_name_is_refused_before_numbering_and_overwrite_replaces_i
         assert sorted(c.checkpoint_id.split("/")[-1] for c in await b.list_checkpoints(a.model_id)) == ["ckpt", "w"]
     finally:
         await b.aclose()
+
+
+async def test_an_unnamed_save_never_clashes_with_a_name_the_user_chose(backend_factory, tiny):
+    """An unnamed save is named ``step-<step>-<seq>``; when the user already saved under that name, the backend
+    picks a free one instead of refusing the numbered op (which would poison the session)."""
+    b = backend_factory()
+    try:
+        await b.open()
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=3))
+        ops = Ops()
+        mine = await b.execute_training(a.model_id, ops("save_state", name=f"step-000000-{ops.seq + 2}"))
+        auto = await b.execute_training(a.model_id, ops("save_state"))
+        assert _path(auto.path).name == f"{_path(mine.path).name}-2"
+        assert json.loads((_path(mine.path) / "asyncsess.json").read_text())["step"] == 0  # untouched
+    finally:
+        await b.aclose()

@@ -137,6 +137,20 @@ async def test_a_taken_name_is_refused_before_numbering_even_one_the_backend_cho
 
 
 @pytest.mark.anyio
+async def test_an_unnamed_save_never_clashes_with_a_name_the_user_chose():
+    """The backend names an unnamed save by its seq; a user who already saved under that name (a cookbook loop's
+    ``f"{step:06d}"``) gets a fresh name for the unnamed save, not a refusal after numbering that poisons the client."""
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        taken = f"{tc.current_sequence_number + 2:06d}"  # the name the backend gives the op after this save
+        mine = await tc.save_state(taken)
+        auto = await tc.save_state()
+        assert auto.path.rsplit("/", 1)[1] == f"{taken}-2" and auto.path != mine.path
+        await tc.optim_step(HP)  # not poisoned
+        assert {c.path for c in await svc.list_checkpoints(tc.model_id)} >= {mine.path, auto.path}
+
+
+@pytest.mark.anyio
 async def test_bad_checkpoint_name(open_session):
     b = MockBackend()
     s = await open_session(b)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import Checkpoint, CheckpointResponse
-from asyncsess.validation import check_overwrite
+from asyncsess.validation import check_overwrite, free_name
 
 if TYPE_CHECKING:
     import torch
@@ -249,9 +249,10 @@ class CheckpointStore:
         return self._save(sess, op, fill)
 
     def _save(self, sess: TrainSession, op: SaveStateOp | SaveWeightsOp, fill: Callable[[Path], None]) -> CheckpointResponse:
-        """Write ``op``'s checkpoint (``fill`` writes the files) under its name, or ``step-<step>-<seq>`` without one."""
+        """Write ``op``'s checkpoint (``fill`` writes the files) under its name, or a free ``step-<step>-<seq>`` without one."""
         kind = op.checkpoint_kind
-        final = self.target(sess.model_id, kind, op.name or f"step-{sess.step:06d}-{op.seq}", op.overwrite)
+        name = op.name or free_name(f"step-{sess.step:06d}-{op.seq}", lambda n: (self.root / sess.model_id / kind / n).exists())
+        final = self.target(sess.model_id, kind, name, op.overwrite)
         uri = self.write(final, {**_session_meta(sess, kind), **_save_meta(op)}, fill)
         return CheckpointResponse(path=uri, kind=kind, step=sess.step)
 

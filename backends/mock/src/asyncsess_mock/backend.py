@@ -50,7 +50,7 @@ from asyncsess.types import (
     SupportedModel,
     TrainingResult,
 )
-from asyncsess.validation import check_overwrite
+from asyncsess.validation import check_overwrite, free_name
 
 from .checkpoints import DiskStore, StoredCheckpoint, check_name, checkpoint_path
 from .faults import Faults, MockConfig
@@ -280,10 +280,10 @@ class MockBackend(Backend):
                 if trainer.adam.step + 1 in (self.config.drop_refresh_at, self.config.repeat_refresh_at):
                     sess.before_step = trainer.delta.copy()
                 result = trainer.optim_step(params)
-            case SaveStateOp():
-                result = self._save(sess, op.checkpoint_kind, op.name or f"{op.seq:06d}", op).response()
-            case SaveWeightsOp():
-                name = op.name or (f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}")
+            case SaveStateOp() | SaveWeightsOp():
+                name = op.name or self._free_name(
+                    sess.id, op.checkpoint_kind, f"ephemeral-{op.seq:06d}" if op.ephemeral else f"{op.seq:06d}"
+                )
                 result = self._save(sess, op.checkpoint_kind, name, op).response()
             case LoadStateOp(path=path):
                 ckpt = self._loadable(sess, path)
@@ -325,6 +325,9 @@ class MockBackend(Backend):
             self._refresh_faults[path] = served.copy()
             sess.before_step = None
         return ckpt
+
+    def _free_name(self, session_id: str, kind: CheckpointKind, base: str) -> str:
+        return free_name(base, lambda name: checkpoint_path(session_id, kind, name) in self._checkpoints)
 
     def _save_path(self, session_id: str, kind: CheckpointKind, name: str, op: SaveStateOp | SaveWeightsOp) -> str:
         """Where a save of ``name`` goes; a ConflictError naming ``overwrite`` when a checkpoint is there (unless ``op.overwrite``)."""
