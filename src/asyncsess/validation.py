@@ -230,12 +230,13 @@ _RANGES = {
     "logprobs": (*SAMPLER_LOGPROB_RANGE, "a sampler log-prob in [-1e6, 0.001]", "send the sampler's log-probs (log p ≤ 0), e.g. -0.7"),
     "clip_low_threshold": (0.0, math.inf, "≥ 0", "absolute ratio bounds, e.g. 0.8"),
     "clip_high_threshold": (1.0, math.inf, "≥ 1", "absolute ratio bounds, e.g. 1.2"),
+    "sequence_ratio_mask": (0.0, 1.0, "in [0, 1] (a token's share in the sequence ratio)", "1 for a sampled token, 0 for the prompt"),
 }
 
 
 def _check_ranges(d: Datum, i: int) -> None:
-    """Per-token inputs with a physical range stay in it: sampler log-probs, and clip bounds obeying the config's
-    rules (low ≥ 0, high ≥ 1) so the bounds never cross."""
+    """Per-token inputs with a physical range stay in it: sampler log-probs, clip bounds obeying the config's
+    rules (low ≥ 0, high ≥ 1) so the bounds never cross, and GSPO's sequence-ratio mask (a weighted mean's weights)."""
     for key, (low, high, rule, fix) in _RANGES.items():
         tensor = d.loss_fn_inputs.get(key)
         bad = None if tensor is None else next((v for v in tensor.data if not low <= v <= high), None)

@@ -105,3 +105,15 @@ def test_sampler_logprobs_must_be_log_probabilities(loss_fn, bad):
 def test_legal_sampler_logprobs_pass(q):
     """Float noise just above 0, a bf16 sampler's −80, vLLM's −9999 for −inf and Tinker's −99999 top-k filler."""
     assert check_datums([_rl(q)], "ppo")[0].loss_fn_inputs["logprobs"].data[1] == pytest.approx(q)
+
+
+@pytest.mark.parametrize("bad", [-1.0, 1.5, -1e-9])
+def test_gspo_sequence_ratio_mask_is_a_share_in_0_1(bad):
+    """The mask weights the mean log-ratio: a negative or > 1 entry made mock:// and local:// disagree."""
+    datum = _rl(-0.5)
+    datum["loss_fn_inputs"]["sequence_ratio_mask"] = [1.0, bad]
+    with pytest.raises(InvalidInputError) as err:
+        check_datums([datum], "gspo")
+    assert err.value.field == "data[0].loss_fn_inputs['sequence_ratio_mask']" and err.value.fix
+    datum["loss_fn_inputs"]["sequence_ratio_mask"] = [0.0, 0.5]
+    assert check_datums([datum], "gspo")[0].loss_fn_inputs["sequence_ratio_mask"].data == [0.0, 0.5]

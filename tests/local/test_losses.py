@@ -65,6 +65,17 @@ def test_gspo_ratio_uses_only_masked_tokens():
     assert g == pytest.approx([s, s * 0.5, -2 * s], abs=1e-6)
 
 
+def test_gspo_ratio_is_the_mask_weighted_mean():
+    """A fractional mask weights the mean: [0.5, 0, 0] gives the ratio of [1, 0, 0] (it was divided by at least 1,
+    so the ratio shrank toward 1 and differed from mock://)."""
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.3}
+    whole = _loss_and_g("gspo", cfg, P, {"logprobs": Q, "advantages": A, "sequence_ratio_mask": [1.0, 0.0, 0.0]})
+    half = _loss_and_g("gspo", cfg, P, {"logprobs": Q, "advantages": A, "sequence_ratio_mask": [0.5, 0.0, 0.0]})
+    assert half[0] == pytest.approx(whole[0], abs=1e-9) and half[1] == pytest.approx(whole[1], abs=1e-9)
+    empty = _loss_and_g("gspo", cfg, P, {"logprobs": Q, "advantages": A, "sequence_ratio_mask": [0.0, 0.0, 0.0]})
+    assert empty[0] == pytest.approx(-(1.0 + 0.5 - 2.0), abs=1e-9)  # no tokens in M: s = 1
+
+
 def test_rl_weights_mask_tokens():
     loss, g = _loss_and_g("importance_sampling", {}, P, {"logprobs": Q, "advantages": A, "weights": [1.0, 0.0, 1.0]})
     assert loss == pytest.approx(-(1.221403 - 3.644238), abs=1e-6)

@@ -105,8 +105,8 @@ def gspo(p: Tensor, inputs: Inputs, config: Config) -> Tensor:
     mask = inputs.get("sequence_ratio_mask")
     if mask is None:
         mask = torch.ones_like(p)
-    count = mask.sum()
-    log_ratio = ((p.detach() - inputs["logprobs"]) * mask).sum() / count.clamp(min=1.0)
+    count = mask.sum()  # the mean over M, weighted by the mask; an empty M gives s = 1
+    log_ratio = ((p.detach() - inputs["logprobs"]) * mask).sum() / count if bool(count > 0) else p.new_zeros(())
     s_t = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO)) * torch.exp(p - p.detach())
     objective = torch.minimum(s_t * adv, _clamp(s_t, lo, hi) * adv)
     return -(objective * _mask(inputs)).sum()
