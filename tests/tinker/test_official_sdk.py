@@ -253,3 +253,30 @@ def test_search_sessions_pages_and_filters(mock_server: Server) -> None:
     finally:
         for sc in clients[1:]:
             sc.close("success").result()
+
+
+def test_multi_target_cross_entropy_keeps_its_shape(service: tinker.ServiceClient) -> None:
+    """Tinker's ``cross_entropy`` takes ``(N, K)`` targets and weights (mock:// does too); the door refused them
+    (checked as one target per position) and sent every output flat, so an ``(N, K)`` log-prob tensor came back as
+    ``(N*K,)``."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=4).result()
+    targets = np.array([[6, 9], [7, 10], [8, 11]])
+    weights = np.array([[1.0, 0.5], [1.0, 0.25], [0.0, 2.0]], dtype=np.float32)
+    multi = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(targets), "weights": types.TensorData.from_numpy(weights)},
+    )
+    out = tc.forward([multi, BATCH[1]], "cross_entropy").result()
+    lp = out.loss_fn_outputs[0]["logprobs"]
+    assert lp.shape == [3, 2] and lp.to_numpy().shape == (3, 2)
+    assert out.loss_fn_outputs[1]["logprobs"].shape == [3]  # a one-target datum next to it keeps its own shape
+    columns = []
+    for k in range(2):
+        single = types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": targets[:, k].tolist(), "weights": [1.0] * 3},
+        )
+        columns.append(tc.forward([single], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy())
+    assert np.array_equal(lp.to_numpy(), np.stack(columns, axis=1))
+    one = out.metrics["loss:sum"] - tc.forward([BATCH[1]], "cross_entropy").result().metrics["loss:sum"]
+    assert one == pytest.approx(-float((weights * lp.to_numpy()).sum()), rel=1e-5)

@@ -62,6 +62,19 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
     "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
+    # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
+    "a datum past the model's context": (
+        lambda tc: tc.forward_backward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([5] * 600), loss_fn_inputs={"target_tokens": [5] * 600, "weights": [1.0] * 600}
+                )
+            ],
+            "cross_entropy",
+        ),
+        tinker.BadRequestError,
+        "context of 512",
+    ),
 }
 
 

@@ -159,6 +159,13 @@ class _Sampler:
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Limits:
+    vocab: int | None
+    context: int | None
+    multi_target: frozenset[str]  # losses the backend takes (N, K) target_tokens for
+
+
 @dataclass
 class _Checkpoint:
     tinker_path: str
@@ -260,7 +267,7 @@ class TinkerDoor:
         self._backend_paths: dict[str, str] = {}
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
-        self._vocab: dict[str, int | None] = {}
+        self._limits: dict[str, _Limits] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -393,11 +400,16 @@ class TinkerDoor:
             self._session(s.session_id)
         return s
 
-    async def _vocab_size(self, base_model: str) -> int | None:
-        if base_model not in self._vocab:
+    async def _model_limits(self, base_model: str) -> _Limits:
+        """What the backend reports of ``base_model`` (vocabulary, context, (N, K) losses), so datums are checked as
+        asyncsess's client checks them: before they take their turn."""
+        if base_model not in self._limits:
             caps = await self.backend.capabilities()
-            self._vocab[base_model] = next((m.vocab_size for m in caps.supported_models if m.model_name == base_model), None)
-        return self._vocab[base_model]
+            m = next((m for m in caps.supported_models if m.model_name == base_model), None)
+            self._limits[base_model] = _Limits(
+                m.vocab_size if m else None, m.max_context_length if m else None, frozenset(caps.multi_target_losses)
+            )
+        return self._limits[base_model]
 
     # ------------------------------------------------------------------------------- sessions
 
@@ -637,14 +649,20 @@ class TinkerDoor:
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
-        vocab = await self._vocab_size(m.base_model)
+        limits = await self._model_limits(m.base_model)
 
         def check() -> Callable[..., TrainingOp] | InvalidInputError:
             if wire.error is not None:
                 return wire.error
             try:
                 loss_fn = check_loss_fn(wire.loss_fn)
-                data = check_datums(wire.data, loss_fn, vocab_size=vocab)
+                data = check_datums(
+                    wire.data,
+                    loss_fn,
+                    vocab_size=limits.vocab,
+                    max_length=limits.context,
+                    multi_target=loss_fn in limits.multi_target,
+                )
                 config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
             except InvalidInputError as err:
                 return err

@@ -200,16 +200,16 @@ def encode_forward_backward(
 
 
 def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
-    """One ``ArrayRecord``: per field, the datums' values concatenated with int64 byte offsets."""
+    """``ArrayRecord``s: per field, the datums' values concatenated with int64 byte offsets. Each record holds a run
+    of datums whose fields have the same trailing shape (the ``K`` of an ``(N, K)`` output), which it carries."""
     pb = _pb()
     msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
     for k, v in out.metrics.items():
         msg.metrics[k] = float(v)
-    if out.loss_fn_outputs:
-        rec = msg.loss_fn_outputs.add(num_datums=len(out.loss_fn_outputs))
-        names = list(out.loss_fn_outputs[0])
-        for name in names:
-            tds = [d[name] for d in out.loss_fn_outputs]
+    for run in _runs_of_trailing_shape(out.loss_fn_outputs):
+        rec = msg.loss_fn_outputs.add(num_datums=len(run))
+        for name in run[0]:
+            tds = [d[name] for d in run]
             code, np_dtype = _DTYPES[tds[0].dtype]
             arrays = [np.asarray(t.data, dtype=np_dtype) for t in tds]
             offsets = np.zeros(len(arrays) + 1, dtype="<i8")
@@ -218,7 +218,25 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
             bt.dtype = code
             bt.data = np.concatenate(arrays).tobytes() if arrays else b""
             bt.offsets = offsets.tobytes()
+            bt.trailing_shape.extend(_trailing(tds[0]))
     return msg.SerializeToString()
+
+
+def _trailing(td: TensorData) -> list[int]:
+    return list(td.shape[1:]) if td.shape else []
+
+
+def _runs_of_trailing_shape(outputs: list[dict[str, TensorData]]) -> list[list[dict[str, TensorData]]]:
+    """Consecutive datums grouped while every field keeps its trailing shape."""
+    runs: list[list[dict[str, TensorData]]] = []
+    key = None
+    for d in outputs:
+        k = [(name, _trailing(td)) for name, td in d.items()]
+        if not runs or k != key:
+            runs.append([])
+            key = k
+        runs[-1].append(d)
+    return runs
 
 
 def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
@@ -232,9 +250,12 @@ def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
             np_dtype = _NP_OF[bt.dtype]
             offsets = np.frombuffer(bt.offsets, dtype="<i8")
             buf = np.frombuffer(bt.data, dtype=np_dtype)
+            trailing = list(bt.trailing_shape)
+            width = math.prod(trailing)
             for i in range(len(offsets) - 1):
                 part = buf[int(offsets[i]) // np_dtype.itemsize : int(offsets[i + 1]) // np_dtype.itemsize]
-                per[i][name] = TensorData.model_construct(data=part.tolist(), dtype=_NAME_OF[bt.dtype], shape=[part.size])
+                shape = [part.size // width if width else 0, *trailing]
+                per[i][name] = TensorData.model_construct(data=part.tolist(), dtype=_NAME_OF[bt.dtype], shape=shape)
         outputs.extend(per)
     return ForwardBackwardOutput.model_construct(
         loss_fn_output_type=msg.loss_fn_output_type, loss_fn_outputs=outputs, metrics=dict(msg.metrics)
