@@ -178,9 +178,9 @@ def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceC
     with pytest.raises(tinker.NotFoundError, match="model_id"):
         rest.get_training_run("no-such-run").result()
     # a failure while running comes back as the SDK's RequestFailedError with a user category
-    tc.save_state("twice").result()
-    with pytest.raises(tinker.RequestFailedError) as info:
-        tc.save_state("twice").result()
+    sampler = service.create_sampling_client(base_model=BASE)
+    with pytest.raises(tinker.RequestFailedError, match="no room in the 512-token context") as info:
+        sampler.sample(types.ModelInput.from_ints([5] * 512), 1, types.SamplingParams(max_tokens=3)).result()
     assert info.value.category == types.RequestErrorCategory.User
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(
@@ -280,3 +280,48 @@ def test_multi_target_cross_entropy_keeps_its_shape(service: tinker.ServiceClien
     assert np.array_equal(lp.to_numpy(), np.stack(columns, axis=1))
     one = out.metrics["loss:sum"] - tc.forward([BATCH[1]], "cross_entropy").result().metrics["loss:sum"]
     assert one == pytest.approx(-float((weights * lp.to_numpy()).sum()), rel=1e-5)
+
+
+def test_save_state_overwrite_ttl_and_metadata(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """``save_state(name, ttl_seconds, overwrite, user_metadata)``: the door dropped all three. A second save of a
+    name failed when run even with ``overwrite=True``, and that failure failed every later op of the model; a TTL
+    and metadata given at save time were not listed."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=5).result()
+
+    def step_and_loss() -> float:
+        tc.forward_backward(BATCH, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        return tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"]
+
+    def loss_at(path: str) -> float:
+        return service.create_training_client_from_state(path).result().forward(BATCH, "cross_entropy").result().metrics["loss:sum"]
+
+    def listed(cid: str) -> types.Checkpoint:
+        return next(c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.checkpoint_id == cid)
+
+    first = step_and_loss()
+    path = tc.save_state("x", ttl_seconds=7200, user_metadata={"step": "1"}).result().path
+    ck = listed("weights/x")
+    assert ck.user_metadata == {"step": "1"} and ck.expires_at is not None
+    assert (ck.expires_at - ck.time).total_seconds() == pytest.approx(7200, abs=2)
+
+    second = step_and_loss()
+    with pytest.raises(tinker.BadRequestError, match="overwrite=True"):
+        tc.save_state("x").result()
+    assert tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"] == second  # the model goes on
+    assert loss_at(path) == first  # the checkpoint is untouched
+
+    assert tc.save_state("x", overwrite=True).result().path == path
+    assert loss_at(path) == second
+    ck = listed("weights/x")
+    assert ck.user_metadata is None and ck.expires_at is None  # an overwrite replaces metadata and TTL
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/x"]
+
+    sampler = tc.save_weights_for_sampler("s", ttl_seconds=3600, user_metadata={"kind": "eval"}).result().path
+    assert listed("sampler_weights/s").user_metadata == {"kind": "eval"}
+    with pytest.raises(tinker.BadRequestError, match="already saved sampler_weights/s"):
+        tc.save_weights_for_sampler("s").result()
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert tc.save_weights_for_sampler("s").result().path == sampler  # a deleted name can be saved again
+    assert tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"] == second

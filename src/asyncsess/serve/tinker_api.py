@@ -146,6 +146,7 @@ class _Model:
     backend_seq: int = 1
     last_request: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
 
 
 @dataclass
@@ -179,6 +180,7 @@ class _Checkpoint:
     step: int = 0
     public: bool = False
     expires_at: float | None = None
+    user_metadata: dict[str, str] | None = None
 
     def rest(self) -> dict[str, Any]:
         return {
@@ -189,6 +191,7 @@ class _Checkpoint:
             "size_bytes": None,
             "public": self.public,
             "expires_at": _iso(self.expires_at) if self.expires_at else None,
+            "user_metadata": self.user_metadata,
         }
 
 
@@ -714,23 +717,48 @@ class TinkerDoor:
             raise ApiError.from_error(err) from None
         return _future(promise, m.id)
 
-    def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str) -> _Checkpoint:
+    def _record(self, m: _Model, resp: CheckpointResponse, save: functools.partial[Any], folder: str, kind: str) -> _Checkpoint:
+        name, ttl, now = save.keywords["name"], save.keywords["ttl_seconds"], time.time()
         path = f"tinker://{m.id}/{folder}/{name}"
-        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, time.time(), resp.step)
+        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, now, resp.step)
+        ck.expires_at = now + ttl if ttl else None
+        ck.user_metadata = save.keywords["user_metadata"]
         self._backend_paths[resp.path] = m.id
+        if path not in self.checkpoints:  # an overwrite replaces the record
+            m.checkpoints.append(path)
         self.checkpoints[path] = ck
-        m.checkpoints.append(path)
         return ck
+
+    def _save_op(
+        self, m: _Model, body: dict[str, Any], record: type[SaveStateOp | SaveWeightsOp], folder: str, name: str
+    ) -> functools.partial[Any]:
+        """The save's record (a ``partial`` awaiting its seq) with its checked ``overwrite``, ``ttl_seconds`` and
+        ``user_metadata``; its name is taken from now on. A name the model holds is refused unless ``overwrite``:
+        before its turn, so the model goes on (failing when run, it failed every later op of the model)."""
+        overwrite = body.get("overwrite", False)
+        if not isinstance(overwrite, bool):
+            raise ApiError(400, f"expected true or false, got {overwrite!r:.40}", field="overwrite")
+        try:
+            ttl = check_ttl_seconds(body.get("ttl_seconds"))
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        meta = _metadata(body) or None
+        cid = f"{folder}/{name}"
+        if cid in m.names and not overwrite:
+            raise ApiError(400, f"{m.id} already saved {cid}", field="path", fix="pick another name, or pass overwrite=True")
+        m.names.add(cid)
+        # the door keeps the names: one it does not hold (never saved, or deleted) may be written over on the backend
+        return functools.partial(record, name=name, overwrite=True, ttl_seconds=ttl, user_metadata=meta)
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
-            name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
-            run = self._op(m, functools.partial(SaveStateOp, name=name))
+            op = self._save_op(m, body, SaveStateOp, "weights", _name(body.get("path"), f"{_int(body, 'seq_id'):06d}"))
+            run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
-                ck = self._record(m, await run(), "weights", name, "training")
+                ck = self._record(m, await run(), op, "weights", "training")
                 return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights"})
 
             return go
@@ -747,12 +775,13 @@ class TinkerDoor:
             name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
-            run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None))
+            op = functools.partial(self._save_op(m, body, SaveWeightsOp, "sampler_weights", name), ephemeral=body.get("path") is None)
+            run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
                 resp: CheckpointResponse = await run()
                 if body.get("path") is not None:
-                    ck = self._record(m, resp, "sampler_weights", name, "sampler")
+                    ck = self._record(m, resp, op, "sampler_weights", "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
@@ -987,6 +1016,7 @@ class TinkerDoor:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
         del self.checkpoints[ck.tinker_path]
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
+        self.models[ck.model_id].names.discard(ck.checkpoint_id)
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)

@@ -259,7 +259,8 @@ class TinkerBackend(Backend):
                 return OptimStepResponse(metrics=out.get("metrics"))
             case SaveStateOp():
                 name = op.name or f"{op.seq:06d}"
-                out = await self._result(await self._post("/api/v1/save_weights", {**base, "path": name, "type": "save_weights"}))
+                body = {**base, **_save_fields(op), "path": name, "type": "save_weights"}
+                out = await self._result(await self._post("/api/v1/save_weights", body))
                 return CheckpointResponse(path=out["path"], kind="state")
             case SaveWeightsOp():
                 if op.merge_weights:
@@ -267,7 +268,7 @@ class TinkerBackend(Backend):
                         "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
                     )
                 name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
-                body = {**base, "path": name, "type": "save_weights_for_sampler"}
+                body = {**base, **_save_fields(op), "path": name, "type": "save_weights_for_sampler"}
                 out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
                 return CheckpointResponse(path=out["path"], kind="sampler")
             case LoadStateOp(path=path, with_optimizer=with_optimizer):
@@ -366,9 +367,19 @@ class TinkerBackend(Backend):
                     path=c.get("tinker_path", ""),
                     time=_epoch(c.get("time")),
                     size_bytes=c.get("size_bytes"),
+                    user_metadata=c.get("user_metadata"),
+                    expires_at=_epoch(c["expires_at"]) if c.get("expires_at") else None,
+                    public=bool(c.get("public")),
                 )
             )
         return out
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """Tinker's REST delete of a ``tinker://<run>/<folder>/<name>`` path."""
+        run, _, checkpoint_id = path.removeprefix("tinker://").partition("/")
+        if not path.startswith("tinker://") or not run or "/" not in checkpoint_id:
+            raise InvalidInputError(f"{path!r:.80} is not a Tinker checkpoint path", field="path", fix="tinker://<run>/weights/<name>")
+        await self._send("DELETE", f"/api/v1/training_runs/{run}/checkpoints/{checkpoint_id}")
 
 
 def _epoch(value: Any) -> float:
@@ -401,3 +412,10 @@ def _raise_for(resp: httpx.Response, path: str) -> None:
     if status in (401, 403):
         raise InvalidInputError(message, field="api_key", fix="pass ?api_key=, api_key=... or set TINKER_API_KEY")
     raise InvalidInputError(message)
+
+
+def _save_fields(op: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:
+    """What Tinker's save requests carry besides the name (``overwrite`` is save_state's; asyncsess serve takes it on
+    both saves)."""
+    meta = dict(op.user_metadata) if op.user_metadata else None
+    return {"ttl_seconds": op.ttl_seconds, "overwrite": op.overwrite, "user_metadata": meta}
