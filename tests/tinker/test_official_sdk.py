@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import numpy as np
 import pytest
@@ -325,3 +327,26 @@ def test_save_state_overwrite_ttl_and_metadata(service: tinker.ServiceClient, mo
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert tc.save_weights_for_sampler("s").result().path == sampler  # a deleted name can be saved again
     assert tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"] == second
+
+
+def test_a_deleted_checkpoint_is_deleted_on_the_backend(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """The cookbook's rolling checkpoints save the state every step and delete the previous one to bound storage;
+    the door only forgot its record, so every deleted checkpoint stayed on the backend (on local://, on disk)."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    backend_id = mock_server.door.models[tc.model_id].backend_id
+
+    def on_backend() -> list[str]:
+        return sorted(c.checkpoint_id for c in asyncio.run(mock_server.backend.list_checkpoints(backend_id)))
+
+    first = tc.save_state("rolling-1").result().path
+    tc.save_state("rolling-2").result()
+    sampler = tc.save_weights_for_sampler("rolling-2").result().path
+    assert len(on_backend()) == 3
+    raw = mock_server.door.checkpoints[first].backend_path
+    rest.delete_checkpoint_from_tinker_path(first).result()
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert len(on_backend()) == 1
+    with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
+        service.create_training_client_from_state(raw).result()  # nor loadable by its backend path
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/rolling-2"]

@@ -1012,11 +1012,17 @@ class TinkerDoor:
             raise _not_found("checkpoint_id", checkpoint_id, "list the run's checkpoints")
         return ck
 
-    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+    async def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        """Forget the checkpoint (its path is a 404 from now on), then delete it on the backend: the cookbook's
+        rolling checkpoints delete the previous one each step to bound storage."""
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
         del self.checkpoints[ck.tinker_path]
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
         self.models[ck.model_id].names.discard(ck.checkpoint_id)
+        try:
+            await self.backend.delete_checkpoint(ck.backend_path)
+        except AsyncSessError as err:  # a backend that cannot delete keeps it; the door no longer serves it
+            log.warning("checkpoint %s stays on the backend: %s", ck.backend_path, err)
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
@@ -1344,7 +1350,7 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
-        door.delete_checkpoint(model_id, checkpoint_id)
+        await door.delete_checkpoint(model_id, checkpoint_id)
         return Response(status_code=204)
 
     @guarded.get("/checkpoints")
