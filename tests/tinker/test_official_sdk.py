@@ -350,3 +350,66 @@ def test_a_deleted_checkpoint_is_deleted_on_the_backend(service: tinker.ServiceC
     with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
         service.create_training_client_from_state(raw).result()  # nor loadable by its backend path
     assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/rolling-2"]
+
+
+def test_topk_and_target_prompt_logprobs_equal_mock_directly(service: tinker.ServiceClient) -> None:
+    """The cookbook's distillation (``topk_prompt_logprobs``) and decision recipes (``target_prompt_logprobs``,
+    sparse with ``pad_value=-1``) sample with them; the door refused all of them with a 400, though the backend
+    computes them. They now come back as asyncsess's own client gets them from mock:// in process."""
+    import torch
+
+    import asyncsess
+
+    prompt = [5, 9, 13, 17, 21]
+    ids = np.array([[9, -1], [13, 1], [-1, -1], [21, 22]])
+
+    async def in_process() -> asyncsess.SampleResponse:
+        async with asyncsess.ServiceClient("mock://") as svc:
+            sc = await svc.create_sampling_client(base_model=BASE)
+            params = asyncsess.SamplingParams(max_tokens=3, seed=1)
+            return await sc.sample(prompt, 2, params, True, topk_prompt_logprobs=3, topk_sample_logprobs=2, target_prompt_logprobs=ids)
+
+    def same(got: list, want: list) -> bool:
+        """Equal top-k rows: the same ids, the log-probs to float32."""
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            if (g is None) != (w is None) or (g is not None and [t for t, _ in g] != [t for t, _ in w]):
+                return False
+            if g is not None and not np.allclose([lp for _, lp in g], [lp for _, lp in w], atol=1e-6):
+                return False
+        return True
+
+    want = asyncio.run(in_process())
+    sampler = service.create_sampling_client(base_model=BASE)
+    got = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        2,
+        types.SamplingParams(max_tokens=3, seed=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+        target_prompt_logprobs=types.TensorData.from_torch(torch.from_numpy(ids)),
+    ).result()
+    assert got.topk_prompt_logprobs[0] is None and got.topk_prompt_logprobs_np.token_ids.shape == (5, 3)
+    assert same(got.topk_prompt_logprobs, want.topk_prompt_logprobs)
+    for g, w in zip(got.sequences, want.sequences):
+        assert g.tokens == w.tokens and len(g.topk_logprobs) == 3 and same(g.topk_logprobs, w.topk_logprobs)
+    target = got.target_prompt_logprobs.to_numpy()
+    assert target.shape == (4, 2) and np.allclose(target, want.target_prompt_logprobs.to_numpy(), atol=1e-6)
+    assert target[0, 0] == pytest.approx(got.prompt_logprobs[1], abs=1e-6) and target[2].tolist() == [0.0, 0.0]
+
+    # a sparse target names only its cells (unlisted ones are skips, not token 0); last_n keeps the last top-k rows
+    sparse = types.TensorData.from_torch_sparse(torch.tensor([[-1, -1], [-1, -1], [-1, -1], [21, -1]]), pad_value=-1)
+    assert sparse.sparse_crow_indices is not None
+    one = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        target_prompt_logprobs=sparse,
+        prompt_logprobs_last_n=2,
+    ).result()
+    assert one.target_prompt_logprobs.to_numpy()[:3].tolist() == [[0.0, 0.0]] * 3
+    assert one.target_prompt_logprobs.to_numpy()[3].tolist() == [pytest.approx(target[3, 0], abs=1e-6), 0.0]
+    assert one.topk_prompt_logprobs[:3] == [None] * 3 and same(one.topk_prompt_logprobs[3:], want.topk_prompt_logprobs[3:])

@@ -263,3 +263,34 @@ async def test_save_fields_listing_and_delete_over_the_wire(mock_server: Server)
         assert ck.expires_at is not None and ck.expires_at - ck.time == pytest.approx(3600, abs=2)
         await svc.delete_checkpoint(sampler.path)
         assert [c.checkpoint_id for c in await svc.list_checkpoints(tc.model_id)] == ["weights/kept"]
+
+
+async def test_topk_and_target_logprobs_over_the_wire_equal_mock_directly(mock_server: Server) -> None:
+    """tinker:// sent neither top-k nor target log-probs (the client refused them as not returned); they now
+    travel both ways and equal mock://'s own."""
+    prompt, ids = [5, 9, 13, 17, 21], np.array([[9, -1], [13, 1], [-1, -1], [21, 22]])
+
+    async def sample(url: str):
+        async with ServiceClient(url) as svc:
+            sc = await svc.create_sampling_client(base_model=BASE)
+            params = SamplingParams(max_tokens=3, seed=1)
+            return await sc.sample(
+                prompt,
+                2,
+                params,
+                True,
+                topk_prompt_logprobs=3,
+                topk_sample_logprobs=2,
+                target_prompt_logprobs=ids,
+                prompt_logprobs_last_n=3,
+            )
+
+    got, want = await sample(url_of(mock_server)), await sample("mock://")
+    assert got.topk_prompt_logprobs[:2] == [None, None]
+    for g, w in [(got.topk_prompt_logprobs, want.topk_prompt_logprobs)] + [
+        (a.topk_logprobs, b.topk_logprobs) for a, b in zip(got.sequences, want.sequences)
+    ]:
+        assert [r and [t for t, _ in r] for r in g] == [r and [t for t, _ in r] for r in w]
+        assert [r and [lp for _, lp in r] for r in g] == [r and pytest.approx([lp for _, lp in r], abs=1e-6) for r in w]
+    assert got.target_prompt_logprobs.shape == [4, 2]
+    assert got.target_prompt_logprobs.data == pytest.approx(want.target_prompt_logprobs.data, abs=1e-6)

@@ -52,12 +52,14 @@ from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGo
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
     MAX_SAMPLES,
+    MAX_TOPK,
     check_count,
     check_datums,
     check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
     check_seed,
+    check_target_prompt_logprobs,
     check_ttl_seconds,
     check_user_metadata,
     coerce_adam_params,
@@ -911,27 +913,28 @@ class TinkerDoor:
             prompt = coerce_prompt(body.get("prompt"), field="prompt")
             params = coerce_sampling_params(body.get("sampling_params"))
             n = check_count(body.get("num_samples", 1), "num_samples", low=1, high=MAX_SAMPLES)
-            if body.get("prompt_logprobs_last_n") is not None and _int(body, "prompt_logprobs_last_n") < 1:
-                raise ApiError(400, "must be 1 or more", field="prompt_logprobs_last_n", fix="count the prompt positions to keep")
-            for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-                if body.get(k):
-                    raise ApiError(400, "top-k log-probs are not offered", field=k, fix="leave it at 0")
-            if body.get("target_prompt_logprobs") is not None:
-                raise ApiError(400, "not offered", field="target_prompt_logprobs", fix="use prompt_logprobs")
+            k_prompt = check_count(body.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs", high=MAX_TOPK)
+            k_sample = check_count(body.get("topk_sample_logprobs") or 0, "topk_sample_logprobs", high=MAX_TOPK)
+            if body.get("prompt_alt_tokens_k"):
+                raise ApiError(400, "prompt alternatives are not offered", field="prompt_alt_tokens_k", fix="leave it at 0")
+            target = check_target_prompt_logprobs(body.get("target_prompt_logprobs"), len(prompt))
+            last_n = body.get("prompt_logprobs_last_n")
+            if last_n is not None:
+                last_n = check_count(last_n, "prompt_logprobs_last_n", low=1, high=max(1, len(prompt) - 1))
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         want_prompt = bool(body.get("prompt_logprobs"))
-        last_n = body.get("prompt_logprobs_last_n")
         promise = self.promises.new("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
-        request = SampleRequest(tuple(prompt), n, params, include_prompt_logprobs=want_prompt, request_id=promise.request_id)
+        request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
 
         async def work() -> Callable[[Promise], None]:
             resp: SampleResponse = await self.backend.sample(s.backend_id, request)
-            if last_n is not None and resp.prompt_logprobs is not None:
-                cut = len(resp.prompt_logprobs) - int(last_n)
-                resp.prompt_logprobs = [None if i < cut else v for i, v in enumerate(resp.prompt_logprobs)]
+            request.check_extras(resp)
+            if last_n is not None:  # the prompt rows before the last n are not scored (log-probs and top-k alike)
+                resp.prompt_logprobs = _keep_tail(resp.prompt_logprobs, last_n)
+                resp.topk_prompt_logprobs = _keep_tail(resp.topk_prompt_logprobs, last_n)
             blob = tinker_proto.encode_sample_response(resp)
             return lambda p: p.resolve(proto=blob)
 
@@ -1172,6 +1175,10 @@ def _tags(body: dict[str, Any]) -> list[str]:
         return list(check_user_metadata({str(i): t for i, t in enumerate(tags or [])}, field="tags").values())
     except InvalidInputError as err:
         raise ApiError.from_error(err) from None
+
+
+def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
+    return None if rows is None else [None if i < len(rows) - last_n else v for i, v in enumerate(rows)]
 
 
 def _name(path: Any, default: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
+from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData, TopkLogprobs
 
 __all__ = [
     "ForwardBackwardWire",
@@ -262,6 +262,9 @@ def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
     )
 
 
+MASK_LOGPROB = -99999.0  # Tinker's TopkLogprobs sentinel (with token id 0) for an unscored position or cell
+
+
 def encode_sample_response(resp: SampleResponse) -> bytes:
     pb = _pb()
     msg = pb.SampleResponse()
@@ -270,9 +273,40 @@ def encode_sample_response(resp: SampleResponse) -> bytes:
         sm.tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
         if s.logprobs is not None:
             sm.logprobs = np.asarray(s.logprobs, dtype="<f4").tobytes()
+        if s.topk_logprobs is not None:
+            _topk_to_pb(sm.topk_sampled_logprobs, s.topk_logprobs)
     if resp.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in resp.prompt_logprobs], dtype="<f4").tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        _topk_to_pb(msg.topk_prompt_logprobs, resp.topk_prompt_logprobs)
+    if resp.target_prompt_logprobs is not None:
+        td = resp.target_prompt_logprobs
+        msg.target_prompt_logprobs.dense = np.asarray(td.data, dtype="<f4").tobytes()
+        msg.target_prompt_logprobs.dtype = _DTYPES["float32"][0]
+        msg.target_prompt_logprobs.shape.extend(td.shape or [len(td.data)])
     return msg.SerializeToString()
+
+
+def _topk_to_pb(msg: Any, rows: TopkLogprobs) -> None:
+    """Tinker's ``TopkLogprobs``: ``(len(rows), k)`` int32 ids and float32 log-probs, an unscored row (``None``) or
+    a short one padded with ``(0, MASK_LOGPROB)``."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, lp) in enumerate(row or ()):
+            ids[i, j], lps[i, j] = token, lp
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+
+
+def _topk_from_pb(msg: Any) -> TopkLogprobs:
+    ids = np.frombuffer(msg.token_ids, dtype="<i4").reshape(msg.length, msg.k).tolist()
+    lps = np.frombuffer(msg.logprobs, dtype="<f4").reshape(msg.length, msg.k).tolist()
+    rows: TopkLogprobs = []
+    for row_ids, row_lps in zip(ids, lps):
+        pairs = [(t, lp) for t, lp in zip(row_ids, row_lps) if not (t == 0 and lp == MASK_LOGPROB)]
+        rows.append(pairs or None)
+    return rows if msg.k else [None] * msg.length
 
 
 def decode_sample_response(body: bytes) -> SampleResponse:
@@ -287,10 +321,20 @@ def decode_sample_response(body: bytes) -> SampleResponse:
             tokens=np.frombuffer(s.tokens, dtype="<i4").tolist(),
             logprobs=np.frombuffer(s.logprobs, dtype="<f4").tolist() if s.HasField("logprobs") else None,
             sequence_id=None,
+            topk_logprobs=_topk_from_pb(s.topk_sampled_logprobs) if s.HasField("topk_sampled_logprobs") else None,
         )
         for s in msg.sequences
     ]
     plp = None
     if msg.HasField("prompt_logprobs"):
         plp = [None if math.isnan(v) else float(v) for v in np.frombuffer(msg.prompt_logprobs, dtype="<f4").tolist()]
-    return SampleResponse.model_construct(sequences=seqs, prompt_logprobs=plp)
+    target = None
+    if msg.HasField("target_prompt_logprobs"):
+        t = msg.target_prompt_logprobs
+        target = TensorData.model_construct(data=np.frombuffer(t.dense, dtype="<f4").tolist(), dtype="float32", shape=list(t.shape))
+    return SampleResponse.model_construct(
+        sequences=seqs,
+        prompt_logprobs=plp,
+        topk_prompt_logprobs=_topk_from_pb(msg.topk_prompt_logprobs) if msg.HasField("topk_prompt_logprobs") else None,
+        target_prompt_logprobs=target,
+    )

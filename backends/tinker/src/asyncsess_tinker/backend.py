@@ -318,6 +318,9 @@ class TinkerBackend(Backend):
             "prompt": {"chunks": [{"tokens": list(request.prompt), "type": "encoded_text"}]},
             "sampling_params": params,
             "prompt_logprobs": request.include_prompt_logprobs or None,
+            "topk_prompt_logprobs": request.topk_prompt_logprobs or None,
+            "topk_sample_logprobs": request.topk_sample_logprobs or None,
+            "target_prompt_logprobs": _target_json(request.target_prompt_logprobs),
         }
         return await self._asample(sampler_id, {k: v for k, v in body.items() if v is not None}, request.request_id)
 
@@ -419,3 +422,10 @@ def _save_fields(op: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:
     both saves)."""
     meta = dict(op.user_metadata) if op.user_metadata else None
     return {"ttl_seconds": op.ttl_seconds, "overwrite": op.overwrite, "user_metadata": meta}
+
+
+def _target_json(rows: tuple[tuple[int, ...], ...] | None) -> dict[str, Any] | None:
+    """``target_prompt_logprobs`` as Tinker's JSON tensor: int64 ``[len(prompt) - 1, K]``."""
+    if rows is None:
+        return None
+    return {"data": [i for row in rows for i in row], "dtype": "int64", "shape": [len(rows), len(rows[0]) if rows else 0]}
