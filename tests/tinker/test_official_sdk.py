@@ -413,3 +413,21 @@ def test_topk_and_target_prompt_logprobs_equal_mock_directly(service: tinker.Ser
     assert one.target_prompt_logprobs.to_numpy()[:3].tolist() == [[0.0, 0.0]] * 3
     assert one.target_prompt_logprobs.to_numpy()[3].tolist() == [pytest.approx(target[3, 0], abs=1e-6), 0.0]
     assert one.topk_prompt_logprobs[:3] == [None] * 3 and same(one.topk_prompt_logprobs[3:], want.topk_prompt_logprobs[3:])
+
+
+def test_get_session_names_it_and_training_runs_filter_by_project(mock_server: Server) -> None:
+    """``get_session`` left out the session's display_name, and ``list_training_runs(project_id=...)`` ignored the
+    project (every run was listed for any project)."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    with tinker.ServiceClient(base_url=mock_server.url, api_key=API_KEY, display_name="sweep a", project_id="proj-a") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE, rank=8).result()
+        session_id = tc.model_id.split(":")[0]
+        assert rest.get_session(session_id).result().display_name == "sweep a"
+
+        def runs(project: str | None) -> list[str]:
+            return [r.training_run_id for r in rest.list_training_runs(limit=100, project_id=project).result().training_runs]
+
+        assert tc.model_id in runs("proj-a") and tc.model_id in runs(None)
+        assert tc.model_id not in runs("proj-b")
+        rest.assign_session_project(session_id, "proj-b").result()
+        assert tc.model_id in runs("proj-b") and tc.model_id not in runs("proj-a")

@@ -992,8 +992,11 @@ class TinkerDoor:
             "user_metadata": {str(k): str(v) for k, v in m.user_metadata.items()} or None,
         }
 
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        ids = [i for i, m in self.models.items() if self.owns(m.session_id)]
+    def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
+        """The caller's runs; with ``project_id``, those whose session is in that project."""
+        ids = [
+            i for i, m in self.models.items() if self.owns(m.session_id) and project_id in (None, self.sessions[m.session_id].project_id)
+        ]
         page = ids[offset : offset + limit]
         return {
             "training_runs": [self.training_run(i) for i in page],
@@ -1060,6 +1063,7 @@ class TinkerDoor:
             "training_run_ids": list(s.models),
             "sampler_ids": list(s.samplers),
             "user_metadata": {str(k): str(v) for k, v in s.user_metadata.items()} or None,
+            "display_name": s.display_name,
         }
 
     def set_project(self, session_id: str, body: dict[str, Any]) -> None:
@@ -1324,8 +1328,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
         return door.get_sampler(sampler_id)
 
     @guarded.get("/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return door.training_runs(limit, offset)
+    async def training_runs(limit: int = 20, offset: int = 0, project_id: str | None = None) -> dict[str, Any]:
+        return door.training_runs(limit, offset, project_id)
 
     @guarded.get("/training_runs/{model_id}")
     async def training_run(model_id: str) -> dict[str, Any]:
