@@ -418,10 +418,12 @@ def _raise_for(resp: httpx.Response, path: str) -> None:
 
 
 def _save_fields(op: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:
-    """What Tinker's save requests carry besides the name (``overwrite`` is save_state's; asyncsess serve takes it on
-    both saves)."""
-    meta = dict(op.user_metadata) if op.user_metadata else None
-    return {"ttl_seconds": op.ttl_seconds, "overwrite": op.overwrite, "user_metadata": meta}
+    """What Tinker's save requests carry besides the name, the ones set only (``overwrite`` is save_state's field;
+    asyncsess serve also takes it on a sampler save, sent only when true)."""
+    fields = {"ttl_seconds": op.ttl_seconds, "user_metadata": dict(op.user_metadata) if op.user_metadata else None}
+    if op.overwrite or isinstance(op, SaveStateOp):
+        fields["overwrite"] = op.overwrite
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _target_json(rows: tuple[tuple[int, ...], ...] | None) -> dict[str, Any] | None:
