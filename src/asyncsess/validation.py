@@ -467,15 +467,15 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
 
 
 def _csr_target(target: Any) -> TensorData | None:
-    """A CSR ``target_prompt_logprobs`` (asyncsess's, Tinker's or its JSON) made dense with ``-1`` (skip) in its
+    """A CSR ``target_prompt_logprobs`` (Tinker's ``TensorData`` or its JSON) made dense with ``-1`` (skip) in its
     unlisted cells, as Tinker reads it (``from_torch_sparse(ids, pad_value=-1)`` sends only the cells it names);
     None when ``target`` is not CSR."""
     names = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
     fields = {k: target.get(k) if isinstance(target, dict) else getattr(target, k, None) for k in names}
     if fields["sparse_crow_indices"] is None and fields["sparse_col_indices"] is None:
         return None
-    data = fields["data"]
-    shifted = [int(v) + 1 for v in (data.tolist() if hasattr(data, "tolist") else data or [])]  # unlisted cells: 0 ...
+    data: Any = fields["data"]
+    shifted = [int(v) + 1 for v in (data.tolist() if hasattr(data, "tolist") else list(data or []))]  # unlisted cells: 0 ...
     dense = TensorData.model_validate({**fields, "data": shifted, "dtype": "int64"})
     return dense.model_copy(update={"data": [v - 1 for v in dense.data], "dtype": fields["dtype"]})  # ... then -1
 
