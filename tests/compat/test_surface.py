@@ -162,3 +162,15 @@ def test_a_blocking_tinker_loop_ported_by_its_import_finds_types_and_errors():
         short = tinker.types.Datum(model_input=datum.model_input, loss_fn_inputs={"target_tokens": [40, 41], "weights": [1.0] * 2})
         with pytest.raises(tinker.BadRequestError, match="target_tokens"):
             training_client.forward_backward([short], "cross_entropy")
+
+
+def test_a_client_resumed_from_a_checkpoint_reports_its_lora_rank():
+    """``create_training_client_from_state(path)`` takes the LoRA settings saved there (local:// did); mock://
+    reported the factory's default rank 32 for a rank-8 checkpoint, in ``get_info`` and the run's listing."""
+    with sync.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client(BASE, rank=8, alpha=16)
+        path = tc.save_state("r8").result().path
+        for resumed in (svc.create_training_client_from_state(path), svc.create_training_client_from_state_with_optimizer(path)):
+            info = resumed.get_info()
+            assert (info.lora_rank, info.lora_alpha) == (8, 16)
+            assert svc.create_rest_client().get_training_run(resumed.model_id).result().lora_rank == 8
