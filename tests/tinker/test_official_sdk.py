@@ -431,3 +431,16 @@ def test_get_session_names_it_and_training_runs_filter_by_project(mock_server: S
         assert tc.model_id not in runs("proj-b")
         rest.assign_session_project(session_id, "proj-b").result()
         assert tc.model_id in runs("proj-b") and tc.model_id not in runs("proj-a")
+
+
+def test_weights_info_reports_the_lora_targets(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """``get_weights_info_by_tinker_path`` said train_mlp/attn/unembed were all True whatever the model was created
+    with; a client resumed from the state keeps the flags too."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, train_unembed=False, train_attn=False).result()
+    path = tc.save_state("targets").result().path
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.train_mlp, info.train_attn, info.train_unembed, info.lora_rank) == (True, False, False, 4)
+    resumed = service.create_training_client_from_state(path).result()
+    again = rest.get_weights_info_by_tinker_path(resumed.save_weights_for_sampler("s").result().path).result()
+    assert (again.train_mlp, again.train_attn, again.train_unembed) == (True, False, False)

@@ -149,6 +149,7 @@ class _Model:
     last_request: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
+    trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
 
 
 @dataclass
@@ -160,6 +161,9 @@ class _Sampler:
     session_id: str = ""
     version: int = 0  # the optimizer step of the weights it samples (0: base weights)
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
+
+
+_TRAIN_FLAGS = ("train_mlp", "train_attn", "train_unembed")
 
 
 @dataclass(frozen=True)
@@ -529,6 +533,10 @@ class TinkerDoor:
             seed = check_seed(lora.get("seed"), field="lora_config.seed")
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
+        trains = {k: lora.get(k, True) for k in _TRAIN_FLAGS}
+        for k, v in trains.items():
+            if not isinstance(v, bool):
+                raise ApiError(400, f"expected true or false, got {v!r:.40}", field=f"lora_config.{k}")
         meta = _metadata(body)
         model_id = f"{session.id}:train:{seq}"
         promise, fresh = self._once(model_id, body, "create_model", session.id)
@@ -538,16 +546,14 @@ class TinkerDoor:
                 rank=rank,
                 alpha=DEFAULT_LORA_ALPHA,
                 seed=seed,
-                train_mlp=bool(lora.get("train_mlp", True)),
-                train_attn=bool(lora.get("train_attn", True)),
-                train_unembed=bool(lora.get("train_unembed", True)),
                 user_metadata=meta,
+                **trains,
             )
 
             async def work() -> Callable[[Promise], None]:
                 info = await self.backend.create_training_session(spec)
                 await self._adopt(session, info.model_id)
-                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta)).trains = trains
                 return lambda p: p.resolve(json={"model_id": model_id, "type": "create_model"})
 
             self._spawn(promise, work)
@@ -847,14 +853,20 @@ class TinkerDoor:
         if fresh:
             base_model = body.get("base_model") or (ck.base_model if ck else "")
             rank = ck.rank if ck else 32
+            trains = dict(self.models[ck.model_id].trains) if ck else dict.fromkeys(_TRAIN_FLAGS, True)
             spec = TrainingSessionSpec(
-                base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
+                base_model=base_model,
+                rank=rank,
+                alpha=DEFAULT_LORA_ALPHA,
+                from_path=backend_path,
+                with_optimizer=with_optimizer,
+                **trains,
             )
 
             async def work() -> Callable[[Promise], None]:
                 info = await self.backend.create_training_session(spec)
                 await self._adopt(session, info.model_id)
-                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta)).trains = trains
                 return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
             self._spawn(promise, work)
@@ -1046,14 +1058,7 @@ class TinkerDoor:
         ck = self.visible_checkpoint(path)
         if ck is None:
             raise _not_found("tinker_path", path, "use a path returned by a save on this server")
-        return {
-            "base_model": ck.base_model,
-            "is_lora": True,
-            "lora_rank": ck.rank,
-            "train_unembed": True,
-            "train_mlp": True,
-            "train_attn": True,
-        }
+        return {"base_model": ck.base_model, "is_lora": True, "lora_rank": ck.rank, **self.models[ck.model_id].trains}
 
     def session_info(self, session_id: str) -> dict[str, Any]:
         s = self.sessions.get(session_id) if self.owns(session_id) else None
