@@ -444,3 +444,26 @@ def test_weights_info_reports_the_lora_targets(service: tinker.ServiceClient, mo
     resumed = service.create_training_client_from_state(path).result()
     again = rest.get_weights_info_by_tinker_path(resumed.save_weights_for_sampler("s").result().path).result()
     assert (again.train_mlp, again.train_attn, again.train_unembed) == (True, False, False)
+
+
+def test_user_checkpoints_are_paged_newest_first(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """``list_user_checkpoints(limit, offset)`` answered every checkpoint, oldest first, whatever the page asked."""
+    import asyncsess
+
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    for i in range(3):
+        tc.save_state(f"page-{i}").result()
+    first = rest.list_user_checkpoints(limit=2).result()
+    assert [c.checkpoint_id for c in first.checkpoints] == ["weights/page-2", "weights/page-1"]
+    assert (first.cursor.offset, first.cursor.limit) == (0, 2) and first.cursor.total_count >= 3
+    assert rest.list_user_checkpoints(limit=1, offset=2).result().checkpoints[0].checkpoint_id == "weights/page-0"
+    with pytest.raises(tinker.BadRequestError, match="limit"):
+        rest.list_user_checkpoints(limit=0).result()
+
+    async def every() -> list[str]:  # asyncsess's client over tinker:// reads every page
+        url = mock_server.url.replace("http://", "tinker://") + f"?api_key={API_KEY}"
+        async with asyncsess.ServiceClient(url) as svc:
+            return [c.path for c in await svc.list_checkpoints()]
+
+    assert len(asyncio.run(every())) == first.cursor.total_count

@@ -1015,13 +1015,23 @@ class TinkerDoor:
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
         }
 
-    def list_checkpoints(self, model_id: str | None) -> dict[str, Any]:
-        if model_id is not None:
-            self.model(model_id)
-        cks = [
-            c.rest() for c in self.checkpoints.values() if model_id in (None, c.model_id) and self.owns(self.models[c.model_id].session_id)
-        ]
+    def list_checkpoints(self, model_id: str) -> dict[str, Any]:
+        """One run's checkpoints (all the caller's: :meth:`user_checkpoints`)."""
+        self.model(model_id)  # the caller's run, or 404
+        cks = [c.rest() for c in self.checkpoints.values() if c.model_id == model_id]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
+
+    def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
+        """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
+        if not 1 <= limit <= 10_000 or offset < 0:
+            raise ApiError(400, f"limit={limit}, offset={offset}", field="limit", fix="limit in 1..10000, offset >= 0")
+        mine = sorted(
+            (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
+        )
+        return {
+            "checkpoints": [c.rest() for c in mine[offset : offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
+        }
 
     def checkpoint_by_id(self, model_id: str, checkpoint_id: str) -> _Checkpoint:
         self.model(model_id)  # the caller's run, or 404
@@ -1370,8 +1380,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
         return Response(status_code=204)
 
     @guarded.get("/checkpoints")
-    async def checkpoints() -> dict[str, Any]:
-        return door.list_checkpoints(None)
+    async def checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return door.user_checkpoints(limit, offset)
 
     @guarded.post("/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:

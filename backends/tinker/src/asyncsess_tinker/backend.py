@@ -358,24 +358,21 @@ class TinkerBackend(Backend):
         return self._tokenizers[base_model]
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
-        path = f"/api/v1/training_runs/{session_id}/checkpoints" if session_id else "/api/v1/checkpoints"
-        body = await self._get(path)
-        out = []
-        for c in body.get("checkpoints", []):
-            folder = str(c.get("checkpoint_id", "")).split("/", 1)[0]
-            out.append(
-                Checkpoint(
-                    checkpoint_id=c["checkpoint_id"],
-                    checkpoint_type=_FOLDER_KIND.get(folder, "training"),  # type: ignore[arg-type]
-                    path=c.get("tinker_path", ""),
-                    time=_epoch(c.get("time")),
-                    size_bytes=c.get("size_bytes"),
-                    user_metadata=c.get("user_metadata"),
-                    expires_at=_epoch(c["expires_at"]) if c.get("expires_at") else None,
-                    public=bool(c.get("public")),
-                )
-            )
-        return out
+        if session_id:
+            rows = (await self._get(f"/api/v1/training_runs/{session_id}/checkpoints")).get("checkpoints", [])
+        else:
+            rows = await self._user_checkpoints()
+        return [_checkpoint(c) for c in rows]
+
+    async def _user_checkpoints(self, page: int = 100) -> list[dict[str, Any]]:
+        """Every page of ``list_user_checkpoints`` (the server pages them, newest first)."""
+        rows: list[dict[str, Any]] = []
+        while True:
+            body = await self._get("/api/v1/checkpoints", limit=page, offset=len(rows))
+            batch = body.get("checkpoints", [])
+            rows += batch
+            if not batch or len(rows) >= int((body.get("cursor") or {}).get("total_count", 0)):
+                return rows
 
     async def delete_checkpoint(self, path: str) -> None:
         """Tinker's REST delete of a ``tinker://<run>/<folder>/<name>`` path."""
@@ -383,6 +380,21 @@ class TinkerBackend(Backend):
         if not path.startswith("tinker://") or not run or "/" not in checkpoint_id:
             raise InvalidInputError(f"{path!r:.80} is not a Tinker checkpoint path", field="path", fix="tinker://<run>/weights/<name>")
         await self._send("DELETE", f"/api/v1/training_runs/{run}/checkpoints/{checkpoint_id}")
+
+
+def _checkpoint(c: dict[str, Any]) -> Checkpoint:
+    """A checkpoint row of Tinker's REST listings."""
+    folder = str(c.get("checkpoint_id", "")).split("/", 1)[0]
+    return Checkpoint(
+        checkpoint_id=c["checkpoint_id"],
+        checkpoint_type=_FOLDER_KIND.get(folder, "training"),  # type: ignore[arg-type]
+        path=c.get("tinker_path", ""),
+        time=_epoch(c.get("time")),
+        size_bytes=c.get("size_bytes"),
+        user_metadata=c.get("user_metadata"),
+        expires_at=_epoch(c["expires_at"]) if c.get("expires_at") else None,
+        public=bool(c.get("public")),
+    )
 
 
 def _epoch(value: Any) -> float:
