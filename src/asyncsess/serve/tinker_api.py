@@ -133,6 +133,9 @@ class _Session:
         return self.finished is not None and self.finished["reason"] == EXPIRED
 
 
+_TRAIN_FLAGS = ("train_mlp", "train_attn", "train_unembed")
+
+
 @dataclass
 class _Model:
     id: str
@@ -161,9 +164,6 @@ class _Sampler:
     session_id: str = ""
     version: int = 0  # the optimizer step of the weights it samples (0: base weights)
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
-
-
-_TRAIN_FLAGS = ("train_mlp", "train_attn", "train_unembed")
 
 
 @dataclass(frozen=True)
@@ -547,7 +547,9 @@ class TinkerDoor:
                 alpha=DEFAULT_LORA_ALPHA,
                 seed=seed,
                 user_metadata=meta,
-                **trains,
+                train_mlp=trains["train_mlp"],
+                train_attn=trains["train_attn"],
+                train_unembed=trains["train_unembed"],
             )
 
             async def work() -> Callable[[Promise], None]:
@@ -860,7 +862,9 @@ class TinkerDoor:
                 alpha=DEFAULT_LORA_ALPHA,
                 from_path=backend_path,
                 with_optimizer=with_optimizer,
-                **trains,
+                train_mlp=trains["train_mlp"],
+                train_attn=trains["train_attn"],
+                train_unembed=trains["train_unembed"],
             )
 
             async def work() -> Callable[[Promise], None]:
