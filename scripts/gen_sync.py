@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from asyncsess import client, types  # noqa: E402
+from asyncsess import client, errors, types  # noqa: E402
 
 TARGET = ROOT / "src" / "asyncsess" / "sync.py"
 CLASSES = [client.ServiceClient, client.TrainingClient, client.SamplingClient, client.RestClient]
@@ -53,8 +53,8 @@ from typing import Any
 
 from . import _facade
 from . import client as _client
+from . import types  # noqa: F401 (Tinker's ``from tinker import types``)
 from ._facade import SyncFuture
-from .errors import InvalidInputError
 {imports}
 
 __all__ = [{all_names}]
@@ -182,11 +182,15 @@ def _class(cls: type) -> str:
 
 def generate() -> str:
     type_names = sorted(n for n in types.__all__)
-    imports = [f"from .types import {', '.join(type_names)}  # noqa: F401 (re-exported)"]
+    error_names = sorted(errors.__all__)
+    imports = [
+        f"from .errors import {', '.join(error_names)}  # noqa: F401 (re-exported, as Tinker's top-level errors)",
+        f"from .types import {', '.join(type_names)}  # noqa: F401 (re-exported)",
+    ]
     for mod in sorted(set(EXTRA_IMPORTS.values())):
         names = sorted(n for n, m in EXTRA_IMPORTS.items() if m == mod)
         imports.append(f"from .{mod} import {', '.join(names)}  # noqa: F401")
-    all_names = sorted([*TWINS, "SyncFuture", *type_names])
+    all_names = sorted([*TWINS, "SyncFuture", "types", *error_names, *type_names])
     head = HEADER.format(imports="\n".join(imports), all_names=", ".join(repr(n) for n in all_names))
     return head + "\n\n" + "\n\n".join(_class(c) for c in CLASSES)
 

@@ -1276,12 +1276,7 @@ class SamplingClient:
         n = len(request.prompt)
         if request.include_prompt_logprobs and response.prompt_logprobs is not None and len(response.prompt_logprobs) != n:
             raise ResultMismatchError("sample.prompt_logprobs", n, len(response.prompt_logprobs))
-        if (request.topk_prompt_logprobs or request.topk_sample_logprobs or request.target_prompt_logprobs) and not _has_extras(
-            response, request
-        ):
-            raise UnsupportedError(
-                "this backend does not return top-k or target log-probs", field="topk_prompt_logprobs", fix="leave them 0 on this backend"
-            )
+        request.check_extras(response)
         if last_n is not None:
             update: dict[str, Any] = {}
             if response.prompt_logprobs is not None:
@@ -1348,14 +1343,6 @@ def _check_last_n(last_n: Any, prompt_len: int, scoring: bool) -> int | None:
 def _keep_tail(values: list[Any], last_n: int) -> list[Any]:
     cut = len(values) - last_n
     return [None] * cut + list(values[cut:])
-
-
-def _has_extras(response: SampleResponse, request: SampleRequest) -> bool:
-    if request.topk_prompt_logprobs and response.topk_prompt_logprobs is None:
-        return False
-    if request.target_prompt_logprobs is not None and response.target_prompt_logprobs is None:
-        return False
-    return not (request.topk_sample_logprobs and any(s.topk_logprobs is None for s in response.sequences))
 
 
 def _picklable_options(svc: ServiceClient) -> dict[str, Any]:

@@ -486,7 +486,7 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
     if target is None:
         return None
     try:
-        tensor = TensorData.coerce("target_prompt_logprobs", target)
+        tensor = _csr_target(target) or TensorData.coerce("target_prompt_logprobs", target)
     except (TypeError, ValueError, ValidationError) as err:
         raise InvalidInputError(
             str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]"
@@ -501,6 +501,20 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
     if any(x < -1 for row in rows for x in row):
         raise InvalidInputError("ids must be >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
     return rows
+
+
+def _csr_target(target: Any) -> TensorData | None:
+    """A CSR ``target_prompt_logprobs`` (Tinker's ``TensorData`` or its JSON) made dense with ``-1`` (skip) in its
+    unlisted cells, as Tinker reads it (``from_torch_sparse(ids, pad_value=-1)`` sends only the cells it names);
+    None when ``target`` is not CSR."""
+    names = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
+    fields = {k: target.get(k) if isinstance(target, dict) else getattr(target, k, None) for k in names}
+    if fields["sparse_crow_indices"] is None and fields["sparse_col_indices"] is None:
+        return None
+    data: Any = fields["data"]
+    shifted = [int(v) + 1 for v in (data.tolist() if hasattr(data, "tolist") else list(data or []))]  # unlisted cells: 0 ...
+    dense = TensorData.model_validate({**fields, "data": shifted, "dtype": "int64"})
+    return dense.model_copy(update={"data": [v - 1 for v in dense.data], "dtype": fields["dtype"]})  # ... then -1
 
 
 def check_finite(d: Datum, i: int) -> None:

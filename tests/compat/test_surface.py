@@ -140,3 +140,37 @@ def test_sync_close_takes_a_status():
     svc.create_lora_training_client(BASE, rank=4)
     svc.close("interrupted", "ctrl-c")
     assert svc._async.close_status == "interrupted"
+
+
+def test_a_blocking_tinker_loop_ported_by_its_import_finds_types_and_errors():
+    """A blocking Tinker script is ported by ``import asyncsess.sync as tinker``; it reaches its types as
+    ``tinker.types.X`` / ``from tinker import types`` and catches ``tinker.BadRequestError`` and friends. The sync
+    module had neither ``types`` nor any error class (AttributeError at the first ``except tinker.…``)."""
+    from asyncsess import errors, types
+
+    tinker = sync
+    assert tinker.types is types
+    for name in ("TinkerError", "APIError", "APIStatusError", "BadRequestError", "NotFoundError", "RequestFailedError", "ConflictError"):
+        assert getattr(tinker, name) is getattr(errors, name)
+    with tinker.ServiceClient("mock://") as service_client:
+        training_client = service_client.create_lora_training_client(base_model=BASE, rank=4)
+        datum = tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints([1, 40, 41]), loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [1.0] * 3}
+        )
+        out = training_client.forward_backward([datum], "cross_entropy").result()
+        assert out.metrics["loss:sum"] > 0
+        short = tinker.types.Datum(model_input=datum.model_input, loss_fn_inputs={"target_tokens": [40, 41], "weights": [1.0] * 2})
+        with pytest.raises(tinker.BadRequestError, match="target_tokens"):
+            training_client.forward_backward([short], "cross_entropy")
+
+
+def test_a_client_resumed_from_a_checkpoint_reports_its_lora_rank():
+    """``create_training_client_from_state(path)`` takes the LoRA settings saved there (local:// did); mock://
+    reported the factory's default rank 32 for a rank-8 checkpoint, in ``get_info`` and the run's listing."""
+    with sync.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client(BASE, rank=8, alpha=16)
+        path = tc.save_state("r8").result().path
+        for resumed in (svc.create_training_client_from_state(path), svc.create_training_client_from_state_with_optimizer(path)):
+            info = resumed.get_info()
+            assert (info.lora_rank, info.lora_alpha) == (8, 16)
+            assert svc.create_rest_client().get_training_run(resumed.model_id).result().lora_rank == 8

@@ -15,7 +15,7 @@ from asyncsess.backends import SamplerSpec, SaveStateOp, SaveWeightsOp, Training
 from asyncsess.errors import ConflictError, InvalidInputError, PoisonedError  # noqa: E402
 from asyncsess.types import AdamParams  # noqa: E402
 
-from .helpers import DEVICE_KW, Ops, sft_datum  # noqa: E402
+from .helpers import DEVICE_KW, TOL, Ops, sft_datum  # noqa: E402
 
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 
@@ -258,5 +258,47 @@ async def test_an_unnamed_save_never_clashes_with_a_name_the_user_chose(backend_
         auto = await b.execute_training(a.model_id, ops("save_state"))
         assert _path(auto.path).name == f"{_path(mine.path).name}-2"
         assert json.loads((_path(mine.path) / "asyncsess.json").read_text())["step"] == 0  # untouched
+    finally:
+        await b.aclose()
+
+
+async def test_a_sampler_on_a_rewritten_or_deleted_path_loads_what_is_there(backend_factory, tiny):
+    """Samplers opened on a checkpoint path shared one cached snapshot: after the path was saved over
+    (``overwrite=True``), or deleted and saved again, a new sampler on it still sampled the old weights while an
+    old one was open. Now each new sampler loads what the path holds; the open one keeps its weights."""
+    b = backend_factory()
+    try:
+        await b.open()
+        tok = b.get_tokenizer(tiny)
+        data = [sft_datum(tok.encode(t)) for t in TEXTS]
+        ids = tok.encode(TEXTS[0])
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=3))
+        ops = Ops()
+
+        async def saved_and_live() -> tuple[str, list[float | None]]:
+            path = (await b.execute_training(a.model_id, ops("save_weights", name="s", overwrite=True))).path
+            live = await b.execute_training(a.model_id, ops("save_weights", ephemeral=True))
+            return path, await b.compute_logprobs(await b.create_sampler(SamplerSpec(model_path=live.path)), ids)
+
+        async def on_path() -> list[float | None]:
+            return await b.compute_logprobs(await b.create_sampler(SamplerSpec(model_path=path)), ids)
+
+        path, first = await saved_and_live()
+        old = await b.create_sampler(SamplerSpec(model_path=path))
+        assert await b.compute_logprobs(old, ids) == pytest.approx(first, abs=TOL)
+        await _steps(b, a.model_id, ops, data, 2)
+        again, second = await saved_and_live()
+        assert again == path and second != pytest.approx(first, abs=0.1)
+        assert await on_path() == pytest.approx(second, abs=TOL)
+        assert await b.compute_logprobs(old, ids) == pytest.approx(first, abs=TOL)  # the open sampler keeps its weights
+
+        await _steps(b, a.model_id, ops, data, 2)
+        await b.delete_checkpoint(path)
+        again, third = await saved_and_live()
+        assert await on_path() == pytest.approx(third, abs=TOL) and third != pytest.approx(second, abs=0.1)
+        kept = b.engine.state.samplers[old].path
+        assert kept != path and kept in b.engine.state._snapshots
+        await b.stop_session(old)  # its private snapshot goes with it
+        assert kept not in b.engine.state._snapshots
     finally:
         await b.aclose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import numpy as np
 import pytest
@@ -178,9 +180,9 @@ def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceC
     with pytest.raises(tinker.NotFoundError, match="model_id"):
         rest.get_training_run("no-such-run").result()
     # a failure while running comes back as the SDK's RequestFailedError with a user category
-    tc.save_state("twice").result()
-    with pytest.raises(tinker.RequestFailedError) as info:
-        tc.save_state("twice").result()
+    sampler = service.create_sampling_client(base_model=BASE)
+    with pytest.raises(tinker.RequestFailedError, match="no room in the 512-token context") as info:
+        sampler.sample(types.ModelInput.from_ints([5] * 512), 1, types.SamplingParams(max_tokens=3)).result()
     assert info.value.category == types.RequestErrorCategory.User
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(
@@ -253,3 +255,215 @@ def test_search_sessions_pages_and_filters(mock_server: Server) -> None:
     finally:
         for sc in clients[1:]:
             sc.close("success").result()
+
+
+def test_multi_target_cross_entropy_keeps_its_shape(service: tinker.ServiceClient) -> None:
+    """Tinker's ``cross_entropy`` takes ``(N, K)`` targets and weights (mock:// does too); the door refused them
+    (checked as one target per position) and sent every output flat, so an ``(N, K)`` log-prob tensor came back as
+    ``(N*K,)``."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=4).result()
+    targets = np.array([[6, 9], [7, 10], [8, 11]])
+    weights = np.array([[1.0, 0.5], [1.0, 0.25], [0.0, 2.0]], dtype=np.float32)
+    multi = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(targets), "weights": types.TensorData.from_numpy(weights)},
+    )
+    out = tc.forward([multi, BATCH[1]], "cross_entropy").result()
+    lp = out.loss_fn_outputs[0]["logprobs"]
+    assert lp.shape == [3, 2] and lp.to_numpy().shape == (3, 2)
+    assert out.loss_fn_outputs[1]["logprobs"].shape == [3]  # a one-target datum next to it keeps its own shape
+    columns = []
+    for k in range(2):
+        single = types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": targets[:, k].tolist(), "weights": [1.0] * 3},
+        )
+        columns.append(tc.forward([single], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy())
+    assert np.array_equal(lp.to_numpy(), np.stack(columns, axis=1))
+    one = out.metrics["loss:sum"] - tc.forward([BATCH[1]], "cross_entropy").result().metrics["loss:sum"]
+    assert one == pytest.approx(-float((weights * lp.to_numpy()).sum()), rel=1e-5)
+
+
+def test_save_state_overwrite_ttl_and_metadata(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """``save_state(name, ttl_seconds, overwrite, user_metadata)``: the door dropped all three. A second save of a
+    name failed when run even with ``overwrite=True``, and that failure failed every later op of the model; a TTL
+    and metadata given at save time were not listed."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=5).result()
+
+    def step_and_loss() -> float:
+        tc.forward_backward(BATCH, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        return tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"]
+
+    def loss_at(path: str) -> float:
+        return service.create_training_client_from_state(path).result().forward(BATCH, "cross_entropy").result().metrics["loss:sum"]
+
+    def listed(cid: str) -> types.Checkpoint:
+        return next(c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.checkpoint_id == cid)
+
+    first = step_and_loss()
+    path = tc.save_state("x", ttl_seconds=7200, user_metadata={"step": "1"}).result().path
+    ck = listed("weights/x")
+    assert ck.user_metadata == {"step": "1"} and ck.expires_at is not None
+    assert (ck.expires_at - ck.time).total_seconds() == pytest.approx(7200, abs=2)
+
+    second = step_and_loss()
+    with pytest.raises(tinker.BadRequestError, match="overwrite=True"):
+        tc.save_state("x").result()
+    assert tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"] == second  # the model goes on
+    assert loss_at(path) == first  # the checkpoint is untouched
+
+    assert tc.save_state("x", overwrite=True).result().path == path
+    assert loss_at(path) == second
+    ck = listed("weights/x")
+    assert ck.user_metadata is None and ck.expires_at is None  # an overwrite replaces metadata and TTL
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/x"]
+
+    sampler = tc.save_weights_for_sampler("s", ttl_seconds=3600, user_metadata={"kind": "eval"}).result().path
+    assert listed("sampler_weights/s").user_metadata == {"kind": "eval"}
+    with pytest.raises(tinker.BadRequestError, match="already saved sampler_weights/s"):
+        tc.save_weights_for_sampler("s").result()
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert tc.save_weights_for_sampler("s").result().path == sampler  # a deleted name can be saved again
+    assert tc.forward(BATCH, "cross_entropy").result().metrics["loss:sum"] == second
+
+
+def test_a_deleted_checkpoint_is_deleted_on_the_backend(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """The cookbook's rolling checkpoints save the state every step and delete the previous one to bound storage;
+    the door only forgot its record, so every deleted checkpoint stayed on the backend (on local://, on disk)."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    backend_id = mock_server.door.models[tc.model_id].backend_id
+
+    def on_backend() -> list[str]:
+        return sorted(c.checkpoint_id for c in asyncio.run(mock_server.backend.list_checkpoints(backend_id)))
+
+    first = tc.save_state("rolling-1").result().path
+    tc.save_state("rolling-2").result()
+    sampler = tc.save_weights_for_sampler("rolling-2").result().path
+    assert len(on_backend()) == 3
+    raw = mock_server.door.checkpoints[first].backend_path
+    rest.delete_checkpoint_from_tinker_path(first).result()
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert len(on_backend()) == 1
+    with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
+        service.create_training_client_from_state(raw).result()  # nor loadable by its backend path
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/rolling-2"]
+
+
+def test_topk_and_target_prompt_logprobs_equal_mock_directly(service: tinker.ServiceClient) -> None:
+    """The cookbook's distillation (``topk_prompt_logprobs``) and decision recipes (``target_prompt_logprobs``,
+    sparse with ``pad_value=-1``) sample with them; the door refused all of them with a 400, though the backend
+    computes them. They now come back as asyncsess's own client gets them from mock:// in process."""
+    import torch
+
+    import asyncsess
+
+    prompt = [5, 9, 13, 17, 21]
+    ids = np.array([[9, -1], [13, 1], [-1, -1], [21, 22]])
+
+    async def in_process() -> asyncsess.SampleResponse:
+        async with asyncsess.ServiceClient("mock://") as svc:
+            sc = await svc.create_sampling_client(base_model=BASE)
+            params = asyncsess.SamplingParams(max_tokens=3, seed=1)
+            return await sc.sample(prompt, 2, params, True, topk_prompt_logprobs=3, topk_sample_logprobs=2, target_prompt_logprobs=ids)
+
+    def same(got: list, want: list) -> bool:
+        """Equal top-k rows: the same ids, the log-probs to float32."""
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            if (g is None) != (w is None) or (g is not None and [t for t, _ in g] != [t for t, _ in w]):
+                return False
+            if g is not None and not np.allclose([lp for _, lp in g], [lp for _, lp in w], atol=1e-6):
+                return False
+        return True
+
+    want = asyncio.run(in_process())
+    sampler = service.create_sampling_client(base_model=BASE)
+    got = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        2,
+        types.SamplingParams(max_tokens=3, seed=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+        target_prompt_logprobs=types.TensorData.from_torch(torch.from_numpy(ids)),
+    ).result()
+    assert got.topk_prompt_logprobs[0] is None and got.topk_prompt_logprobs_np.token_ids.shape == (5, 3)
+    assert same(got.topk_prompt_logprobs, want.topk_prompt_logprobs)
+    for g, w in zip(got.sequences, want.sequences):
+        assert g.tokens == w.tokens and len(g.topk_logprobs) == 3 and same(g.topk_logprobs, w.topk_logprobs)
+    target = got.target_prompt_logprobs.to_numpy()
+    assert target.shape == (4, 2) and np.allclose(target, want.target_prompt_logprobs.to_numpy(), atol=1e-6)
+    assert target[0, 0] == pytest.approx(got.prompt_logprobs[1], abs=1e-6) and target[2].tolist() == [0.0, 0.0]
+
+    # a sparse target names only its cells (unlisted ones are skips, not token 0); last_n keeps the last top-k rows
+    sparse = types.TensorData.from_torch_sparse(torch.tensor([[-1, -1], [-1, -1], [-1, -1], [21, -1]]), pad_value=-1)
+    assert sparse.sparse_crow_indices is not None
+    one = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        target_prompt_logprobs=sparse,
+        prompt_logprobs_last_n=2,
+    ).result()
+    assert one.target_prompt_logprobs.to_numpy()[:3].tolist() == [[0.0, 0.0]] * 3
+    assert one.target_prompt_logprobs.to_numpy()[3].tolist() == [pytest.approx(target[3, 0], abs=1e-6), 0.0]
+    assert one.topk_prompt_logprobs[:3] == [None] * 3 and same(one.topk_prompt_logprobs[3:], want.topk_prompt_logprobs[3:])
+
+
+def test_get_session_names_it_and_training_runs_filter_by_project(mock_server: Server) -> None:
+    """``get_session`` left out the session's display_name, and ``list_training_runs(project_id=...)`` ignored the
+    project (every run was listed for any project)."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    with tinker.ServiceClient(base_url=mock_server.url, api_key=API_KEY, display_name="sweep a", project_id="proj-a") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE, rank=8).result()
+        session_id = tc.model_id.split(":")[0]
+        assert rest.get_session(session_id).result().display_name == "sweep a"
+
+        def runs(project: str | None) -> list[str]:
+            return [r.training_run_id for r in rest.list_training_runs(limit=100, project_id=project).result().training_runs]
+
+        assert tc.model_id in runs("proj-a") and tc.model_id in runs(None)
+        assert tc.model_id not in runs("proj-b")
+        rest.assign_session_project(session_id, "proj-b").result()
+        assert tc.model_id in runs("proj-b") and tc.model_id not in runs("proj-a")
+
+
+def test_weights_info_reports_the_lora_targets(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """``get_weights_info_by_tinker_path`` said train_mlp/attn/unembed were all True whatever the model was created
+    with; a client resumed from the state keeps the flags too."""
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, train_unembed=False, train_attn=False).result()
+    path = tc.save_state("targets").result().path
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.train_mlp, info.train_attn, info.train_unembed, info.lora_rank) == (True, False, False, 4)
+    resumed = service.create_training_client_from_state(path).result()
+    again = rest.get_weights_info_by_tinker_path(resumed.save_weights_for_sampler("s").result().path).result()
+    assert (again.train_mlp, again.train_attn, again.train_unembed) == (True, False, False)
+
+
+def test_user_checkpoints_are_paged_newest_first(service: tinker.ServiceClient, mock_server: Server) -> None:
+    """``list_user_checkpoints(limit, offset)`` answered every checkpoint, oldest first, whatever the page asked."""
+    import asyncsess
+
+    rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    for i in range(3):
+        tc.save_state(f"page-{i}").result()
+    first = rest.list_user_checkpoints(limit=2).result()
+    assert [c.checkpoint_id for c in first.checkpoints] == ["weights/page-2", "weights/page-1"]
+    assert (first.cursor.offset, first.cursor.limit) == (0, 2) and first.cursor.total_count >= 3
+    assert rest.list_user_checkpoints(limit=1, offset=2).result().checkpoints[0].checkpoint_id == "weights/page-0"
+    with pytest.raises(tinker.BadRequestError, match="limit"):
+        rest.list_user_checkpoints(limit=0).result()
+
+    async def every() -> list[str]:  # asyncsess's client over tinker:// reads every page
+        url = mock_server.url.replace("http://", "tinker://") + f"?api_key={API_KEY}"
+        async with asyncsess.ServiceClient(url) as svc:
+            return [c.path for c in await svc.list_checkpoints()]
+
+    assert len(asyncio.run(every())) == first.cursor.total_count

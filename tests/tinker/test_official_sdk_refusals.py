@@ -72,6 +72,19 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
     "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
+    # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
+    "a datum past the model's context": (
+        lambda tc: tc.forward_backward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([5] * 600), loss_fn_inputs={"target_tokens": [5] * 600, "weights": [1.0] * 600}
+                )
+            ],
+            "cross_entropy",
+        ),
+        tinker.BadRequestError,
+        "context of 512",
+    ),
 }
 
 
@@ -210,3 +223,24 @@ def test_a_bad_prompt_logprobs_last_n_is_refused(service: tinker.ServiceClient, 
     for last_n in ("x", 0, -5, 2.5):
         resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"prompt_logprobs_last_n": last_n}, headers={"X-API-Key": API_KEY})
         assert resp.status_code == 400 and resp.json()["field"] == "prompt_logprobs_last_n", resp.text
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"topk_prompt_logprobs": 1025}, "topk_prompt_logprobs"),
+        ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+        ({"prompt_logprobs_last_n": 2, "include_prompt_logprobs": True}, "prompt_logprobs_last_n"),  # the prompt has 2 tokens
+        ({"target_prompt_logprobs": types.TensorData(data=[7, 8], dtype="int64", shape=[2, 1])}, "target_prompt_logprobs"),
+        ({"target_prompt_logprobs": types.TensorData(data=[-2], dtype="int64", shape=[1, 1])}, "target_prompt_logprobs"),
+    ],
+)
+def test_bad_log_prob_options_of_a_sample_are_refused(service: tinker.ServiceClient, options: dict[str, Any], match: str) -> None:
+    """Top-k widths past asyncsess's bound, a last_n past the prompt and a target of the wrong shape are 400s
+    naming the field (last_n of any size was accepted before); prompt alternatives are not offered."""
+    sampler = service.create_sampling_client(base_model=BASE)
+    prompt, params = types.ModelInput.from_ints([5, 6]), types.SamplingParams(max_tokens=1, seed=0)
+    with pytest.raises(tinker.BadRequestError, match=match):
+        sampler.sample(prompt, 1, params, **options).result()
+    assert len(sampler.sample(prompt, 1, params, topk_prompt_logprobs=1).result().topk_prompt_logprobs) == 2

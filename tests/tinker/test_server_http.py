@@ -74,6 +74,12 @@ def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, fiel
         ("/api/v1/create_session", {"user_metadata": True}, "user_metadata"),
         ("/api/v1/create_session", {"user_metadata": {"k": "a\x00b"}}, "user_metadata"),
         ("/api/v1/create_model", {"model_seq_id": 90, "base_model": "mock/bigram-tiny", "user_metadata": "x"}, "user_metadata"),
+        # "false" was read as True (any non-empty string)
+        (
+            "/api/v1/create_model",
+            {"model_seq_id": 91, "base_model": "mock/bigram-tiny", "lora_config": {"train_mlp": "false"}},
+            "train_mlp",
+        ),
         ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 90, "base_model": 2**63}, "base_model"),
         ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 91, "base_model": "\ud800"}, "base_model"),
         ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 92, "model_path": True}, "model_path"),

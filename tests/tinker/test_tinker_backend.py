@@ -239,3 +239,58 @@ async def test_an_object_that_is_not_an_op_record_is_refused_before_it_takes_a_s
         assert [(s, k) for sid, s, k in mock_server.backend.applied_log if sid == backend_id] == [(1, "optim_step")]
     finally:
         await b.aclose()
+
+
+async def test_save_fields_listing_and_delete_over_the_wire(mock_server: Server) -> None:
+    """``save_state(name, ttl_seconds, overwrite, user_metadata)`` reaches the server (tinker:// sent the name only,
+    so an overwrite failed on the server and poisoned the model), the listing reads them back, and a checkpoint
+    is deleted by its path (tinker:// could not delete)."""
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        datum = sft_datum([1, 40, 41, 42])
+        saved = await tc.save_state("kept", ttl_seconds=7200, user_metadata={"step": "0"})
+        tc.forward_backward([datum], "cross_entropy")
+        await tc.optim_step(AdamParams(learning_rate=0.1))
+        after_step = (await tc.forward([datum], "cross_entropy")).loss
+        assert (await tc.save_state("kept", overwrite=True, user_metadata={"step": "1"})).path == saved.path
+        assert (await tc.forward([datum], "cross_entropy")).loss == after_step  # not poisoned
+        resumed = await svc.create_training_client_from_state(saved.path)
+        assert (await resumed.forward([datum], "cross_entropy")).loss == after_step  # the overwrite holds the new weights
+        sampler = await tc.save_weights_for_sampler("s", ttl_seconds=3600)
+        listed = {c.checkpoint_id: c for c in await svc.list_checkpoints(tc.model_id)}
+        assert listed["weights/kept"].user_metadata == {"step": "1"} and listed["weights/kept"].expires_at is None
+        ck = listed["sampler_weights/s"]
+        assert ck.expires_at is not None and ck.expires_at - ck.time == pytest.approx(3600, abs=2)
+        await svc.delete_checkpoint(sampler.path)
+        assert [c.checkpoint_id for c in await svc.list_checkpoints(tc.model_id)] == ["weights/kept"]
+
+
+async def test_topk_and_target_logprobs_over_the_wire_equal_mock_directly(mock_server: Server) -> None:
+    """tinker:// sent neither top-k nor target log-probs (the client refused them as not returned); they now
+    travel both ways and equal mock://'s own."""
+    prompt, ids = [5, 9, 13, 17, 21], np.array([[9, -1], [13, 1], [-1, -1], [21, 22]])
+
+    async def sample(url: str):
+        async with ServiceClient(url) as svc:
+            sc = await svc.create_sampling_client(base_model=BASE)
+            params = SamplingParams(max_tokens=3, seed=1)
+            return await sc.sample(
+                prompt,
+                2,
+                params,
+                True,
+                topk_prompt_logprobs=3,
+                topk_sample_logprobs=2,
+                target_prompt_logprobs=ids,
+                prompt_logprobs_last_n=3,
+            )
+
+    got, want = await sample(url_of(mock_server)), await sample("mock://")
+    assert got.topk_prompt_logprobs[:2] == [None, None]
+    for g, w in [(got.topk_prompt_logprobs, want.topk_prompt_logprobs)] + [
+        (a.topk_logprobs, b.topk_logprobs) for a, b in zip(got.sequences, want.sequences)
+    ]:
+        assert [r and [t for t, _ in r] for r in g] == [r and [t for t, _ in r] for r in w]
+        assert [r and [lp for _, lp in r] for r in g] == [r and pytest.approx([lp for _, lp in r], abs=1e-6) for r in w]
+    assert got.target_prompt_logprobs.shape == [4, 2]
+    assert got.target_prompt_logprobs.data == pytest.approx(want.target_prompt_logprobs.data, abs=1e-6)

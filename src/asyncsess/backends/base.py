@@ -216,6 +216,18 @@ class SampleRequest:
     topk_sample_logprobs: int = 0  # k most likely tokens at every sampled position
     target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None  # [len(prompt)-1][K] ids, -1 = skip
 
+    def check_extras(self, response: SampleResponse) -> None:
+        """Raise :class:`UnsupportedError` when ``response`` lacks top-k or target log-probs this request asked for
+        (a backend that does not compute them leaves them out)."""
+        if (
+            (self.topk_prompt_logprobs and response.topk_prompt_logprobs is None)
+            or (self.target_prompt_logprobs is not None and response.target_prompt_logprobs is None)
+            or (self.topk_sample_logprobs and any(s.topk_logprobs is None for s in response.sequences))
+        ):
+            raise UnsupportedError(
+                "this backend does not return top-k or target log-probs", field="topk_prompt_logprobs", fix="leave them 0 on this backend"
+            )
+
 
 @runtime_checkable
 class Tokenizer(Protocol):

@@ -52,12 +52,14 @@ from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGo
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
     MAX_SAMPLES,
+    MAX_TOPK,
     check_count,
     check_datums,
     check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
     check_seed,
+    check_target_prompt_logprobs,
     check_ttl_seconds,
     check_user_metadata,
     coerce_adam_params,
@@ -131,6 +133,9 @@ class _Session:
         return self.finished is not None and self.finished["reason"] == EXPIRED
 
 
+_TRAIN_FLAGS = ("train_mlp", "train_attn", "train_unembed")
+
+
 @dataclass
 class _Model:
     id: str
@@ -146,6 +151,8 @@ class _Model:
     backend_seq: int = 1
     last_request: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
+    trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
 
 
 @dataclass
@@ -157,6 +164,13 @@ class _Sampler:
     session_id: str = ""
     version: int = 0  # the optimizer step of the weights it samples (0: base weights)
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Limits:
+    vocab: int | None
+    context: int | None
+    multi_target: frozenset[str]  # losses the backend takes (N, K) target_tokens for
 
 
 @dataclass
@@ -172,6 +186,7 @@ class _Checkpoint:
     step: int = 0
     public: bool = False
     expires_at: float | None = None
+    user_metadata: dict[str, str] | None = None
 
     def rest(self) -> dict[str, Any]:
         return {
@@ -182,6 +197,7 @@ class _Checkpoint:
             "size_bytes": None,
             "public": self.public,
             "expires_at": _iso(self.expires_at) if self.expires_at else None,
+            "user_metadata": self.user_metadata,
         }
 
 
@@ -260,7 +276,7 @@ class TinkerDoor:
         self._backend_paths: dict[str, str] = {}
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
-        self._vocab: dict[str, int | None] = {}
+        self._limits: dict[str, _Limits] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -393,11 +409,16 @@ class TinkerDoor:
             self._session(s.session_id)
         return s
 
-    async def _vocab_size(self, base_model: str) -> int | None:
-        if base_model not in self._vocab:
+    async def _model_limits(self, base_model: str) -> _Limits:
+        """What the backend reports of ``base_model`` (vocabulary, context, (N, K) losses), so datums are checked as
+        asyncsess's client checks them: before they take their turn."""
+        if base_model not in self._limits:
             caps = await self.backend.capabilities()
-            self._vocab[base_model] = next((m.vocab_size for m in caps.supported_models if m.model_name == base_model), None)
-        return self._vocab[base_model]
+            m = next((m for m in caps.supported_models if m.model_name == base_model), None)
+            self._limits[base_model] = _Limits(
+                m.vocab_size if m else None, m.max_context_length if m else None, frozenset(caps.multi_target_losses)
+            )
+        return self._limits[base_model]
 
     # ------------------------------------------------------------------------------- sessions
 
@@ -512,6 +533,10 @@ class TinkerDoor:
             seed = check_seed(lora.get("seed"), field="lora_config.seed")
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
+        trains = {k: lora.get(k, True) for k in _TRAIN_FLAGS}
+        for k, v in trains.items():
+            if not isinstance(v, bool):
+                raise ApiError(400, f"expected true or false, got {v!r:.40}", field=f"lora_config.{k}")
         meta = _metadata(body)
         model_id = f"{session.id}:train:{seq}"
         promise, fresh = self._once(model_id, body, "create_model", session.id)
@@ -521,16 +546,16 @@ class TinkerDoor:
                 rank=rank,
                 alpha=DEFAULT_LORA_ALPHA,
                 seed=seed,
-                train_mlp=bool(lora.get("train_mlp", True)),
-                train_attn=bool(lora.get("train_attn", True)),
-                train_unembed=bool(lora.get("train_unembed", True)),
                 user_metadata=meta,
+                train_mlp=trains["train_mlp"],
+                train_attn=trains["train_attn"],
+                train_unembed=trains["train_unembed"],
             )
 
             async def work() -> Callable[[Promise], None]:
                 info = await self.backend.create_training_session(spec)
                 await self._adopt(session, info.model_id)
-                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta)).trains = trains
                 return lambda p: p.resolve(json={"model_id": model_id, "type": "create_model"})
 
             self._spawn(promise, work)
@@ -637,14 +662,20 @@ class TinkerDoor:
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
-        vocab = await self._vocab_size(m.base_model)
+        limits = await self._model_limits(m.base_model)
 
         def check() -> Callable[..., TrainingOp] | InvalidInputError:
             if wire.error is not None:
                 return wire.error
             try:
                 loss_fn = check_loss_fn(wire.loss_fn)
-                data = check_datums(wire.data, loss_fn, vocab_size=vocab)
+                data = check_datums(
+                    wire.data,
+                    loss_fn,
+                    vocab_size=limits.vocab,
+                    max_length=limits.context,
+                    multi_target=loss_fn in limits.multi_target,
+                )
                 config = check_loss_fn_config(loss_fn, wire.loss_fn_config)
             except InvalidInputError as err:
                 return err
@@ -696,23 +727,48 @@ class TinkerDoor:
             raise ApiError.from_error(err) from None
         return _future(promise, m.id)
 
-    def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str) -> _Checkpoint:
+    def _record(self, m: _Model, resp: CheckpointResponse, save: functools.partial[Any], folder: str, kind: str) -> _Checkpoint:
+        name, ttl, now = save.keywords["name"], save.keywords["ttl_seconds"], time.time()
         path = f"tinker://{m.id}/{folder}/{name}"
-        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, time.time(), resp.step)
+        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, now, resp.step)
+        ck.expires_at = now + ttl if ttl else None
+        ck.user_metadata = save.keywords["user_metadata"]
         self._backend_paths[resp.path] = m.id
+        if path not in self.checkpoints:  # an overwrite replaces the record
+            m.checkpoints.append(path)
         self.checkpoints[path] = ck
-        m.checkpoints.append(path)
         return ck
+
+    def _save_op(
+        self, m: _Model, body: dict[str, Any], record: type[SaveStateOp | SaveWeightsOp], folder: str, name: str
+    ) -> functools.partial[Any]:
+        """The save's record (a ``partial`` awaiting its seq) with its checked ``overwrite``, ``ttl_seconds`` and
+        ``user_metadata``; its name is taken from now on. A name the model holds is refused unless ``overwrite``:
+        before its turn, so the model goes on (failing when run, it failed every later op of the model)."""
+        overwrite = body.get("overwrite", False)
+        if not isinstance(overwrite, bool):
+            raise ApiError(400, f"expected true or false, got {overwrite!r:.40}", field="overwrite")
+        try:
+            ttl = check_ttl_seconds(body.get("ttl_seconds"))
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
+        meta = _metadata(body) or None
+        cid = f"{folder}/{name}"
+        if cid in m.names and not overwrite:
+            raise ApiError(400, f"{m.id} already saved {cid}", field="path", fix="pick another name, or pass overwrite=True")
+        m.names.add(cid)
+        # the door keeps the names: one it does not hold (never saved, or deleted) may be written over on the backend
+        return functools.partial(record, name=name, overwrite=True, ttl_seconds=ttl, user_metadata=meta)
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
-            name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
-            run = self._op(m, functools.partial(SaveStateOp, name=name))
+            op = self._save_op(m, body, SaveStateOp, "weights", _name(body.get("path"), f"{_int(body, 'seq_id'):06d}"))
+            run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
-                ck = self._record(m, await run(), "weights", name, "training")
+                ck = self._record(m, await run(), op, "weights", "training")
                 return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights"})
 
             return go
@@ -729,12 +785,13 @@ class TinkerDoor:
             name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
-            run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None))
+            op = functools.partial(self._save_op(m, body, SaveWeightsOp, "sampler_weights", name), ephemeral=body.get("path") is None)
+            run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
                 resp: CheckpointResponse = await run()
                 if body.get("path") is not None:
-                    ck = self._record(m, resp, "sampler_weights", name, "sampler")
+                    ck = self._record(m, resp, op, "sampler_weights", "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
@@ -798,14 +855,22 @@ class TinkerDoor:
         if fresh:
             base_model = body.get("base_model") or (ck.base_model if ck else "")
             rank = ck.rank if ck else 32
+            trains = dict(self.models[ck.model_id].trains) if ck else dict.fromkeys(_TRAIN_FLAGS, True)
             spec = TrainingSessionSpec(
-                base_model=base_model, rank=rank, alpha=DEFAULT_LORA_ALPHA, from_path=backend_path, with_optimizer=with_optimizer
+                base_model=base_model,
+                rank=rank,
+                alpha=DEFAULT_LORA_ALPHA,
+                from_path=backend_path,
+                with_optimizer=with_optimizer,
+                train_mlp=trains["train_mlp"],
+                train_attn=trains["train_attn"],
+                train_unembed=trains["train_unembed"],
             )
 
             async def work() -> Callable[[Promise], None]:
                 info = await self.backend.create_training_session(spec)
                 await self._adopt(session, info.model_id)
-                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta))
+                self._register(model_id, session, info.model_id, info.base_model, info.lora_rank, dict(meta)).trains = trains
                 return lambda p: p.resolve(json={"path": path, "model_id": model_id, "type": "load_weights"})
 
             self._spawn(promise, work)
@@ -864,27 +929,28 @@ class TinkerDoor:
             prompt = coerce_prompt(body.get("prompt"), field="prompt")
             params = coerce_sampling_params(body.get("sampling_params"))
             n = check_count(body.get("num_samples", 1), "num_samples", low=1, high=MAX_SAMPLES)
-            if body.get("prompt_logprobs_last_n") is not None and _int(body, "prompt_logprobs_last_n") < 1:
-                raise ApiError(400, "must be 1 or more", field="prompt_logprobs_last_n", fix="count the prompt positions to keep")
-            for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-                if body.get(k):
-                    raise ApiError(400, "top-k log-probs are not offered", field=k, fix="leave it at 0")
-            if body.get("target_prompt_logprobs") is not None:
-                raise ApiError(400, "not offered", field="target_prompt_logprobs", fix="use prompt_logprobs")
+            k_prompt = check_count(body.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs", high=MAX_TOPK)
+            k_sample = check_count(body.get("topk_sample_logprobs") or 0, "topk_sample_logprobs", high=MAX_TOPK)
+            if body.get("prompt_alt_tokens_k"):
+                raise ApiError(400, "prompt alternatives are not offered", field="prompt_alt_tokens_k", fix="leave it at 0")
+            target = check_target_prompt_logprobs(body.get("target_prompt_logprobs"), len(prompt))
+            last_n = body.get("prompt_logprobs_last_n")
+            if last_n is not None:
+                last_n = check_count(last_n, "prompt_logprobs_last_n", low=1, high=max(1, len(prompt) - 1))
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         want_prompt = bool(body.get("prompt_logprobs"))
-        last_n = body.get("prompt_logprobs_last_n")
         promise = self.promises.new("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
-        request = SampleRequest(tuple(prompt), n, params, include_prompt_logprobs=want_prompt, request_id=promise.request_id)
+        request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
 
         async def work() -> Callable[[Promise], None]:
             resp: SampleResponse = await self.backend.sample(s.backend_id, request)
-            if last_n is not None and resp.prompt_logprobs is not None:
-                cut = len(resp.prompt_logprobs) - int(last_n)
-                resp.prompt_logprobs = [None if i < cut else v for i, v in enumerate(resp.prompt_logprobs)]
+            request.check_extras(resp)
+            if last_n is not None:  # the prompt rows before the last n are not scored (log-probs and top-k alike)
+                resp.prompt_logprobs = _keep_tail(resp.prompt_logprobs, last_n)
+                resp.topk_prompt_logprobs = _keep_tail(resp.topk_prompt_logprobs, last_n)
             blob = tinker_proto.encode_sample_response(resp)
             return lambda p: p.resolve(proto=blob)
 
@@ -942,21 +1008,34 @@ class TinkerDoor:
             "user_metadata": {str(k): str(v) for k, v in m.user_metadata.items()} or None,
         }
 
-    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
-        ids = [i for i, m in self.models.items() if self.owns(m.session_id)]
+    def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
+        """The caller's runs; with ``project_id``, those whose session is in that project."""
+        ids = [
+            i for i, m in self.models.items() if self.owns(m.session_id) and project_id in (None, self.sessions[m.session_id].project_id)
+        ]
         page = ids[offset : offset + limit]
         return {
             "training_runs": [self.training_run(i) for i in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
         }
 
-    def list_checkpoints(self, model_id: str | None) -> dict[str, Any]:
-        if model_id is not None:
-            self.model(model_id)
-        cks = [
-            c.rest() for c in self.checkpoints.values() if model_id in (None, c.model_id) and self.owns(self.models[c.model_id].session_id)
-        ]
+    def list_checkpoints(self, model_id: str) -> dict[str, Any]:
+        """One run's checkpoints (all the caller's: :meth:`user_checkpoints`)."""
+        self.model(model_id)  # the caller's run, or 404
+        cks = [c.rest() for c in self.checkpoints.values() if c.model_id == model_id]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
+
+    def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
+        """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
+        if not 1 <= limit <= 10_000 or offset < 0:
+            raise ApiError(400, f"limit={limit}, offset={offset}", field="limit", fix="limit in 1..10000, offset >= 0")
+        mine = sorted(
+            (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
+        )
+        return {
+            "checkpoints": [c.rest() for c in mine[offset : offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
+        }
 
     def checkpoint_by_id(self, model_id: str, checkpoint_id: str) -> _Checkpoint:
         self.model(model_id)  # the caller's run, or 404
@@ -965,10 +1044,17 @@ class TinkerDoor:
             raise _not_found("checkpoint_id", checkpoint_id, "list the run's checkpoints")
         return ck
 
-    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+    async def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        """Forget the checkpoint (its path is a 404 from now on), then delete it on the backend: the cookbook's
+        rolling checkpoints delete the previous one each step to bound storage."""
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
         del self.checkpoints[ck.tinker_path]
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
+        self.models[ck.model_id].names.discard(ck.checkpoint_id)
+        try:
+            await self.backend.delete_checkpoint(ck.backend_path)
+        except AsyncSessError as err:  # a backend that cannot delete keeps it; the door no longer serves it
+            log.warning("checkpoint %s stays on the backend: %s", ck.backend_path, err)
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
@@ -986,14 +1072,7 @@ class TinkerDoor:
         ck = self.visible_checkpoint(path)
         if ck is None:
             raise _not_found("tinker_path", path, "use a path returned by a save on this server")
-        return {
-            "base_model": ck.base_model,
-            "is_lora": True,
-            "lora_rank": ck.rank,
-            "train_unembed": True,
-            "train_mlp": True,
-            "train_attn": True,
-        }
+        return {"base_model": ck.base_model, "is_lora": True, "lora_rank": ck.rank, **self.models[ck.model_id].trains}
 
     def session_info(self, session_id: str) -> dict[str, Any]:
         s = self.sessions.get(session_id) if self.owns(session_id) else None
@@ -1003,6 +1082,7 @@ class TinkerDoor:
             "training_run_ids": list(s.models),
             "sampler_ids": list(s.samplers),
             "user_metadata": {str(k): str(v) for k, v in s.user_metadata.items()} or None,
+            "display_name": s.display_name,
         }
 
     def set_project(self, session_id: str, body: dict[str, Any]) -> None:
@@ -1118,6 +1198,10 @@ def _tags(body: dict[str, Any]) -> list[str]:
         return list(check_user_metadata({str(i): t for i, t in enumerate(tags or [])}, field="tags").values())
     except InvalidInputError as err:
         raise ApiError.from_error(err) from None
+
+
+def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
+    return None if rows is None else [None if i < len(rows) - last_n else v for i, v in enumerate(rows)]
 
 
 def _name(path: Any, default: str) -> str:
@@ -1263,8 +1347,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
         return door.get_sampler(sampler_id)
 
     @guarded.get("/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return door.training_runs(limit, offset)
+    async def training_runs(limit: int = 20, offset: int = 0, project_id: str | None = None) -> dict[str, Any]:
+        return door.training_runs(limit, offset, project_id)
 
     @guarded.get("/training_runs/{model_id}")
     async def training_run(model_id: str) -> dict[str, Any]:
@@ -1296,12 +1380,12 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(model_id: str, checkpoint_id: str) -> Response:
-        door.delete_checkpoint(model_id, checkpoint_id)
+        await door.delete_checkpoint(model_id, checkpoint_id)
         return Response(status_code=204)
 
     @guarded.get("/checkpoints")
-    async def checkpoints() -> dict[str, Any]:
-        return door.list_checkpoints(None)
+    async def checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return door.user_checkpoints(limit, offset)
 
     @guarded.post("/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidInputError
-from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
+from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData, TopkLogprobs
 
 __all__ = [
     "ForwardBackwardWire",
@@ -200,16 +200,16 @@ def encode_forward_backward(
 
 
 def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
-    """One ``ArrayRecord``: per field, the datums' values concatenated with int64 byte offsets."""
+    """``ArrayRecord``s: per field, the datums' values concatenated with int64 byte offsets. Each record holds a run
+    of datums whose fields have the same trailing shape (the ``K`` of an ``(N, K)`` output), which it carries."""
     pb = _pb()
     msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
     for k, v in out.metrics.items():
         msg.metrics[k] = float(v)
-    if out.loss_fn_outputs:
-        rec = msg.loss_fn_outputs.add(num_datums=len(out.loss_fn_outputs))
-        names = list(out.loss_fn_outputs[0])
-        for name in names:
-            tds = [d[name] for d in out.loss_fn_outputs]
+    for run in _runs_of_trailing_shape(out.loss_fn_outputs):
+        rec = msg.loss_fn_outputs.add(num_datums=len(run))
+        for name in run[0]:
+            tds = [d[name] for d in run]
             code, np_dtype = _DTYPES[tds[0].dtype]
             arrays = [np.asarray(t.data, dtype=np_dtype) for t in tds]
             offsets = np.zeros(len(arrays) + 1, dtype="<i8")
@@ -218,7 +218,25 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
             bt.dtype = code
             bt.data = np.concatenate(arrays).tobytes() if arrays else b""
             bt.offsets = offsets.tobytes()
+            bt.trailing_shape.extend(_trailing(tds[0]))
     return msg.SerializeToString()
+
+
+def _trailing(td: TensorData) -> list[int]:
+    return list(td.shape[1:]) if td.shape else []
+
+
+def _runs_of_trailing_shape(outputs: list[dict[str, TensorData]]) -> list[list[dict[str, TensorData]]]:
+    """Consecutive datums grouped while every field keeps its trailing shape."""
+    runs: list[list[dict[str, TensorData]]] = []
+    key = None
+    for d in outputs:
+        k = [(name, _trailing(td)) for name, td in d.items()]
+        if not runs or k != key:
+            runs.append([])
+            key = k
+        runs[-1].append(d)
+    return runs
 
 
 def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
@@ -232,13 +250,19 @@ def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
             np_dtype = _NP_OF[bt.dtype]
             offsets = np.frombuffer(bt.offsets, dtype="<i8")
             buf = np.frombuffer(bt.data, dtype=np_dtype)
+            trailing = list(bt.trailing_shape)
+            width = math.prod(trailing)
             for i in range(len(offsets) - 1):
                 part = buf[int(offsets[i]) // np_dtype.itemsize : int(offsets[i + 1]) // np_dtype.itemsize]
-                per[i][name] = TensorData.model_construct(data=part.tolist(), dtype=_NAME_OF[bt.dtype], shape=[part.size])
+                shape = [part.size // width if width else 0, *trailing]
+                per[i][name] = TensorData.model_construct(data=part.tolist(), dtype=_NAME_OF[bt.dtype], shape=shape)
         outputs.extend(per)
     return ForwardBackwardOutput.model_construct(
         loss_fn_output_type=msg.loss_fn_output_type, loss_fn_outputs=outputs, metrics=dict(msg.metrics)
     )
+
+
+MASK_LOGPROB = -99999.0  # Tinker's TopkLogprobs sentinel (with token id 0) for an unscored position or cell
 
 
 def encode_sample_response(resp: SampleResponse) -> bytes:
@@ -249,9 +273,40 @@ def encode_sample_response(resp: SampleResponse) -> bytes:
         sm.tokens = np.asarray(s.tokens, dtype="<i4").tobytes()
         if s.logprobs is not None:
             sm.logprobs = np.asarray(s.logprobs, dtype="<f4").tobytes()
+        if s.topk_logprobs is not None:
+            _topk_to_pb(sm.topk_sampled_logprobs, s.topk_logprobs)
     if resp.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in resp.prompt_logprobs], dtype="<f4").tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        _topk_to_pb(msg.topk_prompt_logprobs, resp.topk_prompt_logprobs)
+    if resp.target_prompt_logprobs is not None:
+        td = resp.target_prompt_logprobs
+        msg.target_prompt_logprobs.dense = np.asarray(td.data, dtype="<f4").tobytes()
+        msg.target_prompt_logprobs.dtype = _DTYPES["float32"][0]
+        msg.target_prompt_logprobs.shape.extend(td.shape or [len(td.data)])
     return msg.SerializeToString()
+
+
+def _topk_to_pb(msg: Any, rows: TopkLogprobs) -> None:
+    """Tinker's ``TopkLogprobs``: ``(len(rows), k)`` int32 ids and float32 log-probs, an unscored row (``None``) or
+    a short one padded with ``(0, MASK_LOGPROB)``."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, lp) in enumerate(row or ()):
+            ids[i, j], lps[i, j] = token, lp
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+
+
+def _topk_from_pb(msg: Any) -> TopkLogprobs:
+    ids = np.frombuffer(msg.token_ids, dtype="<i4").reshape(msg.length, msg.k).tolist()
+    lps = np.frombuffer(msg.logprobs, dtype="<f4").reshape(msg.length, msg.k).tolist()
+    rows: TopkLogprobs = []
+    for row_ids, row_lps in zip(ids, lps):
+        pairs = [(t, lp) for t, lp in zip(row_ids, row_lps) if not (t == 0 and lp == MASK_LOGPROB)]
+        rows.append(pairs or None)
+    return rows if msg.k else [None] * msg.length
 
 
 def decode_sample_response(body: bytes) -> SampleResponse:
@@ -266,10 +321,20 @@ def decode_sample_response(body: bytes) -> SampleResponse:
             tokens=np.frombuffer(s.tokens, dtype="<i4").tolist(),
             logprobs=np.frombuffer(s.logprobs, dtype="<f4").tolist() if s.HasField("logprobs") else None,
             sequence_id=None,
+            topk_logprobs=_topk_from_pb(s.topk_sampled_logprobs) if s.HasField("topk_sampled_logprobs") else None,
         )
         for s in msg.sequences
     ]
     plp = None
     if msg.HasField("prompt_logprobs"):
         plp = [None if math.isnan(v) else float(v) for v in np.frombuffer(msg.prompt_logprobs, dtype="<f4").tolist()]
-    return SampleResponse.model_construct(sequences=seqs, prompt_logprobs=plp)
+    target = None
+    if msg.HasField("target_prompt_logprobs"):
+        t = msg.target_prompt_logprobs
+        target = TensorData.model_construct(data=np.frombuffer(t.dense, dtype="<f4").tolist(), dtype="float32", shape=list(t.shape))
+    return SampleResponse.model_construct(
+        sequences=seqs,
+        prompt_logprobs=plp,
+        topk_prompt_logprobs=_topk_from_pb(msg.topk_prompt_logprobs) if msg.HasField("topk_prompt_logprobs") else None,
+        target_prompt_logprobs=target,
+    )

@@ -330,11 +330,7 @@ class LocalBackend(Backend):
         return self.engine.store.list(session_id)
 
     async def delete_checkpoint(self, path: str) -> None:
-        """Remove a saved checkpoint directory (only under the checkpoint root)."""
-        import shutil
-
-        directory = self.engine.store.resolve(path)
-        await self.engine.call(shutil.rmtree, directory)
+        await self.engine.call(self.engine.delete_checkpoint, path)
 
 
 def _vllm_options(url: ParsedURL) -> VllmOptions:

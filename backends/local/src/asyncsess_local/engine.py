@@ -21,6 +21,7 @@ thread; checkpoints are written and read by :class:`~.checkpoints.CheckpointStor
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from asyncsess.errors import (
     ServerError,
     SessionGoneError,
 )
-from asyncsess.types import LoadWeightsResponse, SampleResponse
+from asyncsess.types import CheckpointResponse, LoadWeightsResponse, SampleResponse
 
 from . import trainer
 from .adapters import BASE
@@ -394,6 +395,17 @@ class Engine:
 
     # ------------------------------------------------------------------------ training ops
 
+    def _saved(self, resp: CheckpointResponse) -> CheckpointResponse:
+        """A save may have written over a checkpoint that samplers were opened on: later ones load the new one."""
+        self.state.forget_checkpoint(self.store.resolve(resp.path))
+        return resp
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Remove a saved checkpoint directory (only under the checkpoint root); open samplers keep their weights."""
+        directory = self.store.resolve(path)
+        self.state.forget_checkpoint(directory)
+        shutil.rmtree(directory)
+
     def _training_op(self, sess: trainer.TrainSession, ops: list[TrainingOp]) -> list[Any]:
         """Run ``ops`` (one barrier op, or a group of passes of one kind) on ``sess``."""
         slot = self.slots[sess.base_model]
@@ -406,11 +418,11 @@ class Engine:
             case OptimStepOp(adam_params=adam):
                 return [trainer.optim_step(sess, adam)]
             case SaveStateOp() as op:
-                return [self.store.save_state(slot.host, sess, op)]
+                return [self._saved(self.store.save_state(slot.host, sess, op))]
             case SaveWeightsOp() as op:
                 if op.ephemeral:  # for samplers only: in memory, never on disk (a merged model would not be used)
                     return [self.state.snapshot(sess, op)]
-                return [self.store.save_weights(slot, sess, op, self.dtype)]
+                return [self._saved(self.store.save_weights(slot, sess, op, self.dtype))]
             case LoadStateOp() as op:
                 self.store.load_state_op(slot.host, sess, op)
                 return [LoadWeightsResponse(path=op.path, step=sess.step)]

@@ -315,11 +315,13 @@ class Sessions:
             self.samplers[sampler_id] = SamplerRef(self.slot(spec.base_model or ""), BASE, None)
             return sampler_id
         path = spec.model_path
+        if not path.startswith(EPHEMERAL):
+            path = str(self.store.resolve(path))  # one snapshot per checkpoint directory, however its path is spelled
         snap = self._snapshots.get(path)
         if snap is None:
             if path.startswith(EPHEMERAL):
                 raise InvalidInputError(f"{path} is no longer available", field="model_path", fix="save the weights again")
-            d = self.store.resolve(path)
+            d = Path(path)
             meta = self.store.meta(d)
             slot = self.slot(meta["base_model"])
             adapter = f"s{next(self._names)}"
@@ -353,6 +355,21 @@ class Sessions:
         snap.refs += 1
         self.samplers[sampler_id] = SamplerRef(snap.slot, snap.adapter, path)
         return sampler_id
+
+    def forget_checkpoint(self, directory: Path) -> None:
+        """``directory`` was written over or is being deleted: a sampler opened on its path from now on loads what
+        is there; open ones keep the weights they sample (their snapshot is kept under a private key)."""
+        key = str(directory)
+        snap = self._snapshots.pop(key, None)
+        if snap is None:
+            return
+        hidden = f"{key}#replaced-{next(self._names)}"
+        self._snapshots[hidden] = snap
+        for ref in self.samplers.values():
+            if ref.path == key:
+                ref.path = hidden
+        if snap.refs == 0:
+            self._drop_snapshot(hidden)
 
     def sampler(self, sampler_id: str) -> SamplerRef:
         """What the sampler ``sampler_id`` samples from; :class:`SessionGoneError` when it is stopped or unknown."""

@@ -73,6 +73,8 @@ class _TrainingSession:
     trainer: MockTrainer
     faults: Faults
     sequencer: Sequencer[TrainingResult]
+    rank: int = 32
+    alpha: float = 32.0
     stopped: str | None = None
     ops_applied: int = 0
     before_step: np.ndarray | None = None  # D before the last optim_step (kept only for refresh faults)
@@ -178,12 +180,16 @@ class MockBackend(Backend):
         if ckpt is not None:
             trainer.load(ckpt.delta, ckpt.adam if spec.with_optimizer else None)
         sid = f"mock-train-{self._id_prefix}{next(self._ids)}"
+        # a session resumed from a checkpoint has the LoRA settings it was saved with, as on local://
+        rank, alpha = (ckpt.rank, ckpt.alpha) if ckpt else (spec.rank, spec.alpha if spec.alpha is not None else 32.0)
         sess = _TrainingSession(
             id=sid,
             seed=spec.seed,
             trainer=trainer,
             faults=Faults(self.config, f"train-{ordinal}"),
             sequencer=Sequencer(functools.partial(self._apply, sid), gap_timeout=self.config.gap_timeout_s),
+            rank=rank,
+            alpha=float(alpha),
         )
         self._sessions[sess.id] = sess
         self._open[sess.id] = "training"
@@ -191,8 +197,8 @@ class MockBackend(Backend):
         return GetInfoResponse.model_construct(
             model_id=sess.id,
             base_model=base_model,
-            lora_rank=spec.rank,
-            lora_alpha=spec.alpha if spec.alpha is not None else 32.0,
+            lora_rank=sess.rank,
+            lora_alpha=sess.alpha,
             seed=spec.seed,
             step=trainer.adam.step,
             user_metadata=dict(spec.user_metadata),
@@ -315,6 +321,8 @@ class MockBackend(Backend):
             description=op.description,
             user_metadata=dict(op.user_metadata) if op.user_metadata else None,
             ttl_seconds=op.ttl_seconds,
+            rank=sess.rank,
+            alpha=sess.alpha,
         )
         self._checkpoints[path] = ckpt
         if self._store is not None:

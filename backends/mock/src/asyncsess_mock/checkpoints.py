@@ -54,6 +54,8 @@ class StoredCheckpoint:
     description: str | None = None
     user_metadata: dict[str, str] | None = None
     ttl_seconds: int | None = None
+    rank: int = 32  # the LoRA settings of the session that saved it (a session resumed from it reports them)
+    alpha: float = 32.0
 
     def response(self) -> CheckpointResponse:
         return CheckpointResponse.model_construct(path=self.path, kind=self.kind, step=self.step)

@@ -259,7 +259,8 @@ class TinkerBackend(Backend):
                 return OptimStepResponse(metrics=out.get("metrics"))
             case SaveStateOp():
                 name = op.name or f"{op.seq:06d}"
-                out = await self._result(await self._post("/api/v1/save_weights", {**base, "path": name, "type": "save_weights"}))
+                body = {**base, **_save_fields(op), "path": name, "type": "save_weights"}
+                out = await self._result(await self._post("/api/v1/save_weights", body))
                 return CheckpointResponse(path=out["path"], kind="state")
             case SaveWeightsOp():
                 if op.merge_weights:
@@ -267,7 +268,7 @@ class TinkerBackend(Backend):
                         "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
                     )
                 name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
-                body = {**base, "path": name, "type": "save_weights_for_sampler"}
+                body = {**base, **_save_fields(op), "path": name, "type": "save_weights_for_sampler"}
                 out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
                 return CheckpointResponse(path=out["path"], kind="sampler")
             case LoadStateOp(path=path, with_optimizer=with_optimizer):
@@ -317,6 +318,9 @@ class TinkerBackend(Backend):
             "prompt": {"chunks": [{"tokens": list(request.prompt), "type": "encoded_text"}]},
             "sampling_params": params,
             "prompt_logprobs": request.include_prompt_logprobs or None,
+            "topk_prompt_logprobs": request.topk_prompt_logprobs or None,
+            "topk_sample_logprobs": request.topk_sample_logprobs or None,
+            "target_prompt_logprobs": _target_json(request.target_prompt_logprobs),
         }
         return await self._asample(sampler_id, {k: v for k, v in body.items() if v is not None}, request.request_id)
 
@@ -354,21 +358,43 @@ class TinkerBackend(Backend):
         return self._tokenizers[base_model]
 
     async def list_checkpoints(self, session_id: str | None = None) -> list[Checkpoint]:
-        path = f"/api/v1/training_runs/{session_id}/checkpoints" if session_id else "/api/v1/checkpoints"
-        body = await self._get(path)
-        out = []
-        for c in body.get("checkpoints", []):
-            folder = str(c.get("checkpoint_id", "")).split("/", 1)[0]
-            out.append(
-                Checkpoint(
-                    checkpoint_id=c["checkpoint_id"],
-                    checkpoint_type=_FOLDER_KIND.get(folder, "training"),  # type: ignore[arg-type]
-                    path=c.get("tinker_path", ""),
-                    time=_epoch(c.get("time")),
-                    size_bytes=c.get("size_bytes"),
-                )
-            )
-        return out
+        if session_id:
+            rows = (await self._get(f"/api/v1/training_runs/{session_id}/checkpoints")).get("checkpoints", [])
+        else:
+            rows = await self._user_checkpoints()
+        return [_checkpoint(c) for c in rows]
+
+    async def _user_checkpoints(self, page: int = 100) -> list[dict[str, Any]]:
+        """Every page of ``list_user_checkpoints`` (the server pages them, newest first)."""
+        rows: list[dict[str, Any]] = []
+        while True:
+            body = await self._get("/api/v1/checkpoints", limit=page, offset=len(rows))
+            batch = body.get("checkpoints", [])
+            rows += batch
+            if not batch or len(rows) >= int((body.get("cursor") or {}).get("total_count", 0)):
+                return rows
+
+    async def delete_checkpoint(self, path: str) -> None:
+        """Tinker's REST delete of a ``tinker://<run>/<folder>/<name>`` path."""
+        run, _, checkpoint_id = path.removeprefix("tinker://").partition("/")
+        if not path.startswith("tinker://") or not run or "/" not in checkpoint_id:
+            raise InvalidInputError(f"{path!r:.80} is not a Tinker checkpoint path", field="path", fix="tinker://<run>/weights/<name>")
+        await self._send("DELETE", f"/api/v1/training_runs/{run}/checkpoints/{checkpoint_id}")
+
+
+def _checkpoint(c: dict[str, Any]) -> Checkpoint:
+    """A checkpoint row of Tinker's REST listings."""
+    folder = str(c.get("checkpoint_id", "")).split("/", 1)[0]
+    return Checkpoint(
+        checkpoint_id=c["checkpoint_id"],
+        checkpoint_type=_FOLDER_KIND.get(folder, "training"),  # type: ignore[arg-type]
+        path=c.get("tinker_path", ""),
+        time=_epoch(c.get("time")),
+        size_bytes=c.get("size_bytes"),
+        user_metadata=c.get("user_metadata"),
+        expires_at=_epoch(c["expires_at"]) if c.get("expires_at") else None,
+        public=bool(c.get("public")),
+    )
 
 
 def _epoch(value: Any) -> float:
@@ -401,3 +427,19 @@ def _raise_for(resp: httpx.Response, path: str) -> None:
     if status in (401, 403):
         raise InvalidInputError(message, field="api_key", fix="pass ?api_key=, api_key=... or set TINKER_API_KEY")
     raise InvalidInputError(message)
+
+
+def _save_fields(op: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:
+    """What Tinker's save requests carry besides the name, the ones set only (``overwrite`` is save_state's field;
+    asyncsess serve also takes it on a sampler save, sent only when true)."""
+    fields = {"ttl_seconds": op.ttl_seconds, "user_metadata": dict(op.user_metadata) if op.user_metadata else None}
+    if op.overwrite or isinstance(op, SaveStateOp):
+        fields["overwrite"] = op.overwrite
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _target_json(rows: tuple[tuple[int, ...], ...] | None) -> dict[str, Any] | None:
+    """``target_prompt_logprobs`` as Tinker's JSON tensor: int64 ``[len(prompt) - 1, K]``."""
+    if rows is None:
+        return None
+    return {"data": [i for row in rows for i in row], "dtype": "int64", "shape": [len(rows), len(rows[0]) if rows else 0]}
