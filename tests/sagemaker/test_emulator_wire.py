@@ -421,6 +421,60 @@ def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, 
     sm.stop_training_session(TrainingSessionName=name)
 
 
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),  # was 64 tokens
+        ({"max_tokens": "5"}, "max_tokens"),  # was 5
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),  # was 64 tokens
+        ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+        ({"temperature": "0.5"}, "temperature"),  # was 0.5
+        ({"temperature": 2.5}, "temperature"),  # was accepted (OpenAI's range is 0..2)
+        ({"temperature": False}, "temperature"),
+        ({"top_p": "1"}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": "7"}, "seed"),  # was 7
+        ({"seed": 1.5}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"n": 2}, "n"),  # was one choice
+        ({"n": "1"}, "n"),
+        ({"n": 0}, "n"),
+        ({"stop": [5]}, "stop"),  # was taken as a stop token id
+        ({"stop": ""}, "stop"),
+        ({"stop": 3}, "stop"),
+    ],
+)
+def test_a_chat_sampling_parameter_of_the_wrong_type_or_out_of_range_is_a_validation_exception(sm, rt, emulator, change, field):
+    """The body is passed to an OpenAI-compatible chat endpoint, which checks it as OpenAI's API does; the emulator
+    turned max_tokens 0 into 64, took the string "5" as 5 and ignored n, plain and streamed."""
+    name = _name()
+    new_session(sm, name)
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **change}).encode()
+    with pytest.raises(rt.exceptions.ValidationException, match=field):
+        rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json", accept="application/json")
+    with pytest.raises(rt.exceptions.ValidationException, match=field):
+        rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw, contentType="application/json")
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_chat_sampling_parameters_within_range_are_taken(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    hi = [{"role": "user", "content": "hi"}]
+    for extra in ({"max_completion_tokens": 3}, {"max_tokens": None, "n": 1, "temperature": 2, "top_p": 1, "seed": 0, "stop": ["\n"]}):
+        answer = json.loads(
+            rt.sample_training_session(
+                trainingSessionName=name, body=json.dumps({"messages": hi, "stop": [], **extra}).encode(), contentType="application/json"
+            )["body"].read()
+        )
+        assert 1 <= answer["usage"]["completion_tokens"] <= extra.get("max_completion_tokens", 64)
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     resp = httpx.post(
         emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}"

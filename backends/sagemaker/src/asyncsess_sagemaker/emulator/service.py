@@ -673,18 +673,7 @@ class EmulatedService:
                 prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
         except Exception as err:  # the messages are the only input: an unknown role, content the template cannot render
             raise AwsError.validation(f"The messages cannot be rendered as a prompt: {err}") from None
-        try:
-            params = SamplingParams.model_validate(
-                {
-                    "max_tokens": request.get("max_tokens") or request.get("max_completion_tokens") or 64,
-                    "temperature": request.get("temperature"),
-                    "top_p": request.get("top_p"),
-                    "seed": request.get("seed"),
-                    "stop": request.get("stop"),
-                }
-            )
-        except ValueError as err:
-            raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
+        params = _chat_params(request)
         sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
         try:
             resp = await self.inner.sample(
@@ -743,6 +732,42 @@ class EmulatedService:
     async def shutdown(self) -> None:
         for sess in list(self.sessions.values()):
             await self._stop_inner(sess)
+
+
+CHAT_MAX_TOKENS = 64  # the completion budget of a chat request that sets none
+_CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (top_p 0 as vLLM: refused)
+    "max_tokens": (True, 1, 2**31 - 1),
+    "max_completion_tokens": (True, 1, 2**31 - 1),
+    "n": (True, 1, 1),  # one choice per request here
+    "temperature": (False, 0, 2),
+    "top_p": (False, 0, 1),
+    "seed": (True, 0, 2**63 - 1),
+}
+
+
+def _chat_params(request: dict[str, Any]) -> SamplingParams:
+    """The sampling parameters of a chat-completions body; a null one is one not sent. A value of the wrong type
+    or out of range is a ValidationException naming it (``max_tokens: 0`` was taken as unset, ``"5"`` as 5)."""
+    for name, (integer, low, high) in _CHAT_NUMBERS.items():
+        value = request.get(name)
+        if value is None:
+            continue
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+            raise AwsError.validation(f"{name} must be {'an integer' if integer else 'a number'}, not {json.dumps(value)[:64]}")
+        if not low <= value <= high or (name == "top_p" and value == 0):
+            bounds = "(0, 1]" if name == "top_p" else f"[{low}, {high}]"
+            raise AwsError.validation(f"{name}={value} is out of range: send a value in {bounds} or leave it out")
+    stop = request.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise AwsError.validation(f"stop must be a string or a list of strings, not {json.dumps(stop)[:64]}")
+    budget = next((request[k] for k in ("max_tokens", "max_completion_tokens") if request.get(k) is not None), CHAT_MAX_TOKENS)
+    try:
+        return SamplingParams(
+            max_tokens=budget, temperature=request.get("temperature"), top_p=request.get("top_p"), seed=request.get("seed"), stop=stop
+        )
+    except ValueError as err:  # a stop string that is empty, too long, or one too many
+        raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
