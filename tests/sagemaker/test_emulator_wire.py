@@ -223,6 +223,7 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
+    """The refused op takes its sequence number, and nothing of it runs: the next number runs at once."""
     name = _name()
     new_session(sm, name)
     _, rt = clients(emulator.url, validate=False)  # send what botocore would refuse, as another client might
@@ -230,7 +231,46 @@ def test_bad_training_requests_get_validation_exception(sm, emulator, config, wh
         rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=config)
     assert _code(err) == ("ValidationException", 400)
     assert where in err.value.response["Error"]["Message"]
-    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"].get("LastReceivedSequenceNumber") is None
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["LastReceivedSequenceNumber"] == 1
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="y", operationConfig=fb([1, 40, 41]))
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    assert emulator.session_state(name)["applied"] == [2]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_refused_op_uses_up_its_sequence_number_so_later_ops_do_not_wait_for_it(sm, rt, emulator):
+    """A refused op left its number missing: the ops after it waited (Blocked) until the gap timeout failed the
+    session, as the official SDK never sends a number twice. Now its turn passes without running anything."""
+    name = _name()
+    new_session(sm, name)
+    bad = fb([1, 2, 9999])  # a token id past the vocabulary
+    early = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, clientToken="c", operationConfig=OPTIM)
+    with pytest.raises(rt.exceptions.ValidationException, match="9999"):  # refused while number 1 is still missing
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=bad)
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Blocked"
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=fb([1, 40, 41]))
+    assert wait_op(rt.get_training_operation_result, name, early["operationId"])["status"] == "Completed"
+    assert wait_op(rt.get_training_operation_result, name, first["operationId"])["status"] == "Completed"
+    with pytest.raises(rt.exceptions.ValidationException, match="refused operation"):  # the number stays used
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b2", operationConfig=fb([1, 40, 41]))
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 3
+    assert emulator.session_state(name)["applied"] == [1, 3]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_load_state_of_sampler_weights_is_refused_and_the_session_keeps_running(sm, rt, emulator):
+    """It was accepted, failed on the engine (naming the engine's inner path) and failed the whole session."""
+    name = _name()
+    new_session(sm, name)
+    saved = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveWeights": {}})
+    arn = wait_op(rt.get_training_operation_result, name, saved["operationId"])["operationResult"]["saveWeights"]["modelPackageArn"]
+    load = {"loadState": {"modelPackageArn": arn, "loadOptimizer": False}}
+    with pytest.raises(rt.exceptions.ValidationException, match="saveState"):
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, operationConfig=load)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, operationConfig=OPTIM)
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
 
 
