@@ -177,10 +177,15 @@ def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceC
     rest = service.create_rest_client()
     with pytest.raises(tinker.NotFoundError, match="model_id"):
         rest.get_training_run("no-such-run").result()
-    # a failure while running comes back as the SDK's RequestFailedError with a user category
     tc.save_state("twice").result()
-    with pytest.raises(tinker.RequestFailedError) as info:
+    with pytest.raises(tinker.BadRequestError, match="overwrite"):  # refused before running (was a RequestFailedError)
         tc.save_state("twice").result()
+    # a failure while running comes back as the SDK's RequestFailedError with a user category
+    too_long = types.Datum(
+        model_input=types.ModelInput.from_ints([5] * 600), loss_fn_inputs={"target_tokens": [6] * 600, "weights": [1.0] * 600}
+    )
+    with pytest.raises(tinker.RequestFailedError) as info:
+        tc.forward_backward([too_long], "cross_entropy").result()  # past mock's 512-token context
     assert info.value.category == types.RequestErrorCategory.User
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=mock_server.url, api_key="tml-wrong-key").create_lora_training_client(

@@ -416,6 +416,7 @@ class TinkerDoor:
         if not 1 <= limit <= 200:
             raise ApiError(400, f"limit={limit}", field="limit", fix="ask for 1 to 200 sessions a page")
         meta, statuses, projects = body.get("user_metadata") or {}, body.get("statuses"), body.get("project_ids")
+        self.forget_expired()  # each summary counts its checkpoints
         if not isinstance(meta, dict):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
         if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
@@ -696,23 +697,37 @@ class TinkerDoor:
             raise ApiError.from_error(err) from None
         return _future(promise, m.id)
 
-    def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str) -> _Checkpoint:
+    def _record(self, m: _Model, resp: CheckpointResponse, folder: str, name: str, kind: str, ttl: int | None) -> _Checkpoint:
         path = f"tinker://{m.id}/{folder}/{name}"
-        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, time.time(), resp.step)
+        now = time.time()
+        ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, now, resp.step)
+        ck.expires_at = None if ttl is None else now + ttl
         self._backend_paths[resp.path] = m.id
         self.checkpoints[path] = ck
-        m.checkpoints.append(path)
+        if path not in m.checkpoints:  # a save under a used name replaces that checkpoint
+            m.checkpoints.append(path)
         return ck
+
+    def _check_free(self, m: _Model, checkpoint_id: str, overwrite: Any) -> None:
+        """Refuse a save under the name of one of the run's live checkpoints unless ``overwrite``: the backend then
+        always overwrites (a name deleted or expired here may still be on its disk)."""
+        if not isinstance(overwrite, bool):
+            raise ApiError(400, f"expected true or false, got {overwrite!r:.40}", field="overwrite")
+        self.forget_expired()
+        if not overwrite and f"tinker://{m.id}/{checkpoint_id}" in self.checkpoints:
+            raise ApiError(400, f"{checkpoint_id} already exists", field="path", fix="pick another name, or pass overwrite=True")
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
             name = _name(body.get("path"), f"{_int(body, 'seq_id'):06d}")
-            run = self._op(m, functools.partial(SaveStateOp, name=name))
+            ttl = check_ttl_seconds(body.get("ttl_seconds"))
+            self._check_free(m, f"weights/{name}", body.get("overwrite", False))
+            run = self._op(m, functools.partial(SaveStateOp, name=name, overwrite=True))
 
             async def go() -> Callable[[Promise], None]:
-                ck = self._record(m, await run(), "weights", name, "training")
+                ck = self._record(m, await run(), "weights", name, "training", ttl)
                 return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights"})
 
             return go
@@ -729,12 +744,15 @@ class TinkerDoor:
             name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
-            run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None))
+            ttl = check_ttl_seconds(body.get("ttl_seconds"))
+            if body.get("path") is not None:
+                self._check_free(m, f"sampler_weights/{name}", False)
+            run = self._op(m, functools.partial(SaveWeightsOp, name=name, ephemeral=body.get("path") is None, overwrite=True))
 
             async def go() -> Callable[[Promise], None]:
                 resp: CheckpointResponse = await run()
                 if body.get("path") is not None:
-                    ck = self._record(m, resp, "sampler_weights", name, "sampler")
+                    ck = self._record(m, resp, "sampler_weights", name, "sampler", ttl)
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
@@ -914,13 +932,25 @@ class TinkerDoor:
 
     # ----------------------------------------------------------------------------------- REST
 
+    def forget_expired(self) -> None:
+        """Checkpoints past their TTL are gone, as on Tinker: no longer listed, loaded or sampled."""
+        now = time.time()
+        for ck in [c for c in self.checkpoints.values() if c.expires_at is not None and c.expires_at <= now]:
+            self._forget(ck)
+
+    def _forget(self, ck: _Checkpoint) -> None:
+        del self.checkpoints[ck.tinker_path]
+        self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
+
     def visible_checkpoint(self, path: str) -> _Checkpoint | None:
         """The checkpoint at ``path`` if the calling key saved it or it is published."""
+        self.forget_expired()
         ck = self.checkpoints.get(path)
         return ck if ck is not None and (ck.public or self.owns(self.models[ck.model_id].session_id)) else None
 
     def training_run(self, model_id: str) -> dict[str, Any]:
         m = self.model(model_id)
+        self.forget_expired()
         last = max((self.checkpoints[c] for c in m.checkpoints), key=lambda c: c.time, default=None)
         last_sampler = max(
             (self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "sampler"), key=lambda c: c.time, default=None
@@ -953,6 +983,7 @@ class TinkerDoor:
     def list_checkpoints(self, model_id: str | None) -> dict[str, Any]:
         if model_id is not None:
             self.model(model_id)
+        self.forget_expired()
         cks = [
             c.rest() for c in self.checkpoints.values() if model_id in (None, c.model_id) and self.owns(self.models[c.model_id].session_id)
         ]
@@ -960,15 +991,14 @@ class TinkerDoor:
 
     def checkpoint_by_id(self, model_id: str, checkpoint_id: str) -> _Checkpoint:
         self.model(model_id)  # the caller's run, or 404
+        self.forget_expired()
         ck = self.checkpoints.get(f"tinker://{model_id}/{checkpoint_id}")
         if ck is None:
             raise _not_found("checkpoint_id", checkpoint_id, "list the run's checkpoints")
         return ck
 
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
-        ck = self.checkpoint_by_id(model_id, checkpoint_id)
-        del self.checkpoints[ck.tinker_path]
-        self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
+        self._forget(self.checkpoint_by_id(model_id, checkpoint_id))
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
