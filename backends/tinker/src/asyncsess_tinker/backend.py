@@ -259,7 +259,8 @@ class TinkerBackend(Backend):
                 return OptimStepResponse(metrics=out.get("metrics"))
             case SaveStateOp():
                 name = op.name or f"{op.seq:06d}"
-                out = await self._result(await self._post("/api/v1/save_weights", {**base, "path": name, "type": "save_weights"}))
+                body = {**base, "path": name, "overwrite": op.overwrite, **_ttl(op), "type": "save_weights"}
+                out = await self._result(await self._post("/api/v1/save_weights", body))
                 return CheckpointResponse(path=out["path"], kind="state")
             case SaveWeightsOp():
                 if op.merge_weights:
@@ -267,7 +268,7 @@ class TinkerBackend(Backend):
                         "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
                     )
                 name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
-                body = {**base, "path": name, "type": "save_weights_for_sampler"}
+                body = {**base, "path": name, **_ttl(op), "type": "save_weights_for_sampler"}
                 out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
                 return CheckpointResponse(path=out["path"], kind="sampler")
             case LoadStateOp(path=path, with_optimizer=with_optimizer):
@@ -366,6 +367,8 @@ class TinkerBackend(Backend):
                     path=c.get("tinker_path", ""),
                     time=_epoch(c.get("time")),
                     size_bytes=c.get("size_bytes"),
+                    expires_at=_epoch(c["expires_at"]) if c.get("expires_at") else None,
+                    public=bool(c.get("public")),
                 )
             )
         return out
@@ -401,3 +404,8 @@ def _raise_for(resp: httpx.Response, path: str) -> None:
     if status in (401, 403):
         raise InvalidInputError(message, field="api_key", fix="pass ?api_key=, api_key=... or set TINKER_API_KEY")
     raise InvalidInputError(message)
+
+
+def _ttl(op: SaveStateOp | SaveWeightsOp) -> dict[str, int]:
+    """A save's ``ttl_seconds``, if it has one (Tinker's wire omits the field for none)."""
+    return {} if op.ttl_seconds is None else {"ttl_seconds": op.ttl_seconds}
