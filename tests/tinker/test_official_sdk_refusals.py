@@ -198,8 +198,8 @@ def test_a_save_with_ttl_seconds_is_listed_with_its_expiry_and_is_gone_once_it_p
 
 def test_a_checkpoint_saved_twice_under_one_name_is_listed_once_and_deleted_once(service: tinker.ServiceClient, server: Server) -> None:
     """A second save under a used name failed on the backend (its name taken, overwrite not passed on), which
-    failed every later op of the model; with overwrite=True the run kept the path twice, so deleting it left one
-    behind and reading the run was a 500 from then on. Now the name is refused at once (400) unless overwrite."""
+    failed every later op of the model, overwrite=True included. Now the name is refused at once (400) unless
+    overwrite, and a replaced checkpoint is listed, and deleted, once."""
     rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
     tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
     path = tc.save_state("same").result().path
