@@ -809,9 +809,8 @@ def _chat_params(request: dict[str, Any]) -> SamplingParams:
         raise AwsError.validation(f"stop must be a string or a list of strings, not {json.dumps(stop)[:64]}")
     budget = next((request[k] for k in ("max_tokens", "max_completion_tokens") if request.get(k) is not None), CHAT_MAX_TOKENS)
     try:
-        return SamplingParams(
-            max_tokens=budget, temperature=request.get("temperature"), top_p=request.get("top_p"), seed=request.get("seed"), stop=stop
-        )
+        fields = {"max_tokens": budget, "stop": stop, **{k: request.get(k) for k in ("temperature", "top_p", "seed")}}
+        return SamplingParams.model_validate(fields)  # a null temperature or top_p is the default
     except ValueError as err:  # a stop string that is empty, too long, or one too many
         raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
 
