@@ -308,6 +308,27 @@ async def test_the_official_client_raises_typed_errors(sampler):
         assert info.value.param == "frequency_penalty" and "unsupported parameter" in info.value.message
 
 
+async def test_a_refused_call_shifts_neither_the_call_indices_nor_the_seeds_after_it(sampler):
+    """A call the sampler refuses (a prompt past mock's 512-token context; the front has no context_window to check
+    it against) took a call index and the bound rollout's seed: every later call of the rollout drew other tokens."""
+
+    async def rollout(refused: int) -> list[tuple[int, list[int]]]:
+        front = OpenAIFront(sampler)
+        front.bind("r", sampler, 0, seed=100)
+        async with front.openai_client("r") as client:
+            for i in range(3):
+                for _ in range(refused if i == 1 else 0):
+                    with pytest.raises(openai.BadRequestError) as info:
+                        await client.completions.create(model="policy", prompt=[5] * 600, max_tokens=8)
+                    assert info.value.param == "prompt"
+                await client.chat.completions.create(model="policy", messages=HI, max_tokens=8, stream=i == 2)
+        return [(c.call_index, c.choices[0].tokens) for c in front.captures.calls("r")]
+
+    plain = await rollout(0)
+    assert [i for i, _ in plain] == [0, 1, 2] and len({tuple(t) for _, t in plain}) == 3  # each call its own seed
+    assert await rollout(2) == plain
+
+
 async def test_64_concurrent_rollouts_share_the_pool_with_visible_backpressure(sampler):
     front = OpenAIFront(sampler)
     peak = {"queued": 0, "in_flight": 0}

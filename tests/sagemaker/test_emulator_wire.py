@@ -234,6 +234,7 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
+    """The refused op takes its sequence number, and nothing of it runs: the next number runs at once."""
     name = _name()
     new_session(sm, name)
     _, rt = clients(emulator.url, validate=False)  # send what botocore would refuse, as another client might
@@ -241,7 +242,46 @@ def test_bad_training_requests_get_validation_exception(sm, emulator, config, wh
         rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="x", operationConfig=config)
     assert _code(err) == ("ValidationException", 400)
     assert where in err.value.response["Error"]["Message"]
-    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"].get("LastReceivedSequenceNumber") is None
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["LastReceivedSequenceNumber"] == 1
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="y", operationConfig=fb([1, 40, 41]))
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    assert emulator.session_state(name)["applied"] == [2]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_refused_op_uses_up_its_sequence_number_so_later_ops_do_not_wait_for_it(sm, rt, emulator):
+    """A refused op left its number missing: the ops after it waited (Blocked) until the gap timeout failed the
+    session, as the official SDK never sends a number twice. Now its turn passes without running anything."""
+    name = _name()
+    new_session(sm, name)
+    bad = fb([1, 2, 9999])  # a token id past the vocabulary
+    early = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, clientToken="c", operationConfig=OPTIM)
+    with pytest.raises(rt.exceptions.ValidationException, match="9999"):  # refused while number 1 is still missing
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b", operationConfig=bad)
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Blocked"
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="a", operationConfig=fb([1, 40, 41]))
+    assert wait_op(rt.get_training_operation_result, name, early["operationId"])["status"] == "Completed"
+    assert wait_op(rt.get_training_operation_result, name, first["operationId"])["status"] == "Completed"
+    with pytest.raises(rt.exceptions.ValidationException, match="refused operation"):  # the number stays used
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, clientToken="b2", operationConfig=fb([1, 40, 41]))
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 3
+    assert emulator.session_state(name)["applied"] == [1, 3]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_load_state_of_sampler_weights_is_refused_and_the_session_keeps_running(sm, rt, emulator):
+    """It was accepted, failed on the engine (naming the engine's inner path) and failed the whole session."""
+    name = _name()
+    new_session(sm, name)
+    saved = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveWeights": {}})
+    arn = wait_op(rt.get_training_operation_result, name, saved["operationId"])["operationResult"]["saveWeights"]["modelPackageArn"]
+    load = {"loadState": {"modelPackageArn": arn, "loadOptimizer": False}}
+    with pytest.raises(rt.exceptions.ValidationException, match="saveState"):
+        rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, operationConfig=load)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, operationConfig=OPTIM)
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
 
 
@@ -429,6 +469,60 @@ def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, 
     ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
     answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=ok, contentType="application/json")["body"].read())
     assert answer["choices"][0]["message"]["role"] == "assistant"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),  # was 64 tokens
+        ({"max_tokens": "5"}, "max_tokens"),  # was 5
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),  # was 64 tokens
+        ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+        ({"temperature": "0.5"}, "temperature"),  # was 0.5
+        ({"temperature": 2.5}, "temperature"),  # was accepted (OpenAI's range is 0..2)
+        ({"temperature": False}, "temperature"),
+        ({"top_p": "1"}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": "7"}, "seed"),  # was 7
+        ({"seed": 1.5}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"n": 2}, "n"),  # was one choice
+        ({"n": "1"}, "n"),
+        ({"n": 0}, "n"),
+        ({"stop": [5]}, "stop"),  # was taken as a stop token id
+        ({"stop": ""}, "stop"),
+        ({"stop": 3}, "stop"),
+    ],
+)
+def test_a_chat_sampling_parameter_of_the_wrong_type_or_out_of_range_is_a_validation_exception(sm, rt, emulator, change, field):
+    """The body is passed to an OpenAI-compatible chat endpoint, which checks it as OpenAI's API does; the emulator
+    turned max_tokens 0 into 64, took the string "5" as 5 and ignored n, plain and streamed."""
+    name = _name()
+    new_session(sm, name)
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **change}).encode()
+    with pytest.raises(rt.exceptions.ValidationException, match=field):
+        rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json", accept="application/json")
+    with pytest.raises(rt.exceptions.ValidationException, match=field):
+        rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw, contentType="application/json")
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_chat_sampling_parameters_within_range_are_taken(sm, rt, emulator):
+    name = _name()
+    new_session(sm, name)
+    hi = [{"role": "user", "content": "hi"}]
+    for extra in ({"max_completion_tokens": 3}, {"max_tokens": None, "n": 1, "temperature": 2, "top_p": 1, "seed": 0, "stop": ["\n"]}):
+        answer = json.loads(
+            rt.sample_training_session(
+                trainingSessionName=name, body=json.dumps({"messages": hi, "stop": [], **extra}).encode(), contentType="application/json"
+            )["body"].read()
+        )
+        assert 1 <= answer["usage"]["completion_tokens"] <= extra.get("max_completion_tokens", 64)
     sm.stop_training_session(TrainingSessionName=name)
 
 

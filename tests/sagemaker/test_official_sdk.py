@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 
@@ -63,6 +64,23 @@ def test_sdk_sft_loop_lowers_the_loss_and_saves_a_checkpoint(service, sdk_emulat
     finally:
         tc.stop()
     assert service.list_sessions(name_contains=tc.training_session_name)[0].status in ("Stopping", "Stopped")
+
+
+def test_sdk_loop_goes_on_after_an_op_the_service_refuses(service, sdk_emulator):
+    """The SDK never sends a sequence number twice: a refused op's number was never filled, so the next op
+    waited for it and the gap timeout failed the session (every later op failed)."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward([_sft_datum([1, 40, 9999])], "cross_entropy").result()  # a token id past the vocabulary
+        assert err.value.response["Error"]["Code"] == "ValidationException"
+        fb = tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy")
+        opt = tc.optim_step(ts.AdamParams(learning_rate=0.01))
+        assert fb.result().metrics["loss:sum"] > 0
+        opt.result()
+        assert sdk_emulator.session_state(tc.training_session_name)["applied"] == [2, 3]
+    finally:
+        tc.stop()
 
 
 def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emulator):

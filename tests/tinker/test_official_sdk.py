@@ -179,6 +179,9 @@ def test_bad_input_and_unknown_ids_raise_sdk_exceptions(service: tinker.ServiceC
     rest = service.create_rest_client()
     with pytest.raises(tinker.NotFoundError, match="model_id"):
         rest.get_training_run("no-such-run").result()
+    tc.save_state("twice").result()
+    with pytest.raises(tinker.BadRequestError, match="overwrite"):  # refused before running (was a RequestFailedError)
+        tc.save_state("twice").result()
     # a failure while running comes back as the SDK's RequestFailedError with a user category
     sampler = service.create_sampling_client(base_model=BASE)
     with pytest.raises(tinker.RequestFailedError, match="no room in the 512-token context") as info:

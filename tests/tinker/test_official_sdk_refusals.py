@@ -5,6 +5,7 @@ runs, and nothing is saved or created."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,6 +72,12 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     ),
     "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
     "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
+    "save_state with a TTL of 0": (lambda tc: tc.save_state("x", ttl_seconds=0), tinker.BadRequestError, "ttl_seconds"),
+    "save_weights_for_sampler with a TTL of 10**30": (
+        lambda tc: tc.save_weights_for_sampler("x", ttl_seconds=10**30),
+        tinker.BadRequestError,
+        "ttl_seconds",
+    ),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
     # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
     "a datum past the model's context": (
@@ -183,6 +190,55 @@ def test_checkpoint_ttl_out_of_range_is_refused(service: tinker.ServiceClient, s
     rest.set_checkpoint_ttl_from_tinker_path(path, 86400).result()
     [ck] = rest.list_checkpoints(tc.model_id).result().checkpoints
     assert ck.expires_at is not None and ck.expires_at > ck.time
+
+
+def test_a_save_with_ttl_seconds_is_listed_with_its_expiry_and_is_gone_once_it_passes(
+    service: tinker.ServiceClient, server: Server
+) -> None:
+    """save_state / save_weights_for_sampler dropped ttl_seconds: the checkpoint was listed with expires_at None
+    and never expired (only PUT .../ttl set one, and nothing enforced it)."""
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    state = tc.save_state("for-an-hour", ttl_seconds=3600).result().path
+    sampler = tc.save_weights_for_sampler("for-two-hours", ttl_seconds=7200).result().path
+    kept = tc.save_state("kept").result().path
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed[kept].expires_at is None
+    for path, ttl in ((state, 3600), (sampler, 7200)):
+        expires_at = listed[path].expires_at
+        assert expires_at is not None and abs((expires_at - listed[path].time).total_seconds() - ttl) <= 1
+    for path in (state, sampler):  # their time passes
+        server.door.checkpoints[path].expires_at = time.time() - 1
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [kept]
+    assert rest.get_training_run(tc.model_id).result().last_sampler_checkpoint is None
+    with pytest.raises(tinker.NotFoundError, match="path"):
+        tc.load_state(state).result()
+    with pytest.raises(tinker.NotFoundError):
+        sc = service.create_sampling_client(model_path=sampler).result()
+        sc.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)).result()
+    tc.load_state(kept).result()  # the queue goes on
+
+
+def test_a_checkpoint_saved_twice_under_one_name_is_listed_once_and_deleted_once(service: tinker.ServiceClient, server: Server) -> None:
+    """A second save under a used name failed on the backend (its name taken, overwrite not passed on), which
+    failed every later op of the model, overwrite=True included. Now the name is refused at once (400) unless
+    overwrite, and a replaced checkpoint is listed, and deleted, once."""
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    path = tc.save_state("same").result().path
+    with pytest.raises(tinker.BadRequestError, match="overwrite"):  # not a 409: the SDK retries those
+        tc.save_state("same").result()
+    sampler = tc.save_weights_for_sampler("same").result().path
+    with pytest.raises(tinker.BadRequestError, match="already saved"):
+        tc.save_weights_for_sampler("same").result()
+    tc.forward_backward(GOOD, "cross_entropy").result()  # the queue goes on
+    assert tc.save_state("same", overwrite=True).result().path == path
+    assert sorted(c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints) == sorted([path, sampler])
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.last_checkpoint is None and run.last_sampler_checkpoint is not None
+    assert run.last_sampler_checkpoint.tinker_path == sampler
+    assert tc.save_state("same").result().path == path  # the name is free again
 
 
 def test_a_step_on_a_non_finite_gradient_is_refused_and_the_model_goes_on(service: tinker.ServiceClient, server: Server) -> None:

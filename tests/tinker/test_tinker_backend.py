@@ -96,6 +96,23 @@ async def test_checkpoint_resume_with_optimizer_is_bit_exact(mock_server: Server
         assert [c.checkpoint_id for c in listed] == ["weights/wire-ckpt"] and listed[0].checkpoint_type == "training"
 
 
+async def test_a_saves_ttl_and_overwrite_reach_the_server(mock_server: Server) -> None:
+    """Both were dropped from the request: the checkpoint never expired, and overwrite=True was a refusal."""
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        state = await tc.save_state("ttl-state", ttl_seconds=3600)
+        sampler = await tc.save_weights_for_sampler("ttl-sampler", ttl_seconds=7200)
+        listed = {c.tinker_path: c for c in await svc.list_checkpoints(tc.model_id)}
+        for path, ttl in ((state.path, 3600), (sampler.path, 7200)):
+            expires_at = listed[path].expires_at
+            assert expires_at is not None and abs(expires_at - listed[path].time - ttl) <= 1
+        with pytest.raises(InvalidInputError, match="overwrite"):
+            await tc.save_state("ttl-state")
+        assert (await tc.save_state("ttl-state", overwrite=True)).path == state.path  # a new checkpoint: no TTL
+        listed = {c.tinker_path: c for c in await svc.list_checkpoints(tc.model_id)}
+        assert listed[state.path].expires_at is None and listed[sampler.path].expires_at is not None
+
+
 async def test_sampling_logprobs_and_sampler_refresh(mock_server: Server) -> None:
     async with ServiceClient(url_of(mock_server)) as svc:
         tc = await svc.create_lora_training_client(BASE, rank=4)

@@ -70,6 +70,16 @@ class CaptureStore:
         self._counts[rollout_id] = n + 1
         return n
 
+    def release(self, rollout_id: str, index: int) -> bool:
+        """Give back ``index`` (of a call that captured nothing) if no later call of ``rollout_id`` took one."""
+        if self._counts.get(rollout_id) != index + 1:
+            return False
+        if index:
+            self._counts[rollout_id] = index
+        else:
+            del self._counts[rollout_id]
+        return True
+
     def add(self, call: CapturedCall) -> None:
         self._calls.setdefault(call.rollout_id, []).append(call)
         self._calls.move_to_end(call.rollout_id)

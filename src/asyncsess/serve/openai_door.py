@@ -125,6 +125,7 @@ class OpenAIDoor:
 
     async def models(self, key: str | None) -> list[str]:
         """What ``key`` may name as ``model``: base models, its sampling sessions, its sampler weights."""
+        self.door.forget_expired()
         own = {sid for sid, s in self.door.sessions.items() if s.owner == key}
         samplers = [sid for sid, s in self.door.samplers.items() if s.session_id in own]
         paths = [p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and self.door.models[c.model_id].session_id in own]

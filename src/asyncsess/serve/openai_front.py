@@ -90,12 +90,6 @@ class _Binding:
     seed: int | None = None  # calls that set no seed get seed + i for the rollout's i-th such call
     seeded_calls: int = 0
 
-    def next_seed(self) -> int | None:
-        if self.seed is None:
-            return None
-        self.seeded_calls += 1
-        return (self.seed + self.seeded_calls - 1) % 2**63
-
 
 class OpenAIFront:
     """Serves the OpenAI API from a sampler (or per-rollout samplers) and captures every call's tokens.
@@ -285,18 +279,41 @@ class OpenAIFront:
             max_tokens=budget,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            seed=binding.next_seed() if req.seed is None else req.seed % 2**63,
+            seed=None if req.seed is None else req.seed % 2**63,  # None: the rollout's seed, if bound with one (in _sample)
             stop=stop or None,
         )
 
     async def _sample(
-        self, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any]
-    ) -> list[SampledSequence]:
+        self, rollout: str, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any]
+    ) -> tuple[int, list[SampledSequence]]:
+        """The call's index in its rollout and its samples.
+
+        The index (and the rollout seed of a call that sets none) is taken once the client has checked the
+        request, and given back if the call fails to sample (the backend refuses it, say) while no later call of
+        the rollout has taken one: a refused call shifts neither the indices nor the seeds of the calls after it."""
         sampler = binding.sampler
+        seeded = params.seed is None and binding.seed is not None
+        if seeded:
+            params = params.model_copy(update={"seed": (cast(int, binding.seed) + binding.seeded_calls) % 2**63})
         if sampler.sampler_id in self._string_stops:
             params = _stops_as_strings(params, sampler.get_tokenizer())
+        pending = sampler.sample(prompt, req.n, params, **topk)  # the client's checks: a refusal here takes nothing
+        index = self.captures.reserve(rollout)
+        binding.seeded_calls += int(seeded)
         try:
-            response = await sampler.sample(prompt, req.n, params, **topk)
+            seqs = await self._sampled(binding, prompt, req, params, topk, pending)
+        except BaseException:
+            if self.captures.release(rollout, index):
+                binding.seeded_calls -= int(seeded)
+            raise
+        return index, seqs
+
+    async def _sampled(
+        self, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any], pending: Any
+    ) -> list[SampledSequence]:
+        sampler = binding.sampler
+        try:
+            response = await pending
         except InvalidInputError as err:  # a backend that takes stop strings only (SageMaker): the stop tokens' text
             if err.field != "sampling_params.stop" or not params.stop_token_ids():
                 raise
@@ -388,8 +405,7 @@ class OpenAIFront:
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
-        index = self.captures.reserve(rollout)
-        seqs = await self._sample(binding, prompt, req, params, topk)
+        index, seqs = await self._sample(rollout, binding, prompt, req, params, topk)
         parse_tools = bool(tools) and req.tool_choice != "none"
         choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
         self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
@@ -461,8 +477,7 @@ class OpenAIFront:
             raise FrontError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         params = self._params(req, binding, len(prompt), req.max_tokens or 16, list(stops))
-        index = self.captures.reserve(rollout)
-        seqs = await self._sample(binding, prompt, req, params, topk)
+        index, seqs = await self._sample(rollout, binding, prompt, req, params, topk)
         eos = getattr(tok, "eos_token_id", None)
         choices = []
         for i, s in enumerate(seqs):

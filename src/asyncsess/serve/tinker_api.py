@@ -437,6 +437,7 @@ class TinkerDoor:
         if not 1 <= limit <= 200:
             raise ApiError(400, f"limit={limit}", field="limit", fix="ask for 1 to 200 sessions a page")
         meta, statuses, projects = body.get("user_metadata") or {}, body.get("statuses"), body.get("project_ids")
+        self.forget_expired()  # each summary counts its checkpoints
         if not isinstance(meta, dict):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
         if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
@@ -754,6 +755,7 @@ class TinkerDoor:
             raise ApiError.from_error(err) from None
         meta = _metadata(body) or None
         cid = f"{folder}/{name}"
+        self.forget_expired()  # an expired name is free again
         if cid in m.names and not overwrite:
             raise ApiError(400, f"{m.id} already saved {cid}", field="path", fix="pick another name, or pass overwrite=True")
         m.names.add(cid)
@@ -980,13 +982,27 @@ class TinkerDoor:
 
     # ----------------------------------------------------------------------------------- REST
 
+    def forget_expired(self) -> None:
+        """Checkpoints past their TTL are gone, as on Tinker: no longer listed, loaded or sampled."""
+        now = time.time()
+        for ck in [c for c in self.checkpoints.values() if c.expires_at is not None and c.expires_at <= now]:
+            self._forget(ck)
+
+    def _forget(self, ck: _Checkpoint) -> None:
+        """The door no longer knows ``ck`` (its path is a 404, its name free); the backend may still hold it."""
+        del self.checkpoints[ck.tinker_path]
+        self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
+        self.models[ck.model_id].names.discard(ck.checkpoint_id)
+
     def visible_checkpoint(self, path: str) -> _Checkpoint | None:
         """The checkpoint at ``path`` if the calling key saved it or it is published."""
+        self.forget_expired()
         ck = self.checkpoints.get(path)
         return ck if ck is not None and (ck.public or self.owns(self.models[ck.model_id].session_id)) else None
 
     def training_run(self, model_id: str) -> dict[str, Any]:
         m = self.model(model_id)
+        self.forget_expired()
         last = max((self.checkpoints[c] for c in m.checkpoints), key=lambda c: c.time, default=None)
         last_sampler = max(
             (self.checkpoints[c] for c in m.checkpoints if self.checkpoints[c].kind == "sampler"), key=lambda c: c.time, default=None
@@ -1022,6 +1038,7 @@ class TinkerDoor:
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
         """One run's checkpoints (all the caller's: :meth:`user_checkpoints`)."""
         self.model(model_id)  # the caller's run, or 404
+        self.forget_expired()
         cks = [c.rest() for c in self.checkpoints.values() if c.model_id == model_id]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
 
@@ -1029,6 +1046,7 @@ class TinkerDoor:
         """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
         if not 1 <= limit <= 10_000 or offset < 0:
             raise ApiError(400, f"limit={limit}, offset={offset}", field="limit", fix="limit in 1..10000, offset >= 0")
+        self.forget_expired()
         mine = sorted(
             (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
         )
@@ -1039,6 +1057,7 @@ class TinkerDoor:
 
     def checkpoint_by_id(self, model_id: str, checkpoint_id: str) -> _Checkpoint:
         self.model(model_id)  # the caller's run, or 404
+        self.forget_expired()
         ck = self.checkpoints.get(f"tinker://{model_id}/{checkpoint_id}")
         if ck is None:
             raise _not_found("checkpoint_id", checkpoint_id, "list the run's checkpoints")
@@ -1048,9 +1067,7 @@ class TinkerDoor:
         """Forget the checkpoint (its path is a 404 from now on), then delete it on the backend: the cookbook's
         rolling checkpoints delete the previous one each step to bound storage."""
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
-        del self.checkpoints[ck.tinker_path]
-        self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
-        self.models[ck.model_id].names.discard(ck.checkpoint_id)
+        self._forget(ck)
         try:
             await self.backend.delete_checkpoint(ck.backend_path)
         except AsyncSessError as err:  # a backend that cannot delete keeps it; the door no longer serves it

@@ -163,7 +163,12 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
                 params: dict[str, Any] = dict(request.path_params)
                 if model.input_shape.serialization.get("payload") is None and request.method == "POST":
                     params.update(_json_object(await request.body(), AwsError.validation))
-                _validate(model, params)
+                try:
+                    _validate(model, params)
+                except AwsError:
+                    if model.name == "ExecuteTrainingOperation":
+                        service.refused_training_operation(params)
+                    raise
                 response = await handler(request, params)
                 if faults.lose_response(model.name):
                     raise AwsError.internal("Injected lost response (the request was applied)")

@@ -4,7 +4,8 @@ Operations run on an inner asyncsess backend (``mock://``, ``local://``, ...). T
 go through an :class:`asyncsess.backends.sequencer.Sequencer`, so they run in sequence-number order, each at most
 once; a gap (a missing number with later ones waiting) leaves the session ``Blocked`` until the number
 arrives or ``gap_timeout_s`` passes (then the session ``Failed`` and its queue is ``Skipped``). Ops merely
-queued behind a running one are not a gap. A failed op fails the session the same way.
+queued behind a running one are not a gap. A failed op fails the session the same way. A refused op takes its
+number all the same: its turn passes without running anything, so the ops after it do not wait for it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -452,12 +453,13 @@ class EmulatedService:
     async def execute_training_operation(self, body: dict[str, Any]) -> dict[str, Any]:
         sess = self._accepting(body["trainingSessionName"])
         config = body["operationConfig"]
-        kind, op_body = next(iter(config.items()))
+        seq, token = body["sequenceNumber"], body.get("clientToken")
         try:
             check_operation_config(config, sess.model.vocab_size)
         except ShapeError as err:
+            self._use_up(sess, seq)
             raise AwsError.validation(str(err)) from None
-        seq, token = body["sequenceNumber"], body.get("clientToken")
+        kind, op_body = next(iter(config.items()))
         if token is not None and token in sess.by_token:
             op = sess.by_token[token]
             if op.seq != seq or op.config != config:
@@ -465,8 +467,14 @@ class EmulatedService:
             return {"operationId": op.id}
         if seq in sess.by_seq:
             raise AwsError.validation(f"Sequence number {seq} was already used by operation {sess.by_seq[seq].id}")
+        if seq in sess.refused:
+            raise AwsError.validation(f"Sequence number {seq} was already used by a refused operation; send this one as the next number")
         if kind == "loadState":
-            self._known_package(op_body["modelPackageArn"])
+            try:
+                self._checkpoint_of(sess, op_body["modelPackageArn"])
+            except AwsError:
+                self._use_up(sess, seq)
+                raise
         op = OperationRecord(id=str(uuid.uuid4()), kind=kind, config=config, seq=seq, client_token=token)
         sess.training_ops[op.id] = op
         sess.by_seq[seq] = op
@@ -477,6 +485,40 @@ class EmulatedService:
         self._watch_gap(sess)
         return {"operationId": op.id}
 
+    def refused_training_operation(self, body: dict[str, Any]) -> None:
+        """An op refused for its shape (before :meth:`execute_training_operation`) takes its number all the same."""
+        sess = self.sessions.get(str(body.get("trainingSessionName")))
+        seq = body.get("sequenceNumber")
+        if sess is not None and sess.status in ACCEPTS_WORK and type(seq) is int and seq >= 1:
+            self._use_up(sess, seq)
+
+    def _checkpoint_of(self, sess: SessionRecord, arn: str) -> ModelPackageRecord:
+        """The package ``loadState`` names: one of this account's, saved by ``saveState`` from this session's base model."""
+        pkg = self._known_package(arn)
+        if not pkg.is_checkpoint:
+            raise AwsError.validation(f"Model package {arn} holds weights for sampling (saveWeights); load a package saved by saveState")
+        if pkg.model != sess.model:
+            raise AwsError.validation(
+                f"Model package {arn} was trained from {pkg.model.model_id}, not this session's {sess.model.model_id}"
+            )
+        return pkg
+
+    def _use_up(self, sess: SessionRecord, seq: int) -> None:
+        """A refused op takes its sequence number all the same (the official SDK never sends a number twice), so the
+        ops after it do not wait for it: its turn in the queue passes without running anything."""
+        if seq in sess.by_seq or seq in sess.refused or seq < sess.sequencer.next_seq:
+            return
+        sess.refused.add(seq)
+        sess.last_received_seq = max(seq, sess.last_received_seq or 0)
+        self._spawn(self._pass_turn, sess, seq)
+
+    async def _pass_turn(self, sess: SessionRecord, seq: int) -> None:
+        try:
+            await sess.sequencer.execute(_Refused(seq))
+        except AsyncSessError as err:  # the session ended or failed first: nothing waits for this turn
+            log.debug("refused op %d of %s: %r", seq, sess.name, err)
+        self._watch_gap(sess)
+
     def _watch_gap(self, sess: SessionRecord) -> None:
         """Called whenever an op arrives or finishes: time a newly missing sequence number."""
         if sess.is_blocked() and sess.gap_watched != sess.sequencer.next_seq:
@@ -485,13 +527,15 @@ class EmulatedService:
 
     async def _gap_timer(self, sess: SessionRecord, missing: int) -> None:
         await anyio.sleep(self.config.gap_timeout_s)
-        if sess.status in ACCEPTS_WORK and sess.sequencer.next_seq == missing and missing not in sess.by_seq:
+        if sess.status in ACCEPTS_WORK and sess.sequencer.next_seq == missing and not sess.arrived(missing):
             self._end_session(
                 sess, "Failed", f"The operation with sequence number {missing} never arrived within {self.config.gap_timeout_s:g}s"
             )
 
     def _make_runner(self, name: str) -> Any:
-        async def run(top: TrainingOp) -> dict[str, Any]:
+        async def run(top: TrainingOp | _Refused) -> dict[str, Any]:
+            if isinstance(top, _Refused):
+                return {}
             sess = self.sessions[name]
             return await self._apply(sess, sess.by_seq[top.seq], top)
 
@@ -514,6 +558,8 @@ class EmulatedService:
             raise SessionGoneError(f"session {sess.status}")
         op.status = "InProgress"
         try:
+            top = replace(top, seq=sess.engine_seq)  # the engine numbers only what it runs (refused ops take no number)
+            sess.engine_seq += 1
             return await self._apply_on_engine(sess, op, top)
         except Exception as err:
             op.finish("Failed", error=_details(err))
@@ -537,7 +583,7 @@ class EmulatedService:
             case SaveStateOp() | SaveWeightsOp():
                 return await self._save(sess, top)
             case LoadStateOp(path=arn):
-                pkg = self._known_package(arn)
+                pkg = self._checkpoint_of(sess, arn)
                 await self.inner.execute_training(sess.inner_id, replace(top, path=pkg.inner_path))
                 return {}
             case _:
@@ -673,18 +719,7 @@ class EmulatedService:
                 prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
         except Exception as err:  # the messages are the only input: an unknown role, content the template cannot render
             raise AwsError.validation(f"The messages cannot be rendered as a prompt: {err}") from None
-        try:
-            params = SamplingParams.model_validate(
-                {
-                    "max_tokens": request.get("max_tokens") or request.get("max_completion_tokens") or 64,
-                    "temperature": request.get("temperature"),
-                    "top_p": request.get("top_p"),
-                    "seed": request.get("seed"),
-                    "stop": request.get("stop"),
-                }
-            )
-        except ValueError as err:
-            raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
+        params = _chat_params(request)
         sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
         try:
             resp = await self.inner.sample(
@@ -735,7 +770,7 @@ class EmulatedService:
         sess = self._session(name, runtime=False)
         return {
             "status": self._detail(sess)["TrainingSessionStatus"],
-            "applied": list(sess.sequencer.applied),
+            "applied": [seq for seq in sess.sequencer.applied if seq not in sess.refused],
             "operations": {op.id: {"seq": op.seq, "kind": op.kind, "status": op.status} for op in sess.training_ops.values()},
             "inner_id": sess.inner_id,
         }
@@ -743,6 +778,53 @@ class EmulatedService:
     async def shutdown(self) -> None:
         for sess in list(self.sessions.values()):
             await self._stop_inner(sess)
+
+
+CHAT_MAX_TOKENS = 64  # the completion budget of a chat request that sets none
+_CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (top_p 0 as vLLM: refused)
+    "max_tokens": (True, 1, 2**31 - 1),
+    "max_completion_tokens": (True, 1, 2**31 - 1),
+    "n": (True, 1, 1),  # one choice per request here
+    "temperature": (False, 0, 2),
+    "top_p": (False, 0, 1),
+    "seed": (True, 0, 2**63 - 1),
+}
+
+
+def _chat_params(request: dict[str, Any]) -> SamplingParams:
+    """The sampling parameters of a chat-completions body; a null one is one not sent. A value of the wrong type
+    or out of range is a ValidationException naming it (``max_tokens: 0`` was taken as unset, ``"5"`` as 5)."""
+    for name, (integer, low, high) in _CHAT_NUMBERS.items():
+        value = request.get(name)
+        if value is None:
+            continue
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+            raise AwsError.validation(f"{name} must be {'an integer' if integer else 'a number'}, not {json.dumps(value)[:64]}")
+        if not low <= value <= high or (name == "top_p" and value == 0):
+            bounds = "(0, 1]" if name == "top_p" else f"[{low}, {high}]"
+            raise AwsError.validation(f"{name}={value} is out of range: send a value in {bounds} or leave it out")
+    stop = request.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise AwsError.validation(f"stop must be a string or a list of strings, not {json.dumps(stop)[:64]}")
+    budget = next((request[k] for k in ("max_tokens", "max_completion_tokens") if request.get(k) is not None), CHAT_MAX_TOKENS)
+    try:
+        fields = {"max_tokens": budget, "stop": stop, **{k: request.get(k) for k in ("temperature", "top_p", "seed")}}
+        return SamplingParams.model_validate(fields)  # a null temperature or top_p is the default
+    except ValueError as err:  # a stop string that is empty, too long, or one too many
+        raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The queue turn of a refused op's sequence number (it runs nothing)."""
+
+    seq: int
+    kind: str = "refused"
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"refused-{self.seq}"
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -89,6 +89,8 @@ class SessionRecord:
     training_ops: dict[str, OperationRecord] = field(default_factory=dict)
     by_seq: dict[int, OperationRecord] = field(default_factory=dict)
     by_token: dict[str, OperationRecord] = field(default_factory=dict)
+    refused: set[int] = field(default_factory=set)  # sequence numbers taken by refused ops (their turn runs nothing)
+    engine_seq: int = 1  # the number of the next op sent to the inner engine
     sampling_ops: dict[str, OperationRecord] = field(default_factory=dict)
     samplers: dict[str | None, str] = field(default_factory=dict)  # model package ARN (None: base) -> inner sampler id
     latest_checkpoint: str | None = None
@@ -108,10 +110,14 @@ class SessionRecord:
     def pending_training_ops(self) -> list[OperationRecord]:
         return [op for op in self.training_ops.values() if not op.done.is_set()]
 
+    def arrived(self, seq: int) -> bool:
+        """Whether an op (accepted or refused) came with sequence number ``seq``."""
+        return seq in self.by_seq or seq in self.refused
+
     def is_blocked(self) -> bool:
         """Ops wait for a sequence number that has not arrived."""
         nxt = self.sequencer.next_seq
-        return nxt not in self.by_seq and any(s > nxt for s, op in self.by_seq.items() if not op.done.is_set())
+        return not self.arrived(nxt) and any(s > nxt for s, op in self.by_seq.items() if not op.done.is_set())
 
 
 @dataclass
