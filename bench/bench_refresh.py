@@ -3,7 +3,10 @@
 After each optimizer step (one ``forward_backward`` + ``optim_step`` on a short datum), the time from the
 step done to a new sampler ready, two ways on the same weights, alternating which goes first:
 
-- memory: ``save_weights_and_get_sampling_client()`` (ephemeral snapshot: the adapter copied in memory);
+- memory: ``save_weights_and_get_sampling_client()`` (ephemeral snapshot: the adapter copied in memory, into
+  a peft adapter a dropped snapshot released);
+- memory, new adapter: the same with the adapter pool off (``LoraHost.pool_per_shape = 0``: each snapshot
+  adds a peft adapter to every target module, as before the pool);
 - disk: ``save_weights_for_sampler(name)`` (a PEFT directory under the checkpoint root) then
   ``create_sampling_client(model_path)`` (loaded back from it).
 
@@ -38,22 +41,29 @@ async def bench_model(label: str, model: str, args) -> dict[str, object]:
     from asyncsess.rl.refresh import RefreshProbe, default_tolerance, probe_tokens
 
     url = f"local://?model={quote(model)}&device={args.device}&dir={quote(tempfile.mkdtemp())}"
-    times: dict[str, list[float]] = {"memory": [], "disk": [], "probe": []}
+    times: dict[str, list[float]] = {"memory": [], "memory_new_adapter": [], "disk": [], "probe": []}
     diffs: list[float] = []
     async with asyncsess.ServiceClient(url, heartbeat_interval=0) as svc:
         tc = await svc.create_lora_training_client(model, rank=args.rank, seed=0)
         tokens = probe_tokens(tc.get_tokenizer())
         probe = RefreshProbe(tokens, default_tolerance("local://"))
         datum = sft_datum(tokens[:2], tokens[2:])
+        host = next(iter(svc.backend.engine.state.slots.values())).host
+        pool = host.pool_per_shape
         old: list = []
         for step in range(args.steps + 1):  # step 0 warms up and is not counted
             tc.forward_backward([datum], "cross_entropy")
             await tc.optim_step({"learning_rate": 1e-3})
             got: dict[str, float] = {}
-            for way in ("memory", "disk") if step % 2 == 0 else ("disk", "memory"):
+            ways = ("memory", "memory_new_adapter", "disk")
+            for way in ways if step % 2 == 0 else ways[::-1]:
                 t0 = time.perf_counter()
                 if way == "memory":
                     sc = await tc.save_weights_and_get_sampling_client()
+                elif way == "memory_new_adapter":
+                    host.pool_per_shape = 0
+                    new_sc = await tc.save_weights_and_get_sampling_client()
+                    host.pool_per_shape = pool
                 else:
                     saved = await tc.save_weights_for_sampler(f"refresh-{step:04d}")
                     disk_sc = await tc.create_sampling_client(saved.path)
@@ -63,7 +73,7 @@ async def bench_model(label: str, model: str, args) -> dict[str, object]:
             got["probe"] = time.perf_counter() - t0
             for s in old:
                 await s.stop()
-            old = [sc, disk_sc]
+            old = [sc, new_sc, disk_sc]
             if step:
                 for k, v in got.items():
                     times[k].append(v)

@@ -55,6 +55,34 @@ async def test_refreshes_are_in_memory_versioned_verified_and_retained(tiny, tmp
             await samplers[0].compute_logprobs(tokens)
 
 
+async def test_refreshes_reuse_the_adapters_dropped_snapshots_release(tiny, tmp_path):
+    """Adding a peft adapter walks every module of the model (most of a refresh's time on CPU): a new snapshot
+    takes the adapter a dropped one released and copies the new weights into it, which every refresh's probe
+    proves (a stale copy would fail it), and the model holds a bounded number of adapters however long the run."""
+    from asyncsess_local.adapters import POOL_PER_SHAPE
+
+    async with ServiceClient("local://", model=tiny, checkpoint_dir=str(tmp_path / "ckpt"), retain_snapshots=2, **DEVICE_KW) as svc:
+        tc = await svc.create_lora_training_client(base_model=tiny, rank=4, seed=0)
+        host = next(iter(svc.backend.engine.state.slots.values())).host
+        added: list[str] = []
+        real_add = host.add
+        host.add = lambda name, **kw: added.append(name) or real_add(name, **kw)  # type: ignore[method-assign]
+        tokens = probe_tokens(tc.get_tokenizer())
+        probe = RefreshProbe(tokens, default_tolerance("local://"))
+        await probe.check(0, probe.submit(tc), await tc.save_weights_and_get_sampling_client())
+        datum = sft_datum(tokens[:2], tokens[2:])
+        results = []
+        for version in range(1, 9):
+            tc.forward_backward([datum], "cross_entropy")
+            tc.optim_step({"learning_rate": 2e-2})
+            fut = probe.submit(tc)
+            results.append(await probe.check(version, fut, await tc.save_weights_and_get_sampling_client()))
+        assert [r.status for r in results] == ["ok"] * 8
+        assert all(r.step_change is not None and r.step_change > default_tolerance("local://") for r in results)
+        assert 1 <= len(added) <= 2  # nine snapshots, at most two peft adapters added for them
+        assert len(host.peft.peft_config) <= 2 + 2 + POOL_PER_SHAPE  # anchor, session, live snapshots, pool
+
+
 async def test_without_a_bound_unused_versions_are_dropped_when_their_sampler_stops(tiny, tmp_path):
     async with ServiceClient("local://", model=tiny, checkpoint_dir=str(tmp_path / "ckpt"), **DEVICE_KW) as svc:
         tc = await svc.create_lora_training_client(base_model=tiny, rank=4, seed=0)

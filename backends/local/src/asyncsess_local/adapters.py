@@ -10,6 +10,7 @@ adapter name, so a checkpoint fits any adapter of the same shape.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import warnings
@@ -26,6 +27,7 @@ __all__ = ["LoraHost", "BASE", "linear_groups", "target_modules"]
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 _ANCHOR = "anchor"
+POOL_PER_SHAPE = 2  # released snapshot adapters kept for reuse, per (rank, alpha, targets)
 _ATTN = re.compile(r"attn|attention", re.IGNORECASE)
 
 
@@ -65,6 +67,10 @@ class LoraHost:
         from peft import LoraConfig, PeftModel
 
         self.source = source
+        self._alias: dict[str, str] = {}  # a snapshot's name -> the pooled peft adapter that holds it
+        self._free: dict[tuple[int, float, tuple[str, ...]], list[str]] = {}  # released pooled adapters by shape
+        self._pooled = itertools.count()
+        self.pool_per_shape = POOL_PER_SHAPE  # 0: every snapshot adds a peft adapter (bench/bench_refresh.py's baseline)
         self.groups = linear_groups(model)
         first = next(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
         anchor = LoraConfig(r=1, lora_alpha=1, target_modules=[first], lora_dropout=0.0, init_lora_weights=False)
@@ -96,13 +102,27 @@ class LoraHost:
         return self.params(name)
 
     def remove(self, name: str) -> None:
+        """Drop adapter ``name``; a snapshot's pooled adapter is kept for the next :meth:`copy` of its shape."""
+        pooled = self._alias.pop(name, None)
+        if pooled is not None:
+            info = self.info.pop(name)
+            free = self._free.setdefault((info.rank, info.alpha, tuple(info.targets)), [])
+            if len(free) < self.pool_per_shape:
+                free.append(pooled)
+                return
+            name = pooled
         if name in self.info:
             self._set(_ANCHOR, trainable=True)
             self.peft.delete_adapter(name)
             del self.info[name]
 
+    def peft_name(self, name: str) -> str:
+        """The peft adapter behind ``name`` (a snapshot lives in a pooled one; others are their own)."""
+        return self._alias.get(name, name)
+
     def activate(self, name: str, *, trainable: bool) -> None:
         """Make ``name`` the adapter every forward uses (trainable: its parameters get gradients)."""
+        name = self.peft_name(name)
         if self._active != (name, trainable):
             self._set(name, trainable=trainable)
 
@@ -115,12 +135,12 @@ class LoraHost:
         self._active = (name, trainable)
 
     def config(self, name: str) -> Any:
-        return self.peft.peft_config[name]
+        return self.peft.peft_config[self.peft_name(name)]
 
     # -------------------------------------------------------------------------------- weights
 
     def _raw_params(self, name: str) -> dict[str, nn.Parameter]:
-        tag = f".{name}."
+        tag = f".{self.peft_name(name)}."
         return {n.replace(tag, "."): p for n, p in self.peft.named_parameters() if tag in n and ".lora_" in n}
 
     def params(self, name: str) -> dict[str, nn.Parameter]:
@@ -143,12 +163,23 @@ class LoraHost:
                 p.copy_(t.to(p.device, p.dtype))
 
     def copy(self, src: str, dst: str) -> None:
-        """Add ``dst`` as a frozen copy of ``src`` (a sampler snapshot)."""
+        """Add ``dst`` as a frozen copy of ``src`` (a sampler snapshot), in a pooled peft adapter: one released by
+        an earlier snapshot of the same shape when there is one (adding a peft adapter walks every module of the
+        model: ~0.2-0.3 s on a 135M model, most of a refresh), else a new one."""
         info = self.info[src]
-        self.add(dst, rank=info.rank, alpha=info.alpha, targets=info.targets, seed=None)
-        self.load_state_dict(dst, self.state_dict(src))
-        for p in self.params(dst).values():
-            p.requires_grad_(False)
+        free = self._free.get((info.rank, info.alpha, tuple(info.targets)))
+        pooled = free.pop() if free and self.pool_per_shape else None
+        if pooled is None:
+            pooled = f"pooled-{next(self._pooled)}"
+            self.add(pooled, rank=info.rank, alpha=info.alpha, targets=info.targets, seed=None)
+            for p in self.params(pooled).values():
+                p.requires_grad_(False)
+        self._alias[dst] = pooled
+        self.info[dst] = info
+        source = self.params(src)
+        with torch.no_grad():
+            for k, p in self.params(dst).items():
+                p.copy_(source[k])
 
     def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
         """The adapter's size in bytes (in ``dtype`` if given)."""

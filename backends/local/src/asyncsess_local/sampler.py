@@ -119,7 +119,7 @@ class TorchSampler:
             else:
                 self.host.activate(name, trainable=False)
         else:
-            kwargs["adapter_names"] = adapters  # peft's mixed-adapter batch
+            kwargs["adapter_names"] = [self.host.peft_name(a) for a in adapters]  # peft's mixed-adapter batch
         # an index tensor, not the int 1: the last position is gathered into a contiguous tensor for the head
         last = torch.tensor([ids.shape[1] - 1], device=ids.device) if self.contiguous_head else 1
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=last, **kwargs)
