@@ -300,3 +300,19 @@ def test_bad_log_prob_options_of_a_sample_are_refused(service: tinker.ServiceCli
     with pytest.raises(tinker.BadRequestError, match=match):
         sampler.sample(prompt, 1, params, **options).result()
     assert len(sampler.sample(prompt, 1, params, topk_prompt_logprobs=1).result().topk_prompt_logprobs) == 2
+
+
+@pytest.mark.parametrize("listing", ["list_sessions", "list_training_runs", "list_user_checkpoints"])
+@pytest.mark.parametrize(("page", "field"), [({"limit": -1}, "limit"), ({"limit": 0}, "limit"), ({"offset": -1}, "offset")])
+def test_a_listing_page_out_of_range_is_refused_naming_the_field(
+    service: tinker.ServiceClient, server: Server, listing: str, page: dict[str, int], field: str
+) -> None:
+    """list_sessions and list_training_runs sliced their rows with any limit and offset: offset=-1 listed the last
+    row, limit=-1 all but the last. Now every paged listing takes what list_user_checkpoints took (limit 1..10000,
+    offset >= 0) and the 400 names the field that is out of range (offset was reported as limit)."""
+    service.create_lora_training_client(base_model=BASE, rank=8).result()  # a session and a run to list
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    with pytest.raises(tinker.BadRequestError) as err:
+        getattr(rest, listing)(**page).result()
+    assert err.value.body["field"] == field  # type: ignore[index]
+    assert getattr(rest, listing)(limit=10_000, offset=0).result() is not None

@@ -1026,12 +1026,12 @@ class TinkerDoor:
 
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         """The caller's runs; with ``project_id``, those whose session is in that project."""
+        page = _page(limit, offset)
         ids = [
             i for i, m in self.models.items() if self.owns(m.session_id) and project_id in (None, self.sessions[m.session_id].project_id)
         ]
-        page = ids[offset : offset + limit]
         return {
-            "training_runs": [self.training_run(i) for i in page],
+            "training_runs": [self.training_run(i) for i in ids[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
         }
 
@@ -1044,14 +1044,13 @@ class TinkerDoor:
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
-        if not 1 <= limit <= 10_000 or offset < 0:
-            raise ApiError(400, f"limit={limit}, offset={offset}", field="limit", fix="limit in 1..10000, offset >= 0")
+        page = _page(limit, offset)
         self.forget_expired()
         mine = sorted(
             (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
         )
         return {
-            "checkpoints": [c.rest() for c in mine[offset : offset + limit]],
+            "checkpoints": [c.rest() for c in mine[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
         }
 
@@ -1217,6 +1216,19 @@ def _tags(body: dict[str, Any]) -> list[str]:
         raise ApiError.from_error(err) from None
 
 
+MAX_PAGE = 10_000  # rows one page of a REST listing may ask for
+
+
+def _page(limit: int, offset: int) -> slice:
+    """A listing's ``limit`` (1..10,000) and ``offset`` (>= 0) as the slice of its rows; a 400 naming the field
+    otherwise (a negative one was a Python slice from the end)."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise ApiError(400, f"limit={limit}", field="limit", fix=f"ask for 1 to {MAX_PAGE} rows a page")
+    if offset < 0:
+        raise ApiError(400, f"offset={offset}", field="offset", fix="start at offset 0 or later")
+    return slice(offset, offset + limit)
+
+
 def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
     return None if rows is None else [None if i < len(rows) - last_n else v for i, v in enumerate(rows)]
 
@@ -1329,7 +1341,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.get("/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return {"sessions": [s for s in door.sessions if door.owns(s)][offset : offset + limit]}
+        page = _page(limit, offset)
+        return {"sessions": [s for s in door.sessions if door.owns(s)][page]}
 
     @guarded.api_route("/get_server_capabilities", methods=["GET", "POST"])
     async def capabilities() -> dict[str, Any]:
