@@ -78,6 +78,8 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
         tinker.BadRequestError,
         "ttl_seconds",
     ),
+    # the SDK's kind="inflight" (later saves update its weights) was served as a snapshot, as if kind were not sent
+    "an inflight sampling client": (lambda tc: tc.save_weights_and_get_sampling_client(kind="inflight"), tinker.BadRequestError, "kind"),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
     # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
     "a datum past the model's context": (

@@ -781,6 +781,13 @@ class TinkerDoor:
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
+            if body.get("kind") not in (None, "snapshot"):
+                raise ApiError(
+                    400,
+                    f"kind={body['kind']!r:.40} is not offered: a sampler keeps the weights it was created with",
+                    field="kind",
+                    fix='use kind="snapshot", and a new save_weights_and_get_sampling_client() for newer weights',
+                )
             ephemeral_seq = body.get("sampling_session_seq_id")
             if ephemeral_seq is not None:
                 ephemeral_seq = _int(body, "sampling_session_seq_id")
