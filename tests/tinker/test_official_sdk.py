@@ -350,7 +350,7 @@ def test_a_deleted_checkpoint_is_deleted_on_the_backend(service: tinker.ServiceC
     rest.delete_checkpoint_from_tinker_path(first).result()
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert len(on_backend()) == 1
-    with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
+    with pytest.raises(tinker.NotFoundError, match="path"):
         service.create_training_client_from_state(raw).result()  # nor loadable by its backend path
     assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/rolling-2"]
 
