@@ -634,3 +634,20 @@ def test_a_body_that_is_not_a_json_object_is_a_400_on_every_route(sm, emulator, 
         assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
     assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("token", ["abc", "1e3", "-1", "-100", " 1"])
+def test_a_next_token_the_service_did_not_return_is_a_validation_exception(sm, emulator, token):
+    """List* paged by NextToken, the row offset as text: "abc" was a 500 InternalFailure (int() raised) and "-1" a
+    Python slice from the end, answered with NextToken "1" (or "-98" for "-100")."""
+    for _ in range(3):
+        new_session(sm, _name())
+    with pytest.raises(sm.exceptions.ClientError, match="NextToken") as err:
+        sm.list_training_sessions(NextToken=token, MaxResults=2)
+    assert _code(err) == ("ValidationException", 400)
+    first = sm.list_training_sessions(MaxResults=2)
+    rest = sm.list_training_sessions(NextToken=first["NextToken"], MaxResults=2)
+    assert len(first["TrainingSessionSummaries"]) == 2 and rest["TrainingSessionSummaries"]
+    assert not {s["TrainingSessionArn"] for s in first["TrainingSessionSummaries"]} & {
+        s["TrainingSessionArn"] for s in rest["TrainingSessionSummaries"]
+    }

@@ -918,7 +918,12 @@ def _epoch(value: Any) -> float:
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    start = int(body.get("NextToken") or 0)
+    """One page of a List* answer; ``NextToken`` is the offset of the next row, as an earlier page returned it (any
+    other token is a ValidationException: "abc" was a 500, "-1" a slice from the end)."""
+    token = body.get("NextToken") or "0"
+    if not (isinstance(token, str) and token.isascii() and token.isdigit()):
+        raise AwsError.validation(f"NextToken {json.dumps(token)[:64]} is not one this service returned: pass NextToken back unchanged")
+    start = int(token)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
     if start + size < len(rows):
