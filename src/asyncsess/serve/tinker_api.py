@@ -24,7 +24,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
@@ -1004,7 +1004,7 @@ class TinkerDoor:
             if self._tg is not None:
                 self._tg.start_soon(delete)
 
-    def _forget(self, ck: _Checkpoint) -> Callable[[], Awaitable[None]]:
+    def _forget(self, ck: _Checkpoint) -> Callable[[], Coroutine[Any, Any, None]]:
         """The door no longer knows ``ck``: its ``tinker://`` and backend paths are 404s, its name is free. Returns
         the delete of its backend copy, which a new save under its name waits for (else it could delete the new one)."""
         del self.checkpoints[ck.tinker_path]
