@@ -490,7 +490,18 @@ def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, 
         ({"top_p": 1.5}, "top_p"),
         ({"seed": "7"}, "seed"),  # was 7
         ({"seed": 1.5}, "seed"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),  # past OpenAI's 64-bit seeds (-1 is one: taken)
+        ({"top_k": 0}, "top_k"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        # OpenAI parameters the chat does not implement were ignored
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1}, "presence_penalty"),
+        ({"logit_bias": {"5": 100}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"min_p": 0.1}, "min_p"),
         ({"n": 2}, "n"),  # was one choice
         ({"n": "1"}, "n"),
         ({"n": 0}, "n"),
@@ -516,13 +527,60 @@ def test_chat_sampling_parameters_within_range_are_taken(sm, rt, emulator):
     name = _name()
     new_session(sm, name)
     hi = [{"role": "user", "content": "hi"}]
-    for extra in ({"max_completion_tokens": 3}, {"max_tokens": None, "n": 1, "temperature": 2, "top_p": 1, "seed": 0, "stop": ["\n"]}):
+    for extra in (
+        {"max_completion_tokens": 3},
+        {"max_tokens": None, "n": 1, "temperature": 2, "top_p": 1, "seed": 0, "stop": ["\n"]},
+        {"top_k": 5, "seed": -(2**63), "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": None, "logprobs": False},
+    ):
         answer = json.loads(
             rt.sample_training_session(
                 trainingSessionName=name, body=json.dumps({"messages": hi, "stop": [], **extra}).encode(), contentType="application/json"
             )["body"].read()
         )
         assert 1 <= answer["usage"]["completion_tokens"] <= extra.get("max_completion_tokens", 64)
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_negative_chat_seed_samples_as_a_fixed_seed(sm, rt, emulator):
+    """OpenAI takes 64-bit signed seeds; -7 was a ValidationException. It is folded into the sampler's 0..2**63-1:
+    the same seed, the same completion."""
+    name = _name()
+    new_session(sm, name)
+
+    def completion(seed: int) -> str:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 2, "seed": seed}
+        resp = rt.sample_training_session(trainingSessionName=name, body=json.dumps(body).encode(), contentType="application/json")
+        return json.loads(resp["body"].read())["choices"][0]["message"]["content"]
+
+    assert len({completion(-7) for _ in range(3)}) == 1
+    assert len({completion(s) for s in (-7, -8, -9, 7)}) > 1  # the seed is used, not dropped
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_chat_logprobs_and_top_logprobs_plain_and_streamed(sm, rt, emulator):
+    """logprobs / top_logprobs were ignored (no logprobs in the answer); the backend scores every sampled token,
+    so each now comes back as OpenAI's logprobs.content entry, in the answer and in its stream's chunks."""
+    name = _name()
+    new_session(sm, name)
+    hi = [{"role": "user", "content": "hi"}]
+    raw = json.dumps({"messages": hi, "max_tokens": 6, "seed": 3, "logprobs": True, "top_logprobs": 3}).encode()
+    answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json")["body"].read())
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert len(entries) == answer["usage"]["completion_tokens"] >= 1
+    for e in entries:
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert e["logprob"] <= 0 and len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert e["logprob"] <= tops[0] + 1e-6  # no token is likelier than the likeliest
+    stream = rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw, contentType="application/json")
+    chunks = [json.loads(line[5:]) for line in stream["body"].iter_lines() if line.startswith(b"data:") and line != b"data: [DONE]"]
+    streamed = [e for c in chunks if c["choices"][0].get("logprobs") for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == entries  # same seed, same tokens: their entries, in order
+    plain = json.dumps({"messages": hi, "max_tokens": 2, "logprobs": True}).encode()
+    answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=plain, contentType="application/json")["body"].read())
+    assert [e["top_logprobs"] for e in answer["choices"][0]["logprobs"]["content"]] == [[]] * answer["usage"]["completion_tokens"]
+    unasked = json.dumps({"messages": hi, "max_tokens": 2}).encode()
+    answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=unasked, contentType="application/json")["body"].read())
+    assert answer["choices"][0]["logprobs"] is None
     sm.stop_training_session(TrainingSessionName=name)
 
 
@@ -576,3 +634,20 @@ def test_a_body_that_is_not_a_json_object_is_a_400_on_every_route(sm, emulator, 
         assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
     assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("token", ["abc", "1e3", "-1", "-100", " 1"])
+def test_a_next_token_the_service_did_not_return_is_a_validation_exception(sm, emulator, token):
+    """List* paged by NextToken, the row offset as text: "abc" was a 500 InternalFailure (int() raised) and "-1" a
+    Python slice from the end, answered with NextToken "1" (or "-98" for "-100")."""
+    for _ in range(3):
+        new_session(sm, _name())
+    with pytest.raises(sm.exceptions.ClientError, match="NextToken") as err:
+        sm.list_training_sessions(NextToken=token, MaxResults=2)
+    assert _code(err) == ("ValidationException", 400)
+    first = sm.list_training_sessions(MaxResults=2)
+    rest = sm.list_training_sessions(NextToken=first["NextToken"], MaxResults=2)
+    assert len(first["TrainingSessionSummaries"]) == 2 and rest["TrainingSessionSummaries"]
+    assert not {s["TrainingSessionArn"] for s in first["TrainingSessionSummaries"]} & {
+        s["TrainingSessionArn"] for s in rest["TrainingSessionSummaries"]
+    }

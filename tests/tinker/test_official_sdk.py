@@ -350,7 +350,7 @@ def test_a_deleted_checkpoint_is_deleted_on_the_backend(service: tinker.ServiceC
     rest.delete_checkpoint_from_tinker_path(first).result()
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert len(on_backend()) == 1
-    with pytest.raises(tinker.RequestFailedError, match="no checkpoint at"):
+    with pytest.raises(tinker.NotFoundError, match="path"):
         service.create_training_client_from_state(raw).result()  # nor loadable by its backend path
     assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/rolling-2"]
 
@@ -416,6 +416,38 @@ def test_topk_and_target_prompt_logprobs_equal_mock_directly(service: tinker.Ser
     assert one.target_prompt_logprobs.to_numpy()[:3].tolist() == [[0.0, 0.0]] * 3
     assert one.target_prompt_logprobs.to_numpy()[3].tolist() == [pytest.approx(target[3, 0], abs=1e-6), 0.0]
     assert one.topk_prompt_logprobs[:3] == [None] * 3 and same(one.topk_prompt_logprobs[3:], want.topk_prompt_logprobs[3:])
+
+
+def test_topk_prompt_logprobs_of_a_1_token_prompt_are_one_unscored_row(service: tinker.ServiceClient) -> None:
+    """A 1-token prompt has no scored position: mock:// answers ``[None]`` for its top-k rows, but the door sent
+    them 0 columns wide and the SDK read the field as absent (``None``), as if top-k had not been asked for."""
+    import asyncsess
+
+    async def in_process() -> asyncsess.SampleResponse:
+        async with asyncsess.ServiceClient("mock://") as svc:
+            sc = await svc.create_sampling_client(base_model=BASE)
+            params = asyncsess.SamplingParams(max_tokens=2, seed=1)
+            return await sc.sample([5], 1, params, True, topk_prompt_logprobs=3, topk_sample_logprobs=2)
+
+    want = asyncio.run(in_process())
+    got = (
+        service.create_sampling_client(base_model=BASE)
+        .sample(
+            types.ModelInput.from_ints([5]),
+            1,
+            types.SamplingParams(max_tokens=2, seed=1),
+            include_prompt_logprobs=True,
+            topk_prompt_logprobs=3,
+            topk_sample_logprobs=2,
+        )
+        .result()
+    )
+    assert want.prompt_logprobs == want.topk_prompt_logprobs == [None]
+    assert got.prompt_logprobs == got.topk_prompt_logprobs == [None]
+    assert got.sequences[0].tokens == want.sequences[0].tokens
+    assert [[t for t, _ in row] for row in got.sequences[0].topk_logprobs] == [
+        [t for t, _ in row] for row in want.sequences[0].topk_logprobs
+    ]
 
 
 def test_get_session_names_it_and_training_runs_filter_by_project(mock_server: Server) -> None:

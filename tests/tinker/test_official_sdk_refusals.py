@@ -4,11 +4,13 @@ runs, and nothing is saved or created."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 import tinker
 from tinker import types
@@ -78,6 +80,8 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
         tinker.BadRequestError,
         "ttl_seconds",
     ),
+    # the SDK's kind="inflight" (later saves update its weights) was served as a snapshot, as if kind were not sent
+    "an inflight sampling client": (lambda tc: tc.save_weights_and_get_sampling_client(kind="inflight"), tinker.BadRequestError, "kind"),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
     # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
     "a datum past the model's context": (
@@ -219,6 +223,41 @@ def test_a_save_with_ttl_seconds_is_listed_with_its_expiry_and_is_gone_once_it_p
     tc.load_state(kept).result()  # the queue goes on
 
 
+def test_an_expired_checkpoint_is_deleted_on_the_backend_and_its_backend_path_is_not_found(
+    service: tinker.ServiceClient, server: Server
+) -> None:
+    """Past its TTL a checkpoint was only forgotten by the door: its owner still loaded and sampled it by its
+    backend path (``mock://mock-train-1/weights/<name>``, which passes through to the backend), and the backend
+    kept it. Now expiry deletes the backend copy, as a REST delete does, and the path is a 404 as a never-issued one."""
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    backend_id = server.door.models[tc.model_id].backend_id
+    state = tc.save_state("short", ttl_seconds=3600).result().path
+    sampler = tc.save_weights_for_sampler("short", ttl_seconds=3600).result().path
+    raw_state, raw_sampler = (server.door.checkpoints[p].backend_path for p in (state, sampler))
+
+    def on_backend() -> list[str]:
+        return sorted(c.checkpoint_id for c in asyncio.run(server.backend.list_checkpoints(backend_id)))
+
+    assert on_backend() == ["sampler_weights/short", "weights/short"]
+    for path in (state, sampler):  # their time passes
+        server.door.checkpoints[path].expires_at = time.time() - 1
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+    with pytest.raises(tinker.NotFoundError, match="path"):
+        service.create_training_client_from_state(raw_state).result()
+    with pytest.raises(tinker.NotFoundError, match="path"):
+        tc.load_state(raw_state).result()
+    session = {"session_id": tc.model_id.split(":")[0], "sampling_session_seq_id": 900}  # the SDK sends only tinker:// here
+    resp = httpx.post(
+        f"{server.url}/api/v1/create_sampling_session", json=session | {"model_path": raw_sampler}, headers={"X-API-Key": API_KEY}
+    )
+    assert resp.status_code == 404 and resp.json()["field"] == "model_path", resp.text
+    assert on_backend() == []
+    assert tc.save_state("short").result().path == state  # the name is free again, and its new backend copy loads
+    resumed = service.create_training_client_from_state(raw_state).result()
+    assert resumed.forward(GOOD, "cross_entropy").result().metrics == tc.forward(GOOD, "cross_entropy").result().metrics
+
+
 def test_a_checkpoint_saved_twice_under_one_name_is_listed_once_and_deleted_once(service: tinker.ServiceClient, server: Server) -> None:
     """A second save under a used name failed on the backend (its name taken, overwrite not passed on), which
     failed every later op of the model, overwrite=True included. Now the name is refused at once (400) unless
@@ -270,8 +309,6 @@ def test_a_sample_of_too_many_sequences_is_refused(service: tinker.ServiceClient
 
 def test_a_bad_prompt_logprobs_last_n_is_refused(service: tinker.ServiceClient, server: Server) -> None:
     """The SDK checks it itself; sent raw, "x" was accepted and failed the sample later with a ValueError."""
-    import httpx
-
     tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 900, "num_samples": 1, "prompt_logprobs": True}
@@ -300,3 +337,19 @@ def test_bad_log_prob_options_of_a_sample_are_refused(service: tinker.ServiceCli
     with pytest.raises(tinker.BadRequestError, match=match):
         sampler.sample(prompt, 1, params, **options).result()
     assert len(sampler.sample(prompt, 1, params, topk_prompt_logprobs=1).result().topk_prompt_logprobs) == 2
+
+
+@pytest.mark.parametrize("listing", ["list_sessions", "list_training_runs", "list_user_checkpoints"])
+@pytest.mark.parametrize(("page", "field"), [({"limit": -1}, "limit"), ({"limit": 0}, "limit"), ({"offset": -1}, "offset")])
+def test_a_listing_page_out_of_range_is_refused_naming_the_field(
+    service: tinker.ServiceClient, server: Server, listing: str, page: dict[str, int], field: str
+) -> None:
+    """list_sessions and list_training_runs sliced their rows with any limit and offset: offset=-1 listed the last
+    row, limit=-1 all but the last. Now every paged listing takes what list_user_checkpoints took (limit 1..10000,
+    offset >= 0) and the 400 names the field that is out of range (offset was reported as limit)."""
+    service.create_lora_training_client(base_model=BASE, rank=8).result()  # a session and a run to list
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    with pytest.raises(tinker.BadRequestError) as err:
+        getattr(rest, listing)(**page).result()
+    assert err.value.body["field"] == field  # type: ignore[index]
+    assert getattr(rest, listing)(limit=10_000, offset=0).result() is not None

@@ -24,7 +24,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
@@ -274,6 +274,8 @@ class TinkerDoor:
         # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
         self._backend_models: dict[str, str] = {}
         self._backend_paths: dict[str, str] = {}
+        self._dropped: set[str] = set()  # backend paths of checkpoints deleted or expired: 404s, as never-issued paths
+        self._deleting: dict[str, anyio.Event] = {}  # tinker path -> set once its old checkpoint's backend delete is done
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
         self._limits: dict[str, _Limits] = {}
@@ -735,6 +737,7 @@ class TinkerDoor:
         ck.expires_at = now + ttl if ttl else None
         ck.user_metadata = save.keywords["user_metadata"]
         self._backend_paths[resp.path] = m.id
+        self._dropped.discard(resp.path)
         if path not in self.checkpoints:  # an overwrite replaces the record
             m.checkpoints.append(path)
         self.checkpoints[path] = ck
@@ -770,6 +773,7 @@ class TinkerDoor:
             run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
+                await self._deleted(m, f"weights/{op.keywords['name']}")
                 ck = self._record(m, await run(), op, "weights", "training")
                 return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights"})
 
@@ -781,6 +785,13 @@ class TinkerDoor:
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
+            if body.get("kind") not in (None, "snapshot"):
+                raise ApiError(
+                    400,
+                    f"kind={body['kind']!r:.40} is not offered: a sampler keeps the weights it was created with",
+                    field="kind",
+                    fix='use kind="snapshot", and a new save_weights_and_get_sampling_client() for newer weights',
+                )
             ephemeral_seq = body.get("sampling_session_seq_id")
             if ephemeral_seq is not None:
                 ephemeral_seq = _int(body, "sampling_session_seq_id")
@@ -791,6 +802,7 @@ class TinkerDoor:
             run = self._op(m, op)
 
             async def go() -> Callable[[Promise], None]:
+                await self._deleted(m, f"sampler_weights/{name}")
                 resp: CheckpointResponse = await run()
                 if body.get("path") is not None:
                     ck = self._record(m, resp, op, "sampler_weights", "sampler")
@@ -810,7 +822,8 @@ class TinkerDoor:
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        if path.startswith("tinker://") or not all(self.owns(self.models[m].session_id) for m in self._backend_owners(path)):
+        mine = all(self.owns(self.models[m].session_id) for m in self._backend_owners(path))
+        if path.startswith("tinker://") or path in self._dropped or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         return path, None
 
@@ -983,16 +996,41 @@ class TinkerDoor:
     # ----------------------------------------------------------------------------------- REST
 
     def forget_expired(self) -> None:
-        """Checkpoints past their TTL are gone, as on Tinker: no longer listed, loaded or sampled."""
+        """Checkpoints past their TTL are gone, as on Tinker: no longer listed, loaded or sampled, and deleted on the
+        backend (in the background)."""
         now = time.time()
         for ck in [c for c in self.checkpoints.values() if c.expires_at is not None and c.expires_at <= now]:
-            self._forget(ck)
+            delete = self._forget(ck)
+            if self._tg is not None:
+                self._tg.start_soon(delete)
 
-    def _forget(self, ck: _Checkpoint) -> None:
-        """The door no longer knows ``ck`` (its path is a 404, its name free); the backend may still hold it."""
+    def _forget(self, ck: _Checkpoint) -> Callable[[], Coroutine[Any, Any, None]]:
+        """The door no longer knows ``ck``: its ``tinker://`` and backend paths are 404s, its name is free. Returns
+        the delete of its backend copy, which a new save under its name waits for (else it could delete the new one)."""
         del self.checkpoints[ck.tinker_path]
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
         self.models[ck.model_id].names.discard(ck.checkpoint_id)
+        self._backend_paths.pop(ck.backend_path, None)
+        self._dropped.add(ck.backend_path)
+        done = self._deleting[ck.tinker_path] = anyio.Event()
+
+        async def delete() -> None:
+            try:
+                await self.backend.delete_checkpoint(ck.backend_path)
+            except Exception as err:  # a backend that cannot delete keeps it; the door no longer serves it
+                log.warning("checkpoint %s stays on the backend: %s", ck.backend_path, err)
+            finally:
+                done.set()
+                if self._deleting.get(ck.tinker_path) is done:
+                    del self._deleting[ck.tinker_path]
+
+        return delete
+
+    async def _deleted(self, m: _Model, checkpoint_id: str) -> None:
+        """Wait until the backend delete of the checkpoint ``m`` last saved as ``checkpoint_id`` (if any) is done."""
+        done = self._deleting.get(f"tinker://{m.id}/{checkpoint_id}")
+        if done is not None:
+            await done.wait()
 
     def visible_checkpoint(self, path: str) -> _Checkpoint | None:
         """The checkpoint at ``path`` if the calling key saved it or it is published."""
@@ -1026,12 +1064,12 @@ class TinkerDoor:
 
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         """The caller's runs; with ``project_id``, those whose session is in that project."""
+        page = _page(limit, offset)
         ids = [
             i for i, m in self.models.items() if self.owns(m.session_id) and project_id in (None, self.sessions[m.session_id].project_id)
         ]
-        page = ids[offset : offset + limit]
         return {
-            "training_runs": [self.training_run(i) for i in page],
+            "training_runs": [self.training_run(i) for i in ids[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
         }
 
@@ -1044,14 +1082,13 @@ class TinkerDoor:
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
-        if not 1 <= limit <= 10_000 or offset < 0:
-            raise ApiError(400, f"limit={limit}, offset={offset}", field="limit", fix="limit in 1..10000, offset >= 0")
+        page = _page(limit, offset)
         self.forget_expired()
         mine = sorted(
             (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
         )
         return {
-            "checkpoints": [c.rest() for c in mine[offset : offset + limit]],
+            "checkpoints": [c.rest() for c in mine[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
         }
 
@@ -1066,12 +1103,7 @@ class TinkerDoor:
     async def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
         """Forget the checkpoint (its path is a 404 from now on), then delete it on the backend: the cookbook's
         rolling checkpoints delete the previous one each step to bound storage."""
-        ck = self.checkpoint_by_id(model_id, checkpoint_id)
-        self._forget(ck)
-        try:
-            await self.backend.delete_checkpoint(ck.backend_path)
-        except AsyncSessError as err:  # a backend that cannot delete keeps it; the door no longer serves it
-            log.warning("checkpoint %s stays on the backend: %s", ck.backend_path, err)
+        await self._forget(self.checkpoint_by_id(model_id, checkpoint_id))()
 
     def set_ttl(self, model_id: str, checkpoint_id: str, body: dict[str, Any]) -> None:
         ck = self.checkpoint_by_id(model_id, checkpoint_id)
@@ -1217,6 +1249,19 @@ def _tags(body: dict[str, Any]) -> list[str]:
         raise ApiError.from_error(err) from None
 
 
+MAX_PAGE = 10_000  # rows one page of a REST listing may ask for
+
+
+def _page(limit: int, offset: int) -> slice:
+    """A listing's ``limit`` (1..10,000) and ``offset`` (>= 0) as the slice of its rows; a 400 naming the field
+    otherwise (a negative one was a Python slice from the end)."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise ApiError(400, f"limit={limit}", field="limit", fix=f"ask for 1 to {MAX_PAGE} rows a page")
+    if offset < 0:
+        raise ApiError(400, f"offset={offset}", field="offset", fix="start at offset 0 or later")
+    return slice(offset, offset + limit)
+
+
 def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
     return None if rows is None else [None if i < len(rows) - last_n else v for i, v in enumerate(rows)]
 
@@ -1329,7 +1374,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
 
     @guarded.get("/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return {"sessions": [s for s in door.sessions if door.owns(s)][offset : offset + limit]}
+        page = _page(limit, offset)
+        return {"sessions": [s for s in door.sessions if door.owns(s)][page]}
 
     @guarded.api_route("/get_server_capabilities", methods=["GET", "POST"])
     async def capabilities() -> dict[str, Any]:

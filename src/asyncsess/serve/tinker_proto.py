@@ -289,8 +289,9 @@ def encode_sample_response(resp: SampleResponse) -> bytes:
 
 def _topk_to_pb(msg: Any, rows: TopkLogprobs) -> None:
     """Tinker's ``TopkLogprobs``: ``(len(rows), k)`` int32 ids and float32 log-probs, an unscored row (``None``) or
-    a short one padded with ``(0, MASK_LOGPROB)``."""
-    k = max((len(r) for r in rows if r), default=0)
+    a short one padded with ``(0, MASK_LOGPROB)``. Rows none of which is scored (a 1-token prompt's) are one masked
+    column wide: at ``k == 0`` the SDK reads the whole field as absent (``None``, not ``[None]``)."""
+    k = max((len(r) for r in rows if r), default=1)
     ids = np.zeros((len(rows), k), dtype="<i4")
     lps = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
     for i, row in enumerate(rows):

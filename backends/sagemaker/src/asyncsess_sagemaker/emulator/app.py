@@ -201,14 +201,16 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
 
     async def sample_handler(request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
-        prompt, completion, finish, tok = await service.chat(params["trainingSessionName"], body, package)
-        text = tok.decode(completion)
+        reply = await service.chat(params["trainingSessionName"], body, package)
+        prompt, completion = reply.prompt, reply.completion
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)}
+        logprobs = None if reply.logprobs is None else {"content": reply.logprobs}
+        message = {"role": "assistant", "content": reply.text}
         return JSONResponse(
             {
                 "object": "chat.completion",
                 "model": body.get("model") or "training-session",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reply.finish}],
                 "usage": usage,
             }
         )

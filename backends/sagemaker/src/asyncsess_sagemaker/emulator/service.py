@@ -38,8 +38,8 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, SessionGoneError
-from asyncsess.serve.openai_wire import content_pieces
-from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
+from asyncsess.serve.openai_wire import content_pieces, lp_entry
+from asyncsess.types import MAX_SEED, CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
 from ..shape_check import ShapeError
@@ -701,8 +701,8 @@ class EmulatedService:
 
     # -------------------------------------------------------------- OpenAI-compatible chat
 
-    async def chat(self, name: str, request: dict[str, Any], model_package: str | None) -> tuple[list[int], list[int], str, Any]:
-        """Run one chat completion: (prompt ids, completion ids, finish reason, tokenizer)."""
+    async def chat(self, name: str, request: dict[str, Any], model_package: str | None) -> ChatReply:
+        """Run one chat completion."""
         sess = self._accepting(name)
         if model_package is not None:
             self._known_package(model_package)
@@ -719,44 +719,50 @@ class EmulatedService:
                 prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
         except Exception as err:  # the messages are the only input: an unknown role, content the template cannot render
             raise AwsError.validation(f"The messages cannot be rendered as a prompt: {err}") from None
-        params = _chat_params(request)
+        params, top = _chat_params(request), _chat_logprobs(request)
         sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
+        sample = SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=self._capped(params), topk_sample_logprobs=top or 0)
         try:
-            resp = await self.inner.sample(
-                sampler, SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=self._capped(params))
-            )
+            resp = await self.inner.sample(sampler, sample)
+            sample.check_extras(resp)
         except InvalidInputError as err:  # e.g. a prompt longer than the model's context
             raise AwsError.validation(str(err)) from None
         seq = resp.sequences[0]
         sess.prefill_tokens += len(prompt)
         sess.sample_tokens += len(seq.tokens)
-        return prompt, list(seq.tokens), "stop" if seq.stop_reason == "stop" else "length", tok
+        logprobs = None
+        if top is not None:
+            if seq.logprobs is None:
+                raise AwsError.validation("logprobs: the model behind this session returns no log-probs; leave it out")
+            rows = seq.topk_logprobs or [None] * len(seq.tokens)
+            logprobs = [lp_entry(tok, t, lp, row or []) for t, lp, row in zip(seq.tokens, seq.logprobs, rows)]
+        return ChatReply(prompt, list(seq.tokens), "stop" if seq.stop_reason == "stop" else "length", tok, logprobs)
 
     async def chat_stream(self, name: str, request: dict[str, Any], model_package: str | None) -> AsyncIterator[bytes]:
-        prompt, completion, finish, tok = await self.chat(name, request, model_package)
+        reply = await self.chat(name, request, model_package)
+        prompt, completion, lps = reply.prompt, reply.completion, reply.logprobs
         chat_id = f"chatcmpl-{uuid.uuid4().hex[:12]}"
 
-        text = str(tok.decode(completion))
-        pieces = content_pieces(tok, completion, text, skip_special_tokens=False)  # whole characters; joined, the reply
+        text = reply.text
+        pieces = content_pieces(reply.tok, completion, text, skip_special_tokens=False)  # whole characters; joined, the reply
 
         async def events() -> AsyncIterator[bytes]:
             for i, piece in enumerate(pieces):
                 delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
-                yield _sse(
-                    {
-                        "id": chat_id,
-                        "object": "chat.completion.chunk",
-                        "created": int(time.time()),
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
-                    }
-                )
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None if lps is None else {"content": lps[i : i + 1]},
+                    "finish_reason": None,
+                }
+                yield _sse({"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "choices": [choice]})
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)}
             yield _sse(
                 {
                     "id": chat_id,
                     "object": "chat.completion.chunk",
                     "created": int(time.time()),
-                    "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+                    "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish}],
                     "usage": usage,
                 }
             )
@@ -780,6 +786,22 @@ class EmulatedService:
             await self._stop_inner(sess)
 
 
+@dataclass(frozen=True)
+class ChatReply:
+    """One chat completion: its prompt and completion ids, finish reason, the tokenizer, and (when asked for) the
+    OpenAI ``logprobs.content`` entries of its tokens."""
+
+    prompt: list[int]
+    completion: list[int]
+    finish: str
+    tok: Any
+    logprobs: list[dict[str, Any]] | None
+
+    @property
+    def text(self) -> str:
+        return str(self.tok.decode(self.completion))
+
+
 CHAT_MAX_TOKENS = 64  # the completion budget of a chat request that sets none
 _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (top_p 0 as vLLM: refused)
     "max_tokens": (True, 1, 2**31 - 1),
@@ -787,13 +809,24 @@ _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (
     "n": (True, 1, 1),  # one choice per request here
     "temperature": (False, 0, 2),
     "top_p": (False, 0, 1),
-    "seed": (True, 0, 2**63 - 1),
+    "top_k": (True, -1, 2**31 - 1),  # vLLM's: -1 is off (0 is refused, as the sampler refuses it)
+    "seed": (True, -(2**63), 2**64 - 1),  # OpenAI's 64-bit seeds, folded into the sampler's 0..2**63-1
+    "top_logprobs": (True, 0, 20),
 }
+# what the chat takes; any other parameter that is not null is refused, as it would be ignored. model, user and
+# metadata change nothing here; stream is the operation's (the stream always ends with the usage)
+_CHAT_TAKEN = {"messages", "model", "user", "metadata", "stream", "stream_options", "stop", "logprobs", *_CHAT_NUMBERS}
+_CHAT_NO_OPS = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}  # what clients send by default
 
 
 def _chat_params(request: dict[str, Any]) -> SamplingParams:
     """The sampling parameters of a chat-completions body; a null one is one not sent. A value of the wrong type
-    or out of range is a ValidationException naming it (``max_tokens: 0`` was taken as unset, ``"5"`` as 5)."""
+    or out of range is a ValidationException naming it (``max_tokens: 0`` was taken as unset, ``"5"`` as 5), and
+    so is a parameter the chat does not implement (``frequency_penalty: 0.5``, ``tools``: they were ignored)."""
+    for name, value in request.items():
+        if value is not None and name not in _CHAT_TAKEN and (name not in _CHAT_NO_OPS or value != _CHAT_NO_OPS[name]):
+            shown = f"{name}: {json.dumps(value)[:64]}" if name in _CHAT_NO_OPS else name[:64]
+            raise AwsError.validation(f"{shown} is not supported by this endpoint: leave it out")
     for name, (integer, low, high) in _CHAT_NUMBERS.items():
         value = request.get(name)
         if value is None:
@@ -809,10 +842,22 @@ def _chat_params(request: dict[str, Any]) -> SamplingParams:
         raise AwsError.validation(f"stop must be a string or a list of strings, not {json.dumps(stop)[:64]}")
     budget = next((request[k] for k in ("max_tokens", "max_completion_tokens") if request.get(k) is not None), CHAT_MAX_TOKENS)
     try:
-        fields = {"max_tokens": budget, "stop": stop, **{k: request.get(k) for k in ("temperature", "top_p", "seed")}}
-        return SamplingParams.model_validate(fields)  # a null temperature or top_p is the default
+        seed = None if request.get("seed") is None else request["seed"] % (MAX_SEED + 1)
+        fields = {"max_tokens": budget, "stop": stop, "seed": seed, **{k: request.get(k) for k in ("temperature", "top_p", "top_k")}}
+        return SamplingParams.model_validate(fields)  # a null temperature, top_p or top_k is the default
     except ValueError as err:  # a stop string that is empty, too long, or one too many
         raise AwsError.validation(f"Invalid sampling parameters: {err}") from None
+
+
+def _chat_logprobs(request: dict[str, Any]) -> int | None:
+    """How many alternatives each token's ``logprobs`` entry lists (``top_logprobs``), or None when ``logprobs`` is
+    not asked for. Called after :func:`_chat_params` checked ``top_logprobs``."""
+    wanted, top = request.get("logprobs"), request.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise AwsError.validation(f"logprobs must be true or false, not {json.dumps(wanted)[:64]}")
+    if top and not wanted:
+        raise AwsError.validation("top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 @dataclass(frozen=True)
@@ -873,7 +918,12 @@ def _epoch(value: Any) -> float:
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    start = int(body.get("NextToken") or 0)
+    """One page of a List* answer; ``NextToken`` is the offset of the next row, as an earlier page returned it (any
+    other token is a ValidationException: "abc" was a 500, "-1" a slice from the end)."""
+    token = body.get("NextToken") or "0"
+    if not (isinstance(token, str) and token.isascii() and token.isdigit()):
+        raise AwsError.validation(f"NextToken {json.dumps(token)[:64]} is not one this service returned: pass NextToken back unchanged")
+    start = int(token)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
     if start + size < len(rows):
