@@ -83,6 +83,26 @@ def test_sdk_loop_goes_on_after_an_op_the_service_refuses(service, sdk_emulator)
         tc.stop()
 
 
+def test_sdk_batch_shaped_loss_inputs_are_refused_and_the_session_keeps_running(service, sdk_emulator):
+    """The SDK flattens nested lists and sends their shape: ``[[t1, t2, t3]]`` (a batch dimension, as from
+    ``tensor.unsqueeze(0)``) goes out as shape [1, 3]. The emulator took it, the engine refused it, and the failed
+    op failed the session: every later op was a ConflictException."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        batched = ts.Datum(
+            model_input=ts.ModelInput.from_ints([1, 40, 41]),
+            loss_fn_inputs={"target_tokens": [[40, 41, 42]], "weights": [[1.0, 1.0, 1.0]]},
+        )
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward([batched], "cross_entropy").result()
+        assert err.value.response["Error"]["Code"] == "ValidationException"
+        assert "lossFnInputs['target_tokens'].shape" in err.value.response["Error"]["Message"]
+        assert tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy").result().metrics["loss:sum"] > 0
+        assert sdk_emulator.session_state(tc.training_session_name)["status"] == "Running"
+    finally:
+        tc.stop()
+
+
 def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emulator):
     tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
     try:

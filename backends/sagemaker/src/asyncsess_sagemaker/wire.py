@@ -140,12 +140,10 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
             if key == "logprobs" and not all(low <= v <= high for v in data):
                 raise ShapeError(f"{tpath}.data", f"sampler log-probs must be in [{low:g}, {high:g}] (log p ≤ 0)", data)
             shape = tensor.get("shape")
-            if shape is not None:
-                size = 1
-                for s in shape:
-                    size *= s
-                if size != len(data):
-                    raise ShapeError(f"{tpath}.shape", f"shape {shape} holds {size} values but data has {len(data)}", shape)
+            if shape is not None and shape != [n]:  # the engine takes one value per input token, nothing else
+                raise ShapeError(
+                    f"{tpath}.shape", f"Member must be [{n}], one value per input token (flatten a batch dimension such as [1, {n}])", shape
+                )
             if len(data) != n:
                 raise ShapeError(f"{tpath}.data", f"Member must hold one value per input token ({n})", len(data))
         if vocab_size is not None:
