@@ -101,6 +101,25 @@ def test_list_paginates_with_the_botocore_paginator(sm, emulator):
         sm.stop_training_session(TrainingSessionName=f"{prefix}-{i}")
 
 
+@pytest.mark.parametrize("token", ["abc", "-1", "1.5", "9" * 8000])
+@pytest.mark.parametrize(
+    "list_call",
+    [
+        lambda sm, token: sm.list_training_sessions(NextToken=token),
+        lambda sm, token: sm.list_model_packages(NextToken=token),
+        lambda sm, token: sm.list_model_package_groups(NextToken=token),
+        lambda sm, token: sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model", NextToken=token),
+    ],
+)
+def test_a_next_token_the_emulator_did_not_hand_out_is_a_validation_exception(sm, emulator, list_call, token):
+    """Every List operation answered a 500 'Emulator error' (int() of the token) to a token it had not handed out;
+    a negative one was taken as an offset from the end."""
+    with pytest.raises(ClientError) as err:
+        list_call(sm, token)
+    assert _code(err) == ("ValidationException", 400)
+    assert "pagination token" in err.value.response["Error"]["Message"]
+
+
 def test_training_ops_run_in_order_with_usage_and_checkpoints(sm, rt, emulator):
     name = _name()
     new_session(sm, name)

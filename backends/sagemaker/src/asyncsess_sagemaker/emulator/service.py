@@ -873,7 +873,11 @@ def _epoch(value: Any) -> float:
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    start = int(body.get("NextToken") or 0)
+    """One page of ``rows``; a ``NextToken`` this emulator did not hand out is a ValidationException (was a 500)."""
+    token = body.get("NextToken") or "0"
+    if not (token.isascii() and token.isdigit() and len(token) < 19):  # the emulator's tokens are row offsets
+        raise AwsError.validation(f"Invalid pagination token {token[:64]!r}: pass the NextToken of the previous page, or none")
+    start = int(token)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
     if start + size < len(rows):
