@@ -337,6 +337,42 @@ def test_limits_from_the_control_plane_model_are_enforced(sm, emulator):
     sm.stop_training_session(TrainingSessionName=name)
 
 
+def test_numbers_past_the_model_integer_types_are_refused_and_change_nothing(sm, emulator):
+    """Smithy's integer is 32-bit: sequenceNumber 2**63 was taken (the session showed it as its
+    LastReceivedSequenceNumber, Blocked waiting for number 1 after it, and failed at the gap timeout), and a
+    LoraConfig Alpha or a sampling seed of 2**40 was taken too."""
+    raw_sm, raw_rt = clients(emulator.url, validate=False)
+    name = _name()
+    new_session(sm, name)
+    with pytest.raises(ClientError) as err:
+        raw_rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2**63, operationConfig=fb([1, 40, 41]))
+    assert _code(err) == ("ValidationException", 400)
+    assert "'sequenceNumber'" in err.value.response["Error"]["Message"] and "32-bit" in err.value.response["Error"]["Message"]
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and "LastReceivedSequenceNumber" not in detail
+    op = raw_rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig=fb([1, 40, 41]))
+    assert wait_op(raw_rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    sample = {"prompt": {"chunks": [{"tokens": [1, 40], "type": "encoded_text"}]}, "numSamples": 1}
+    with pytest.raises(ClientError) as err:
+        raw_rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"sample": sample | {"samplingParams": {"maxTokens": 512, "seed": 2**40}}}
+        )
+    assert _code(err) == ("ValidationException", 400) and "samplingParams.seed" in err.value.response["Error"]["Message"]
+    sm.stop_training_session(TrainingSessionName=name)
+    other = _name()
+    with pytest.raises(ClientError) as err:
+        raw_sm.create_training_session(
+            TrainingSessionName=other,
+            LoraConfig={"Rank": 8, "Alpha": 2**40},
+            RoleArn=ROLE,
+            ModelConfig={"BaseModelArn": hub_arn(sm)},
+            OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+        )
+    assert _code(err) == ("ValidationException", 400) and "LoraConfig.Alpha" in err.value.response["Error"]["Message"]
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName=other)
+
+
 def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
     with pytest.raises(rt.exceptions.ResourceNotFoundException):
         rt.get_training_operation_result(trainingSessionName="nobody", operationId="op-1")

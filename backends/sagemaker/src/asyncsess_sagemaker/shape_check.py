@@ -15,7 +15,10 @@ from typing import Any
 
 from botocore.model import Shape
 
-__all__ = ["ShapeError", "check_shape"]
+__all__ = ["ShapeError", "check_shape", "INTEGER_RANGE"]
+
+# Smithy's integer is 32-bit and long 64-bit: the service cannot read a larger number into the member.
+INTEGER_RANGE = {"integer": (-(2**31), 2**31 - 1), "long": (-(2**63), 2**63 - 1)}
 
 
 @dataclass
@@ -115,6 +118,9 @@ def _check(value: Any, shape: Shape, path: str) -> None:
     elif kind in ("integer", "long"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ShapeError(path, "Member must be an integer", value)
+        low, high = INTEGER_RANGE[kind]
+        if not low <= value <= high:
+            raise ShapeError(path, f"Member must be a {'32' if kind == 'integer' else '64'}-bit integer, in [{low}, {high}]", value)
         _bounds(value, shape, path, value)
     elif kind in ("double", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

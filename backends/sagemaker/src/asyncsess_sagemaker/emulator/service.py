@@ -42,7 +42,7 @@ from asyncsess.serve.openai_wire import content_pieces
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
-from ..shape_check import ShapeError
+from ..shape_check import INTEGER_RANGE, ShapeError
 from ..wire import (
     adam_from_wire,
     check_operation_config,
@@ -489,7 +489,7 @@ class EmulatedService:
         """An op refused for its shape (before :meth:`execute_training_operation`) takes its number all the same."""
         sess = self.sessions.get(str(body.get("trainingSessionName")))
         seq = body.get("sequenceNumber")
-        if sess is not None and sess.status in ACCEPTS_WORK and type(seq) is int and seq >= 1:
+        if sess is not None and sess.status in ACCEPTS_WORK and type(seq) is int and 1 <= seq <= INTEGER_RANGE["integer"][1]:
             self._use_up(sess, seq)
 
     def _checkpoint_of(self, sess: SessionRecord, arn: str) -> ModelPackageRecord:
