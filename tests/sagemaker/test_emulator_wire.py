@@ -373,6 +373,37 @@ def test_numbers_past_the_model_integer_types_are_refused_and_change_nothing(sm,
         sm.describe_training_session(TrainingSessionName=other)
 
 
+def test_another_account_s_group_or_another_region_s_model_is_not_found(sm, emulator):
+    """Only the last ARN segment was read: a group ARN of account 999999999999 registered the session's checkpoints in
+    this account's group of the same name, and a base model of another region or hub was taken."""
+    group = f"g{uuid.uuid4().hex[:8]}"
+    sm.create_model_package_group(ModelPackageGroupName=group)
+    other_group = f"arn:aws:sagemaker:us-west-2:999999999999:model-package-group/{group}"
+    model = hub_arn(sm)
+    name = _name()
+    base = {
+        "TrainingSessionName": name,
+        "LoraConfig": {"Rank": 8, "Alpha": 16},
+        "RoleArn": ROLE,
+        "OutputConfig": {"S3Location": {"Path": "s3://bucket/out"}},
+    }
+    for change in [
+        {"ModelPackageGroupArn": other_group, "ModelConfig": {"BaseModelArn": model}},
+        {"ModelConfig": {"BaseModelArn": model.replace(":us-west-2:", ":eu-west-1:")}},
+        {"ModelConfig": {"BaseModelArn": model.replace("/SageMakerPublicHub/", "/SomeoneElsesHub/")}},
+    ]:
+        with pytest.raises(ClientError) as err:
+            sm.create_training_session(**(base | change))
+        assert _code(err) == ("ResourceNotFound", 400), change
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName=name)
+    with pytest.raises(ClientError) as err:
+        sm.describe_model_package_group(ModelPackageGroupName=other_group)
+    assert _code(err) == ("ValidationException", 400)
+    assert sm.describe_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupName"] == group
+    sm.delete_model_package_group(ModelPackageGroupName=group)
+
+
 def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
     with pytest.raises(rt.exceptions.ResourceNotFoundException):
         rt.get_training_operation_result(trainingSessionName="nobody", operationId="op-1")

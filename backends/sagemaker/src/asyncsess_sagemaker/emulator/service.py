@@ -127,7 +127,7 @@ class EmulatedService:
 
     def _hub_model(self, base_model_arn: str) -> HubModel:
         ref = arns.parse_hub_content_arn(base_model_arn)
-        model = self.hub.get(ref.name) if ref else None
+        model = self.hub.get(ref.name) if ref and ref.region == self.config.region and ref.hub == arns.PUBLIC_HUB else None
         if ref is None or model is None or (ref.version is not None and ref.version != model.version):
             raise AwsError("ResourceNotFound", f"Hub content {base_model_arn} not found")
         return model
@@ -141,7 +141,7 @@ class EmulatedService:
         group_arn = body.get("ModelPackageGroupArn")
         if group_arn is not None:
             group = arns.name_from_arn(group_arn)
-            if group not in self.groups:
+            if group not in self.groups or self.groups[group].arn != group_arn:  # another account's or region's is not ours
                 raise AwsError("ResourceNotFound", f"Model package group {group_arn} not found")
         else:
             group = self._ensure_group(DEFAULT_GROUP).name
@@ -310,7 +310,7 @@ class EmulatedService:
 
     def _group(self, name_or_arn: str) -> ModelPackageGroupRecord:
         group = self.groups.get(arns.name_from_arn(name_or_arn))
-        if group is None:
+        if group is None or (name_or_arn.startswith("arn:") and name_or_arn != group.arn):
             raise AwsError.validation(f"ModelPackageGroup {name_or_arn} does not exist.")
         return group
 
