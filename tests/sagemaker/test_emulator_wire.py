@@ -538,7 +538,7 @@ def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
     "request_body, says",
     [
         ({"messages": ["hi"]}, "list of objects"),
-        ({"messages": [{"content": "hi"}]}, "unknown role"),
+        ({"messages": [{"content": "hi"}]}, "'role'"),
         ({"messages": [{"role": "user", "content": "x" * 100_000}]}, "exceed the context"),
     ],
 )
@@ -555,6 +555,27 @@ def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, 
     ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
     answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=ok, contentType="application/json")["body"].read())
     assert answer["choices"][0]["message"]["role"] == "assistant"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_chat_messages_are_read_as_openai_reads_them(sm, rt, emulator):
+    """Content given as text parts was rendered as the list's Python repr (36 prompt tokens for "hi"), and content
+    5, null, or text with a lone surrogate or a NUL was rendered as it came ("5", "None")."""
+    name = _name()
+    new_session(sm, name)
+
+    def chat(messages: list[dict]) -> dict:
+        body = json.dumps({"messages": messages, "max_tokens": 4, "seed": 3}).encode()
+        return json.loads(rt.sample_training_session(trainingSessionName=name, body=body, contentType="application/json")["body"].read())
+
+    plain = chat([{"role": "user", "content": "hi there"}])
+    parts = chat([{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}])
+    assert parts["usage"] == plain["usage"] and parts["choices"] == plain["choices"]
+    assert chat([{"role": "developer", "content": "be brief"}])["usage"] == chat([{"role": "system", "content": "be brief"}])["usage"]
+    for content in ["5", '{"a": 1}', '"hi \\ud800"', '"hi \\u0000"', '[{"type": "image_url", "image_url": "x"}]']:
+        raw = f'{{"messages": [{{"role": "user", "content": {content}}}], "max_tokens": 4}}'.encode()
+        with pytest.raises(rt.exceptions.ValidationException, match=r"messages\[0\]"):
+            rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json")
     sm.stop_training_session(TrainingSessionName=name)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+from pydantic import ValidationError
 
 from asyncsess.backends import (
     Backend,
@@ -38,7 +39,7 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, SessionGoneError
-from asyncsess.serve.openai_wire import content_pieces
+from asyncsess.serve.openai_wire import Message, content_pieces, validation_error
 from asyncsess.types import CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
@@ -706,11 +707,7 @@ class EmulatedService:
         sess = self._accepting(name)
         if model_package is not None:
             self._known_package(model_package)
-        messages = request.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise AwsError.validation(
-                "The request body must be a JSON chat-completions request with a non-empty 'messages' list of objects"
-            )
+        messages = _chat_messages(request.get("messages"))
         tok = self.inner.get_tokenizer(sess.model.model_id)
         try:
             if hasattr(tok, "apply_chat_template"):
@@ -789,6 +786,22 @@ _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (
     "top_p": (False, 0, 1),
     "seed": (True, 0, 2**63 - 1),
 }
+
+
+def _chat_messages(messages: Any) -> list[dict[str, str]]:
+    """The chat's messages as {role, content} with text content, read as OpenAI's API reads them (the OpenAI
+    front's :class:`Message`): content parts are joined, a null content is empty; content that is neither text nor
+    text parts, and text with a lone surrogate or a NUL, is a ValidationException naming the message."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise AwsError.validation("The request body must be a JSON chat-completions request with a non-empty 'messages' list of objects")
+    out = []
+    for i, raw in enumerate(messages):
+        try:
+            m = Message.model_validate(raw)
+        except ValidationError as err:
+            raise AwsError.validation(f"messages[{i}]: {validation_error(err).message}") from None
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+    return out
 
 
 def _chat_params(request: dict[str, Any]) -> SamplingParams:
