@@ -103,6 +103,26 @@ def test_sdk_batch_shaped_loss_inputs_are_refused_and_the_session_keeps_running(
         tc.stop()
 
 
+def test_sdk_input_past_the_model_context_is_refused_and_the_session_keeps_running(service, sdk_emulator):
+    """The hub publishes the model's context (MaxContextLength 512 for mock/bigram-tiny); a longer datum was taken, the
+    engine refused it and the failed op failed the session (every later op a ConflictException); a longer prompt
+    was taken and its operation failed afterwards."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward([_sft_datum([1] + [40] * 600)], "cross_entropy").result()
+        assert err.value.response["Error"]["Code"] == "ValidationException"
+        assert "datumList[0].modelInput" in err.value.response["Error"]["Message"] and "512" in err.value.response["Error"]["Message"]
+        assert tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy").result().metrics["loss:sum"] > 0
+        sampler = tc.save_weights_and_get_sampling_client()
+        with pytest.raises(ClientError) as err:
+            sampler.compute_logprobs(ts.ModelInput.from_ints([1] + [40] * 600)).result()
+        assert err.value.response["Error"]["Code"] == "ValidationException" and "prompt" in err.value.response["Error"]["Message"]
+        assert sdk_emulator.session_state(tc.training_session_name)["status"] == "Running"
+    finally:
+        tc.stop()
+
+
 def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emulator):
     tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
     try:

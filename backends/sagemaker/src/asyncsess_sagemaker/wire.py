@@ -97,7 +97,7 @@ def _model_input_length(mi: dict[str, Any]) -> int:
     return sum(len(c.get("tokens") or []) for c in mi.get("chunks") or [])
 
 
-def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> None:
+def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, context: int | None) -> None:
     rules = loss_rules()
     loss = config["lossFnName"]
     datums = config["datumList"]
@@ -108,6 +108,7 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
         n = _model_input_length(datum["modelInput"])
         if not datum["modelInput"]["chunks"] or n == 0:
             raise ShapeError(f"{where}.modelInput", "Member must have at least one chunk with at least one token", datum["modelInput"])
+        _check_context(n, context, f"{where}.modelInput")
         inputs = datum.get("lossFnInputs") or {}
         unsupported = sorted(set(inputs) - rules.supported_keys)
         if unsupported:
@@ -173,12 +174,18 @@ def _check_package_arn(arn: str, path: str) -> None:
         )
 
 
-def check_operation_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
-    """The prose rules of ``OperationConfig`` (run after the shape check)."""
+def _check_context(n: int, context: int | None, path: str) -> None:
+    if context is not None and n > context:
+        raise ShapeError(path, f"Member must hold at most {context} tokens (the model's context length)", n)
+
+
+def check_operation_config(config: dict[str, Any], vocab_size: int | None = None, context: int | None = None) -> None:
+    """The prose rules of ``OperationConfig`` (run after the shape check); ``vocab_size`` and ``context`` (the
+    model's context length in tokens) are checked when known."""
     kind, body = next(iter(config.items()))
     path = f"operationConfig.{kind}"
     if kind in ("forward", "forwardBackward"):
-        _check_datums(body, path, vocab_size)
+        _check_datums(body, path, vocab_size, context)
     elif kind == "optimizerStep":
         if body["adamParamsConfig"]["learningRate"] <= 0:
             raise ShapeError(
@@ -188,8 +195,8 @@ def check_operation_config(config: dict[str, Any], vocab_size: int | None = None
         _check_package_arn(body["modelPackageArn"], f"{path}.modelPackageArn")
 
 
-def check_sample_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
-    """The prose rules of ``SampleOperationConfig`` (run after the shape check)."""
+def check_sample_config(config: dict[str, Any], vocab_size: int | None = None, context: int | None = None) -> None:
+    """The prose rules of ``SampleOperationConfig`` (run after the shape check), as :func:`check_operation_config`."""
     kind, body = next(iter(config.items()))
     path = f"operationConfig.{kind}"
     if body.get("modelPackageArn") is not None:
@@ -198,6 +205,7 @@ def check_sample_config(config: dict[str, Any], vocab_size: int | None = None) -
         tokens = [t for c in body["prompt"]["chunks"] for t in c["tokens"]]
         if not tokens:
             raise ShapeError(f"{path}.prompt", "Member must hold at least one token", body["prompt"])
+        _check_context(len(tokens), context, f"{path}.prompt")
         if vocab_size is not None:
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:

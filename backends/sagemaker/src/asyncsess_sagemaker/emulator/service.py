@@ -456,7 +456,7 @@ class EmulatedService:
         config = body["operationConfig"]
         seq, token = body["sequenceNumber"], body.get("clientToken")
         try:
-            check_operation_config(config, sess.model.vocab_size)
+            check_operation_config(config, sess.model.vocab_size, sess.model.max_context_length)
         except ShapeError as err:
             self._use_up(sess, seq)
             raise AwsError.validation(str(err)) from None
@@ -637,7 +637,7 @@ class EmulatedService:
         config = body["operationConfig"]
         kind, op_body = next(iter(config.items()))
         try:
-            check_sample_config(config, sess.model.vocab_size)
+            check_sample_config(config, sess.model.vocab_size, sess.model.max_context_length)
         except ShapeError as err:
             raise AwsError.validation(str(err)) from None
         topk = op_body.get("topkPromptLogprobs")
