@@ -123,6 +123,33 @@ def test_sdk_input_past_the_model_context_is_refused_and_the_session_keeps_runni
         tc.stop()
 
 
+def _rl_datum(tokens: list[int], **extra: list[float]) -> Any:
+    n = len(tokens) - 1
+    inputs = {"target_tokens": tokens[1:], "weights": [1.0] * n, "advantages": [1.0] * n, "logprobs": [-1.0] * n, **extra}
+    return ts.Datum(model_input=ts.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+@pytest.mark.parametrize(
+    "batch, loss, config, says",
+    [
+        ([_sft_datum([1, 40, 41])], "cross_entropy", {"clip_low_threshold": 0.8}, "cross_entropy takes no key"),
+        ([_rl_datum([1, 40, 41], ref_log_prob=[-1.0, -1.0]), _rl_datum([1, 50, 51])], "ppo", None, "same lossFnInputs keys"),
+    ],
+)
+def test_sdk_batches_the_engine_cannot_run_are_refused_and_the_session_keeps_running(service, sdk_emulator, batch, loss, config, says):
+    """Both were taken, the engine refused them (clip thresholds on a loss without a ratio; a key on some datums
+    only) and the failed op failed the session: every later op was a ConflictException."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward(batch, loss, loss_fn_config=config).result()
+        assert err.value.response["Error"]["Code"] == "ValidationException" and says in err.value.response["Error"]["Message"]
+        assert tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy").result().metrics["loss:sum"] > 0
+        assert sdk_emulator.session_state(tc.training_session_name)["status"] == "Running"
+    finally:
+        tc.stop()
+
+
 def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emulator):
     tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
     try:

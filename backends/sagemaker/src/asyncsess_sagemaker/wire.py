@@ -24,7 +24,7 @@ from asyncsess.types import (
     TensorData,
     Usage,
 )
-from asyncsess.validation import SAMPLER_LOGPROB_RANGE, all_finite_f32
+from asyncsess.validation import LOSS_CONFIG_KEYS, SAMPLER_LOGPROB_RANGE, all_finite_f32
 
 from .arns import parse_model_package_arn
 from .service_models import RUNTIME, enum_values, runtime_model
@@ -153,6 +153,9 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, con
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ShapeError(where, f"token id must be in [0, {vocab_size})", bad)
+    key_sets = sorted({tuple(sorted(d.get("lossFnInputs") or {})) for d in datums})
+    if len(key_sets) > 1:  # the engine takes a key on every datum or on none
+        raise ShapeError(f"{path}.datumList", "Member must give every datum the same lossFnInputs keys", key_sets)
     cfg = config.get("lossFnConfig")
     if cfg is not None:
         if not isinstance(cfg, dict):
@@ -162,6 +165,8 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, con
                 raise ShapeError(
                     f"{path}.lossFnConfig", f"Unsupported key {key!r}; supported keys: {', '.join(sorted(rules.config_ranges))}", key
                 )
+            if key not in LOSS_CONFIG_KEYS[loss]:  # clip thresholds bound a ratio: cross_entropy and importance_sampling have none
+                raise ShapeError(f"{path}.lossFnConfig", f"{loss} takes no key {key!r}; only ppo and cispo take clip thresholds", key)
             lo, hi = rules.config_ranges[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise ShapeError(f"{path}.lossFnConfig.{key}", f"Member must be a number in [{lo:g}, {hi:g}]", value)
