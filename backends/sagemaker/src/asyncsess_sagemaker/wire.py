@@ -165,11 +165,11 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, con
                 raise ShapeError(
                     f"{path}.lossFnConfig", f"Unsupported key {key!r}; supported keys: {', '.join(sorted(rules.config_ranges))}", key
                 )
-            if key not in LOSS_CONFIG_KEYS[loss]:  # clip thresholds bound a ratio: cross_entropy and importance_sampling have none
-                raise ShapeError(f"{path}.lossFnConfig", f"{loss} takes no key {key!r}; only ppo and cispo take clip thresholds", key)
             lo, hi = rules.config_ranges[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise ShapeError(f"{path}.lossFnConfig.{key}", f"Member must be a number in [{lo:g}, {hi:g}]", value)
+            if key not in LOSS_CONFIG_KEYS[loss]:  # clip thresholds bound a ratio: cross_entropy and importance_sampling have none
+                raise ShapeError(f"{path}.lossFnConfig", f"{loss} takes no key {key!r}; only ppo and cispo take clip thresholds", key)
 
 
 def _check_package_arn(arn: str, path: str) -> None:
