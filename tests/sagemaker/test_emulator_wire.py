@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import uuid
@@ -118,6 +119,64 @@ def test_a_next_token_the_emulator_did_not_hand_out_is_a_validation_exception(sm
         list_call(sm, token)
     assert _code(err) == ("ValidationException", 400)
     assert "pagination token" in err.value.response["Error"]["Message"]
+
+
+def test_model_registry_lists_filter_and_sort_as_documented(sm, rt, emulator):
+    """ListModelPackages ignored NameContains and CreationTimeAfter/Before, and ListModelPackageGroups ignored
+    SortBy, SortOrder (it listed newest first; the documented default is CreationTime, Ascending) and the time filters."""
+    prefix = f"reg{uuid.uuid4().hex[:6]}"
+    first, second = f"{prefix}-b", f"{prefix}-a"
+    group_arn = sm.create_model_package_group(ModelPackageGroupName=first)["ModelPackageGroupArn"]
+    time.sleep(0.02)
+    sm.create_model_package_group(ModelPackageGroupName=second)
+    ms = datetime.timedelta(milliseconds=5)  # times come back rounded to the microsecond: compare between the rows
+
+    def groups(**kw: object) -> list[str]:
+        return [g["ModelPackageGroupName"] for g in sm.list_model_package_groups(NameContains=prefix, **kw)["ModelPackageGroupSummaryList"]]
+
+    assert groups() == [first, second]
+    assert groups(SortOrder="Descending") == [second, first]
+    assert groups(SortBy="Name") == [second, first]
+    created = sm.describe_model_package_group(ModelPackageGroupName=second)["CreationTime"]
+    assert groups(CreationTimeBefore=created - ms) == [first]
+    name = _name()
+    sm.create_training_session(
+        TrainingSessionName=name,
+        ModelPackageGroupArn=group_arn,
+        LoraConfig={"Rank": 8, "Alpha": 16},
+        RoleArn=ROLE,
+        ModelConfig={"BaseModelArn": hub_arn(sm)},
+        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+    )
+    wait_status(sm, name, {"Running"})
+    arns = []
+    for seq in (1, 2):
+        op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveState": {}})
+        arns.append(wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"])
+        time.sleep(0.02)
+
+    def packages(**kw: object) -> list[str]:
+        return [p["ModelPackageArn"] for p in sm.list_model_packages(ModelPackageGroupName=first, **kw)["ModelPackageSummaryList"]]
+
+    assert packages() == arns
+    after = sm.describe_model_package(ModelPackageName=arns[0])["CreationTime"]
+    assert packages(CreationTimeAfter=after + ms) == [arns[1]]
+    assert packages(CreationTimeBefore=after - ms) == []
+    assert packages(NameContains="no-such-name") == [] and packages(NameContains=prefix) == arns
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("when", ['"not-a-date"', "NaN", "1e400"])
+def test_a_creation_time_filter_that_is_no_time_is_a_validation_exception(sm, emulator, when):
+    """'not-a-date' was a 500 'Emulator error' (fromisoformat) once a session existed; NaN and Infinity were taken."""
+    new_session(sm, _name())
+    for op in ("ListTrainingSessions", "ListModelPackages"):
+        body = f'{{"CreationTimeAfter": {when}}}'.encode()
+        r = httpx.post(
+            emulator.url, content=body, headers={"x-amz-target": f"SageMaker.{op}", "content-type": "application/x-amz-json-1.1"}
+        )
+        assert r.status_code == 400 and r.json()["__type"] == "ValidationException", (op, r.text)
+        assert "CreationTimeAfter" in r.json()["Message"]
 
 
 def test_training_ops_run_in_order_with_usage_and_checkpoints(sm, rt, emulator):

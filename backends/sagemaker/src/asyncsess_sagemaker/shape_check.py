@@ -7,6 +7,7 @@ before sending so bad input fails with the field's path instead of a round trip.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -130,8 +131,22 @@ def _check(value: Any, shape: Shape, path: str) -> None:
         if not isinstance(value, bool):
             raise ShapeError(path, "Member must be a boolean", value)
     elif kind == "timestamp":
-        if isinstance(value, bool) or not isinstance(value, (int, float, str, datetime)):
-            raise ShapeError(path, "Member must be a timestamp", value)
+        if not _is_timestamp(value):
+            raise ShapeError(path, "Member must be a timestamp: finite epoch seconds or an ISO 8601 string", value)
     elif kind == "blob":
         if not isinstance(value, (str, bytes, bytearray)):
             raise ShapeError(path, "Member must be a blob", value)
+
+
+def _is_timestamp(value: Any) -> bool:
+    if isinstance(value, datetime):
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        try:
+            datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return False
+        return True
+    return False

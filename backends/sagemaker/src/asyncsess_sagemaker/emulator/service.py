@@ -336,10 +336,9 @@ class EmulatedService:
                 "CreationTime": g.created,
                 "ModelPackageGroupStatus": "Completed",
             }
-            for g in sorted(self.groups.values(), key=lambda g: g.created, reverse=True)
-            if not body.get("NameContains") or body["NameContains"] in g.name
+            for g in self.groups.values()
         ]
-        return _page(rows, body, "ModelPackageGroupSummaryList")
+        return _page(_filtered(rows, body, "ModelPackageGroupName"), body, "ModelPackageGroupSummaryList")
 
     async def delete_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
         g = self._group(body["ModelPackageGroupName"])
@@ -379,10 +378,10 @@ class EmulatedService:
     async def list_model_packages(self, body: dict[str, Any]) -> dict[str, Any]:
         group = body.get("ModelPackageGroupName")
         wanted = self._group(group).name if group else None
-        pkgs = [p for p in self.packages.values() if wanted is None or p.group == wanted]
-        pkgs.sort(key=lambda p: (p.created, p.version), reverse=body.get("SortOrder", "Ascending") == "Descending")
         rows = []
-        for p in pkgs:
+        for p in self.packages.values():
+            if wanted is not None and p.group != wanted:
+                continue
             row: dict[str, Any] = {
                 "ModelPackageName": p.group,
                 "ModelPackageGroupName": p.group,
@@ -394,7 +393,7 @@ class EmulatedService:
             if p.description:
                 row["ModelPackageDescription"] = p.description
             rows.append(row)
-        return _page(rows, body, "ModelPackageSummaryList")
+        return _page(_filtered(rows, body, "ModelPackageName"), body, "ModelPackageSummaryList")
 
     async def delete_model_package(self, body: dict[str, Any]) -> dict[str, Any]:
         self.packages.pop(self._package(body["ModelPackageName"]).arn)
@@ -883,6 +882,26 @@ def _epoch(value: Any) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -> list[dict[str, Any]]:
+    """The rows NameContains, CreationTimeAfter and CreationTimeBefore keep, sorted by SortBy (``Name`` or, the
+    default, ``CreationTime``) in SortOrder (default ``Ascending``), as the model registry's List operations document."""
+    name, after, before = body.get("NameContains"), body.get("CreationTimeAfter"), body.get("CreationTimeBefore")
+    kept = [
+        r
+        for r in rows
+        if (not name or name in r[name_key])
+        and (after is None or r["CreationTime"] > _epoch(after))
+        and (before is None or r["CreationTime"] < _epoch(before))
+    ]
+    by_name = body.get("SortBy") == "Name"
+    kept.sort(
+        key=lambda r: (r[name_key], r.get("ModelPackageVersion", 0)) if by_name else (r["CreationTime"], r.get("ModelPackageVersion", 0))
+    )
+    if body.get("SortOrder") == "Descending":
+        kept.reverse()
+    return kept
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
