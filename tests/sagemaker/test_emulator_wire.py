@@ -593,6 +593,31 @@ def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
     sm.stop_training_session(TrainingSessionName=name)
 
 
+def test_chat_replies_parse_as_openai_s_types_and_a_bad_model_name_is_refused_before_sampling(sm, rt, emulator):
+    """The plain reply had no id or created (OpenAI's ChatCompletion requires both) and the chunks no model; a
+    "model" holding a lone surrogate was a 500 'Emulator error' after the completion ran (its tokens billed), and a
+    number or an object was echoed back as the reply's model."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    name = _name()
+    new_session(sm, name)
+    body = json.dumps({"model": "my-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    answer = ChatCompletion.model_validate_json(rt.sample_training_session(trainingSessionName=name, body=body)["body"].read())
+    assert answer.model == "my-model" and answer.id.startswith("chatcmpl-") and answer.created > 0
+    stream = rt.sample_training_session_with_response_stream(trainingSessionName=name, body=body)["body"]
+    chunks = [ChatCompletionChunk.model_validate_json(line[5:]) for line in stream.iter_lines() if line.startswith(b"data: {")]
+    assert {c.model for c in chunks} == {"my-model"} and len({c.id for c in chunks}) == 1
+    billed = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"]
+    for model in ['"\\ud800"', "5", '{"x": 1}', '""']:
+        raw = f'{{"model": {model}, "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 4}}'.encode()
+        with pytest.raises(rt.exceptions.ValidationException, match="model"):
+            rt.sample_training_session(trainingSessionName=name, body=raw)
+        with pytest.raises(rt.exceptions.ValidationException, match="model"):
+            rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw)
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"] == billed
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 @pytest.mark.parametrize(
     "request_body, says",
     [

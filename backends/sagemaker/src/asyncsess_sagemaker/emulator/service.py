@@ -69,7 +69,7 @@ from .state import (
     SessionRecord,
 )
 
-__all__ = ["EmulatedService", "DEFAULT_GROUP"]
+__all__ = ["EmulatedService", "DEFAULT_GROUP", "chat_model", "chat_completion_id"]
 
 log = logging.getLogger("asyncsess_sagemaker.emulator")
 
@@ -706,6 +706,7 @@ class EmulatedService:
         sess = self._accepting(name)
         if model_package is not None:
             self._known_package(model_package)
+        chat_model(request)
         messages = _chat_messages(request.get("messages"))
         tok = self.inner.get_tokenizer(sess.model.model_id)
         try:
@@ -730,7 +731,7 @@ class EmulatedService:
 
     async def chat_stream(self, name: str, request: dict[str, Any], model_package: str | None) -> AsyncIterator[bytes]:
         prompt, completion, finish, tok = await self.chat(name, request, model_package)
-        chat_id = f"chatcmpl-{uuid.uuid4().hex[:12]}"
+        chat_id, model = chat_completion_id(), chat_model(request)
 
         text = str(tok.decode(completion))
         pieces = content_pieces(tok, completion, text, skip_special_tokens=False)  # whole characters; joined, the reply
@@ -743,6 +744,7 @@ class EmulatedService:
                         "id": chat_id,
                         "object": "chat.completion.chunk",
                         "created": int(time.time()),
+                        "model": model,
                         "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
                     }
                 )
@@ -752,6 +754,7 @@ class EmulatedService:
                     "id": chat_id,
                     "object": "chat.completion.chunk",
                     "created": int(time.time()),
+                    "model": model,
                     "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
                     "usage": usage,
                 }
@@ -785,6 +788,21 @@ _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (
     "top_p": (False, 0, 1),
     "seed": (True, 0, 2**63 - 1),
 }
+
+
+def chat_model(request: dict[str, Any]) -> str:
+    """The model a chat reply names: the request's ``model``, a string of valid Unicode (a lone surrogate made the
+    reply a 500 after the completion ran; a number or an object was echoed back), else ``training-session``."""
+    model = request.get("model")
+    if model is None:
+        return "training-session"
+    if not isinstance(model, str) or not 0 < len(model) <= 256 or model.encode("utf-8", "replace").decode() != model:  # lone surrogate
+        raise AwsError.validation(f"model must be a model name (a string of 1..256 characters), not {json.dumps(model)[:64]}")
+    return model
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:12]}"
 
 
 def _chat_messages(messages: Any) -> list[dict[str, str]]:
