@@ -463,6 +463,33 @@ def test_another_account_s_group_or_another_region_s_model_is_not_found(sm, emul
     sm.delete_model_package_group(ModelPackageGroupName=group)
 
 
+def test_a_group_a_live_session_saves_into_cannot_be_deleted(sm, rt, emulator):
+    """Deleting it was taken: then DescribeTrainingSession and ListTrainingSessions (every caller's) were a 500
+    'Emulator error' (KeyError), and the session's next save failed the session."""
+    group, name = f"g{uuid.uuid4().hex[:8]}", _name()
+    group_arn = sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"]
+    sm.create_training_session(
+        TrainingSessionName=name,
+        ModelPackageGroupArn=group_arn,
+        LoraConfig={"Rank": 8, "Alpha": 16},
+        RoleArn=ROLE,
+        ModelConfig={"BaseModelArn": hub_arn(sm)},
+        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+    )
+    wait_status(sm, name, {"Running"})
+    with pytest.raises(ClientError) as err:
+        sm.delete_model_package_group(ModelPackageGroupName=group)
+    assert _code(err) == ("ValidationException", 400) and name in err.value.response["Error"]["Message"]
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+    saved = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    sm.delete_model_package(ModelPackageName=saved)
+    sm.delete_model_package_group(ModelPackageGroupName=group)  # the session ended: the group may go
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["ModelPackageGroupArn"] == group_arn
+    assert name in [s["TrainingSessionArn"].rsplit("/", 1)[1] for s in sm.list_training_sessions()["TrainingSessionSummaries"]]
+
+
 def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
     with pytest.raises(rt.exceptions.ResourceNotFoundException):
         rt.get_training_operation_result(trainingSessionName="nobody", operationId="op-1")

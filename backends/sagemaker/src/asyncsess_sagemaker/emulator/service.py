@@ -198,7 +198,7 @@ class EmulatedService:
             "LoraConfig": sess.request["LoraConfig"],
             "ModelConfig": sess.request["ModelConfig"],
             "OutputConfig": sess.request["OutputConfig"],
-            "ModelPackageGroupArn": self.groups[sess.group].arn,
+            "ModelPackageGroupArn": arns.model_package_group_arn(*self._arn_account(), sess.group),  # the group may be gone
             "BillableTokenUsage": {
                 "PrefillTokenCount": sess.prefill_tokens,
                 "SampleTokenCount": sess.sample_tokens,
@@ -344,6 +344,9 @@ class EmulatedService:
         g = self._group(body["ModelPackageGroupName"])
         if any(p.group == g.name for p in self.packages.values()):
             raise AwsError.validation(f"Model package group {g.name} still has model packages")
+        users = sorted(sess.name for sess in self.sessions.values() if sess.group == g.name and sess.status not in TERMINAL)
+        if users:  # a live session registers its saves there
+            raise AwsError.validation(f"Model package group {g.name} is in use by training session {users[0]}; stop it first")
         del self.groups[g.name]
         return {}
 
