@@ -490,6 +490,35 @@ def test_a_group_a_live_session_saves_into_cannot_be_deleted(sm, rt, emulator):
     assert name in [s["TrainingSessionArn"].rsplit("/", 1)[1] for s in sm.list_training_sessions()["TrainingSessionSummaries"]]
 
 
+def test_sampling_without_a_package_runs_on_the_newest_package_left_after_a_delete(sm, rt, emulator):
+    """Once the session's newest package was deleted, a sample, log-prob or chat that named no package still ran on
+    the deleted weights (when their sampler was up) or failed with ResourceNotFound for a package it never named."""
+    name = _name()
+    new_session(sm, name)
+    prompt = {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}
+
+    def logprobs(arn: str | None = None) -> list:
+        config = {"prompt": prompt} | ({"modelPackageArn": arn} if arn else {})
+        op = rt.execute_sampling_operation(trainingSessionName=name, operationConfig={"computeLogprobs": config})
+        return wait_op(rt.get_sampling_operation_result, name, op["operationId"])["operationResult"]["computeLogprobs"]["logprobs"]
+
+    base = logprobs()
+    saved = []
+    for seq in (1, 4):
+        for i, config in enumerate([fb([1, 40, 41, 42]), OPTIM, {"saveWeights": {}}]):
+            op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq + i, operationConfig=config)
+            result = wait_op(rt.get_training_operation_result, name, op["operationId"])
+        saved.append(result["operationResult"]["saveWeights"]["modelPackageArn"])
+    assert logprobs() == logprobs(saved[1]) != logprobs(saved[0])
+    sm.delete_model_package(ModelPackageName=saved[1])
+    assert logprobs() == logprobs(saved[0])
+    sm.delete_model_package(ModelPackageName=saved[0])
+    assert logprobs() == base
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    assert json.loads(rt.sample_training_session(trainingSessionName=name, body=chat)["body"].read())["choices"]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
     with pytest.raises(rt.exceptions.ResourceNotFoundException):
         rt.get_training_operation_result(trainingSessionName="nobody", operationId="op-1")

@@ -399,7 +399,11 @@ class EmulatedService:
         return _page(_filtered(rows, body, "ModelPackageName"), body, "ModelPackageSummaryList")
 
     async def delete_model_package(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.packages.pop(self._package(body["ModelPackageName"]).arn)
+        arn = self.packages.pop(self._package(body["ModelPackageName"]).arn).arn
+        for sess in self.sessions.values():
+            if sess.latest_checkpoint == arn:  # samples that name no package run on the newest one left (or the base model)
+                mine = [p for p in self.packages.values() if p.session_name == sess.name and p.created >= sess.created]
+                sess.latest_checkpoint = max(mine, key=lambda p: (p.created, p.version)).arn if mine else None
         return {}
 
     # ----------------------------------------------------------------------------------- hub
