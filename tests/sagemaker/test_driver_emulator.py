@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import asyncsess
-from asyncsess.errors import InvalidInputError, RetriesExhaustedError, SessionGoneError, UnsupportedError
+from asyncsess.errors import InvalidInputError, NotFoundError, RetriesExhaustedError, SessionGoneError, UnsupportedError
 from asyncsess.rl.data import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
 from asyncsess_sagemaker.emulator import running_emulator
@@ -190,6 +190,39 @@ async def test_bad_input_is_a_typed_error_naming_the_field(emulator):
         assert caps.loss_functions == ["cross_entropy", "importance_sampling", "ppo", "cispo"]
         with pytest.raises(InvalidInputError):
             await svc.create_lora_training_client("no/such-model", rank=4)
+
+
+@pytest.mark.parametrize("bad", ["arn:not-a-package", "sampler weights", "deleted here"])
+async def test_a_bad_load_state_path_is_refused_at_once_and_the_client_goes_on(emulator, bad):
+    """As on mock://: the path was checked (or sent and refused by the service) after the op took its number, so the
+    refusal poisoned the training client and every later op was a PoisonedError."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        weights = await tc.save_weights_for_sampler("w")
+        state = await tc.save_state("s")
+        if bad == "deleted here":
+            await svc.backend.delete_checkpoint(state.path)
+        path = {"arn:not-a-package": "arn:not-a-package", "sampler weights": weights.path, "deleted here": state.path}[bad]
+        sent = len(emulator.session_state(tc.model_id)["operations"])
+        with pytest.raises(InvalidInputError) as err:
+            await tc.load_state(path)
+        assert err.value.field == "path"
+        assert isinstance(err.value, NotFoundError) is (bad == "deleted here")
+        assert len(emulator.session_state(tc.model_id)["operations"]) == sent  # nothing was sent
+        assert (await tc.forward_backward(BATCH, "cross_entropy")).metrics["loss:sum"] > 0
+
+
+async def test_load_state_of_a_package_deleted_elsewhere_is_not_found_not_a_gone_session(emulator):
+    """ResourceNotFoundException names the package here, not the session: it was a SessionGoneError, and the
+    training client called its live session gone."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        state = await tc.save_state("s")
+        clients(emulator.url)[0].delete_model_package(ModelPackageName=state.path)
+        with pytest.raises(NotFoundError) as err:
+            await tc.load_state(state.path)
+        assert err.value.field == "path" and "not found" in err.value.message
+        assert emulator.session_state(tc.model_id)["status"] == "Running"
 
 
 async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emulator):

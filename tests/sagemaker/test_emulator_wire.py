@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import uuid
@@ -99,6 +100,83 @@ def test_list_paginates_with_the_botocore_paginator(sm, emulator):
     assert [len(p["TrainingSessionSummaries"]) for p in pages] == [2, 1]
     for i in range(3):
         sm.stop_training_session(TrainingSessionName=f"{prefix}-{i}")
+
+
+@pytest.mark.parametrize("token", ["abc", "-1", "1.5", "9" * 8000])
+@pytest.mark.parametrize(
+    "list_call",
+    [
+        lambda sm, token: sm.list_training_sessions(NextToken=token),
+        lambda sm, token: sm.list_model_packages(NextToken=token),
+        lambda sm, token: sm.list_model_package_groups(NextToken=token),
+        lambda sm, token: sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model", NextToken=token),
+    ],
+)
+def test_a_next_token_the_emulator_did_not_hand_out_is_a_validation_exception(sm, emulator, list_call, token):
+    """Every List operation answered a 500 'Emulator error' (int() of the token) to a token it had not handed out;
+    a negative one was taken as an offset from the end."""
+    with pytest.raises(ClientError) as err:
+        list_call(sm, token)
+    assert _code(err) == ("ValidationException", 400)
+    assert "pagination token" in err.value.response["Error"]["Message"]
+
+
+def test_model_registry_lists_filter_and_sort_as_documented(sm, rt, emulator):
+    """ListModelPackages ignored NameContains and CreationTimeAfter/Before, and ListModelPackageGroups ignored
+    SortBy, SortOrder (it listed newest first; the documented default is CreationTime, Ascending) and the time filters."""
+    prefix = f"reg{uuid.uuid4().hex[:6]}"
+    first, second = f"{prefix}-b", f"{prefix}-a"
+    group_arn = sm.create_model_package_group(ModelPackageGroupName=first)["ModelPackageGroupArn"]
+    time.sleep(0.02)
+    sm.create_model_package_group(ModelPackageGroupName=second)
+    ms = datetime.timedelta(milliseconds=5)  # times come back rounded to the microsecond: compare between the rows
+
+    def groups(**kw: object) -> list[str]:
+        return [g["ModelPackageGroupName"] for g in sm.list_model_package_groups(NameContains=prefix, **kw)["ModelPackageGroupSummaryList"]]
+
+    assert groups() == [first, second]
+    assert groups(SortOrder="Descending") == [second, first]
+    assert groups(SortBy="Name") == [second, first]
+    created = sm.describe_model_package_group(ModelPackageGroupName=second)["CreationTime"]
+    assert groups(CreationTimeBefore=created - ms) == [first]
+    name = _name()
+    sm.create_training_session(
+        TrainingSessionName=name,
+        ModelPackageGroupArn=group_arn,
+        LoraConfig={"Rank": 8, "Alpha": 16},
+        RoleArn=ROLE,
+        ModelConfig={"BaseModelArn": hub_arn(sm)},
+        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+    )
+    wait_status(sm, name, {"Running"})
+    arns = []
+    for seq in (1, 2):
+        op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveState": {}})
+        arns.append(wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"])
+        time.sleep(0.02)
+
+    def packages(**kw: object) -> list[str]:
+        return [p["ModelPackageArn"] for p in sm.list_model_packages(ModelPackageGroupName=first, **kw)["ModelPackageSummaryList"]]
+
+    assert packages() == arns
+    after = sm.describe_model_package(ModelPackageName=arns[0])["CreationTime"]
+    assert packages(CreationTimeAfter=after + ms) == [arns[1]]
+    assert packages(CreationTimeBefore=after - ms) == []
+    assert packages(NameContains="no-such-name") == [] and packages(NameContains=prefix) == arns
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("when", ['"not-a-date"', "NaN", "1e400"])
+def test_a_creation_time_filter_that_is_no_time_is_a_validation_exception(sm, emulator, when):
+    """'not-a-date' was a 500 'Emulator error' (fromisoformat) once a session existed; NaN and Infinity were taken."""
+    new_session(sm, _name())
+    for op in ("ListTrainingSessions", "ListModelPackages"):
+        body = f'{{"CreationTimeAfter": {when}}}'.encode()
+        r = httpx.post(
+            emulator.url, content=body, headers={"x-amz-target": f"SageMaker.{op}", "content-type": "application/x-amz-json-1.1"}
+        )
+        assert r.status_code == 400 and r.json()["__type"] == "ValidationException", (op, r.text)
+        assert "CreationTimeAfter" in r.json()["Message"]
 
 
 def test_training_ops_run_in_order_with_usage_and_checkpoints(sm, rt, emulator):
@@ -318,6 +396,129 @@ def test_limits_from_the_control_plane_model_are_enforced(sm, emulator):
     sm.stop_training_session(TrainingSessionName=name)
 
 
+def test_numbers_past_the_model_integer_types_are_refused_and_change_nothing(sm, emulator):
+    """Smithy's integer is 32-bit: sequenceNumber 2**63 was taken (the session showed it as its
+    LastReceivedSequenceNumber, Blocked waiting for number 1 after it, and failed at the gap timeout), and a
+    LoraConfig Alpha or a sampling seed of 2**40 was taken too."""
+    raw_sm, raw_rt = clients(emulator.url, validate=False)
+    name = _name()
+    new_session(sm, name)
+    with pytest.raises(ClientError) as err:
+        raw_rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2**63, operationConfig=fb([1, 40, 41]))
+    assert _code(err) == ("ValidationException", 400)
+    assert "'sequenceNumber'" in err.value.response["Error"]["Message"] and "32-bit" in err.value.response["Error"]["Message"]
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and "LastReceivedSequenceNumber" not in detail
+    op = raw_rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig=fb([1, 40, 41]))
+    assert wait_op(raw_rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    sample = {"prompt": {"chunks": [{"tokens": [1, 40], "type": "encoded_text"}]}, "numSamples": 1}
+    with pytest.raises(ClientError) as err:
+        raw_rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"sample": sample | {"samplingParams": {"maxTokens": 512, "seed": 2**40}}}
+        )
+    assert _code(err) == ("ValidationException", 400) and "samplingParams.seed" in err.value.response["Error"]["Message"]
+    sm.stop_training_session(TrainingSessionName=name)
+    other = _name()
+    with pytest.raises(ClientError) as err:
+        raw_sm.create_training_session(
+            TrainingSessionName=other,
+            LoraConfig={"Rank": 8, "Alpha": 2**40},
+            RoleArn=ROLE,
+            ModelConfig={"BaseModelArn": hub_arn(sm)},
+            OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+        )
+    assert _code(err) == ("ValidationException", 400) and "LoraConfig.Alpha" in err.value.response["Error"]["Message"]
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName=other)
+
+
+def test_another_account_s_group_or_another_region_s_model_is_not_found(sm, emulator):
+    """Only the last ARN segment was read: a group ARN of account 999999999999 registered the session's checkpoints in
+    this account's group of the same name, and a base model of another region or hub was taken."""
+    group = f"g{uuid.uuid4().hex[:8]}"
+    sm.create_model_package_group(ModelPackageGroupName=group)
+    other_group = f"arn:aws:sagemaker:us-west-2:999999999999:model-package-group/{group}"
+    model = hub_arn(sm)
+    name = _name()
+    base = {
+        "TrainingSessionName": name,
+        "LoraConfig": {"Rank": 8, "Alpha": 16},
+        "RoleArn": ROLE,
+        "OutputConfig": {"S3Location": {"Path": "s3://bucket/out"}},
+    }
+    for change in [
+        {"ModelPackageGroupArn": other_group, "ModelConfig": {"BaseModelArn": model}},
+        {"ModelConfig": {"BaseModelArn": model.replace(":us-west-2:", ":eu-west-1:")}},
+        {"ModelConfig": {"BaseModelArn": model.replace("/SageMakerPublicHub/", "/SomeoneElsesHub/")}},
+    ]:
+        with pytest.raises(ClientError) as err:
+            sm.create_training_session(**(base | change))
+        assert _code(err) == ("ResourceNotFound", 400), change
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName=name)
+    with pytest.raises(ClientError) as err:
+        sm.describe_model_package_group(ModelPackageGroupName=other_group)
+    assert _code(err) == ("ValidationException", 400)
+    assert sm.describe_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupName"] == group
+    sm.delete_model_package_group(ModelPackageGroupName=group)
+
+
+def test_a_group_a_live_session_saves_into_cannot_be_deleted(sm, rt, emulator):
+    """Deleting it was taken: then DescribeTrainingSession and ListTrainingSessions (every caller's) were a 500
+    'Emulator error' (KeyError), and the session's next save failed the session."""
+    group, name = f"g{uuid.uuid4().hex[:8]}", _name()
+    group_arn = sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"]
+    sm.create_training_session(
+        TrainingSessionName=name,
+        ModelPackageGroupArn=group_arn,
+        LoraConfig={"Rank": 8, "Alpha": 16},
+        RoleArn=ROLE,
+        ModelConfig={"BaseModelArn": hub_arn(sm)},
+        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+    )
+    wait_status(sm, name, {"Running"})
+    with pytest.raises(ClientError) as err:
+        sm.delete_model_package_group(ModelPackageGroupName=group)
+    assert _code(err) == ("ValidationException", 400) and name in err.value.response["Error"]["Message"]
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+    saved = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    sm.delete_model_package(ModelPackageName=saved)
+    sm.delete_model_package_group(ModelPackageGroupName=group)  # the session ended: the group may go
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["ModelPackageGroupArn"] == group_arn
+    assert name in [s["TrainingSessionArn"].rsplit("/", 1)[1] for s in sm.list_training_sessions()["TrainingSessionSummaries"]]
+
+
+def test_sampling_without_a_package_runs_on_the_newest_package_left_after_a_delete(sm, rt, emulator):
+    """Once the session's newest package was deleted, a sample, log-prob or chat that named no package still ran on
+    the deleted weights (when their sampler was up) or failed with ResourceNotFound for a package it never named."""
+    name = _name()
+    new_session(sm, name)
+    prompt = {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}
+
+    def logprobs(arn: str | None = None) -> list:
+        config = {"prompt": prompt} | ({"modelPackageArn": arn} if arn else {})
+        op = rt.execute_sampling_operation(trainingSessionName=name, operationConfig={"computeLogprobs": config})
+        return wait_op(rt.get_sampling_operation_result, name, op["operationId"])["operationResult"]["computeLogprobs"]["logprobs"]
+
+    base = logprobs()
+    saved = []
+    for seq in (1, 4):
+        for i, config in enumerate([fb([1, 40, 41, 42]), OPTIM, {"saveWeights": {}}]):
+            op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq + i, operationConfig=config)
+            result = wait_op(rt.get_training_operation_result, name, op["operationId"])
+        saved.append(result["operationResult"]["saveWeights"]["modelPackageArn"])
+    assert logprobs() == logprobs(saved[1]) != logprobs(saved[0])
+    sm.delete_model_package(ModelPackageName=saved[1])
+    assert logprobs() == logprobs(saved[0])
+    sm.delete_model_package(ModelPackageName=saved[0])
+    assert logprobs() == base
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    assert json.loads(rt.sample_training_session(trainingSessionName=name, body=chat)["body"].read())["choices"]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_runtime_errors_have_the_modelled_codes_and_statuses(sm, rt, emulator):
     with pytest.raises(rt.exceptions.ResourceNotFoundException):
         rt.get_training_operation_result(trainingSessionName="nobody", operationId="op-1")
@@ -448,11 +649,36 @@ def test_openai_compatible_chat_and_its_stream(sm, rt, emulator):
     sm.stop_training_session(TrainingSessionName=name)
 
 
+def test_chat_replies_parse_as_openai_s_types_and_a_bad_model_name_is_refused_before_sampling(sm, rt, emulator):
+    """The plain reply had no id or created (OpenAI's ChatCompletion requires both) and the chunks no model; a
+    "model" holding a lone surrogate was a 500 'Emulator error' after the completion ran (its tokens billed), and a
+    number or an object was echoed back as the reply's model."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    name = _name()
+    new_session(sm, name)
+    body = json.dumps({"model": "my-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    answer = ChatCompletion.model_validate_json(rt.sample_training_session(trainingSessionName=name, body=body)["body"].read())
+    assert answer.model == "my-model" and answer.id.startswith("chatcmpl-") and answer.created > 0
+    stream = rt.sample_training_session_with_response_stream(trainingSessionName=name, body=body)["body"]
+    chunks = [ChatCompletionChunk.model_validate_json(line[5:]) for line in stream.iter_lines() if line.startswith(b"data: {")]
+    assert {c.model for c in chunks} == {"my-model"} and len({c.id for c in chunks}) == 1
+    billed = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"]
+    for model in ['"\\ud800"', "5", '{"x": 1}', '""']:
+        raw = f'{{"model": {model}, "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 4}}'.encode()
+        with pytest.raises(rt.exceptions.ValidationException, match="model"):
+            rt.sample_training_session(trainingSessionName=name, body=raw)
+        with pytest.raises(rt.exceptions.ValidationException, match="model"):
+            rt.sample_training_session_with_response_stream(trainingSessionName=name, body=raw)
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["BillableTokenUsage"] == billed
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 @pytest.mark.parametrize(
     "request_body, says",
     [
         ({"messages": ["hi"]}, "list of objects"),
-        ({"messages": [{"content": "hi"}]}, "unknown role"),
+        ({"messages": [{"content": "hi"}]}, "'role'"),
         ({"messages": [{"role": "user", "content": "x" * 100_000}]}, "exceed the context"),
     ],
 )
@@ -469,6 +695,27 @@ def test_a_chat_request_the_model_cannot_take_is_a_validation_exception(sm, rt, 
     ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
     answer = json.loads(rt.sample_training_session(trainingSessionName=name, body=ok, contentType="application/json")["body"].read())
     assert answer["choices"][0]["message"]["role"] == "assistant"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_chat_messages_are_read_as_openai_reads_them(sm, rt, emulator):
+    """Content given as text parts was rendered as the list's Python repr (36 prompt tokens for "hi"), and content
+    5, null, or text with a lone surrogate or a NUL was rendered as it came ("5", "None")."""
+    name = _name()
+    new_session(sm, name)
+
+    def chat(messages: list[dict]) -> dict:
+        body = json.dumps({"messages": messages, "max_tokens": 4, "seed": 3}).encode()
+        return json.loads(rt.sample_training_session(trainingSessionName=name, body=body, contentType="application/json")["body"].read())
+
+    plain = chat([{"role": "user", "content": "hi there"}])
+    parts = chat([{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}])
+    assert parts["usage"] == plain["usage"] and parts["choices"] == plain["choices"]
+    assert chat([{"role": "developer", "content": "be brief"}])["usage"] == chat([{"role": "system", "content": "be brief"}])["usage"]
+    for content in ["5", '{"a": 1}', '"hi \\ud800"', '"hi \\u0000"', '[{"type": "image_url", "image_url": "x"}]']:
+        raw = f'{{"messages": [{{"role": "user", "content": {content}}}], "max_tokens": 4}}'.encode()
+        with pytest.raises(rt.exceptions.ValidationException, match=r"messages\[0\]"):
+            rt.sample_training_session(trainingSessionName=name, body=raw, contentType="application/json")
     sm.stop_training_session(TrainingSessionName=name)
 
 

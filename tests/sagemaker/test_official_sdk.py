@@ -83,6 +83,73 @@ def test_sdk_loop_goes_on_after_an_op_the_service_refuses(service, sdk_emulator)
         tc.stop()
 
 
+def test_sdk_batch_shaped_loss_inputs_are_refused_and_the_session_keeps_running(service, sdk_emulator):
+    """The SDK flattens nested lists and sends their shape: ``[[t1, t2, t3]]`` (a batch dimension, as from
+    ``tensor.unsqueeze(0)``) goes out as shape [1, 3]. The emulator took it, the engine refused it, and the failed
+    op failed the session: every later op was a ConflictException."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        batched = ts.Datum(
+            model_input=ts.ModelInput.from_ints([1, 40, 41]),
+            loss_fn_inputs={"target_tokens": [[40, 41, 42]], "weights": [[1.0, 1.0, 1.0]]},
+        )
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward([batched], "cross_entropy").result()
+        assert err.value.response["Error"]["Code"] == "ValidationException"
+        assert "lossFnInputs['target_tokens'].shape" in err.value.response["Error"]["Message"]
+        assert tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy").result().metrics["loss:sum"] > 0
+        assert sdk_emulator.session_state(tc.training_session_name)["status"] == "Running"
+    finally:
+        tc.stop()
+
+
+def test_sdk_input_past_the_model_context_is_refused_and_the_session_keeps_running(service, sdk_emulator):
+    """The hub publishes the model's context (MaxContextLength 512 for mock/bigram-tiny); a longer datum was taken, the
+    engine refused it and the failed op failed the session (every later op a ConflictException); a longer prompt
+    was taken and its operation failed afterwards."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward([_sft_datum([1] + [40] * 600)], "cross_entropy").result()
+        assert err.value.response["Error"]["Code"] == "ValidationException"
+        assert "datumList[0].modelInput" in err.value.response["Error"]["Message"] and "512" in err.value.response["Error"]["Message"]
+        assert tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy").result().metrics["loss:sum"] > 0
+        sampler = tc.save_weights_and_get_sampling_client()
+        with pytest.raises(ClientError) as err:
+            sampler.compute_logprobs(ts.ModelInput.from_ints([1] + [40] * 600)).result()
+        assert err.value.response["Error"]["Code"] == "ValidationException" and "prompt" in err.value.response["Error"]["Message"]
+        assert sdk_emulator.session_state(tc.training_session_name)["status"] == "Running"
+    finally:
+        tc.stop()
+
+
+def _rl_datum(tokens: list[int], **extra: list[float]) -> Any:
+    n = len(tokens) - 1
+    inputs = {"target_tokens": tokens[1:], "weights": [1.0] * n, "advantages": [1.0] * n, "logprobs": [-1.0] * n, **extra}
+    return ts.Datum(model_input=ts.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+@pytest.mark.parametrize(
+    "batch, loss, config, says",
+    [
+        ([_sft_datum([1, 40, 41])], "cross_entropy", {"clip_low_threshold": 0.8}, "cross_entropy takes no key"),
+        ([_rl_datum([1, 40, 41], ref_log_prob=[-1.0, -1.0]), _rl_datum([1, 50, 51])], "ppo", None, "same lossFnInputs keys"),
+    ],
+)
+def test_sdk_batches_the_engine_cannot_run_are_refused_and_the_session_keeps_running(service, sdk_emulator, batch, loss, config, says):
+    """Both were taken, the engine refused them (clip thresholds on a loss without a ratio; a key on some datums
+    only) and the failed op failed the session: every later op was a ConflictException."""
+    tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
+    try:
+        with pytest.raises(ClientError) as err:
+            tc.forward_backward(batch, loss, loss_fn_config=config).result()
+        assert err.value.response["Error"]["Code"] == "ValidationException" and says in err.value.response["Error"]["Message"]
+        assert tc.forward_backward([_sft_datum([1, 40, 41, 42])], "cross_entropy").result().metrics["loss:sum"] > 0
+        assert sdk_emulator.session_state(tc.training_session_name)["status"] == "Running"
+    finally:
+        tc.stop()
+
+
 def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emulator):
     tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
     try:

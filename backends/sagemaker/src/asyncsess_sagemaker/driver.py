@@ -165,6 +165,7 @@ class SageMakerBackend(Backend):
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, _Sampler] = {}
         self._package_session: dict[str, str] = {}  # model package ARN -> the live session that saved it
+        self._package_kind: dict[str, str | None] = {}  # ARN -> "state"/"sampler"/"merged" of a save here; None: deleted here
         self._hub: dict[str, tuple[str, str | None]] = {}  # base model as given -> (hub content ARN, HF id)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._group_arn: str | None = options.model_package_group_arn
@@ -445,6 +446,25 @@ class SageMakerBackend(Backend):
             raise InvalidInputError(f"{model_package_arn} names no base model", field="base_model", fix="pass base_model=...")
         return arns.hub_content_arn(self.options.region, base["HubContentName"], base.get("HubContentVersion") or "1.0.0")
 
+    def precheck(self, session_id: str, op: TrainingOp) -> None:
+        """Refuse at once, as mock:// and local:// do, a ``load_state`` path that is no model package version ARN, or a
+        package this client saved as sampler weights (the service refuses to load them) or deleted. Refused by the
+        service after numbering, the op would poison the training client for good."""
+        if not isinstance(op, LoadStateOp):
+            return
+        self._require_package_arn(op.path, "path")
+        if op.path not in self._package_kind:
+            return
+        kind = self._package_kind[op.path]
+        if kind is None:
+            raise NotFoundError(f"{op.path} was deleted", field="path", fix="load a model package that exists (list_checkpoints)")
+        if kind != "state":
+            raise InvalidInputError(
+                f"{op.path} holds sampler weights (save_weights_for_sampler), not training state",
+                field="path",
+                fix="load a path that save_state returned",
+            )
+
     @staticmethod
     def _require_package_arn(arn: str, field: str) -> None:
         if arns.parse_model_package_arn(arn) is None:
@@ -616,8 +636,10 @@ class SageMakerBackend(Backend):
             raise RetriesExhaustedError(
                 f"sequence number {sub.seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)
             ) from err
-        except SessionGoneError:
-            await self._check_alive(sess)
+        except SessionGoneError as err:
+            await self._check_alive(sess)  # raises when the session is gone
+            if "loadState" in sub.config:  # alive: the package it names is unknown (ResourceNotFoundException)
+                raise NotFoundError(err.message, field="path", fix="load a model package that exists (list_checkpoints)") from None
             raise
         return resp["operationId"]
 
@@ -680,6 +702,7 @@ class SageMakerBackend(Backend):
             "state" if isinstance(op, SaveStateOp) else "merged" if op.merge_weights else "sampler"
         )
         self._package_session[arn] = sess.name
+        self._package_kind[arn] = kind
         ref = arns.parse_model_package_arn(arn)
         sess.packages.append(
             Checkpoint(
@@ -713,6 +736,7 @@ class SageMakerBackend(Backend):
         await self._calls.retried(
             self.control.delete_model_package, operation="DeleteModelPackage", not_found=NotFoundError, ModelPackageName=path
         )
+        self._package_kind[path] = None
         for sess in self._sessions.values():
             sess.packages[:] = [c for c in sess.packages if c.path != path]
 

@@ -7,6 +7,7 @@ before sending so bad input fails with the field's path instead of a round trip.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,7 +16,10 @@ from typing import Any
 
 from botocore.model import Shape
 
-__all__ = ["ShapeError", "check_shape"]
+__all__ = ["ShapeError", "check_shape", "INTEGER_RANGE"]
+
+# Smithy's integer is 32-bit and long 64-bit: the service cannot read a larger number into the member.
+INTEGER_RANGE = {"integer": (-(2**31), 2**31 - 1), "long": (-(2**63), 2**63 - 1)}
 
 
 @dataclass
@@ -115,6 +119,9 @@ def _check(value: Any, shape: Shape, path: str) -> None:
     elif kind in ("integer", "long"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ShapeError(path, "Member must be an integer", value)
+        low, high = INTEGER_RANGE[kind]
+        if not low <= value <= high:
+            raise ShapeError(path, f"Member must be a {'32' if kind == 'integer' else '64'}-bit integer, in [{low}, {high}]", value)
         _bounds(value, shape, path, value)
     elif kind in ("double", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -124,8 +131,22 @@ def _check(value: Any, shape: Shape, path: str) -> None:
         if not isinstance(value, bool):
             raise ShapeError(path, "Member must be a boolean", value)
     elif kind == "timestamp":
-        if isinstance(value, bool) or not isinstance(value, (int, float, str, datetime)):
-            raise ShapeError(path, "Member must be a timestamp", value)
+        if not _is_timestamp(value):
+            raise ShapeError(path, "Member must be a timestamp: finite epoch seconds or an ISO 8601 string", value)
     elif kind == "blob":
         if not isinstance(value, (str, bytes, bytearray)):
             raise ShapeError(path, "Member must be a blob", value)
+
+
+def _is_timestamp(value: Any) -> bool:
+    if isinstance(value, datetime):
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        try:
+            datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return False
+        return True
+    return False

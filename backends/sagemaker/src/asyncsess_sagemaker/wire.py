@@ -24,7 +24,7 @@ from asyncsess.types import (
     TensorData,
     Usage,
 )
-from asyncsess.validation import SAMPLER_LOGPROB_RANGE, all_finite_f32
+from asyncsess.validation import LOSS_CONFIG_KEYS, SAMPLER_LOGPROB_RANGE, all_finite_f32
 
 from .arns import parse_model_package_arn
 from .service_models import RUNTIME, enum_values, runtime_model
@@ -97,7 +97,7 @@ def _model_input_length(mi: dict[str, Any]) -> int:
     return sum(len(c.get("tokens") or []) for c in mi.get("chunks") or [])
 
 
-def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> None:
+def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, context: int | None) -> None:
     rules = loss_rules()
     loss = config["lossFnName"]
     datums = config["datumList"]
@@ -108,6 +108,7 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
         n = _model_input_length(datum["modelInput"])
         if not datum["modelInput"]["chunks"] or n == 0:
             raise ShapeError(f"{where}.modelInput", "Member must have at least one chunk with at least one token", datum["modelInput"])
+        _check_context(n, context, f"{where}.modelInput")
         inputs = datum.get("lossFnInputs") or {}
         unsupported = sorted(set(inputs) - rules.supported_keys)
         if unsupported:
@@ -140,12 +141,10 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
             if key == "logprobs" and not all(low <= v <= high for v in data):
                 raise ShapeError(f"{tpath}.data", f"sampler log-probs must be in [{low:g}, {high:g}] (log p ≤ 0)", data)
             shape = tensor.get("shape")
-            if shape is not None:
-                size = 1
-                for s in shape:
-                    size *= s
-                if size != len(data):
-                    raise ShapeError(f"{tpath}.shape", f"shape {shape} holds {size} values but data has {len(data)}", shape)
+            if shape is not None and shape != [n]:  # the engine takes one value per input token, nothing else
+                raise ShapeError(
+                    f"{tpath}.shape", f"Member must be [{n}], one value per input token (flatten a batch dimension such as [1, {n}])", shape
+                )
             if len(data) != n:
                 raise ShapeError(f"{tpath}.data", f"Member must hold one value per input token ({n})", len(data))
         if vocab_size is not None:
@@ -154,6 +153,9 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ShapeError(where, f"token id must be in [0, {vocab_size})", bad)
+    key_sets = sorted({tuple(sorted(d.get("lossFnInputs") or {})) for d in datums})
+    if len(key_sets) > 1:  # the engine takes a key on every datum or on none
+        raise ShapeError(f"{path}.datumList", "Member must give every datum the same lossFnInputs keys", key_sets)
     cfg = config.get("lossFnConfig")
     if cfg is not None:
         if not isinstance(cfg, dict):
@@ -166,6 +168,8 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None) -> 
             lo, hi = rules.config_ranges[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise ShapeError(f"{path}.lossFnConfig.{key}", f"Member must be a number in [{lo:g}, {hi:g}]", value)
+            if key not in LOSS_CONFIG_KEYS[loss]:  # clip thresholds bound a ratio: cross_entropy and importance_sampling have none
+                raise ShapeError(f"{path}.lossFnConfig", f"{loss} takes no key {key!r}; only ppo and cispo take clip thresholds", key)
 
 
 def _check_package_arn(arn: str, path: str) -> None:
@@ -175,12 +179,18 @@ def _check_package_arn(arn: str, path: str) -> None:
         )
 
 
-def check_operation_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
-    """The prose rules of ``OperationConfig`` (run after the shape check)."""
+def _check_context(n: int, context: int | None, path: str) -> None:
+    if context is not None and n > context:
+        raise ShapeError(path, f"Member must hold at most {context} tokens (the model's context length)", n)
+
+
+def check_operation_config(config: dict[str, Any], vocab_size: int | None = None, context: int | None = None) -> None:
+    """The prose rules of ``OperationConfig`` (run after the shape check); ``vocab_size`` and ``context`` (the
+    model's context length in tokens) are checked when known."""
     kind, body = next(iter(config.items()))
     path = f"operationConfig.{kind}"
     if kind in ("forward", "forwardBackward"):
-        _check_datums(body, path, vocab_size)
+        _check_datums(body, path, vocab_size, context)
     elif kind == "optimizerStep":
         if body["adamParamsConfig"]["learningRate"] <= 0:
             raise ShapeError(
@@ -190,8 +200,8 @@ def check_operation_config(config: dict[str, Any], vocab_size: int | None = None
         _check_package_arn(body["modelPackageArn"], f"{path}.modelPackageArn")
 
 
-def check_sample_config(config: dict[str, Any], vocab_size: int | None = None) -> None:
-    """The prose rules of ``SampleOperationConfig`` (run after the shape check)."""
+def check_sample_config(config: dict[str, Any], vocab_size: int | None = None, context: int | None = None) -> None:
+    """The prose rules of ``SampleOperationConfig`` (run after the shape check), as :func:`check_operation_config`."""
     kind, body = next(iter(config.items()))
     path = f"operationConfig.{kind}"
     if body.get("modelPackageArn") is not None:
@@ -200,6 +210,7 @@ def check_sample_config(config: dict[str, Any], vocab_size: int | None = None) -
         tokens = [t for c in body["prompt"]["chunks"] for t in c["tokens"]]
         if not tokens:
             raise ShapeError(f"{path}.prompt", "Member must hold at least one token", body["prompt"])
+        _check_context(len(tokens), context, f"{path}.prompt")
         if vocab_size is not None:
             bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:

@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import re
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -32,7 +33,7 @@ from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS,
 from ..shape_check import ShapeError, check_shape
 from .config import EmulatorConfig, FaultConfig
 from .errors import AwsError, control_error_response, runtime_error_response
-from .service import EmulatedService
+from .service import EmulatedService, chat_completion_id, chat_model
 
 __all__ = ["create_app"]
 
@@ -208,8 +209,10 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         message = {"role": "assistant", "content": reply.text}
         return JSONResponse(
             {
+                "id": chat_completion_id(),
                 "object": "chat.completion",
-                "model": body.get("model") or "training-session",
+                "created": int(time.time()),
+                "model": chat_model(body),
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reply.finish}],
                 "usage": usage,
             }

@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+from pydantic import ValidationError
 
 from asyncsess.backends import (
     Backend,
@@ -38,11 +39,11 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, SessionGoneError
-from asyncsess.serve.openai_wire import content_pieces, lp_entry
+from asyncsess.serve.openai_wire import Message, content_pieces, lp_entry, validation_error
 from asyncsess.types import MAX_SEED, CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
-from ..shape_check import ShapeError
+from ..shape_check import INTEGER_RANGE, ShapeError
 from ..wire import (
     adam_from_wire,
     check_operation_config,
@@ -68,7 +69,7 @@ from .state import (
     SessionRecord,
 )
 
-__all__ = ["EmulatedService", "DEFAULT_GROUP"]
+__all__ = ["EmulatedService", "DEFAULT_GROUP", "chat_model", "chat_completion_id"]
 
 log = logging.getLogger("asyncsess_sagemaker.emulator")
 
@@ -127,7 +128,7 @@ class EmulatedService:
 
     def _hub_model(self, base_model_arn: str) -> HubModel:
         ref = arns.parse_hub_content_arn(base_model_arn)
-        model = self.hub.get(ref.name) if ref else None
+        model = self.hub.get(ref.name) if ref and ref.region == self.config.region and ref.hub == arns.PUBLIC_HUB else None
         if ref is None or model is None or (ref.version is not None and ref.version != model.version):
             raise AwsError("ResourceNotFound", f"Hub content {base_model_arn} not found")
         return model
@@ -141,7 +142,7 @@ class EmulatedService:
         group_arn = body.get("ModelPackageGroupArn")
         if group_arn is not None:
             group = arns.name_from_arn(group_arn)
-            if group not in self.groups:
+            if group not in self.groups or self.groups[group].arn != group_arn:  # another account's or region's is not ours
                 raise AwsError("ResourceNotFound", f"Model package group {group_arn} not found")
         else:
             group = self._ensure_group(DEFAULT_GROUP).name
@@ -197,7 +198,7 @@ class EmulatedService:
             "LoraConfig": sess.request["LoraConfig"],
             "ModelConfig": sess.request["ModelConfig"],
             "OutputConfig": sess.request["OutputConfig"],
-            "ModelPackageGroupArn": self.groups[sess.group].arn,
+            "ModelPackageGroupArn": arns.model_package_group_arn(*self._arn_account(), sess.group),  # the group may be gone
             "BillableTokenUsage": {
                 "PrefillTokenCount": sess.prefill_tokens,
                 "SampleTokenCount": sess.sample_tokens,
@@ -310,7 +311,7 @@ class EmulatedService:
 
     def _group(self, name_or_arn: str) -> ModelPackageGroupRecord:
         group = self.groups.get(arns.name_from_arn(name_or_arn))
-        if group is None:
+        if group is None or (name_or_arn.startswith("arn:") and name_or_arn != group.arn):
             raise AwsError.validation(f"ModelPackageGroup {name_or_arn} does not exist.")
         return group
 
@@ -335,15 +336,17 @@ class EmulatedService:
                 "CreationTime": g.created,
                 "ModelPackageGroupStatus": "Completed",
             }
-            for g in sorted(self.groups.values(), key=lambda g: g.created, reverse=True)
-            if not body.get("NameContains") or body["NameContains"] in g.name
+            for g in self.groups.values()
         ]
-        return _page(rows, body, "ModelPackageGroupSummaryList")
+        return _page(_filtered(rows, body, "ModelPackageGroupName"), body, "ModelPackageGroupSummaryList")
 
     async def delete_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
         g = self._group(body["ModelPackageGroupName"])
         if any(p.group == g.name for p in self.packages.values()):
             raise AwsError.validation(f"Model package group {g.name} still has model packages")
+        users = sorted(sess.name for sess in self.sessions.values() if sess.group == g.name and sess.status not in TERMINAL)
+        if users:  # a live session registers its saves there
+            raise AwsError.validation(f"Model package group {g.name} is in use by training session {users[0]}; stop it first")
         del self.groups[g.name]
         return {}
 
@@ -378,10 +381,10 @@ class EmulatedService:
     async def list_model_packages(self, body: dict[str, Any]) -> dict[str, Any]:
         group = body.get("ModelPackageGroupName")
         wanted = self._group(group).name if group else None
-        pkgs = [p for p in self.packages.values() if wanted is None or p.group == wanted]
-        pkgs.sort(key=lambda p: (p.created, p.version), reverse=body.get("SortOrder", "Ascending") == "Descending")
         rows = []
-        for p in pkgs:
+        for p in self.packages.values():
+            if wanted is not None and p.group != wanted:
+                continue
             row: dict[str, Any] = {
                 "ModelPackageName": p.group,
                 "ModelPackageGroupName": p.group,
@@ -393,10 +396,14 @@ class EmulatedService:
             if p.description:
                 row["ModelPackageDescription"] = p.description
             rows.append(row)
-        return _page(rows, body, "ModelPackageSummaryList")
+        return _page(_filtered(rows, body, "ModelPackageName"), body, "ModelPackageSummaryList")
 
     async def delete_model_package(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.packages.pop(self._package(body["ModelPackageName"]).arn)
+        arn = self.packages.pop(self._package(body["ModelPackageName"]).arn).arn
+        for sess in self.sessions.values():
+            if sess.latest_checkpoint == arn:  # samples that name no package run on the newest one left (or the base model)
+                mine = [p for p in self.packages.values() if p.session_name == sess.name and p.created >= sess.created]
+                sess.latest_checkpoint = max(mine, key=lambda p: (p.created, p.version)).arn if mine else None
         return {}
 
     # ----------------------------------------------------------------------------------- hub
@@ -455,7 +462,7 @@ class EmulatedService:
         config = body["operationConfig"]
         seq, token = body["sequenceNumber"], body.get("clientToken")
         try:
-            check_operation_config(config, sess.model.vocab_size)
+            check_operation_config(config, sess.model.vocab_size, sess.model.max_context_length)
         except ShapeError as err:
             self._use_up(sess, seq)
             raise AwsError.validation(str(err)) from None
@@ -489,7 +496,7 @@ class EmulatedService:
         """An op refused for its shape (before :meth:`execute_training_operation`) takes its number all the same."""
         sess = self.sessions.get(str(body.get("trainingSessionName")))
         seq = body.get("sequenceNumber")
-        if sess is not None and sess.status in ACCEPTS_WORK and type(seq) is int and seq >= 1:
+        if sess is not None and sess.status in ACCEPTS_WORK and type(seq) is int and 1 <= seq <= INTEGER_RANGE["integer"][1]:
             self._use_up(sess, seq)
 
     def _checkpoint_of(self, sess: SessionRecord, arn: str) -> ModelPackageRecord:
@@ -636,7 +643,7 @@ class EmulatedService:
         config = body["operationConfig"]
         kind, op_body = next(iter(config.items()))
         try:
-            check_sample_config(config, sess.model.vocab_size)
+            check_sample_config(config, sess.model.vocab_size, sess.model.max_context_length)
         except ShapeError as err:
             raise AwsError.validation(str(err)) from None
         topk = op_body.get("topkPromptLogprobs")
@@ -706,11 +713,8 @@ class EmulatedService:
         sess = self._accepting(name)
         if model_package is not None:
             self._known_package(model_package)
-        messages = request.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise AwsError.validation(
-                "The request body must be a JSON chat-completions request with a non-empty 'messages' list of objects"
-            )
+        chat_model(request)
+        messages = _chat_messages(request.get("messages"))
         tok = self.inner.get_tokenizer(sess.model.model_id)
         try:
             if hasattr(tok, "apply_chat_template"):
@@ -741,7 +745,7 @@ class EmulatedService:
     async def chat_stream(self, name: str, request: dict[str, Any], model_package: str | None) -> AsyncIterator[bytes]:
         reply = await self.chat(name, request, model_package)
         prompt, completion, lps = reply.prompt, reply.completion, reply.logprobs
-        chat_id = f"chatcmpl-{uuid.uuid4().hex[:12]}"
+        chat_id, model = chat_completion_id(), chat_model(request)
 
         text = reply.text
         pieces = content_pieces(reply.tok, completion, text, skip_special_tokens=False)  # whole characters; joined, the reply
@@ -755,13 +759,16 @@ class EmulatedService:
                     "logprobs": None if lps is None else {"content": lps[i : i + 1]},
                     "finish_reason": None,
                 }
-                yield _sse({"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "choices": [choice]})
+                yield _sse(
+                    {"id": chat_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": [choice]}
+                )
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)}
             yield _sse(
                 {
                     "id": chat_id,
                     "object": "chat.completion.chunk",
                     "created": int(time.time()),
+                    "model": model,
                     "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish}],
                     "usage": usage,
                 }
@@ -817,6 +824,37 @@ _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (
 # metadata change nothing here; stream is the operation's (the stream always ends with the usage)
 _CHAT_TAKEN = {"messages", "model", "user", "metadata", "stream", "stream_options", "stop", "logprobs", *_CHAT_NUMBERS}
 _CHAT_NO_OPS = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}  # what clients send by default
+
+
+def chat_model(request: dict[str, Any]) -> str:
+    """The model a chat reply names: the request's ``model``, a string of valid Unicode (a lone surrogate made the
+    reply a 500 after the completion ran; a number or an object was echoed back), else ``training-session``."""
+    model = request.get("model")
+    if model is None:
+        return "training-session"
+    if not isinstance(model, str) or not 0 < len(model) <= 256 or model.encode("utf-8", "replace").decode() != model:  # lone surrogate
+        raise AwsError.validation(f"model must be a model name (a string of 1..256 characters), not {json.dumps(model)[:64]}")
+    return model
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:12]}"
+
+
+def _chat_messages(messages: Any) -> list[dict[str, str]]:
+    """The chat's messages as {role, content} with text content, read as OpenAI's API reads them (the OpenAI
+    front's :class:`Message`): content parts are joined, a null content is empty; content that is neither text nor
+    text parts, and text with a lone surrogate or a NUL, is a ValidationException naming the message."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise AwsError.validation("The request body must be a JSON chat-completions request with a non-empty 'messages' list of objects")
+    out = []
+    for i, raw in enumerate(messages):
+        try:
+            m = Message.model_validate(raw)
+        except ValidationError as err:
+            raise AwsError.validation(f"messages[{i}]: {validation_error(err).message}") from None
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+    return out
 
 
 def _chat_params(request: dict[str, Any]) -> SamplingParams:
@@ -917,12 +955,34 @@ def _epoch(value: Any) -> float:
     return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
 
 
+def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -> list[dict[str, Any]]:
+    """The rows NameContains, CreationTimeAfter and CreationTimeBefore keep, sorted by SortBy (``Name`` or, the
+    default, ``CreationTime``) in SortOrder (default ``Ascending``), as the model registry's List operations document."""
+    name, after, before = body.get("NameContains"), body.get("CreationTimeAfter"), body.get("CreationTimeBefore")
+    kept = [
+        r
+        for r in rows
+        if (not name or name in r[name_key])
+        and (after is None or r["CreationTime"] > _epoch(after))
+        and (before is None or r["CreationTime"] < _epoch(before))
+    ]
+    by_name = body.get("SortBy") == "Name"
+    kept.sort(
+        key=lambda r: (r[name_key], r.get("ModelPackageVersion", 0)) if by_name else (r["CreationTime"], r.get("ModelPackageVersion", 0))
+    )
+    if body.get("SortOrder") == "Descending":
+        kept.reverse()
+    return kept
+
+
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
     """One page of a List* answer; ``NextToken`` is the offset of the next row, as an earlier page returned it (any
     other token is a ValidationException: "abc" was a 500, "-1" a slice from the end)."""
     token = body.get("NextToken") or "0"
-    if not (isinstance(token, str) and token.isascii() and token.isdigit()):
-        raise AwsError.validation(f"NextToken {json.dumps(token)[:64]} is not one this service returned: pass NextToken back unchanged")
+    if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) < 19):
+        raise AwsError.validation(
+            f"NextToken {json.dumps(token)[:64]} is not a pagination token this service returned: pass NextToken back unchanged"
+        )
     start = int(token)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
