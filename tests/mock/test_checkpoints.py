@@ -200,3 +200,32 @@ async def test_checkpoint_dir_keeps_checkpoints_for_another_process(open_session
     assert err.value.field == "model_path"
     for backend, sid in [(b, s.id), (other, r.id)]:
         await backend.stop_session(sid)
+
+
+@pytest.mark.anyio
+async def test_a_refresh_every_step_keeps_no_old_weights():
+    """Each refresh's snapshot, and each stopped sampler's tables, stayed in memory for good (~170 KB a step on
+    mock/bigram-tiny: gigabytes over a long CI run). Now a snapshot no open sampler was made from goes, except the
+    session's newest, and a stopped sampler keeps only its id (it still answers SessionGoneError)."""
+    from asyncsess.errors import SessionGoneError
+    from asyncsess.rl.data import sft_datum
+
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        b = svc.backend
+        datum = sft_datum(tc.get_tokenizer().encode("ab"), tc.get_tokenizer().encode("cd"))
+        samplers = []
+        for step in range(12):
+            tc.forward_backward([datum], "cross_entropy")
+            tc.optim_step(HP)
+            samplers.append(await tc.save_weights_and_get_sampling_client())
+            if step >= 2:
+                await samplers[step - 2].stop()  # the loop keeps the last two open (staleness 1)
+        mine = [p for p, c in b._checkpoints.items() if c.ephemeral and c.session_id == tc.model_id]
+        assert len(mine) == 2  # the snapshots the two open samplers were made from
+        assert len([s for s in b._samplers.values() if s.path in mine]) == 2 and len(b._stopped_samplers) == 10
+        await samplers[-1].compute_logprobs([1, 2, 3])
+        with pytest.raises(SessionGoneError):
+            await samplers[0].compute_logprobs([1, 2, 3])
+        with pytest.raises(InvalidInputError):  # a dropped snapshot's path is no checkpoint now
+            await svc.create_sampling_client(model_path=samplers[0]._spec.model_path)

@@ -85,12 +85,12 @@ class _Sampler:
     id: str
     sampler: MockSampler
     faults: Faults
-    stopped: bool = False
     requests: int = 0
     base_model: str = ""
     seed: int | None = None
     delta: np.ndarray | None = None
     answers: SampleStore = field(default_factory=SampleStore)  # for retries after a lost answer, by request_id
+    path: str | None = None  # the checkpoint it was made from
 
 
 class MockBackend(Backend):
@@ -108,6 +108,7 @@ class MockBackend(Backend):
         self.calls: Counter[str] = Counter()  # backend method name -> number of calls
         self._sessions: dict[str, _TrainingSession] = {}
         self._samplers: dict[str, _Sampler] = {}
+        self._stopped_samplers: set[str] = set()  # ids only: a stopped sampler's tables are freed
         self._models_used: dict[str, None] = {}
         self._ordinal = itertools.count()
         self._store = DiskStore(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
@@ -210,14 +211,17 @@ class MockBackend(Backend):
         if session_id in self._sessions:
             self._stop(self._sessions[session_id], "stopped by the client")
         elif session_id in self._samplers:
-            self._samplers[session_id].stopped = True
+            handle = self._samplers.pop(session_id)
+            self._stopped_samplers.add(session_id)
             self._open.pop(session_id, None)
-        else:
+            if handle.path is not None:
+                self._drop_unused_snapshots(handle.path)
+        elif session_id not in self._stopped_samplers:
             raise InvalidInputError(f"no session {session_id!r} on this backend", field="session_id")
 
     async def heartbeat(self, session_id: str) -> None:
         self.calls["heartbeat"] += 1
-        if session_id in self._samplers:
+        if session_id in self._samplers or session_id in self._stopped_samplers:
             self._sampler(session_id)
         else:
             self._live_session(session_id)
@@ -327,6 +331,8 @@ class MockBackend(Backend):
         self._checkpoints[path] = ckpt
         if self._store is not None:
             self._store.save(ckpt)
+        if ckpt.ephemeral:
+            self._drop_unused_snapshots(path)
         if kind == "sampler" and sess.before_step is not None and ckpt.step in (self.config.drop_refresh_at, self.config.repeat_refresh_at):
             # the injected refresh fault: the first sampler on these weights serves the wrong ones
             served = sess.before_step if ckpt.step == self.config.drop_refresh_at else 2 * ckpt.delta - sess.before_step
@@ -336,6 +342,20 @@ class MockBackend(Backend):
 
     def _free_name(self, session_id: str, kind: CheckpointKind, base: str) -> str:
         return free_name(base, lambda name: checkpoint_path(session_id, kind, name) in self._checkpoints)
+
+    def _drop_unused_snapshots(self, path: str) -> None:
+        """Drop the in-memory snapshots of ``path``'s session that no open sampler of this backend was made from,
+        except its newest (a refresh every step would otherwise keep every step's weights for good). A sampler
+        made elsewhere from a dropped path keeps its weights (``export_sampler``); the path answers "no checkpoint"."""
+        owner = self._checkpoints[path].session_id if path in self._checkpoints else None
+        snapshots = [p for p, c in self._checkpoints.items() if c.ephemeral and c.session_id == owner]
+        used = {h.path for h in self._samplers.values()}
+        for p in snapshots[:-1]:
+            if p not in used:
+                del self._checkpoints[p]
+                self._refresh_faults.pop(p, None)
+                if self._store is not None:
+                    self._store.delete(p)
 
     def _save_path(self, session_id: str, kind: CheckpointKind, name: str, op: SaveStateOp | SaveWeightsOp) -> str:
         """Where a save of ``name`` goes; a ConflictError naming ``overwrite`` when a checkpoint is there (unless ``op.overwrite``)."""
@@ -415,6 +435,7 @@ class MockBackend(Backend):
             seed=seed,
             delta=delta,
             answers=SampleStore(self.config.keep_samples),
+            path=spec.model_path,
         )
         self._samplers[handle.id] = handle
         self._open[handle.id] = "sampler"
@@ -423,10 +444,10 @@ class MockBackend(Backend):
 
     def _sampler(self, sampler_id: str) -> _Sampler:
         handle = self._samplers.get(sampler_id)
+        if sampler_id in self._stopped_samplers:
+            raise SessionGoneError(f"sampler {sampler_id} was stopped")
         if handle is None:
             raise InvalidInputError(f"no sampler {sampler_id!r}", field="sampler_id", fix="use an id from create_sampler")
-        if handle.stopped:
-            raise SessionGoneError(f"sampler {sampler_id} was stopped")
         return handle
 
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
