@@ -36,6 +36,19 @@ def _with_sampler_logprobs(loss: str, logprobs: list[float]) -> dict:
     return {"forwardBackward": {"lossFnName": loss, "datumList": [datum]}}
 
 
+def _start_in_group(sm, name: str, group_arn: str) -> None:
+    """Start training session ``name`` (rank 8) saving into the model package group ``group_arn``; wait for Running."""
+    sm.create_training_session(
+        TrainingSessionName=name,
+        ModelPackageGroupArn=group_arn,
+        LoraConfig={"Rank": 8, "Alpha": 16},
+        RoleArn=ROLE,
+        ModelConfig={"BaseModelArn": hub_arn(sm)},
+        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+    )
+    wait_status(sm, name, {"Running"})
+
+
 def _code(err: pytest.ExceptionInfo[ClientError]) -> tuple[str, int]:
     return err.value.response["Error"]["Code"], err.value.response["ResponseMetadata"]["HTTPStatusCode"]
 
@@ -140,15 +153,7 @@ def test_model_registry_lists_filter_and_sort_as_documented(sm, rt, emulator):
     created = sm.describe_model_package_group(ModelPackageGroupName=second)["CreationTime"]
     assert groups(CreationTimeBefore=created - ms) == [first]
     name = _name()
-    sm.create_training_session(
-        TrainingSessionName=name,
-        ModelPackageGroupArn=group_arn,
-        LoraConfig={"Rank": 8, "Alpha": 16},
-        RoleArn=ROLE,
-        ModelConfig={"BaseModelArn": hub_arn(sm)},
-        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
-    )
-    wait_status(sm, name, {"Running"})
+    _start_in_group(sm, name, group_arn)
     arns = []
     for seq in (1, 2):
         op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveState": {}})
@@ -468,15 +473,7 @@ def test_a_group_a_live_session_saves_into_cannot_be_deleted(sm, rt, emulator):
     'Emulator error' (KeyError), and the session's next save failed the session."""
     group, name = f"g{uuid.uuid4().hex[:8]}", _name()
     group_arn = sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"]
-    sm.create_training_session(
-        TrainingSessionName=name,
-        ModelPackageGroupArn=group_arn,
-        LoraConfig={"Rank": 8, "Alpha": 16},
-        RoleArn=ROLE,
-        ModelConfig={"BaseModelArn": hub_arn(sm)},
-        OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
-    )
-    wait_status(sm, name, {"Running"})
+    _start_in_group(sm, name, group_arn)
     with pytest.raises(ClientError) as err:
         sm.delete_model_package_group(ModelPackageGroupName=group)
     assert _code(err) == ("ValidationException", 400) and name in err.value.response["Error"]["Message"]
