@@ -73,6 +73,12 @@ async def test_reward(sandbox, reply, reward, correct, format_):
     assert got == reward and metrics["correct"] == correct and metrics["format"] == format_
 
 
+async def test_a_program_that_cannot_run_is_graded_as_failing_not_raised(sandbox):
+    # a reply holding a lone surrogate (a custom decoder's, or an env's own text): reward 0 like any failing program
+    got, metrics = await code.grade(SUM, "```python\nprint('\ud800')\n```", sandbox, timeout_s=5)
+    assert got == 0.0 and metrics == {"correct": 0.0, "format": 1.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
+
+
 async def test_check_solution_reports_the_first_failing_test(sandbox):
     tool = code.check_solution_tool(SUM, sandbox, timeout_s=5)
     assert tool.schema()["function"]["name"] == "check_solution"
