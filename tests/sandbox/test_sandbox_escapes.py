@@ -152,6 +152,40 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
     assert results["thief"].status == "ok" and "v-secret" not in results["thief"].stdout
 
 
+NEW_USER_NAMESPACE = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "CLONE_NEWUSER, SIGCHLD = 0x10000000, 17\n"
+    "pid = libc.syscall({'x86_64': 56, 'aarch64': 220}[os.uname().machine], CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)\n"
+    "if pid == 0:\n"
+    "    os._exit(0)  # the child, in a user namespace of its own\n"
+    "print('clone', pid if pid < 0 else 'made one', os.strerror(ctypes.get_errno()) if pid < 0 else '')\n"
+    "if pid > 0:\n"
+    "    os.waitpid(pid, 0)\n"
+    "got = libc.unshare(CLONE_NEWUSER)\n"
+    "print('unshare', got, os.strerror(ctypes.get_errno()) if got else 'made one')\n"
+)
+
+
+async def test_a_new_user_namespace_is_refused(make_sandbox):
+    """A user namespace would give the program every capability inside it (the bounding set does not carry over):
+    new network, mount and PID namespaces, the kernel code behind them. seccomp refuses it; forks, threads and
+    subprocesses still work (glibc falls back from clone3 to clone)."""
+    sandbox = make_sandbox()
+    result = await sandbox.run(NEW_USER_NAMESPACE)
+    assert result.status == "ok", result
+    assert result.stdout == "clone -1 Operation not permitted\nunshare -1 Operation not permitted\n", result
+    ordinary = (
+        "import os, subprocess, threading\n"
+        "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+        "print(subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    works = await sandbox.run(ordinary)
+    assert (works.status, works.stdout) == ("ok", "thread\nchild\n7\n"), works
+    await assert_healthy(sandbox)
+
+
 # -- secrets ---------------------------------------------------------------------------------------------------------
 
 
