@@ -32,6 +32,7 @@ async def test_known_programs_get_the_right_status(make_sandbox):
     cases = {
         "print(input()[::-1])": ("ok", 0),
         "import sys\nsys.exit(3)": ("runtime_error", 3),
+        "import sys\nsys.exit(100)": ("runtime_error", 100),  # any exit status is the program's own, not "memory"
         "raise ValueError('boom')": ("runtime_error", 1),
         "def broken(:\n  pass": ("runtime_error", 1),
         "while True:\n    pass": ("timeout", None),

@@ -346,24 +346,26 @@ def _program(cfg, source, sync_w):
         os.chdir(cfg["workdir"])
         if cfg["socket_guard"]:
             sys.addaudithook(_socket_guard)
-        os.write(sync_w, b"1")
-        os.close(sync_w)
+        os.write(sync_w, b"1")  # the pipe stays open: a MemoryError is said there too
     except BaseException:
         traceback.print_exc()
         os._exit(1)
     sys.argv = [cfg["code_file"]]
     sys.path.insert(0, cfg["workdir"])
     scope = {"__name__": "__main__", "__file__": os.path.join(cfg["workdir"], cfg["code_file"]), "__builtins__": __builtins__}
+    program = os.getpid()
     try:
         exec(compile(source, cfg["code_file"], "exec"), scope)
     except SystemExit:
         raise
     except BaseException as exc:
         traceback.print_exception(type(exc), exc, exc.__traceback__ and exc.__traceback__.tb_next)  # hide this frame
-        if isinstance(exc, MemoryError):
+        if isinstance(exc, MemoryError):  # said on the pipe, so that every exit status stays the program's own
+            if os.getpid() == program:  # (not in a fork of it)
+                os.write(sync_w, b"M")
             sys.stderr.flush()
             sys.stdout.flush()
-            os._exit(cfg["exit_memory"])
+            os._exit(1)
         sys.exit(1)
 
 
@@ -490,7 +492,10 @@ def _supervise(pid, sync_r, wake_r, exit_r, cfg):
         pass
     if cfg["uid"] is not None:
         _clear_uid_state(cfg["uid"])
-    report["started"] = os.read(sync_r, 1) == b"1"  # every writer is gone, so this cannot block
+    said = os.read(sync_r, 1 << 16)  # b"1" once set up, then b"M" on a MemoryError; every writer is gone by now
+    report["started"] = said[:1] == b"1"
+    if b"M" in said[1:]:
+        report["memory_exceeded"] = True
     if not report["started"] and not report.get("stopped"):
         report["error"] = "the program's process failed to set up (see stderr)"
     return report

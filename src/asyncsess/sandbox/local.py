@@ -51,7 +51,6 @@ _FALLBACK_NOTE = (
 )
 
 CODE_FILE = "solution.py"
-EXIT_MEMORY = 100  # exit status the supervisor gives a program that ran out of memory
 _BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
 _PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -269,7 +268,6 @@ class LocalSandbox(BaseSandbox):
                 "memory_watch": cgroup is None,
                 "status_fd": status_w,
                 "code_file": CODE_FILE,
-                "exit_memory": EXIT_MEMORY,
             }
             started = time.monotonic()
             proc = await anyio.open_process(
@@ -502,7 +500,7 @@ def _verdict(
         status = "sandbox_error"
     elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s is not None and cpu_s >= cpu_limit):
         status = "timeout"
-    elif exit_code == EXIT_MEMORY or report.get("memory_exceeded"):
+    elif report.get("memory_exceeded"):
         status = "memory"
     else:
         status = "ok" if exit_code == 0 else "runtime_error"
