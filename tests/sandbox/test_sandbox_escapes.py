@@ -186,6 +186,27 @@ async def test_a_new_user_namespace_is_refused(make_sandbox):
     await assert_healthy(sandbox)
 
 
+@root_only
+async def test_pseudo_terminals_come_from_a_small_pool_of_the_runs_own(make_sandbox):
+    """The host's pty pool is kernel.pty.max (4096) for every process on it: 32 processes x 127 ptys each would
+    drain it for as long as the run lasts. A run gets a devpts instance of its own, capped."""
+    sandbox = make_sandbox()
+    code = (
+        "import os\n"
+        "others = sorted(os.listdir('/dev/pts'))\n"
+        "ptys = []\n"
+        "while len(ptys) < 40:\n"
+        "    try:\n"
+        "        ptys.append(os.openpty())\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print(others, len(ptys), os.ttyname(ptys[0][1]))\n"
+    )
+    result = await sandbox.run(code)
+    assert (result.status, result.stdout) == ("ok", "['ptmx'] 16 /dev/pts/0\n"), result
+    await assert_healthy(sandbox)
+
+
 # -- secrets ---------------------------------------------------------------------------------------------------------
 
 

@@ -7,8 +7,8 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
    covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs, any other
-   host unix socket by /dev/null, and the working directory a private size-capped tmpfs -- and writes the files
-   back into the tmpfs;
+   host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
+   size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
@@ -40,6 +40,7 @@ _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 36, 24, 38
 _KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
 _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 _IPC_RMID = 0
+_MAX_PTYS = 16  # pseudo-terminals a run may hold at once
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _CLONE_NEWUSER = 22, 2, 0x10000000
 # Per architecture: the audit arch seccomp reports, and the numbers of unshare, clone and clone3.
 _SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
@@ -122,6 +123,8 @@ def _enter_namespaces(cfg, uid, gid):
                 _mount(b"/dev/null", path, None, _MS_BIND, None)
             except OSError:  # gone meanwhile, or not reachable
                 pass
+    if os.path.isdir("/dev/pts"):  # ptys from a small pool of the run's own (the host's, kernel.pty.max, is shared)
+        _mount(b"devpts", "/dev/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, f"newinstance,ptmxmode=0666,max={_MAX_PTYS}".encode())
     os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
     owner = "" if uid is None else f",uid={uid},gid={gid}"
     _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
