@@ -109,6 +109,47 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
 
 
 @root_only
+async def test_symlinks_a_run_leaves_in_its_directory_do_not_steer_the_hosts_cleanup(make_sandbox, tmp_path):
+    """Without the mount namespace the host removes what the program wrote in its working directory, as root: links
+    to host files and directories (made where the run cannot look, which a symlink does not need) stay links."""
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "keep.txt").write_text("keep")
+    code = (
+        "import os\n"
+        f"os.symlink({str(canary)!r}, 'dir-link')\n"
+        f"os.symlink({str(canary / 'keep.txt')!r}, 'file-link')\n"
+        "os.makedirs('d/e')\n"
+        f"os.symlink({str(canary)!r}, 'd/e/deep-link')\n"
+        "os.chmod('d', 0)\n"
+        "print(sorted(os.listdir('.')))\n"
+    )
+    result = await make_sandbox(namespaces=False).run(code)
+    assert (result.status, result.stdout) == ("ok", "['d', 'dir-link', 'file-link', 'solution.py']\n"), result
+    assert (canary / "keep.txt").read_text() == "keep"
+
+
+@root_only
+async def test_filling_the_disk_stops_at_the_working_directory_size(make_sandbox):
+    sandbox = make_sandbox(workdir_mb=4)
+    code = (
+        "import os\n"
+        "written, block = 0, b'x' * (1 << 20)\n"
+        "try:\n"
+        "    for i in range(64):\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(block)\n"
+        "        written += 1\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, e.errno)\n"
+        "print(written)\n"
+    )
+    result = await sandbox.run(code)
+    assert (result.status, result.stdout) == ("ok", "OSError 28\n3\n"), result  # ENOSPC: the tmpfs is full
+    await assert_healthy(sandbox)
+
+
+@root_only
 async def test_world_writable_dirs_are_writable_without_the_mount_namespace(make_sandbox):
     """Control: the read-only mount is what stops writes to /tmp, which the sandbox uid could otherwise use."""
     target = f"/dev/shm/escape-{uuid.uuid4().hex}"
@@ -205,6 +246,85 @@ async def test_pseudo_terminals_come_from_a_small_pool_of_the_runs_own(make_sand
     result = await sandbox.run(code)
     assert (result.status, result.stdout) == ("ok", "['ptmx'] 16 /dev/pts/0\n"), result
     await assert_healthy(sandbox)
+
+
+@root_only
+async def test_a_run_cannot_signal_another_running_at_the_same_time(make_sandbox):
+    """kill(-1) signals every process the caller may signal: without a uid and a PID namespace per run, the
+    concurrent run too."""
+    sandbox = make_sandbox(max_concurrency=2)
+    results = {}
+
+    async def victim() -> None:
+        results["victim"] = await sandbox.run("import time\ntime.sleep(1.5)\nprint('survived')")
+
+    async def killer() -> None:
+        await anyio.sleep(0.5)
+        code = (
+            "import os, signal\n"
+            "for sig in (signal.SIGKILL, signal.SIGSTOP):\n"
+            "    try:\n"
+            "        os.kill(-1, sig)\n"
+            "    except ProcessLookupError:\n"  # no process it may signal (Linux spares the caller)
+            "        print('none to signal')\n"
+        )
+        results["killer"] = await sandbox.run(code)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(victim)
+        tg.start_soon(killer)
+    assert (results["victim"].status, results["victim"].stdout) == ("ok", "survived\n"), results
+    assert results["killer"].stdout == "none to signal\n" * 2, results
+
+
+PLANT = (
+    "import os, socket, time\n"
+    "for d in ('/tmp', '/dev/shm', '/var/tmp', '/run', '.'):\n"
+    "    try:\n"
+    "        open(os.path.join(d, NAME), 'w').write('hint')\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "server = socket.socket(socket.AF_UNIX)\n"
+    "server.bind('\\0asyncsess-planted')\n"
+    "server.listen()\n"
+    "if os.fork() == 0:\n"  # a daemon that keeps the socket open, in a session of its own
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(60)\n"
+    "    os._exit(0)\n"
+    "print('planted')\n"
+)
+FIND = (
+    "import os, socket\n"
+    "found = [d for d in ('/tmp', '/dev/shm', '/var/tmp', '/run', '.') if os.path.exists(os.path.join(d, NAME))]\n"
+    "client = socket.socket(socket.AF_UNIX)\n"
+    "try:\n"
+    "    client.connect('\\0asyncsess-planted')\n"
+    "    found.append('abstract socket')\n"
+    "except OSError:\n"
+    "    pass\n"
+    "print(found)\n"
+)
+
+
+@root_only
+@pytest.mark.parametrize("namespaces", [None, False], ids=["namespaces", "control-without"])
+async def test_nothing_a_run_leaves_in_files_sockets_or_daemons_reaches_the_next_run_on_its_uid(make_sandbox, namespaces):
+    # one uid: the next run gets the same; no socket guard: the namespaces are what must hold
+    sandbox = make_sandbox(uids=range(TEST_UIDS[0], TEST_UIDS[0] + 1), socket_guard=False, namespaces=namespaces)
+    name = f"planted-{uuid.uuid4().hex}"
+    try:
+        planted = await sandbox.run(f"NAME = {name!r}\n" + PLANT)
+        assert (planted.status, planted.stdout) == ("ok", "planted\n"), planted
+        assert processes_of(TEST_UIDS) == []  # the daemon is gone
+        found = await sandbox.run(f"NAME = {name!r}\n" + FIND)
+    finally:
+        for d in ("/tmp", "/dev/shm", "/var/tmp"):
+            if os.path.exists(os.path.join(d, name)):
+                os.unlink(os.path.join(d, name))
+    # without the namespaces the world-writable dirs carry a hint from run to run (the working directory does not)
+    expected = "[]\n" if namespaces is None else "['/tmp', '/dev/shm', '/var/tmp']\n"
+    assert (found.status, found.stdout) == ("ok", expected), found
 
 
 # -- secrets ---------------------------------------------------------------------------------------------------------

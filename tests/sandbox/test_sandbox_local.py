@@ -127,6 +127,31 @@ async def test_huge_output_is_capped(make_sandbox):
     await assert_healthy(sandbox)
 
 
+async def test_output_that_is_not_utf8_or_a_closed_stdout_gets_a_typed_result(make_sandbox):
+    sandbox = make_sandbox(timeout_s=2.0)
+    code = (
+        "import sys\n"
+        "sys.stdout.buffer.write(b'\\xff\\xed\\xa0\\x80 bytes\\n')\n"  # not UTF-8; a UTF-8-encoded surrogate
+        "sys.stdout.flush()\n"
+        "sys.stderr.reconfigure(errors='surrogatepass')\n"
+        "print('\\ud800 lone', file=sys.stderr)\n"
+    )
+    result = await sandbox.run(code)
+    assert result.status == "ok" and result.stdout.endswith(" bytes\n") and result.stderr.endswith(" lone\n"), result
+    assert "\ufffd" in result.stdout and "\ufffd" in result.stderr
+    assert ExecutionResult.model_validate_json(result.model_dump_json()) == result  # valid text all the way
+    report = await sandbox.run_tests(code, [TestCase(expected_stdout=" bytes\n")])
+    assert (report.passed, report.total) == (0, 1)
+    for code, status in (
+        ("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", "timeout"),
+        ("import os\nos.close(0)\nos.close(1)\nos.close(2)", "ok"),
+        ("import sys\nsys.stdout.close()\nprint('x')", "runtime_error"),
+    ):
+        closed = await sandbox.run(code, stdin="x" * (1 << 20))
+        assert (closed.status, closed.stdout) == (status, ""), (code, closed)
+    await assert_healthy(sandbox)
+
+
 async def test_large_stdin_and_output_round_trip(make_sandbox):
     sandbox = make_sandbox()
     data = "".join(f"{i}\n" for i in range(100_000))  # ~600 kB, far beyond a pipe buffer
