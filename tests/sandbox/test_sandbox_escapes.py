@@ -68,6 +68,34 @@ async def test_socket_guard_alone_blocks_python_sockets(make_sandbox, listener):
     await assert_healthy(guarded)
 
 
+async def test_socket_families_outside_the_network_namespace_are_refused(make_sandbox):
+    """AF_VSOCK reaches the VM's hypervisor whatever the network namespace; AF_ALG, AF_PACKET and the rest are
+    kernel code (or module autoloads) a grader never needs. Native code gets past the socket guard, so seccomp
+    refuses every family but unix, inet, inet6 and netlink (all namespaced)."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for family in (40, 38, 17, 1, 2, 10, 16):\n"  # vsock, alg, packet; unix, inet, inet6, netlink
+        "    fd = libc.socket(family, 2 if family in (17, 16) else 1, 0)\n"
+        "    print(family, 'made' if fd >= 0 else os.strerror(ctypes.get_errno()))\n"
+        "pair = (ctypes.c_int * 2)()\n"
+        "print('pair', libc.socketpair(40, 1, 0, pair), os.strerror(ctypes.get_errno()))\n"
+    )
+    result = await make_sandbox(socket_guard=False).run(code)
+    refused = "Address family not supported by protocol"
+    assert result.status == "ok", result
+    assert result.stdout.splitlines() == [
+        f"40 {refused}",
+        f"38 {refused}",
+        f"17 {refused}",
+        "1 made",
+        "2 made",
+        "10 made",
+        "16 made",
+        f"pair -1 {refused}",
+    ], result
+
+
 @root_only
 async def test_network_namespace_alone_blocks_connections_even_past_the_guard(make_sandbox, listener):
     port, accepted = listener

@@ -12,8 +12,8 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
-   refuses new user namespaces (seccomp), empties its capability bounding set, drops to the sandbox uid, takes
-   a session keyring of its own, installs the socket guard and runs the code;
+   refuses new user namespaces and exotic socket families (seccomp), empties its capability bounding set,
+   drops to the sandbox uid, takes a session keyring of its own, installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
    SysV IPC objects), and writes one JSON line to the status fd:
@@ -42,8 +42,9 @@ _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRIN
 _IPC_RMID = 0
 _MAX_PTYS = 16  # pseudo-terminals a run may hold at once
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _CLONE_NEWUSER = 22, 2, 0x10000000
-# Per architecture: the audit arch seccomp reports, and the numbers of unshare, clone and clone3.
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+_SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: network-namespaced, in every kernel
+# Per architecture: the audit arch seccomp reports; the numbers of unshare, clone, clone3, socket and socketpair.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435, 41, 53), "aarch64": (0xC00000B7, 97, 220, 435, 198, 199)}
 _WATCH_INTERVAL_S = 0.02
 _AF_UNIX = 1
 _NETWORK_EVENTS = {
@@ -154,41 +155,68 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _forbid_user_namespaces():
-    """A seccomp filter: ``unshare``/``clone`` asking for a new user namespace fail with EPERM (inside one, the
+def _assemble(program):
+    """Classic BPF from ``(code, k, label if true, label if false)`` tuples, with ``"label"`` strings in between."""
+    labels, insns = {}, []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(insns)
+        else:
+            insns.append(item)
+    filters = (_SockFilter * len(insns))()
+    for i, (code, k, jt, jf) in enumerate(insns):
+        filters[i] = _SockFilter(code, labels[jt] - i - 1 if jt else 0, labels[jf] - i - 1 if jf else 0, k)
+    return filters
+
+
+def _seccomp():
+    """A seccomp filter. ``unshare``/``clone`` asking for a new user namespace fail with EPERM (inside one, the
     program would hold every capability, whatever its bounding set); ``clone3``, whose flags a filter cannot read,
-    fails with ENOSYS, so libc falls back to ``clone``; a syscall of another ABI (x32, i386) fails with EPERM."""
+    fails with ENOSYS, so libc falls back to ``clone``. ``socket``/``socketpair`` of a family other than
+    ``_SOCKET_FAMILIES`` fail with EAFNOSUPPORT (AF_VSOCK reaches the hypervisor past the network namespace).
+    A syscall of another ABI (x32, i386) fails with EPERM."""
     arch = _SECCOMP_ARCH.get(os.uname().machine)
     if arch is None:
         return
-    audit_arch, unshare, clone, clone3 = arch
+    audit_arch, unshare, clone, clone3, socket, socketpair = arch
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, eperm, enosys = 0x7FFF0000, 0x50000 | 1, 0x50000 | 38
+    allow, errno = 0x7FFF0000, 0x50000
     program = [
-        (ld, 0, 0, 4),  # 0: the architecture
-        (jeq, 0, 9, audit_arch),  # 1: another ABI -> 11
-        (ld, 0, 0, 0),  # 2: the syscall number
-        (jge, 7, 0, 0x40000000),  # 3: x32 -> 11
-        (jeq, 7, 0, clone3),  # 4: -> 12
-        (jeq, 2, 0, unshare),  # 5: -> 8
-        (jeq, 1, 0, clone),  # 6: -> 8
-        (ret, 0, 0, allow),  # 7
-        (ld, 0, 0, 16),  # 8: the flags (low half of the first argument)
-        (jset, 1, 0, _CLONE_NEWUSER),  # 9: -> 11
-        (ret, 0, 0, allow),  # 10
-        (ret, 0, 0, eperm),  # 11
-        (ret, 0, 0, enosys),  # 12
+        (ld, 4, None, None),  # the architecture
+        (jeq, audit_arch, None, "deny"),
+        (ld, 0, None, None),  # the syscall number
+        (jge, 0x40000000, "deny", None),  # x32
+        (jeq, clone3, "enosys", None),
+        (jeq, unshare, "flags", None),
+        (jeq, clone, "flags", None),
+        (jeq, socket, "family", None),
+        (jeq, socketpair, "family", None),
+        (ret, allow, None, None),
+        "flags",
+        (ld, 16, None, None),  # the low half of the first argument
+        (jset, _CLONE_NEWUSER, "deny", None),
+        (ret, allow, None, None),
+        "family",
+        (ld, 16, None, None),
+        *((jeq, family, "allow", None) for family in _SOCKET_FAMILIES),
+        (ret, errno | 97, None, None),  # EAFNOSUPPORT
+        "allow",
+        (ret, allow, None, None),
+        "deny",
+        (ret, errno | 1, None, None),  # EPERM
+        "enosys",
+        (ret, errno | 38, None, None),
     ]
-    filters = (_SockFilter * len(program))(*(_SockFilter(*insn) for insn in program))
-    fprog = _SockFprog(len(program), filters)
+    filters = _assemble(program)
+    fprog = _SockFprog(len(filters), filters)
     _call("prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0)
 
 
 def _harden(root):
-    """No privilege gain through exec (setuid binaries, file capabilities), no user namespaces, and (as root) no
-    capabilities to gain."""
+    """No privilege gain through exec (setuid binaries, file capabilities), no user namespaces or exotic sockets,
+    and (as root) no capabilities to gain."""
     _call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    _forbid_user_namespaces()
+    _seccomp()
     if not root:
         return
     with open("/proc/sys/kernel/cap_last_cap") as f:
