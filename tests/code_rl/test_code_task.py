@@ -94,6 +94,13 @@ async def test_a_program_that_cannot_run_is_graded_as_failing_not_raised(sandbox
     # a reply holding a lone surrogate (a custom decoder's, or an env's own text): reward 0 like any failing program
     got, metrics = await code.grade(SUM, "```python\nprint('\ud800')\n```", sandbox, timeout_s=5)
     assert got == 0.0 and metrics == {"correct": 0.0, "format": 1.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
+    # a program larger than the sandbox's working directory: the same, and check_solution says so
+    small = LocalSandbox(timeout_s=5, memory_mb=256, workdir_mb=1)
+    big = "print(3)\n" + "#" * (1 << 20) + "\n"
+    got, metrics = await code.grade(SUM, f"```python\n{big}```", small, timeout_s=5)
+    assert got == 0.0 and metrics["correct"] == 0.0 and metrics["format"] == 1.0
+    text, _ = await code.check_solution_tool(SUM, small, timeout_s=5).run({"code": big})
+    assert json.loads(text)["error"].startswith("the program cannot be run: code:")
 
 
 async def test_check_solution_reports_the_first_failing_test(sandbox):

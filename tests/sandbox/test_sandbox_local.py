@@ -6,6 +6,7 @@ import grp
 import math
 import os
 import pwd
+import tempfile
 
 import anyio
 import pytest
@@ -291,6 +292,22 @@ async def test_invalid_limits_are_rejected(make_sandbox):
         tiny = await one_uid.run("while True:\n    pass", timeout_s=5e-324)
         assert tiny.status in ("timeout", "sandbox_error"), tiny
     await assert_healthy(one_uid)  # and its one uid was not retired
+
+
+async def test_code_too_big_for_the_working_directory_is_one_typed_error(make_sandbox, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a private temp dir, to see every leftover
+    sandbox = make_sandbox(workdir_mb=1)
+    big = "x = 1\n" + "#" * (1 << 20)
+    with pytest.raises(InvalidInputError) as caught:
+        await sandbox.run(big)
+    assert caught.value.field == "code" and "1 MiB" in str(caught.value) and caught.value.fix
+    with pytest.raises(InvalidInputError) as caught:  # before any run starts: not an ExceptionGroup of each test's
+        await sandbox.run_tests(big, [TestCase(expected_stdout=""), TestCase(expected_stdout="")])
+    assert caught.value.field == "code"
+    with pytest.raises(InvalidInputError) as caught:  # code that fits, with files that do not
+        await sandbox.run("pass", files={"data.bin": b"x" * (1 << 20)})
+    assert caught.value.field == "files"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_uids_of_root_accounts_groups_or_out_of_range_are_refused(make_sandbox):

@@ -181,7 +181,7 @@ class LocalSandbox(BaseSandbox):
     ) -> ExecutionResult:
         timeout_s = self._timeout_s if timeout_s is None else check_limit("timeout_s", timeout_s)
         memory_mb = self._memory_mb if memory_mb is None else check_limit("memory_mb", memory_mb)
-        contents = {CODE_FILE: encode_text("code", code), **check_files(files, reserved=CODE_FILE)}
+        contents = {CODE_FILE: self._check_code(code), **check_files(files, reserved=CODE_FILE)}
         if sum(map(len, contents.values())) > self._workdir_mb << 20:
             raise InvalidInputError(
                 f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
@@ -190,6 +190,14 @@ class LocalSandbox(BaseSandbox):
         namespaces = await self._namespaces_available()
         async with self._limiter.get():
             return await self._execute(contents, stdin_bytes, timeout_s, memory_mb, namespaces)
+
+    def _check_code(self, code: str) -> bytes:
+        data = encode_text("code", code)
+        if len(data) > self._workdir_mb << 20:
+            raise InvalidInputError(
+                f"is {len(data)} bytes, over the {self._workdir_mb} MiB working directory", field="code", fix="raise workdir_mb"
+            )
+        return data
 
     async def _namespaces_available(self) -> bool:
         if self._namespaces is not None:
