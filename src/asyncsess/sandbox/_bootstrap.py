@@ -157,7 +157,8 @@ class _SockFprog(ctypes.Structure):
 
 def _assemble(program):
     """Classic BPF from ``(code, k, label if true, label if false)`` tuples, with ``"label"`` strings in between."""
-    labels, insns = {}, []
+    labels: dict = {}
+    insns: list = []
     for item in program:
         if isinstance(item, str):
             labels[item] = len(insns)
