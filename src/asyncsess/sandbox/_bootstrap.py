@@ -124,8 +124,10 @@ def _enter_namespaces(cfg, uid, gid):
                 _mount(b"/dev/null", path, None, _MS_BIND, None)
             except OSError:  # gone meanwhile, or not reachable
                 pass
-    if os.path.isdir("/dev/pts"):  # ptys from a small pool of the run's own (the host's, kernel.pty.max, is shared)
+    try:  # ptys from a small pool of the run's own (the host's, kernel.pty.max, is shared by everything on it)
         _mount(b"devpts", "/dev/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, f"newinstance,ptmxmode=0666,max={_MAX_PTYS}".encode())
+    except OSError:  # no /dev/pts, or devpts refused: the host's pool, rather than no namespaces at all
+        pass
     os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
     owner = "" if uid is None else f",uid={uid},gid={gid}"
     _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
