@@ -120,7 +120,6 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
     token = uuid.uuid4().hex
     targets = [
         os.path.join(tempfile.gettempdir(), f"escape-{token}"),  # world-writable (1777) on the host
-        f"/dev/shm/escape-{token}",
         f"/var/tmp/escape-{token}",
         f"/work/escape-{token}",
         f"/root/escape-{token}",
@@ -133,7 +132,29 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
         assert not os.path.exists(target), target
     rename = await sandbox.run("import os\nos.mkdir('d')\nos.rename('d', '../escape-dir')")
     assert rename.status == "runtime_error"
+    # /dev/shm is writable (POSIX semaphores and shared memory live there) but a tmpfs of the run's own
+    shm = await sandbox.run(f"open('/dev/shm/escape-{token}', 'w').write('x')\nimport os\nprint(os.listdir('/dev/shm'))")
+    assert (shm.status, shm.stdout) == ("ok", f"['escape-{token}']\n"), shm
+    assert not os.path.exists(f"/dev/shm/escape-{token}")
     await assert_healthy(sandbox)
+
+
+async def test_multiprocessing_works(make_sandbox):
+    """A correct program that uses a process pool must not fail for the sandbox's sake: its locks are POSIX
+    semaphores in /dev/shm."""
+    code = (
+        "import multiprocessing\n"
+        "if __name__ == '__main__':\n"
+        "    with multiprocessing.Pool(2) as pool:\n"
+        "        print(sum(pool.map(abs, [-1, -2, -3])))\n"
+        "    queue = multiprocessing.Queue()\n"
+        "    worker = multiprocessing.Process(target=queue.put, args=(42,))\n"
+        "    worker.start()\n"
+        "    print(queue.get())\n"
+        "    worker.join()\n"
+    )
+    result = await make_sandbox(timeout_s=10.0).run(code)
+    assert (result.status, result.stdout) == ("ok", "6\n42\n"), result
 
 
 @root_only
@@ -180,7 +201,7 @@ async def test_filling_the_disk_stops_at_the_working_directory_size(make_sandbox
 @root_only
 async def test_world_writable_dirs_are_writable_without_the_mount_namespace(make_sandbox):
     """Control: the read-only mount is what stops writes to /tmp, which the sandbox uid could otherwise use."""
-    target = f"/dev/shm/escape-{uuid.uuid4().hex}"
+    target = os.path.join(tempfile.gettempdir(), f"escape-{uuid.uuid4().hex}")
     try:
         result = await make_sandbox(namespaces=False).run(f"open({target!r}, 'w').write('x')\nprint('wrote')")
         assert result.stdout == "wrote\n" and os.stat(target).st_uid in TEST_UIDS

@@ -114,9 +114,12 @@ def _enter_namespaces(cfg, uid, gid):
     for path in cfg["hidden_paths"]:
         _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
     covered = list(cfg["hidden_paths"])
-    for path in cfg["socket_dirs"]:  # /tmp, /run, ...: empty, root-owned, not writable by the run
+    # /tmp, /run, ...: empty, root-owned, not writable by the run; /dev/shm, where POSIX semaphores and shared
+    # memory live (multiprocessing's locks), empty and writable, the run's own
+    shm = f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=1777".encode()
+    for path in cfg["socket_dirs"]:
         if not any(os.path.commonpath([path, c]) == c for c in covered):  # (one under a hidden path is hidden)
-            _mount(b"tmpfs", path, b"tmpfs", flags, b"size=64k,nr_inodes=64,mode=0755")
+            _mount(b"tmpfs", path, b"tmpfs", flags, shm if path == "/dev/shm" else b"size=64k,nr_inodes=64,mode=0755")
             covered.append(path)
     for path in sockets:  # any other socket the host has bound: covered by /dev/null, connect() is refused
         if not any(os.path.commonpath([path, c]) == c for c in covered):
