@@ -6,8 +6,8 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
-   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs, any other
-   host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
+   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs (/dev/shm by
+   an empty writable one), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
    size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
@@ -199,7 +199,7 @@ def _seccomp():
         (jeq, socketpair, "family", None),
         (ret, allow, None, None),
         "flags",
-        (ld, 16, None, None),  # the low half of the first argument
+        (ld, 16, None, None),  # the low half of the first argument (both architectures are little-endian)
         (jset, _CLONE_NEWUSER, "deny", None),
         (ret, allow, None, None),
         "family",

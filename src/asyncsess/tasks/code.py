@@ -139,7 +139,7 @@ async def grade(
 ) -> tuple[float, dict[str, float]]:
     """The episode's reward from the last assistant message, with ``correct``, ``format``, ``tests_passed``
     (share of tests) and ``sandbox_errors`` (runs whose verdict is unknown, counted as failures). A program the
-    sandbox cannot take (its text holds a lone surrogate) fails every test."""
+    sandbox cannot take (a lone surrogate in its text, or too large for it) fails every test."""
     code = extract_code(reply)
     if code is None:
         return -format_coef, {"correct": 0.0, "format": 0.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
