@@ -73,6 +73,36 @@ async def test_reward(sandbox, reply, reward, correct, format_):
     assert got == reward and metrics["correct"] == correct and metrics["format"] == format_
 
 
+FAKES = [  # programs that try to pass without computing a + b; the grader compares each test's stdout, nothing else
+    "print('All tests passed')",
+    "import os\nos._exit(0)",
+    "import sys\nsys.exit(0)",
+    "import builtins\nbuiltins.print = lambda *a, **k: None\ntry:\n    raise SystemExit(1)\nexcept SystemExit:\n    pass",
+    "print('3\\n10')",  # every test's answer at once
+    "import sys\nsys.stdout.buffer.write(b'3\\xff\\n')",  # not UTF-8
+    "print(open('/proc/self/cmdline').read())",  # the grader's arguments hold no expected output
+]
+
+
+@pytest.mark.parametrize("program", FAKES, ids=range(len(FAKES)))
+async def test_a_program_cannot_fake_a_pass(sandbox, program):
+    got, metrics = await code.grade(SUM, f"```python\n{program}\n```", sandbox, timeout_s=5)
+    assert (got, metrics["correct"], metrics["format"], metrics["tests_passed"]) == (0.0, 0.0, 1.0, 0.0)
+
+
+async def test_a_program_that_cannot_run_is_graded_as_failing_not_raised(sandbox):
+    # a reply holding a lone surrogate (a custom decoder's, or an env's own text): reward 0 like any failing program
+    got, metrics = await code.grade(SUM, "```python\nprint('\ud800')\n```", sandbox, timeout_s=5)
+    assert got == 0.0 and metrics == {"correct": 0.0, "format": 1.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
+    # a program larger than the sandbox's working directory: the same, and check_solution says so
+    small = LocalSandbox(timeout_s=5, memory_mb=256, workdir_mb=1)
+    big = "print(3)\n" + "#" * (1 << 20) + "\n"
+    got, metrics = await code.grade(SUM, f"```python\n{big}```", small, timeout_s=5)
+    assert got == 0.0 and metrics["correct"] == 0.0 and metrics["format"] == 1.0
+    text, _ = await code.check_solution_tool(SUM, small, timeout_s=5).run({"code": big})
+    assert json.loads(text)["error"].startswith("the program cannot be run: code:")
+
+
 async def test_check_solution_reports_the_first_failing_test(sandbox):
     tool = code.check_solution_tool(SUM, sandbox, timeout_s=5)
     assert tool.schema()["function"]["name"] == "check_solution"

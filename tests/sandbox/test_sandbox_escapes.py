@@ -68,6 +68,34 @@ async def test_socket_guard_alone_blocks_python_sockets(make_sandbox, listener):
     await assert_healthy(guarded)
 
 
+async def test_socket_families_outside_the_network_namespace_are_refused(make_sandbox):
+    """AF_VSOCK reaches the VM's hypervisor whatever the network namespace; AF_ALG, AF_PACKET and the rest are
+    kernel code (or module autoloads) a grader never needs. Native code gets past the socket guard, so seccomp
+    refuses every family but unix, inet, inet6 and netlink (all namespaced)."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for family in (40, 38, 17, 1, 2, 10, 16):\n"  # vsock, alg, packet; unix, inet, inet6, netlink
+        "    fd = libc.socket(family, 2 if family in (17, 16) else 1, 0)\n"
+        "    print(family, 'made' if fd >= 0 else os.strerror(ctypes.get_errno()))\n"
+        "pair = (ctypes.c_int * 2)()\n"
+        "print('pair', libc.socketpair(40, 1, 0, pair), os.strerror(ctypes.get_errno()))\n"
+    )
+    result = await make_sandbox(socket_guard=False).run(code)
+    refused = "Address family not supported by protocol"
+    assert result.status == "ok", result
+    assert result.stdout.splitlines() == [
+        f"40 {refused}",
+        f"38 {refused}",
+        f"17 {refused}",
+        "1 made",
+        "2 made",
+        "10 made",
+        "16 made",
+        f"pair -1 {refused}",
+    ], result
+
+
 @root_only
 async def test_network_namespace_alone_blocks_connections_even_past_the_guard(make_sandbox, listener):
     port, accepted = listener
@@ -92,7 +120,6 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
     token = uuid.uuid4().hex
     targets = [
         os.path.join(tempfile.gettempdir(), f"escape-{token}"),  # world-writable (1777) on the host
-        f"/dev/shm/escape-{token}",
         f"/var/tmp/escape-{token}",
         f"/work/escape-{token}",
         f"/root/escape-{token}",
@@ -105,13 +132,76 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
         assert not os.path.exists(target), target
     rename = await sandbox.run("import os\nos.mkdir('d')\nos.rename('d', '../escape-dir')")
     assert rename.status == "runtime_error"
+    # /dev/shm is writable (POSIX semaphores and shared memory live there) but a tmpfs of the run's own
+    shm = await sandbox.run(f"open('/dev/shm/escape-{token}', 'w').write('x')\nimport os\nprint(os.listdir('/dev/shm'))")
+    assert (shm.status, shm.stdout) == ("ok", f"['escape-{token}']\n"), shm
+    assert not os.path.exists(f"/dev/shm/escape-{token}")
+    await assert_healthy(sandbox)
+
+
+async def test_multiprocessing_works(make_sandbox):
+    """A correct program that uses a process pool must not fail for the sandbox's sake: its locks are POSIX
+    semaphores in /dev/shm."""
+    code = (
+        "import multiprocessing\n"
+        "if __name__ == '__main__':\n"
+        "    with multiprocessing.Pool(2) as pool:\n"
+        "        print(sum(pool.map(abs, [-1, -2, -3])))\n"
+        "    queue = multiprocessing.Queue()\n"
+        "    worker = multiprocessing.Process(target=queue.put, args=(42,))\n"
+        "    worker.start()\n"
+        "    print(queue.get())\n"
+        "    worker.join()\n"
+    )
+    result = await make_sandbox(timeout_s=10.0).run(code)
+    assert (result.status, result.stdout) == ("ok", "6\n42\n"), result
+
+
+@root_only
+async def test_symlinks_a_run_leaves_in_its_directory_do_not_steer_the_hosts_cleanup(make_sandbox, tmp_path):
+    """Without the mount namespace the host removes what the program wrote in its working directory, as root: links
+    to host files and directories (made where the run cannot look, which a symlink does not need) stay links."""
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "keep.txt").write_text("keep")
+    code = (
+        "import os\n"
+        f"os.symlink({str(canary)!r}, 'dir-link')\n"
+        f"os.symlink({str(canary / 'keep.txt')!r}, 'file-link')\n"
+        "os.makedirs('d/e')\n"
+        f"os.symlink({str(canary)!r}, 'd/e/deep-link')\n"
+        "os.chmod('d', 0)\n"
+        "print(sorted(os.listdir('.')))\n"
+    )
+    result = await make_sandbox(namespaces=False).run(code)
+    assert (result.status, result.stdout) == ("ok", "['d', 'dir-link', 'file-link', 'solution.py']\n"), result
+    assert (canary / "keep.txt").read_text() == "keep"
+
+
+@root_only
+async def test_filling_the_disk_stops_at_the_working_directory_size(make_sandbox):
+    sandbox = make_sandbox(workdir_mb=4)
+    code = (
+        "import os\n"
+        "written, block = 0, b'x' * (1 << 20)\n"
+        "try:\n"
+        "    for i in range(64):\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(block)\n"
+        "        written += 1\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, e.errno)\n"
+        "print(written)\n"
+    )
+    result = await sandbox.run(code)
+    assert (result.status, result.stdout) == ("ok", "OSError 28\n3\n"), result  # ENOSPC: the tmpfs is full
     await assert_healthy(sandbox)
 
 
 @root_only
 async def test_world_writable_dirs_are_writable_without_the_mount_namespace(make_sandbox):
     """Control: the read-only mount is what stops writes to /tmp, which the sandbox uid could otherwise use."""
-    target = f"/dev/shm/escape-{uuid.uuid4().hex}"
+    target = os.path.join(tempfile.gettempdir(), f"escape-{uuid.uuid4().hex}")
     try:
         result = await make_sandbox(namespaces=False).run(f"open({target!r}, 'w').write('x')\nprint('wrote')")
         assert result.stdout == "wrote\n" and os.stat(target).st_uid in TEST_UIDS
@@ -150,6 +240,140 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
         tg.start_soon(thief)
     assert results["victim"].status == "ok"
     assert results["thief"].status == "ok" and "v-secret" not in results["thief"].stdout
+
+
+NEW_USER_NAMESPACE = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "CLONE_NEWUSER, SIGCHLD = 0x10000000, 17\n"
+    "pid = libc.syscall({'x86_64': 56, 'aarch64': 220}[os.uname().machine], CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)\n"
+    "if pid == 0:\n"
+    "    os._exit(0)  # the child, in a user namespace of its own\n"
+    "print('clone', pid if pid < 0 else 'made one', os.strerror(ctypes.get_errno()) if pid < 0 else '')\n"
+    "if pid > 0:\n"
+    "    os.waitpid(pid, 0)\n"
+    "got = libc.unshare(CLONE_NEWUSER)\n"
+    "print('unshare', got, os.strerror(ctypes.get_errno()) if got else 'made one')\n"
+)
+
+
+async def test_a_new_user_namespace_is_refused(make_sandbox):
+    """A user namespace would give the program every capability inside it (the bounding set does not carry over):
+    new network, mount and PID namespaces, the kernel code behind them. seccomp refuses it; forks, threads and
+    subprocesses still work (glibc falls back from clone3 to clone)."""
+    sandbox = make_sandbox()
+    result = await sandbox.run(NEW_USER_NAMESPACE)
+    assert result.status == "ok", result
+    assert result.stdout == "clone -1 Operation not permitted\nunshare -1 Operation not permitted\n", result
+    ordinary = (
+        "import os, subprocess, threading\n"
+        "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+        "print(subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    works = await sandbox.run(ordinary)
+    assert (works.status, works.stdout) == ("ok", "thread\nchild\n7\n"), works
+    await assert_healthy(sandbox)
+
+
+@root_only
+async def test_pseudo_terminals_come_from_a_small_pool_of_the_runs_own(make_sandbox):
+    """The host's pty pool is kernel.pty.max (4096) for every process on it: 32 processes x 127 ptys each would
+    drain it for as long as the run lasts. A run gets a devpts instance of its own, capped."""
+    sandbox = make_sandbox()
+    code = (
+        "import os\n"
+        "others = sorted(os.listdir('/dev/pts'))\n"
+        "ptys = []\n"
+        "while len(ptys) < 40:\n"
+        "    try:\n"
+        "        ptys.append(os.openpty())\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print(others, len(ptys), os.ttyname(ptys[0][1]))\n"
+    )
+    result = await sandbox.run(code)
+    assert (result.status, result.stdout) == ("ok", "['ptmx'] 16 /dev/pts/0\n"), result
+    await assert_healthy(sandbox)
+
+
+@root_only
+async def test_a_run_cannot_signal_another_running_at_the_same_time(make_sandbox):
+    """kill(-1) signals every process the caller may signal: without a uid and a PID namespace per run, the
+    concurrent run too."""
+    sandbox = make_sandbox(max_concurrency=2)
+    results = {}
+
+    async def victim() -> None:
+        results["victim"] = await sandbox.run("import time\ntime.sleep(1.5)\nprint('survived')")
+
+    async def killer() -> None:
+        await anyio.sleep(0.5)
+        code = (
+            "import os, signal\n"
+            "for sig in (signal.SIGKILL, signal.SIGSTOP):\n"
+            "    try:\n"
+            "        os.kill(-1, sig)\n"
+            "    except ProcessLookupError:\n"  # no process it may signal (Linux spares the caller)
+            "        print('none to signal')\n"
+        )
+        results["killer"] = await sandbox.run(code)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(victim)
+        tg.start_soon(killer)
+    assert (results["victim"].status, results["victim"].stdout) == ("ok", "survived\n"), results
+    assert results["killer"].stdout == "none to signal\n" * 2, results
+
+
+PLANT = (
+    "import os, socket, time\n"
+    "for d in ('/tmp', '/dev/shm', '/var/tmp', '/run', '.'):\n"
+    "    try:\n"
+    "        open(os.path.join(d, NAME), 'w').write('hint')\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "server = socket.socket(socket.AF_UNIX)\n"
+    "server.bind('\\0asyncsess-planted')\n"
+    "server.listen()\n"
+    "if os.fork() == 0:\n"  # a daemon that keeps the socket open, in a session of its own
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(60)\n"
+    "    os._exit(0)\n"
+    "print('planted')\n"
+)
+FIND = (
+    "import os, socket\n"
+    "found = [d for d in ('/tmp', '/dev/shm', '/var/tmp', '/run', '.') if os.path.exists(os.path.join(d, NAME))]\n"
+    "client = socket.socket(socket.AF_UNIX)\n"
+    "try:\n"
+    "    client.connect('\\0asyncsess-planted')\n"
+    "    found.append('abstract socket')\n"
+    "except OSError:\n"
+    "    pass\n"
+    "print(found)\n"
+)
+
+
+@root_only
+@pytest.mark.parametrize("namespaces", [None, False], ids=["namespaces", "control-without"])
+async def test_nothing_a_run_leaves_in_files_sockets_or_daemons_reaches_the_next_run_on_its_uid(make_sandbox, namespaces):
+    # one uid: the next run gets the same; no socket guard: the namespaces are what must hold
+    sandbox = make_sandbox(uids=range(TEST_UIDS[0], TEST_UIDS[0] + 1), socket_guard=False, namespaces=namespaces)
+    name = f"planted-{uuid.uuid4().hex}"
+    try:
+        planted = await sandbox.run(f"NAME = {name!r}\n" + PLANT)
+        assert (planted.status, planted.stdout) == ("ok", "planted\n"), planted
+        assert processes_of(TEST_UIDS) == []  # the daemon is gone
+        found = await sandbox.run(f"NAME = {name!r}\n" + FIND)
+    finally:
+        for d in ("/tmp", "/dev/shm", "/var/tmp"):
+            if os.path.exists(os.path.join(d, name)):
+                os.unlink(os.path.join(d, name))
+    # without the namespaces the world-writable dirs carry a hint from run to run (the working directory does not)
+    expected = "[]\n" if namespaces is None else "['/tmp', '/dev/shm', '/var/tmp']\n"
+    assert (found.status, found.stdout) == ("ok", expected), found
 
 
 # -- secrets ---------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import grp
 import math
 import os
 import pwd
+import tempfile
 
 import anyio
 import pytest
@@ -32,6 +33,7 @@ async def test_known_programs_get_the_right_status(make_sandbox):
     cases = {
         "print(input()[::-1])": ("ok", 0),
         "import sys\nsys.exit(3)": ("runtime_error", 3),
+        "import sys\nsys.exit(100)": ("runtime_error", 100),  # any exit status is the program's own, not "memory"
         "raise ValueError('boom')": ("runtime_error", 1),
         "def broken(:\n  pass": ("runtime_error", 1),
         "while True:\n    pass": ("timeout", None),
@@ -123,6 +125,31 @@ async def test_huge_output_is_capped(make_sandbox):
     assert flood.status == "output_limit" and len(flood.stderr) == 10_000
     under = await sandbox.run("print('y' * 5000)")
     assert (under.status, len(under.stdout)) == ("ok", 5001)
+    await assert_healthy(sandbox)
+
+
+async def test_output_that_is_not_utf8_or_a_closed_stdout_gets_a_typed_result(make_sandbox):
+    sandbox = make_sandbox(timeout_s=2.0)
+    code = (
+        "import sys\n"
+        "sys.stdout.buffer.write(b'\\xff\\xed\\xa0\\x80 bytes\\n')\n"  # not UTF-8; a UTF-8-encoded surrogate
+        "sys.stdout.flush()\n"
+        "sys.stderr.reconfigure(errors='surrogatepass')\n"
+        "print('\\ud800 lone', file=sys.stderr)\n"
+    )
+    result = await sandbox.run(code)
+    assert result.status == "ok" and result.stdout.endswith(" bytes\n") and result.stderr.endswith(" lone\n"), result
+    assert "\ufffd" in result.stdout and "\ufffd" in result.stderr
+    assert ExecutionResult.model_validate_json(result.model_dump_json()) == result  # valid text all the way
+    report = await sandbox.run_tests(code, [TestCase(expected_stdout=" bytes\n")])
+    assert (report.passed, report.total) == (0, 1)
+    for code, status in (
+        ("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", "timeout"),
+        ("import os\nos.close(0)\nos.close(1)\nos.close(2)", "ok"),
+        ("import sys\nsys.stdout.close()\nprint('x')", "runtime_error"),
+    ):
+        closed = await sandbox.run(code, stdin="x" * (1 << 20))
+        assert (closed.status, closed.stdout) == (status, ""), (code, closed)
     await assert_healthy(sandbox)
 
 
@@ -265,6 +292,22 @@ async def test_invalid_limits_are_rejected(make_sandbox):
         tiny = await one_uid.run("while True:\n    pass", timeout_s=5e-324)
         assert tiny.status in ("timeout", "sandbox_error"), tiny
     await assert_healthy(one_uid)  # and its one uid was not retired
+
+
+async def test_code_too_big_for_the_working_directory_is_one_typed_error(make_sandbox, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a private temp dir, to see every leftover
+    sandbox = make_sandbox(workdir_mb=1)
+    big = "x = 1\n" + "#" * (1 << 20)
+    with pytest.raises(InvalidInputError) as caught:
+        await sandbox.run(big)
+    assert caught.value.field == "code" and "1 MiB" in str(caught.value) and caught.value.fix
+    with pytest.raises(InvalidInputError) as caught:  # before any run starts: not an ExceptionGroup of each test's
+        await sandbox.run_tests(big, [TestCase(expected_stdout=""), TestCase(expected_stdout="")])
+    assert caught.value.field == "code"
+    with pytest.raises(InvalidInputError) as caught:  # code that fits, with files that do not
+        await sandbox.run("pass", files={"data.bin": b"x" * (1 << 20)})
+    assert caught.value.field == "files"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_uids_of_root_accounts_groups_or_out_of_range_are_refused(make_sandbox):

@@ -6,14 +6,14 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
-   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs, any other
-   host unix socket by /dev/null, and the working directory a private size-capped tmpfs -- and writes the files
-   back into the tmpfs;
+   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs (/dev/shm by
+   an empty writable one), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
+   size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
-   empties its capability bounding set, drops to the sandbox uid, takes a session keyring of its own, installs
-   the socket guard and runs the code;
+   refuses new user namespaces and exotic socket families (seccomp), empties its capability bounding set,
+   drops to the sandbox uid, takes a session keyring of its own, installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
    SysV IPC objects), and writes one JSON line to the status fd:
@@ -40,6 +40,11 @@ _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 36, 24, 38
 _KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
 _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 _IPC_RMID = 0
+_MAX_PTYS = 16  # pseudo-terminals a run may hold at once
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _CLONE_NEWUSER = 22, 2, 0x10000000
+_SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: network-namespaced, in every kernel
+# Per architecture: the audit arch seccomp reports; the numbers of unshare, clone, clone3, socket and socketpair.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435, 41, 53), "aarch64": (0xC00000B7, 97, 220, 435, 198, 199)}
 _WATCH_INTERVAL_S = 0.02
 _AF_UNIX = 1
 _NETWORK_EVENTS = {
@@ -109,9 +114,12 @@ def _enter_namespaces(cfg, uid, gid):
     for path in cfg["hidden_paths"]:
         _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
     covered = list(cfg["hidden_paths"])
-    for path in cfg["socket_dirs"]:  # /tmp, /run, ...: empty, root-owned, not writable by the run
+    # /tmp, /run, ...: empty, root-owned, not writable by the run; /dev/shm, where POSIX semaphores and shared
+    # memory live (multiprocessing's locks), empty and writable, the run's own
+    shm = f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=1777".encode()
+    for path in cfg["socket_dirs"]:
         if not any(os.path.commonpath([path, c]) == c for c in covered):  # (one under a hidden path is hidden)
-            _mount(b"tmpfs", path, b"tmpfs", flags, b"size=64k,nr_inodes=64,mode=0755")
+            _mount(b"tmpfs", path, b"tmpfs", flags, shm if path == "/dev/shm" else b"size=64k,nr_inodes=64,mode=0755")
             covered.append(path)
     for path in sockets:  # any other socket the host has bound: covered by /dev/null, connect() is refused
         if not any(os.path.commonpath([path, c]) == c for c in covered):
@@ -119,6 +127,10 @@ def _enter_namespaces(cfg, uid, gid):
                 _mount(b"/dev/null", path, None, _MS_BIND, None)
             except OSError:  # gone meanwhile, or not reachable
                 pass
+    try:  # ptys from a small pool of the run's own (the host's, kernel.pty.max, is shared by everything on it)
+        _mount(b"devpts", "/dev/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, f"newinstance,ptmxmode=0666,max={_MAX_PTYS}".encode())
+    except OSError:  # no /dev/pts, or devpts refused: the host's pool, rather than no namespaces at all
+        pass
     os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
     owner = "" if uid is None else f",uid={uid},gid={gid}"
     _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
@@ -140,9 +152,77 @@ def _keyctl(*args):
     return _libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
 
 
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _assemble(program):
+    """Classic BPF from ``(code, k, label if true, label if false)`` tuples, with ``"label"`` strings in between."""
+    labels: dict = {}
+    insns: list = []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(insns)
+        else:
+            insns.append(item)
+    filters = (_SockFilter * len(insns))()
+    for i, (code, k, jt, jf) in enumerate(insns):
+        filters[i] = _SockFilter(code, labels[jt] - i - 1 if jt else 0, labels[jf] - i - 1 if jf else 0, k)
+    return filters
+
+
+def _seccomp():
+    """A seccomp filter. ``unshare``/``clone`` asking for a new user namespace fail with EPERM (inside one, the
+    program would hold every capability, whatever its bounding set); ``clone3``, whose flags a filter cannot read,
+    fails with ENOSYS, so libc falls back to ``clone``. ``socket``/``socketpair`` of a family other than
+    ``_SOCKET_FAMILIES`` fail with EAFNOSUPPORT (AF_VSOCK reaches the hypervisor past the network namespace).
+    A syscall of another ABI (x32, i386) fails with EPERM."""
+    arch = _SECCOMP_ARCH.get(os.uname().machine)
+    if arch is None:
+        return
+    audit_arch, unshare, clone, clone3, socket, socketpair = arch
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, errno = 0x7FFF0000, 0x50000
+    program = [
+        (ld, 4, None, None),  # the architecture
+        (jeq, audit_arch, None, "deny"),
+        (ld, 0, None, None),  # the syscall number
+        (jge, 0x40000000, "deny", None),  # x32
+        (jeq, clone3, "enosys", None),
+        (jeq, unshare, "flags", None),
+        (jeq, clone, "flags", None),
+        (jeq, socket, "family", None),
+        (jeq, socketpair, "family", None),
+        (ret, allow, None, None),
+        "flags",
+        (ld, 16, None, None),  # the low half of the first argument (both architectures are little-endian)
+        (jset, _CLONE_NEWUSER, "deny", None),
+        (ret, allow, None, None),
+        "family",
+        (ld, 16, None, None),
+        *((jeq, family, "allow", None) for family in _SOCKET_FAMILIES),
+        (ret, errno | 97, None, None),  # EAFNOSUPPORT
+        "allow",
+        (ret, allow, None, None),
+        "deny",
+        (ret, errno | 1, None, None),  # EPERM
+        "enosys",
+        (ret, errno | 38, None, None),
+    ]
+    filters = _assemble(program)
+    fprog = _SockFprog(len(filters), filters)
+    _call("prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0)
+
+
 def _harden(root):
-    """No privilege gain through exec (setuid binaries, file capabilities), and (as root) no capabilities to gain."""
+    """No privilege gain through exec (setuid binaries, file capabilities), no user namespaces or exotic sockets,
+    and (as root) no capabilities to gain."""
     _call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _seccomp()
     if not root:
         return
     with open("/proc/sys/kernel/cap_last_cap") as f:
@@ -303,24 +383,26 @@ def _program(cfg, source, sync_w):
         os.chdir(cfg["workdir"])
         if cfg["socket_guard"]:
             sys.addaudithook(_socket_guard)
-        os.write(sync_w, b"1")
-        os.close(sync_w)
+        os.write(sync_w, b"1")  # the pipe stays open: a MemoryError is said there too
     except BaseException:
         traceback.print_exc()
         os._exit(1)
     sys.argv = [cfg["code_file"]]
     sys.path.insert(0, cfg["workdir"])
     scope = {"__name__": "__main__", "__file__": os.path.join(cfg["workdir"], cfg["code_file"]), "__builtins__": __builtins__}
+    program = os.getpid()
     try:
         exec(compile(source, cfg["code_file"], "exec"), scope)
     except SystemExit:
         raise
     except BaseException as exc:
         traceback.print_exception(type(exc), exc, exc.__traceback__ and exc.__traceback__.tb_next)  # hide this frame
-        if isinstance(exc, MemoryError):
+        if isinstance(exc, MemoryError):  # said on the pipe, so that every exit status stays the program's own
+            if os.getpid() == program:  # (not in a fork of it)
+                os.write(sync_w, b"M")
             sys.stderr.flush()
             sys.stdout.flush()
-            os._exit(cfg["exit_memory"])
+            os._exit(1)
         sys.exit(1)
 
 
@@ -447,7 +529,10 @@ def _supervise(pid, sync_r, wake_r, exit_r, cfg):
         pass
     if cfg["uid"] is not None:
         _clear_uid_state(cfg["uid"])
-    report["started"] = os.read(sync_r, 1) == b"1"  # every writer is gone, so this cannot block
+    said = os.read(sync_r, 1 << 16)  # b"1" once set up, then b"M" on a MemoryError; every writer is gone by now
+    report["started"] = said[:1] == b"1"
+    if b"M" in said[1:]:
+        report["memory_exceeded"] = True
     if not report["started"] and not report.get("stopped"):
         report["error"] = "the program's process failed to set up (see stderr)"
     return report

@@ -72,13 +72,17 @@ class BaseSandbox(abc.ABC):
         files: Files | None = None,
     ) -> ExecutionResult: ...
 
+    def _check_code(self, code: str) -> bytes:
+        """The program as UTF-8, or InvalidInputError(field="code") if this sandbox cannot take it."""
+        return encode_text("code", code)
+
     async def run_tests(
         self, code: str, tests: Sequence[TestCase], *, timeout_s: float | None = None, memory_mb: int | None = None
     ) -> TestReport:
         if not tests:
             raise InvalidInputError("no tests to run", field="tests", fix="give at least one TestCase")
         # Bad input is refused here, as one InvalidInputError, not from inside the task group (an ExceptionGroup).
-        encode_text("code", code)
+        self._check_code(code)
         for i, test in enumerate(tests):
             encode_text(f"tests[{i}].stdin", test.stdin)
         for field, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb)):

@@ -1,8 +1,9 @@
 """LocalSandbox: runs untrusted Python in a confined child process on this machine.
 
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
-rlimits on CPU time, address space, processes, file size and open files; no_new_privs; a wall-clock timeout
-and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
+rlimits on CPU time, address space, processes, file size and open files; no_new_privs; a seccomp filter
+refusing new user namespaces and socket families other than unix, inet, inet6 and netlink; a wall-clock
+timeout and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
 capability bounding set, fresh mount, network, IPC, UTS and PID namespaces (read-only filesystem, host unix
 sockets and temp dirs covered, hidden host directories, tmpfs working directory, a /proc of the run's own
 processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
@@ -51,7 +52,6 @@ _FALLBACK_NOTE = (
 )
 
 CODE_FILE = "solution.py"
-EXIT_MEMORY = 100  # exit status the supervisor gives a program that ran out of memory
 _BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
 _PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -181,7 +181,7 @@ class LocalSandbox(BaseSandbox):
     ) -> ExecutionResult:
         timeout_s = self._timeout_s if timeout_s is None else check_limit("timeout_s", timeout_s)
         memory_mb = self._memory_mb if memory_mb is None else check_limit("memory_mb", memory_mb)
-        contents = {CODE_FILE: encode_text("code", code), **check_files(files, reserved=CODE_FILE)}
+        contents = {CODE_FILE: self._check_code(code), **check_files(files, reserved=CODE_FILE)}
         if sum(map(len, contents.values())) > self._workdir_mb << 20:
             raise InvalidInputError(
                 f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
@@ -190,6 +190,14 @@ class LocalSandbox(BaseSandbox):
         namespaces = await self._namespaces_available()
         async with self._limiter.get():
             return await self._execute(contents, stdin_bytes, timeout_s, memory_mb, namespaces)
+
+    def _check_code(self, code: str) -> bytes:
+        data = encode_text("code", code)
+        if len(data) > self._workdir_mb << 20:
+            raise InvalidInputError(
+                f"is {len(data)} bytes, over the {self._workdir_mb} MiB working directory", field="code", fix="raise workdir_mb"
+            )
+        return data
 
     async def _namespaces_available(self) -> bool:
         if self._namespaces is not None:
@@ -269,7 +277,6 @@ class LocalSandbox(BaseSandbox):
                 "memory_watch": cgroup is None,
                 "status_fd": status_w,
                 "code_file": CODE_FILE,
-                "exit_memory": EXIT_MEMORY,
             }
             started = time.monotonic()
             proc = await anyio.open_process(
@@ -502,7 +509,7 @@ def _verdict(
         status = "sandbox_error"
     elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s is not None and cpu_s >= cpu_limit):
         status = "timeout"
-    elif exit_code == EXIT_MEMORY or report.get("memory_exceeded"):
+    elif report.get("memory_exceeded"):
         status = "memory"
     else:
         status = "ok" if exit_code == 0 else "runtime_error"

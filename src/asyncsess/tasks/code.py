@@ -123,15 +123,29 @@ def _verdict(tests: Sequence[TestCase], report: TestReport) -> dict[str, Any]:
     return {"passed": report.all_passed, "tests_passed": report.passed, "test_count": report.total, "details": details}
 
 
+async def _run_tests(problem: CodeProblem, code: str, sandbox: Sandbox, timeout_s: float | None) -> TestReport | InvalidInputError:
+    """The program's report over the problem's tests, or why the program cannot run at all (its text: a lone
+    surrogate, say); any other bad input (the problem's, the limits) is raised."""
+    try:
+        return await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
+    except InvalidInputError as err:
+        if err.field != "code":
+            raise
+        return err
+
+
 async def grade(
     problem: CodeProblem, reply: str, sandbox: Sandbox, timeout_s: float | None = None, format_coef: float = 0.1
 ) -> tuple[float, dict[str, float]]:
     """The episode's reward from the last assistant message, with ``correct``, ``format``, ``tests_passed``
-    (share of tests) and ``sandbox_errors`` (runs whose verdict is unknown, counted as failures)."""
+    (share of tests) and ``sandbox_errors`` (runs whose verdict is unknown, counted as failures). A program the
+    sandbox cannot take (a lone surrogate in its text, or too large for it) fails every test."""
     code = extract_code(reply)
     if code is None:
         return -format_coef, {"correct": 0.0, "format": 0.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
-    report = await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
+    report = await _run_tests(problem, code, sandbox, timeout_s)
+    if isinstance(report, InvalidInputError):  # a program that cannot run fails every test
+        return 0.0, {"correct": 0.0, "format": 1.0, "tests_passed": 0.0, "sandbox_errors": 0.0}
     correct = float(report.all_passed)
     errors = sum(r.result.status == "sandbox_error" for r in report.results)
     return correct, {"correct": correct, "format": 1.0, "tests_passed": report.passed / report.total, "sandbox_errors": float(errors)}
@@ -144,12 +158,9 @@ def check_solution_tool(problem: CodeProblem, sandbox: Sandbox, timeout_s: float
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return json.dumps({"error": 'check_solution needs {"code": "<python program>"}'}), {}
-        try:
-            report = await sandbox.run_tests(code, list(problem.tests), timeout_s=timeout_s)
-        except InvalidInputError as err:  # the model's program, e.g. a lone surrogate written as a JSON escape
-            if err.field != "code":
-                raise
-            return json.dumps({"error": f"the program cannot be run: {err}"}), {}
+        report = await _run_tests(problem, code, sandbox, timeout_s)
+        if isinstance(report, InvalidInputError):  # e.g. a lone surrogate the model wrote as a JSON escape
+            return json.dumps({"error": f"the program cannot be run: {report}"}), {}
         return json.dumps(_verdict(problem.tests, report)), {
             "check/tests_passed": float(report.passed),
             "check/test_count": float(report.total),
