@@ -46,13 +46,14 @@ from .errors import (
     AsyncSessError,
     ConflictError,
     InvalidInputError,
-    NonFiniteGradientError,
     NotFoundError,
     OperationCancelledError,
+    OperationError,
     PoisonedError,
     ResultMismatchError,
     SessionGoneError,
     UnsupportedError,
+    poisons,
 )
 from .futures import APIFuture
 from .retry import RetryBudget, RetryEvent, RetryPolicy, call_with_retry
@@ -992,7 +993,18 @@ class TrainingClient:
             return parts[0]
         fut: APIFuture[ForwardBackwardOutput] = APIFuture(kind, parts[0].seq)
         fut._withdrawable = False
-        return self._svc._spawn(fut, _merge_parts, parts)
+        return self._svc._spawn(fut, self._merge_parts, parts)
+
+    async def _merge_parts(self, parts: list[APIFuture[ForwardBackwardOutput]]) -> ForwardBackwardOutput:
+        """The parts' outputs merged. A part refused void while the others ran leaves the batch half-applied: that
+        poisons the ops after it, as any failure of an op that changed the session does."""
+        try:
+            return merge_outputs([await p for p in parts])
+        except AsyncSessError as err:
+            if not poisons(err):
+                seq = err.seq if err.seq is not None else parts[0].seq or 0  # _run_op names the part's seq
+                self._poison_after(seq, OperationError(f"a batch sent as {len(parts)} ops was half-applied: {err}", seq=seq))
+            raise
 
     def _track(self, fut: APIFuture[T], fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         assert fut.seq is not None
@@ -1014,7 +1026,7 @@ class TrainingClient:
             if isinstance(err, AsyncSessError):
                 err.request_id = err.request_id or op.idempotency_key
                 err.seq = op.seq if err.seq is None else err.seq
-            if not isinstance(err, NonFiniteGradientError):  # a skipped step left the session as it was
+            if poisons(err):  # a void op (refused before anything ran, a skipped step) left the session as it was
                 self._poison_after(op.seq, err)
             raise
 
@@ -1047,10 +1059,6 @@ class TrainingClient:
                 fut._set_exception(PoisonedError(f"op {seq} failed earlier: {err}", cause=err, operation=fut.operation, seq=later_seq))
                 if fut._cancel_scope is not None:
                     fut._cancel_scope.cancel()
-
-
-async def _merge_parts(parts: list[APIFuture[ForwardBackwardOutput]]) -> ForwardBackwardOutput:
-    return merge_outputs([await p for p in parts])
 
 
 def _data_or_batch(data: Any, batch: Any) -> Any:

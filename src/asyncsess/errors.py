@@ -57,6 +57,12 @@ __all__ = [
 class AsyncSessError(Exception):
     """Base class of every asyncsess error."""
 
+    void: bool = False
+    """True when the failed op applied nothing and its ``seq`` is used up: the session is as it was, so the op
+    poisons nothing and the ops numbered after it run (see :func:`poisons`). A server sets it when it refuses a
+    numbered op before anything ran (``"void": true`` in the worker's error body); a
+    :class:`NonFiniteGradientError` is always void."""
+
     def __init__(
         self,
         message: str,
@@ -64,12 +70,15 @@ class AsyncSessError(Exception):
         operation: str | None = None,
         seq: int | None = None,
         request_id: str | None = None,
+        void: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.operation = operation
         self.seq = seq
         self.request_id = request_id
+        if void:
+            self.void = True
 
     def __str__(self) -> str:
         where = [f"{k}={v}" for k, v in (("op", self.operation), ("seq", self.seq), ("request_id", self.request_id)) if v is not None]
@@ -136,9 +145,11 @@ class UnsupportedError(InvalidInputError):
 class NonFiniteGradientError(InvalidInputError, OperationError):
     """``optim_step`` met a gradient whose norm is NaN or infinite and applied nothing (torch's
     ``clip_grad_norm_(error_if_nonfinite=True)`` test): weights and optimizer state are as before the call, the
-    gradient is cleared, and the session lives on — neither the backend nor the client is poisoned, so the next
-    ``forward_backward`` starts afresh.
+    gradient is cleared, and the session lives on — neither the backend nor the client is poisoned (it is
+    :attr:`~AsyncSessError.void`), so the next ``forward_backward`` starts afresh.
     """
+
+    void = True
 
     def __init__(self, norm: float, **kw) -> None:
         super().__init__(
@@ -287,6 +298,15 @@ def is_retryable(error: BaseException) -> bool:
     if isinstance(error, TransientError):
         return True
     return isinstance(error, (ConnectionError, TimeoutError)) and not isinstance(error, AsyncSessError)
+
+
+def poisons(error: BaseException) -> bool:
+    """Whether a failed ordered op poisons the ops numbered after it (they then fail with :class:`PoisonedError`).
+
+    Every failure does, except a :attr:`~AsyncSessError.void` one: an op refused before anything ran, or an
+    ``optim_step`` skipped for a non-finite gradient. The backends' sequencer and the client both ask this.
+    """
+    return not (isinstance(error, AsyncSessError) and error.void)
 
 
 class FacadeMisuseError(RuntimeError):

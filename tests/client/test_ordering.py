@@ -139,3 +139,51 @@ async def test_large_batches_are_chunked_and_train_like_one_batch():
         for a, b in zip(out_chunked.loss_fn_outputs, out_whole.loss_fn_outputs):
             assert a["logprobs"].data == b["logprobs"].data
         np.testing.assert_allclose(svc.backend.weights(chunked.model_id), svc.backend.weights(whole.model_id), atol=1e-12)
+
+
+async def test_a_refused_seq_is_void_its_turn_passes_and_nothing_is_poisoned():
+    from asyncsess import InvalidInputError
+    from asyncsess.backends.sequencer import Sequencer
+
+    async def run(op):
+        return op.seq
+
+    seqr = Sequencer(run)
+    ops = [OptimStepOp(seq=i, idempotency_key=f"k{i}") for i in (1, 2, 3, 4)]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(seqr.execute, ops[3])  # waits for 2 and 3
+        await anyio.wait_all_tasks_blocked()
+        with pytest.raises(InvalidInputError) as err:
+            seqr.refuse(ops[2], InvalidInputError("no such path", field="path"))  # ahead of its turn: answered at once
+        assert err.value.void and err.value.seq == 3
+        assert await seqr.execute(ops[0]) == 1
+        with pytest.raises(InvalidInputError) as err2:
+            seqr.refuse(ops[1], InvalidInputError("bad", field="data"))  # at its turn
+    assert seqr.applied == [1, 4], "the refused turns ran nothing and blocked nothing"
+    with pytest.raises(InvalidInputError) as again:
+        await seqr.execute(ops[1])
+    assert again.value is err2.value, "a re-delivery gets the same refusal"
+    assert seqr.refuse(ops[1], InvalidInputError("x")) is None, "a seq no longer free is left to execute"
+    assert await seqr.execute(OptimStepOp(seq=5, idempotency_key="k5")) == 5, "nothing is poisoned"
+
+
+async def test_a_void_refusal_of_one_part_of_a_split_batch_poisons_the_rest(monkeypatch):
+    """The other parts ran: the batch was half-applied, so the ops after it must not run as if it had not."""
+    from asyncsess import InvalidInputError
+
+    async with ServiceClient("mock://", max_chunk_datums=1) as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        real = svc.backend.execute_training
+
+        async def refusing(session_id: str, op: TrainingOp):
+            if op.seq == 2:
+                raise InvalidInputError("refused", field="data", void=True)
+            return await real(session_id, op)
+
+        monkeypatch.setattr(svc.backend, "execute_training", refusing)
+        batch = tc.forward_backward([sft_datum([1, 2, 3]), sft_datum([4, 5, 6]), sft_datum([7, 8, 9])], "cross_entropy")
+        step = tc.optim_step(AdamParams())
+        with pytest.raises(InvalidInputError):
+            await batch
+        with pytest.raises(PoisonedError, match="half-applied"):
+            await step

@@ -97,8 +97,7 @@ async def test_typed_errors_cross_http(worker, tiny):
         bad = Datum(model_input=ModelInput.from_ints([1, 2, 5000]), loss_fn_inputs={"target_tokens": [1, 2, 3], "weights": [1.0] * 3})
         with pytest.raises(InvalidInputError) as exc:
             await b.execute_training(info.model_id, ops("forward_backward", data=(bad,), loss_fn="cross_entropy"))
-        assert exc.value.field == "data[0]" and exc.value.seq is None  # refused before it took its seq
-        ops.seq = 0  # so seq 1 is still free
+        assert exc.value.field == "data[0]" and exc.value.seq == 1 and exc.value.void  # refused before anything ran; seq 1 used up
         assert (await b.execute_training(info.model_id, ops("optim_step", adam_params=AdamParams()))).step == 1
         # a failure while running (not refusable up front) poisons the ops after it
         engine = worker.backend.engine
@@ -139,8 +138,8 @@ def test_auth_and_ownership(worker, tiny):
         assert c.post("/v1/sessions", json={"base_model": tiny, "from_path": path}, headers=mine).status_code == 200
 
 
-def test_a_taken_name_is_refused_before_numbering_and_ephemeral_saves_stay_off_disk(worker, tiny):
-    """Over HTTP: a save under a taken name is a 400 naming ``overwrite`` that leaves its seq free; overwrite=True
+def test_a_taken_name_is_refused_voiding_its_seq_and_ephemeral_saves_stay_off_disk(worker, tiny):
+    """Over HTTP: a save under a taken name is a 400 naming ``overwrite`` that uses up its seq (void); overwrite=True
     replaces it. An ephemeral save (a sampler refresh), merged or not, is an in-memory snapshot: never listed, no
     directory; an ephemeral save_state is refused (it is always durable)."""
     h = {"Authorization": f"Bearer {KEY}"}
@@ -155,16 +154,17 @@ def test_a_taken_name_is_refused_before_numbering_and_ephemeral_saves_stay_off_d
         path = saved.json()["result"]["path"]
         r = op(2, "save_state", name="a")
         assert r.status_code == 400 and r.json()["error"]["type"] == "ConflictError" and r.json()["error"]["field"] == "overwrite", r.text
-        assert "overwrite=True" in r.json()["error"]["fix"]
-        r = op(2, "save_weights", ephemeral=True, merge_weights=True)  # seq 2 is still free
+        assert "overwrite=True" in r.json()["error"]["fix"] and r.json()["error"]["void"] is True  # seq 2 is used up
+        assert op(2, "save_state", name="a").json() == r.json()  # a re-delivery gets the same refusal
+        r = op(3, "save_weights", ephemeral=True, merge_weights=True)
         assert r.status_code == 200, r.text
         snapshot = r.json()["result"]["path"]
         assert snapshot.startswith("local://ephemeral/")
         assert c.post("/v1/samplers", json={"model_path": snapshot}).status_code == 200
-        assert op(3, "optim_step", adam_params={}).json()["result"]["step"] == 1
-        r = op(4, "save_state", name="a", overwrite=True)
+        assert op(4, "optim_step", adam_params={}).json()["result"]["step"] == 1
+        r = op(5, "save_state", name="a", overwrite=True)
         assert r.status_code == 200 and r.json()["result"]["path"] == path and r.json()["result"]["step"] == 1, r.text
-        r = op(5, "save_state", ephemeral=True)
+        r = op(6, "save_state", ephemeral=True)
         assert r.status_code == 400 and r.json()["error"]["field"] == "ephemeral", r.text
         listed = c.get("/v1/checkpoints", params={"session_id": sid}).json()
         assert [(x["path"], x["step"]) for x in listed] == [(path, 1)]
@@ -308,3 +308,45 @@ def test_openai_client_chat_and_stream(worker, tiny):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{worker.url}/v1", api_key="wrong").models.list()
+
+
+async def _train(tc, bad=None) -> list[float]:
+    """Two SFT steps, ``bad()`` (a refused load_state) sent between them with the second step queued behind it;
+    then the log-probs the weights give."""
+    d = sft_datum([5, 6, 7, 8, 9])
+    await tc.forward_backward([d], "cross_entropy")
+    await tc.optim_step(AdamParams(learning_rate=1e-2))
+    if bad is not None:
+        refused = bad()
+        fb, opt = tc.forward_backward([d], "cross_entropy"), tc.optim_step(AdamParams(learning_rate=1e-2))  # numbered after it
+        with pytest.raises(InvalidInputError) as err:
+            await refused
+        assert err.value.field == "path" and err.value.void, err.value
+        await fb
+        assert (await opt).step == 2
+    else:
+        await tc.forward_backward([d], "cross_entropy")
+        await tc.optim_step(AdamParams(learning_rate=1e-2))
+    out = await tc.forward([d], "cross_entropy")
+    return list(out.loss_fn_outputs[0]["logprobs"].data)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["unknown", "another tenant's"])
+async def test_a_load_state_the_worker_refuses_voids_its_seq_and_the_client_goes_on(worker, tiny, path):
+    """Over http:// the client cannot judge a load path before numbering; the worker refused it after, leaving the seq
+    free, so the client's later ops waited for it and every one was a PoisonedError. Now the refusal uses up the
+    seq (``void``) and the ops after it run: the weights are those of a run that never sent it."""
+    import asyncsess
+
+    async with asyncsess.ServiceClient(worker.url, api_key=OTHER) as theirs:
+        other = await theirs.create_lora_training_client(tiny, rank=2, seed=0)
+        their_state = (await other.save_state("theirs")).path
+    async with asyncsess.ServiceClient(worker.url, api_key=KEY) as svc:
+        tc = await svc.create_lora_training_client(tiny, rank=2, seed=0)
+        mine = (await tc.save_state("mine")).path
+        bad_path = {"unknown": mine + "-missing", "another tenant's": their_state}[path]
+        refused = await _train(tc, lambda: tc.load_state(bad_path))
+        assert tc.current_sequence_number == 7  # save, a step (2 ops), the refused load, a step, forward
+        clean = await _train(await svc.create_lora_training_client(tiny, rank=2, seed=0))
+    assert refused == clean

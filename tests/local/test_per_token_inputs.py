@@ -237,9 +237,10 @@ def test_bad_multi_target_shapes_get_a_400_over_http(tiny, tmp_path):
                     }
                 ],
             }
-            assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", op, MINE), "data[0].loss_fn_inputs['weights']")
+            err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", op, MINE), "data[0].loss_fn_inputs['weights']")
+            assert err["void"] is True  # the refusal used up seq 1; the next op runs
             op["data"][0]["loss_fn_inputs"]["weights"] = {"data": [1.0] * 6, "dtype": "float32", "shape": [3, 2]}
-            r = send(c, "POST", f"/v1/sessions/{sid}/ops", op, MINE)  # seq 1 was not taken by the refusal
+            r = send(c, "POST", f"/v1/sessions/{sid}/ops", {**op, "seq": 2, "idempotency_key": "k2"}, MINE)
             assert r.status_code == 200, r.text
             assert r.json()["result"]["loss_fn_outputs"][0]["logprobs"]["shape"] == [3, 2]
     finally:

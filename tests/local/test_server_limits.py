@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import uuid
 
 import httpx
 import pytest
@@ -54,15 +55,16 @@ def ids(c, tiny):
     return {"sid": sid, "smp": new_sampler(c, MINE, base_model=tiny), "state": r.json()["result"]["path"]}
 
 
-def _op(ids, **kw):
-    return {"kind": "optim_step", "seq": 2, "idempotency_key": "k", **kw}
+def _op(worker, sid, **kw):
+    """An op at the session's next seq (a refused op uses it up), under a fresh idempotency key."""
+    return {"kind": "optim_step", "seq": worker.backend.next_seq(sid), "idempotency_key": uuid.uuid4().hex, **kw}
 
 
 @pytest.mark.parametrize("path", BAD_PATHS)
-def test_bad_checkpoint_paths_are_refused_on_every_route(c, tiny, ids, path):
+def test_bad_checkpoint_paths_are_refused_on_every_route(c, worker, tiny, ids, path):
     assert_refused(send(c, "POST", "/v1/samplers", {"model_path": path}, MINE), "model_path")
     assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": path}, MINE), "from_path")
-    assert_refused(send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(ids, kind="load_state", path=path), MINE), "path")
+    assert_refused(send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(worker, ids["sid"], kind="load_state", path=path), MINE), "path")
 
 
 @pytest.mark.parametrize("name", BAD_MODELS)
@@ -82,7 +84,7 @@ def test_checkpoint_dirs_are_base_models_for_nobody(c, worker, tiny, ids):
     """A merged checkpoint is a full model directory: naming it as a base model is refused, even by its owner."""
     r = c.post(
         f"/v1/sessions/{ids['sid']}/ops",
-        json={"kind": "save_weights", "seq": 2, "idempotency_key": "m", "merge_weights": True},
+        json=_op(worker, ids["sid"], kind="save_weights", merge_weights=True),
         headers=MINE,
     )
     assert r.status_code == 200, r.text
@@ -97,7 +99,7 @@ def test_checkpoint_dirs_are_base_models_for_nobody(c, worker, tiny, ids):
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_checkpoint_names_match_the_whole_pattern(c, worker, ids, name):
     for kind in ("save_state", "save_weights"):
-        r = send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", {"kind": kind, "seq": 9, "idempotency_key": "n", "name": name}, MINE)
+        r = send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(worker, ids["sid"], kind=kind, name=name), MINE)
         assert_refused(r, "name")
     root = worker.backend.engine.store.root
     assert not [p for p in root.rglob("*") if "\n" in p.name or p.name.startswith(".x")]
@@ -210,14 +212,16 @@ OP_CASES = [
 
 
 @pytest.mark.parametrize(("extra", "field"), OP_CASES)
-def test_op_numbers_are_finite_and_refused_before_taking_a_seq(c, tiny, extra, field):
+def test_op_numbers_are_finite_and_refused_before_anything_runs(c, worker, tiny, extra, field):
     sid = new_session(c, tiny, MINE)
     base = {"kind": "optim_step", "seq": 1, "idempotency_key": "k"} | ({} if "kind" in extra else {"adam_params": {}})
-    assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", base | extra, MINE), field)
-    # seq 1 is still free: the refused op took nothing, and poisoned nothing
+    err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", base | extra, MINE), field)
+    # a body that is no op leaves seq 1 free; an op refused after parsing uses it up ("void": true); neither poisons
+    seq = 2 if err.get("void") else 1
+    assert worker.backend.next_seq(sid) == seq, err
     r = c.post(
         f"/v1/sessions/{sid}/ops",
-        json={"kind": "optim_step", "seq": 1, "idempotency_key": "ok", "adam_params": {"learning_rate": 10.0}},
+        json={"kind": "optim_step", "seq": seq, "idempotency_key": "ok", "adam_params": {"learning_rate": 10.0}},
         headers=MINE,
     )
     assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
@@ -299,19 +303,21 @@ def test_target_prompt_logprobs_of_the_right_shape_are_answered(c, ids):
     assert picked["shape"] == [2, 2] and picked["data"][1] == 0.0 and all(x < 0 for i, x in enumerate(picked["data"]) if i != 1)
 
 
-def test_a_load_state_path_the_session_cannot_load_is_refused_before_taking_a_seq(c, tiny, ids):
+def test_a_load_state_path_the_session_cannot_load_is_refused_before_anything_runs(c, worker, tiny, ids):
     """A save_weights path, or the state of a session with another LoRA rank, is refused by the worker's
-    check before the op is numbered (it failed when applied, after taking its seq)."""
+    check before anything runs (it failed when applied, and failed the session): the refusal uses up its seq
+    ("void": true), and the next op runs."""
     sid = new_session(c, tiny, MINE, rank=4)
     r = c.post(f"/v1/sessions/{sid}/ops", json={"kind": "save_weights", "seq": 1, "idempotency_key": "w", "name": "w"}, headers=MINE)
     assert r.status_code == 200, r.text
-    for path in (r.json()["result"]["path"], ids["state"]):  # sampler weights; a rank-2 session's state
-        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(ids, kind="load_state", path=path), MINE), "path")
+    for seq, path in enumerate((r.json()["result"]["path"], ids["state"]), 2):  # sampler weights; a rank-2 session's state
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(worker, sid, kind="load_state", path=path), MINE), "path")
         assert "sampler checkpoint" in err["message"] or "rank" in err["message"], err
+        assert err["void"] is True and err["seq"] == seq, err
     weights = r.json()["result"]["path"]
     assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": weights}, MINE), "from_path")  # was named 'path'
-    r = c.post(f"/v1/sessions/{sid}/ops", json=_op(ids, adam_params={"learning_rate": 1e-3}), headers=MINE)
-    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # seq 2 was still free
+    r = c.post(f"/v1/sessions/{sid}/ops", json=_op(worker, sid, adam_params={"learning_rate": 1e-3}), headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-5, 1e-4])

@@ -77,10 +77,12 @@ def _their_calls(ids: dict[str, str], tiny: str) -> list[tuple[str, str, object]
 def test_the_other_key_can_use_nothing_and_learns_nothing(c, tiny, mine, worker):
     ghost = {"sid": GHOST_SESSION, "smp": GHOST_SAMPLER, "paths": [p.replace(mine["sid"], GHOST_SESSION) for p in mine["paths"].values()]}
     real = {**mine, "paths": list(mine["paths"].values())}
-    theirs_sid = new_session(c, tiny, THEIRS)
-    calls = _their_calls(real, tiny) + [("POST", f"/v1/sessions/{theirs_sid}/ops", _op("load_state", 1, path=p)) for p in real["paths"]]
+    theirs_sid, theirs_ghost_sid = new_session(c, tiny, THEIRS), new_session(c, tiny, THEIRS)  # a refused load uses up its seq
+    calls = _their_calls(real, tiny) + [
+        ("POST", f"/v1/sessions/{theirs_sid}/ops", _op("load_state", i, path=p)) for i, p in enumerate(real["paths"], 1)
+    ]
     ghost_calls = _their_calls(ghost, tiny) + [
-        ("POST", f"/v1/sessions/{theirs_sid}/ops", _op("load_state", 1, path=p)) for p in ghost["paths"]
+        ("POST", f"/v1/sessions/{theirs_ghost_sid}/ops", _op("load_state", i, path=p)) for i, p in enumerate(ghost["paths"], 1)
     ]
     slots = set(worker.backend.engine.slots)
     for (method, path, body), (gm, gpath, gbody) in zip(calls, ghost_calls):

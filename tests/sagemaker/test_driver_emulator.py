@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import asyncsess
+from asyncsess.backends import ForwardBackwardOp
 from asyncsess.errors import InvalidInputError, NotFoundError, RetriesExhaustedError, SessionGoneError, UnsupportedError
 from asyncsess.rl.data import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
@@ -190,6 +191,25 @@ async def test_bad_input_is_a_typed_error_naming_the_field(emulator):
         assert caps.loss_functions == ["cross_entropy", "importance_sampling", "ppo", "cispo"]
         with pytest.raises(InvalidInputError):
             await svc.create_lora_training_client("no/such-model", rank=4)
+
+
+async def test_a_token_past_the_vocabulary_is_refused_before_numbering(emulator):
+    """The driver reported no vocabulary size (and the wire's maxTokens limit as the context), so a token id past the
+    vocabulary took its number and the service's refusal poisoned the training client. Now the hub document's
+    VocabSize and MaxContextLength are checked before numbering, by the client and by the driver's precheck."""
+    past = Datum(model_input=ModelInput.from_ints([1, 105]), loss_fn_inputs={"target_tokens": [105, 2], "weights": [1.0, 1.0]})
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        model = (await svc.get_server_capabilities()).supported_models[0]
+        assert (model.vocab_size, model.max_context_length) == (105, 512)  # mock/bigram-tiny's
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        with pytest.raises(InvalidInputError) as err:
+            tc.forward_backward([past], "cross_entropy")
+        assert err.value.field == "data[0]"
+        with pytest.raises(InvalidInputError) as err2:
+            svc.backend.precheck(tc.model_id, ForwardBackwardOp(seq=1, idempotency_key="k", data=(past,)))
+        assert "[0, 105)" in str(err2.value) and "datumList[0]" in (err2.value.field or "")
+        assert tc.current_sequence_number == 0 and emulator.session_state(tc.model_id)["operations"] == {}
+        assert (await tc.forward_backward(BATCH, "cross_entropy")).metrics["loss:sum"] > 0
 
 
 @pytest.mark.parametrize("bad", ["arn:not-a-package", "sampler weights", "deleted here"])

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import pytest
 
 import asyncsess
-from asyncsess.errors import InvalidInputError, PoisonedError, SessionGoneError
+from asyncsess.errors import InvalidInputError
 from asyncsess.types import AdamParams, Datum, ModelInput
+from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 
-from .helpers import clients, driver_url, wait_status
+from .helpers import clients, driver_url
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
 
 BASE = "mock/bigram-tiny"
 GOOD = [Datum(model_input=ModelInput.from_ints([1, 40, 41]), loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [1.0] * 3})]
-# Passes the driver's checks (it does not know the vocabulary) and is rejected by the service: ValidationException.
+# Past the vocabulary (105): refused by the service (ValidationException) where the hub publishes no VocabSize.
 OUT_OF_VOCAB = [Datum(model_input=ModelInput.from_ints([1, 9999]), loss_fn_inputs={"target_tokens": [9999, 2], "weights": [1.0] * 2})]
 
 
@@ -87,34 +88,49 @@ async def test_pipeline_submissions_false_keeps_one_submission_in_flight(emulato
     assert (events.index("start 2") < events.index("end 1")) is overlapped
 
 
-async def test_a_rejected_op_with_nothing_numbered_after_it_gives_its_number_back(emulator):
-    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
-        tc = await svc.create_lora_training_client(BASE, rank=4)
-        await tc.forward_backward(GOOD, "cross_entropy")
+@pytest.fixture(scope="module")
+def blind_emulator() -> Iterator[RunningEmulator]:
+    """An emulator whose hub documents publish no VocabSize: only the service can refuse a token id past the vocabulary."""
+    with running_emulator("mock://", EmulatorConfig(check_responses=True, publish_vocab_size=False)) as emu:
+        yield emu
+
+
+async def _weights_after(tc: Any, refused: Any = None) -> list[float]:
+    """A step, ``refused()`` with a step queued behind it (both numbered before its refusal comes back), a step;
+    then the log-probs the weights give."""
+    await tc.forward_backward(GOOD, "cross_entropy")
+    await tc.optim_step(AdamParams(learning_rate=0.01))
+    if refused is not None:
+        bad = refused()
+        fb, opt = tc.forward_backward(GOOD, "cross_entropy"), tc.optim_step(AdamParams(learning_rate=0.01))
         with pytest.raises(InvalidInputError) as err:
-            await tc.forward_backward(OUT_OF_VOCAB, "cross_entropy")
-        assert "datumList" in (err.value.field or "")
-        sm, _ = clients(emulator.url)
-        detail = sm.describe_training_session(TrainingSessionName=tc.model_id)["TrainingSessionDetail"]
-        # no gap left behind: the service counts the rejected number 2 as used (the emulator does; the real service's rule is unpublished)
-        assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 2
-        assert svc.backend._sessions[tc.model_id].next_wire_seq == 2
-
-
-async def test_a_rejected_op_with_later_ops_in_flight_stops_the_session_instead_of_leaving_a_gap(emulator):
-    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
-        tc = await svc.create_lora_training_client(BASE, rank=4)
-        bad = tc.forward_backward(OUT_OF_VOCAB, "cross_entropy")
-        later = tc.optim_step(AdamParams(learning_rate=0.01))
-        with pytest.raises(InvalidInputError):
             await bad
-        # The service counts the rejected number as used (the emulator does; the real rule is unpublished), so the step
-        # delivered after it may run before the stop reaches the service: its future holds its result or fails
-        # (docs/backend-sagemaker.md, pipeline_submissions)
-        with contextlib.suppress(PoisonedError, SessionGoneError):
-            await later
-        sm, _ = clients(emulator.url)
-        assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # not Blocked on number 1
-        assert emulator.session_state(tc.model_id)["applied"] in ([], [2])  # the refused forward_backward never ran
-        with pytest.raises((PoisonedError, SessionGoneError)):
-            await tc.optim_step(AdamParams(learning_rate=0.01))
+        assert err.value.void and err.value.field in ("path", "operationConfig.forwardBackward.datumList[0]"), err.value
+        await fb
+        assert (await opt).step == 2
+    else:
+        await tc.forward_backward(GOOD, "cross_entropy")
+        await tc.optim_step(AdamParams(learning_rate=0.01))
+    out = await tc.forward(GOOD, "cross_entropy")
+    return list(out.loss_fn_outputs[0]["logprobs"].data)
+
+
+@pytest.mark.parametrize("bad", ["token past the vocabulary", "unknown package"])
+async def test_an_op_the_service_refuses_voids_its_number_and_the_ops_after_it_run(blind_emulator, bad):
+    """The service refuses an op after it took its number (the client could not know): the refusal is void, so the
+    ops numbered after it run, in order, and the weights are those of a run that never sent it. It poisoned the
+    training client (every later op a PoisonedError), or stopped the session when later ops were numbered."""
+    async with asyncsess.ServiceClient(driver_url(blind_emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        state = await tc.save_state("s")
+        unknown = state.path.rsplit("/", 1)[0] + "/999"
+        refused = {
+            "token past the vocabulary": lambda: tc.forward_backward(OUT_OF_VOCAB, "cross_entropy"),
+            "unknown package": lambda: tc.load_state(unknown),
+        }[bad]
+        via_refusal = await _weights_after(tc, refused)
+        detail = clients(blind_emulator.url)[0].describe_training_session(TrainingSessionName=tc.model_id)["TrainingSessionDetail"]
+        assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 7
+        assert blind_emulator.session_state(tc.model_id)["applied"] == [1, 2, 3, 5, 6, 7]  # number 4 was used up
+        clean = await _weights_after(await svc.create_lora_training_client(BASE, rank=4))
+    assert via_refusal == clean  # bit for bit: the emulator runs on mock://

@@ -7,7 +7,9 @@ lives above this cut, so a backend only has to execute ops.
 Contract for ``execute_training``: ops of one session run strictly in ``seq`` order (a backend must
 hold an op whose predecessors have not arrived), each ``seq`` at most once; a repeated delivery with
 the same ``idempotency_key`` returns the stored result; once an op fails, later ops of that session fail
-with :class:`~asyncsess.errors.PoisonedError`. :class:`asyncsess.backends.sequencer.Sequencer` implements this.
+with :class:`~asyncsess.errors.PoisonedError`, unless the failure is void (refused before anything ran, its
+``seq`` used up: :attr:`~asyncsess.errors.AsyncSessError.void`). :class:`asyncsess.backends.sequencer.Sequencer`
+implements this.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Request bodies are the backend protocol's own records (validated by pydantic on the server); results
 are the shared wire types; errors travel as ``{"error": {"type": <asyncsess.errors class>, ...}}`` and
-are rebuilt as the same typed exception on the client.
+are rebuilt as the same typed exception on the client. ``"void": true`` in an op's error says the worker
+refused it before anything ran and used up its ``seq``: the client's later ops run (nothing is poisoned).
 """
 
 from __future__ import annotations
@@ -118,12 +119,14 @@ def decode_result(body: dict[str, Any]) -> TrainingResult:
 
 
 def encode_error(err: errors.AsyncSessError) -> dict[str, Any]:
-    """``{"error": {"type", "message", "field", "fix", ...}}``, with OpenAI's ``param`` (the field) and ``code``
+    """``{"error": {"type", "message", "field", "fix", ..., "void"}}`` (``void`` only when true), with OpenAI's ``param`` (the field) and ``code``
     (the type in snake case) too: the worker's key, size and route checks answer its OpenAI routes in this shape,
     and the openai client reads an error's ``param`` and ``code`` from there."""
     state = {k: getattr(err, k) for k in _FIELDS if getattr(err, k, None) is not None}
     if isinstance(err, errors.PoisonedError) and err.cause is not None:
         state["cause"] = str(err.cause)
+    if err.void:
+        state["void"] = True
     code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).lower()  # InvalidInputError -> invalid_input_error
     return {"error": {"type": type(err).__name__, **state, "param": getattr(err, "field", None), "code": code}}
 
@@ -142,5 +145,7 @@ def decode_error(body: Any, status: int) -> errors.AsyncSessError:
     state = {k: info.get(k) for k in _FIELDS}
     if issubclass(cls, errors.PoisonedError):
         state["cause"] = errors.ServerError(info["cause"]) if info.get("cause") else None
+    if info.get("void") is True:
+        state["void"] = True
     err.__dict__.update(state)
     return err

@@ -12,7 +12,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
-from ..errors import AsyncSessError, ConflictError, NonFiniteGradientError, PoisonedError, SessionGoneError, TransientError
+from ..errors import AsyncSessError, ConflictError, PoisonedError, SessionGoneError, TransientError, poisons
 
 __all__ = ["Sequenced", "Sequencer"]
 
@@ -52,7 +52,9 @@ class Sequencer(Generic[R]):
     - The same ``seq`` with another key is a :class:`ConflictError`, and so is a re-delivery of an op
       more than ``keep_results`` ops old (its result is no longer kept).
     - After an op fails, every later op fails with :class:`PoisonedError` naming the cause, unless the failure
-      left the session as it was (:class:`NonFiniteGradientError`: a skipped ``optim_step``).
+      left the session as it was (a :attr:`~asyncsess.errors.AsyncSessError.void` one: see
+      :func:`~asyncsess.errors.poisons`).
+    - :meth:`refuse` gives a refused op's ``seq`` its turn without running anything: its seq is void.
     - :meth:`stored` says whether a delivery would be answered from the store, so a backend can answer it
       as cheaply as a real server answers a re-delivered op: one round trip, no op time.
     """
@@ -67,6 +69,7 @@ class Sequencer(Generic[R]):
         self._gap_timeout = gap_timeout
         self._keep = keep_results  # results kept for re-delivery; older duplicates get a ConflictError
         self._poison: tuple[int, BaseException] | None = None
+        self._void: set[int] = set()  # refused seqs ahead of the next one: their turn passes without running anything
         self._stopped: str | None = None
         self.applied: list[int] = []  # seqs actually executed, in order (for tests and logs)
 
@@ -130,12 +133,31 @@ class Sequencer(Generic[R]):
                 raise
         except Exception as err:
             slot.error = err
-            if not isinstance(err, NonFiniteGradientError):
+            if poisons(err):
                 self._poison = self._poison or (op.seq, err)
         finally:
             self._advance()
             slot.done.set()
         return self._outcome(slot)
+
+    def refuse(self, op: Sequenced, error: AsyncSessError) -> None:
+        """Raise ``error`` for ``op``, refused before anything ran, marked void: ``op``'s ``seq`` is used up (its turn
+        passes without running anything, so the ops after it run) and a re-delivery gets the same error.
+
+        Returns without raising when ``op``'s ``seq`` is no longer free (a re-delivery, a stopped session):
+        :meth:`execute` answers that delivery as it answers any other."""
+        if op.seq in self._slots or op.seq < self._next or self._stopped is not None:
+            return
+        error.void = True
+        error.seq = op.seq if error.seq is None else error.seq
+        error.operation = error.operation or op.kind
+        done = anyio.Event()
+        done.set()
+        self._slots[op.seq] = _Slot(key=op.idempotency_key, done=done, error=error)
+        self._void.add(op.seq)
+        if op.seq == self._next:
+            self._advance()
+        raise error
 
     async def _wait_turn(self, op: Sequenced) -> None:
         if op.seq == self._next:
@@ -154,6 +176,10 @@ class Sequencer(Generic[R]):
     def _advance(self) -> None:
         self._slots.pop(self._next - self._keep, None)
         self._next += 1
+        if self._next in self._void:
+            self._void.discard(self._next)
+            self._advance()
+            return
         ev = self._turn.get(self._next)
         if ev is not None:
             ev.set()

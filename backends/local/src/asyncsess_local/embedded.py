@@ -188,9 +188,23 @@ class LocalBackend(Backend):
         done = await seq.execute(op)
         return await done.wait()
 
+    def refuse(self, session_id: str, op: TrainingOp, error: InvalidInputError) -> None:
+        """Raise ``error``, marked void: ``op``'s ``seq`` is used up without running anything, and the later ops run
+        (see :meth:`Sequencer.refuse`; it returns when the seq is no longer free: then the sequencer answers ``op``)."""
+        seq = self._sequencers.get(session_id)
+        if seq is None:
+            raise SessionGoneError(f"training session {session_id} is stopped or unknown", operation=op.kind, seq=op.seq)
+        seq.refuse(op, error)
+
     async def _enqueue(self, session_id: str, op: TrainingOp) -> Completion:
-        """Check ``op`` and queue it on the engine (the sequencer calls this in ``seq`` order)."""
-        return self.engine.submit_training(session_id, self.check_op(session_id, op))
+        """Check ``op`` and queue it on the engine (the sequencer calls this in ``seq`` order); a refusal here is
+        void: nothing ran."""
+        try:
+            checked = self.check_op(session_id, op)
+        except InvalidInputError as err:
+            err.void = True
+            raise
+        return self.engine.submit_training(session_id, checked)
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
         if isinstance(op, (LoadStateOp, SaveStateOp, SaveWeightsOp)) and session_id in self.engine.sessions:
@@ -198,7 +212,7 @@ class LocalBackend(Backend):
 
     def check_op(self, session_id: str, op: TrainingOp) -> TrainingOp:
         """``op`` checked against its session (shapes, vocabulary, context, loss options, names, paths) and
-        coerced; the worker calls this before sequencing, so a refused op consumes no ``seq``."""
+        coerced; the worker calls this when the op arrives, and :meth:`refuse` takes the seq of one it refuses."""
         sess = self.engine.sessions.get(session_id)
         if sess is None:
             raise SessionGoneError(f"training session {session_id} is stopped")

@@ -207,10 +207,13 @@ def create_app(
                 field="seq",
                 fix=f"number ops 1, 2, 3, ... per session; at most {bodies.MAX_SEQ_AHEAD} may wait for earlier ones",
             )
-        if isinstance(op, LoadStateOp):
-            owned_path(key, op.path, "path")
-        if seq_is_new(session_id, op.seq):
-            op = backend.check_op(session_id, op)  # refused here, before the op takes its seq
+        if seq_is_new(session_id, op.seq):  # a re-delivery is answered from the sequencer's store
+            try:
+                if isinstance(op, LoadStateOp):
+                    owned_path(key, op.path, "path")
+                op = backend.check_op(session_id, op)
+            except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
+                backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
         result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
             owners.saved_weights(session_id, result.path, result.step)

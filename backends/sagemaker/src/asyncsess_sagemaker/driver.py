@@ -4,10 +4,12 @@ Ordering: each session's ops pass through an :class:`asyncsess.backends.sequence
 them, in ``op.seq`` order, with the session's own wire counter; each op is then delivered
 (``ExecuteTrainingOperation``) without waiting for its predecessors' acknowledgement (unless
 ``pipeline_submissions`` is off), and results are polled concurrently, so pipelined ops cost one round
-trip. The service runs them in number order (an early arrival waits, the session showing ``Blocked``). An op rejected by the service gives its number
-back when no later op was numbered; otherwise, and when a delivery's fate stays unknown after every
-retry, a gap would remain, so the session is stopped and reported gone. The client token is derived
-from ``op.idempotency_key``, so every retry of one op carries the same token.
+trip. The service runs them in number order (an early arrival waits, the session showing ``Blocked``). An op the
+service refuses (``ValidationException``, or an unknown package) was never made and its number is used up, as the
+official SDK (which never sends a number twice) relies on: the refusal is void, poisons nothing, and the ops numbered
+after it run. When a delivery's fate stays unknown after every retry, a gap would remain, so the session is stopped
+and reported gone. The client token is derived from ``op.idempotency_key``, so every retry of one op carries the
+same token.
 
 Sampling ops run concurrently. Checkpoints are model-package version ARNs.
 """
@@ -130,6 +132,7 @@ class _Session:
     rank: int
     alpha: int
     sequencer: Sequencer[_Submission]
+    limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context length) its hub document publishes
     next_wire_seq: int = 1
     steps: int = 0
     undelivered: set[int] = field(default_factory=set)  # wire numbers given out and not yet acknowledged
@@ -167,6 +170,7 @@ class SageMakerBackend(Backend):
         self._package_session: dict[str, str] = {}  # model package ARN -> the live session that saved it
         self._package_kind: dict[str, str | None] = {}  # ARN -> "state"/"sampler"/"merged" of a save here; None: deleted here
         self._hub: dict[str, tuple[str, str | None]] = {}  # base model as given -> (hub content ARN, HF id)
+        self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._group_arn: str | None = options.model_package_group_arn
 
@@ -244,10 +248,12 @@ class SageMakerBackend(Backend):
             self.control.describe_hub_content, operation="DescribeHubContent", not_found=InvalidInputError, **kwargs
         )
         try:
-            hf_id = json.loads(resp.get("HubContentDocument") or "{}").get("HuggingfaceId")
+            doc = json.loads(resp.get("HubContentDocument") or "{}")
         except json.JSONDecodeError:
-            hf_id = None
-        return resp["HubContentArn"], hf_id
+            doc = {}
+        doc = doc if isinstance(doc, dict) else {}
+        self._hub_limits[resp["HubContentArn"]] = (_count(doc.get("VocabSize")), _count(doc.get("MaxContextLength")))
+        return resp["HubContentArn"], doc.get("HuggingfaceId")
 
     async def _resolve_base_model(self, base_model: str) -> tuple[str, str | None]:
         """(versioned hub content ARN, Hugging Face id) for a model id, a hub content name, or an ARN."""
@@ -284,12 +290,20 @@ class SageMakerBackend(Backend):
         return resolved
 
     async def capabilities(self) -> ServerCapabilities:
+        """The hub's trainable models, with the vocabulary size and context length their hub documents publish
+        (``VocabSize``, ``MaxContextLength``), so the client checks token ids and lengths before numbering."""
         rows = await self._hub_contents()
         trainable = [r for r in rows if "@capability:training_session" in (r.get("HubContentSearchKeywords") or [])] or rows
-        models = [
-            SupportedModel(model_name=self._keyword_id(r) or r["HubContentName"], max_context_length=int(_MAX_TOKENS["max"]))
-            for r in trainable
-        ]
+        models = []
+        for r in trainable:
+            vocab, context = self._hub_limits[(await self._describe_hub(r["HubContentName"]))[0]]
+            models.append(
+                SupportedModel(
+                    model_name=self._keyword_id(r) or r["HubContentName"],
+                    max_context_length=context or int(_MAX_TOKENS["max"]),
+                    vocab_size=vocab,
+                )
+            )
         return ServerCapabilities(supported_models=models, loss_functions=list(WIRE_LOSSES), max_lora_rank=int(_RANK_MAX))
 
     def get_tokenizer(self, base_model: str) -> Tokenizer:
@@ -411,6 +425,7 @@ class SageMakerBackend(Backend):
             rank=spec.rank,
             alpha=alpha,
             sequencer=Sequencer(self._numberer(name), gap_timeout=300.0),
+            limits=self._hub_limits.get(hub_arn, (None, None)),
         )
         self._sessions[name] = sess
         try:
@@ -447,9 +462,13 @@ class SageMakerBackend(Backend):
         return arns.hub_content_arn(self.options.region, base["HubContentName"], base.get("HubContentVersion") or "1.0.0")
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
-        """Refuse at once, as mock:// and local:// do, a ``load_state`` path that is no model package version ARN, or a
-        package this client saved as sampler weights (the service refuses to load them) or deleted. Refused by the
-        service after numbering, the op would poison the training client for good."""
+        """Refuse at once, before the op takes its number, what the service would refuse after: the service model's
+        limits, token ids and lengths past what the base model's hub document publishes (``VocabSize``,
+        ``MaxContextLength``), a ``load_state`` path that is no model package version ARN, or a package this client
+        saved as sampler weights (the service refuses to load them) or deleted."""
+        sess = self._sessions.get(session_id)
+        if sess is not None:
+            self._checked_config(sess, op)
         if not isinstance(op, LoadStateOp):
             return
         self._require_package_arn(op.path, "path")
@@ -569,13 +588,23 @@ class SageMakerBackend(Backend):
                 raise PoisonedError(f"an earlier op failed on this session: {sess.poison}", cause=sess.poison)
             if sess.gone is not None:
                 raise sess.gone
-            config = self._operation_config(op)
-            _check_config(config, _OPERATION_CONFIG, check_operation_config)
+            try:
+                config = self._checked_config(sess, op)
+            except InvalidInputError as err:
+                err.void = True  # it takes no wire number: nothing reached the service
+                raise
             if isinstance(op, OptimStepOp):
                 sess.steps += 1
             return self._number(sess, config, _client_token(name, op.idempotency_key))
 
         return number
+
+    def _checked_config(self, sess: _Session, op: TrainingOp) -> dict[str, Any]:
+        """The op's ``OperationConfig``, checked against the service model and the session's published limits."""
+        config = self._operation_config(op)
+        vocab, context = sess.limits
+        _check_config(config, _OPERATION_CONFIG, lambda c: check_operation_config(c, vocab, context))
+        return config
 
     def _number(self, sess: _Session, config: dict[str, Any], token: str) -> _Submission:
         after = None if self.options.pipeline_submissions else sess.last_numbered
@@ -623,13 +652,9 @@ class SageMakerBackend(Backend):
                 clientToken=sub.token,
                 operationConfig=sub.config,
             )
-        except InvalidInputError as err:
-            sess.poison = sess.poison or err  # later ops must not run, as after any failed op
-            if sess.next_wire_seq == sub.seq + 1:  # nothing numbered after it: give the number back, no gap
-                sess.next_wire_seq = sub.seq
-                sess.steps = sub.step - ("optimizerStep" in sub.config)
-            else:
-                await self._end_for_gap(sess, f"sequence number {sub.seq} was rejected after later ops were numbered: {err}")
+        except InvalidInputError as err:  # refused: no operation was made, and its number is used up (no gap)
+            err.void = True
+            sess.steps -= "optimizerStep" in sub.config
             raise
         except TransientError as err:  # delivered or not, nobody knows: a gap may be open
             await self._end_for_gap(sess, f"sequence number {sub.seq} could not be delivered: {err}")
@@ -638,8 +663,10 @@ class SageMakerBackend(Backend):
             ) from err
         except SessionGoneError as err:
             await self._check_alive(sess)  # raises when the session is gone
-            if "loadState" in sub.config:  # alive: the package it names is unknown (ResourceNotFoundException)
-                raise NotFoundError(err.message, field="path", fix="load a model package that exists (list_checkpoints)") from None
+            if "loadState" in sub.config:  # alive: the package it names is unknown (ResourceNotFoundException), refused
+                raise NotFoundError(
+                    err.message, field="path", fix="load a model package that exists (list_checkpoints)", void=True
+                ) from None
             raise
         return resp["operationId"]
 
@@ -895,6 +922,11 @@ class SageMakerBackend(Backend):
             resp["body"].close()
         if not done:
             raise TransientError("the stream ended without [DONE]", operation="chat_completion_stream")
+
+
+def _count(value: Any) -> int | None:
+    """A positive integer a hub document publishes, else None."""
+    return value if type(value) is int and value > 0 else None
 
 
 def _orphan(name: str) -> _Session:

@@ -43,6 +43,11 @@ class EmulatorConfig(BaseModel):
         default=0.0, ge=0.0, description="Get*OperationResult waits this long for completion (0: answer at once, as the service does)"
     )
     check_responses: bool = Field(default=False, description="validate every response against the service model's output shape")
+    publish_vocab_size: bool = Field(
+        default=True,
+        description="each hub document publishes the model's VocabSize (False: none, so only the service refuses a token id past "
+        "the vocabulary, after the op took its number)",
+    )
     sample_max_tokens: int | None = Field(
         default=None,
         ge=1,

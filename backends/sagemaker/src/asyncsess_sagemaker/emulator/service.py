@@ -10,6 +10,7 @@ number all the same: its turn passes without running anything, so the ops after 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -435,9 +436,16 @@ class EmulatedService:
         info.update(
             HubName=arns.PUBLIC_HUB,
             HubArn=f"arn:aws:sagemaker:{self.config.region}:aws:hub/{arns.PUBLIC_HUB}",
-            HubContentDocument=json.dumps({"HuggingfaceId": m.model_id, "MaxContextLength": m.max_context_length}),
+            HubContentDocument=json.dumps(self._hub_document(m)),
         )
         return info
+
+    def _hub_document(self, m: HubModel) -> dict[str, Any]:
+        """What a model's hub document publishes: its Hugging Face id, context length and vocabulary size."""
+        doc: dict[str, Any] = {"HuggingfaceId": m.model_id, "MaxContextLength": m.max_context_length}
+        if self.config.publish_vocab_size and m.vocab_size is not None:
+            doc["VocabSize"] = m.vocab_size
+        return doc
 
     # -------------------------------------------------------------------------------- runtime
 
@@ -512,18 +520,13 @@ class EmulatedService:
 
     def _use_up(self, sess: SessionRecord, seq: int) -> None:
         """A refused op takes its sequence number all the same (the official SDK never sends a number twice), so the
-        ops after it do not wait for it: its turn in the queue passes without running anything."""
+        ops after it do not wait for it: its turn in the queue passes without running anything (``Sequencer.refuse``)."""
         if seq in sess.by_seq or seq in sess.refused or seq < sess.sequencer.next_seq:
             return
         sess.refused.add(seq)
         sess.last_received_seq = max(seq, sess.last_received_seq or 0)
-        self._spawn(self._pass_turn, sess, seq)
-
-    async def _pass_turn(self, sess: SessionRecord, seq: int) -> None:
-        try:
-            await sess.sequencer.execute(_Refused(seq))
-        except AsyncSessError as err:  # the session ended or failed first: nothing waits for this turn
-            log.debug("refused op %d of %s: %r", seq, sess.name, err)
+        with contextlib.suppress(InvalidInputError):
+            sess.sequencer.refuse(_Refused(seq), InvalidInputError(f"operation {seq} was refused", field="operationConfig"))
         self._watch_gap(sess)
 
     def _watch_gap(self, sess: SessionRecord) -> None:
@@ -540,9 +543,7 @@ class EmulatedService:
             )
 
     def _make_runner(self, name: str) -> Any:
-        async def run(top: TrainingOp | _Refused) -> dict[str, Any]:
-            if isinstance(top, _Refused):
-                return {}
+        async def run(top: TrainingOp) -> dict[str, Any]:
             sess = self.sessions[name]
             return await self._apply(sess, sess.by_seq[top.seq], top)
 
@@ -783,7 +784,7 @@ class EmulatedService:
         sess = self._session(name, runtime=False)
         return {
             "status": self._detail(sess)["TrainingSessionStatus"],
-            "applied": [seq for seq in sess.sequencer.applied if seq not in sess.refused],
+            "applied": list(sess.sequencer.applied),
             "operations": {op.id: {"seq": op.seq, "kind": op.kind, "status": op.status} for op in sess.training_ops.values()},
             "inner_id": sess.inner_id,
         }
@@ -900,7 +901,7 @@ def _chat_logprobs(request: dict[str, Any]) -> int | None:
 
 @dataclass(frozen=True)
 class _Refused:
-    """The queue turn of a refused op's sequence number (it runs nothing)."""
+    """A refused op's sequence number, as the session's sequencer takes it (its turn runs nothing)."""
 
     seq: int
     kind: str = "refused"
