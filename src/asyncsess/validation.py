@@ -35,6 +35,7 @@ __all__ = [
     "check_ttl_seconds",
     "check_lora_rank",
     "check_seed",
+    "check_record_stability_info",
     "check_user_metadata",
     "check_session_options",
     "check_count",
@@ -65,6 +66,8 @@ LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
 
 
 def check_loss_fn(loss_fn: str, supported: Sequence[str] | None = None) -> str:
+    if loss_fn == "stable_reinforce":
+        raise UnsupportedError("Tinker's stable_reinforce is not offered", field="loss_fn", fix=STABLE_REINFORCE_FIX)
     if loss_fn not in LOSS_INPUTS:
         raise InvalidInputError(
             f"unknown loss {loss_fn!r}",
@@ -418,6 +421,22 @@ def check_seed(seed: Any, field: str = "seed") -> int | None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise InvalidInputError(f"{seed!r:.40} is not a seed", field=field, fix="an int in 0..2**63-1, or None")
     return seed
+
+
+STABLE_REINFORCE_FIX = (
+    "leave record_stability_info False and train on the sampler's log-probs with ppo, cispo or importance_sampling: "
+    "Tinker's stable_reinforce (the one use of the records) is not public, so asyncsess does not offer it"
+)
+
+
+def check_record_stability_info(value: Any) -> bool:
+    """Tinker's ``record_stability_info``: only ``False`` (or ``None``). Its records feed ``stable_reinforce``, whose
+    objective and records are not public (spec: losses §2.7), so ``True`` is refused rather than ignored."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        raise UnsupportedError("stability records are not kept here", field="record_stability_info", fix=STABLE_REINFORCE_FIX)
+    raise InvalidInputError(f"got {value!r:.40}", field="record_stability_info", fix="True or False")
 
 
 def check_user_metadata(meta: Any, field: str = "user_metadata") -> dict[str, str]:

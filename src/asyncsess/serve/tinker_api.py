@@ -58,6 +58,7 @@ from ..validation import (
     check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
+    check_record_stability_info,
     check_seed,
     check_target_prompt_logprobs,
     check_ttl_seconds,
@@ -946,6 +947,7 @@ class TinkerDoor:
             n = check_count(body.get("num_samples", 1), "num_samples", low=1, high=MAX_SAMPLES)
             k_prompt = check_count(body.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs", high=MAX_TOPK)
             k_sample = check_count(body.get("topk_sample_logprobs") or 0, "topk_sample_logprobs", high=MAX_TOPK)
+            check_record_stability_info(body.get("record_stability_info"))
             if body.get("prompt_alt_tokens_k"):
                 raise ApiError(400, "prompt alternatives are not offered", field="prompt_alt_tokens_k", fix="leave it at 0")
             target = check_target_prompt_logprobs(body.get("target_prompt_logprobs"), len(prompt))
