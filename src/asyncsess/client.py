@@ -571,6 +571,8 @@ class ServiceClient:
         try:
             with anyio.CancelScope() as scope:
                 fut._cancel_scope = scope
+                if fut._cancel_requested:  # cancelled before this task started
+                    scope.cancel()
                 fut._set_result(await fn(*args))
         except Exception as err:
             if isinstance(err, AsyncSessError) and err.operation is None:
