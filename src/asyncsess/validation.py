@@ -496,7 +496,7 @@ def check_count(value: Any, field: str, *, low: int = 0, high: int = 10_000, non
     if value is None and none_ok:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidInputError(f"{value!r} is out of range", field=field, fix=f"an int in {low}..{high}")
+        raise InvalidInputError(f"{value!r:.40} is out of range", field=field, fix=f"an int in {low}..{high}")
     return value
 
 

@@ -89,6 +89,13 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
         "stable_reinforce is not offered.*ppo",
     ),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
+    # a backend path (not tinker://) goes to the backend as is: one that holds nothing was accepted, failed when run,
+    # and failed every later op of the model; the backend's own precheck now refuses it before its turn
+    "load_state of a backend path that holds nothing": (
+        lambda tc: tc.load_state("mock://nowhere/weights/x"),
+        tinker.BadRequestError,
+        "no checkpoint",
+    ),
     # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
     "a datum past the model's context": (
         lambda tc: tc.forward_backward(
@@ -379,3 +386,13 @@ def test_record_stability_info_is_refused_not_ignored(service: tinker.ServiceCli
     ids = [s.sequence_id for s in sequences]
     assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 4
     assert [types.SampledProvenanceSpan(sequence_id=i, length=2).sequence_id for i in ids] == ids  # non-empty, as the SDK checks
+
+
+def test_an_optimizer_other_than_adamw_is_refused_when_the_model_is_made(service: tinker.ServiceClient, server: Server) -> None:
+    """create_lora_training_client(optimizer=DimuonOptimizerConfig()) made a model that trained with AdamW, silently."""
+    models = len(server.door.models)
+    with pytest.raises(tinker.BadRequestError, match="optimizer_config"):
+        service.create_lora_training_client(base_model=BASE, rank=8, optimizer=types.DimuonOptimizerConfig()).result()
+    assert len(server.door.models) == models
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, optimizer=types.AdamOptimizerConfig()).result()
+    assert tc.optim_step(types.AdamParams(learning_rate=0.1)).result() is not None
