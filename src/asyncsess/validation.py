@@ -68,9 +68,9 @@ LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
 def check_loss_fn(loss_fn: str, supported: Sequence[str] | None = None) -> str:
     if loss_fn == "stable_reinforce":
         raise UnsupportedError("Tinker's stable_reinforce is not offered", field="loss_fn", fix=STABLE_REINFORCE_FIX)
-    if loss_fn not in LOSS_INPUTS:
+    if not isinstance(loss_fn, str) or loss_fn not in LOSS_INPUTS:  # a list or dict raised TypeError (unhashable)
         raise InvalidInputError(
-            f"unknown loss {loss_fn!r}",
+            f"unknown loss {loss_fn!r:.60}",
             field="loss_fn",
             fix=f"use one of {', '.join(LOSS_INPUTS)}, or forward_backward_custom for anything else",
         )
