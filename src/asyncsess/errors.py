@@ -146,11 +146,11 @@ class InputValidationError(InvalidInputError, ValidationError):
     def of(cls, err: ValidationError) -> InputValidationError:
         """The same errors as ``err``, the first one naming ``field``."""
         details = err.errors(include_url=False)
-        first = details[0] if details else {"loc": (), "msg": str(err), "input": None}
         new = cls.from_exception_data(err.title, details)  # type: ignore[arg-type]
-        what = str(first["msg"]).removeprefix("Value error, ")
-        field = ".".join(map(str, first["loc"])) or None
-        got = f"{err.title} got {first['input']!r:.60}: " if field else f"{err.title}: "
+        where, what, given = (details[0]["loc"], details[0]["msg"], details[0]["input"]) if details else ((), str(err), None)
+        field = ".".join(map(str, where)) or None
+        what = what.removeprefix("Value error, ")
+        got = f"{err.title} got {given!r:.60}: " if field else f"{err.title}: "
         InvalidInputError.__init__(new, got + what, field=field, fix=f"see help({err.title}) for what each field takes")
         return new
 
