@@ -131,12 +131,12 @@ def _open(server: Server, key: str) -> Wire:
     return w
 
 
-def _valid(w: Wire, route: str, model: str) -> dict[str, Any]:
-    """A body the door accepts, made with the SDK's request type of ``route``."""
-    return _dump(_request(w, route, model))
+def _valid(w: Wire, route: str, model: str, turn: int = 1) -> dict[str, Any]:
+    """A body the door accepts, made with the SDK's request type of ``route`` (an op of ``model`` at ``turn``)."""
+    return _dump(_request(w, route, model, turn))
 
 
-def _request(w: Wire, route: str, model: str) -> BaseModel:
+def _request(w: Wire, route: str, model: str, turn: int = 1) -> BaseModel:
     prompt = types.ModelInput.from_ints([5, 6])
     made: dict[str, Callable[[], BaseModel]] = {
         "create_session": lambda: types.CreateSessionRequest(tags=["a"], user_metadata={"k": "v"}, sdk_version="fuzz", display_name="d"),
@@ -145,10 +145,14 @@ def _request(w: Wire, route: str, model: str) -> BaseModel:
             session_id=w.session, model_seq_id=next(w.seqs), base_model=BASE, lora_config=types.LoraConfig(rank=4, seed=1)
         ),
         "get_info": lambda: types.GetInfoRequest(model_id=model),
-        "optim_step": lambda: types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=0.1), model_id=model, seq_id=1),
-        "save_weights": lambda: types.SaveWeightsRequest(model_id=model, path="s", seq_id=1, ttl_seconds=3600, user_metadata={"k": "v"}),
-        "save_weights_for_sampler": lambda: types.SaveWeightsForSamplerRequest(model_id=model, path="p", seq_id=1, ttl_seconds=3600),
-        "load_weights": lambda: types.LoadWeightsRequest(model_id=model, seq_id=1, path=w.state, optimizer=True),
+        "optim_step": lambda: types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=0.1), model_id=model, seq_id=turn),
+        "save_weights": lambda: types.SaveWeightsRequest(
+            model_id=model, path=f"s{turn}", seq_id=turn, ttl_seconds=3600, user_metadata={"k": "v"}
+        ),
+        "save_weights_for_sampler": lambda: types.SaveWeightsForSamplerRequest(
+            model_id=model, path=f"p{turn}", seq_id=turn, ttl_seconds=3600
+        ),
+        "load_weights": lambda: types.LoadWeightsRequest(model_id=model, seq_id=turn, path=w.state, optimizer=True),
         "create_sampling_session": lambda: types.CreateSamplingSessionRequest(
             session_id=w.session, sampling_session_seq_id=next(w.seqs), base_model=BASE
         ),
@@ -216,10 +220,10 @@ def test_every_field_of_every_request_at_its_edges(server: Server) -> None:
     w = _open(server, API_KEY)
     problems: list[str] = []
     for route in ROUTES:
+        model, turn = (w.new_model(), 1) if route in ORDERED else (w.model, 1)  # an op's model, and its next seq_id
         for path in _fields(_request(w, route, w.model), _valid(w, route, w.model)):
             for value in EDGES:
-                model = w.new_model() if route in ORDERED else w.model
-                body = _with(_valid(w, route, model), path, value)
+                body = _with(_valid(w, route, model, turn), path, value)
                 before = _state(server)
                 resp = w.post(route, body)
                 case = f"{route} {'.'.join(path)}={value!r:.30}: {resp.status_code} {resp.text[:300]}"
@@ -239,11 +243,13 @@ def test_every_field_of_every_request_at_its_edges(server: Server) -> None:
                     if isinstance(answer, dict) and "error" in answer:
                         problems.append(f"accepted, then failed when run: {case} -> {str(answer)[:300]}")
                 if route in ORDERED:  # the model's next op runs: a refused op used up its turn (unless it named no turn)
-                    turn = 1 if path[0] in ("model_id", "seq_id") and resp.status_code >= 400 else 2
+                    turn += 0 if path[0] in ("model_id", "seq_id") and resp.status_code >= 400 else 1
                     probe = {"model_id": model, "seq_id": turn, "optim_params": {"learning_rate": 0.01}}
                     answer = w.result(w.post("optim_step", probe))
+                    turn += 1
                     if "error" in answer:
                         problems.append(f"the model's next op failed: {case} -> {str(answer)[:300]}")
+                        model, turn = w.new_model(), 1  # the next cases start on a model that works
     assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
 
 
