@@ -407,7 +407,7 @@ def check_ttl_seconds(ttl: Any) -> int | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1 or ttl > 10 * 366 * 86400:
-        raise InvalidInputError(f"{ttl!r} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
+        raise InvalidInputError(f"{ttl!r:.40} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
     return ttl
 
 

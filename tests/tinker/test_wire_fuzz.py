@@ -53,6 +53,7 @@ ROUTES: dict[str, type[BaseModel]] = {
     "session_heartbeat": types.SessionHeartbeatRequest,
     "create_model": types.CreateModelRequest,
     "get_info": types.GetInfoRequest,
+    "unload_model": types.UnloadModelRequest,  # every edge value of model_id names no model: nothing is unloaded
     "optim_step": types.OptimStepRequest,
     "save_weights": types.SaveWeightsRequest,
     "save_weights_for_sampler": types.SaveWeightsForSamplerRequest,
@@ -145,6 +146,7 @@ def _request(w: Wire, route: str, model: str, turn: int = 1) -> BaseModel:
             session_id=w.session, model_seq_id=next(w.seqs), base_model=BASE, lora_config=types.LoraConfig(rank=4, seed=1)
         ),
         "get_info": lambda: types.GetInfoRequest(model_id=model),
+        "unload_model": lambda: types.UnloadModelRequest(model_id=model),
         "optim_step": lambda: types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=0.1), model_id=model, seq_id=turn),
         "save_weights": lambda: types.SaveWeightsRequest(
             model_id=model, path=f"s{turn}", seq_id=turn, ttl_seconds=3600, user_metadata={"k": "v"}
@@ -234,6 +236,8 @@ def test_every_field_of_every_request_at_its_edges(server: Server) -> None:
                     named = (resp.json().get("field") or "") + " " + resp.json().get("error", "")
                     if not any(part in named for part in path):
                         problems.append(f"does not name the field: {case}")
+                    if len(resp.content) > 8192:  # a refusal names the field; it does not echo 100k characters back
+                        problems.append(f"a {len(resp.content)}-byte refusal: {case}")
                     if _state(server) != before:
                         problems.append(f"a refusal changed the door's state {before} -> {_state(server)}: {case}")
                 elif value is not MISSING and value is not None and path[0] not in IGNORED.get(route, ()) and _sdk_refuses(route, body):

@@ -53,6 +53,7 @@ from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsRespon
 from ..validation import (
     MAX_SAMPLES,
     MAX_TOPK,
+    check_checkpoint_path,
     check_count,
     check_datums,
     check_lora_rank,
@@ -108,7 +109,7 @@ class ApiError(Exception):
 
 
 def _not_found(what: str, value: str, fix: str) -> ApiError:
-    return ApiError(404, f"no {what} {value!r}", field=what, fix=fix)
+    return ApiError(404, f"no {what} {value!r:.200}", field=what, fix=fix)  # not echoing 100k characters back
 
 
 # ------------------------------------------------------------------------------------------ state
@@ -834,7 +835,10 @@ class TinkerDoor:
         mine = all(self.owns(self.models[m].session_id) for m in self._backend_owners(path))
         if path.startswith("tinker://") or path in self._dropped or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
-        return path, None
+        try:
+            return check_checkpoint_path(path, field), None  # a backend's path: scheme://... or an ARN, at most 4096 characters
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
 
     def _backend_owners(self, path: str) -> set[str]:
         """The door models a backend path belongs to: the one that saved it, and any whose backend id is one of its
