@@ -13,10 +13,11 @@ import concurrent.futures
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
+import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .errors import DeadlineExceededError, FacadeMisuseError
@@ -134,23 +135,16 @@ def shutdown() -> None:
 class SyncFuture(Generic[T]):
     """Blocking view of an :class:`APIFuture`: the op was submitted, in order, when it was created.
 
-    Made on the loop thread; the op's outcome is mirrored into a ``concurrent.futures.Future``, so
-    ``result()`` waits without another hop onto the loop.
+    Made on the loop thread; ``result()`` waits on the op's ``APIFuture.future()`` (a
+    ``concurrent.futures.Future``, which ``future()`` returns: cancelling it withdraws the op where it can still
+    be withdrawn) without another hop onto the loop. Awaitable too, as Tinker's futures are.
     """
 
     __slots__ = ("_done", "_fut")
 
     def __init__(self, fut: APIFuture[T]) -> None:
         self._fut = fut
-        self._done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        fut.add_done_callback(self._mirror)
-
-    def _mirror(self, fut: APIFuture[T]) -> None:
-        err = fut.exception()
-        if err is None:
-            self._done.set_result(fut.result())
-        else:
-            self._done.set_exception(err)
+        self._done: concurrent.futures.Future[T] = fut.future()
 
     def __repr__(self) -> str:
         return repr(self._fut).replace("APIFuture", "SyncFuture", 1)
@@ -170,8 +164,29 @@ class SyncFuture(Generic[T]):
     def done(self) -> bool:
         return self._done.done()
 
+    async def result_async(self, timeout: float | None = None) -> T:
+        """Wait without blocking the caller's event loop (in a worker thread); ``DeadlineExceededError`` after ``timeout`` s."""
+        if not self._done.done():
+            with anyio.move_on_after(timeout):
+                await anyio.to_thread.run_sync(concurrent.futures.wait, [self._done], timeout, abandon_on_cancel=True)
+            if not self._done.done():
+                raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq)
+        return self._done.result()
+
+    def coroutine(self) -> Coroutine[Any, Any, T]:
+        """A coroutine that waits for the value (Tinker's ``APIFuture.coroutine()``, for ``create_task``)."""
+        return self.result_async()
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self.result_async().__await__()
+
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (asyncsess collects none)."""
+        return None
+
     def future(self) -> concurrent.futures.Future[T]:
-        """The op's outcome as a ``concurrent.futures.Future`` (Tinker's ``APIFuture.future()``)."""
+        """The op's outcome as a ``concurrent.futures.Future`` (Tinker's ``APIFuture.future()``); cancelling it
+        withdraws the op where :meth:`cancel` could, and reads cancelled either way."""
         return self._done
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -187,4 +202,4 @@ class SyncFuture(Generic[T]):
         return bool(_on_loop(self._fut.cancel).result())
 
     def cancelled(self) -> bool:
-        return self._fut.cancelled()
+        return self._done.cancelled() or self._fut.cancelled()

@@ -86,6 +86,7 @@ from .validation import (
     check_loss_fn,
     check_loss_fn_config,
     check_overwrite,
+    check_record_stability_info,
     check_seed,
     check_session_options,
     check_target_prompt_logprobs,
@@ -342,9 +343,11 @@ class ServiceClient:
     ) -> SamplingClient:
         """A sampler on saved weights (``model_path``, SageMaker: ``model_package_arn``) or on the plain ``base_model``.
 
-        ``retry_config`` and ``record_stability_info`` (Tinker) are accepted and ignored: retries follow
-        this ServiceClient's ``retry`` policy.
+        ``retry_config`` (Tinker) is accepted and ignored: retries follow this ServiceClient's ``retry`` policy.
+        ``record_stability_info=True`` (Tinker's records for ``stable_reinforce``, which is not public) is refused
+        with :class:`UnsupportedError` naming it.
         """
+        check_record_stability_info(record_stability_info)
         if model_path is not None and model_package_arn is not None:
             raise InvalidInputError("give model_path or model_package_arn, not both", field="model_package_arn")
         model_path = model_path if model_path is not None else model_package_arn
@@ -569,6 +572,8 @@ class ServiceClient:
         try:
             with anyio.CancelScope() as scope:
                 fut._cancel_scope = scope
+                if fut._cancel_requested:  # cancelled before this task started
+                    scope.cancel()
                 fut._set_result(await fn(*args))
         except Exception as err:
             if isinstance(err, AsyncSessError) and err.operation is None:
@@ -828,8 +833,10 @@ class TrainingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them.
 
         Without a name the snapshot is ephemeral (not listed). ``kind="snapshot"`` only: every
-        sampler here pins the weights it was made from.
+        sampler here pins the weights it was made from. ``record_stability_info=True`` is refused, as in
+        :meth:`ServiceClient.create_sampling_client`, before anything is saved.
         """
+        check_record_stability_info(record_stability_info)
         if kind != "snapshot":
             raise UnsupportedError(f"kind={kind!r}", field="kind", fix='use kind="snapshot" (samplers pin their weights)')
         fields = self._save_fields(name, description, None, False, None, "save_weights")
@@ -849,7 +856,9 @@ class TrainingClient:
         *,
         model_package_arn: str = "",
     ) -> SamplingClient:
-        """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
+        """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given.
+        ``record_stability_info=True`` is refused, as in :meth:`ServiceClient.create_sampling_client`."""
+        check_record_stability_info(record_stability_info)
         path = model_path if model_path not in (None, "") else model_package_arn
         if path in (None, ""):
             return await self.save_weights_and_get_sampling_client()

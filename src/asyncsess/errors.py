@@ -15,6 +15,10 @@ call again may succeed.
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import ValidationError
+
 __all__ = [
     "APIConnectionError",
     "APIError",
@@ -38,6 +42,7 @@ __all__ = [
     "is_retryable",
     "AsyncSessError",
     "InvalidInputError",
+    "InputValidationError",
     "UnsupportedError",
     "NonFiniteGradientError",
     "ConflictError",
@@ -136,6 +141,39 @@ class InvalidInputError(APIStatusError, ValueError):
         super().__init__(text, **kw)
         self.field = field
         self.fix = fix
+
+
+class InputValidationError(InvalidInputError, ValidationError):
+    """An input type (``AdamParams``, ``SamplingParams``, ``Datum``, ...) refused a value when built: an
+    :class:`InvalidInputError` (so Tinker's ``BadRequestError``) naming the field, and still pydantic's
+    ``ValidationError`` (``errors()``, ``title``). Made by :meth:`of`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """pydantic-core calls this from ``from_exception_data``; :meth:`of` sets the rest."""
+
+    @classmethod
+    def of(cls, err: ValidationError) -> InputValidationError:
+        """The same errors as ``err``, the first one naming ``field``."""
+        details = err.errors(include_url=False)
+        new = cls.from_exception_data(err.title, details)  # type: ignore[arg-type]
+        where, what, given = (details[0]["loc"], details[0]["msg"], details[0]["input"]) if details else ((), str(err), None)
+        field = ".".join(map(str, where)) or None
+        what = what.removeprefix("Value error, ")
+        got = f"{err.title} got {given!r:.60}: " if field else f"{err.title}: "
+        InvalidInputError.__init__(new, got + what, field=field, fix=f"see help({err.title}) for what each field takes")
+        return new
+
+    __str__ = AsyncSessError.__str__
+
+    def __reduce__(self) -> Any:  # pydantic's own reduce would drop field and fix
+        return (_rebuild_validation, (type(self), self.title, self.errors(include_url=False), self.__dict__))
+
+
+def _rebuild_validation(cls: type[InputValidationError], title: str, details: list[Any], state: dict) -> InputValidationError:
+    err = cls.from_exception_data(title, details)
+    Exception.__init__(err, state.get("message", ""))
+    err.__dict__.update(state)
+    return err
 
 
 class UnsupportedError(InvalidInputError):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
@@ -21,12 +24,25 @@ class InvalidStateError(RuntimeError):
 class APIFuture(Generic[T]):
     """The pending result of one operation, created when the method is called.
 
-    ``await fut`` (or ``await fut.result_async(timeout)``) waits for the value and raises the op's
-    error if it failed. ``cancel()`` stops work that can still be withdrawn (sampling requests, ops
+    ``await fut`` (or ``await fut.result_async(timeout)``, or ``fut.coroutine()``) waits for the value and raises
+    the op's error if it failed. ``cancel()`` stops work that can still be withdrawn (sampling requests, ops
     not yet sent); an ordered training op already sent keeps its place and ``cancel()`` returns False.
+    ``future()`` is the outcome as a ``concurrent.futures.Future`` (Tinker's ``APIFuture.future()``).
     """
 
-    __slots__ = ("_cancel_scope", "_callbacks", "_done", "_error", "_event", "_result", "_withdrawable", "operation", "seq")
+    __slots__ = (
+        "_cancel_requested",
+        "_cancel_scope",
+        "_callbacks",
+        "_cf",
+        "_done",
+        "_error",
+        "_event",
+        "_result",
+        "_withdrawable",
+        "operation",
+        "seq",
+    )
 
     def __init__(self, operation: str, seq: int | None = None) -> None:
         self.operation = operation
@@ -36,8 +52,10 @@ class APIFuture(Generic[T]):
         self._result: Any = None
         self._error: BaseException | None = None
         self._cancel_scope: anyio.CancelScope | None = None
+        self._cancel_requested = False  # cancel() before its task started: the task withdraws it on starting
         self._withdrawable = True
         self._callbacks: list[Callable[[APIFuture[T]], None]] = []
+        self._cf: concurrent.futures.Future[T] | None = None
 
     def __repr__(self) -> str:
         state = "pending" if not self._done else "cancelled" if self.cancelled() else "failed" if self._error else "done"
@@ -88,10 +106,47 @@ class APIFuture(Generic[T]):
 
     def cancel(self) -> bool:
         """Withdraw the work if it can still be withdrawn; True if it was."""
-        if self._done or not self._withdrawable or self._cancel_scope is None:
+        if self._done or not self._withdrawable:
             return False
-        self._cancel_scope.cancel()
+        self._cancel_requested = True
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
         return True
+
+    def future(self) -> concurrent.futures.Future[T]:
+        """The op's outcome as a ``concurrent.futures.Future`` (Tinker's ``APIFuture.future()``), for
+        ``concurrent.futures.wait``, ``as_completed`` and libraries that take one. Cancelling it calls
+        :meth:`cancel` (on this future's event loop when cancelled from another thread under asyncio; from
+        another thread under trio the work is not withdrawn), and the Future reads cancelled either way.
+        Call it on the event loop that runs the client."""
+        if self._cf is None:
+            cf: concurrent.futures.Future[T] = concurrent.futures.Future()
+            self._cf = cf
+            cf.add_done_callback(self._withdrawer())
+            self.add_done_callback(_mirror_into(cf))
+        return self._cf
+
+    def _withdrawer(self) -> Callable[[concurrent.futures.Future[T]], None]:
+        """What cancelling the ``concurrent.futures.Future`` does: :meth:`cancel`, on the loop's thread."""
+        thread = threading.get_ident()
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # trio, or no loop running in this thread
+            loop = None
+
+        def withdraw(cf: concurrent.futures.Future[T]) -> None:
+            if not cf.cancelled() or self._done:
+                return
+            if threading.get_ident() == thread:
+                self.cancel()
+            elif loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.cancel)
+
+        return withdraw
+
+    def get_telemetry(self) -> None:
+        """Tinker's telemetry handle: always ``None`` (asyncsess collects none)."""
+        return None
 
     def add_done_callback(self, fn: Callable[[APIFuture[T]], None]) -> None:
         if self._done:
@@ -118,3 +173,18 @@ class APIFuture(Generic[T]):
         for fn in self._callbacks:
             fn(self)
         self._callbacks.clear()
+
+
+def _mirror_into(cf: concurrent.futures.Future[T]) -> Callable[[APIFuture[T]], None]:
+    """A done-callback that copies the op's outcome into ``cf`` (unless ``cf`` was cancelled meanwhile)."""
+
+    def mirror(fut: APIFuture[T]) -> None:
+        try:
+            if fut._error is None:
+                cf.set_result(fut._result)
+            else:
+                cf.set_exception(fut._error)
+        except concurrent.futures.InvalidStateError:  # cancelled by its holder: the outcome is not wanted
+            pass
+
+    return mirror

@@ -21,7 +21,7 @@ from . import _facade
 from . import client as _client
 from . import types  # noqa: F401 (Tinker's ``from tinker import types``)
 from ._facade import SyncFuture
-from .errors import APIConnectionError, APIError, APIResponseValidationError, APIStatusError, APITimeoutError, ArtifactDeletionError, AsyncSessError, AuthenticationError, BadRequestError, BillingError, ConflictError, DeadlineExceededError, FacadeMisuseError, InternalServerError, InvalidInputError, NonFiniteGradientError, NotFoundError, OperationCancelledError, OperationError, PermissionDeniedError, PoisonedError, RateLimitError, RequestFailedError, ResourceExhaustedError, ResultMismatchError, RetriesExhaustedError, SamplerRefreshError, ServerError, SessionGoneError, TinkerError, TrainingSessionError, TransientError, UnprocessableEntityError, UnsupportedError, is_retryable  # noqa: F401 (re-exported, as Tinker's top-level errors)
+from .errors import APIConnectionError, APIError, APIResponseValidationError, APIStatusError, APITimeoutError, ArtifactDeletionError, AsyncSessError, AuthenticationError, BadRequestError, BillingError, ConflictError, DeadlineExceededError, FacadeMisuseError, InputValidationError, InternalServerError, InvalidInputError, NonFiniteGradientError, NotFoundError, OperationCancelledError, OperationError, PermissionDeniedError, PoisonedError, RateLimitError, RequestFailedError, ResourceExhaustedError, ResultMismatchError, RetriesExhaustedError, SamplerRefreshError, ServerError, SessionGoneError, TinkerError, TrainingSessionError, TransientError, UnprocessableEntityError, UnsupportedError, is_retryable  # noqa: F401 (re-exported, as Tinker's top-level errors)
 from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, PromptProvenanceSpan, ProvenanceSpan, SampleResponse, SampledProvenanceSpan, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
 from .backends import Backend, Tokenizer  # noqa: F401
 from .client import SamplerHandle  # noqa: F401
@@ -29,7 +29,7 @@ from .custom_loss import CustomLossFn  # noqa: F401
 from .retry import RetryEvent, RetryPolicy  # noqa: F401
 from .sampling import QueueState, SamplingStats  # noqa: F401
 
-__all__ = ['APIConnectionError', 'APIError', 'APIResponseValidationError', 'APIStatusError', 'APITimeoutError', 'AdamParams', 'ArtifactDeletionError', 'AsyncSessError', 'AuthenticationError', 'BadRequestError', 'BillingError', 'Checkpoint', 'CheckpointResponse', 'ConflictError', 'Datum', 'DeadlineExceededError', 'EncodedTextChunk', 'FacadeMisuseError', 'ForwardBackwardOutput', 'GetInfoResponse', 'InternalServerError', 'InvalidInputError', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'NonFiniteGradientError', 'NotFoundError', 'OperationCancelledError', 'OperationError', 'OptimStepResponse', 'PermissionDeniedError', 'PoisonedError', 'PromptProvenanceSpan', 'ProvenanceSpan', 'RateLimitError', 'RequestFailedError', 'ResourceExhaustedError', 'RestClient', 'ResultMismatchError', 'RetriesExhaustedError', 'SampleResponse', 'SampledProvenanceSpan', 'SampledSequence', 'SamplerRefreshError', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServerError', 'ServiceClient', 'SessionGoneError', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TinkerError', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionError', 'TrainingSessionSummary', 'TransientError', 'UnprocessableEntityError', 'UnsupportedError', 'Usage', 'is_retryable', 'types']
+__all__ = ['APIConnectionError', 'APIError', 'APIResponseValidationError', 'APIStatusError', 'APITimeoutError', 'AdamParams', 'ArtifactDeletionError', 'AsyncSessError', 'AuthenticationError', 'BadRequestError', 'BillingError', 'Checkpoint', 'CheckpointResponse', 'ConflictError', 'Datum', 'DeadlineExceededError', 'EncodedTextChunk', 'FacadeMisuseError', 'ForwardBackwardOutput', 'GetInfoResponse', 'InputValidationError', 'InternalServerError', 'InvalidInputError', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'NonFiniteGradientError', 'NotFoundError', 'OperationCancelledError', 'OperationError', 'OptimStepResponse', 'PermissionDeniedError', 'PoisonedError', 'PromptProvenanceSpan', 'ProvenanceSpan', 'RateLimitError', 'RequestFailedError', 'ResourceExhaustedError', 'RestClient', 'ResultMismatchError', 'RetriesExhaustedError', 'SampleResponse', 'SampledProvenanceSpan', 'SampledSequence', 'SamplerRefreshError', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServerError', 'ServiceClient', 'SessionGoneError', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TinkerError', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionError', 'TrainingSessionSummary', 'TransientError', 'UnprocessableEntityError', 'UnsupportedError', 'Usage', 'is_retryable', 'types']
 
 
 class ServiceClient:
@@ -111,8 +111,9 @@ class ServiceClient:
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str | None = None) -> SamplingClient:
         """A sampler on saved weights (``model_path``, SageMaker: ``model_package_arn``) or on the plain ``base_model``.
 
-        ``retry_config`` and ``record_stability_info`` (Tinker) are accepted and ignored: retries follow
-        this ServiceClient's ``retry`` policy."""
+        ``retry_config`` (Tinker) is accepted and ignored: retries follow this ServiceClient's ``retry`` policy.
+        ``record_stability_info=True`` (Tinker's records for ``stable_reinforce``, which is not public) is refused
+        with :class:`UnsupportedError` naming it."""
         return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, base_model, retry_config, record_stability_info, model_package_arn=model_package_arn))
 
     def list_checkpoints(self, model_id: str | None = None) -> list[Checkpoint]:
@@ -237,11 +238,13 @@ class TrainingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them.
 
         Without a name the snapshot is ephemeral (not listed). ``kind="snapshot"`` only: every
-        sampler here pins the weights it was made from."""
+        sampler here pins the weights it was made from. ``record_stability_info=True`` is refused, as in
+        :meth:`ServiceClient.create_sampling_client`, before anything is saved."""
         return SamplingClient._wrap(_facade.call(self._async.save_weights_and_get_sampling_client, name, merge_weights, record_stability_info, kind, description=description, retry_config=retry_config))
 
     def create_sampling_client(self, model_path: str | None = '', retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str = '') -> SamplingClient:
-        """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given."""
+        """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given.
+        ``record_stability_info=True`` is refused, as in :meth:`ServiceClient.create_sampling_client`."""
         return SamplingClient._wrap(_facade.call(self._async.create_sampling_client, model_path, retry_config, record_stability_info, model_package_arn=model_package_arn))
 
     def list_model_packages(self, *, kind: str | None = None, max_results: int | None = None) -> list[Checkpoint]:

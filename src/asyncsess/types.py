@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import InputValidationError
+
 __all__ = [
     "EncodedTextChunk",
     "ModelInput",
@@ -56,7 +58,20 @@ class _Model(BaseModel):
 # --------------------------------------------------------------------------------------- inputs
 
 
-class EncodedTextChunk(_Model):
+class _Input(_Model):
+    """An input type: a value it refuses when built raises :class:`~asyncsess.errors.InputValidationError`, an
+    ``InvalidInputError`` naming the field (as every other check of ours), which is still a pydantic ``ValidationError``."""
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except InputValidationError:
+            raise
+        except ValidationError as err:
+            raise InputValidationError.of(err) from None
+
+
+class EncodedTextChunk(_Input):
     """A run of token ids."""
 
     tokens: list[int]
@@ -75,7 +90,7 @@ class EncodedTextChunk(_Model):
         return len(self.tokens)
 
 
-class ModelInput(_Model):
+class ModelInput(_Input):
     """A sequence of chunks fed to the model. Only text chunks are supported."""
 
     chunks: list[EncodedTextChunk] = Field(default_factory=list)
@@ -166,7 +181,7 @@ MAX_SPANS = 4096  # provenance spans per Datum field
 MAX_SPAN_INDEX = 2**31 - 1
 
 
-class TensorData(_Model):
+class TensorData(_Input):
     """A flat tensor with dtype and shape (row-major).
 
     Tinker's sparse CSR form (``data`` holds the listed values, ``sparse_crow_indices`` the ``rows + 1`` row
@@ -280,7 +295,7 @@ class TensorData(_Model):
         return torch.from_numpy(self.to_numpy())
 
 
-class _ProvenanceSpan(_Model):
+class _ProvenanceSpan(_Input):
     sequence_id: str = Field(min_length=1, max_length=256, pattern=r"^[^\x00]*$")
     offset: int = Field(0, ge=0, le=MAX_SPAN_INDEX)
     length: int = Field(ge=0, le=MAX_SPAN_INDEX)
@@ -301,7 +316,7 @@ class SampledProvenanceSpan(_ProvenanceSpan):
 ProvenanceSpan = Annotated[PromptProvenanceSpan | SampledProvenanceSpan, Field(discriminator="kind")]
 
 
-class Datum(_Model):
+class Datum(_Input):
     """One training example: model input plus named per-token tensors for the loss.
 
     ``model_input_spans`` / ``loss_fn_input_spans`` are Tinker's optional provenance: runs tiling the input
@@ -392,7 +407,7 @@ def _not_a_bool(v: Any) -> Any:
     return v
 
 
-class SamplingParams(_Model):
+class SamplingParams(_Input):
     """Decoding parameters. Defaults follow Tinker; ``max_tokens=None`` means the backend's limit.
 
     ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
@@ -464,7 +479,7 @@ class SamplingParams(_Model):
 MAX_LEARNING_RATE = 10.0
 
 
-class AdamParams(_Model):
+class AdamParams(_Input):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip).
 
     Every number must be finite (a bool is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,

@@ -35,6 +35,7 @@ __all__ = [
     "check_ttl_seconds",
     "check_lora_rank",
     "check_seed",
+    "check_record_stability_info",
     "check_user_metadata",
     "check_session_options",
     "check_count",
@@ -65,9 +66,11 @@ LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
 
 
 def check_loss_fn(loss_fn: str, supported: Sequence[str] | None = None) -> str:
-    if loss_fn not in LOSS_INPUTS:
+    if loss_fn == "stable_reinforce":
+        raise UnsupportedError("Tinker's stable_reinforce is not offered", field="loss_fn", fix=STABLE_REINFORCE_FIX)
+    if not isinstance(loss_fn, str) or loss_fn not in LOSS_INPUTS:  # a list or dict raised TypeError (unhashable)
         raise InvalidInputError(
-            f"unknown loss {loss_fn!r}",
+            f"unknown loss {loss_fn!r:.60}",
             field="loss_fn",
             fix=f"use one of {', '.join(LOSS_INPUTS)}, or forward_backward_custom for anything else",
         )
@@ -404,7 +407,7 @@ def check_ttl_seconds(ttl: Any) -> int | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1 or ttl > 10 * 366 * 86400:
-        raise InvalidInputError(f"{ttl!r} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
+        raise InvalidInputError(f"{ttl!r:.40} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
     return ttl
 
 
@@ -418,6 +421,22 @@ def check_seed(seed: Any, field: str = "seed") -> int | None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise InvalidInputError(f"{seed!r:.40} is not a seed", field=field, fix="an int in 0..2**63-1, or None")
     return seed
+
+
+STABLE_REINFORCE_FIX = (
+    "leave record_stability_info False and train on the sampler's log-probs with ppo, cispo or importance_sampling: "
+    "Tinker's stable_reinforce (the one use of the records) is not public, so asyncsess does not offer it"
+)
+
+
+def check_record_stability_info(value: Any) -> bool:
+    """Tinker's ``record_stability_info``: only ``False`` (or ``None``). Its records feed ``stable_reinforce``, whose
+    objective and records are not public (spec: losses §2.7), so ``True`` is refused rather than ignored."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        raise UnsupportedError("stability records are not kept here", field="record_stability_info", fix=STABLE_REINFORCE_FIX)
+    raise InvalidInputError(f"got {value!r:.40}", field="record_stability_info", fix="True or False")
 
 
 def check_user_metadata(meta: Any, field: str = "user_metadata") -> dict[str, str]:
@@ -477,7 +496,7 @@ def check_count(value: Any, field: str, *, low: int = 0, high: int = 10_000, non
     if value is None and none_ok:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidInputError(f"{value!r} is out of range", field=field, fix=f"an int in {low}..{high}")
+        raise InvalidInputError(f"{value!r:.40} is out of range", field=field, fix=f"an int in {low}..{high}")
     return value
 
 

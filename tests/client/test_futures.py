@@ -1,3 +1,5 @@
+import concurrent.futures
+
 import pytest
 
 from asyncsess import AdamParams, DeadlineExceededError, InvalidStateError, OperationCancelledError, SamplingParams, ServiceClient
@@ -49,3 +51,27 @@ async def test_done_callbacks_run_once_settled():
         fut.add_done_callback(lambda f: seen.append(f.seq))
         await fut
         assert seen == [1]
+
+
+async def test_future_gives_a_concurrent_future_and_cancelling_it_withdraws_the_work():
+    """Tinker's APIFuture.future() (a concurrent.futures.Future for blocking code: wait, as_completed,
+    add_done_callback) was missing from asyncsess's futures, and so was get_telemetry()."""
+    async with ServiceClient("mock://?latency_ms=300") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fb = tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")
+        cf = fb.future()
+        assert isinstance(cf, concurrent.futures.Future) and fb.future() is cf and not cf.done()
+        out = await fb
+        assert cf.done() and cf.result() is out and fb.get_telemetry() is None
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        sample = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        assert sample.future().cancel() and sample.future().cancelled()
+        with pytest.raises(OperationCancelledError):
+            await sample  # withdrawn, as sample.cancel() withdraws it
+        unstarted = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        assert unstarted.cancel() is True  # before its task started it returned False and the sample ran
+        with pytest.raises(OperationCancelledError):
+            await unstarted
+        late = tc.forward([sft_datum([1, 40, 41])], "cross_entropy")
+        assert late.future().cancel() and late.future().cancelled()  # an ordered op keeps its place: it still runs
+        assert (await late).loss == pytest.approx(out.loss) and not late.cancelled()

@@ -1,8 +1,10 @@
+import pickle
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from asyncsess import AdamParams, CheckpointResponse, Datum, ModelInput, SamplingParams, TensorData
+from asyncsess import AdamParams, CheckpointResponse, Datum, InvalidInputError, ModelInput, SamplingParams, TensorData
 
 
 def test_model_input_round_trip_and_forms():
@@ -57,3 +59,28 @@ def test_params_validate_ranges_and_accept_sagemaker_nones():
 def test_checkpoint_response_speaks_both_names():
     r = CheckpointResponse(path="mock://s/weights/a")
     assert r.model_package_arn == r.path
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: AdamParams(learning_rate=-1), "learning_rate"),
+        (lambda: AdamParams(eps=float("nan")), "eps"),
+        (lambda: AdamParams(lr=1e-3), "lr"),
+        (lambda: SamplingParams(temperature=-1), "temperature"),
+        (lambda: TensorData(data=[1, 2, 3], dtype="int64", shape=[2]), None),
+    ],
+)
+def test_a_refused_input_value_is_a_bad_request_naming_the_field(build, field):
+    """AdamParams(learning_rate=-1) raised pydantic's bare ValidationError, which a loop ported from Tinker does not
+    catch with `except tinker.BadRequestError` (the SDK refuses it as a 400). Now it is an InvalidInputError naming
+    the field (BadRequestError, the error every other check raises), still a ValidationError, and it pickles."""
+    import asyncsess.sync as tinker
+
+    with pytest.raises(tinker.BadRequestError) as err:
+        build()
+    assert isinstance(err.value, ValidationError) and isinstance(err.value, InvalidInputError)
+    assert err.value.field == field  # a check of the whole object (the shape against the data) names none
+    assert err.value.status_code == 400 and err.value.category == "user" and err.value.errors()
+    again = pickle.loads(pickle.dumps(err.value))
+    assert type(again) is type(err.value) and str(again) == str(err.value) and again.field == err.value.field

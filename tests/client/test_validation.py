@@ -165,3 +165,11 @@ async def test_a_bool_in_a_prompt_is_refused_not_read_as_token_1(tc, prompt):
         with pytest.raises(InvalidInputError) as err:
             call()
         assert err.value.field == "prompt" and "bool" in str(err.value)
+
+
+@pytest.mark.parametrize("loss_fn", [["cross_entropy"], {"name": "ppo"}, 3, None])
+async def test_a_loss_that_is_not_a_name_is_a_typed_error(tc, loss_fn):
+    """A list or dict as loss_fn raised TypeError (unhashable type) from the loss table, not InvalidInputError."""
+    with _bad("loss_fn"):
+        tc.forward_backward([sft_datum([1, 40, 41])], loss_fn)
+    assert tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy").seq == 1

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from asyncsess import (
+    BadRequestError,
     Datum,
     InvalidInputError,
     ModelInput,
@@ -20,6 +21,7 @@ from asyncsess import (
     SamplingParams,
     ServiceClient,
     TensorData,
+    UnsupportedError,
 )
 from asyncsess.backends import ForwardBackwardOp, TrainingSessionSpec, load_backend
 
@@ -318,3 +320,32 @@ async def test_train_unembed_none_is_true(monkeypatch):
             await tc.stop()
     assert [s.train_unembed for s in specs] == [True, True, True, True, False]
     assert specs[0] == specs[1] == specs[2]
+
+
+async def test_record_stability_info_and_stable_reinforce_are_refused_before_anything_is_numbered():
+    """record_stability_info=True was "accepted and ignored": a loop ported from Tinker believed its sequences were
+    recorded for stable_reinforce. Now it is an UnsupportedError (a BadRequestError) naming the field and what to use,
+    raised before the snapshot is numbered; plain samples carry distinct sequence ids."""
+    plain = Datum(model_input=TOKENS[:-1], loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": WEIGHTS})
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4, seed=2)
+        for call in (
+            lambda: svc.create_sampling_client(base_model="mock/bigram-tiny", record_stability_info=True),
+            lambda: tc.save_weights_and_get_sampling_client(record_stability_info=True),
+            lambda: tc.save_weights_and_get_sampling_client("named", False, True),  # Tinker's positional order
+            lambda: tc.create_sampling_client(record_stability_info=True),
+        ):
+            with pytest.raises(UnsupportedError, match="record_stability_info.*ppo") as err:
+                await call()
+            assert err.value.field == "record_stability_info" and isinstance(err.value, BadRequestError)
+        with pytest.raises(InvalidInputError, match="record_stability_info"):
+            await svc.create_sampling_client(base_model="mock/bigram-tiny", record_stability_info="yes")
+        with pytest.raises(UnsupportedError, match="stable_reinforce is not offered") as err:
+            tc.forward_backward([plain], "stable_reinforce")
+        assert err.value.field == "loss_fn"
+        assert tc.forward_backward([plain], "cross_entropy").seq == 1  # nothing above took a number
+        assert await svc.list_checkpoints(tc.model_id) == []
+        sampler = await tc.save_weights_and_get_sampling_client(record_stability_info=False)
+        result = await sampler.sample(TOKENS[:2], num_samples=3, sampling_params=SamplingParams(max_tokens=2, seed=1))
+        ids = [s.sequence_id for s in result.sequences]
+        assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 3

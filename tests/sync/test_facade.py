@@ -174,3 +174,43 @@ def test_works_in_a_fresh_interpreter_and_under_a_running_loop():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_futures_have_tinkers_surface_and_cancelling_the_concurrent_future_withdraws_the_op(monkeypatch):
+    """Tinker's futures also give future() (a concurrent.futures.Future: cancelling it cancels the operation),
+    coroutine(), result_async() and await. Cancelling the Future that future() returned left the sample running, and
+    when the op settled, copying its outcome into the cancelled Future raised InvalidStateError inside the client."""
+    import asyncio
+    import concurrent.futures
+
+    with sync_api.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fb = tc.forward_backward([sft_datum([1, 40], [41])])
+        done, _ = concurrent.futures.wait([fb.future()])
+        assert done == {fb.future()} and fb.future().result() is fb.result() and fb.get_telemetry() is None
+        assert asyncio.run(fb.coroutine()) is fb.result()
+        step = tc.optim_step()
+        assert anyio.run(step.result_async) is step.result()
+
+        async def awaited():
+            return await tc.forward([sft_datum([1, 40], [41])])
+
+        assert anyio.run(awaited).loss > 0
+        sc = svc.create_sampling_client(base_model="mock/bigram-tiny")
+        hold = threading.Event()
+        state = count_concurrency(svc.backend, monkeypatch, hold=hold)
+        sample = sc.sample([1, 40], 1, sync_api.SamplingParams(max_tokens=2))
+        for _ in range(5000):  # liveness only
+            if state["now"] == 1:
+                break
+            hold.wait(0.002)
+        assert sample.future().cancel() and sample.cancelled()
+        for _ in range(5000):  # liveness only: the withdrawn sample leaves the backend without being let through
+            if state["now"] == 0:
+                break
+            hold.wait(0.002)
+        assert state["now"] == 0 and isinstance(sample._fut.exception(), sync_api.OperationCancelledError)
+        with pytest.raises(concurrent.futures.CancelledError):
+            sample.result()
+        hold.set()
+        assert len(sc.sample([1, 40], 1, sync_api.SamplingParams(max_tokens=2)).result().sequences) == 1

@@ -82,7 +82,20 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     ),
     # the SDK's kind="inflight" (later saves update its weights) was served as a snapshot, as if kind were not sent
     "an inflight sampling client": (lambda tc: tc.save_weights_and_get_sampling_client(kind="inflight"), tinker.BadRequestError, "kind"),
+    # the cookbook's AsyncConfig default: the 400 says why (not public) and what to use instead
+    "Tinker's stable_reinforce": (
+        lambda tc: tc.forward_backward([_datum([1.0] * 3, **IS_INPUTS)], "stable_reinforce"),
+        tinker.BadRequestError,
+        "stable_reinforce is not offered.*ppo",
+    ),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
+    # a backend path (not tinker://) goes to the backend as is: one that holds nothing was accepted, failed when run,
+    # and failed every later op of the model; the backend's own precheck now refuses it before its turn
+    "load_state of a backend path that holds nothing": (
+        lambda tc: tc.load_state("mock://nowhere/weights/x"),
+        tinker.BadRequestError,
+        "no checkpoint",
+    ),
     # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it
     "a datum past the model's context": (
         lambda tc: tc.forward_backward(
@@ -353,3 +366,33 @@ def test_a_listing_page_out_of_range_is_refused_naming_the_field(
         getattr(rest, listing)(**page).result()
     assert err.value.body["field"] == field  # type: ignore[index]
     assert getattr(rest, listing)(limit=10_000, offset=0).result() is not None
+
+
+def test_record_stability_info_is_refused_not_ignored(service: tinker.ServiceClient, server: Server) -> None:
+    """A sampler made with record_stability_info=True sampled as if it had not been asked: the loop went on to
+    stable_reinforce believing its sequences were recorded. Now its samples are a 400 naming the field (the SDK
+    sends the flag only with each sample), and plain samples carry sequence ids the SDK's provenance takes."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
+    prompt, params = types.ModelInput.from_ints([5, 6]), types.SamplingParams(max_tokens=2, seed=0)
+    for recording in (
+        tc.save_weights_and_get_sampling_client(record_stability_info=True).result(),
+        service.create_sampling_client(base_model=BASE, record_stability_info=True).result(),
+    ):
+        with pytest.raises(tinker.BadRequestError, match="record_stability_info.*stable_reinforce") as err:
+            recording.sample(prompt, 2, params).result()
+        assert err.value.body["field"] == "record_stability_info"  # type: ignore[index]
+    plain = tc.save_weights_and_get_sampling_client().result()
+    sequences = plain.sample(prompt, 3, params).result().sequences + plain.sample(prompt, 1, params).result().sequences
+    ids = [s.sequence_id for s in sequences]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 4
+    assert [types.SampledProvenanceSpan(sequence_id=i, length=2).sequence_id for i in ids] == ids  # non-empty, as the SDK checks
+
+
+def test_an_optimizer_other_than_adamw_is_refused_when_the_model_is_made(service: tinker.ServiceClient, server: Server) -> None:
+    """create_lora_training_client(optimizer=DimuonOptimizerConfig()) made a model that trained with AdamW, silently."""
+    models = len(server.door.models)
+    with pytest.raises(tinker.BadRequestError, match="optimizer_config"):
+        service.create_lora_training_client(base_model=BASE, rank=8, optimizer=types.DimuonOptimizerConfig()).result()
+    assert len(server.door.models) == models
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, optimizer=types.AdamOptimizerConfig()).result()
+    assert tc.optim_step(types.AdamParams(learning_rate=0.1)).result() is not None

@@ -77,7 +77,7 @@ def test_bad_requests_get_a_4xx_naming_the_field(model, path: str, payload, fiel
         # "false" was read as True (any non-empty string)
         (
             "/api/v1/create_model",
-            {"model_seq_id": 91, "base_model": "mock/bigram-tiny", "lora_config": {"train_mlp": "false"}},
+            {"model_seq_id": 91, "base_model": "mock/bigram-tiny", "lora_config": {"rank": 4, "train_mlp": "false"}},
             "train_mlp",
         ),
         ("/api/v1/create_sampling_session", {"sampling_session_seq_id": 90, "base_model": 2**63}, "base_model"),

@@ -119,6 +119,8 @@ async def test_sampling_logprobs_and_sampler_refresh(mock_server: Server) -> Non
         sc = await tc.save_weights_and_get_sampling_client()
         res = await sc.sample([5, 6], 3, SamplingParams(max_tokens=4, seed=1))
         assert len(res.sequences) == 3 and all(len(s.tokens) <= 4 and len(s.logprobs or []) == len(s.tokens) for s in res.sequences)
+        ids = [s.sequence_id for s in res.sequences]  # the ids the server gave the request (they were None)
+        assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 3
         before = await sc.compute_logprobs([5, 6, 42])
         assert before[0] is None and len(before) == 3
         for _ in range(3):

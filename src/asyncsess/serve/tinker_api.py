@@ -53,11 +53,13 @@ from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsRespon
 from ..validation import (
     MAX_SAMPLES,
     MAX_TOPK,
+    check_checkpoint_path,
     check_count,
     check_datums,
     check_lora_rank,
     check_loss_fn,
     check_loss_fn_config,
+    check_record_stability_info,
     check_seed,
     check_target_prompt_logprobs,
     check_ttl_seconds,
@@ -107,7 +109,7 @@ class ApiError(Exception):
 
 
 def _not_found(what: str, value: str, fix: str) -> ApiError:
-    return ApiError(404, f"no {what} {value!r}", field=what, fix=fix)
+    return ApiError(404, f"no {what} {value!r:.200}", field=what, fix=fix)  # not echoing 100k characters back
 
 
 # ------------------------------------------------------------------------------------------ state
@@ -438,16 +440,18 @@ class TinkerDoor:
         limit = _int(body, "limit", 50)
         if not 1 <= limit <= 200:
             raise ApiError(400, f"limit={limit}", field="limit", fix="ask for 1 to 200 sessions a page")
-        meta, statuses, projects = body.get("user_metadata") or {}, body.get("statuses"), body.get("project_ids")
-        self.forget_expired()  # each summary counts its checkpoints
-        if not isinstance(meta, dict):
+        meta, statuses, projects = body.get("user_metadata"), body.get("statuses"), body.get("project_ids")
+        meta = {} if meta is None else meta
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
+        self.forget_expired()  # each summary counts its checkpoints
         if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
             raise ApiError(400, "must be a non-empty list of status queries", field="statuses", fix='e.g. [{"type": "active"}]')
-        if projects is not None and not isinstance(projects, list):
+        if projects is not None and not (isinstance(projects, list) and all(isinstance(p, str) for p in projects)):
             raise ApiError(400, "must be a list of project ids", field="project_ids")
-        want_id, name = body.get("session_id"), body.get("display_name")
-        words = str(name).lower().split() if name is not None else None
+        want_id = _str(body, "session_id") if body.get("session_id") is not None else None
+        name = _str(body, "display_name") if body.get("display_name") is not None else None
+        words = name.lower().split() if name is not None else None
         after = _cursor(body.get("cursor"))
 
         def matches(s: _Session) -> bool:
@@ -528,9 +532,12 @@ class TinkerDoor:
         session = self._session(_str(body, "session_id"))
         seq = _int(body, "model_seq_id")
         base_model = _str(body, "base_model")
-        lora = body.get("lora_config") or {}
-        if not isinstance(lora, dict):
-            raise ApiError(400, "must be an object", field="lora_config")
+        _adam_only(body)
+        lora = {"rank": 32} if body.get("lora_config") is None else body["lora_config"]
+        if not isinstance(lora, dict) or "rank" not in lora:
+            raise ApiError(400, "must be an object with a rank", field="lora_config", fix='e.g. {"rank": 32}')
+        for key in set(lora) - {"rank", "seed", *_TRAIN_FLAGS}:
+            raise ApiError(400, "is not a LoRA setting", field=f"lora_config.{key!s:.40}", fix=f"use rank, seed, {', '.join(_TRAIN_FLAGS)}")
         try:
             rank = check_lora_rank(lora.get("rank", 32), field="lora_config.rank")
             seed = check_seed(lora.get("seed"), field="lora_config.seed")
@@ -638,7 +645,10 @@ class TinkerDoor:
             self._tg.start_soon(_quietly, m.sequencer.execute(_Turn(seq, digest, "refused")))
 
     def _op(self, m: _Model, make: Callable[..., TrainingOp]) -> Callable[[], Awaitable[Any]]:
-        """A thunk that numbers the op for the backend when its turn comes (``make`` is a ``partial`` of a record)."""
+        """A thunk that numbers the op for the backend when its turn comes (``make`` is a ``partial`` of a record).
+        What the backend refuses at once (``precheck``: e.g. a load path that holds no checkpoint) is refused now,
+        before the turn, as asyncsess's client does: failing when run, it failed every later op of the model."""
+        self.backend.precheck(m.backend_id, make(seq=m.backend_seq, idempotency_key=""))
 
         async def run() -> Any:
             seq = m.backend_seq
@@ -711,7 +721,7 @@ class TinkerDoor:
         def make() -> Callable[[], Awaitable[Any]]:
             if "optimizer_params" in body and "adam_params" not in body:
                 raise ApiError(400, "only AdamW is offered", field="optimizer_params", fix="send adam_params")
-            params = coerce_adam_params(body.get("adam_params") or body.get("optim_params"))
+            params = coerce_adam_params(body["adam_params"] if "adam_params" in body else body.get("optim_params"))
             run = self._op(m, functools.partial(OptimStepOp, adam_params=params))
 
             async def go() -> Callable[[Promise], None]:
@@ -825,7 +835,10 @@ class TinkerDoor:
         mine = all(self.owns(self.models[m].session_id) for m in self._backend_owners(path))
         if path.startswith("tinker://") or path in self._dropped or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
-        return path, None
+        try:
+            return check_checkpoint_path(path, field), None  # a backend's path: scheme://... or an ARN, at most 4096 characters
+        except InvalidInputError as err:
+            raise ApiError.from_error(err) from None
 
     def _backend_owners(self, path: str) -> set[str]:
         """The door models a backend path belongs to: the one that saved it, and any whose backend id is one of its
@@ -844,12 +857,14 @@ class TinkerDoor:
         return path, backend_path, ck
 
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        with_optimizer = bool(body.get("optimizer", False))
-        if body.get("session_id") is not None:  # create via load: the model's first request
-            return self._create_from_state(body, with_optimizer)
+        if body.get("session_id") is not None and body.get("model_id") is None:  # create via load: the model's first request
+            return self._create_from_state(body, _flag(body, "optimizer"))
         m = self.model(_str(body, "model_id"), live=True)
 
         def make() -> Callable[[], Awaitable[Any]]:
+            if body.get("session_id") is not None:
+                raise ApiError(400, "give session_id or model_id, not both", field="session_id", fix="model_id loads onto that model")
+            with_optimizer = _flag(body, "optimizer")
             path, backend_path, _ = self._training_state(body)
             run = self._op(m, functools.partial(LoadStateOp, path=backend_path, with_optimizer=with_optimizer))
 
@@ -862,6 +877,7 @@ class TinkerDoor:
         return self._submit_json(m, body, "load_weights", make)
 
     def _create_from_state(self, body: dict[str, Any], with_optimizer: bool) -> dict[str, Any]:
+        _adam_only(body)
         path, backend_path, ck = self._training_state(body)
         session = self._session(_str(body, "session_id"))
         model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
@@ -944,9 +960,10 @@ class TinkerDoor:
             prompt = coerce_prompt(body.get("prompt"), field="prompt")
             params = coerce_sampling_params(body.get("sampling_params"))
             n = check_count(body.get("num_samples", 1), "num_samples", low=1, high=MAX_SAMPLES)
-            k_prompt = check_count(body.get("topk_prompt_logprobs") or 0, "topk_prompt_logprobs", high=MAX_TOPK)
-            k_sample = check_count(body.get("topk_sample_logprobs") or 0, "topk_sample_logprobs", high=MAX_TOPK)
-            if body.get("prompt_alt_tokens_k"):
+            k_prompt = _count(body, "topk_prompt_logprobs", MAX_TOPK)
+            k_sample = _count(body, "topk_sample_logprobs", MAX_TOPK)
+            check_record_stability_info(body.get("record_stability_info"))
+            if _count(body, "prompt_alt_tokens_k", MAX_TOPK):
                 raise ApiError(400, "prompt alternatives are not offered", field="prompt_alt_tokens_k", fix="leave it at 0")
             target = check_target_prompt_logprobs(body.get("target_prompt_logprobs"), len(prompt))
             last_n = body.get("prompt_logprobs_last_n")
@@ -954,7 +971,7 @@ class TinkerDoor:
                 last_n = check_count(last_n, "prompt_logprobs_last_n", low=1, high=max(1, len(prompt) - 1))
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
-        want_prompt = bool(body.get("prompt_logprobs"))
+        want_prompt = _flag(body, "prompt_logprobs")
         promise = self.promises.new("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
@@ -1216,6 +1233,32 @@ def _opt_text(body: dict[str, Any], key: str) -> str | None:
     if len(text) > MAX_TEXT:
         raise ApiError(400, f"{len(text)} characters", field=key, fix=f"keep it to {MAX_TEXT}")
     return text
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    """A JSON ``true`` / ``false`` (absent or null: false); anything else is a 400 naming ``key`` ("false" was read as true)."""
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"expected true or false, got {v!r:.40}", field=key)
+    return v
+
+
+def _count(body: dict[str, Any], key: str, high: int) -> int:
+    """An optional count in 0..``high`` (absent or null: 0); a string, list or object is a 400 (it was read as 0)."""
+    v = body.get(key)
+    try:
+        return int(check_count(0 if v is None else v, key, high=high))
+    except InvalidInputError as err:
+        raise ApiError.from_error(err) from None
+
+
+def _adam_only(body: dict[str, Any]) -> None:
+    """``optimizer_config``: absent or AdamW (the one optimizer offered; another was ignored and AdamW trained)."""
+    config = body.get("optimizer_config")
+    if config is not None and not (isinstance(config, dict) and config.get("type", "adamw") == "adamw" and set(config) <= {"type"}):
+        raise ApiError(400, f"{config!r:.60} is not offered", field="optimizer_config", fix='leave it out or send {"type": "adamw"}')
 
 
 def _int(body: dict[str, Any], key: str, default: int | None = None, *, field: str | None = None) -> int:

@@ -309,7 +309,12 @@ class TinkerBackend(Backend):
                     ids.popitem(last=False)
         body = {**body, "sampling_session_id": sampler_id, "seq_id": seq, "type": "sample"}
         fut = (await self._send("POST", "/api/v1/asample", json=body, headers={"X-Tinker-Sampling-Backpressure": "1"})).json()
-        return tinker_proto.decode_sample_response(await self._result(fut, proto=True))
+        resp = tinker_proto.decode_sample_response(await self._result(fut, proto=True))
+        names = fut.get("sample_sequence_ids")  # the server names each sequence when it takes the request (as the SDK reads them)
+        if isinstance(names, list) and len(names) == len(resp.sequences):
+            for sequence, name in zip(resp.sequences, names):
+                sequence.sequence_id = str(name)
+        return resp
 
     async def sample(self, sampler_id: str, request: SampleRequest) -> SampleResponse:
         params = request.sampling_params.model_dump(exclude_none=True)

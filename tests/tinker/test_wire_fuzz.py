@@ -1,0 +1,327 @@
+"""Every JSON request the Tinker door serves, built from the official SDK's own pydantic request types, with each
+field (and each field of a nested params model) replaced by edge values and sent raw over HTTP: never a 5xx or a
+hang, a bad value is a 4xx naming the field and changes nothing (no session, model, sampler, checkpoint or future
+made; an op's turn is used up, so the model's next op runs), and an accepted value never fails the op once it runs.
+Then two keys: B can never see, read, sample, load, publish, delete or poll A's objects (a 404, as for a never-issued
+id). Deterministic: the values are a fixed list, the server is mock://."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel
+from tinker import types
+
+from .conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.tinker
+
+BASE = "mock/bigram-tiny"
+OTHER_KEY = "tml-asyncsess-fuzz-other"
+MISSING = object()  # the field left out
+EDGES: list[Any] = [
+    MISSING,
+    None,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    -0.0,
+    5e-324,  # the smallest subnormal
+    2**63,
+    2**64,
+    -1,
+    0,
+    1.5,
+    True,
+    "",
+    "\x00",
+    "\ud800",  # a lone surrogate: json.dumps sends it as the escape \ud800
+    "x" * 100_000,
+    [],
+    {},
+    [1, "a"],
+    {"k": [None]},
+]
+# the requests each op's body comes from: route -> the SDK's request type
+ROUTES: dict[str, type[BaseModel]] = {
+    "create_session": types.CreateSessionRequest,
+    "session_heartbeat": types.SessionHeartbeatRequest,
+    "create_model": types.CreateModelRequest,
+    "get_info": types.GetInfoRequest,
+    "unload_model": types.UnloadModelRequest,  # every edge value of model_id names no model: nothing is unloaded
+    "optim_step": types.OptimStepRequest,
+    "save_weights": types.SaveWeightsRequest,
+    "save_weights_for_sampler": types.SaveWeightsForSamplerRequest,
+    "load_weights": types.LoadWeightsRequest,
+    "create_sampling_session": types.CreateSamplingSessionRequest,
+    "asample": types.SampleRequest,
+    "retrieve_future": types.FutureRetrieveRequest,
+    "sessions/search": types.SessionSearchRequest,
+}
+# fields the door does not read (documented): an op-form load_weights ignores the create-form fields; a sample names
+# its sampler, not a path; user_metadata values are kept as text; every search owner is the key's own
+IGNORED = {
+    "create_session": {"sdk_version"},
+    "load_weights": {"model_seq_id", "base_model", "user_metadata", "optimizer_config", "weights_access_token"},
+    "asample": {"base_model", "model_path"},
+    "retrieve_future": {"allow_metadata_only"},
+    "sessions/search": {"owner"},
+    "save_weights": {"user_metadata"},
+    "save_weights_for_sampler": {"user_metadata"},
+}
+ORDERED = {"optim_step", "save_weights", "save_weights_for_sampler", "load_weights"}  # a model's numbered ops
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    for srv in start_server("mock://", api_keys={API_KEY, OTHER_KEY}):
+        srv.door.gap_timeout = 2.0  # a turn the door failed to use up fails the probe in 2 s instead of 300
+        yield srv
+
+
+@dataclass
+class Wire:
+    """A raw HTTP client of the door as one key, with the ids it made."""
+
+    http: httpx.Client
+    session: str = ""
+    model: str = ""
+    sampler: str = ""
+    state: str = ""  # a training-state path it saved
+    request: str = ""  # a finished request id
+    seqs: Iterator[int] = field(default_factory=lambda: iter(range(1000, 10**6)))
+
+    def post(self, route: str, body: Any) -> httpx.Response:
+        raw = json.dumps(body) if not isinstance(body, bytes) else body  # NaN and inf as JSON's NaN / Infinity
+        return self.http.post(f"/api/v1/{route}", content=raw, headers={"Content-Type": "application/json"})
+
+    def result(self, resp: httpx.Response) -> Any:
+        """The answer of a future (long-polled: 408 means try again)."""
+        assert resp.status_code == 200, resp.text
+        while True:
+            got = self.http.post("/api/v1/retrieve_future", json={"request_id": resp.json()["request_id"]})
+            if got.status_code != 408:
+                assert got.status_code == 200, got.text
+                return got.json() if got.headers["content-type"].startswith("application/json") else got.content
+
+    def new_model(self) -> str:
+        body = types.CreateModelRequest(session_id=self.session, model_seq_id=next(self.seqs), base_model=BASE)
+        return str(self.result(self.post("create_model", _dump(body) | {"lora_config": {"rank": 4}}))["model_id"])
+
+
+def _dump(model: BaseModel | dict[str, Any]) -> dict[str, Any]:
+    return model if isinstance(model, dict) else model.model_dump(mode="json", exclude_none=True)
+
+
+def _open(server: Server, key: str) -> Wire:
+    w = Wire(httpx.Client(base_url=server.url, headers={"X-API-Key": key}, timeout=httpx.Timeout(60.0)))
+    w.session = w.post("create_session", _dump(types.CreateSessionRequest(tags=[], user_metadata=None, sdk_version="fuzz"))).json()[
+        "session_id"
+    ]
+    w.model = w.new_model()
+    saved = w.post("save_weights", {"model_id": w.model, "seq_id": 1, "path": "base"})
+    w.request = saved.json()["request_id"]
+    w.state = w.result(saved)["path"]
+    body = types.CreateSamplingSessionRequest(session_id=w.session, sampling_session_seq_id=next(w.seqs), base_model=BASE)
+    w.sampler = w.post("create_sampling_session", _dump(body)).json()["sampling_session_id"]
+    return w
+
+
+def _valid(w: Wire, route: str, model: str, turn: int = 1) -> dict[str, Any]:
+    """A body the door accepts, made with the SDK's request type of ``route`` (an op of ``model`` at ``turn``)."""
+    return _dump(_request(w, route, model, turn))
+
+
+def _request(w: Wire, route: str, model: str, turn: int = 1) -> BaseModel:
+    prompt = types.ModelInput.from_ints([5, 6])
+    made: dict[str, Callable[[], BaseModel]] = {
+        "create_session": lambda: types.CreateSessionRequest(tags=["a"], user_metadata={"k": "v"}, sdk_version="fuzz", display_name="d"),
+        "session_heartbeat": lambda: types.SessionHeartbeatRequest(session_id=w.session),
+        "create_model": lambda: types.CreateModelRequest(
+            session_id=w.session, model_seq_id=next(w.seqs), base_model=BASE, lora_config=types.LoraConfig(rank=4, seed=1)
+        ),
+        "get_info": lambda: types.GetInfoRequest(model_id=model),
+        "unload_model": lambda: types.UnloadModelRequest(model_id=model),
+        "optim_step": lambda: types.OptimStepRequest(optim_params=types.AdamParams(learning_rate=0.1), model_id=model, seq_id=turn),
+        "save_weights": lambda: types.SaveWeightsRequest(
+            model_id=model, path=f"s{turn}", seq_id=turn, ttl_seconds=3600, user_metadata={"k": "v"}
+        ),
+        "save_weights_for_sampler": lambda: types.SaveWeightsForSamplerRequest(
+            model_id=model, path=f"p{turn}", seq_id=turn, ttl_seconds=3600
+        ),
+        "load_weights": lambda: types.LoadWeightsRequest(model_id=model, seq_id=turn, path=w.state, optimizer=True),
+        "create_sampling_session": lambda: types.CreateSamplingSessionRequest(
+            session_id=w.session, sampling_session_seq_id=next(w.seqs), base_model=BASE
+        ),
+        "asample": lambda: types.SampleRequest(
+            sampling_session_id=w.sampler,
+            seq_id=next(w.seqs),
+            prompt=prompt,
+            sampling_params=types.SamplingParams(max_tokens=2, seed=1, temperature=1.0),
+            num_samples=1,
+            prompt_logprobs=True,
+            topk_prompt_logprobs=1,
+        ),
+        "retrieve_future": lambda: types.FutureRetrieveRequest(request_id=w.request),
+        "sessions/search": lambda: types.SessionSearchRequest(limit=5),
+    }
+    return made[route]()
+
+
+def _fields(request: BaseModel, body: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Every field of an SDK request as it goes on the wire (null ones too), and every field of a nested object the
+    body holds (the params models, lora_config, prompt)."""
+    paths: list[tuple[str, ...]] = []
+    for k in request.model_dump(mode="json"):
+        if k == "type":  # the request kind, which the route already says
+            continue
+        paths.append((k,))
+        if isinstance(body.get(k), dict):
+            paths += [(k, inner) for inner in body[k] if inner != "type"]
+    return paths
+
+
+def _with(body: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = json.loads(json.dumps(body))
+    where = out
+    for part in path[:-1]:
+        where = where[part]
+    if value is MISSING:
+        where.pop(path[-1], None)
+    else:
+        where[path[-1]] = value
+    return out
+
+
+def _sdk_refuses(route: str, body: dict[str, Any]) -> bool:
+    try:
+        ROUTES[route].model_validate(body)
+    except ValueError:  # pydantic's ValidationError
+        return True
+    return False
+
+
+def _state(server: Server) -> tuple[int, ...]:
+    door = server.door
+    return (
+        len(door.sessions),
+        len(door.models),
+        len(door.samplers),
+        len(door.checkpoints),
+        len(door.promises._items),
+        sum(len(s.ids) for s in door.samplers.values()),
+    )
+
+
+def test_every_field_of_every_request_at_its_edges(server: Server) -> None:
+    w = _open(server, API_KEY)
+    problems: list[str] = []
+    for route in ROUTES:
+        model, turn = (w.new_model(), 1) if route in ORDERED else (w.model, 1)  # an op's model, and its next seq_id
+        for path in _fields(_request(w, route, w.model), _valid(w, route, w.model)):
+            for value in EDGES:
+                body = _with(_valid(w, route, model, turn), path, value)
+                before = _state(server)
+                resp = w.post(route, body)
+                case = f"{route} {'.'.join(path)}={value!r:.30}: {resp.status_code} {resp.text[:300]}"
+                if resp.status_code >= 500:
+                    problems.append(f"5xx: {case}")
+                    continue
+                if resp.status_code >= 400:
+                    named = (resp.json().get("field") or "") + " " + resp.json().get("error", "")
+                    if not any(part in named for part in path):
+                        problems.append(f"does not name the field: {case}")
+                    if len(resp.content) > 8192:  # a refusal names the field; it does not echo 100k characters back
+                        problems.append(f"a {len(resp.content)}-byte refusal: {case}")
+                    if _state(server) != before:
+                        problems.append(f"a refusal changed the door's state {before} -> {_state(server)}: {case}")
+                elif value is not MISSING and value is not None and path[0] not in IGNORED.get(route, ()) and _sdk_refuses(route, body):
+                    problems.append(f"accepted what the SDK's {ROUTES[route].__name__} refuses: {case}")
+                if resp.status_code < 400 and "request_id" in resp.json() and route != "retrieve_future":
+                    answer = w.result(resp)
+                    if isinstance(answer, dict) and "error" in answer:
+                        problems.append(f"accepted, then failed when run: {case} -> {str(answer)[:300]}")
+                if route in ORDERED:  # the model's next op runs: a refused op used up its turn (unless it named no turn)
+                    turn += 0 if path[0] in ("model_id", "seq_id") and resp.status_code >= 400 else 1
+                    probe = {"model_id": model, "seq_id": turn, "optim_params": {"learning_rate": 0.01}}
+                    answer = w.result(w.post("optim_step", probe))
+                    turn += 1
+                    if "error" in answer:
+                        problems.append(f"the model's next op failed: {case} -> {str(answer)[:300]}")
+                        model, turn = w.new_model(), 1  # the next cases start on a model that works
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+def test_another_key_cannot_reach_a_tenants_objects(server: Server) -> None:
+    """Key B gets, for each of key A's ids, the 404 of an id never issued (same status, same field), lists none of
+    them, and changes nothing of A's."""
+    a, b = _open(server, API_KEY), _open(server, OTHER_KEY)
+    sampler_path = a.result(a.post("save_weights_for_sampler", {"model_id": a.model, "seq_id": 2, "path": "s"}))["path"]
+    fake = {"session": "0-0-0", "model": "0-0-0:train:0", "sampler": "0-0-0:sample:0", "request": "0-0-0:x:1"}
+    fake |= {"state": "tinker://0-0-0:train:0/weights/base", "sampler_path": "tinker://0-0-0:train:0/sampler_weights/s"}
+
+    def attempts(ids: dict[str, str], turn: int) -> list[tuple[str, str, dict[str, Any] | None]]:
+        run, ck = f"/training_runs/{ids['model']}", f"/training_runs/{ids['model']}/checkpoints/weights/base"
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
+        return [
+            ("GET", run, None),
+            ("GET", f"{run}/checkpoints", None),
+            ("GET", f"/sessions/{ids['session']}", None),
+            ("GET", f"/samplers/{ids['sampler']}", None),
+            ("POST", f"{ck}/publish", None),
+            ("DELETE", f"{ck}/publish", None),
+            ("PUT", f"{ck}/ttl", {"ttl_seconds": 60}),
+            ("DELETE", ck, None),
+            ("PUT", f"/sessions/{ids['session']}/project", {"project_id": "p"}),
+            ("POST", f"/sessions/{ids['session']}/finish", {"reason": {"type": "success"}}),
+            ("POST", "/session_heartbeat", {"session_id": ids["session"]}),
+            ("POST", "/get_info", {"model_id": ids["model"]}),
+            ("POST", "/weights_info", {"tinker_path": ids["state"]}),
+            ("POST", "/retrieve_future", {"request_id": ids["request"]}),
+            ("POST", "/create_model", {"session_id": ids["session"], "model_seq_id": 77, "base_model": BASE, "lora_config": {"rank": 4}}),
+            ("POST", "/optim_step", {"model_id": ids["model"], "seq_id": 3, "adam_params": {"learning_rate": 0.5}}),
+            ("POST", "/save_weights", {"model_id": ids["model"], "seq_id": 3, "path": "stolen"}),
+            ("POST", "/unload_model", {"model_id": ids["model"]}),
+            ("POST", "/load_weights", {"model_id": b.model, "seq_id": turn, "path": ids["state"], "optimizer": True}),
+            ("POST", "/load_weights", {"session_id": b.session, "model_seq_id": 78, "path": ids["state"], "optimizer": True}),
+            (
+                "POST",
+                "/create_sampling_session",
+                {"session_id": b.session, "sampling_session_seq_id": 79, "model_path": ids["sampler_path"]},
+            ),
+            ("POST", "/create_sampling_session", {"session_id": ids["session"], "sampling_session_seq_id": 80, "base_model": BASE}),
+            (
+                "POST",
+                "/asample",
+                {"sampling_session_id": ids["sampler"], "seq_id": 1, "prompt": prompt, "sampling_params": {"max_tokens": 2}},
+            ),
+        ]
+
+    mine = {"session": a.session, "model": a.model, "sampler": a.sampler, "request": a.request, "state": a.state}
+    for (method, path, body), (_, _, never_body) in zip(attempts(mine | {"sampler_path": sampler_path}, 2), attempts(fake, 3)):
+        got = b.http.request(method, f"/api/v1{path}", json=body)
+        never = b.http.request(
+            method, f"/api/v1{path.replace(a.model, fake['model']).replace(a.session, fake['session'])}", json=never_body
+        )
+        assert got.status_code == 404 and never.status_code == 404, (method, path, got.text, never.text)
+        assert got.json()["field"] == never.json()["field"], (method, path, got.text, never.text)
+    listed = json.dumps(
+        [
+            b.http.get("/api/v1/training_runs").json(),
+            b.http.get("/api/v1/checkpoints").json(),
+            b.http.get("/api/v1/sessions").json(),
+            b.post("sessions/search", {"limit": 200}).json(),
+        ]
+    )
+    assert a.session not in listed and a.model not in listed and b.session in listed
+    assert "error" not in b.result(b.post("optim_step", {"model_id": b.model, "seq_id": 4, "adam_params": {"learning_rate": 0.01}}))
+    # A's objects are as they were: its session is open, its checkpoints listed and private, its model trains
+    assert a.post("session_heartbeat", {"session_id": a.session}).status_code == 200
+    cks = a.http.get(f"/api/v1/training_runs/{a.model}/checkpoints").json()["checkpoints"]
+    assert sorted(c["tinker_path"] for c in cks) == sorted([a.state, sampler_path]) and not any(c["public"] for c in cks)
+    assert "error" not in a.result(a.post("optim_step", {"model_id": a.model, "seq_id": 3, "adam_params": {"learning_rate": 0.01}}))
