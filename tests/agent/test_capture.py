@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from asyncsess import ServiceClient
@@ -30,12 +31,14 @@ async def tool_agent(client, echo_back=lambda message: message) -> str:
     for _ in range(3):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], seed=0)
         message = reply.choices[0].message
-        messages.append(echo_back(message))
+        sent = echo_back(message)
+        messages.append(sent)
         if not message.tool_calls:
             return message.content
-        for call in message.tool_calls:
+        ids = [c["id"] for c in sent["tool_calls"]] if isinstance(sent, dict) else [c.id for c in message.tool_calls]
+        for call, call_id in zip(message.tool_calls, ids):  # answered by the ids the echoed message gives them
             result = str(eval(json.loads(call.function.arguments)["expr"]))  # the test's own calculator
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return ""
 
 
@@ -179,3 +182,39 @@ async def test_a_tool_call_that_is_not_json_is_returned_as_text(real):
         reply = await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == written
+
+
+async def test_parallel_tool_results_reach_the_model_in_the_order_of_its_calls(real):
+    """An agent that appends tool results as they complete answers parallel calls out of order. The template shows
+    results without their tool_call_id, so they were rendered in the order sent: the model read 6 as the answer to
+    1+1. They now follow the calls' order; a result for no call, a second one for a call, or a call left unanswered
+    is a 400 naming the message (as OpenAI's API answers) that takes no call index."""
+    calls = ['<tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call>']
+    calls.append('<tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call>')
+    front = OpenAIFront(ScriptedSampler(real, ["\n".join(calls), "2 and 6."]))
+    async with front.openai_client("p") as client:
+        reply = await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)
+        message = reply.choices[0].message
+        first, second = message.tool_calls
+        answers = [
+            {"role": "tool", "tool_call_id": c.id, "content": str(eval(json.loads(c.function.arguments)["expr"]))} for c in (second, first)
+        ]
+        bad = [
+            ([answers[0]], "messages.1.tool_calls.0.id"),  # the first call has no answer
+            ([answers[0], {**answers[1], "tool_call_id": "call_other"}], "messages.3.tool_call_id"),
+            ([answers[0], answers[0]], "messages.3.tool_call_id"),
+            (
+                [*answers, {"role": "user", "content": "and?"}, {"role": "tool", "tool_call_id": first.id, "content": "2"}],
+                "messages.5.role",
+            ),
+        ]
+        for tail, param in bad:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="policy", messages=[*TASK, message, *tail], tools=[CALC], seed=0)
+            assert info.value.body["param"] == param, info.value.body
+        final = await client.chat.completions.create(model="policy", messages=[*TASK, message, *answers], tools=[CALC], seed=0)
+    assert final.choices[0].message.content == "2 and 6."
+    one, two = front.captures.calls("p")
+    assert two.call_index == 1  # the refused calls took no index
+    rendered = real.get_tokenizer().decode(two.prompt_tokens[len(one.prompt_tokens) + len(one.choices[0].tokens) :])
+    assert rendered.index("<tool_response>\n2\n") < rendered.index("<tool_response>\n6\n"), rendered

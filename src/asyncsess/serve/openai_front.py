@@ -41,6 +41,7 @@ from .openai_wire import (
     Choice,
     CompletionRequest,
     FrontError,
+    Message,
     SamplingRequest,
     chat_chunks,
     chat_message,
@@ -360,7 +361,7 @@ class OpenAIFront:
 
     def _chat_messages(self, req: ChatRequest) -> list[dict[str, str]]:
         out = []
-        for m in req.messages:
+        for m in _answers_in_call_order(req.messages):
             if m.role == "assistant" and m.tool_calls:
                 raw = [self._replies.get(c.id) for c in m.tool_calls]
                 if raw[0] is not None and all(r == raw[0] for r in raw):
@@ -397,8 +398,9 @@ class OpenAIFront:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
+        messages = self._chat_messages(req)
         try:
-            prompt = renderer.tokens(self._chat_messages(req), tools)
+            prompt = renderer.tokens(messages, tools)
         except InvalidInputError:
             raise
         except Exception as err:  # the template rejected the conversation
@@ -507,6 +509,45 @@ class OpenAIFront:
             "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
+
+
+def _answers_in_call_order(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` with the tool messages that answer an assistant message's tool calls put in the order of its calls.
+
+    A template shows tool results without their ``tool_call_id``, so their order is all that tells the model which
+    result belongs to which call; an agent that appends results as they complete sends them in any order. As
+    OpenAI's API does, a FrontError refuses a tool message that answers no call of the assistant message before it
+    (or one already answered) and a call left without an answer."""
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        m, at = messages[i], i
+        i += 1
+        if m.role == "tool":
+            raise FrontError(
+                "a tool message must follow an assistant message with tool_calls (or the other tool messages answering it)",
+                f"messages.{at}.role",
+            )
+        out.append(m)
+        calls = [c.id for c in m.tool_calls or []] if m.role == "assistant" else []
+        if len(set(calls)) != len(calls):
+            raise FrontError("the tool calls of an assistant message must have distinct ids", f"messages.{at}.tool_calls")
+        answers: dict[str, Message] = {}
+        while calls and i < len(messages) and messages[i].role == "tool":
+            call_id = messages[i].tool_call_id
+            if call_id not in calls or call_id in answers:
+                what = "answers a tool call already answered" if call_id in answers else f"answers no tool call of messages.{at}"
+                raise FrontError(f"tool_call_id {call_id!r} {what}: answer each call once, by its id", f"messages.{i}.tool_call_id")
+            answers[call_id] = messages[i]
+            i += 1
+        missing = next((j for j, c in enumerate(calls) if c not in answers), None)
+        if missing is not None:
+            raise FrontError(
+                f"tool call {calls[missing]!r} has no answer: follow the assistant message with one tool message per call",
+                f"messages.{at}.tool_calls.{missing}.id",
+            )
+        out += [answers[c] for c in calls]
+    return out
 
 
 async def _no_run(arguments: Any) -> tuple[str, dict[str, float]]:
