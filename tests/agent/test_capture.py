@@ -218,3 +218,21 @@ async def test_parallel_tool_results_reach_the_model_in_the_order_of_its_calls(r
     assert two.call_index == 1  # the refused calls took no index
     rendered = real.get_tokenizer().decode(two.prompt_tokens[len(one.prompt_tokens) + len(one.choices[0].tokens) :])
     assert rendered.index("<tool_response>\n2\n") < rendered.index("<tool_response>\n6\n"), rendered
+
+
+async def test_the_stream_helpers_message_can_be_sent_back(real):
+    """``client.chat.completions.stream(...)`` gives a ParsedChatCompletionMessage whose tool calls carry ``index``
+    and ``function.parsed_arguments`` and which carries ``parsed``; sent back as it is (or dumped), each was a 400
+    'unsupported parameter'. They are accepted (the empty values the client fills in) and the rollout extends."""
+    front = OpenAIFront(ScriptedSampler(real, [CALL, "It is 5.", "It is 5.", "It is 5."]))
+    async with front.openai_client("h") as client:
+        async with client.chat.completions.stream(model="policy", messages=TASK, tools=[CALC], seed=0) as stream:
+            message = (await stream.get_final_completion()).choices[0].message
+        [call] = message.tool_calls
+        answer = {"role": "tool", "tool_call_id": call.id, "content": "5"}
+        for sent in (message, message.model_dump(), message.model_dump(exclude_none=True)):
+            reply = await client.chat.completions.create(model="policy", messages=[*TASK, sent, answer], tools=[CALC], seed=0)
+            assert reply.choices[0].message.content == "It is 5."
+    first, *later = front.captures.calls("h")
+    for call_ in later:
+        assert build_trajectory("h", [first, call_], 1.0).drift == []

@@ -145,12 +145,14 @@ class _ToolDef(_Req):
 class _CallFunction(_Req):
     name: str
     arguments: str
+    parsed_arguments: None = None  # what the openai client's stream helper adds (for strict tools only)
 
 
 class _ToolCall(_Req):
     id: str
     type: Literal["function"] = "function"
     function: _CallFunction
+    index: StrictInt | None = Field(default=None, ge=0)  # the stream helper keeps each call's delta index
 
 
 class _TextPart(_Req):
@@ -169,6 +171,7 @@ class Message(_Req):
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = Field(default=None, max_length=0)
+    parsed: None = None  # the stream helper's (and parse()'s) ParsedChatCompletionMessage
 
     def text(self) -> str:
         if self.content is None:
