@@ -410,3 +410,40 @@ def test_streamed_pieces_add_up_to_the_content_at_a_cost_linear_in_the_reply(ski
     pieces = content_pieces(tok, list(reply), reply.decode("utf-8", "replace"))
     assert "".join(pieces) == reply.decode("utf-8", "replace") and tok.decoded <= 12 * len(reply)
     assert pieces[:6] == ["h", "", "é", "l", "l", "o"]  # a character appears once its last byte arrived
+
+
+class _Slow:
+    """A sampler whose samples take ``delay`` seconds (everything else is the real sampler's)."""
+
+    def __init__(self, real, delay: float) -> None:
+        self.real, self.delay, self.calls = real, delay, 0
+        self.sampler_id, self.base_model = real.sampler_id, real.base_model
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def sample(self, *args, **kwargs):
+        self.calls += 1
+
+        async def slow():
+            await anyio.sleep(self.delay)
+            return await self.real.sample(*args, **kwargs)
+
+        return slow()
+
+
+async def test_the_clients_timeout_holds_in_process_and_its_retries_leave_no_capture(sampler):
+    """httpx's ASGI transport keeps no timeout: an in-process client's ``timeout`` was ignored and a slow call
+    (or a hung backend) blocked the agent until it answered. The call is now cancelled at the read timeout, the
+    client retries it as over a socket and then raises APITimeoutError; the cancelled calls capture nothing and
+    take no call index."""
+    slow = _Slow(sampler, delay=20.0)
+    front = OpenAIFront(slow)
+    async with front.openai_client("t", timeout=0.05, max_retries=2) as client:
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert slow.calls == 3 and front.captures.calls("t") == []
+    slow.delay = 0.0
+    async with front.openai_client("t") as client:
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert [c.call_index for c in front.captures.calls("t")] == [0]

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import anyio
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -175,8 +176,8 @@ class OpenAIFront:
         return app
 
     def transport(self) -> httpx.ASGITransport:
-        """An httpx transport that calls the app in-process (no socket)."""
-        return httpx.ASGITransport(app=self.app())
+        """An httpx transport that calls the app in-process (no socket), within the client's read timeout."""
+        return _TimedTransport(app=self.app())
 
     def openai_client(self, rollout_id: str | None = None, **kwargs: Any) -> Any:
         """An ``openai.AsyncOpenAI`` talking to this front in-process; its calls are captured under ``rollout_id``."""
@@ -509,6 +510,20 @@ class OpenAIFront:
             "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
+
+
+class _TimedTransport(httpx.ASGITransport):
+    """httpx's ASGI transport keeps no timeout (it has no socket to time): a call that outlasts the client's read
+    timeout is cancelled here and raises ``httpx.ReadTimeout``, which the openai client retries or raises as
+    ``APITimeoutError``, as it would over a socket."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeout = (request.extensions.get("timeout") or {}).get("read")
+        if timeout is None:
+            return await super().handle_async_request(request)
+        with anyio.move_on_after(timeout):
+            return await super().handle_async_request(request)
+        raise httpx.ReadTimeout(f"no response within the read timeout ({timeout} s)", request=request)
 
 
 def _answers_in_call_order(messages: Sequence[Message]) -> list[Message]:
