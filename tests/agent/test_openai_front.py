@@ -135,6 +135,29 @@ async def test_models_and_stats_routes(sampler):
     assert stats["requests"] == 1 and stats["completed"] >= 1 and stats["max_in_flight"] == 8 and stats["queued"] == 0
 
 
+async def test_models_retrieve_and_routes_the_front_does_not_serve(sampler):
+    """``client.models.retrieve`` was a 404, and every path or method the front does not serve (the Responses API,
+    say) answered FastAPI's {"detail": ...}, which the openai client reads without a message, param or code."""
+    front = OpenAIFront(sampler, model_name="agent-policy")
+    async with front.openai_client() as client:
+        for name in ("agent-policy", "mock/bigram-tiny"):
+            assert (await client.models.retrieve(name)).model_dump() == {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "asyncsess",
+                "shutdown_date": None,
+            }
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-4o")
+        assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.responses.create(model="agent-policy", input="hi")
+        assert info.value.body["code"] == "not_found" and "/v1/chat/completions" in info.value.message
+        r = await client._client.get("http://asyncsess-front/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["param"] == "method", r.text
+
+
 BAD = [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"n": "two"}, 400, "n"),

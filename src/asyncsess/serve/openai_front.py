@@ -31,6 +31,7 @@ import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import ChatRenderer, Tool, parse_tool_calls
 from ..client import SamplingClient
@@ -49,6 +50,9 @@ from .openai_wire import (
     completion_chunks,
     legacy_logprobs,
     lp_entry,
+    model_card,
+    model_not_found,
+    no_route,
     parse_body,
     usage,
     validation_error,
@@ -165,14 +169,20 @@ class OpenAIFront:
         r.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
         r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
         r.add_api_route("/v1/models", self._models_route, methods=["GET"])
+        r.add_api_route("/v1/models/{model:path}", self._model_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/stats", self._stats_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/rollouts/{rollout_id:path}", self._rollout_route, methods=["GET", "DELETE"])
         return r
 
     def app(self) -> FastAPI:
-        """A standalone ASGI app with the routes."""
+        """A standalone ASGI app with the routes; other paths and methods are refused in OpenAI's error shape."""
         app = FastAPI(title="asyncsess OpenAI front")
         app.include_router(self.router())
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _no_route(request: Request, err: StarletteHTTPException) -> JSONResponse:
+            return no_route(request, err.status_code, str(err.detail))
+
         return app
 
     def transport(self) -> httpx.ASGITransport:
@@ -194,10 +204,16 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ routes
 
+    def _model_names(self) -> list[str]:
+        return sorted({self.model_name} | {b.sampler.base_model for b in self._all_bindings()})
+
     async def _models_route(self) -> JSONResponse:
-        names = {self.model_name} | {b.sampler.base_model for b in self._all_bindings()}
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in sorted(names)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in self._model_names()]})
+
+    async def _model_route(self, model: str) -> JSONResponse:
+        if model not in self._model_names():
+            return model_not_found(model).response()
+        return JSONResponse(model_card(model))
 
     async def _rollout_route(self, rollout_id: str, request: Request) -> JSONResponse:
         """The captured calls of a rollout (for a trainer in another process); ``DELETE`` also forgets them."""

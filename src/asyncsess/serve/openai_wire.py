@@ -26,6 +26,9 @@ from ..types import MAX_STOP_CHARS
 
 __all__ = [
     "FrontError",
+    "model_card",
+    "model_not_found",
+    "no_route",
     "Message",
     "SamplingRequest",
     "ChatRequest",
@@ -55,6 +58,22 @@ class FrontError(Exception):
         param = None if self.param is None else _printable(self.param)
         body = {"error": {"message": _printable(self.message), "type": "invalid_request_error", "param": param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
+
+
+def model_card(name: str) -> dict[str, Any]:
+    """A model as ``GET /v1/models`` lists it (OpenAI's Model object)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "asyncsess"}
+
+
+def model_not_found(model: str) -> FrontError:
+    return FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
+
+
+def no_route(request: Any, status: int, detail: str) -> JSONResponse:
+    """A path (404) or method (405) no OpenAI route serves, in OpenAI's error shape (the Responses API's, say)."""
+    field, code = ("method", "method_not_allowed") if status == 405 else ("path", "not_found")
+    routes = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+    return FrontError(f"{request.method} {request.url.path[:200]}: {detail}; this server serves {routes}", field, status, code).response()
 
 
 def parse_body(raw: bytes) -> Any:
