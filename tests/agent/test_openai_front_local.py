@@ -15,6 +15,8 @@ from asyncsess.chat import chat_tokens
 from asyncsess.rl.capture import build_trajectory
 from asyncsess.serve.openai_front import OpenAIFront
 
+from .helpers import ScriptedSampler
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 TOLERANCE = 1e-4
@@ -90,3 +92,20 @@ async def test_http_backend_captures_match_compute_logprobs(tmp_path):
             assert trained == [t for c in calls for t in c.choices[0].tokens]
     finally:
         worker.stop()
+
+
+async def test_logprob_bytes_join_into_the_reply_where_tokens_split_characters(sampler):
+    """OpenAI's ``bytes`` exist to put back together characters split over tokens. A byte-level BPE token that
+    holds part of a character decodes alone to U+FFFD, and its ``bytes`` were those of U+FFFD (EF BF BD): joined,
+    the bytes of '日本 🙂' were replacement characters. They are now the token's own bytes, plain and streamed."""
+    reply = "日本 🙂 ok"
+    front = OpenAIFront(ScriptedSampler(sampler, [reply, reply]))
+    async with front.openai_client("b") as client:
+        plain = await client.chat.completions.create(model="policy", messages=HI, logprobs=True)
+        chunks = [c async for c in await client.chat.completions.create(model="policy", messages=HI, logprobs=True, stream=True)]
+    entries = plain.choices[0].logprobs.content
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert plain.choices[0].message.content == reply and any(e.token == "\ufffd" for e in entries)  # characters are split
+    for got in (entries, streamed):
+        joined = bytes(b for e in got for b in e.bytes)
+        assert joined.decode() == reply + "<|end|>"  # the turn's end token is scored too

@@ -3,7 +3,9 @@ encoding of replies, log-probs and server-sent-event streams. Pure data: no samp
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -38,6 +40,7 @@ __all__ = [
     "usage",
     "chat_message",
     "lp_entry",
+    "token_bytes",
     "legacy_logprobs",
     "chat_chunks",
     "content_pieces",
@@ -305,13 +308,40 @@ def _piece(tok: Any, t: int) -> str:
     return str(tok.decode([t]))
 
 
-def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a token's string."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {chr(b): b for b in shown} | {chr(256 + i): b for i, b in enumerate(hidden)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def token_bytes(tok: Any, t: int) -> bytes:
+    """The UTF-8 bytes token ``t`` stands for (OpenAI's ``bytes``): a character split over several tokens is whole
+    once their bytes are joined. Read from the token's string for byte-level BPE and byte-fallback tokens (their
+    text alone is only U+FFFD); else the token's text."""
     piece = _piece(tok, t)
+    convert = getattr(tok, "convert_ids_to_tokens", None)
+    name = convert(t) if convert is not None else None
+    if isinstance(name, str) and (byte := _BYTE_TOKEN.fullmatch(name)):
+        return bytes([int(byte.group(1), 16)])
+    chars = _byte_level_chars()
+    if isinstance(name, str) and name and all(c in chars for c in name):
+        raw = bytes(chars[c] for c in name)
+        if raw.decode("utf-8", "replace") == piece:  # the tokenizer is byte-level: the string spells its bytes
+            return raw
+    return piece.encode("utf-8", "replace")
+
+
+def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
     return {
-        "token": piece,
+        "token": _piece(tok, t),
         "logprob": lp,
-        "bytes": list(piece.encode("utf-8", "replace")),
-        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(_piece(tok, a).encode("utf-8", "replace"))} for a, b in top],
+        "bytes": list(token_bytes(tok, t)),
+        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(token_bytes(tok, a))} for a, b in top],
     }
 
 
