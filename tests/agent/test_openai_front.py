@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from asyncsess import SamplingParams, ServiceClient
+from asyncsess.errors import RateLimitError, RetriesExhaustedError
 from asyncsess.serve.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess.serve.openai_wire import content_pieces
@@ -470,3 +471,42 @@ async def test_the_clients_timeout_holds_in_process_and_its_retries_leave_no_cap
     async with front.openai_client("t") as client:
         await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
     assert [c.call_index for c in front.captures.calls("t")] == [0]
+
+
+class _Throttled(_Slow):
+    """Samples after ``failures`` throttled attempts, each as the sampling client gives up on it."""
+
+    def __init__(self, real, failures: int, retry_after: float) -> None:
+        super().__init__(real, 0.0)
+        self.failures, self.retry_after = failures, retry_after
+
+    def sample(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > self.failures:
+            return self.real.sample(*args, **kwargs)
+
+        async def throttled():
+            try:
+                raise RateLimitError("slow down", retry_after=self.retry_after)
+            except RateLimitError as err:
+                raise RetriesExhaustedError("gave up", attempts=3) from err
+
+        return throttled()
+
+
+async def test_a_throttled_sampler_is_a_429_with_the_backends_retry_hint_and_the_client_waits_it_out(sampler):
+    """A throttled backend was a 503 without the hint of when to retry: the openai client retried at once (0.5 s,
+    1 s) into the throttle, then raised InternalServerError. It is now a 429 carrying retry-after-ms / Retry-After,
+    which the client's retry logic reads; a retry that then succeeds is captured once, as call 0."""
+    throttled = _Throttled(sampler, failures=1, retry_after=0.25)
+    front = OpenAIFront(throttled)
+    async with front.openai_client("t") as client:
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert info.value.response.headers["retry-after-ms"] == "250" and info.value.response.headers["retry-after"] == "1"
+    assert info.value.body["code"] == "rate_limit_exceeded"
+    throttled.calls = 0
+    async with front.openai_client("t", max_retries=1) as client:
+        reply = await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert throttled.calls == 2 and [c.call_index for c in front.captures.calls("t")] == [0]
+    assert front.captures.calls("t")[0].choices[0].tokens and reply.choices[0].message.content is not None

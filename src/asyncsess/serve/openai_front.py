@@ -19,6 +19,7 @@ the front does not implement is refused by name, never ignored.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import ChatRenderer, Tool, parse_tool_calls
 from ..client import SamplingClient
-from ..errors import AsyncSessError, InvalidInputError
+from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
 from .capture import CapturedCall, CapturedChoice, CaptureStore
 from .openai_wire import (
@@ -250,7 +251,7 @@ class OpenAIFront:
             return FrontError(str(err), err.field).response()
         except AsyncSessError as err:  # the backend failed, not the request
             self.counts["errors"] += 1
-            return FrontError(f"the sampler failed: {err}", None, status=503, code="sampler_unavailable").response()
+            return _unavailable(err).response()
 
     # ------------------------------------------------------------------ shared steps
 
@@ -526,6 +527,17 @@ class OpenAIFront:
             "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
+
+
+def _unavailable(err: AsyncSessError) -> FrontError:
+    """A backend failure as the openai client's retry logic reads it: a throttled backend is a 429, any other
+    failure a 503 (both retried), with the backend's hint of when to retry as ``retry-after-ms`` / ``Retry-After``."""
+    cause = err.__cause__ if isinstance(err, RetriesExhaustedError) and err.__cause__ is not None else err
+    hint = getattr(cause, "retry_after", None)
+    headers = {"retry-after-ms": str(round(hint * 1000)), "Retry-After": str(math.ceil(hint))} if hint and hint > 0 else None
+    if isinstance(cause, RateLimitError):
+        return FrontError(f"the sampler is throttled: {err}", None, status=429, code="rate_limit_exceeded", headers=headers)
+    return FrontError(f"the sampler failed: {err}", None, status=503, code="sampler_unavailable", headers=headers)
 
 
 class _TimedTransport(httpx.ASGITransport):

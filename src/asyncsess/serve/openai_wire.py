@@ -53,14 +53,16 @@ Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a
 class FrontError(Exception):
     """A request the front refuses: HTTP ``status`` and an OpenAI error body naming ``param``."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str = "invalid_request") -> None:
+    def __init__(
+        self, message: str, param: str | None, status: int = 400, code: str = "invalid_request", headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
     def response(self) -> JSONResponse:
         param = None if self.param is None else _printable(self.param)
         body = {"error": {"message": _printable(self.message), "type": "invalid_request_error", "param": param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def model_card(name: str) -> dict[str, Any]:
