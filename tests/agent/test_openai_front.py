@@ -159,6 +159,14 @@ async def test_models_retrieve_and_routes_the_front_does_not_serve(sampler):
         assert r.status_code == 405 and r.json()["error"]["param"] == "method", r.text
 
 
+def _tool_call(name: str = "f", call_id: str = "c1") -> dict:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}],
+    }
+
+
 BAD = [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"n": "two"}, 400, "n"),
@@ -217,6 +225,12 @@ BAD = [
     ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "nul \x00 no"}]}, 400, "messages.0.content"),  # NUL is refused, as by the worker
     ({"user": "\ud800"}, 400, "user"),
+    # NUL is refused wherever text reaches the template, as in content (names, descriptions and ids went through)
+    ({"tools": [{"type": "function", "function": {"name": "ca\x00lc"}}]}, 400, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "a\x00"}}]}, 400, "tools.0.function.description"),
+    ({"messages": [*HI, _tool_call(call_id="c\x00")]}, 400, "messages.1.tool_calls.0.id"),
+    ({"messages": [*HI, _tool_call(name="f\x00")]}, 400, "messages.1.tool_calls.0.function.name"),
+    ({"messages": [*HI, _tool_call(), {"role": "tool", "tool_call_id": "c1\x00", "content": "5"}]}, 400, "messages.2.tool_call_id"),
     ({"\udfff": 1}, 400, "\\udfff"),  # a parameter name that is not valid Unicode, named with an escape
     ({'qu]"x': 2**31}, 400, 'qu]"x'),  # an unknown name with a bracket (was param null: taken for a union branch)
     ({"list[int]": 1}, 400, "list[int]"),
@@ -240,14 +254,6 @@ async def test_bad_requests_get_4xx_naming_the_parameter_and_the_server_keeps_se
             assert err["param"] == param and param.split(".")[-1] in err["message"]
         ok = await http.post("/v1/chat/completions", json={"model": "policy", "messages": HI, "max_tokens": 4})
         assert ok.status_code == 200
-
-
-def _tool_call(name: str = "f", call_id: str = "c1") -> dict:
-    return {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}],
-    }
 
 
 SURROGATES = [  # a lone surrogate in a string the schema does not check itself (they were captured, then every read was a 500)

@@ -155,8 +155,8 @@ class _Req(BaseModel):
 
 
 class _Function(_Req):
-    name: str = Field(min_length=1)
-    description: str = ""
+    name: Text = Field(min_length=1)
+    description: Text = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
     strict: StrictBool | None = None
 
@@ -167,13 +167,13 @@ class _ToolDef(_Req):
 
 
 class _CallFunction(_Req):
-    name: str
-    arguments: str
+    name: Text
+    arguments: Text
     parsed_arguments: None = None  # what the openai client's stream helper adds (for strict tools only)
 
 
 class _ToolCall(_Req):
-    id: str
+    id: Text
     type: Literal["function"] = "function"
     function: _CallFunction
     index: StrictInt | None = Field(default=None, ge=0)  # the stream helper keeps each call's delta index
@@ -187,9 +187,9 @@ class _TextPart(_Req):
 class Message(_Req):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[_TextPart] | None = None
-    name: str | None = None
+    name: Text | None = None
     tool_calls: list[_ToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: Text | None = None
     # what the openai client echoes back from a reply; only empty values are accepted
     refusal: None = None
     function_call: None = None
