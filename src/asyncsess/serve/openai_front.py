@@ -242,10 +242,12 @@ class OpenAIFront:
                 raise validation_error(err) from None
             rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
             _check_rollout_id(rollout)
-            return await handler(req, rollout)
+            return await handler(req, rollout, request)
         except FrontError as err:
             self.counts["errors"] += 1
             return err.response()
+        except _ClientGone:  # no one reads the answer
+            return Response(status_code=499)
         except InvalidInputError as err:
             self.counts["errors"] += 1
             return FrontError(str(err), err.field).response()
@@ -303,13 +305,22 @@ class OpenAIFront:
         )
 
     async def _sample(
-        self, rollout: str, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any]
+        self,
+        request: Request,
+        rollout: str,
+        binding: _Binding,
+        prompt: list[int],
+        req: SamplingRequest,
+        params: SamplingParams,
+        topk: dict[str, Any],
     ) -> tuple[int, list[SampledSequence]]:
         """The call's index in its rollout and its samples.
 
         The index (and the rollout seed of a call that sets none) is taken once the client has checked the
         request, and given back if the call fails to sample (the backend refuses it, say) while no later call of
-        the rollout has taken one: a refused call shifts neither the indices nor the seeds of the calls after it."""
+        the rollout has taken one: a refused call shifts neither the indices nor the seeds of the calls after it.
+        So is a call whose client hung up while it sampled (it timed out, and may be retrying): the agent never
+        saw those samples, so they are not captured."""
         sampler = binding.sampler
         seeded = params.seed is None and binding.seed is not None
         if seeded:
@@ -321,6 +332,8 @@ class OpenAIFront:
         binding.seeded_calls += int(seeded)
         try:
             seqs = await self._sampled(binding, prompt, req, params, topk, pending)
+            if await request.is_disconnected():
+                raise _ClientGone
         except BaseException:
             if self.captures.release(rollout, index):
                 binding.seeded_calls -= int(seeded)
@@ -394,7 +407,7 @@ class OpenAIFront:
                 out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
         return out
 
-    async def _chat(self, req: ChatRequest, rollout: str) -> Response:
+    async def _chat(self, req: ChatRequest, rollout: str, request: Request) -> Response:
         binding = self._binding(rollout, req.model)
         if req.parallel_tool_calls is False:
             raise FrontError(
@@ -425,7 +438,7 @@ class OpenAIFront:
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
-        index, seqs = await self._sample(rollout, binding, prompt, req, params, topk)
+        index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
         parse_tools = bool(tools) and req.tool_choice != "none"
         choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
         self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
@@ -484,7 +497,7 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ completions
 
-    async def _completion(self, req: CompletionRequest, rollout: str) -> Response:
+    async def _completion(self, req: CompletionRequest, rollout: str, request: Request) -> Response:
         binding = self._binding(rollout, req.model)
         topk = _topk(req.logprobs or 0)
         tok = binding.sampler.get_tokenizer()
@@ -497,7 +510,7 @@ class OpenAIFront:
             raise FrontError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         params = self._params(req, binding, len(prompt), req.max_tokens or 16, list(stops))
-        index, seqs = await self._sample(rollout, binding, prompt, req, params, topk)
+        index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
         eos = getattr(tok, "eos_token_id", None)
         choices = []
         for i, s in enumerate(seqs):
@@ -527,6 +540,10 @@ class OpenAIFront:
             "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
+
+
+class _ClientGone(Exception):
+    """The client hung up before its call was answered."""
 
 
 def _unavailable(err: AsyncSessError) -> FrontError:
