@@ -109,3 +109,19 @@ async def test_logprob_bytes_join_into_the_reply_where_tokens_split_characters(s
     for got in (entries, streamed):
         joined = bytes(b for e in got for b in e.bytes)
         assert joined.decode() == reply + "<|end|>"  # the turn's end token is scored too
+
+
+async def test_completion_text_offsets_are_where_each_token_starts_in_the_text(sampler):
+    """Legacy ``text_offset`` counted one character per token piece, and a token holding part of a character is
+    one U+FFFD: past '日' every offset was off. A streamed chunk's offset was always 0."""
+    reply = "日本 🙂 ok"
+    front = OpenAIFront(ScriptedSampler(sampler, [reply, reply]))
+    async with front.openai_client("o") as client:
+        plain = await client.completions.create(model="policy", prompt="x", logprobs=0)
+        chunks = [c async for c in await client.completions.create(model="policy", prompt="x", logprobs=0, stream=True)]
+    tokens = front.captures.calls("o")[0].choices[0].tokens
+    tok = sampler.get_tokenizer()
+    expected = [len(tok.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(tokens))]
+    assert plain.choices[0].text == reply and expected[3] == 1  # the three tokens of '日' start at 0, '本' at 1
+    assert plain.choices[0].logprobs.text_offset == expected
+    assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == expected

@@ -348,11 +348,13 @@ def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[
 
 
 def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
+    """A completion's log-probs in the legacy shape; ``text_offset`` is where each token's text starts in the reply
+    (from the streamed deltas: a token that holds part of a character decodes alone to U+FFFD, one character)."""
     pieces = [_piece(tok, t) for t in c.tokens]
     offsets, at = [], 0
-    for p in pieces:
+    for delta in content_pieces(tok, c.tokens, c.content or "")[: len(c.tokens)]:
         offsets.append(at)
-        at += len(p)
+        at += len(delta)
     top = [{_piece(tok, a): b for a, b in alts} for alts in c.top] if any(c.top) else None
     return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
@@ -445,7 +447,7 @@ async def completion_chunks(
                     "tokens": legacy["tokens"][k : k + 1],
                     "token_logprobs": c.logprobs[k : k + 1],
                     "top_logprobs": top,
-                    "text_offset": [0],
+                    "text_offset": legacy["text_offset"][k : k + 1],
                 }
             yield chunk(c.index, piece, None, lp)
         yield chunk(c.index, "", c.finish, None)
