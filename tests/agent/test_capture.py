@@ -236,3 +236,19 @@ async def test_the_stream_helpers_message_can_be_sent_back(real):
     first, *later = front.captures.calls("h")
     for call_ in later:
         assert build_trajectory("h", [first, call_], 1.0).drift == []
+
+
+async def test_a_streamed_tool_call_reply_adds_up_to_the_plain_one(real):
+    """A reply that is only tool calls has content null; streamed, its deltas carried content "", so the stream
+    helper's message had content "" where the plain reply's had None."""
+    front = OpenAIFront(ScriptedSampler(real, [CALL, CALL, "Let me see. " + CALL, "Let me see. " + CALL]))
+    async with front.openai_client("s") as client:
+        for _ in range(2):
+            plain = (await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)).choices[0]
+            async with client.chat.completions.stream(model="policy", messages=TASK, tools=[CALC], seed=0) as stream:
+                streamed = (await stream.get_final_completion()).choices[0]
+            assert streamed.message.content == plain.message.content and streamed.finish_reason == plain.finish_reason == "tool_calls"
+            assert [c.function.model_dump(exclude={"parsed_arguments"}) for c in streamed.message.tool_calls] == [
+                c.function.model_dump() for c in plain.message.tool_calls
+            ]
+    assert [c.choices[0].tool_calls[0]["function"]["name"] for c in front.captures.calls("s")] == ["calc"] * 4

@@ -413,9 +413,9 @@ async def chat_chunks(
 
     for c in choices:
         entries = [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]
-        yield chunk(c.index, {"role": "assistant", "content": ""})
-        if c.tool_calls:
-            yield chunk(c.index, {"content": c.content or ""}, lps=entries)
+        yield chunk(c.index, {"role": "assistant", "content": "" if c.content is not None else None})
+        if c.tool_calls:  # content is None when the reply is only tool calls, as in the plain reply
+            yield chunk(c.index, {"content": c.content} if c.content else {}, lps=entries)
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
