@@ -252,3 +252,25 @@ async def test_a_streamed_tool_call_reply_adds_up_to_the_plain_one(real):
                 c.function.model_dump() for c in plain.message.tool_calls
             ]
     assert [c.choices[0].tool_calls[0]["function"]["name"] for c in front.captures.calls("s")] == ["calc"] * 4
+
+
+def _nested_tool(depth: int) -> dict:
+    value: object = "v"
+    for _ in range(depth):
+        value = [value]
+    return {"type": "function", "function": {"name": "f", "parameters": {"enum": value}}}
+
+
+async def test_a_tool_schema_nested_too_deeply_is_refused_before_it_is_captured(real):
+    """A tool schema nested 300 levels deep was served and captured, and then every GET and DELETE of the rollout
+    was a 500 (pydantic's 'Maximum serialization depth exceeded'; DELETE had dropped the captures first). A body
+    nested past 64 levels is now a 400 naming where; one within it is captured and read back."""
+    front = OpenAIFront(real)
+    async with front.openai_client("deep") as client:
+        await client.chat.completions.create(model="policy", messages=TASK, tools=[_nested_tool(20)], max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="policy", messages=TASK, tools=[_nested_tool(300)], max_tokens=2)
+        assert info.value.body["param"].startswith("tools.0.function.parameters.enum.0.0") and "64 levels" in info.value.message
+        for method in ("GET", "DELETE"):
+            got = await client._client.request(method, "http://asyncsess-front/v1/asyncsess/rollouts/deep")
+            assert got.status_code == 200 and [c["call_index"] for c in got.json()["calls"]] == [0], got.text

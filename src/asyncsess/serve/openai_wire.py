@@ -85,19 +85,24 @@ def parse_body(raw: bytes) -> Any:
     """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
 
     A lone surrogate (a ``\\ud800`` escape) anywhere in it, a key or a value, is a 400 naming where: such text
-    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture."""
+    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a value nested
+    more than ``MAX_DEPTH`` levels deep (a tool schema, say): a capture of it could not be read back."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
     except RecursionError:
         raise FrontError("the body nests too deeply", None, code="invalid_json") from None
-    _refuse_surrogates(body)
+    _check_body(body)
     return body
 
 
-def _refuse_surrogates(body: Any) -> None:
-    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate."""
+MAX_DEPTH = 64  # levels of objects and arrays in a body; a capture (pydantic) serializes a couple of hundred at most
+
+
+def _check_body(body: Any) -> None:
+    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate, or the first
+    value nested past ``MAX_DEPTH``."""
     if isinstance(body, str) and not _encodable(body):
         raise FrontError("the body is a string with a lone surrogate; send a JSON object", None, code="invalid_json")
     todo: list[tuple[list[str], Any]] = [([], body)]
@@ -117,6 +122,9 @@ def _refuse_surrogates(body: Any) -> None:
                     f"invalid value for '{param}': it holds a lone surrogate; send valid Unicode text", param, code="invalid_value"
                 )
             if isinstance(item, (dict, list)):
+                if len(path) >= MAX_DEPTH:
+                    param = ".".join([*path[:8], "..."])
+                    raise FrontError(f"'{param}' nests more than {MAX_DEPTH} levels deep; flatten it", param, code="invalid_value")
                 todo.append(([*path, name], item))
 
 
