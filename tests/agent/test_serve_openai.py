@@ -283,6 +283,10 @@ async def test_a_rollout_id_with_slashes_is_read_back_and_dot_segments_are_refus
         assert len(taken.json()["calls"]) == 1 and (await http.get(f"/v1/asyncsess/rollouts/{rollout}", headers=h)).json()["calls"] == []
     for rollout in (".", "..", "a/../b", "a/./b", "x/.."):  # a URL cannot carry these: refused before sampling
         resp = await http.post("/v1/chat/completions", json={**body, "user": rollout}, headers=h)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "user", resp.text  # where it came from
+        resp = await http.post("/v1/chat/completions", json={**body, "metadata": {"rollout_id": rollout}}, headers=h)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "metadata.rollout_id", resp.text
+        resp = await http.post("/v1/chat/completions", json=body, headers={**h, "X-Rollout-Id": rollout})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-rollout-id", resp.text
 
 

@@ -69,13 +69,18 @@ _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 
 
-def _check_rollout_id(rollout: str) -> None:
-    """A rollout id its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine; a
-    ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL)."""
+def _rollout_id(request: Request, req: SamplingRequest) -> str:
+    """The call's rollout id: header ``X-Rollout-Id``, else ``metadata["rollout_id"]``, else ``user``, else
+    ``"default"``; one its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine;
+    a ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL), else a FrontError
+    naming where it came from."""
+    sources = [(ROLLOUT_HEADER, request.headers.get(ROLLOUT_HEADER)), ("metadata.rollout_id", (req.metadata or {}).get("rollout_id"))]
+    field, rollout = next(((f, r) for f, r in [*sources, ("user", req.user)] if r), (None, DEFAULT_ROLLOUT))
     if len(rollout) > MAX_ROLLOUT_ID_CHARS:
-        raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", ROLLOUT_HEADER)
+        raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", field)
     if any(part in (".", "..") for part in rollout.split("/")):
-        raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", ROLLOUT_HEADER)
+        raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", field)
+    return rollout
 
 
 def _topk(k: int) -> dict[str, Any]:
@@ -240,8 +245,7 @@ class OpenAIFront:
                 req = model.model_validate(body)
             except ValidationError as err:
                 raise validation_error(err) from None
-            rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
-            _check_rollout_id(rollout)
+            rollout = _rollout_id(request, req)
             return await handler(req, rollout, request)
         except FrontError as err:
             self.counts["errors"] += 1
