@@ -325,6 +325,18 @@ async def test_broken_bodies_get_400(sampler):
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "batch" in r.json()["error"]["message"], r.text
 
 
+async def test_a_prompt_that_fills_the_context_is_named_as_the_caller_sent_it(sampler):
+    """A completion prompt that fills the context was refused naming 'messages', a parameter completions lack."""
+    front = OpenAIFront(sampler, context_window=32)
+    async with front.openai_client() as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="policy", prompt="x" * 40, max_tokens=2)
+        assert info.value.param == "prompt" and "context" in info.value.message
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * 40}], max_tokens=2)
+        assert info.value.param == "messages"
+
+
 async def test_the_official_client_raises_typed_errors(sampler):
     front = OpenAIFront(sampler)
     async with front.openai_client() as client:

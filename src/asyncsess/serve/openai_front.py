@@ -295,7 +295,8 @@ class OpenAIFront:
         if self.context_window is not None:
             room = self.context_window - prompt_len
             if room < 1:
-                raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", "messages")
+                field = "messages" if isinstance(req, ChatRequest) else "prompt"
+                raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", field)
             budget = min(budget, room)
         temperature = binding.temperature if binding.temperature is not None else req.temperature
         if temperature is not None and temperature < _GREEDY_BELOW:
