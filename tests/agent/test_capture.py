@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from asyncsess import ServiceClient
@@ -30,12 +31,14 @@ async def tool_agent(client, echo_back=lambda message: message) -> str:
     for _ in range(3):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], seed=0)
         message = reply.choices[0].message
-        messages.append(echo_back(message))
+        sent = echo_back(message)
+        messages.append(sent)
         if not message.tool_calls:
             return message.content
-        for call in message.tool_calls:
+        ids = [c["id"] for c in sent["tool_calls"]] if isinstance(sent, dict) else [c.id for c in message.tool_calls]
+        for call, call_id in zip(message.tool_calls, ids):  # answered by the ids the echoed message gives them
             result = str(eval(json.loads(call.function.arguments)["expr"]))  # the test's own calculator
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return ""
 
 
@@ -179,3 +182,95 @@ async def test_a_tool_call_that_is_not_json_is_returned_as_text(real):
         reply = await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == written
+
+
+async def test_parallel_tool_results_reach_the_model_in_the_order_of_its_calls(real):
+    """An agent that appends tool results as they complete answers parallel calls out of order. The template shows
+    results without their tool_call_id, so they were rendered in the order sent: the model read 6 as the answer to
+    1+1. They now follow the calls' order; a result for no call, a second one for a call, or a call left unanswered
+    is a 400 naming the message (as OpenAI's API answers) that takes no call index."""
+    calls = ['<tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call>']
+    calls.append('<tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call>')
+    front = OpenAIFront(ScriptedSampler(real, ["\n".join(calls), "2 and 6."]))
+    async with front.openai_client("p") as client:
+        reply = await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)
+        message = reply.choices[0].message
+        first, second = message.tool_calls
+        answers = [
+            {"role": "tool", "tool_call_id": c.id, "content": str(eval(json.loads(c.function.arguments)["expr"]))} for c in (second, first)
+        ]
+        bad = [
+            ([answers[0]], "messages.1.tool_calls.0.id"),  # the first call has no answer
+            ([answers[0], {**answers[1], "tool_call_id": "call_other"}], "messages.3.tool_call_id"),
+            ([answers[0], answers[0]], "messages.3.tool_call_id"),
+            (
+                [*answers, {"role": "user", "content": "and?"}, {"role": "tool", "tool_call_id": first.id, "content": "2"}],
+                "messages.5.role",
+            ),
+        ]
+        for tail, param in bad:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="policy", messages=[*TASK, message, *tail], tools=[CALC], seed=0)
+            assert info.value.body["param"] == param, info.value.body
+        final = await client.chat.completions.create(model="policy", messages=[*TASK, message, *answers], tools=[CALC], seed=0)
+    assert final.choices[0].message.content == "2 and 6."
+    one, two = front.captures.calls("p")
+    assert two.call_index == 1  # the refused calls took no index
+    rendered = real.get_tokenizer().decode(two.prompt_tokens[len(one.prompt_tokens) + len(one.choices[0].tokens) :])
+    assert rendered.index("<tool_response>\n2\n") < rendered.index("<tool_response>\n6\n"), rendered
+
+
+async def test_the_stream_helpers_message_can_be_sent_back(real):
+    """``client.chat.completions.stream(...)`` gives a ParsedChatCompletionMessage whose tool calls carry ``index``
+    and ``function.parsed_arguments`` and which carries ``parsed``; sent back as it is (or dumped), each was a 400
+    'unsupported parameter'. They are accepted (the empty values the client fills in) and the rollout extends."""
+    front = OpenAIFront(ScriptedSampler(real, [CALL, "It is 5.", "It is 5.", "It is 5."]))
+    async with front.openai_client("h") as client:
+        async with client.chat.completions.stream(model="policy", messages=TASK, tools=[CALC], seed=0) as stream:
+            message = (await stream.get_final_completion()).choices[0].message
+        [call] = message.tool_calls
+        answer = {"role": "tool", "tool_call_id": call.id, "content": "5"}
+        for sent in (message, message.model_dump(), message.model_dump(exclude_none=True)):
+            reply = await client.chat.completions.create(model="policy", messages=[*TASK, sent, answer], tools=[CALC], seed=0)
+            assert reply.choices[0].message.content == "It is 5."
+    first, *later = front.captures.calls("h")
+    for call_ in later:
+        assert build_trajectory("h", [first, call_], 1.0).drift == []
+
+
+async def test_a_streamed_tool_call_reply_adds_up_to_the_plain_one(real):
+    """A reply that is only tool calls has content null; streamed, its deltas carried content "", so the stream
+    helper's message had content "" where the plain reply's had None."""
+    front = OpenAIFront(ScriptedSampler(real, [CALL, CALL, "Let me see. " + CALL, "Let me see. " + CALL]))
+    async with front.openai_client("s") as client:
+        for _ in range(2):
+            plain = (await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC], seed=0)).choices[0]
+            async with client.chat.completions.stream(model="policy", messages=TASK, tools=[CALC], seed=0) as stream:
+                streamed = (await stream.get_final_completion()).choices[0]
+            assert streamed.message.content == plain.message.content and streamed.finish_reason == plain.finish_reason == "tool_calls"
+            assert [c.function.model_dump(exclude={"parsed_arguments"}) for c in streamed.message.tool_calls] == [
+                c.function.model_dump() for c in plain.message.tool_calls
+            ]
+    assert [c.choices[0].tool_calls[0]["function"]["name"] for c in front.captures.calls("s")] == ["calc"] * 4
+
+
+def _nested_tool(depth: int) -> dict:
+    value: object = "v"
+    for _ in range(depth):
+        value = [value]
+    return {"type": "function", "function": {"name": "f", "parameters": {"enum": value}}}
+
+
+async def test_a_tool_schema_nested_too_deeply_is_refused_before_it_is_captured(real):
+    """A tool schema nested 300 levels deep was served and captured, and then every GET and DELETE of the rollout
+    was a 500 (pydantic's 'Maximum serialization depth exceeded'; DELETE had dropped the captures first). A body
+    nested past 64 levels is now a 400 naming where; one within it is captured and read back."""
+    front = OpenAIFront(real)
+    async with front.openai_client("deep") as client:
+        await client.chat.completions.create(model="policy", messages=TASK, tools=[_nested_tool(20)], max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="policy", messages=TASK, tools=[_nested_tool(300)], max_tokens=2)
+        assert info.value.body["param"].startswith("tools.0.function.parameters.enum.0.0") and "64 levels" in info.value.message
+        for method in ("GET", "DELETE"):
+            got = await client._client.request(method, "http://asyncsess-front/v1/asyncsess/rollouts/deep")
+            assert got.status_code == 200 and [c["call_index"] for c in got.json()["calls"]] == [0], got.text

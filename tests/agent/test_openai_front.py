@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from asyncsess import SamplingParams, ServiceClient
+from asyncsess.errors import RateLimitError, RetriesExhaustedError
 from asyncsess.serve.capture import CapturedCall
 from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess.serve.openai_wire import content_pieces
@@ -135,6 +136,37 @@ async def test_models_and_stats_routes(sampler):
     assert stats["requests"] == 1 and stats["completed"] >= 1 and stats["max_in_flight"] == 8 and stats["queued"] == 0
 
 
+async def test_models_retrieve_and_routes_the_front_does_not_serve(sampler):
+    """``client.models.retrieve`` was a 404, and every path or method the front does not serve (the Responses API,
+    say) answered FastAPI's {"detail": ...}, which the openai client reads without a message, param or code."""
+    front = OpenAIFront(sampler, model_name="agent-policy")
+    async with front.openai_client() as client:
+        for name in ("agent-policy", "mock/bigram-tiny"):
+            assert (await client.models.retrieve(name)).model_dump() == {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "asyncsess",
+                "shutdown_date": None,
+            }
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-4o")
+        assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.responses.create(model="agent-policy", input="hi")
+        assert info.value.body["code"] == "not_found" and "/v1/chat/completions" in info.value.message
+        r = await client._client.get("http://asyncsess-front/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["param"] == "method", r.text
+
+
+def _tool_call(name: str = "f", call_id: str = "c1") -> dict:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}],
+    }
+
+
 BAD = [
     ({"model": "gpt-4o"}, 404, "model"),
     ({"n": "two"}, 400, "n"),
@@ -193,6 +225,12 @@ BAD = [
     ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "nul \x00 no"}]}, 400, "messages.0.content"),  # NUL is refused, as by the worker
     ({"user": "\ud800"}, 400, "user"),
+    # NUL is refused wherever text reaches the template, as in content (names, descriptions and ids went through)
+    ({"tools": [{"type": "function", "function": {"name": "ca\x00lc"}}]}, 400, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "a\x00"}}]}, 400, "tools.0.function.description"),
+    ({"messages": [*HI, _tool_call(call_id="c\x00")]}, 400, "messages.1.tool_calls.0.id"),
+    ({"messages": [*HI, _tool_call(name="f\x00")]}, 400, "messages.1.tool_calls.0.function.name"),
+    ({"messages": [*HI, _tool_call(), {"role": "tool", "tool_call_id": "c1\x00", "content": "5"}]}, 400, "messages.2.tool_call_id"),
     ({"\udfff": 1}, 400, "\\udfff"),  # a parameter name that is not valid Unicode, named with an escape
     ({'qu]"x': 2**31}, 400, 'qu]"x'),  # an unknown name with a bracket (was param null: taken for a union branch)
     ({"list[int]": 1}, 400, "list[int]"),
@@ -216,14 +254,6 @@ async def test_bad_requests_get_4xx_naming_the_parameter_and_the_server_keeps_se
             assert err["param"] == param and param.split(".")[-1] in err["message"]
         ok = await http.post("/v1/chat/completions", json={"model": "policy", "messages": HI, "max_tokens": 4})
         assert ok.status_code == 200
-
-
-def _tool_call(name: str = "f", call_id: str = "c1") -> dict:
-    return {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}],
-    }
 
 
 SURROGATES = [  # a lone surrogate in a string the schema does not check itself (they were captured, then every read was a 500)
@@ -293,6 +323,18 @@ async def test_broken_bodies_get_400(sampler):
         for batch in (["a", "b"], [[1, 2], [3]]):  # OpenAI's batched prompts: was "'prompt.0': Input should be a valid integer"
             r = await http.post("/v1/completions", json={"model": "policy", "prompt": batch})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "batch" in r.json()["error"]["message"], r.text
+
+
+async def test_a_prompt_that_fills_the_context_is_named_as_the_caller_sent_it(sampler):
+    """A completion prompt that fills the context was refused naming 'messages', a parameter completions lack."""
+    front = OpenAIFront(sampler, context_window=32)
+    async with front.openai_client() as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="policy", prompt="x" * 40, max_tokens=2)
+        assert info.value.param == "prompt" and "context" in info.value.message
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * 40}], max_tokens=2)
+        assert info.value.param == "messages"
 
 
 async def test_the_official_client_raises_typed_errors(sampler):
@@ -410,3 +452,79 @@ def test_streamed_pieces_add_up_to_the_content_at_a_cost_linear_in_the_reply(ski
     pieces = content_pieces(tok, list(reply), reply.decode("utf-8", "replace"))
     assert "".join(pieces) == reply.decode("utf-8", "replace") and tok.decoded <= 12 * len(reply)
     assert pieces[:6] == ["h", "", "é", "l", "l", "o"]  # a character appears once its last byte arrived
+
+
+class _Slow:
+    """A sampler whose samples take ``delay`` seconds (everything else is the real sampler's)."""
+
+    def __init__(self, real, delay: float) -> None:
+        self.real, self.delay, self.calls = real, delay, 0
+        self.sampler_id, self.base_model = real.sampler_id, real.base_model
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def sample(self, *args, **kwargs):
+        self.calls += 1
+
+        async def slow():
+            await anyio.sleep(self.delay)
+            return await self.real.sample(*args, **kwargs)
+
+        return slow()
+
+
+async def test_the_clients_timeout_holds_in_process_and_its_retries_leave_no_capture(sampler):
+    """httpx's ASGI transport keeps no timeout: an in-process client's ``timeout`` was ignored and a slow call
+    (or a hung backend) blocked the agent until it answered. The call is now cancelled at the read timeout, the
+    client retries it as over a socket and then raises APITimeoutError; the cancelled calls capture nothing and
+    take no call index."""
+    slow = _Slow(sampler, delay=20.0)
+    front = OpenAIFront(slow)
+    async with front.openai_client("t", timeout=0.05, max_retries=2) as client:
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert slow.calls == 3 and front.captures.calls("t") == []
+    slow.delay = 0.0
+    async with front.openai_client("t") as client:
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert [c.call_index for c in front.captures.calls("t")] == [0]
+
+
+class _Throttled(_Slow):
+    """Samples after ``failures`` throttled attempts, each as the sampling client gives up on it."""
+
+    def __init__(self, real, failures: int, retry_after: float) -> None:
+        super().__init__(real, 0.0)
+        self.failures, self.retry_after = failures, retry_after
+
+    def sample(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > self.failures:
+            return self.real.sample(*args, **kwargs)
+
+        async def throttled():
+            try:
+                raise RateLimitError("slow down", retry_after=self.retry_after)
+            except RateLimitError as err:
+                raise RetriesExhaustedError("gave up", attempts=3) from err
+
+        return throttled()
+
+
+async def test_a_throttled_sampler_is_a_429_with_the_backends_retry_hint_and_the_client_waits_it_out(sampler):
+    """A throttled backend was a 503 without the hint of when to retry: the openai client retried at once (0.5 s,
+    1 s) into the throttle, then raised InternalServerError. It is now a 429 carrying retry-after-ms / Retry-After,
+    which the client's retry logic reads; a retry that then succeeds is captured once, as call 0."""
+    throttled = _Throttled(sampler, failures=1, retry_after=0.25)
+    front = OpenAIFront(throttled)
+    async with front.openai_client("t") as client:
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert info.value.response.headers["retry-after-ms"] == "250" and info.value.response.headers["retry-after"] == "1"
+    assert info.value.body["code"] == "rate_limit_exceeded"
+    throttled.calls = 0
+    async with front.openai_client("t", max_retries=1) as client:
+        reply = await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    assert throttled.calls == 2 and [c.call_index for c in front.captures.calls("t")] == [0]
+    assert front.captures.calls("t")[0].choices[0].tokens and reply.choices[0].message.content is not None

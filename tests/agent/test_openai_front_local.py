@@ -15,6 +15,8 @@ from asyncsess.chat import chat_tokens
 from asyncsess.rl.capture import build_trajectory
 from asyncsess.serve.openai_front import OpenAIFront
 
+from .helpers import ScriptedSampler
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = [pytest.mark.local, pytest.mark.anyio]
 TOLERANCE = 1e-4
@@ -90,3 +92,36 @@ async def test_http_backend_captures_match_compute_logprobs(tmp_path):
             assert trained == [t for c in calls for t in c.choices[0].tokens]
     finally:
         worker.stop()
+
+
+async def test_logprob_bytes_join_into_the_reply_where_tokens_split_characters(sampler):
+    """OpenAI's ``bytes`` exist to put back together characters split over tokens. A byte-level BPE token that
+    holds part of a character decodes alone to U+FFFD, and its ``bytes`` were those of U+FFFD (EF BF BD): joined,
+    the bytes of '日本 🙂' were replacement characters. They are now the token's own bytes, plain and streamed."""
+    reply = "日本 🙂 ok"
+    front = OpenAIFront(ScriptedSampler(sampler, [reply, reply]))
+    async with front.openai_client("b") as client:
+        plain = await client.chat.completions.create(model="policy", messages=HI, logprobs=True)
+        chunks = [c async for c in await client.chat.completions.create(model="policy", messages=HI, logprobs=True, stream=True)]
+    entries = plain.choices[0].logprobs.content
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert plain.choices[0].message.content == reply and any(e.token == "\ufffd" for e in entries)  # characters are split
+    for got in (entries, streamed):
+        joined = bytes(b for e in got for b in e.bytes)
+        assert joined.decode() == reply + "<|end|>"  # the turn's end token is scored too
+
+
+async def test_completion_text_offsets_are_where_each_token_starts_in_the_text(sampler):
+    """Legacy ``text_offset`` counted one character per token piece, and a token holding part of a character is
+    one U+FFFD: past '日' every offset was off. A streamed chunk's offset was always 0."""
+    reply = "日本 🙂 ok"
+    front = OpenAIFront(ScriptedSampler(sampler, [reply, reply]))
+    async with front.openai_client("o") as client:
+        plain = await client.completions.create(model="policy", prompt="x", logprobs=0)
+        chunks = [c async for c in await client.completions.create(model="policy", prompt="x", logprobs=0, stream=True)]
+    tokens = front.captures.calls("o")[0].choices[0].tokens
+    tok = sampler.get_tokenizer()
+    expected = [len(tok.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(tokens))]
+    assert plain.choices[0].text == reply and expected[3] == 1  # the three tokens of '日' start at 0, '本' at 1
+    assert plain.choices[0].logprobs.text_offset == expected
+    assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == expected

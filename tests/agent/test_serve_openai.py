@@ -283,21 +283,46 @@ async def test_a_rollout_id_with_slashes_is_read_back_and_dot_segments_are_refus
         assert len(taken.json()["calls"]) == 1 and (await http.get(f"/v1/asyncsess/rollouts/{rollout}", headers=h)).json()["calls"] == []
     for rollout in (".", "..", "a/../b", "a/./b", "x/.."):  # a URL cannot carry these: refused before sampling
         resp = await http.post("/v1/chat/completions", json={**body, "user": rollout}, headers=h)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "user", resp.text  # where it came from
+        resp = await http.post("/v1/chat/completions", json={**body, "metadata": {"rollout_id": rollout}}, headers=h)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "metadata.rollout_id", resp.text
+        resp = await http.post("/v1/chat/completions", json=body, headers={**h, "X-Rollout-Id": rollout})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-rollout-id", resp.text
 
 
 async def test_an_unknown_route_or_method_is_refused_in_each_doors_shape(server) -> None:
-    """FastAPI's bare {"detail": "Not Found"} was the answer on both doors (the official client's models.retrieve hits
+    """FastAPI's bare {"detail": "Not Found"} was the answer on both doors (the official client's responses.create hits
     a route serve does not have)."""
     _, http = server
     with pytest.raises(openai.NotFoundError) as err:
-        await _openai(http, KEY_A).models.retrieve(BASE)
+        await _openai(http, KEY_A).responses.create(model=BASE, input="hi")
     assert err.value.body["param"] == "path" and err.value.body["code"] == "not_found"
     resp = await http.get("/v1/chat/completions", headers={"X-API-Key": KEY_A})
     error = resp.json()["error"]
     assert resp.status_code == 405 and set(error) == {"message", "type", "param", "code"} and error["param"] == "method", resp.text
     resp = await http.get("/api/v1/no_such_route", headers={"X-API-Key": KEY_A})
     assert resp.status_code == 404 and resp.json()["field"] == "path" and resp.json()["fix"], resp.text
+
+
+async def test_models_retrieve_answers_what_models_list_lists_for_the_key(server) -> None:
+    """``client.models.retrieve`` was a 404 'path not found' for every model (serve had no /v1/models/{id} route)."""
+    _, http = server
+    a = {"X-API-Key": KEY_A}
+    sid = await _sampling_session(http, KEY_A)
+    _, path = await _sampler_saved_as_pub(http, a)
+    mine = _openai(http, KEY_A)
+    listed = [m.id for m in (await mine.models.list()).data]
+    assert {BASE, sid, path} <= set(listed)
+    for name in listed:
+        assert (await mine.models.retrieve(name)).model_dump() == next(
+            m for m in (await mine.models.list()).data if m.id == name
+        ).model_dump()
+    for client, name in ((_openai(http, KEY_B), sid), (_openai(http, KEY_B), path), (mine, "nope/x")):
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.models.retrieve(name)
+        assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        await _openai(http, "wrong").models.retrieve(BASE)
 
 
 async def test_a_finished_sessions_sampler_is_gone_not_a_5xx(server) -> None:

@@ -30,7 +30,7 @@ from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront
-from .openai_wire import ChatRequest, CompletionRequest, FrontError, parse_body
+from .openai_wire import ChatRequest, CompletionRequest, FrontError, model_card, model_not_found, parse_body
 from .tinker_api import TinkerDoor, api_key_of, caller
 
 __all__ = ["OpenAIDoor", "FrontSource", "openai_router"]
@@ -81,7 +81,6 @@ class OpenAIDoor:
 
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
-        missing = FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
         token = caller.set(key)  # the Tinker door's ownership rules, for this key
         try:
             s = self.door.samplers.get(model)
@@ -104,7 +103,7 @@ class OpenAIDoor:
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
-            raise missing
+            raise model_not_found(model)
         front = self._fronts.get((key, model))
         if front is None:
             assert self._svc is not None, "OpenAIDoor.running() is not active"
@@ -190,8 +189,18 @@ def openai_router(
             key = key_of(request)
         except FrontError as err:
             return err.response()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "asyncsess"} for m in await oai.models(key)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(m) for m in await oai.models(key)]})
+
+    @r.get("/models/{model:path}")
+    async def model(model: str, request: Request) -> Response:
+        """One model of GET /v1/models (``client.models.retrieve``); any other is a 404 ``model_not_found``."""
+        try:
+            key = key_of(request)
+            if model not in await oai.models(key):
+                raise model_not_found(model)
+        except FrontError as err:
+            return err.response()
+        return JSONResponse(model_card(model))
 
     async def rollout_calls(rollout_id: str, request: Request, take: bool) -> Response:
         try:

@@ -19,6 +19,7 @@ the front does not implement is refused by name, never ignored.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -26,14 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import anyio
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import ChatRenderer, Tool, parse_tool_calls
 from ..client import SamplingClient
-from ..errors import AsyncSessError, InvalidInputError
+from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
 from .capture import CapturedCall, CapturedChoice, CaptureStore
 from .openai_wire import (
@@ -41,12 +44,16 @@ from .openai_wire import (
     Choice,
     CompletionRequest,
     FrontError,
+    Message,
     SamplingRequest,
     chat_chunks,
     chat_message,
     completion_chunks,
     legacy_logprobs,
     lp_entry,
+    model_card,
+    model_not_found,
+    no_route,
     parse_body,
     usage,
     validation_error,
@@ -62,13 +69,18 @@ _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 
 
-def _check_rollout_id(rollout: str) -> None:
-    """A rollout id its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine; a
-    ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL)."""
+def _rollout_id(request: Request, req: SamplingRequest) -> str:
+    """The call's rollout id: header ``X-Rollout-Id``, else ``metadata["rollout_id"]``, else ``user``, else
+    ``"default"``; one its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine;
+    a ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL), else a FrontError
+    naming where it came from."""
+    sources = [(ROLLOUT_HEADER, request.headers.get(ROLLOUT_HEADER)), ("metadata.rollout_id", (req.metadata or {}).get("rollout_id"))]
+    field, rollout = next(((f, r) for f, r in [*sources, ("user", req.user)] if r), (None, DEFAULT_ROLLOUT))
     if len(rollout) > MAX_ROLLOUT_ID_CHARS:
-        raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", ROLLOUT_HEADER)
+        raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", field)
     if any(part in (".", "..") for part in rollout.split("/")):
-        raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", ROLLOUT_HEADER)
+        raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", field)
+    return rollout
 
 
 def _topk(k: int) -> dict[str, Any]:
@@ -163,19 +175,25 @@ class OpenAIFront:
         r.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
         r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
         r.add_api_route("/v1/models", self._models_route, methods=["GET"])
+        r.add_api_route("/v1/models/{model:path}", self._model_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/stats", self._stats_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/rollouts/{rollout_id:path}", self._rollout_route, methods=["GET", "DELETE"])
         return r
 
     def app(self) -> FastAPI:
-        """A standalone ASGI app with the routes."""
+        """A standalone ASGI app with the routes; other paths and methods are refused in OpenAI's error shape."""
         app = FastAPI(title="asyncsess OpenAI front")
         app.include_router(self.router())
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _no_route(request: Request, err: StarletteHTTPException) -> JSONResponse:
+            return no_route(request, err.status_code, str(err.detail))
+
         return app
 
     def transport(self) -> httpx.ASGITransport:
-        """An httpx transport that calls the app in-process (no socket)."""
-        return httpx.ASGITransport(app=self.app())
+        """An httpx transport that calls the app in-process (no socket), within the client's read timeout."""
+        return _TimedTransport(app=self.app())
 
     def openai_client(self, rollout_id: str | None = None, **kwargs: Any) -> Any:
         """An ``openai.AsyncOpenAI`` talking to this front in-process; its calls are captured under ``rollout_id``."""
@@ -192,10 +210,16 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ routes
 
+    def _model_names(self) -> list[str]:
+        return sorted({self.model_name} | {b.sampler.base_model for b in self._all_bindings()})
+
     async def _models_route(self) -> JSONResponse:
-        names = {self.model_name} | {b.sampler.base_model for b in self._all_bindings()}
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "asyncsess"} for n in sorted(names)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in self._model_names()]})
+
+    async def _model_route(self, model: str) -> JSONResponse:
+        if model not in self._model_names():
+            return model_not_found(model).response()
+        return JSONResponse(model_card(model))
 
     async def _rollout_route(self, rollout_id: str, request: Request) -> JSONResponse:
         """The captured calls of a rollout (for a trainer in another process); ``DELETE`` also forgets them."""
@@ -221,18 +245,19 @@ class OpenAIFront:
                 req = model.model_validate(body)
             except ValidationError as err:
                 raise validation_error(err) from None
-            rollout = request.headers.get(ROLLOUT_HEADER) or (req.metadata or {}).get("rollout_id") or req.user or DEFAULT_ROLLOUT
-            _check_rollout_id(rollout)
-            return await handler(req, rollout)
+            rollout = _rollout_id(request, req)
+            return await handler(req, rollout, request)
         except FrontError as err:
             self.counts["errors"] += 1
             return err.response()
+        except _ClientGone:  # no one reads the answer
+            return Response(status_code=499)
         except InvalidInputError as err:
             self.counts["errors"] += 1
             return FrontError(str(err), err.field).response()
         except AsyncSessError as err:  # the backend failed, not the request
             self.counts["errors"] += 1
-            return FrontError(f"the sampler failed: {err}", None, status=503, code="sampler_unavailable").response()
+            return _unavailable(err).response()
 
     # ------------------------------------------------------------------ shared steps
 
@@ -270,7 +295,8 @@ class OpenAIFront:
         if self.context_window is not None:
             room = self.context_window - prompt_len
             if room < 1:
-                raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", "messages")
+                field = "messages" if isinstance(req, ChatRequest) else "prompt"
+                raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", field)
             budget = min(budget, room)
         temperature = binding.temperature if binding.temperature is not None else req.temperature
         if temperature is not None and temperature < _GREEDY_BELOW:
@@ -284,13 +310,22 @@ class OpenAIFront:
         )
 
     async def _sample(
-        self, rollout: str, binding: _Binding, prompt: list[int], req: SamplingRequest, params: SamplingParams, topk: dict[str, Any]
+        self,
+        request: Request,
+        rollout: str,
+        binding: _Binding,
+        prompt: list[int],
+        req: SamplingRequest,
+        params: SamplingParams,
+        topk: dict[str, Any],
     ) -> tuple[int, list[SampledSequence]]:
         """The call's index in its rollout and its samples.
 
         The index (and the rollout seed of a call that sets none) is taken once the client has checked the
         request, and given back if the call fails to sample (the backend refuses it, say) while no later call of
-        the rollout has taken one: a refused call shifts neither the indices nor the seeds of the calls after it."""
+        the rollout has taken one: a refused call shifts neither the indices nor the seeds of the calls after it.
+        So is a call whose client hung up while it sampled (it timed out, and may be retrying): the agent never
+        saw those samples, so they are not captured."""
         sampler = binding.sampler
         seeded = params.seed is None and binding.seed is not None
         if seeded:
@@ -302,6 +337,8 @@ class OpenAIFront:
         binding.seeded_calls += int(seeded)
         try:
             seqs = await self._sampled(binding, prompt, req, params, topk, pending)
+            if await request.is_disconnected():
+                raise _ClientGone
         except BaseException:
             if self.captures.release(rollout, index):
                 binding.seeded_calls -= int(seeded)
@@ -360,7 +397,7 @@ class OpenAIFront:
 
     def _chat_messages(self, req: ChatRequest) -> list[dict[str, str]]:
         out = []
-        for m in req.messages:
+        for m in _answers_in_call_order(req.messages):
             if m.role == "assistant" and m.tool_calls:
                 raw = [self._replies.get(c.id) for c in m.tool_calls]
                 if raw[0] is not None and all(r == raw[0] for r in raw):
@@ -375,7 +412,7 @@ class OpenAIFront:
                 out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
         return out
 
-    async def _chat(self, req: ChatRequest, rollout: str) -> Response:
+    async def _chat(self, req: ChatRequest, rollout: str, request: Request) -> Response:
         binding = self._binding(rollout, req.model)
         if req.parallel_tool_calls is False:
             raise FrontError(
@@ -397,15 +434,16 @@ class OpenAIFront:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
+        messages = self._chat_messages(req)
         try:
-            prompt = renderer.tokens(self._chat_messages(req), tools)
+            prompt = renderer.tokens(messages, tools)
         except InvalidInputError:
             raise
         except Exception as err:  # the template rejected the conversation
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
-        index, seqs = await self._sample(rollout, binding, prompt, req, params, topk)
+        index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
         parse_tools = bool(tools) and req.tool_choice != "none"
         choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
         self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
@@ -464,7 +502,7 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ completions
 
-    async def _completion(self, req: CompletionRequest, rollout: str) -> Response:
+    async def _completion(self, req: CompletionRequest, rollout: str, request: Request) -> Response:
         binding = self._binding(rollout, req.model)
         topk = _topk(req.logprobs or 0)
         tok = binding.sampler.get_tokenizer()
@@ -477,7 +515,7 @@ class OpenAIFront:
             raise FrontError(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         params = self._params(req, binding, len(prompt), req.max_tokens or 16, list(stops))
-        index, seqs = await self._sample(rollout, binding, prompt, req, params, topk)
+        index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
         eos = getattr(tok, "eos_token_id", None)
         choices = []
         for i, s in enumerate(seqs):
@@ -507,6 +545,74 @@ class OpenAIFront:
             "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
+
+
+class _ClientGone(Exception):
+    """The client hung up before its call was answered."""
+
+
+def _unavailable(err: AsyncSessError) -> FrontError:
+    """A backend failure as the openai client's retry logic reads it: a throttled backend is a 429, any other
+    failure a 503 (both retried), with the backend's hint of when to retry as ``retry-after-ms`` / ``Retry-After``."""
+    cause = err.__cause__ if isinstance(err, RetriesExhaustedError) and err.__cause__ is not None else err
+    hint = getattr(cause, "retry_after", None)
+    headers = {"retry-after-ms": str(round(hint * 1000)), "Retry-After": str(math.ceil(hint))} if hint and hint > 0 else None
+    if isinstance(cause, RateLimitError):
+        return FrontError(f"the sampler is throttled: {err}", None, status=429, code="rate_limit_exceeded", headers=headers)
+    return FrontError(f"the sampler failed: {err}", None, status=503, code="sampler_unavailable", headers=headers)
+
+
+class _TimedTransport(httpx.ASGITransport):
+    """httpx's ASGI transport keeps no timeout (it has no socket to time): a call that outlasts the client's read
+    timeout is cancelled here and raises ``httpx.ReadTimeout``, which the openai client retries or raises as
+    ``APITimeoutError``, as it would over a socket."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeout = (request.extensions.get("timeout") or {}).get("read")
+        if timeout is None:
+            return await super().handle_async_request(request)
+        with anyio.move_on_after(timeout):
+            return await super().handle_async_request(request)
+        raise httpx.ReadTimeout(f"no response within the read timeout ({timeout} s)", request=request)
+
+
+def _answers_in_call_order(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` with the tool messages that answer an assistant message's tool calls put in the order of its calls.
+
+    A template shows tool results without their ``tool_call_id``, so their order is all that tells the model which
+    result belongs to which call; an agent that appends results as they complete sends them in any order. As
+    OpenAI's API does, a FrontError refuses a tool message that answers no call of the assistant message before it
+    (or one already answered) and a call left without an answer."""
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        m, at = messages[i], i
+        i += 1
+        if m.role == "tool":
+            raise FrontError(
+                "a tool message must follow an assistant message with tool_calls (or the other tool messages answering it)",
+                f"messages.{at}.role",
+            )
+        out.append(m)
+        calls = [c.id for c in m.tool_calls or []] if m.role == "assistant" else []
+        if len(set(calls)) != len(calls):
+            raise FrontError("the tool calls of an assistant message must have distinct ids", f"messages.{at}.tool_calls")
+        answers: dict[str, Message] = {}
+        while calls and i < len(messages) and messages[i].role == "tool":
+            call_id = messages[i].tool_call_id
+            if call_id not in calls or call_id in answers:
+                what = "answers a tool call already answered" if call_id in answers else f"answers no tool call of messages.{at}"
+                raise FrontError(f"tool_call_id {call_id!r} {what}: answer each call once, by its id", f"messages.{i}.tool_call_id")
+            answers[call_id] = messages[i]
+            i += 1
+        missing = next((j for j, c in enumerate(calls) if c not in answers), None)
+        if missing is not None:
+            raise FrontError(
+                f"tool call {calls[missing]!r} has no answer: follow the assistant message with one tool message per call",
+                f"messages.{at}.tool_calls.{missing}.id",
+            )
+        out += [answers[c] for c in calls]
+    return out
 
 
 async def _no_run(arguments: Any) -> tuple[str, dict[str, float]]:

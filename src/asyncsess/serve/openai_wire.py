@@ -3,7 +3,9 @@ encoding of replies, log-probs and server-sent-event streams. Pure data: no samp
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -26,6 +28,9 @@ from ..types import MAX_STOP_CHARS
 
 __all__ = [
     "FrontError",
+    "model_card",
+    "model_not_found",
+    "no_route",
     "Message",
     "SamplingRequest",
     "ChatRequest",
@@ -35,6 +40,7 @@ __all__ = [
     "usage",
     "chat_message",
     "lp_entry",
+    "token_bytes",
     "legacy_logprobs",
     "chat_chunks",
     "content_pieces",
@@ -47,33 +53,56 @@ Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a
 class FrontError(Exception):
     """A request the front refuses: HTTP ``status`` and an OpenAI error body naming ``param``."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400, code: str = "invalid_request") -> None:
+    def __init__(
+        self, message: str, param: str | None, status: int = 400, code: str = "invalid_request", headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
     def response(self) -> JSONResponse:
         param = None if self.param is None else _printable(self.param)
         body = {"error": {"message": _printable(self.message), "type": "invalid_request_error", "param": param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def model_card(name: str) -> dict[str, Any]:
+    """A model as ``GET /v1/models`` lists it (OpenAI's Model object)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "asyncsess"}
+
+
+def model_not_found(model: str) -> FrontError:
+    return FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
+
+
+def no_route(request: Any, status: int, detail: str) -> JSONResponse:
+    """A path (404) or method (405) no OpenAI route serves, in OpenAI's error shape (the Responses API's, say)."""
+    field, code = ("method", "method_not_allowed") if status == 405 else ("path", "not_found")
+    routes = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+    return FrontError(f"{request.method} {request.url.path[:200]}: {detail}; this server serves {routes}", field, status, code).response()
 
 
 def parse_body(raw: bytes) -> Any:
     """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
 
     A lone surrogate (a ``\\ud800`` escape) anywhere in it, a key or a value, is a 400 naming where: such text
-    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture."""
+    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a value nested
+    more than ``MAX_DEPTH`` levels deep (a tool schema, say): a capture of it could not be read back."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
     except RecursionError:
         raise FrontError("the body nests too deeply", None, code="invalid_json") from None
-    _refuse_surrogates(body)
+    _check_body(body)
     return body
 
 
-def _refuse_surrogates(body: Any) -> None:
-    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate."""
+MAX_DEPTH = 64  # levels of objects and arrays in a body; a capture (pydantic) serializes a couple of hundred at most
+
+
+def _check_body(body: Any) -> None:
+    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate, or the first
+    value nested past ``MAX_DEPTH``."""
     if isinstance(body, str) and not _encodable(body):
         raise FrontError("the body is a string with a lone surrogate; send a JSON object", None, code="invalid_json")
     todo: list[tuple[list[str], Any]] = [([], body)]
@@ -93,6 +122,9 @@ def _refuse_surrogates(body: Any) -> None:
                     f"invalid value for '{param}': it holds a lone surrogate; send valid Unicode text", param, code="invalid_value"
                 )
             if isinstance(item, (dict, list)):
+                if len(path) >= MAX_DEPTH:
+                    param = ".".join([*path[:8], "..."])
+                    raise FrontError(f"'{param}' nests more than {MAX_DEPTH} levels deep; flatten it", param, code="invalid_value")
                 todo.append(([*path, name], item))
 
 
@@ -131,8 +163,8 @@ class _Req(BaseModel):
 
 
 class _Function(_Req):
-    name: str = Field(min_length=1)
-    description: str = ""
+    name: Text = Field(min_length=1)
+    description: Text = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
     strict: StrictBool | None = None
 
@@ -143,14 +175,16 @@ class _ToolDef(_Req):
 
 
 class _CallFunction(_Req):
-    name: str
-    arguments: str
+    name: Text
+    arguments: Text
+    parsed_arguments: None = None  # what the openai client's stream helper adds (for strict tools only)
 
 
 class _ToolCall(_Req):
-    id: str
+    id: Text
     type: Literal["function"] = "function"
     function: _CallFunction
+    index: StrictInt | None = Field(default=None, ge=0)  # the stream helper keeps each call's delta index
 
 
 class _TextPart(_Req):
@@ -161,14 +195,15 @@ class _TextPart(_Req):
 class Message(_Req):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[_TextPart] | None = None
-    name: str | None = None
+    name: Text | None = None
     tool_calls: list[_ToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: Text | None = None
     # what the openai client echoes back from a reply; only empty values are accepted
     refusal: None = None
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = Field(default=None, max_length=0)
+    parsed: None = None  # the stream helper's (and parse()'s) ParsedChatCompletionMessage
 
     def text(self) -> str:
         if self.content is None:
@@ -283,22 +318,51 @@ def _piece(tok: Any, t: int) -> str:
     return str(tok.decode([t]))
 
 
-def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a token's string."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {chr(b): b for b in shown} | {chr(256 + i): b for i, b in enumerate(hidden)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def token_bytes(tok: Any, t: int) -> bytes:
+    """The UTF-8 bytes token ``t`` stands for (OpenAI's ``bytes``): a character split over several tokens is whole
+    once their bytes are joined. Read from the token's string for byte-level BPE and byte-fallback tokens (their
+    text alone is only U+FFFD); else the token's text."""
     piece = _piece(tok, t)
+    convert = getattr(tok, "convert_ids_to_tokens", None)
+    name = convert(t) if convert is not None else None
+    if isinstance(name, str) and (byte := _BYTE_TOKEN.fullmatch(name)):
+        return bytes([int(byte.group(1), 16)])
+    chars = _byte_level_chars()
+    if isinstance(name, str) and name and all(c in chars for c in name):
+        raw = bytes(chars[c] for c in name)
+        if raw.decode("utf-8", "replace") == piece:  # the tokenizer is byte-level: the string spells its bytes
+            return raw
+    return piece.encode("utf-8", "replace")
+
+
+def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
     return {
-        "token": piece,
+        "token": _piece(tok, t),
         "logprob": lp,
-        "bytes": list(piece.encode("utf-8", "replace")),
-        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(_piece(tok, a).encode("utf-8", "replace"))} for a, b in top],
+        "bytes": list(token_bytes(tok, t)),
+        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(token_bytes(tok, a))} for a, b in top],
     }
 
 
 def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
+    """A completion's log-probs in the legacy shape; ``text_offset`` is where each token's text starts in the reply
+    (from the streamed deltas: a token that holds part of a character decodes alone to U+FFFD, one character)."""
     pieces = [_piece(tok, t) for t in c.tokens]
     offsets, at = [], 0
-    for p in pieces:
+    for delta in content_pieces(tok, c.tokens, c.content or "")[: len(c.tokens)]:
         offsets.append(at)
-        at += len(p)
+        at += len(delta)
     top = [{_piece(tok, a): b for a, b in alts} for alts in c.top] if any(c.top) else None
     return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
@@ -357,9 +421,9 @@ async def chat_chunks(
 
     for c in choices:
         entries = [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]
-        yield chunk(c.index, {"role": "assistant", "content": ""})
-        if c.tool_calls:
-            yield chunk(c.index, {"content": c.content or ""}, lps=entries)
+        yield chunk(c.index, {"role": "assistant", "content": "" if c.content is not None else None})
+        if c.tool_calls:  # content is None when the reply is only tool calls, as in the plain reply
+            yield chunk(c.index, {"content": c.content} if c.content else {}, lps=entries)
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
@@ -391,7 +455,7 @@ async def completion_chunks(
                     "tokens": legacy["tokens"][k : k + 1],
                     "token_logprobs": c.logprobs[k : k + 1],
                     "top_logprobs": top,
-                    "text_offset": [0],
+                    "text_offset": legacy["text_offset"][k : k + 1],
                 }
             yield chunk(c.index, piece, None, lp)
         yield chunk(c.index, "", c.finish, None)

@@ -25,7 +25,7 @@ from asyncsess.client import SamplingClient, ServiceClient
 from asyncsess.serve.capture import CaptureStore
 from asyncsess.serve.openai_door import openai_router
 from asyncsess.serve.openai_front import OpenAIFront
-from asyncsess.serve.openai_wire import FrontError
+from asyncsess.serve.openai_wire import model_not_found
 
 from .embedded import MAX_NUM_SAMPLES, LocalBackend
 from .tenants import Owners
@@ -121,7 +121,7 @@ class WorkerFronts:
             elif model in self.base_models():
                 sampler_id, base, version = await self._base_sampler(model), model, 0
             else:
-                raise FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
+                raise model_not_found(model)
             ref = engine.samplers[sampler_id]
             context = ref.slot.sample_context(ref.adapter)
             front = self._fronts.get((key, model))
