@@ -13,7 +13,7 @@ import concurrent.futures
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
@@ -22,7 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .errors import DeadlineExceededError, FacadeMisuseError
 from .futures import APIFuture
 
-__all__ = ["SyncFuture", "call", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
+__all__ = ["SyncFuture", "call", "call_async", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
 
 T = TypeVar("T")
 
@@ -88,6 +88,19 @@ def submit(method: Callable[..., APIFuture[T]], *args: Any, **kwargs: Any) -> Sy
         return SyncFuture(method(*args, **kwargs))
 
     return _on_loop(start).result()  # type: ignore[no-any-return]
+
+
+async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Await the async client method ``fn`` on the facade's loop from any asyncio loop (Tinker's ``*_async``
+    methods of its blocking clients); an op's ``APIFuture`` comes back as a :class:`SyncFuture`."""
+
+    async def run() -> Any:
+        value = await fn(*args, **kwargs)
+        return SyncFuture(value) if isinstance(value, APIFuture) else value
+
+    _get_portal()
+    assert _loop is not None
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _loop))
 
 
 def open_service(service: Any) -> Any:
@@ -166,6 +179,17 @@ class SyncFuture(Generic[T]):
             return self._done.result(timeout)
         except concurrent.futures.TimeoutError:
             raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq) from None
+
+    async def result_async(self, timeout: float | None = None) -> T:
+        """Await the value from any asyncio event loop (Tinker's ``APIFuture.result_async``); a timeout or a
+        cancelled wait leaves the op running."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._done)), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq) from None
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self.result_async().__await__()
 
     def done(self) -> bool:
         return self._done.done()
