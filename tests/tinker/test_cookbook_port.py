@@ -167,3 +167,39 @@ def test_completers_on_asyncsess_sync_sampler(model_dir: str) -> None:  # noqa: 
         scored = sampler.compute_logprobs(prompt.to_ints() + tokens.tokens).result()[prompt.length :]
         assert tokens.logprobs == pytest.approx(scored, abs=1e-4), "the sampler's own log-probs of the completion"
         assert message["role"] == "assistant" and isinstance(message["content"], str)
+
+
+def test_decisions_probability_loss_on_asyncsess_client(model_dir: str) -> None:  # noqa: F811
+    """The decisions recipe's training (its module docstring's calls) on asyncsess's client:
+    ``decision_dist_datums`` carry (N, K) targets (one per choice) into ``forward_backward_custom``, whose
+    loss sees (N, K) log-probs; ``sample_decision`` reads ``target_prompt_logprobs`` given as Tinker's CSR
+    TensorData. Training toward one choice raises its probability."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.recipes.decisions.decision import Decision, DecisionRenderer, sample_decision
+    from tinker_cookbook.recipes.decisions.train import decision_dist_datums, probability_loss
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    import asyncsess.sync as tinker
+
+    decisions = DecisionRenderer(renderers.get_renderer("role_colon", get_tokenizer(model_dir)))
+    decision = Decision("Is the sky blue?", [("A", "yes"), ("B", "no"), ("C", "maybe")])
+    datums = decision_dist_datums(decisions, [(decision, {"B": 1.0})])
+    assert len(datums[0].loss_fn_inputs["target_tokens"].shape) == 2
+    loss = probability_loss(lambda probs, target: ((probs - target) ** 2).sum())
+    with tinker.ServiceClient(MOCK) as svc:
+        tc = svc.create_lora_training_client(model_dir, rank=8)
+
+        async def train() -> tuple[dict, dict, list[float]]:
+            before = await sample_decision(await tc.save_weights_and_get_sampling_client_async(), decisions.render(decision))
+            losses = []
+            for _ in range(3):
+                step = await tc.forward_backward_custom_async(datums, loss)
+                await (await tc.optim_step_async(tinker.AdamParams(learning_rate=0.1))).result_async()
+                losses.append((await step.result_async()).metrics["loss:sum"])
+            after = await sample_decision(await tc.save_weights_and_get_sampling_client_async(), decisions.render(decision))
+            return before, after, losses
+
+        before, after, losses = asyncio.run(train())
+    assert sum(before.values()) == pytest.approx(1) and sum(after.values()) == pytest.approx(1)
+    assert after["B"] > before["B"] and losses[-1] < losses[0], (before, after, losses)
+    assert losses[0] == pytest.approx((before["A"] ** 2 + (before["B"] - 1) ** 2 + before["C"] ** 2), rel=1e-4)
