@@ -143,8 +143,9 @@ def tinker(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def cookbook(session: nox.Session) -> None:
-    """tinker-cookbook 0.5.8's own supervised and RL (arithmetic) train entry points, unmodified, against
-    `asyncsess serve` on mock:// (configuration only: base URL, model path, renderer). Its own environment:
+    """tinker-cookbook 0.5.8's own entry points (supervised, RL, DPO, distillation, a multi-turn env, resume
+    after a kill), unmodified, against `asyncsess serve` on mock:// (configuration only: base URL, model path,
+    renderer), and its minimal loops ported to asyncsess.sync. Its own environment:
     the cookbook pins transformers<=5.5.4 and torch>=2.10; mock:// needs neither."""
     session.install(TORCH)
     session.install("tinker-cookbook==0.5.8", "pytest>=8")

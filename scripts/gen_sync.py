@@ -2,7 +2,8 @@
 
 Rules: ``async def m(...) -> T`` becomes a blocking ``m(...) -> T`` (the sync twin where T is a
 client); a method returning ``APIFuture[T]`` returns ``SyncFuture[T]``, submitted at call time; plain
-methods and properties are forwarded; ``async with`` becomes ``with``. Run ``python scripts/gen_sync.py``
+methods and properties are forwarded; ``async with`` becomes ``with``; a ``*_async`` method stays a coroutine,
+awaitable from any asyncio loop (Tinker's blocking clients have them), that runs on the facade's loop. Run ``python scripts/gen_sync.py``
 (or ``nox -s gen``); ``--check`` exits 1 when the checked-in file is stale.
 """
 
@@ -125,6 +126,17 @@ def _method(cls: type, name: str, fn: object) -> str:
     return f"    def {name}({params}) -> {ret_text}:\n{_doc(fn, ' ' * 8)}        {body}\n"
 
 
+def _async_twin(name: str, fn: object) -> str:
+    """Tinker's ``*_async`` spelling on a blocking client: a coroutine for any asyncio loop, run on the facade's."""
+    params, args = _signature(fn)
+    ret = inspect.signature(fn).return_annotation  # type: ignore[arg-type]
+    ret_text = _annotation(ret) if ret is not inspect.Signature.empty else "Any"
+    call = f"await _facade.call_async(self._async.{name}{', ' if args else ''}{args})"
+    body = f"return {ret_text}._wrap({call})" if ret_text in TWINS else f"return {call}  # type: ignore[no-any-return]"
+    doc = f'        """Awaitable from any asyncio event loop (Tinker\'s ``{name}``); runs on the facade\'s loop."""\n'
+    return f"    async def {name}({params}) -> {ret_text}:\n{doc}        {body}\n"
+
+
 def _class(cls: type) -> str:
     out = [f"class {cls.__name__}:\n", _doc(cls, "    "), f"\n    _async: _client.{cls.__name__}\n\n"]
     if cls is client.ServiceClient:
@@ -168,9 +180,11 @@ def _class(cls: type) -> str:
         "        return getattr(self._async, name)\n\n"
     )
     for name, member in cls.__dict__.items():
-        if name.startswith("_") or name in ("aclose", "close", "attach", "from_sampler_handle") or name.endswith("_async"):
-            continue  # *_async twins are for async code; close is written above
-        if isinstance(member, property):
+        if name.startswith("_") or name in ("aclose", "close", "attach", "from_sampler_handle"):
+            continue  # close is written above
+        if name.endswith("_async") and inspect.iscoroutinefunction(member):
+            out.append(_async_twin(name, member) + "\n")
+        elif isinstance(member, property):
             ret = inspect.signature(member.fget).return_annotation  # type: ignore[arg-type]
             out.append(
                 f"    @property\n    def {name}(self) -> {_annotation(ret)}:\n{_doc(member, ' ' * 8)}        return self._async.{name}\n\n"

@@ -23,7 +23,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .errors import DeadlineExceededError, FacadeMisuseError
 from .futures import APIFuture
 
-__all__ = ["SyncFuture", "call", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
+__all__ = ["SyncFuture", "call", "call_async", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
 
 T = TypeVar("T")
 
@@ -89,6 +89,19 @@ def submit(method: Callable[..., APIFuture[T]], *args: Any, **kwargs: Any) -> Sy
         return SyncFuture(method(*args, **kwargs))
 
     return _on_loop(start).result()  # type: ignore[no-any-return]
+
+
+async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Await the async client method ``fn`` on the facade's loop from any asyncio loop (Tinker's ``*_async``
+    methods of its blocking clients); an op's ``APIFuture`` comes back as a :class:`SyncFuture`."""
+
+    async def run() -> Any:
+        value = await fn(*args, **kwargs)
+        return SyncFuture(value) if isinstance(value, APIFuture) else value
+
+    _get_portal()
+    assert _loop is not None
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _loop))
 
 
 def open_service(service: Any) -> Any:

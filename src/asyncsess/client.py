@@ -702,7 +702,8 @@ class TrainingClient:
             raise InvalidInputError("must be callable (data, logprobs) -> (loss, metrics)", field="loss_fn")
         original = self._coerce_rl_datums(data)
         vocab, context = self._limits
-        forward_data = check_datums(ce_view(original), "cross_entropy", vocab_size=vocab, max_length=context)
+        multi = "cross_entropy" in self._multi_target
+        forward_data = check_datums(ce_view(original), "cross_entropy", vocab_size=vocab, max_length=context, multi_target=multi)
         self._raise_if_unusable("forward_backward_custom")
         fwd_seq, fwd_key = self._reserve()
         fwd = ForwardOp(seq=fwd_seq, idempotency_key=fwd_key, data=forward_data, loss_fn="cross_entropy")

@@ -23,8 +23,9 @@ def ce_view(data: Sequence[Datum]) -> tuple[Datum, ...]:
     out = []
     for d in data:
         inputs = d.loss_fn_inputs
-        n = d.model_input.length
-        weights = inputs.get("weights") or TensorData.model_construct(data=[0.0] * n, dtype="float32", shape=[n])
+        target = inputs["target_tokens"]
+        zeros = [0.0] * len(target.data)
+        weights = inputs.get("weights") or TensorData.model_construct(data=zeros, dtype="float32", shape=target.shape or [len(zeros)])
         out.append(
             Datum.model_construct(model_input=d.model_input, loss_fn_inputs={"target_tokens": inputs["target_tokens"], "weights": weights})
         )
@@ -41,7 +42,10 @@ def linearize(
         raise InvalidInputError(
             "forward_backward_custom needs torch to differentiate the loss", field="loss_fn", fix="pip install torch"
         ) from None
-    leaves = [torch.tensor(o["logprobs"].data, dtype=torch.float32, requires_grad=True) for o in forward.loss_fn_outputs]
+    leaves = [
+        torch.tensor(o["logprobs"].data, dtype=torch.float32).reshape(o["logprobs"].shape or [-1]).requires_grad_()
+        for o in forward.loss_fn_outputs
+    ]  # (N,) log-probs, or (N, K) for K targets per position
     result = loss_fn(list(data), leaves)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise InvalidInputError("must return (loss_tensor, metrics_dict)", field="loss_fn")
@@ -49,7 +53,7 @@ def linearize(
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
         raise InvalidInputError("must return a scalar tensor computed from the log-probs", field="loss_fn")
     loss.backward()
-    weights = [(-leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).tolist() for leaf in leaves]
+    weights = [(-leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).reshape(-1).tolist() for leaf in leaves]
     return float(loss.detach()), {k: float(v) for k, v in (metrics or {}).items()}, weights
 
 
@@ -59,7 +63,9 @@ def with_weights(data: Sequence[Datum], weights: Sequence[Sequence[float]]) -> t
             model_input=d.model_input,
             loss_fn_inputs={
                 "target_tokens": d.loss_fn_inputs["target_tokens"],
-                "weights": TensorData.model_construct(data=list(w), dtype="float32", shape=[len(w)]),
+                "weights": TensorData.model_construct(
+                    data=list(w), dtype="float32", shape=d.loss_fn_inputs["target_tokens"].shape or [len(w)]
+                ),
             },
         )
         for d, w in zip(data, weights)

@@ -97,6 +97,10 @@ class ServiceClient:
         ``get_info().session_options``."""
         return TrainingClient._wrap(_facade.call(self._async.create_lora_training_client, base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata, optimizer, alpha=alpha, training_session_name=training_session_name, model_package_group_arn=model_package_group_arn, s3_output_path=s3_output_path, kms_key_arn=kms_key_arn, vpc_config=vpc_config))
 
+    async def create_lora_training_client_async(self, base_model: str, **kwargs: Any) -> TrainingClient:
+        """Awaitable from any asyncio event loop (Tinker's ``create_lora_training_client_async``); runs on the facade's loop."""
+        return TrainingClient._wrap(await _facade.call_async(self._async.create_lora_training_client_async, base_model, **kwargs))
+
     def create_training_client_from_state(self, path: str | None = None, base_model: str | None = None, user_metadata: Mapping[str, str] | None = None, weights_access_token: str | None = None, optimizer: Any = None, *, model_package_arn: str | None = None, **session_options: Any) -> TrainingClient:
         """A new session with the weights saved at ``path`` and a fresh optimizer.
 
@@ -107,6 +111,22 @@ class ServiceClient:
     def create_training_client_from_state_with_optimizer(self, path: str | None = None, base_model: str | None = None, user_metadata: Mapping[str, str] | None = None, weights_access_token: str | None = None, *, model_package_arn: str | None = None, **session_options: Any) -> TrainingClient:
         """A new session resuming exactly: the weights and the optimizer state saved at ``path``."""
         return TrainingClient._wrap(_facade.call(self._async.create_training_client_from_state_with_optimizer, path, base_model, user_metadata, weights_access_token, model_package_arn=model_package_arn, **session_options))
+
+    async def create_sampling_client_async(self, model_path: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        """Awaitable from any asyncio event loop (Tinker's ``create_sampling_client_async``); runs on the facade's loop."""
+        return SamplingClient._wrap(await _facade.call_async(self._async.create_sampling_client_async, model_path, *args, **kwargs))
+
+    async def get_server_capabilities_async(self) -> ServerCapabilities:
+        """Awaitable from any asyncio event loop (Tinker's ``get_server_capabilities_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.get_server_capabilities_async)  # type: ignore[no-any-return]
+
+    async def create_training_client_from_state_async(self, path: str | None = None, **kwargs: Any) -> TrainingClient:
+        """Awaitable from any asyncio event loop (Tinker's ``create_training_client_from_state_async``); runs on the facade's loop."""
+        return TrainingClient._wrap(await _facade.call_async(self._async.create_training_client_from_state_async, path, **kwargs))
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str | None = None, **kwargs: Any) -> TrainingClient:
+        """Awaitable from any asyncio event loop (Tinker's ``create_training_client_from_state_with_optimizer_async``); runs on the facade's loop."""
+        return TrainingClient._wrap(await _facade.call_async(self._async.create_training_client_from_state_with_optimizer_async, path, **kwargs))
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, retry_config: Any = None, record_stability_info: bool = False, *, model_package_arn: str | None = None) -> SamplingClient:
         """A sampler on saved weights (``model_path``, SageMaker: ``model_package_arn``) or on the plain ``base_model``.
@@ -234,6 +254,54 @@ class TrainingClient:
         """Tinker's export: here the same as :meth:`save_weights_for_sampler` (a PEFT adapter where the backend stores files)."""
         return _facade.submit(self._async.save_weights_external, name, ttl_seconds, age_encryption_recipients)
 
+    async def forward_async(self, data: Any = None, *args: Any, **kwargs: Any) -> SyncFuture[ForwardBackwardOutput]:
+        """Awaitable from any asyncio event loop (Tinker's ``forward_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.forward_async, data, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def forward_backward_async(self, data: Any = None, *args: Any, **kwargs: Any) -> SyncFuture[ForwardBackwardOutput]:
+        """Awaitable from any asyncio event loop (Tinker's ``forward_backward_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.forward_backward_async, data, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def forward_backward_custom_async(self, data: Any, loss_fn: CustomLossFn, **kwargs: Any) -> SyncFuture[ForwardBackwardOutput]:
+        """Awaitable from any asyncio event loop (Tinker's ``forward_backward_custom_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.forward_backward_custom_async, data, loss_fn, **kwargs)  # type: ignore[no-any-return]
+
+    async def optim_step_async(self, optim_params: Any = None, *, adam_params: Any = None) -> SyncFuture[OptimStepResponse]:
+        """Awaitable from any asyncio event loop (Tinker's ``optim_step_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.optim_step_async, optim_params, adam_params=adam_params)  # type: ignore[no-any-return]
+
+    async def save_state_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> SyncFuture[CheckpointResponse]:
+        """Awaitable from any asyncio event loop (Tinker's ``save_state_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.save_state_async, name, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def save_weights_for_sampler_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> SyncFuture[CheckpointResponse]:
+        """Awaitable from any asyncio event loop (Tinker's ``save_weights_for_sampler_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.save_weights_for_sampler_async, name, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def save_weights_external_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> SyncFuture[CheckpointResponse]:
+        """Awaitable from any asyncio event loop (Tinker's ``save_weights_external_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.save_weights_external_async, name, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def load_state_async(self, path: str | None = None, *args: Any, **kwargs: Any) -> SyncFuture[LoadWeightsResponse]:
+        """Awaitable from any asyncio event loop (Tinker's ``load_state_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.load_state_async, path, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def load_state_with_optimizer_async(self, path: str | None = None, *args: Any, **kwargs: Any) -> SyncFuture[LoadWeightsResponse]:
+        """Awaitable from any asyncio event loop (Tinker's ``load_state_with_optimizer_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.load_state_with_optimizer_async, path, *args, **kwargs)  # type: ignore[no-any-return]
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        """Awaitable from any asyncio event loop (Tinker's ``save_weights_and_get_sampling_client_async``); runs on the facade's loop."""
+        return SamplingClient._wrap(await _facade.call_async(self._async.save_weights_and_get_sampling_client_async, name, *args, **kwargs))
+
+    async def create_sampling_client_async(self, model_path: str | None = None, *args: Any, **kwargs: Any) -> SamplingClient:
+        """Awaitable from any asyncio event loop (Tinker's ``create_sampling_client_async``); runs on the facade's loop."""
+        return SamplingClient._wrap(await _facade.call_async(self._async.create_sampling_client_async, model_path, *args, **kwargs))
+
+    async def get_info_async(self) -> GetInfoResponse:
+        """Awaitable from any asyncio event loop (Tinker's ``get_info_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.get_info_async)  # type: ignore[no-any-return]
+
     def save_weights_and_get_sampling_client(self, name: str | None = None, merge_weights: bool = False, record_stability_info: bool = False, kind: str = 'snapshot', *, description: str | None = None, retry_config: Any = None) -> SamplingClient:
         """Snapshot the current weights (an ordered op) and return a sampler on them.
 
@@ -324,6 +392,14 @@ class SamplingClient:
         before the last ``prompt_logprobs_last_n``)."""
         return _facade.submit(self._async.compute_logprobs, prompt, prompt_logprobs_last_n)
 
+    async def sample_async(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None, **kwargs: Any) -> SampleResponse:
+        """Awaitable from any asyncio event loop (Tinker's ``sample_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.sample_async, prompt, num_samples, sampling_params, **kwargs)  # type: ignore[no-any-return]
+
+    async def compute_logprobs_async(self, prompt: Any, prompt_logprobs_last_n: int | None = None) -> list[float | None]:
+        """Awaitable from any asyncio event loop (Tinker's ``compute_logprobs_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.compute_logprobs_async, prompt, prompt_logprobs_last_n)  # type: ignore[no-any-return]
+
     def stats(self) -> SamplingStats:
         """Backpressure figures of the pool this client shares with its ServiceClient."""
         return _facade.call(self._async.stats)  # type: ignore[no-any-return]
@@ -333,6 +409,10 @@ class SamplingClient:
 
     def get_base_model(self) -> str:
         return _facade.call(self._async.get_base_model)  # type: ignore[no-any-return]
+
+    async def get_base_model_async(self) -> str:
+        """Awaitable from any asyncio event loop (Tinker's ``get_base_model_async``); runs on the facade's loop."""
+        return await _facade.call_async(self._async.get_base_model_async)  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         """Release the sampler. Idempotent."""

@@ -181,6 +181,10 @@ MAX_SPANS = 4096  # provenance spans per Datum field
 MAX_SPAN_INDEX = 2**31 - 1
 
 
+_TENSOR_FIELDS = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
+_DATUM_FIELDS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
+
+
 class TensorData(_Input):
     """A flat tensor with dtype and shape (row-major).
 
@@ -270,6 +274,8 @@ class TensorData(_Input):
             return value
         if isinstance(value, dict):
             return cls.coerce(key, cls.model_validate(value))
+        if hasattr(value, "sparse_crow_indices") and hasattr(value, "dtype"):  # Tinker's TensorData (a dataclass)
+            return cls.coerce(key, {f: getattr(value, f) for f in _TENSOR_FIELDS})
         if type(value).__module__.startswith("torch"):
             return cls.from_torch(value, dtype)
         if hasattr(value, "__array__") and not isinstance(value, (list, tuple)):
@@ -351,6 +357,8 @@ class Datum(_Input):
     @model_validator(mode="before")
     @classmethod
     def _coerce(cls, values: Any) -> Any:
+        if not isinstance(values, (dict, Datum)) and hasattr(values, "loss_fn_inputs"):  # Tinker's Datum (a dataclass)
+            values = {f: getattr(values, f, None) for f in _DATUM_FIELDS}
         if isinstance(values, dict):
             values = dict(values)
             if "prompt" in values and "model_input" not in values:

@@ -111,7 +111,7 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
 def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, encode: Callable[[str], list[int]] | None) -> Datum:
     if isinstance(item, Datum):
         datum = item
-    elif isinstance(item, Mapping):
+    elif isinstance(item, Mapping) or hasattr(item, "loss_fn_inputs"):  # a dict, or Tinker's own Datum
         try:
             datum = Datum.model_validate(item)
         except ValidationError as err:
@@ -281,11 +281,17 @@ def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None,
     return tokens
 
 
+def _foreign_model(params: Any) -> Any:
+    """Another library's pydantic model of the same name (Tinker's ``types.AdamParams``, ...) as its fields."""
+    return params.model_dump() if hasattr(params, "model_dump") and not isinstance(params, Mapping) else params
+
+
 def coerce_sampling_params(params: Any) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
         return params
+    params = _foreign_model(params)
     if isinstance(params, Mapping):
         try:
             return SamplingParams.model_validate(params)
@@ -300,6 +306,7 @@ def coerce_adam_params(params: Any) -> AdamParams:
         return AdamParams()
     if isinstance(params, AdamParams):
         return params
+    params = _foreign_model(params)
     if isinstance(params, Mapping):
         try:
             return AdamParams.model_validate(params)

@@ -313,3 +313,33 @@ async def test_topk_and_target_logprobs_over_the_wire_equal_mock_directly(mock_s
         assert [r and [lp for _, lp in r] for r in g] == [r and pytest.approx([lp for _, lp in r], abs=1e-6) for r in w]
     assert got.target_prompt_logprobs.shape == [4, 2]
     assert got.target_prompt_logprobs.data == pytest.approx(want.target_prompt_logprobs.data, abs=1e-6)
+
+
+async def test_k_targets_per_position_over_the_wire_equal_mock_directly(mock_server: Server) -> None:
+    """tinker:// listed no multi-target losses, so the client refused (N, K) cross-entropy targets (and the
+    custom losses lowered to it) that the server takes: the door now says which losses take them, and a
+    forward_backward and a custom loss on (N, K) targets give mock://'s own log-probs and gradients."""
+    targets = np.array([[9, 10], [13, 1], [17, 3], [21, 22]])
+    datum = Datum(
+        model_input=ModelInput.from_ints([5, 9, 13, 17]),
+        loss_fn_inputs={"target_tokens": targets, "weights": np.array([[1.0, 0.5], [0.0, 1.0], [1.0, 1.0], [0.2, 0.0]])},
+    )
+
+    def loss(data, logprobs):  # a probability loss over the K choices at each position, as the decisions recipe's
+        return sum(((lp.softmax(-1)[:, 0] - 0.9) ** 2).sum() for lp in logprobs), {}
+
+    async def run(url: str):
+        async with ServiceClient(url) as svc:
+            caps = await svc.get_server_capabilities()
+            tc = await svc.create_lora_training_client(BASE, rank=4, seed=3)
+            fb = await tc.forward_backward([datum], "cross_entropy")
+            await tc.optim_step(AdamParams(learning_rate=0.1))
+            custom = await tc.forward_backward_custom([datum], loss)
+            return caps.multi_target_losses, fb, custom
+
+    (caps, fb, custom), (want_caps, want_fb, want_custom) = await run(url_of(mock_server)), await run("mock://")
+    assert caps == want_caps and "cross_entropy" in caps
+    for got, want in [(fb, want_fb), (custom, want_custom)]:
+        assert got.loss_fn_outputs[0]["logprobs"].shape == [4, 2]
+        assert got.loss_fn_outputs[0]["logprobs"].data == pytest.approx(want.loss_fn_outputs[0]["logprobs"].data, abs=1e-6)
+    assert custom.metrics["loss:sum"] == pytest.approx(want_custom.metrics["loss:sum"], rel=1e-5)

@@ -1169,7 +1169,8 @@ class TinkerDoor:
                     "vocab_size": m.vocab_size,  # not in Tinker's schema (the SDK ignores it); lets tinker:// check tokens early
                 }
                 for m in caps.supported_models
-            ]
+            ],
+            "multi_target_losses": list(caps.multi_target_losses),  # not in Tinker's schema either: for tinker://
         }
 
 

@@ -177,7 +177,8 @@ class TinkerBackend(Backend):
                     vocab_size=m.get("vocab_size"),
                 )
                 for m in body.get("supported_models", [])
-            ]
+            ],
+            multi_target_losses=_multi_target_losses(body),
         )
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
@@ -448,3 +449,10 @@ def _target_json(rows: tuple[tuple[int, ...], ...] | None) -> dict[str, Any] | N
     if rows is None:
         return None
     return {"data": [i for row in rows for i in row], "dtype": "int64", "shape": [len(rows), len(rows[0]) if rows else 0]}
+
+
+def _multi_target_losses(body: dict[str, Any]) -> list[str]:
+    """Losses the server takes (N, K) targets for: ``asyncsess serve`` says which; Tinker's service does not
+    and takes them for ``cross_entropy`` (tinker-cookbook's top-K distillation sends them)."""
+    losses = body.get("multi_target_losses")
+    return [str(x) for x in losses] if isinstance(losses, list) else ["cross_entropy"]
