@@ -43,7 +43,7 @@ from asyncsess.serve.openai_wire import Message, content_pieces, lp_entry, valid
 from asyncsess.types import MAX_SEED, CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
-from ..shape_check import INTEGER_RANGE, ShapeError
+from ..shape_check import INTEGER_RANGE, ShapeError, epoch_seconds
 from ..wire import (
     adam_from_wire,
     check_operation_config,
@@ -230,9 +230,9 @@ class EmulatedService:
                 continue
             if body.get("StatusEquals") and detail["TrainingSessionStatus"] != body["StatusEquals"]:
                 continue
-            if body.get("CreationTimeAfter") is not None and sess.created <= _epoch(body["CreationTimeAfter"]):
+            if body.get("CreationTimeAfter") is not None and sess.created <= epoch_seconds(body["CreationTimeAfter"]):
                 continue
-            if body.get("CreationTimeBefore") is not None and sess.created >= _epoch(body["CreationTimeBefore"]):
+            if body.get("CreationTimeBefore") is not None and sess.created >= epoch_seconds(body["CreationTimeBefore"]):
                 continue
             rows.append(
                 {
@@ -947,14 +947,6 @@ async def _quietly(awaitable: Any) -> None:
         log.debug("ignored while releasing an engine session: %r", err)
 
 
-def _epoch(value: Any) -> float:
-    if isinstance(value, (int, float)):
-        return float(value)
-    from datetime import datetime
-
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-
-
 def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -> list[dict[str, Any]]:
     """The rows NameContains, CreationTimeAfter and CreationTimeBefore keep, sorted by SortBy (``Name`` or, the
     default, ``CreationTime``) in SortOrder (default ``Ascending``), as the model registry's List operations document."""
@@ -963,8 +955,8 @@ def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -
         r
         for r in rows
         if (not name or name in r[name_key])
-        and (after is None or r["CreationTime"] > _epoch(after))
-        and (before is None or r["CreationTime"] < _epoch(before))
+        and (after is None or r["CreationTime"] > epoch_seconds(after))
+        and (before is None or r["CreationTime"] < epoch_seconds(before))
     ]
     by_name = body.get("SortBy") == "Name"
     kept.sort(
