@@ -895,3 +895,26 @@ def test_a_next_token_the_service_did_not_return_is_a_validation_exception(sm, e
     assert not {s["TrainingSessionArn"] for s in first["TrainingSessionSummaries"]} & {
         s["TrainingSessionArn"] for s in rest["TrainingSessionSummaries"]
     }
+
+
+def test_describe_hub_content_answers_only_the_version_type_and_hub_asked_for(sm, emulator):
+    """HubContentVersion and HubContentType were ignored (version 9.9.9 of a Notebook was answered as the model's
+    1.0.0), and the public hub named by its ARN was not found; another region's hub ARN is another hub."""
+    model = hub_arn(sm).split("/")[-2]
+    hub = f"arn:aws:sagemaker:{emulator.config.region}:aws:hub/SageMakerPublicHub"
+    asked = {"HubName": "SageMakerPublicHub", "HubContentType": "Model", "HubContentName": model}
+    assert sm.describe_hub_content(**asked, HubContentVersion="1.0.0")["HubContentVersion"] == "1.0.0"
+    assert sm.describe_hub_content(**(asked | {"HubName": hub}))["HubContentName"] == model
+    by_arn = sm.list_hub_contents(HubName=hub, HubContentType="Model")["HubContentSummaries"]
+    assert by_arn and by_arn == sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model")["HubContentSummaries"]
+    for change in [
+        {"HubContentVersion": "9.9.9"},
+        {"HubContentType": "Notebook"},
+        {"HubName": hub.replace(emulator.config.region, "eu-west-1")},
+    ]:
+        with pytest.raises(ClientError) as err:
+            sm.describe_hub_content(**(asked | change))
+        assert _code(err) == ("ResourceNotFound", 400), change
+    assert (
+        sm.list_hub_contents(HubName=hub.replace(emulator.config.region, "eu-west-1"), HubContentType="Model")["HubContentSummaries"] == []
+    )

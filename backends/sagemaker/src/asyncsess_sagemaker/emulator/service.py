@@ -421,20 +421,29 @@ class EmulatedService:
             "HubContentSearchKeywords": ["@capability:training_session", f"@huggingface-id:{m.model_id.lower()}"],
         }
 
+    def _is_public_hub(self, name_or_arn: str) -> bool:
+        """Whether HubName names this region's public hub, by name or by ARN (another region's is another hub)."""
+        return name_or_arn in (arns.PUBLIC_HUB, self._hub_arn())
+
+    def _hub_arn(self) -> str:
+        return f"arn:aws:sagemaker:{self.config.region}:aws:hub/{arns.PUBLIC_HUB}"
+
     async def list_hub_contents(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body["HubName"] != arns.PUBLIC_HUB or body["HubContentType"] != "Model":
+        if not self._is_public_hub(body["HubName"]) or body["HubContentType"] != "Model":
             return {"HubContentSummaries": []}
         rows = [self._hub_info(m) for m in self.hub.values() if not body.get("NameContains") or body["NameContains"] in m.hub_name]
         return _page(rows, body, "HubContentSummaries")
 
     async def describe_hub_content(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.hub.get(body["HubContentName"])
-        if body["HubName"] != arns.PUBLIC_HUB or m is None:
-            raise AwsError("ResourceNotFound", f"Hub content {body['HubContentName']} not found in hub {body['HubName']}")
+        version, kind = body.get("HubContentVersion"), body["HubContentType"]
+        if not self._is_public_hub(body["HubName"]) or m is None or kind != "Model" or version not in (None, m.version):
+            shown = f"{kind} {body['HubContentName']}" + (f" version {version}" if version else "")
+            raise AwsError("ResourceNotFound", f"Hub content {shown} not found in hub {body['HubName']}")
         info = self._hub_info(m)
         info.update(
             HubName=arns.PUBLIC_HUB,
-            HubArn=f"arn:aws:sagemaker:{self.config.region}:aws:hub/{arns.PUBLIC_HUB}",
+            HubArn=self._hub_arn(),
             HubContentDocument=json.dumps({"HuggingfaceId": m.model_id, "MaxContextLength": m.max_context_length}),
         )
         return info
