@@ -918,3 +918,76 @@ def test_describe_hub_content_answers_only_the_version_type_and_hub_asked_for(sm
     assert (
         sm.list_hub_contents(HubName=hub.replace(emulator.config.region, "eu-west-1"), HubContentType="Model")["HubContentSummaries"] == []
     )
+
+
+def test_a_next_token_of_another_list_operation_is_a_validation_exception(sm, emulator):
+    """Tokens were bare row offsets, so ListModelPackageGroups' token was read as an offset into ListTrainingSessions."""
+    for _ in range(3):
+        new_session(sm, _name())
+        sm.create_model_package_group(ModelPackageGroupName=f"g{uuid.uuid4().hex[:8]}")
+    groups_token = sm.list_model_package_groups(MaxResults=1)["NextToken"]
+    sessions_token = sm.list_training_sessions(MaxResults=1)["NextToken"]
+    for call, token in [
+        (sm.list_training_sessions, groups_token),
+        (sm.list_model_package_groups, sessions_token),
+        (sm.list_model_packages, groups_token),
+        (lambda **kw: sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model", **kw), sessions_token),
+    ]:
+        with pytest.raises(ClientError, match="NextToken") as err:
+            call(NextToken=token)
+        assert _code(err) == ("ValidationException", 400)
+    assert sm.list_training_sessions(NextToken=sessions_token, MaxResults=1)["TrainingSessionSummaries"]
+
+
+@pytest.mark.parametrize(
+    ("tags", "says"),
+    [
+        ([{"Key": "team", "Value": "a"}, {"Key": "team", "Value": "b"}], "Tags[1].Key"),
+        ([{"Key": "aws:cloudformation:stack-name", "Value": "x"}], "reserved"),
+        ([{"Key": "AWS:owner", "Value": "x"}], "reserved"),
+    ],
+)
+def test_tags_with_a_duplicate_key_or_the_aws_prefix_are_refused_and_create_nothing(sm, emulator, tags, says):
+    """Both were taken: DescribeTrainingSession then answered the duplicate keys as given."""
+    name, group = _name(), f"g{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ClientError) as err:
+        sm.create_training_session(
+            TrainingSessionName=name,
+            LoraConfig={"Rank": 8, "Alpha": 16},
+            RoleArn=ROLE,
+            ModelConfig={"BaseModelArn": hub_arn(sm)},
+            OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+            Tags=tags,
+        )
+    assert _code(err) == ("ValidationException", 400) and says in err.value.response["Error"]["Message"]
+    with pytest.raises(ClientError) as err:
+        sm.create_model_package_group(ModelPackageGroupName=group, Tags=tags)
+    assert _code(err) == ("ValidationException", 400) and says in err.value.response["Error"]["Message"]
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName=name)
+    assert group not in {g["ModelPackageGroupName"] for g in sm.list_model_package_groups()["ModelPackageGroupSummaryList"]}
+    sm.create_model_package_group(ModelPackageGroupName=group, Tags=[{"Key": "team", "Value": "a"}, {"Key": "Team", "Value": "b"}])
+    sm.delete_model_package_group(ModelPackageGroupName=group)  # keys differing in case are distinct keys
+
+
+def test_a_model_package_of_another_account_or_region_is_not_this_account_s(sm, rt, emulator):
+    """Describe, Delete and ListModelPackages by an ARN that differs from this account's package only in account or
+    region find nothing, and the package stays."""
+    group = f"g{uuid.uuid4().hex[:8]}"
+    group_arn = sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"]
+    name = _name()
+    _start_in_group(sm, name, group_arn)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+    package = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+    region, account = emulator.config.region, emulator.config.account_id
+    for other in (package.replace(account, "999999999999"), package.replace(region, "eu-west-1")):
+        for call in (sm.describe_model_package, sm.delete_model_package):
+            with pytest.raises(ClientError) as err:
+                call(ModelPackageName=other)
+            assert _code(err) == ("ValidationException", 400) and "does not exist" in str(err.value)
+    for other in (group_arn.replace(account, "999999999999"), group_arn.replace(region, "eu-west-1")):
+        with pytest.raises(ClientError) as err:
+            sm.list_model_packages(ModelPackageGroupName=other)
+        assert _code(err) == ("ValidationException", 400)
+    assert [p["ModelPackageArn"] for p in sm.list_model_packages(ModelPackageGroupName=group_arn)["ModelPackageSummaryList"]] == [package]
+    sm.stop_training_session(TrainingSessionName=name)

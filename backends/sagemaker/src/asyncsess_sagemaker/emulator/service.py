@@ -134,6 +134,7 @@ class EmulatedService:
         return model
 
     async def create_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_tags(body.get("Tags"))
         name = body["TrainingSessionName"]
         existing = self.sessions.get(name)
         if existing is not None:
@@ -304,6 +305,7 @@ class EmulatedService:
         return group
 
     async def create_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_tags(body.get("Tags"))
         name = body["ModelPackageGroupName"]
         if name in self.groups:
             raise AwsError("ResourceInUse", f"Model Package Group already exists: {self.groups[name].arn}")
@@ -956,6 +958,18 @@ async def _quietly(awaitable: Any) -> None:
         log.debug("ignored while releasing an engine session: %r", err)
 
 
+def _check_tags(tags: list[dict[str, str]] | None) -> None:
+    """A resource's tags (their shape checked) have distinct keys, none in the ``aws:`` prefix AWS keeps for itself."""
+    seen: set[str] = set()
+    for i, tag in enumerate(tags or []):
+        key = tag["Key"]
+        if key in seen:
+            raise AwsError.validation(f"Tags[{i}].Key: {json.dumps(key)[:64]} is given twice; tag keys must be unique")
+        if key.lower().startswith("aws:"):
+            raise AwsError.validation(f"Tags[{i}].Key: {json.dumps(key)[:64]} uses the prefix aws:, which is reserved for AWS")
+        seen.add(key)
+
+
 def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -> list[dict[str, Any]]:
     """The rows NameContains, CreationTimeAfter and CreationTimeBefore keep, sorted by SortBy (``Name`` or, the
     default, ``CreationTime``) in SortOrder (default ``Ascending``), as the model registry's List operations document."""
@@ -977,16 +991,18 @@ def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    """One page of a List* answer; ``NextToken`` is the offset of the next row, as an earlier page returned it (any
-    other token is a ValidationException: "abc" was a 500, "-1" a slice from the end)."""
-    token = body.get("NextToken") or "0"
-    if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) < 19):
+    """One page of a List* answer. ``NextToken`` names the list (``key``) and the offset of the next row, as an earlier
+    page of this operation returned it; any other token is a ValidationException ("abc" was a 500, "-1" a slice from
+    the end, and a token of another List operation was read as an offset into this one)."""
+    token = body.get("NextToken") or f"{key}:0"
+    listed, _, offset = token.partition(":") if isinstance(token, str) else ("", "", "")
+    if listed != key or not (offset.isascii() and offset.isdigit() and len(offset) < 19):
         raise AwsError.validation(
-            f"NextToken {json.dumps(token)[:64]} is not a pagination token this service returned: pass NextToken back unchanged"
+            f"NextToken {json.dumps(token)[:64]} is not a pagination token this operation returned: pass NextToken back unchanged"
         )
-    start = int(token)
+    start = int(offset)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
     if start + size < len(rows):
-        out["NextToken"] = str(start + size)
+        out["NextToken"] = f"{key}:{start + size}"
     return out
