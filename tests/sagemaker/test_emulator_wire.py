@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import time
 import uuid
 
@@ -990,4 +991,25 @@ def test_a_model_package_of_another_account_or_region_is_not_this_account_s(sm, 
             sm.list_model_packages(ModelPackageGroupName=other)
         assert _code(err) == ("ValidationException", 400)
     assert [p["ModelPackageArn"] for p in sm.list_model_packages(ModelPackageGroupName=group_arn)["ModelPackageSummaryList"]] == [package]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("member", ["learningRate", "beta1", "beta2", "eps", "weightDecay", "gradClipNorm", "loraPlusLrRatio"])
+def test_a_nan_adam_parameter_is_refused_naming_it_and_the_weights_stay_finite(sm, rt, emulator, member):
+    """NaN slipped past every min/max: the step ran, and with NaN learningRate, beta1, beta2, eps or weightDecay the
+    weights were NaN for good (every later forward's GetTrainingOperationResult was a 500 'Out of range float')."""
+    name = _name()
+    new_session(sm, name)
+    adam = ", ".join(f'"{k}": {v}' for k, v in ({"learningRate": "0.001"} | {member: "NaN"}).items())
+    raw = f'{{"sequenceNumber": 1, "operationConfig": {{"optimizerStep": {{"adamParamsConfig": {{{adam}}}}}}}}}'
+    r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/operations", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and f"adamParamsConfig.{member}'" in r.json()["message"], r.text[:300]
+    rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, operationConfig=fb([1, 40, 41]))
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, operationConfig=OPTIM)
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    op = rt.execute_training_operation(
+        trainingSessionName=name, sequenceNumber=4, operationConfig={"forward": fb([1, 40, 41])["forwardBackward"]}
+    )
+    result = wait_op(rt.get_training_operation_result, name, op["operationId"])
+    assert all(math.isfinite(x) for out in result["operationResult"]["forward"]["lossFnOutputs"] for x in out["logprobs"]["data"])
     sm.stop_training_session(TrainingSessionName=name)

@@ -177,6 +177,8 @@ def _check(value: Any, shape: Shape, path: str) -> None:
     elif kind in ("double", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ShapeError(path, "Member must be a number", value)
+        if not _is_finite(value):  # JSON has no NaN or Infinity; NaN also slipped past min and max
+            raise ShapeError(path, "Member must be a finite number", value)
         _bounds(value, shape, path, value)
     elif kind == "boolean":
         if not isinstance(value, bool):
@@ -187,6 +189,13 @@ def _check(value: Any, shape: Shape, path: str) -> None:
     elif kind == "blob":
         if not isinstance(value, (str, bytes, bytearray)):
             raise ShapeError(path, "Member must be a blob", value)
+
+
+def _is_finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer literal past the floats
+        return False
 
 
 def _is_timestamp(value: Any) -> bool:
@@ -203,13 +212,9 @@ def epoch_seconds(value: Any) -> float:
     if isinstance(value, datetime):
         return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an integer literal past the floats
-            raise ValueError(f"{value} is past any time") from None
-        if not math.isfinite(seconds):
+        if not _is_finite(value):
             raise ValueError(f"{value} is no time")
-        return seconds
+        return float(value)
     if isinstance(value, str):
         return epoch_seconds(datetime.fromisoformat(value.replace("Z", "+00:00")))
     raise ValueError(f"{value!r} is no time")
