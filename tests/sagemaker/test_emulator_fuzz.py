@@ -160,7 +160,7 @@ def edges(shape: Shape, current: Any, required: bool) -> Iterator[tuple[Any, str
         yield from _string_edges(shape, current)
     elif kind in ("integer", "long"):
         lo, hi = shape.metadata.get("min"), shape.metadata.get("max")
-        values = {0, -1, 1, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1}
+        values = {0, -1, 1, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**400}
         values |= {b + d for b in (lo, hi) if b is not None for d in (-1, 0, 1)}
         yield from ((v, TAKEN if _number_ok(shape, v) else REFUSED) for v in sorted(values))
         yield 1.0, ANY  # a JSON number with a fraction part of zero
@@ -168,7 +168,7 @@ def edges(shape: Shape, current: Any, required: bool) -> Iterator[tuple[Any, str
         yield from ((v, TAKEN) for v in (True, False))
     elif kind == "timestamp":
         yield from ((v, TAKEN) for v in (0, -0.0, 5e-324, 1_700_000_000.5, "2024-01-01T00:00:00Z", "2024-01-01", "0001-01-01T00:00:00"))
-        yield from ((v, REFUSED) for v in (float("nan"), float("inf"), float("-inf")))
+        yield from ((v, REFUSED) for v in (float("nan"), float("inf"), float("-inf"), 10**400))  # 10**400: past the floats
         yield from ((v, ANY) for v in (2**63, -(2**63) - 1, 1e308, "9999-12-31T23:59:59-23:59"))
     elif kind == "structure":
         yield {}, REFUSED if shape.required_members else TAKEN  # type: ignore[attr-defined]
