@@ -1013,3 +1013,23 @@ def test_a_nan_adam_parameter_is_refused_naming_it_and_the_weights_stay_finite(s
     result = wait_op(rt.get_training_operation_result, name, op["operationId"])
     assert all(math.isfinite(x) for out in result["operationResult"]["forward"]["lossFnOutputs"] for x in out["logprobs"]["data"])
     sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("kind", ["saveState", "saveWeights"])
+def test_a_save_description_the_model_package_cannot_hold_is_refused_naming_it(sm, rt, emulator, kind):
+    """A save's description becomes the package's ModelPackageDescription; a NUL, a lone surrogate or a newline was
+    stored, and then (strict mode) DescribeModelPackage and ListModelPackages were a 500 on the emulator's own answer."""
+    name = _name()
+    new_session(sm, name)
+    _, raw_rt = clients(emulator.url, validate=False)
+    for seq, description in enumerate(["a\x00b", "\ud800", "two\nlines"], start=1):
+        with pytest.raises(ClientError) as err:
+            raw_rt.execute_training_operation(
+                trainingSessionName=name, sequenceNumber=seq, operationConfig={kind: {"description": description}}
+            )
+        assert _code(err) == ("ValidationException", 400) and f"operationConfig.{kind}.description'" in str(err.value)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=4, operationConfig={kind: {"description": "fine: é, 10%"}})
+    arn = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"][kind]["modelPackageArn"]
+    assert sm.describe_model_package(ModelPackageName=arn)["ModelPackageDescription"] == "fine: é, 10%"
+    assert arn in {p["ModelPackageArn"] for p in sm.list_model_packages(SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]}
+    sm.stop_training_session(TrainingSessionName=name)

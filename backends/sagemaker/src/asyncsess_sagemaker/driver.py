@@ -448,8 +448,12 @@ class SageMakerBackend(Backend):
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
         """Refuse at once, as mock:// and local:// do, a ``load_state`` path that is no model package version ARN, or a
-        package this client saved as sampler weights (the service refuses to load them) or deleted. Refused by the
-        service after numbering, the op would poison the training client for good."""
+        package this client saved as sampler weights (the service refuses to load them) or deleted, an optimizer step
+        past the service's limits (a learning rate above 0.01), and a save whose description the service cannot store
+        as a model package description (a newline, say). Refused after numbering, the op would poison the training
+        client for good."""
+        if isinstance(op, (OptimStepOp, SaveStateOp, SaveWeightsOp)):  # cheap to build (datums are checked when numbered)
+            _check_config(self._operation_config(op), _OPERATION_CONFIG, check_operation_config)
         if not isinstance(op, LoadStateOp):
             return
         self._require_package_arn(op.path, "path")
