@@ -310,14 +310,16 @@ def _call(client: httpx.Client, op_name: str, body: dict[str, Any]) -> httpx.Res
 
 
 def _state(client: httpx.Client) -> list[Any]:
-    """What the List and Describe operations show."""
+    """What the List and Describe operations show (strict: each answer is checked against the model)."""
     reads = [
         ("ListTrainingSessions", {"MaxResults": 100}),
         ("ListModelPackageGroups", {"MaxResults": 100}),
         ("ListModelPackages", {"MaxResults": 100}),
         ("DescribeTrainingSession", {"TrainingSessionName": SESSION}),
     ]
-    return [_call(client, op, body).json() for op, body in reads]
+    answers = [_call(client, op, body) for op, body in reads]
+    assert [a.status_code for a in answers] == [200] * len(reads), [a.text[:300] for a in answers if a.status_code != 200]
+    return [a.json() for a in answers]
 
 
 def _is_shape_refusal(response: httpx.Response) -> bool:
@@ -344,6 +346,10 @@ def test_edge_values_of_every_member_are_refused_naming_it_or_taken(world, op_na
                 failures.append(f"{case}: refused for its shape: {answer['Message'][:200]}")
             if response.status_code == 200:
                 before = _state(client)
+                if op_name.startswith("Create"):  # what was taken describes (strict: as the model says)
+                    described = _call(client, op_name.replace("Create", "Describe"), {k: case.body[k] for k in list(case.body)[:1]})
+                    if described.status_code != 200:
+                        failures.append(f"{case}: created, then Describe answered {described.status_code} {described.text[:200]}")
             elif (after := _state(client)) != before:
                 failures.append(f"{case}: refused ({answer.get('__type')}) but the state changed")
                 before = after
