@@ -1033,3 +1033,27 @@ def test_a_save_description_the_model_package_cannot_hold_is_refused_naming_it(s
     assert sm.describe_model_package(ModelPackageName=arn)["ModelPackageDescription"] == "fine: é, 10%"
     assert arn in {p["ModelPackageArn"] for p in sm.list_model_packages(SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]}
     sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_client_token_reused_with_another_request_is_refused_and_its_number_is_used_up(sm, rt, emulator):
+    """A token reused with other parameters under a new sequence number was refused without taking that number, so
+    the next number waited for it: the session was Blocked until the gap timeout failed it."""
+    name = _name()
+    new_session(sm, name)
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="tok", operationConfig=fb([1, 40, 41]))
+    for seq, config in [(2, fb([1, 40, 41])), (3, OPTIM)]:  # the same request under another number; another request
+        with pytest.raises(ClientError) as err:
+            rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, clientToken="tok", operationConfig=config)
+        assert _code(err) == ("ValidationException", 400) and "different parameters" in str(err.value)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=4, clientToken="next", operationConfig=OPTIM)
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    assert wait_op(rt.get_training_operation_result, name, first["operationId"])["status"] == "Completed"
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 4
+    other = _name()  # the token is the session's own: another session's same token is another op
+    new_session(sm, other)
+    again = rt.execute_training_operation(trainingSessionName=other, sequenceNumber=1, clientToken="tok", operationConfig=OPTIM)
+    assert again["operationId"] != first["operationId"]
+    assert wait_op(rt.get_training_operation_result, other, again["operationId"])["status"] == "Completed"
+    sm.stop_training_session(TrainingSessionName=name)
+    sm.stop_training_session(TrainingSessionName=other)

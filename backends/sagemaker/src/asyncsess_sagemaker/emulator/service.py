@@ -481,6 +481,7 @@ class EmulatedService:
         if token is not None and token in sess.by_token:
             op = sess.by_token[token]
             if op.seq != seq or op.config != config:
+                self._use_up(sess, seq)  # a refusal all the same: a new number is taken, so the next ones do not wait
                 raise AwsError.validation(f"Client token {token} was already used with different parameters")
             return {"operationId": op.id}
         if seq in sess.by_seq:
