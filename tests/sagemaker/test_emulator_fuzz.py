@@ -1,4 +1,4 @@
-"""Hostile input on the emulator's control plane, generated from botocore's own service model.
+"""Hostile input on the emulator, generated from botocore's own service models.
 
 For every operation the emulator serves and every member of its input (nested ones included), the test sends
 each constraint's boundary and one past it (length, value, enum, pattern), wrong JSON types, NUL, a lone
@@ -6,18 +6,22 @@ surrogate, a 100k-character string and odd timestamps, raw over HTTP (boto3 woul
 A value that breaks a constraint must be a ValidationException naming the member; a value inside the constraints
 must not be refused for its shape; nothing may be a 5xx or hang, and a refusal changes nothing the List and
 Describe operations show. Expectations come from the model and an oracle written here, not from the emulator.
+The runtime's JSON operations get the same edge values (each kind of operation in turn) and the same verdicts, less
+the state check: a refused training op uses up its sequence number by design.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import sys
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -25,10 +29,10 @@ from botocore.model import Shape
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
 from asyncsess_sagemaker.emulator.app import CONTROL_OPERATIONS
-from asyncsess_sagemaker.service_models import CONTROL, operation, runtime_model
+from asyncsess_sagemaker.service_models import CONTROL, RUNTIME, control_model, operation, runtime_model
 from asyncsess_sagemaker.shape_check import _regex, java_regex
 
-from .helpers import ROLE, clients, hub_arn, wait_op
+from .helpers import ROLE, ce_datum, clients, hub_arn, new_session, wait_op
 
 pytestmark = pytest.mark.sagemaker
 
@@ -57,8 +61,13 @@ SAMPLES = {
     "HubContentName": "no-such-model",
     "DocumentSchemaVersion": "2.4.0",
     "HubContentVersion": "1.0.0",
+    "ClientToken": "token-1",  # the runtime's
 }
 
+
+# A runtime string the service stores as a control-plane member is held to that member's constraints too: a save's
+# description becomes the model package's ModelPackageDescription (EntityDescription).
+STORED_AS = {"SaveStateConfigDescriptionString": "EntityDescription", "SaveWeightsConfigDescriptionString": "EntityDescription"}
 
 # ------------------------------------------------------------------------------------------------- the oracle
 
@@ -109,10 +118,12 @@ def sample(shape: Shape) -> Any:
     if kind == "list":
         return [sample(shape.member)] * max(shape.metadata.get("min", 0), 1)  # type: ignore[attr-defined]
     if kind == "string":
-        return shape.enum[0] if shape.enum else SAMPLES[shape.name]  # type: ignore[attr-defined]
+        return shape.enum[0] if shape.enum else SAMPLES[shape.name] if shape.metadata.get("pattern") else "x"  # type: ignore[attr-defined]
     if kind in ("integer", "long"):
         return max(shape.metadata.get("min", 1), 1)
-    return {"boolean": True, "timestamp": 1_700_000_000}[kind]
+    if kind in ("double", "float"):
+        return shape.metadata.get("max", 0.5)
+    return {"boolean": True, "timestamp": 1_700_000_000, "map": {}}[kind]
 
 
 # ---------------------------------------------------------------------------------------------- edge values
@@ -125,8 +136,11 @@ WRONG_TYPES = {
     "timestamp": [True, [], {}, "", "not-a-date", "2024-13-01T00:00:00Z"],
     "structure": ["x", 5, []],
     "list": ["x", 5, {}],
+    "map": ["x", 5, []],
+    "double": ["1", True, [], {}],
 }
 WRONG_TYPES["long"] = WRONG_TYPES["integer"]
+WRONG_TYPES["float"] = WRONG_TYPES["double"]
 
 
 def _fit(current: str, n: int, shape: Shape) -> str:
@@ -140,7 +154,8 @@ def _fit(current: str, n: int, shape: Shape) -> str:
 def _string_edges(shape: Shape, current: str) -> Iterator[tuple[Any, str]]:
     if shape.enum:  # type: ignore[attr-defined]
         yield from ((v, TAKEN) for v in shape.enum)  # type: ignore[attr-defined]
-        yield from ((v, REFUSED) for v in ("Bogus", shape.enum[0].lower(), shape.enum[0] + " ", ""))  # type: ignore[attr-defined]
+        odd = ("Bogus", shape.enum[0].lower(), shape.enum[0].upper(), shape.enum[0] + " ", "")  # type: ignore[attr-defined]
+        yield from ((v, REFUSED) for v in odd if v not in shape.enum)  # type: ignore[attr-defined]
         return
     lo, hi = shape.metadata.get("min", 0), shape.metadata.get("max")
     lengths = {lo, lo - 1} | ({hi, hi + 1} if hi is not None else set())
@@ -148,13 +163,18 @@ def _string_edges(shape: Shape, current: str) -> Iterator[tuple[Any, str]]:
     values += ["", "\x00", current + "\x00", "\ud800", current + "\udfff", "a" * 100_000, " " + current, current + "\n", "é"]
     values += [current.translate(str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩"))]  # digits Java's \d does not take
     values += [current.replace("-", "\u2028"), current + "\U0001d400"]  # a line separator; an astral letter
-    yield from ((v, TAKEN if _string_ok(shape, v) else REFUSED) for v in dict.fromkeys(values))
+    stored = STORED_AS.get(shape.name)
+    for v in dict.fromkeys(values):
+        ok = _string_ok(shape, v) and (stored is None or _string_ok(control_model().shape_for(stored), v))
+        yield v, TAKEN if ok else REFUSED
 
 
 def edges(shape: Shape, current: Any, required: bool) -> Iterator[tuple[Any, str]]:
     """(value, expectation) for one member whose shape is ``shape`` and whose valid value is ``current``."""
     kind = shape.type_name
     yield None, REFUSED if required else TAKEN
+    if shape.metadata.get("document"):  # any JSON value
+        return
     yield from ((v, REFUSED) for v in WRONG_TYPES[kind])
     if kind == "string":
         yield from _string_edges(shape, current)
@@ -164,12 +184,24 @@ def edges(shape: Shape, current: Any, required: bool) -> Iterator[tuple[Any, str
         values |= {b + d for b in (lo, hi) if b is not None for d in (-1, 0, 1)}
         yield from ((v, TAKEN if _number_ok(shape, v) else REFUSED) for v in sorted(values))
         yield 1.0, ANY  # a JSON number with a fraction part of zero
+    elif kind in ("double", "float"):
+        lo, hi = shape.metadata.get("min"), shape.metadata.get("max")
+        yield from ((v, REFUSED) for v in (float("nan"), float("inf"), float("-inf"), 10**400))
+        values = {0, -0.0, 5e-324, -5e-324, 1e308, -1e308, 1}
+        values |= {v for b in (lo, hi) if b is not None for v in (b, math.nextafter(b, -math.inf), math.nextafter(b, math.inf))}
+        yield from ((v, TAKEN if (lo is None or v >= lo) and (hi is None or v <= hi) else REFUSED) for v in sorted(values))
+    elif kind == "map":
+        yield {}, TAKEN if shape.metadata.get("min", 0) == 0 else REFUSED
     elif kind == "boolean":
         yield from ((v, TAKEN) for v in (True, False))
     elif kind == "timestamp":
         yield from ((v, TAKEN) for v in (0, -0.0, 5e-324, 1_700_000_000.5, "2024-01-01T00:00:00Z", "2024-01-01", "0001-01-01T00:00:00"))
         yield from ((v, REFUSED) for v in (float("nan"), float("inf"), float("-inf"), 10**400))  # 10**400: past the floats
         yield from ((v, ANY) for v in (2**63, -(2**63) - 1, 1e308, "9999-12-31T23:59:59-23:59"))
+    elif kind == "structure" and shape.metadata.get("union"):  # exactly one member
+        yield {}, REFUSED
+        other = next(name for name in shape.members if name not in current)  # type: ignore[attr-defined]
+        yield {**current, other: {}}, REFUSED
     elif kind == "structure":
         yield {}, REFUSED if shape.required_members else TAKEN  # type: ignore[attr-defined]
         yield {**current, "NotAMember": 1}, ANY
@@ -197,8 +229,11 @@ class Case:
 
 
 def _members(shape: Shape, value: dict[str, Any], path: str) -> Iterator[tuple[str, list[Any], Shape, Any, bool]]:
-    """(path, keys, member shape, current value, required) of every member under ``shape``, depth first."""
+    """(path, keys, member shape, current value, required) of every member under ``shape``, depth first (of a union,
+    the member ``value`` sets)."""
     for name, member in shape.members.items():  # type: ignore[attr-defined]
+        if shape.metadata.get("union") and name not in value:
+            continue
         current = value.get(name)
         if current is None:
             current = sample(member)
@@ -207,7 +242,7 @@ def _members(shape: Shape, value: dict[str, Any], path: str) -> Iterator[tuple[s
         inner, keys, at = member, [name], where
         if member.type_name == "list" and member.member.type_name == "structure":  # type: ignore[attr-defined]
             inner, current, keys, at = member.member, current[0], [name, 0], f"{where}[0]"  # type: ignore[attr-defined]
-        if inner.type_name == "structure":
+        if inner.type_name == "structure" and not inner.metadata.get("document"):
             for sub, subkeys, sub_shape, sub_current, req in _members(inner, current, at):
                 yield sub, keys + subkeys, sub_shape, sub_current, req
 
@@ -231,10 +266,10 @@ def _set(body: dict[str, Any], keys: list[Any], value: Any, shape: Shape) -> dic
     return out
 
 
-def cases(op_name: str, base: dict[str, Any]) -> list[Case]:
+def cases(op_name: str, base: dict[str, Any], service: str = CONTROL) -> list[Case]:
     """Every edge value of every member; a Create names a new resource in each case (else all but the first taken
     one would be refused as a duplicate, hiding whether the value itself is taken)."""
-    shape = operation(CONTROL, op_name).input_shape
+    shape = operation(service, op_name).input_shape
     out = [Case("", base, TAKEN, None), Case("NotAMember", base | {"NotAMember": 1}, ANY, 1)]
     for path, keys, member, current, required in _members(shape, base, ""):
         for value, expect in edges(member, current, required):
@@ -259,7 +294,9 @@ class World:
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
     """An emulator (strict answers) with one Running session that saved one package into one group."""
-    with running_emulator("mock://", EmulatorConfig(check_responses=True, startup_s=0.0, stop_s=0.0)) as emu:
+    with running_emulator(
+        "mock://", EmulatorConfig(check_responses=True, startup_s=0.0, stop_s=0.0, sample_max_tokens=2, gap_timeout_s=3600.0)
+    ) as emu:
         sm, rt = clients(emu.url)
         group_arn = sm.create_model_package_group(ModelPackageGroupName=GROUP)["ModelPackageGroupArn"]
         sm.create_training_session(
@@ -439,3 +476,103 @@ def test_a_unicode_category_class_takes_exactly_its_code_points():
 def test_java_patterns_read_as_java_reads_them(pattern, value, matches):
     rx = _regex(pattern)
     assert rx is not None and (rx.fullmatch(value) is not None) == matches
+
+
+# ---------------------------------------------------------------------------------------------------- runtime
+
+RUNTIME_OPS = ("ExecuteTrainingOperation", "ExecuteSamplingOperation", "GetTrainingOperationResult", "GetSamplingOperationResult")
+# the model's own constraints, as shape_check words them (the service's prose rules are worded otherwise)
+_MODEL_CONSTRAINT = re.compile(
+    r"Member must (have (length|value)|satisfy|not be null|set exactly one|be an? (string|object|list|map|integer|number|finite number"
+    r"|boolean|blob|timestamp)\b|be a (32|64)-bit integer)|Member is not part of"
+)
+PROMPT = {"chunks": [{"tokens": [1, 40], "type": "encoded_text"}]}
+
+
+def _branches(package: str) -> dict[str, dict[str, Any]]:
+    """A body each union member (operation kind) takes."""
+    datums = {"lossFnName": "cross_entropy", "datumList": [ce_datum([1, 40, 41])]}
+    return {
+        "forward": datums,
+        "forwardBackward": datums,
+        "optimizerStep": {"adamParamsConfig": {"learningRate": 0.001}},
+        "saveWeights": {"description": "w"},
+        "saveState": {"description": "s"},
+        "loadState": {"modelPackageArn": package, "loadOptimizer": True},
+        "sample": {"prompt": PROMPT, "numSamples": 1, "samplingParams": {"maxTokens": 512}},
+        "computeLogprobs": {"prompt": PROMPT},
+        "loadWeightsForSampling": {"modelPackageArn": package},
+    }
+
+
+def _runtime_cases(op_name: str, session: str, op_ids: dict[str, str], package: str) -> list[Case]:
+    union = {"ExecuteTrainingOperation": "OperationConfig", "ExecuteSamplingOperation": "SampleOperationConfig"}.get(op_name)
+    if union is None:
+        kind = "training" if "Training" in op_name else "sampling"
+        return cases(op_name, {"trainingSessionName": session, "operationId": op_ids[kind]}, RUNTIME)
+    base = {"trainingSessionName": session, "sequenceNumber": 1} if "Training" in op_name else {"trainingSessionName": session}
+    members = runtime_model().shape_for(union).members  # type: ignore[attr-defined]
+    out = []
+    for kind in members:
+        out += cases(op_name, base | {"operationConfig": {kind: _branches(package)[kind]}}, RUNTIME)
+    return out
+
+
+def _runtime_call(client: httpx.Client, op_name: str, body: dict[str, Any]) -> httpx.Response | None:
+    """The request on its route (path members in the URI; None: a value no URI can carry)."""
+    model = runtime_model().operation_model(op_name)
+    uri, rest = model.http["requestUri"], dict(body)
+    for name, member in model.input_shape.members.items():
+        if member.serialization.get("location") == "uri":
+            value = rest.pop(name, None)
+            if not isinstance(value, str) or value in ("", ".", "..") or "/" in value or len(value) > 2000:
+                return None
+            try:
+                uri = uri.replace("{" + name + "}", quote(value, safe=""))
+            except UnicodeEncodeError:  # a lone surrogate
+                return None
+    if model.http["method"] == "GET":
+        return client.get(uri) if not rest else None
+    return client.post(uri, content=json.dumps(rest), headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("op_name", RUNTIME_OPS)
+def test_runtime_edge_values_of_every_member_are_refused_naming_it_or_taken(world, op_name):
+    """As the control-plane test, on the runtime's JSON operations (the chat's are a payload; tested on their own)."""
+    failures = []
+    sm, rt = clients(world.emu.url)
+    with httpx.Client(base_url=world.emu.url, timeout=30.0) as client:
+        session, seq = _runtime_session(sm, op_name), 1
+        op_ids = _runtime_ops(rt, session)
+        for case in _runtime_cases(op_name, session, op_ids, world.package):
+            body = dict(case.body)
+            if "sequenceNumber" in body and case.path != "sequenceNumber":
+                seq += 1
+                body["sequenceNumber"] = seq
+            response = _runtime_call(client, op_name, body)
+            if response is None:
+                continue
+            kind = response.headers.get("x-amzn-errortype", "").partition(":")[0]
+            message = response.json().get("message", "") if response.status_code != 200 else ""
+            if response.status_code >= 500:
+                failures.append(f"{case}: {response.status_code} {response.text[:200]}")
+            elif case.expect == REFUSED and not (
+                response.status_code == 400 and kind == "ValidationException" and f"'{case.path}" in message
+            ):
+                failures.append(f"{case}: answered {response.status_code} {kind} {message[:200]}")
+            elif case.expect == TAKEN and f"'{case.path}'" in message and _MODEL_CONSTRAINT.search(message):
+                failures.append(f"{case}: refused for its shape: {message[:200]}")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
+
+
+def _runtime_session(sm: Any, op_name: str) -> str:
+    name = f"fuzz-rt-{RUNTIME_OPS.index(op_name)}"
+    new_session(sm, name)
+    return name
+
+
+def _runtime_ops(rt: Any, session: str) -> dict[str, str]:
+    """One training and one sampling operation of ``session``, for the Get*OperationResult bases."""
+    training = rt.execute_training_operation(trainingSessionName=session, sequenceNumber=1, operationConfig={"saveState": {}})
+    sampling = rt.execute_sampling_operation(trainingSessionName=session, operationConfig={"computeLogprobs": {"prompt": PROMPT}})
+    return {"training": training["operationId"], "sampling": sampling["operationId"]}
