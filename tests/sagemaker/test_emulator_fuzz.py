@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from botocore.exceptions import ClientError
 from botocore.model import Shape
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, RunningEmulator, running_emulator
@@ -539,19 +540,20 @@ def _runtime_call(client: httpx.Client, op_name: str, body: dict[str, Any]) -> h
 @pytest.mark.parametrize("op_name", RUNTIME_OPS)
 def test_runtime_edge_values_of_every_member_are_refused_naming_it_or_taken(world, op_name):
     """As the control-plane test, on the runtime's JSON operations (the chat's are a payload; tested on their own)."""
-    failures = []
+    failures, taken = [], []
     sm, rt = clients(world.emu.url)
     with httpx.Client(base_url=world.emu.url, timeout=30.0) as client:
         session, seq = _runtime_session(sm, op_name), 1
         op_ids = _runtime_ops(rt, session)
         for case in _runtime_cases(op_name, session, op_ids, world.package):
             body = dict(case.body)
-            if "sequenceNumber" in body and case.path != "sequenceNumber":
-                seq += 1
-                body["sequenceNumber"] = seq
+            numbered = "sequenceNumber" in body and case.path not in ("sequenceNumber", "trainingSessionName")
+            if numbered:  # the session's next number (one that goes elsewhere or nowhere would leave a gap)
+                body["sequenceNumber"] = seq + 1
             response = _runtime_call(client, op_name, body)
             if response is None:
                 continue
+            seq += numbered
             kind = response.headers.get("x-amzn-errortype", "").partition(":")[0]
             message = response.json().get("message", "") if response.status_code != 200 else ""
             if response.status_code >= 500:
@@ -562,6 +564,14 @@ def test_runtime_edge_values_of_every_member_are_refused_naming_it_or_taken(worl
                 failures.append(f"{case}: answered {response.status_code} {kind} {message[:200]}")
             elif case.expect == TAKEN and f"'{case.path}'" in message and _MODEL_CONSTRAINT.search(message):
                 failures.append(f"{case}: refused for its shape: {message[:200]}")
+            if response.status_code == 200 and op_name.startswith("Execute") and case.path != "sequenceNumber":
+                taken.append((case, response.json()["operationId"]))
+        get = rt.get_training_operation_result if "Training" in op_name else rt.get_sampling_operation_result
+        for case, op_id in taken:  # each taken op's result answers (strict: as the model says)
+            try:
+                wait_op(get, session, op_id)
+            except ClientError as err:
+                failures.append(f"{case}: taken, then its result was {err.response['Error']}")
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
 
 
