@@ -277,3 +277,33 @@ def test_cli_mounts_an_emulate_command():
     result = CliRunner().invoke(app, ["emulate", "--help"])
     assert result.exit_code == 0
     assert "--backend" in result.output and "--port" in result.output
+
+
+@pytest.mark.parametrize("description", ["two\nlines", "tab\there"])
+async def test_a_save_description_the_service_cannot_store_is_refused_at_once_and_the_client_goes_on(emulator, description):
+    """The description becomes the package's ModelPackageDescription, whose pattern takes no control characters: the
+    emulator stored it and then answered DescribeModelPackage and ListModelPackages with a 500 (strict mode)."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        with pytest.raises(InvalidInputError) as err:
+            await tc.save_state(description=description)
+        assert err.value.field == "operationConfig.saveState.description"
+        with pytest.raises(InvalidInputError):
+            await tc.save_weights_for_sampler(description=description)
+        assert emulator.session_state(tc.model_id)["operations"] == {}  # nothing was sent
+        saved = await tc.save_state(description="fine: é, 10% — ok")
+        assert saved.path.startswith("arn:aws:sagemaker:")
+
+
+async def test_an_optimizer_step_past_the_service_s_limits_is_refused_at_once_and_the_client_goes_on(emulator):
+    """learning_rate 0.5 (SageMaker's maximum is 0.01) was refused after the op took its number, which poisoned the
+    training client: the next, valid optim_step was a PoisonedError."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        with pytest.raises(InvalidInputError) as err:
+            await tc.optim_step(AdamParams(learning_rate=0.5))
+        assert "learningRate" in (err.value.field or "")
+        await tc.forward_backward(BATCH, "cross_entropy")
+        step = await tc.optim_step(AdamParams(learning_rate=0.001))
+        assert step is not None
+        assert [op["status"] for op in emulator.session_state(tc.model_id)["operations"].values()] == ["Completed", "Completed"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import time
 import uuid
 
@@ -895,3 +896,164 @@ def test_a_next_token_the_service_did_not_return_is_a_validation_exception(sm, e
     assert not {s["TrainingSessionArn"] for s in first["TrainingSessionSummaries"]} & {
         s["TrainingSessionArn"] for s in rest["TrainingSessionSummaries"]
     }
+
+
+def test_describe_hub_content_answers_only_the_version_type_and_hub_asked_for(sm, emulator):
+    """HubContentVersion and HubContentType were ignored (version 9.9.9 of a Notebook was answered as the model's
+    1.0.0), and the public hub named by its ARN was not found; another region's hub ARN is another hub."""
+    model = hub_arn(sm).split("/")[-2]
+    hub = f"arn:aws:sagemaker:{emulator.config.region}:aws:hub/SageMakerPublicHub"
+    asked = {"HubName": "SageMakerPublicHub", "HubContentType": "Model", "HubContentName": model}
+    assert sm.describe_hub_content(**asked, HubContentVersion="1.0.0")["HubContentVersion"] == "1.0.0"
+    assert sm.describe_hub_content(**(asked | {"HubName": hub}))["HubContentName"] == model
+    by_arn = sm.list_hub_contents(HubName=hub, HubContentType="Model")["HubContentSummaries"]
+    assert by_arn and by_arn == sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model")["HubContentSummaries"]
+    for change in [
+        {"HubContentVersion": "9.9.9"},
+        {"HubContentType": "Notebook"},
+        {"HubName": hub.replace(emulator.config.region, "eu-west-1")},
+    ]:
+        with pytest.raises(ClientError) as err:
+            sm.describe_hub_content(**(asked | change))
+        assert _code(err) == ("ResourceNotFound", 400), change
+    assert (
+        sm.list_hub_contents(HubName=hub.replace(emulator.config.region, "eu-west-1"), HubContentType="Model")["HubContentSummaries"] == []
+    )
+
+
+def test_a_next_token_of_another_list_operation_is_a_validation_exception(sm, emulator):
+    """Tokens were bare row offsets, so ListModelPackageGroups' token was read as an offset into ListTrainingSessions."""
+    for _ in range(3):
+        new_session(sm, _name())
+        sm.create_model_package_group(ModelPackageGroupName=f"g{uuid.uuid4().hex[:8]}")
+    groups_token = sm.list_model_package_groups(MaxResults=1)["NextToken"]
+    sessions_token = sm.list_training_sessions(MaxResults=1)["NextToken"]
+    for call, token in [
+        (sm.list_training_sessions, groups_token),
+        (sm.list_model_package_groups, sessions_token),
+        (sm.list_model_packages, groups_token),
+        (lambda **kw: sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model", **kw), sessions_token),
+    ]:
+        with pytest.raises(ClientError, match="NextToken") as err:
+            call(NextToken=token)
+        assert _code(err) == ("ValidationException", 400)
+    assert sm.list_training_sessions(NextToken=sessions_token, MaxResults=1)["TrainingSessionSummaries"]
+
+
+@pytest.mark.parametrize(
+    ("tags", "says"),
+    [
+        ([{"Key": "team", "Value": "a"}, {"Key": "team", "Value": "b"}], "Tags[1].Key"),
+        ([{"Key": "aws:cloudformation:stack-name", "Value": "x"}], "reserved"),
+        ([{"Key": "AWS:owner", "Value": "x"}], "reserved"),
+    ],
+)
+def test_tags_with_a_duplicate_key_or_the_aws_prefix_are_refused_and_create_nothing(sm, emulator, tags, says):
+    """Both were taken: DescribeTrainingSession then answered the duplicate keys as given."""
+    name, group = _name(), f"g{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ClientError) as err:
+        sm.create_training_session(
+            TrainingSessionName=name,
+            LoraConfig={"Rank": 8, "Alpha": 16},
+            RoleArn=ROLE,
+            ModelConfig={"BaseModelArn": hub_arn(sm)},
+            OutputConfig={"S3Location": {"Path": "s3://bucket/out"}},
+            Tags=tags,
+        )
+    assert _code(err) == ("ValidationException", 400) and says in err.value.response["Error"]["Message"]
+    with pytest.raises(ClientError) as err:
+        sm.create_model_package_group(ModelPackageGroupName=group, Tags=tags)
+    assert _code(err) == ("ValidationException", 400) and says in err.value.response["Error"]["Message"]
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.describe_training_session(TrainingSessionName=name)
+    assert group not in {g["ModelPackageGroupName"] for g in sm.list_model_package_groups()["ModelPackageGroupSummaryList"]}
+    sm.create_model_package_group(ModelPackageGroupName=group, Tags=[{"Key": "team", "Value": "a"}, {"Key": "Team", "Value": "b"}])
+    sm.delete_model_package_group(ModelPackageGroupName=group)  # keys differing in case are distinct keys
+
+
+def test_a_model_package_of_another_account_or_region_is_not_this_account_s(sm, rt, emulator):
+    """Describe, Delete and ListModelPackages by an ARN that differs from this account's package only in account or
+    region find nothing, and the package stays."""
+    group = f"g{uuid.uuid4().hex[:8]}"
+    group_arn = sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"]
+    name = _name()
+    _start_in_group(sm, name, group_arn)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+    package = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+    region, account = emulator.config.region, emulator.config.account_id
+    for other in (package.replace(account, "999999999999"), package.replace(region, "eu-west-1")):
+        for call in (sm.describe_model_package, sm.delete_model_package):
+            with pytest.raises(ClientError) as err:
+                call(ModelPackageName=other)
+            assert _code(err) == ("ValidationException", 400) and "does not exist" in str(err.value)
+    for other in (group_arn.replace(account, "999999999999"), group_arn.replace(region, "eu-west-1")):
+        with pytest.raises(ClientError) as err:
+            sm.list_model_packages(ModelPackageGroupName=other)
+        assert _code(err) == ("ValidationException", 400)
+    assert [p["ModelPackageArn"] for p in sm.list_model_packages(ModelPackageGroupName=group_arn)["ModelPackageSummaryList"]] == [package]
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("member", ["learningRate", "beta1", "beta2", "eps", "weightDecay", "gradClipNorm", "loraPlusLrRatio"])
+def test_a_nan_adam_parameter_is_refused_naming_it_and_the_weights_stay_finite(sm, rt, emulator, member):
+    """NaN slipped past every min/max: the step ran, and with NaN learningRate, beta1, beta2, eps or weightDecay the
+    weights were NaN for good (every later forward's GetTrainingOperationResult was a 500 'Out of range float')."""
+    name = _name()
+    new_session(sm, name)
+    adam = ", ".join(f'"{k}": {v}' for k, v in ({"learningRate": "0.001"} | {member: "NaN"}).items())
+    raw = f'{{"sequenceNumber": 1, "operationConfig": {{"optimizerStep": {{"adamParamsConfig": {{{adam}}}}}}}}}'
+    r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/operations", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and f"adamParamsConfig.{member}'" in r.json()["message"], r.text[:300]
+    rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, operationConfig=fb([1, 40, 41]))
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, operationConfig=OPTIM)
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    op = rt.execute_training_operation(
+        trainingSessionName=name, sequenceNumber=4, operationConfig={"forward": fb([1, 40, 41])["forwardBackward"]}
+    )
+    result = wait_op(rt.get_training_operation_result, name, op["operationId"])
+    assert all(math.isfinite(x) for out in result["operationResult"]["forward"]["lossFnOutputs"] for x in out["logprobs"]["data"])
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("kind", ["saveState", "saveWeights"])
+def test_a_save_description_the_model_package_cannot_hold_is_refused_naming_it(sm, rt, emulator, kind):
+    """A save's description becomes the package's ModelPackageDescription; a NUL, a lone surrogate or a newline was
+    stored, and then (strict mode) DescribeModelPackage and ListModelPackages were a 500 on the emulator's own answer."""
+    name = _name()
+    new_session(sm, name)
+    _, raw_rt = clients(emulator.url, validate=False)
+    for seq, description in enumerate(["a\x00b", "\ud800", "two\nlines"], start=1):
+        with pytest.raises(ClientError) as err:
+            raw_rt.execute_training_operation(
+                trainingSessionName=name, sequenceNumber=seq, operationConfig={kind: {"description": description}}
+            )
+        assert _code(err) == ("ValidationException", 400) and f"operationConfig.{kind}.description'" in str(err.value)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=4, operationConfig={kind: {"description": "fine: é, 10%"}})
+    arn = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"][kind]["modelPackageArn"]
+    assert sm.describe_model_package(ModelPackageName=arn)["ModelPackageDescription"] == "fine: é, 10%"
+    assert arn in {p["ModelPackageArn"] for p in sm.list_model_packages(SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]}
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_client_token_reused_with_another_request_is_refused_and_its_number_is_used_up(sm, rt, emulator):
+    """A token reused with other parameters under a new sequence number was refused without taking that number, so
+    the next number waited for it: the session was Blocked until the gap timeout failed it."""
+    name = _name()
+    new_session(sm, name)
+    first = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, clientToken="tok", operationConfig=fb([1, 40, 41]))
+    for seq, config in [(2, fb([1, 40, 41])), (3, OPTIM)]:  # the same request under another number; another request
+        with pytest.raises(ClientError) as err:
+            rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, clientToken="tok", operationConfig=config)
+        assert _code(err) == ("ValidationException", 400) and "different parameters" in str(err.value)
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=4, clientToken="next", operationConfig=OPTIM)
+    assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    assert wait_op(rt.get_training_operation_result, name, first["operationId"])["status"] == "Completed"
+    detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 4
+    other = _name()  # the token is the session's own: another session's same token is another op
+    new_session(sm, other)
+    again = rt.execute_training_operation(trainingSessionName=other, sequenceNumber=1, clientToken="tok", operationConfig=OPTIM)
+    assert again["operationId"] != first["operationId"]
+    assert wait_op(rt.get_training_operation_result, other, again["operationId"])["status"] == "Completed"
+    sm.stop_training_session(TrainingSessionName=name)
+    sm.stop_training_session(TrainingSessionName=other)

@@ -463,9 +463,10 @@ class SageMakerBackend(Backend):
 
     def precheck(self, session_id: str, op: TrainingOp) -> None:
         """Refuse at once, before the op takes its number, what the service would refuse after: the service model's
-        limits, token ids and lengths past what the base model's hub document publishes (``VocabSize``,
-        ``MaxContextLength``), a ``load_state`` path that is no model package version ARN, or a package this client
-        saved as sampler weights (the service refuses to load them) or deleted."""
+        limits (a learning rate above 0.01, a save description a model package cannot hold, ...), token ids and lengths
+        past what the base model's hub document publishes (``VocabSize``, ``MaxContextLength``), a ``load_state`` path
+        that is no model package version ARN, or a package this client saved as sampler weights (the service refuses to
+        load them) or deleted. Refused after numbering, the op would poison the training client for good."""
         sess = self._sessions.get(session_id)
         if sess is not None:
             self._checked_config(sess, op)

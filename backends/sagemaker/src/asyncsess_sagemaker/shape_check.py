@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+import unicodedata
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
+from datetime import datetime, timezone
+from functools import cache, lru_cache
 from typing import Any
 
 from botocore.model import Shape
 
-__all__ = ["ShapeError", "check_shape", "INTEGER_RANGE"]
+__all__ = ["ShapeError", "check_shape", "epoch_seconds", "java_regex", "INTEGER_RANGE"]
 
 # Smithy's integer is 32-bit and long 64-bit: the service cannot read a larger number into the member.
 INTEGER_RANGE = {"integer": (-(2**31), 2**31 - 1), "long": (-(2**63), 2**63 - 1)}
@@ -41,9 +43,58 @@ class ShapeError(Exception):
 @lru_cache(maxsize=256)
 def _regex(pattern: str) -> re.Pattern[str] | None:
     try:
-        return re.compile(pattern)
-    except re.error:  # Java-only syntax such as \p{L}: not checkable with ``re``
+        return re.compile(java_regex(pattern), re.ASCII)  # Java's \d, \w and \s are ASCII-only, as re.ASCII makes them
+    except (re.error, KeyError):  # syntax the translation does not cover (none in the served operations' inputs)
         return None
+
+
+_PROPERTY = re.compile(r"\\([pP])\{(\w+)\}")
+_JAVA_DOT = r"[^\n\r\x85\u2028\u2029]"  # Java's '.' stops at every line terminator, Python's at \n only
+
+
+def java_regex(pattern: str) -> str:
+    """A service-model (Java) regex as Python's ``re`` (with ``re.ASCII``) reads it the same way: ``\\p{L}``-style
+    Unicode general categories (and ``\\p{Alnum}``) become the code point ranges they name, ``.`` stops at
+    Java's line terminators. Raises KeyError for a property it does not know."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        prop = _PROPERTY.match(pattern, i)
+        if prop:
+            negate, ranges = prop[1] == "P", _property_ranges(prop[2])
+            if in_class and negate:
+                raise KeyError(prop[0])
+            out.append(ranges if in_class else f"[{'^' if negate else ''}{ranges}]")
+            i = prop.end()
+            continue
+        char = pattern[i : i + 2] if pattern[i] == "\\" else pattern[i]
+        in_class = (in_class or char == "[") and char != "]"
+        out.append(_JAVA_DOT if char == "." and not in_class else char)
+        i += len(char)
+    return "".join(out)
+
+
+@cache
+def _property_ranges(name: str) -> str:
+    """The class body (``\\U0000xxxx-\\U0000yyyy...``) of a Unicode general category (L, Lu, ...) or of Alnum."""
+    if name == "Alnum":
+        return "a-zA-Z0-9"
+    spans = sorted(span for category, got in _category_spans().items() if category.startswith(name) for span in got)
+    if not spans:
+        raise KeyError(name)
+    return "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in spans)
+
+
+@cache
+def _category_spans() -> dict[str, list[tuple[int, int]]]:
+    """Every general category (Lu, Ll, ...) as spans of code points, from one pass over :mod:`unicodedata`."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for cp in range(sys.maxunicode + 1):
+        got = spans.setdefault(unicodedata.category(chr(cp)), [])
+        if got and got[-1][1] == cp - 1:
+            got[-1] = (got[-1][0], cp)
+        else:
+            got.append((cp, cp))
+    return spans
 
 
 def check_shape(value: Any, shape: Shape | None, path: str = "") -> None:
@@ -126,6 +177,8 @@ def _check(value: Any, shape: Shape, path: str) -> None:
     elif kind in ("double", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ShapeError(path, "Member must be a number", value)
+        if not _is_finite(value):  # JSON has no NaN or Infinity; NaN also slipped past min and max
+            raise ShapeError(path, "Member must be a finite number", value)
         _bounds(value, shape, path, value)
     elif kind == "boolean":
         if not isinstance(value, bool):
@@ -138,15 +191,30 @@ def _check(value: Any, shape: Shape, path: str) -> None:
             raise ShapeError(path, "Member must be a blob", value)
 
 
-def _is_timestamp(value: Any) -> bool:
-    if isinstance(value, datetime):
-        return True
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+def _is_finite(value: float) -> bool:
+    try:
         return math.isfinite(value)
+    except OverflowError:  # an integer literal past the floats
+        return False
+
+
+def _is_timestamp(value: Any) -> bool:
+    try:
+        epoch_seconds(value)
+    except ValueError:
+        return False
+    return True
+
+
+def epoch_seconds(value: Any) -> float:
+    """A timestamp member's value (epoch seconds, an ISO 8601 string: UTC unless it names an offset, or a datetime)
+    as finite epoch seconds; ValueError when it is none."""
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not _is_finite(value):
+            raise ValueError(f"{value} is no time")
+        return float(value)
     if isinstance(value, str):
-        try:
-            datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return False
-        return True
-    return False
+        return epoch_seconds(datetime.fromisoformat(value.replace("Z", "+00:00")))
+    raise ValueError(f"{value!r} is no time")

@@ -27,8 +27,8 @@ from asyncsess.types import (
 from asyncsess.validation import LOSS_CONFIG_KEYS, SAMPLER_LOGPROB_RANGE, all_finite_f32
 
 from .arns import parse_model_package_arn
-from .service_models import RUNTIME, enum_values, runtime_model
-from .shape_check import ShapeError
+from .service_models import CONTROL, RUNTIME, enum_values, operation, runtime_model
+from .shape_check import ShapeError, check_shape
 
 __all__ = [
     "WIRE_LOSSES",
@@ -198,6 +198,10 @@ def check_operation_config(config: dict[str, Any], vocab_size: int | None = None
             )
     elif kind == "loadState":
         _check_package_arn(body["modelPackageArn"], f"{path}.modelPackageArn")
+    elif body.get("description") is not None:  # saveState, saveWeights
+        # it becomes the package's ModelPackageDescription, whose control-plane pattern refuses NUL, newlines, ...
+        member = operation(CONTROL, "DescribeModelPackage").output_shape.members["ModelPackageDescription"]
+        check_shape(body["description"], member, f"{path}.description")
 
 
 def check_sample_config(config: dict[str, Any], vocab_size: int | None = None, context: int | None = None) -> None:

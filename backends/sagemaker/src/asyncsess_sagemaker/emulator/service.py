@@ -44,7 +44,7 @@ from asyncsess.serve.openai_wire import Message, content_pieces, lp_entry, valid
 from asyncsess.types import MAX_SEED, CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
-from ..shape_check import INTEGER_RANGE, ShapeError
+from ..shape_check import INTEGER_RANGE, ShapeError, epoch_seconds
 from ..wire import (
     adam_from_wire,
     check_operation_config,
@@ -135,6 +135,7 @@ class EmulatedService:
         return model
 
     async def create_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_tags(body.get("Tags"))
         name = body["TrainingSessionName"]
         existing = self.sessions.get(name)
         if existing is not None:
@@ -231,9 +232,9 @@ class EmulatedService:
                 continue
             if body.get("StatusEquals") and detail["TrainingSessionStatus"] != body["StatusEquals"]:
                 continue
-            if body.get("CreationTimeAfter") is not None and sess.created <= _epoch(body["CreationTimeAfter"]):
+            if body.get("CreationTimeAfter") is not None and sess.created <= epoch_seconds(body["CreationTimeAfter"]):
                 continue
-            if body.get("CreationTimeBefore") is not None and sess.created >= _epoch(body["CreationTimeBefore"]):
+            if body.get("CreationTimeBefore") is not None and sess.created >= epoch_seconds(body["CreationTimeBefore"]):
                 continue
             rows.append(
                 {
@@ -305,6 +306,7 @@ class EmulatedService:
         return group
 
     async def create_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_tags(body.get("Tags"))
         name = body["ModelPackageGroupName"]
         if name in self.groups:
             raise AwsError("ResourceInUse", f"Model Package Group already exists: {self.groups[name].arn}")
@@ -422,20 +424,29 @@ class EmulatedService:
             "HubContentSearchKeywords": ["@capability:training_session", f"@huggingface-id:{m.model_id.lower()}"],
         }
 
+    def _is_public_hub(self, name_or_arn: str) -> bool:
+        """Whether HubName names this region's public hub, by name or by ARN (another region's is another hub)."""
+        return name_or_arn in (arns.PUBLIC_HUB, self._hub_arn())
+
+    def _hub_arn(self) -> str:
+        return f"arn:aws:sagemaker:{self.config.region}:aws:hub/{arns.PUBLIC_HUB}"
+
     async def list_hub_contents(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body["HubName"] != arns.PUBLIC_HUB or body["HubContentType"] != "Model":
+        if not self._is_public_hub(body["HubName"]) or body["HubContentType"] != "Model":
             return {"HubContentSummaries": []}
         rows = [self._hub_info(m) for m in self.hub.values() if not body.get("NameContains") or body["NameContains"] in m.hub_name]
         return _page(rows, body, "HubContentSummaries")
 
     async def describe_hub_content(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.hub.get(body["HubContentName"])
-        if body["HubName"] != arns.PUBLIC_HUB or m is None:
-            raise AwsError("ResourceNotFound", f"Hub content {body['HubContentName']} not found in hub {body['HubName']}")
+        version, kind = body.get("HubContentVersion"), body["HubContentType"]
+        if not self._is_public_hub(body["HubName"]) or m is None or kind != "Model" or version not in (None, m.version):
+            shown = f"{kind} {body['HubContentName']}" + (f" version {version}" if version else "")
+            raise AwsError("ResourceNotFound", f"Hub content {shown} not found in hub {body['HubName']}")
         info = self._hub_info(m)
         info.update(
             HubName=arns.PUBLIC_HUB,
-            HubArn=f"arn:aws:sagemaker:{self.config.region}:aws:hub/{arns.PUBLIC_HUB}",
+            HubArn=self._hub_arn(),
             HubContentDocument=json.dumps(self._hub_document(m)),
         )
         return info
@@ -478,6 +489,7 @@ class EmulatedService:
         if token is not None and token in sess.by_token:
             op = sess.by_token[token]
             if op.seq != seq or op.config != config:
+                self._use_up(sess, seq)  # a refusal all the same: a new number is taken, so the next ones do not wait
                 raise AwsError.validation(f"Client token {token} was already used with different parameters")
             return {"operationId": op.id}
         if seq in sess.by_seq:
@@ -948,12 +960,16 @@ async def _quietly(awaitable: Any) -> None:
         log.debug("ignored while releasing an engine session: %r", err)
 
 
-def _epoch(value: Any) -> float:
-    if isinstance(value, (int, float)):
-        return float(value)
-    from datetime import datetime
-
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+def _check_tags(tags: list[dict[str, str]] | None) -> None:
+    """A resource's tags (their shape checked) have distinct keys, none in the ``aws:`` prefix AWS keeps for itself."""
+    seen: set[str] = set()
+    for i, tag in enumerate(tags or []):
+        key = tag["Key"]
+        if key in seen:
+            raise AwsError.validation(f"Tags[{i}].Key: {json.dumps(key)[:64]} is given twice; tag keys must be unique")
+        if key.lower().startswith("aws:"):
+            raise AwsError.validation(f"Tags[{i}].Key: {json.dumps(key)[:64]} uses the prefix aws:, which is reserved for AWS")
+        seen.add(key)
 
 
 def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -> list[dict[str, Any]]:
@@ -964,8 +980,8 @@ def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -
         r
         for r in rows
         if (not name or name in r[name_key])
-        and (after is None or r["CreationTime"] > _epoch(after))
-        and (before is None or r["CreationTime"] < _epoch(before))
+        and (after is None or r["CreationTime"] > epoch_seconds(after))
+        and (before is None or r["CreationTime"] < epoch_seconds(before))
     ]
     by_name = body.get("SortBy") == "Name"
     kept.sort(
@@ -977,16 +993,18 @@ def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    """One page of a List* answer; ``NextToken`` is the offset of the next row, as an earlier page returned it (any
-    other token is a ValidationException: "abc" was a 500, "-1" a slice from the end)."""
-    token = body.get("NextToken") or "0"
-    if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) < 19):
+    """One page of a List* answer. ``NextToken`` names the list (``key``) and the offset of the next row, as an earlier
+    page of this operation returned it; any other token is a ValidationException ("abc" was a 500, "-1" a slice from
+    the end, and a token of another List operation was read as an offset into this one)."""
+    token = body.get("NextToken") or f"{key}:0"
+    listed, _, offset = token.partition(":") if isinstance(token, str) else ("", "", "")
+    if listed != key or not (offset.isascii() and offset.isdigit() and len(offset) < 19):
         raise AwsError.validation(
-            f"NextToken {json.dumps(token)[:64]} is not a pagination token this service returned: pass NextToken back unchanged"
+            f"NextToken {json.dumps(token)[:64]} is not a pagination token this operation returned: pass NextToken back unchanged"
         )
-    start = int(token)
+    start = int(offset)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
     if start + size < len(rows):
-        out["NextToken"] = str(start + size)
+        out["NextToken"] = f"{key}:{start + size}"
     return out
