@@ -227,10 +227,15 @@ def check_datums(
 SAMPLER_LOGPROB_RANGE = (-1e6, 1e-3)
 # The losses cap log r = p − q here (r ≤ e^20 ≈ 4.9e8; verl clamps at 20 too), so exp never overflows.
 MAX_LOG_RATIO = 20.0
+# A per-token weight or advantage past this scales the gradient so far that AdamW's second moment (g², fp32)
+# overflows to inf and every later step of that parameter is 0: the weights stop learning for good.
+MAX_TOKEN_SCALE = 1e6
 
 # per-token inputs with a physical range: key -> (lowest, highest, rule, fix)
 _RANGES = {
     "logprobs": (*SAMPLER_LOGPROB_RANGE, "a sampler log-prob in [-1e6, 0.001]", "send the sampler's log-probs (log p ≤ 0), e.g. -0.7"),
+    "weights": (-MAX_TOKEN_SCALE, MAX_TOKEN_SCALE, "in [-1e6, 1e6]", "weights of at most 1e6 in magnitude, e.g. 1 per trained token"),
+    "advantages": (-MAX_TOKEN_SCALE, MAX_TOKEN_SCALE, "in [-1e6, 1e6]", "normalised advantages, e.g. the group's rewards centred"),
     "clip_low_threshold": (0.0, math.inf, "≥ 0", "absolute ratio bounds, e.g. 0.8"),
     "clip_high_threshold": (1.0, math.inf, "≥ 1", "absolute ratio bounds, e.g. 1.2"),
     "sequence_ratio_mask": (0.0, 1.0, "in [0, 1] (a token's share in the sequence ratio)", "1 for a sampled token, 0 for the prompt"),

@@ -63,7 +63,7 @@ def test_check_datums_refuses_non_finite_float32(bad):
     with pytest.raises(InvalidInputError) as err:
         check_datums([datum], "cross_entropy")
     assert err.value.field == "data[0].loss_fn_inputs['weights']" and err.value.fix
-    ok = {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [5e-324, 3.4e38]}}
+    ok = {"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [5e-324, -1e6]}}
     assert check_datums([ok], "cross_entropy")
 
 
@@ -105,6 +105,19 @@ def test_sampler_logprobs_must_be_log_probabilities(loss_fn, bad):
 def test_legal_sampler_logprobs_pass(q):
     """Float noise just above 0, a bf16 sampler's −80, vLLM's −9999 for −inf and Tinker's −99999 top-k filler."""
     assert check_datums([_rl(q)], "ppo")[0].loss_fn_inputs["logprobs"].data[1] == pytest.approx(q)
+
+
+@pytest.mark.parametrize("key", ["weights", "advantages"])
+@pytest.mark.parametrize("bad", [-1e30, 1e30, 1.0000001e6])
+def test_token_weights_and_advantages_are_bounded(key, bad):
+    """A weight of -1e30 made AdamW's second moment (g², fp32) inf: every later step of those weights was 0."""
+    datum = _rl(-0.5)
+    datum["loss_fn_inputs"][key] = [1.0, bad]
+    with pytest.raises(InvalidInputError) as err:
+        check_datums([datum], "ppo")
+    assert err.value.field == f"data[0].loss_fn_inputs[{key!r}]" and err.value.fix and repr(bad) in str(err.value)
+    datum["loss_fn_inputs"][key] = [1.0, -1e6]
+    assert check_datums([datum], "ppo")[0].loss_fn_inputs[key].data == [1.0, -1e6]
 
 
 @pytest.mark.parametrize("bad", [-1.0, 1.5, -1e-9])

@@ -67,6 +67,16 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
         tinker.BadRequestError,
         "logprobs",
     ),
+    "weight of -1e30 (AdamW's g² overflowed: every later step of the weights was 0)": (
+        lambda tc: tc.forward_backward([_datum([-1e30, 1.0, 1.0])], "cross_entropy"),
+        tinker.BadRequestError,
+        "weights",
+    ),
+    "advantage of 1e30": (
+        lambda tc: tc.forward_backward([_datum([1.0] * 3, logprobs=[-1.0] * 3, advantages=[1.0, 1e30, 1.0])], "ppo"),
+        tinker.BadRequestError,
+        "advantages",
+    ),
     "forward of a NaN advantage": (
         lambda tc: tc.forward([_datum([1.0, 1.0, 1.0], logprobs=[-1.0] * 3, advantages=[math.nan] * 3)], "importance_sampling"),
         tinker.BadRequestError,
