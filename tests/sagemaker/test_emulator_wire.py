@@ -315,6 +315,8 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
         # sampler log-probs that are no log-probs were run: the ratio overflowed and the step made the weights NaN
         (_with_sampler_logprobs("importance_sampling", [-1.0, 50.0]), "sampler log-probs must be in"),
         (_with_sampler_logprobs("ppo", [-1e30, -1.0]), "sampler log-probs must be in"),
+        # a weight of -1e30 made AdamW's g² inf: every later step of those weights was 0
+        (_with_weights([-1e30, 1.0]), "weights must be in"),
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):

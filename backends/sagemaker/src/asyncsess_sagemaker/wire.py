@@ -24,7 +24,7 @@ from asyncsess.types import (
     TensorData,
     Usage,
 )
-from asyncsess.validation import LOSS_CONFIG_KEYS, SAMPLER_LOGPROB_RANGE, all_finite_f32
+from asyncsess.validation import LOSS_CONFIG_KEYS, MAX_TOKEN_SCALE, SAMPLER_LOGPROB_RANGE, all_finite_f32
 
 from .arns import parse_model_package_arn
 from .service_models import CONTROL, RUNTIME, enum_values, operation, runtime_model
@@ -140,6 +140,8 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, con
             low, high = SAMPLER_LOGPROB_RANGE
             if key == "logprobs" and not all(low <= v <= high for v in data):
                 raise ShapeError(f"{tpath}.data", f"sampler log-probs must be in [{low:g}, {high:g}] (log p ≤ 0)", data)
+            if key in ("weights", "advantages") and not all(abs(v) <= MAX_TOKEN_SCALE for v in data):
+                raise ShapeError(f"{tpath}.data", f"{key} must be in [-{MAX_TOKEN_SCALE:g}, {MAX_TOKEN_SCALE:g}]", data)
             shape = tensor.get("shape")
             if shape is not None and shape != [n]:  # the engine takes one value per input token, nothing else
                 raise ShapeError(
