@@ -99,8 +99,8 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
         if not math.isfinite(out[key]):
             raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r}]", fix="give a finite number")
     lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
-    if lo is not None and lo < 0:
-        raise InvalidInputError("must be ≥ 0", field="loss_fn_config['clip_low_threshold']", fix="an absolute ratio bound, e.g. 0.8")
+    if lo is not None and not 0 <= lo <= 1:  # with high ≥ 1 the bounds never cross (SageMaker's rule too)
+        raise InvalidInputError("must be in [0, 1]", field="loss_fn_config['clip_low_threshold']", fix="an absolute ratio bound, e.g. 0.8")
     if hi is not None and hi < 1:
         raise InvalidInputError("must be ≥ 1", field="loss_fn_config['clip_high_threshold']", fix="an absolute ratio bound, e.g. 1.2")
     if out.get("beta", 0.0) < 0:
@@ -236,7 +236,7 @@ _RANGES = {
     "logprobs": (*SAMPLER_LOGPROB_RANGE, "a sampler log-prob in [-1e6, 0.001]", "send the sampler's log-probs (log p ≤ 0), e.g. -0.7"),
     "weights": (-MAX_TOKEN_SCALE, MAX_TOKEN_SCALE, "in [-1e6, 1e6]", "weights of at most 1e6 in magnitude, e.g. 1 per trained token"),
     "advantages": (-MAX_TOKEN_SCALE, MAX_TOKEN_SCALE, "in [-1e6, 1e6]", "normalised advantages, e.g. the group's rewards centred"),
-    "clip_low_threshold": (0.0, math.inf, "≥ 0", "absolute ratio bounds, e.g. 0.8"),
+    "clip_low_threshold": (0.0, 1.0, "in [0, 1]", "absolute ratio bounds, e.g. 0.8"),
     "clip_high_threshold": (1.0, math.inf, "≥ 1", "absolute ratio bounds, e.g. 1.2"),
     "sequence_ratio_mask": (0.0, 1.0, "in [0, 1] (a token's share in the sequence ratio)", "1 for a sampled token, 0 for the prompt"),
 }

@@ -74,6 +74,18 @@ def test_loss_config_values_are_finite(bad):
     assert "clip_low_threshold" in err.value.field
 
 
+@pytest.mark.parametrize("low", [1e308, 1.5, 1.0000001])
+def test_the_clip_bounds_never_cross(low):
+    """clip_low_threshold 1e308 with clip_high_threshold 1.2 was taken: low above high (SageMaker allows 0–1)."""
+    with pytest.raises(InvalidInputError) as err:
+        check_loss_fn_config("ppo", {"clip_low_threshold": low, "clip_high_threshold": 1.2})
+    assert err.value.field == "loss_fn_config['clip_low_threshold']" and err.value.fix
+    assert check_loss_fn_config("cispo", {"clip_low_threshold": 1.0, "clip_high_threshold": 1.0}) == {
+        "clip_low_threshold": 1.0,
+        "clip_high_threshold": 1.0,
+    }
+
+
 @pytest.mark.anyio
 async def test_the_client_refuses_before_sending():
     async with ServiceClient("mock://") as svc:

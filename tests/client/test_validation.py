@@ -99,7 +99,8 @@ async def test_url_defaults_to_the_environment_then_local(monkeypatch):
 
 
 async def test_per_token_clip_bounds_pass_the_client_and_are_checked():
-    """ppo / cispo / gspo take per-token clip bounds; like the config's, low must be ≥ 0 and high ≥ 1."""
+    """ppo / cispo / gspo take per-token clip bounds; like the config's, low must be in [0, 1] and high ≥ 1 (a low
+    bound of 1e308 above a high one of 1.2 was taken: the bounds crossed)."""
     async with ServiceClient("mock://") as svc:
         tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
         base = {"target_tokens": [2, 3, 4], "logprobs": [-1.0, -2.0, -1.5], "advantages": [1.0, -1.0, 0.5]}
@@ -113,7 +114,11 @@ async def test_per_token_clip_bounds_pass_the_client_and_are_checked():
             Datum(model_input=ok.model_input, loss_fn_inputs=base), "ppo", {"clip_low_threshold": 0.75, "clip_high_threshold": 1.25}
         )
         assert by_tokens.metrics["loss:sum"] == by_config.metrics["loss:sum"]
-        for key, bad in [("clip_low_threshold", [0.8, -0.1, 0.8]), ("clip_high_threshold", [1.2, 1.2, 0.9])]:
+        for key, bad in [
+            ("clip_low_threshold", [0.8, -0.1, 0.8]),
+            ("clip_low_threshold", [0.8, 1e308, 0.8]),
+            ("clip_high_threshold", [1.2, 1.2, 0.9]),
+        ]:
             d = Datum(model_input=ok.model_input, loss_fn_inputs={**base, key: bad})
             with pytest.raises(InvalidInputError) as err:
                 tc.forward_backward(d, "ppo")
