@@ -26,6 +26,8 @@ _NEEDS = {
     "tinker": ("tinker", "asyncsess_tinker", "fastapi", "uvicorn", "zstandard"),
     "tinker/test_cookbook.py": ("tinker_cookbook",),
     "tinker/test_cookbook_local.py": ("tinker_cookbook",),
+    "tinker/test_cookbook_port.py": ("tinker_cookbook",),
+    "tinker/test_cookbook_recipes.py": ("tinker_cookbook", "chz"),
     "tinker/test_official_sdk_local.py": ("torch", "asyncsess_local"),
 }
 _HERE = Path(__file__).parent
