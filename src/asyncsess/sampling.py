@@ -30,6 +30,10 @@ class SamplingStats:
     max_in_flight: int
     max_bytes: int
     completed: int
+    waited: int = 0
+    """Requests, so far, that had to queue for a slot."""
+    peak_in_flight: int = 0
+    """The most requests that were ever in flight at once."""
 
 
 class SamplingLimiter:
@@ -45,10 +49,21 @@ class SamplingLimiter:
         self._in_flight = 0
         self._bytes = 0
         self._completed = 0
+        self._waited = 0
+        self._peak = 0
         self._waiters: deque[tuple[int, anyio.Event]] = deque()
 
     def stats(self) -> SamplingStats:
-        return SamplingStats(self._in_flight, len(self._waiters), self._bytes, self.max_in_flight, self.max_bytes, self._completed)
+        return SamplingStats(
+            self._in_flight,
+            len(self._waiters),
+            self._bytes,
+            self.max_in_flight,
+            self.max_bytes,
+            self._completed,
+            waited=self._waited,
+            peak_in_flight=self._peak,
+        )
 
     def _fits(self, nbytes: int) -> bool:
         if self._in_flight >= self.max_in_flight:
@@ -72,6 +87,7 @@ class SamplingLimiter:
             return
         entry = (nbytes, anyio.Event())
         self._waiters.append(entry)
+        self._waited += 1
         try:
             await entry[1].wait()
         except BaseException:
@@ -88,6 +104,7 @@ class SamplingLimiter:
     def _admit(self, nbytes: int) -> None:
         self._in_flight += 1
         self._bytes += nbytes
+        self._peak = max(self._peak, self._in_flight)
 
     def _release(self, nbytes: int) -> None:
         self._in_flight -= 1

@@ -28,15 +28,17 @@ async def test_32_samples_are_in_flight_at_once(monkeypatch):
 async def test_pool_bounds_in_flight_requests_and_reports_the_queue(monkeypatch):
     async with ServiceClient("mock://?latency_ms=30", max_samples_in_flight=4) as svc:
         sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
-        state = count_concurrency(svc.backend, monkeypatch)
+        hold = threading.Event()
+        state = count_concurrency(svc.backend, monkeypatch, hold=hold)
         futures = [sc.sample([1, 40], 1, SamplingParams(max_tokens=2)) for _ in range(12)]
-        await anyio.sleep(0.01)
-        stats = sc.stats()
-        assert stats.in_flight == 4 and stats.queued == 8
+        assert await until(lambda: state["now"] == 4 and sc.stats().queued == 8)
+        assert sc.stats().in_flight == 4
+        hold.set()
         for f in futures:
             await f
-        assert state["peak"] == 4
-        assert sc.stats().completed == 12 and sc.stats().in_flight == 0
+        stats = sc.stats()
+        assert state["peak"] == 4 and stats.peak_in_flight == 4 and stats.waited == 8
+        assert stats.completed == 12 and stats.in_flight == 0
 
 
 async def test_pool_bounds_bytes(monkeypatch):

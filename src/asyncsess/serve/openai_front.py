@@ -164,6 +164,8 @@ class OpenAIFront:
                 bytes_in_flight=s.bytes_in_flight,
                 max_in_flight=s.max_in_flight,
                 completed=s.completed,
+                waited=s.waited,
+                peak_in_flight=s.peak_in_flight,
             )
         return out
 
