@@ -15,6 +15,8 @@ from asyncsess import ServiceClient, SessionGoneError
 from asyncsess.rl.data import sft_datum
 from asyncsess_mock import MockBackend
 
+from .helpers import until
+
 pytestmark = pytest.mark.anyio
 
 
@@ -46,14 +48,20 @@ async def test_exception_exit_stops_every_session():
 
 async def test_task_cancellation_stops_every_session():
     ids: set[str] = set()
-    with anyio.move_on_after(0.2):
+    steps = 0
+    with anyio.CancelScope() as scope:
         async with ServiceClient("mock://?latency_ms=20") as svc:
             ids = await _open_two(svc)
             tc = await svc.create_lora_training_client("m", rank=4)
             ids.add(tc.model_id)
             while True:
-                await tc.forward_backward([sft_datum([1, 40], [41])])
-    assert ids and not ids & _open()
+                fb = tc.forward_backward([sft_datum([1, 40], [41])])
+                steps += 1
+                if steps == 3:
+                    scope.cancel()  # cancelled while the op is in flight
+                await fb
+    assert scope.cancelled_caught and steps == 3
+    assert len(ids) == 3 and not ids & _open()
 
 
 async def test_keyboard_interrupt_stops_every_session():
@@ -85,8 +93,7 @@ async def test_garbage_collected_client_warns_and_its_session_is_stopped():
             del tc
             gc.collect()
         other = await svc.create_lora_training_client("m", rank=4)  # the next call stops orphans
-        await anyio.sleep(0.01)
-        assert model_id not in _open()
+        assert await until(lambda: model_id not in _open())
         await other.stop()
 
 

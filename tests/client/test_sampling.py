@@ -2,7 +2,6 @@
 
 import threading
 
-import anyio
 import pytest
 
 from asyncsess import SamplingParams, ServiceClient
@@ -56,10 +55,9 @@ async def test_cancelled_sample_frees_its_slot():
         sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
         slow = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
         queued = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
-        await anyio.sleep(0.01)
+        assert await until(lambda: sc.stats().in_flight == 1 and sc.stats().queued == 1)
         assert slow.cancel() and queued.cancel()
-        await anyio.sleep(0.01)
+        assert await until(lambda: sc.stats().in_flight == 0 and sc.stats().queued == 0)
         assert slow.cancelled() and queued.cancelled()
-        assert sc.stats().in_flight == 0 and sc.stats().queued == 0
         ok = await sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
         assert len(ok.sequences) == 1
