@@ -229,3 +229,32 @@ async def test_a_refresh_every_step_keeps_no_old_weights():
             await samplers[0].compute_logprobs([1, 2, 3])
         with pytest.raises(InvalidInputError):  # a dropped snapshot's path is no checkpoint now
             await svc.create_sampling_client(model_path=samplers[0]._spec.model_path)
+
+
+@pytest.mark.anyio
+async def test_a_save_or_load_refused_at_its_turn_is_void_and_the_ops_after_it_run(open_session, datum):
+    """A server (the Tinker door, the emulator) numbers ops after :meth:`precheck`; a save whose name another save
+    queued before it takes, or a load whose checkpoint is deleted before its turn, is refused at the turn. Nothing
+    of it ran: the refusal is void and the ops numbered after it run (it poisoned the session)."""
+    b = MockBackend()
+    s = await open_session(b)
+    tok_datum = datum([1, 40, 41])
+    first, second = s.op("save_state", name="same"), s.op("save_state", name="same")
+    for op in (first, second):
+        b.precheck(s.id, op)  # both pass: the name is free when they are numbered
+    after = s.op("forward_backward", data=(tok_datum,), loss_fn="cross_entropy")
+    saved = await b.execute_training(s.id, first)
+    with pytest.raises(ConflictError, match="overwrite") as err:
+        await b.execute_training(s.id, second)
+    assert err.value.void
+    assert (await b.execute_training(s.id, after)).loss_fn_outputs
+
+    load = s.op("load_state", path=saved.path)
+    b.precheck(s.id, load)
+    await b.delete_checkpoint(saved.path)
+    with pytest.raises(InvalidInputError, match="no checkpoint") as err:
+        await b.execute_training(s.id, load)
+    assert err.value.void
+    await s.run("optim_step", adam_params=HP)
+    assert [seq for _, seq, _ in b.applied_log] == [1, 3, 5]
+    await b.stop_session(s.id)

@@ -38,7 +38,7 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sample_store import SampleStore
 from asyncsess.backends.sequencer import Sequencer
-from asyncsess.errors import InvalidInputError, NotFoundError, SessionGoneError
+from asyncsess.errors import AsyncSessError, InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.types import (
     LOSS_FUNCTIONS,
     Checkpoint,
@@ -279,6 +279,11 @@ class MockBackend(Backend):
     async def _apply(self, session_id: str, op: TrainingOp) -> TrainingResult:
         """The sequencer's executor: runs one op on the trainer, in order, once."""
         sess = self._sessions[session_id]
+        try:  # again at its turn: a save whose name an op queued before it took, a load whose checkpoint was deleted
+            self.precheck(session_id, op)
+        except AsyncSessError as err:
+            err.void = True  # refused before anything ran: the ops numbered after it run
+            raise
         trainer = sess.trainer
         result: TrainingResult
         match op:
