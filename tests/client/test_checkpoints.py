@@ -60,4 +60,3 @@ async def test_sampler_snapshot_does_not_follow_later_training():
         after = await tc.save_weights_and_get_sampling_client()
         lp_after = await after.compute_logprobs([1, 40, 41, 42])
         assert lp_after[0] is None and lp_after[1:] != lp_before[1:]
-
