@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 import anyio
+from pydantic import Field
 
 from asyncsess.rl import AgentRLConfig, RLResult, train_agent_rl
 from asyncsess.runs import parse_overrides, print_before_after
@@ -32,8 +33,8 @@ except ModuleNotFoundError:  # run as a script: its folder is on the path
 
 
 class AgentRecipeConfig(AgentRLConfig):
-    n_tasks: int = 64
-    n_test: int = 8
+    n_tasks: int = Field(default=64, ge=1)
+    n_test: int = Field(default=8, ge=1)
     digit_bonus: float = 1.0
 
 

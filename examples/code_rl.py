@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 import anyio
+from pydantic import Field
 
 from asyncsess.backends import Tokenizer
 from asyncsess.rl import ChatRenderer, EnvGroupBuilder, MakeCompleter, ProblemDataset, RLConfig, RLResult, train_rl
@@ -34,12 +35,12 @@ BUNDLED = Path(__file__).parent / "data" / "code_problems.jsonl"
 class CodeRLConfig(RLConfig):
     train_path: str | None = None  # default: the bundled problems
     test_path: str | None = None  # default: the last n_test problems of train_path
-    n_test: int = 5
-    max_turns: int = 2
+    n_test: int = Field(default=5, ge=1)
+    max_turns: int = Field(default=2, ge=1)
     sandbox: Literal["local", "fusion"] = "local"
     sandbox_url: str | None = None  # fusion: default $SANDBOX_URL or http://localhost:8080/run_code
-    sandbox_timeout_s: float = 6.0
-    sandbox_concurrency: int | None = None  # local: default the CPU count
+    sandbox_timeout_s: float = Field(default=6.0, gt=0.0, le=3600.0)
+    sandbox_concurrency: int | None = Field(default=None, ge=1)  # local: default the CPU count
 
 
 DEFAULTS = CodeRLConfig(

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from asyncsess import AdamParams, ServiceClient
 from asyncsess.runs.checkpoints import RecoveryConfig, parse_overrides, prepare_run_dir, run_recovering, save_checkpoint
 from asyncsess.runs.metrics import MetricsLogger
 from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
+from asyncsess.types import MAX_LEARNING_RATE
 
 DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 
@@ -31,23 +32,23 @@ DATA = Path(__file__).parent / "data" / "chat_sft.jsonl"
 class SFTConfig(RecoveryConfig):
     """Settings of a supervised run; a lost session is recovered from the last checkpoint (RecoveryConfig)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str = "mock://"
     base_model: str = "mock/bigram-tiny"
     data: str = str(DATA)
     dataset: str | None = None
-    lora_rank: int = 32
-    learning_rate: float = 1e-4
+    lora_rank: int = Field(default=32, ge=1)
+    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE)
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"
-    batch_size: int = 8
-    num_epochs: int = 1
-    max_steps: int | None = None
-    submit_ahead: int = 1
-    eval_every: int = 5
-    save_every: int = 0
-    max_length: int = 512
-    seed: int = 0
+    batch_size: int = Field(default=8, ge=1)
+    num_epochs: int = Field(default=1, ge=1)
+    max_steps: int | None = Field(default=None, ge=0)
+    submit_ahead: int = Field(default=1, ge=0)
+    eval_every: int = Field(default=5, ge=0)
+    save_every: int = Field(default=0, ge=0)
+    max_length: int = Field(default=512, ge=2)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
 
 
 def load_conversations(cfg: SFTConfig) -> list[list[dict[str, str]]]:

@@ -101,3 +101,70 @@ def test_demo_keeps_local_checkpoints_in_the_run_dir(tmp_path):
     assert local_checkpoint_dir("local://?dtype=bfloat16", tmp_path / "run") == f"local://?dtype=bfloat16&dir={here}"
     assert local_checkpoint_dir("local://?dir=/elsewhere", tmp_path / "run") == "local://?dir=/elsewhere"
     assert local_checkpoint_dir("mock://?seed=1", tmp_path / "run") == "mock://?seed=1"
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--minutes", "-1"], "--minutes"),  # took as a 1-minute run that trained for no time at all
+        (["--minutes", "nan"], "--minutes"),  # trained with no time limit
+        (["--minutes", "inf"], "--minutes"),
+        (["--seed", "-3"], "--seed"),
+        (["--steps", "-1"], "--steps"),
+        (["--run-dir", "/proc/no/such/dir"], "--run-dir"),  # a FileNotFoundError traceback
+        (["--url", "bogus://x"], "url"),  # a typed error, printed without a traceback
+    ],
+)
+def test_demo_command_refuses_bad_options_with_a_message_not_a_traceback(tmp_path, args, option):
+    from typer.testing import CliRunner
+
+    from asyncsess.cli.app import app
+
+    base = ["demo", "--url", "mock://", "--model", "mock/bigram-tiny", "--steps", "1", "--run-dir", str(tmp_path), "--no-progress"]
+    result = CliRunner().invoke(app, [*base, *args])
+    assert result.exit_code == 2, result.output
+    assert option in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before the run began
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [(["--port", "99999"], "--port"), (["--poll-timeout", "nan"], "--poll-timeout"), (["--backend", "nope://"], "--backend")],
+)
+def test_serve_command_refuses_bad_options_before_it_binds(args, option):
+    from typer.testing import CliRunner
+
+    from asyncsess.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 2 and option in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"learning_rate": float("nan")},
+        {"temperature": -1.0},
+        {"max_minutes": float("nan")},
+        {"max_minutes": -1.0},
+        {"lora_rank": 0},
+        {"seed": -1},
+        {"save_every": -1},
+        {"kl_penalty_coef": float("inf")},
+        {"loss_fn": "bogus"},
+        {"loss_fn": "cross_entropy"},
+        {"loss_fn": "ppo", "loss_fn_config": {"beta": 1.0}},
+        {"loss_fn": "ppo", "loss_fn_config": {"clip_low_threshold": 2.0}},
+    ],
+)
+def test_rl_config_refuses_what_the_run_would_fail_on_later(bad):
+    """Each was accepted and failed (or silently misbehaved: NaN minutes never ran out) steps into the run."""
+    from pydantic import ValidationError
+
+    from asyncsess.rl import RLConfig
+
+    with pytest.raises(ValidationError) as err:
+        RLConfig(**bad)
+    named = {str(e["loc"][0]) for e in err.value.errors() if e["loc"]} | {m for m in bad if m in str(err.value)}
+    assert named & set(bad), str(err.value)
+    assert RLConfig(loss_fn="dro", loss_fn_config={"beta": 1}).loss_fn_config == {"beta": 1.0}

@@ -48,8 +48,8 @@ class AgentRLConfig(RLConfig):
     max_tokens: int = Field(default=512, ge=1)
     loss_fn: str = "cispo"
     max_steps: int = Field(default=50, ge=0)
-    model_name: str = "policy"
-    max_n: int = 64
+    model_name: str = Field(default="policy", min_length=1, max_length=256)
+    max_n: int = Field(default=64, ge=1, le=1000)
 
 
 class AgentGroupBuilder(EnvGroupBuilder):

@@ -30,16 +30,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ..backends.base import Tokenizer
 from ..client import SamplingClient, ServiceClient, TrainingClient
+from ..errors import AsyncSessError
 from ..futures import APIFuture
 from ..runs.checkpoints import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
 from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
 from ..runs.schedule import LRSchedule, decayed_lr
-from ..types import AdamParams, Datum, ForwardBackwardOutput, TensorData
+from ..types import MAX_LEARNING_RATE, AdamParams, Datum, ForwardBackwardOutput, TensorData
+from ..validation import check_loss_fn, check_loss_fn_config
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
 from .datasets import DrawnBatches, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
@@ -63,18 +65,21 @@ EVAL_EPISODES_IN_FLIGHT = 128
 
 
 class RLConfig(RecoveryConfig):
-    """Settings of an RL run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`)."""
+    """Settings of an RL run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`).
 
-    model_config = ConfigDict(extra="forbid")
+    Every number is checked when the config is made (finite, in range), so a bad setting fails before the run
+    directory is written or a model is loaded."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str = "mock://"
     base_model: str = "mock/bigram-tiny"
-    lora_rank: int = 16
-    lora_alpha: float | None = 32.0
+    lora_rank: int = Field(default=16, ge=1)
+    lora_alpha: float | None = Field(default=32.0, gt=0.0)
     train_unembed: bool = False
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
     # the optimizer: AdamW, one step per batch
-    learning_rate: float = 1e-4
+    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE)
     # decays to 0 over the run, whichever limit ends it first: steps done / max_steps or training time / max_minutes
     lr_schedule: LRSchedule = "constant"
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
@@ -86,14 +91,14 @@ class RLConfig(RecoveryConfig):
     groups_per_batch: int = Field(default=8, ge=1)
     group_size: int = Field(default=8, ge=1)
     max_tokens: int = Field(default=16, ge=1)
-    temperature: float = 1.0
-    context_window: int | None = None  # caps prompt + max_tokens; default: the base model's, where the backend says
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    context_window: int | None = Field(default=None, ge=2)  # caps prompt + max_tokens; default: the base model's, where the backend says
     # the loss
     loss_fn: str = "ppo"
     loss_fn_config: dict[str, float] | None = None
     normalize_std: bool = False  # divide centred advantages by the group std (math_rl and the demo do)
     remove_constant_reward_groups: bool = True
-    kl_penalty_coef: float = 0.0
+    kl_penalty_coef: float = Field(default=0.0, ge=0.0)
     # overlap: sampling runs up to max_staleness optimizer steps ahead; forward_backward in sub-batches
     max_staleness: int = Field(default=0, ge=0)
     num_minibatches: int = Field(default=1, ge=1)
@@ -104,15 +109,29 @@ class RLConfig(RecoveryConfig):
     is_mask_high: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     # the run
     max_steps: int = Field(default=100, ge=0)
-    max_minutes: float | None = None
-    eval_every: int = 0
-    save_every: int = 0
+    max_minutes: float | None = Field(default=None, gt=0.0)
+    eval_every: int = Field(default=0, ge=0)
+    save_every: int = Field(default=0, ge=0)
     # check each sampler refresh against the trainer (asyncsess.rl.refresh); tolerance None: by URL scheme
     verify_refresh: bool = True
     refresh_tolerance: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
 
+    @field_validator("loss_fn")
+    @classmethod
+    def _known_loss(cls, loss_fn: str) -> str:
+        if loss_fn == "cross_entropy":
+            raise ValueError("cross_entropy takes no advantages: use an RL loss (importance_sampling, ppo, cispo, dro, gspo)")
+        try:
+            return check_loss_fn(loss_fn)
+        except AsyncSessError as err:
+            raise ValueError(err.message) from None
+
     @model_validator(mode="after")
     def _minibatches(self) -> RLConfig:
+        try:
+            self.loss_fn_config = check_loss_fn_config(self.loss_fn, self.loss_fn_config)
+        except AsyncSessError as err:
+            raise ValueError(err.message) from None
         if self.num_minibatches > self.groups_per_batch:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) exceeds groups_per_batch ({self.groups_per_batch})")
         return self

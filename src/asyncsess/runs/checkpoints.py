@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 from pydantic import BaseModel, Field
 
+from ..backends.registry import check_url
 from ..client import ServiceClient, TrainingClient
 from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
 from ..retry import RetryPolicy
@@ -80,7 +81,10 @@ def prepare_run_dir(
     """Create ``run_dir`` and write ``config.json``; return the checkpoint to resume from, if any.
 
     An existing directory is resumed (its config must match), emptied (``overwrite``) or refused (``raise``).
+    A config whose ``url`` no installed backend serves is refused first, leaving the directory as it was.
     """
+    if isinstance(url := getattr(config, "url", None), str):
+        check_url(url)
     path = Path(run_dir)
     cfg = json.loads(config.model_dump_json())
     record = None

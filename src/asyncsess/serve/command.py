@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import typer
@@ -9,7 +10,14 @@ import typer
 from .body_limit import MAX_BODY_BYTES
 from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
 
-__all__ = ["serve"]
+__all__ = ["finite", "serve"]
+
+
+def finite(value: float | None) -> float | None:
+    """A typer callback: refuse NaN and ±inf, which click's ranges let through."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def serve(
@@ -17,30 +25,41 @@ def serve(
         "mock://", "--backend", "-b", help="Backend URL: mock://, local://MODEL, http://host:port, sagemaker://..."
     ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8000, help="Port to listen on (0: any free port)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on (0: any free port)."),
     api_key: list[str] = typer.Option(
         [],
         "--api-key",
         help="Accepted API keys, as X-API-Key or Authorization: Bearer (repeatable; default: $ASYNCSESS_API_KEYS, comma list; none = no auth).",
     ),
-    poll_timeout: float = typer.Option(POLL_TIMEOUT, help="Seconds a retrieve_future long-poll is held before answering 408."),
+    poll_timeout: float = typer.Option(
+        POLL_TIMEOUT, min=0.0, callback=finite, help="Seconds a retrieve_future long-poll is held before answering 408."
+    ),
     session_timeout: float = typer.Option(
         SESSION_TIMEOUT,
+        min=0.0,
+        callback=finite,
         help="Seconds without a heartbeat (the tinker SDK sends one every 10 s) before a session expires: its models and "
         "samplers are stopped on the backend and its futures dropped; 0 = never.",
     ),
-    max_body_mb: float = typer.Option(MAX_BODY_BYTES / 2**20, min=0.001, help="Largest request body in MiB; a larger one gets a 413."),
+    max_body_mb: float = typer.Option(
+        MAX_BODY_BYTES / 2**20, min=0.001, max=2**20, callback=finite, help="Largest request body in MiB; a larger one gets a 413."
+    ),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
     """Serve Tinker's HTTP API (point TINKER_BASE_URL here) and the OpenAI API (/v1) in front of an asyncsess backend."""
     import uvicorn
 
     from ..backends import load_backend
+    from ..errors import AsyncSessError
     from .tinker_api import create_app
 
     keys = set(api_key) or {k for k in os.environ.get("ASYNCSESS_API_KEYS", "").split(",") if k}
+    try:
+        driver = load_backend(backend)
+    except AsyncSessError as err:
+        raise typer.BadParameter(err.message, param_hint="--backend") from None
     app = create_app(
-        load_backend(backend),
+        driver,
         keys or None,
         poll_timeout=poll_timeout,
         session_timeout=session_timeout,

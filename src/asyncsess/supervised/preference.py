@@ -138,7 +138,7 @@ class PreferenceConfig(BaseModel):
     """One preference run. ``data`` is JSONL: DPO rows ``{"prompt", "chosen", "rejected"}``, KTO rows
     ``{"prompt", "completion", "label"}``; the last quarter (of pairs, for DPO) is held out."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     method: Literal["dpo", "kto"]
     data: str
