@@ -502,7 +502,7 @@ def _remove_workdir(workdir: str, written: Iterable[str]) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
     if not os.path.lexists(workdir):
         return
-    directories = set()
+    directories: set[str] = set()
     for name in written:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(workdir, name))
