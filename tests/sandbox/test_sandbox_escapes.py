@@ -255,7 +255,11 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
 
     async def victim() -> None:
         results["victim"] = await sandbox.run(
-            "import os, time\nopen('secret.txt', 'w').write('v-secret')\nprint(os.getcwd(), flush=True)\ntime.sleep(2)"
+            "import os, time\n"
+            "open('secret.txt', 'w').write('v-secret')\n"
+            "open('/tmp/secret.txt', 'w').write('v-secret')\n"
+            "print(os.getcwd(), flush=True)\n"
+            "time.sleep(2)"
         )
 
     async def thief() -> None:
@@ -268,6 +272,7 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
             "            print(open(os.path.join(d, 'secret.txt')).read())\n"
             "        except OSError as e:\n"
             "            print('denied', type(e).__name__)\n"
+            "print(os.path.exists('/tmp/secret.txt'))\n"
         )
         results["thief"] = await sandbox.run(code)
 
@@ -276,6 +281,7 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
         tg.start_soon(thief)
     assert results["victim"].status == "ok"
     assert results["thief"].status == "ok" and "v-secret" not in results["thief"].stdout
+    assert results["thief"].stdout.endswith("False\n"), results  # nor each other's /tmp
 
 
 NEW_USER_NAMESPACE = (
