@@ -18,7 +18,7 @@ from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import Sandbox, TestCase
 from asyncsess.sandbox.results import ExecutionResult
 
-from .conftest import ROOT, TEST_UIDS, assert_healthy, cgroup_leaves
+from .conftest import ROOT, TEST_UIDS, assert_healthy, cgroup_leaves, root_only
 
 pytestmark = pytest.mark.anyio
 
@@ -381,6 +381,27 @@ async def test_host_failures_to_start_a_run_are_sandbox_errors_with_nothing_left
     assert "could not run the program: OSError: [Errno 24] Too many open files" in results[0].stderr, results[0]
     assert len(results) > 3 and (results[-1].status, results[-1].stdout) == ("ok", "ran\n"), results
     await assert_healthy(sandbox)
+
+
+@root_only
+async def test_running_out_of_fds_on_a_first_run_does_not_turn_cgroups_off(make_sandbox):
+    """A fresh sandbox decides on its first run whether the host allows a cgroup per run; a run that fails for want
+    of a file descriptor must not decide "no" (the weaker fallback, for good)."""
+    one_uid = range(TEST_UIDS[-11], TEST_UIDS[-11] + 1)
+    expected = (await make_sandbox(uids=one_uid).isolation()).cgroup
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    first = _lowest_free_fd()
+    for limit in range(first, first + 64):
+        sandbox = make_sandbox(uids=one_uid, namespaces=False)  # nothing decided yet
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        try:
+            result = await sandbox.run("print('ran')")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert (await sandbox.isolation()).cgroup == expected, (limit, result)
+        if result.ok:
+            break
+    assert result.ok, result
 
 
 async def test_a_missing_interpreter_is_a_typed_error(make_sandbox, tmp_path):
