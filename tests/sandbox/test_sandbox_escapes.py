@@ -6,6 +6,7 @@ Where a layer is tested on its own, a control run with that layer off shows the 
 from __future__ import annotations
 
 import os
+import resource
 import select
 import shutil
 import socket
@@ -663,6 +664,32 @@ async def test_without_cap_sys_admin_the_sandbox_degrades_and_says_so(make_sandb
     assert ok.status == "ok" and int(ok.stdout) in TEST_UIDS  # still an unprivileged uid
     strict = await make_sandbox(python=str(wrapper), namespaces=True).run("print(1)")
     assert strict.status == "sandbox_error" and "namespaces unavailable" in strict.stderr
+
+
+@root_only
+async def test_a_probe_the_host_cannot_start_decides_nothing(make_sandbox, tmp_path):
+    """Out of file descriptors when the first run probes for namespaces: that run fails, but the sandbox does not
+    settle on namespaces it does not have (every later run would fail), nor on none."""
+    wrapper = tmp_path / "python-without-sys-admin"
+    wrapper.write_text('#!/bin/sh\nexec setpriv --bounding-set=-sys_admin /usr/bin/python3 "$@"\n')
+    wrapper.chmod(0o755)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    first = next(fd for fd in range(len(used) + 1) if fd not in used)
+    for limit in range(first, first + 64):
+        sandbox = make_sandbox(python=str(wrapper), uids=range(TEST_UIDS[-12], TEST_UIDS[-12] + 1))  # undecided
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        try:
+            result = await sandbox.run("print('ran')")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert result.status in ("ok", "sandbox_error"), (limit, result)
+        assert not (await sandbox.isolation()).namespaces, (limit, result)
+        after = await sandbox.run("print('ran')")
+        assert (after.status, after.stdout) == ("ok", "ran\n"), (limit, after)
+        if result.ok:
+            break
+    assert result.ok, result
 
 
 @root_only

@@ -54,6 +54,7 @@ _FALLBACK_NOTE = (
 
 CODE_FILE = "solution.py"
 _BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+_UNSTARTED = "the sandbox could not run the program"  # a host-side OSError starting a run: its stderr begins so
 _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where hosts keep unix sockets and shared scratch files; each is covered by an empty tmpfs in a run's mounts.
@@ -211,6 +212,8 @@ class LocalSandbox(BaseSandbox):
             if self._namespaces is None:
                 async with self._limiter.get():
                     probe = await self._execute({CODE_FILE: b""}, b"", max(self._timeout_s, 10.0), self._memory_mb, True)
+                if probe.status == "sandbox_error" and probe.stderr.startswith(_UNSTARTED):
+                    return True  # the host could not start it (out of fds, say): nothing learnt; this run fails closed
                 unavailable = "namespaces unavailable" in probe.stderr
                 self._namespaces = not unavailable  # any other failure: keep them, so runs fail closed, loudly
                 if unavailable:
@@ -251,7 +254,7 @@ class LocalSandbox(BaseSandbox):
             return await self._execute_once(contents, stdin, timeout_s, memory_mb, namespaces)
         except OSError as exc:
             log.warning("LocalSandbox: could not run the program: %s: %s", type(exc).__name__, exc)
-            return ExecutionResult(status="sandbox_error", stderr=f"the sandbox could not run the program: {type(exc).__name__}: {exc}\n")
+            return ExecutionResult(status="sandbox_error", stderr=f"{_UNSTARTED}: {type(exc).__name__}: {exc}\n")
 
     async def _execute_once(
         self, contents: Mapping[str, bytes], stdin: bytes, timeout_s: float, memory_mb: int, namespaces: bool
