@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,17 @@ async def test_a_program_that_cannot_run_is_graded_as_failing_not_raised(sandbox
     assert got == 0.0 and metrics["correct"] == 0.0 and metrics["format"] == 1.0
     text, _ = await code.check_solution_tool(SUM, small, timeout_s=5).run({"code": big})
     assert json.loads(text)["error"].startswith("the program cannot be run: code:")
+
+
+async def test_a_sandbox_that_cannot_start_runs_scores_zero_and_says_so(tmp_path):
+    """A host-side failure to start the program (here its interpreter is gone) is a ``sandbox_error`` per test, not
+    an exception out of the grader: reward 0, counted in ``sandbox_errors``."""
+    link = tmp_path / "python"
+    link.symlink_to(os.path.realpath(sys.executable))
+    broken = LocalSandbox(python=str(link), timeout_s=5, memory_mb=256, namespaces=False)
+    link.unlink()
+    got, metrics = await code.grade(SUM, f"```python\n{RIGHT}```", broken, timeout_s=5)
+    assert got == 0.0 and metrics == {"correct": 0.0, "format": 1.0, "tests_passed": 0.0, "sandbox_errors": 2.0}
 
 
 async def test_check_solution_reports_the_first_failing_test(sandbox):

@@ -52,3 +52,18 @@ async def assert_healthy(sandbox: LocalSandbox) -> None:
     """The sandbox still runs an ordinary program correctly."""
     result = await sandbox.run("print(sum(map(int, input().split())))", stdin="2 3\n")
     assert (result.status, result.stdout) == ("ok", "5\n"), result
+
+
+def cgroup_leaves(uids: range) -> list[str]:
+    """The cgroup leaves (``asyncsess-sandbox-<uid>``, v2 or v1 memory) of ``uids`` that exist under this process's
+    own cgroups."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = [(line.split()[4], line.split(" - ", 1)[1].split()) for line in f]
+    with open("/proc/self/cgroup") as f:
+        own = {controllers: path for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f)}
+    parents = [os.path.join(m, own[""].lstrip("/")) for m, (fstype, *_) in mounts if fstype == "cgroup2" and "" in own]
+    for m, (fstype, _, options) in mounts:
+        memory = next((c for c in own if "memory" in c.split(",")), None)
+        if fstype == "cgroup" and "memory" in options.split(",") and memory:
+            parents.append(os.path.join(m, own[memory].lstrip("/")))
+    return [p for parent in parents for uid in uids if os.path.isdir(p := os.path.join(parent, f"asyncsess-sandbox-{uid}"))]

@@ -6,6 +6,7 @@ Where a layer is tested on its own, a control run with that layer off shows the 
 from __future__ import annotations
 
 import os
+import resource
 import select
 import shutil
 import socket
@@ -119,8 +120,7 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
     sandbox = make_sandbox()
     token = uuid.uuid4().hex
     targets = [
-        os.path.join(tempfile.gettempdir(), f"escape-{token}"),  # world-writable (1777) on the host
-        f"/var/tmp/escape-{token}",
+        f"/var/tmp/escape-{token}",  # world-writable (1777) on the host
         f"/work/escape-{token}",
         f"/root/escape-{token}",
         str(tmp_path / f"escape-{token}"),
@@ -132,10 +132,12 @@ async def test_writing_outside_the_working_directory_fails(make_sandbox, tmp_pat
         assert not os.path.exists(target), target
     rename = await sandbox.run("import os\nos.mkdir('d')\nos.rename('d', '../escape-dir')")
     assert rename.status == "runtime_error"
-    # /dev/shm is writable (POSIX semaphores and shared memory live there) but a tmpfs of the run's own
-    shm = await sandbox.run(f"open('/dev/shm/escape-{token}', 'w').write('x')\nimport os\nprint(os.listdir('/dev/shm'))")
-    assert (shm.status, shm.stdout) == ("ok", f"['escape-{token}']\n"), shm
-    assert not os.path.exists(f"/dev/shm/escape-{token}")
+    # /tmp and /dev/shm (POSIX semaphores and shared memory) are writable, but tmpfs of the run's own
+    for private in ("/tmp", "/dev/shm"):
+        code = f"import os\nopen('{private}/escape-{token}', 'w').write('x')\nprint('escape-{token}' in os.listdir({private!r}))"
+        written = await sandbox.run(code)
+        assert (written.status, written.stdout) == ("ok", "True\n"), written
+        assert not os.path.exists(f"{private}/escape-{token}")
     await assert_healthy(sandbox)
 
 
@@ -179,6 +181,40 @@ async def test_symlinks_a_run_leaves_in_its_directory_do_not_steer_the_hosts_cle
 
 
 @root_only
+async def test_each_run_gets_a_private_bounded_tmp_that_is_gone_after_it(make_sandbox):
+    """Ordinary programs write temp files. /tmp is an empty tmpfs of the run's own (``TMPDIR`` too): bounded by
+    ``workdir_mb``, never the host's, and empty again for the next run on the same uid. A link planted there
+    points nowhere the host ever follows."""
+    sandbox = make_sandbox(uids=range(TEST_UIDS[0], TEST_UIDS[0] + 1), workdir_mb=4)
+    name = f"planted-{uuid.uuid4().hex}"
+    listing = "sorted(n for n in os.listdir('/tmp') if not n.startswith('asyncsess-sandbox-'))"  # but its workdir
+    code = (
+        "import os, tempfile\n"
+        f"print({listing})\n"
+        "with tempfile.TemporaryFile() as f:\n"
+        "    f.write(b'data')\n"
+        "    f.seek(0)\n"
+        "    print(f.read().decode(), tempfile.gettempdir())\n"
+        f"open('/tmp/{name}', 'w').write('hint')\n"
+        "os.symlink('/etc/passwd', '/tmp/link-' + 'x' * 8)\n"
+        "try:\n"
+        "    with open('/tmp/big', 'wb') as f:\n"
+        "        for _ in range(8):\n"
+        "            f.write(b'x' * (1 << 20))\n"
+        "except OSError as e:\n"
+        "    print('full', e.errno)\n"
+        "os.unlink('/tmp/big')\n"
+        f"print({listing})\n"
+    )
+    first = await sandbox.run(code)
+    assert first.status == "ok", first
+    assert first.stdout.splitlines() == ["[]", "data /tmp", "full 28", f"['link-xxxxxxxx', '{name}']"], first
+    assert not os.path.lexists(f"/tmp/{name}") and not os.path.lexists("/tmp/link-xxxxxxxx")
+    second = await sandbox.run(f"import os\nprint({listing})")
+    assert (second.status, second.stdout) == ("ok", "[]\n"), second
+
+
+@root_only
 async def test_filling_the_disk_stops_at_the_working_directory_size(make_sandbox):
     sandbox = make_sandbox(workdir_mb=4)
     code = (
@@ -200,7 +236,8 @@ async def test_filling_the_disk_stops_at_the_working_directory_size(make_sandbox
 
 @root_only
 async def test_world_writable_dirs_are_writable_without_the_mount_namespace(make_sandbox):
-    """Control: the read-only mount is what stops writes to /tmp, which the sandbox uid could otherwise use."""
+    """Control: the mount namespace is what keeps writes to /tmp off the host's, which the sandbox uid could otherwise
+    use."""
     target = os.path.join(tempfile.gettempdir(), f"escape-{uuid.uuid4().hex}")
     try:
         result = await make_sandbox(namespaces=False).run(f"open({target!r}, 'w').write('x')\nprint('wrote')")
@@ -208,8 +245,8 @@ async def test_world_writable_dirs_are_writable_without_the_mount_namespace(make
     finally:
         if os.path.exists(target):
             os.unlink(target)
-    blocked = await make_sandbox().run(f"open({target!r}, 'w').write('x')")
-    assert blocked.status == "runtime_error" and not os.path.exists(target)
+    private = await make_sandbox().run(f"open({target!r}, 'w').write('x')")  # a /tmp of the run's own
+    assert private.status == "ok" and not os.path.exists(target), private
 
 
 @root_only
@@ -219,7 +256,11 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
 
     async def victim() -> None:
         results["victim"] = await sandbox.run(
-            "import os, time\nopen('secret.txt', 'w').write('v-secret')\nprint(os.getcwd(), flush=True)\ntime.sleep(2)"
+            "import os, time\n"
+            "open('secret.txt', 'w').write('v-secret')\n"
+            "open('/tmp/secret.txt', 'w').write('v-secret')\n"
+            "print(os.getcwd(), flush=True)\n"
+            "time.sleep(2)"
         )
 
     async def thief() -> None:
@@ -232,6 +273,7 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
             "            print(open(os.path.join(d, 'secret.txt')).read())\n"
             "        except OSError as e:\n"
             "            print('denied', type(e).__name__)\n"
+            "print(os.path.exists('/tmp/secret.txt'))\n"
         )
         results["thief"] = await sandbox.run(code)
 
@@ -240,6 +282,7 @@ async def test_runs_cannot_see_each_others_working_directories(make_sandbox):
         tg.start_soon(thief)
     assert results["victim"].status == "ok"
     assert results["thief"].status == "ok" and "v-secret" not in results["thief"].stdout
+    assert results["thief"].stdout.endswith("False\n"), results  # nor each other's /tmp
 
 
 NEW_USER_NAMESPACE = (
@@ -442,6 +485,49 @@ async def test_hidden_paths_cover_world_readable_host_files(make_sandbox):
     assert default.status == "runtime_error" and ("PermissionError" in default.stderr or "FileNotFoundError" in default.stderr)
 
 
+# -- crashes ---------------------------------------------------------------------------------------------------------
+
+
+async def test_a_crashing_program_is_a_runtime_error_and_dumps_no_core(make_sandbox):
+    """A pipe ``core_pattern`` (systemd-coredump, apport) ignores RLIMIT_CORE 0 and hands the core to a helper on
+    the host. The program is not dumpable, and RLIMIT_CORE is 1 (no core for any pattern: the kernel refuses a pipe
+    dump at 1, a file is under the minimum) where it cannot lower it to 0: not in a fork, not in an exec'd program
+    (dumpable again), not through setrlimit or prlimit, which succeed without effect for RLIMIT_CORE only."""
+    sandbox = make_sandbox()
+    for code, signum in (("import ctypes\nctypes.string_at(0)", 11), ("import os\nos.abort()", 6)):
+        crash = await sandbox.run(code)
+        assert (crash.status, crash.exit_code) == ("runtime_error", -signum), crash
+    code = (
+        "import ctypes, os, resource, signal, subprocess\n"
+        "print('dumpable', ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))\n"  # PR_GET_DUMPABLE
+        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+        "resource.prlimit(0, resource.RLIMIT_CORE, (0, 0))\n"
+        "print('core', resource.getrlimit(resource.RLIMIT_CORE), resource.prlimit(0, resource.RLIMIT_CORE))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))\n"  # other limits: as usual
+        "print('nofile', resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+        "statuses = []\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "statuses.append(os.waitpid(pid, 0)[1])\n"
+        "for sig in ('SEGV', 'ABRT'):\n"
+        "    child = subprocess.Popen(['sh', '-c', 'kill -%s $$' % sig])\n"
+        "    statuses.append(os.waitpid(child.pid, 0)[1])\n"
+        "print([(os.WTERMSIG(s), os.WCOREDUMP(s)) for s in statuses])\n"
+        "print([n for n in os.listdir('.') if 'core' in n])\n"
+    )
+    result = await sandbox.run(code)
+    assert result.status == "ok", result
+    assert result.stdout.splitlines() == [
+        "dumpable 0",
+        "core (1, 1) (1, 1)",
+        "nofile (100, 200)",
+        "[(11, False), (11, False), (6, False)]",
+        "[]",
+    ], result
+    await assert_healthy(sandbox)
+
+
 # -- time and memory -------------------------------------------------------------------------------------------------
 
 
@@ -578,6 +664,32 @@ async def test_without_cap_sys_admin_the_sandbox_degrades_and_says_so(make_sandb
     assert ok.status == "ok" and int(ok.stdout) in TEST_UIDS  # still an unprivileged uid
     strict = await make_sandbox(python=str(wrapper), namespaces=True).run("print(1)")
     assert strict.status == "sandbox_error" and "namespaces unavailable" in strict.stderr
+
+
+@root_only
+async def test_a_probe_the_host_cannot_start_decides_nothing(make_sandbox, tmp_path):
+    """Out of file descriptors when the first run probes for namespaces: that run fails, but the sandbox does not
+    settle on namespaces it does not have (every later run would fail), nor on none."""
+    wrapper = tmp_path / "python-without-sys-admin"
+    wrapper.write_text('#!/bin/sh\nexec setpriv --bounding-set=-sys_admin /usr/bin/python3 "$@"\n')
+    wrapper.chmod(0o755)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    first = next(fd for fd in range(len(used) + 1) if fd not in used)
+    for limit in range(first, first + 64):
+        sandbox = make_sandbox(python=str(wrapper), uids=range(TEST_UIDS[-12], TEST_UIDS[-12] + 1))  # undecided
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        try:
+            result = await sandbox.run("print('ran')")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert result.status in ("ok", "sandbox_error"), (limit, result)
+        assert not (await sandbox.isolation()).namespaces, (limit, result)
+        after = await sandbox.run("print('ran')")
+        assert (after.status, after.stdout) == ("ok", "ran\n"), (limit, after)
+        if result.ok:
+            break
+    assert result.ok, result
 
 
 @root_only

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import grp
 import math
 import os
 import pwd
+import resource
+import sys
 import tempfile
 
 import anyio
@@ -15,7 +18,7 @@ from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import Sandbox, TestCase
 from asyncsess.sandbox.results import ExecutionResult
 
-from .conftest import ROOT, TEST_UIDS, assert_healthy
+from .conftest import ROOT, TEST_UIDS, assert_healthy, cgroup_leaves, root_only
 
 pytestmark = pytest.mark.anyio
 
@@ -111,7 +114,7 @@ async def test_rlimits_are_set_in_the_program(make_sandbox):
     assert limits["RLIMIT_CPU"] == (cpu, cpu + 1)
     assert limits["RLIMIT_AS"] == (300 << 20, 300 << 20)
     assert limits["RLIMIT_FSIZE"] == (20 << 20, 20 << 20)
-    assert limits["RLIMIT_CORE"] == (0, 0)
+    assert limits["RLIMIT_CORE"] == (1, 1)  # no core for any core_pattern (test_sandbox_escapes)
     if ROOT:  # as a normal user the limit is capped by the user's own hard limit
         assert limits["RLIMIT_NPROC"] == (12, 12)
 
@@ -344,3 +347,76 @@ async def test_a_broken_interpreter_is_a_sandbox_error(make_sandbox):
     if ROOT:  # the uid of a run whose supervisor vanished is retired, so this one-uid pool is now empty
         again = await broken.run("print(1)")
         assert again.status == "sandbox_error" and "in use" in again.stderr
+
+
+def _lowest_free_fd() -> int:
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    return next(fd for fd in range(len(used) + 1) if fd not in used)
+
+
+async def test_host_failures_to_start_a_run_are_sandbox_errors_with_nothing_left_behind(make_sandbox):
+    """Out of file descriptors at each step of starting a run (working directory, status pipe, uid lease, cgroup,
+    the supervisor's pipes): every run is a ``sandbox_error`` saying why, or runs; none raises, and none leaves a
+    working directory, a cgroup leaf or a leased uid behind (the pool has one uid: the last run needs it)."""
+    one_uid = range(TEST_UIDS[-11], TEST_UIDS[-11] + 1)  # of its own: other tests retire some of the last ones
+    sandbox = make_sandbox(uids=one_uid)
+    await assert_healthy(sandbox)  # probes namespaces and cgroups with every fd available
+    workdirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncsess-sandbox-*")))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    first = _lowest_free_fd()  # a limit of ``first`` leaves no fd at all to open
+    results = []
+    for limit in range(first, first + 64):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        try:
+            result = await sandbox.run("print('ran')")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        results.append(result)
+        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncsess-sandbox-*"))) == workdirs, limit
+        assert cgroup_leaves(one_uid) == [], limit
+        if result.ok:
+            break
+        assert result.status == "sandbox_error" and result.exit_code is None, (limit, result)
+        assert "Too many open files" in result.stderr or "no cgroup leaf" in result.stderr, (limit, result)
+    assert "could not run the program: OSError: [Errno 24] Too many open files" in results[0].stderr, results[0]
+    assert len(results) > 3 and (results[-1].status, results[-1].stdout) == ("ok", "ran\n"), results
+    await assert_healthy(sandbox)
+
+
+@root_only
+async def test_running_out_of_fds_on_a_first_run_does_not_turn_cgroups_off(make_sandbox):
+    """A fresh sandbox decides on its first run whether the host allows a cgroup per run; a run that fails for want
+    of a file descriptor must not decide "no" (the weaker fallback, for good)."""
+    one_uid = range(TEST_UIDS[-11], TEST_UIDS[-11] + 1)
+    expected = (await make_sandbox(uids=one_uid).isolation()).cgroup
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    first = _lowest_free_fd()
+    for limit in range(first, first + 64):
+        sandbox = make_sandbox(uids=one_uid, namespaces=False)  # nothing decided yet
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        try:
+            result = await sandbox.run("print('ran')")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert (await sandbox.isolation()).cgroup == expected, (limit, result)
+        if result.ok:
+            break
+    assert result.ok, result
+
+
+async def test_a_missing_interpreter_is_a_typed_error(make_sandbox, tmp_path):
+    with pytest.raises(InvalidInputError) as caught:
+        make_sandbox(python=str(tmp_path / "no-python"))
+    assert caught.value.field == "python"
+    link = tmp_path / "python"
+    link.symlink_to(os.path.realpath(sys.executable))
+    one_uid = range(TEST_UIDS[-11], TEST_UIDS[-11] + 1)  # of its own: other tests retire some of the last ones
+    sandbox = make_sandbox(python=str(link), uids=one_uid, namespaces=False)
+    link.unlink()  # gone by the time it runs
+    workdirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncsess-sandbox-*")))
+    result = await sandbox.run("print(1)")
+    assert result.status == "sandbox_error" and "FileNotFoundError" in result.stderr, result
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "asyncsess-sandbox-*"))) == workdirs
+    assert cgroup_leaves(one_uid) == []
+    report = await sandbox.run_tests("print(1)", [TestCase(expected_stdout="1")])  # one result each, no ExceptionGroup
+    assert [r.result.status for r in report.results] == ["sandbox_error"]

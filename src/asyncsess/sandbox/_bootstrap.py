@@ -6,14 +6,14 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
-   covered by empty unreadable mounts, ``socket_dirs`` (/tmp, /run, ...) by empty root-owned tmpfs (/dev/shm by
-   an empty writable one), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
+   covered by empty unreadable mounts, ``socket_dirs`` (/run, /var/tmp, ...) by empty root-owned tmpfs (/tmp
+   and /dev/shm by empty writable ones of the run's own), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
    size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
    refuses new user namespaces and exotic socket families (seccomp), empties its capability bounding set,
-   drops to the sandbox uid, takes a session keyring of its own, installs the socket guard and runs the code;
+   drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
    SysV IPC objects), and writes one JSON line to the status fd:
@@ -36,15 +36,25 @@ import traceback
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1
-_PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 36, 24, 38
+_PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 4, 36, 24, 38
 _KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTENT = 1, 7, 8, 22
 _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 _IPC_RMID = 0
 _MAX_PTYS = 16  # pseudo-terminals a run may hold at once
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _CLONE_NEWUSER = 22, 2, 0x10000000
 _SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: network-namespaced, in every kernel
-# Per architecture: the audit arch seccomp reports; the numbers of unshare, clone, clone3, socket and socketpair.
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435, 41, 53), "aarch64": (0xC00000B7, 97, 220, 435, 198, 199)}
+# Per architecture: the audit arch seccomp reports; the numbers of unshare, clone, clone3, socket, socketpair,
+# setrlimit and prlimit64.
+_SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, 272, 56, 435, 41, 53, 160, 302),
+    "aarch64": (0xC00000B7, 97, 220, 435, 198, 199, 164, 261),
+}
+# RLIMIT_CORE of the program: 1 byte, which writes no core file (below the format's minimum) and which the kernel
+# reads as "no core" for a pipe core_pattern too (it ignores the limit otherwise, and 0 means no limit there)
+_CORE_LIMIT, _RLIMIT_CORE = 1, 4
+# Private writable tmpfs (``workdir_mb`` each) among the socket dirs: multiprocessing's semaphores go in /dev/shm,
+# ordinary programs' temp files in /tmp. The rest are covered read-only.
+_PRIVATE_DIRS = ("/tmp", "/dev/shm")
 _WATCH_INTERVAL_S = 0.02
 _AF_UNIX = 1
 _NETWORK_EVENTS = {
@@ -114,12 +124,12 @@ def _enter_namespaces(cfg, uid, gid):
     for path in cfg["hidden_paths"]:
         _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
     covered = list(cfg["hidden_paths"])
-    # /tmp, /run, ...: empty, root-owned, not writable by the run; /dev/shm, where POSIX semaphores and shared
-    # memory live (multiprocessing's locks), empty and writable, the run's own
-    shm = f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=1777".encode()
+    # /run, /var/tmp, ...: empty, root-owned, not writable by the run; /tmp and /dev/shm empty and writable, the
+    # run's own (gone with its mount namespace)
+    private = f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=1777".encode()
     for path in cfg["socket_dirs"]:
         if not any(os.path.commonpath([path, c]) == c for c in covered):  # (one under a hidden path is hidden)
-            _mount(b"tmpfs", path, b"tmpfs", flags, shm if path == "/dev/shm" else b"size=64k,nr_inodes=64,mode=0755")
+            _mount(b"tmpfs", path, b"tmpfs", flags, private if path in _PRIVATE_DIRS else b"size=64k,nr_inodes=64,mode=0755")
             covered.append(path)
     for path in sockets:  # any other socket the host has bound: covered by /dev/null, connect() is refused
         if not any(os.path.commonpath([path, c]) == c for c in covered):
@@ -180,11 +190,13 @@ def _seccomp():
     program would hold every capability, whatever its bounding set); ``clone3``, whose flags a filter cannot read,
     fails with ENOSYS, so libc falls back to ``clone``. ``socket``/``socketpair`` of a family other than
     ``_SOCKET_FAMILIES`` fail with EAFNOSUPPORT (AF_VSOCK reaches the hypervisor past the network namespace).
+    Setting RLIMIT_CORE (``setrlimit``, ``prlimit64``) succeeds without effect: lowered to 0 it would let a pipe
+    ``core_pattern`` hand the program's core to a host helper again.
     A syscall of another ABI (x32, i386) fails with EPERM."""
     arch = _SECCOMP_ARCH.get(os.uname().machine)
     if arch is None:
         return
-    audit_arch, unshare, clone, clone3, socket, socketpair = arch
+    audit_arch, unshare, clone, clone3, socket, socketpair, setrlimit, prlimit64 = arch
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, errno = 0x7FFF0000, 0x50000
     program = [
@@ -197,6 +209,8 @@ def _seccomp():
         (jeq, clone, "flags", None),
         (jeq, socket, "family", None),
         (jeq, socketpair, "family", None),
+        (jeq, setrlimit, "setrlimit", None),
+        (jeq, prlimit64, "prlimit64", None),
         (ret, allow, None, None),
         "flags",
         (ld, 16, None, None),  # the low half of the first argument (both architectures are little-endian)
@@ -206,12 +220,24 @@ def _seccomp():
         (ld, 16, None, None),
         *((jeq, family, "allow", None) for family in _SOCKET_FAMILIES),
         (ret, errno | 97, None, None),  # EAFNOSUPPORT
+        "setrlimit",
+        (ld, 16, None, None),  # the resource
+        (jeq, _RLIMIT_CORE, "ignore", "allow"),
+        "prlimit64",
+        (ld, 24, None, None),  # the resource
+        (jeq, _RLIMIT_CORE, None, "allow"),
+        (ld, 32, None, None),  # the new limit's pointer, low half then high half: NULL only reads the limit
+        (jeq, 0, None, "ignore"),
+        (ld, 36, None, None),
+        (jeq, 0, "allow", "ignore"),
         "allow",
         (ret, allow, None, None),
         "deny",
         (ret, errno | 1, None, None),  # EPERM
         "enosys",
         (ret, errno | 38, None, None),
+        "ignore",
+        (ret, errno | 0, None, None),  # returns 0: done, as far as the program can tell
     ]
     filters = _assemble(program)
     fprog = _SockFprog(len(filters), filters)
@@ -320,7 +346,7 @@ def _set_limits(cfg):
     _set_limit(resource.RLIMIT_NPROC, cfg["max_processes"])
     _set_limit(resource.RLIMIT_FSIZE, cfg["workdir_mb"] << 20)
     _set_limit(resource.RLIMIT_NOFILE, 256)
-    _set_limit(resource.RLIMIT_CORE, 0)
+    _set_limit(resource.RLIMIT_CORE, _CORE_LIMIT)
     _set_limit(resource.RLIMIT_MSGQUEUE, 1 << 20)  # POSIX message queue bytes
     cpu = cfg["cpu_s"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
@@ -380,7 +406,12 @@ def _program(cfg, source, sync_w):
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])
             _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh session keyring of its own, not the host's
+        # No core dump of this process whatever fs.suid_dumpable says (exec makes a program dumpable again: there
+        # RLIMIT_CORE stops the dump); not traceable by other processes of the uid either.
+        _call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)
         os.chdir(cfg["workdir"])
+        if cfg["namespaces"] and "/tmp" in cfg["socket_dirs"]:
+            os.environ["TMPDIR"] = "/tmp"  # its own, private /tmp (else the working directory, set by the host)
         if cfg["socket_guard"]:
             sys.addaudithook(_socket_guard)
         os.write(sync_w, b"1")  # the pipe stays open: a MemoryError is said there too

@@ -10,6 +10,7 @@ Needs root; :func:`create` returns ``None`` (with the reason) where the host all
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ import time
 __all__ = ["RunCgroup", "create"]
 
 _PREFIX = "asyncsess-sandbox-"
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 class RunCgroup:
@@ -64,12 +66,15 @@ def create(name: str, *, memory_bytes: int, max_processes: int, cpus: float, par
     """A fresh leaf named ``asyncsess-sandbox-<name>`` with these limits, or ``(None, why not)``.
 
     ``parent``: a delegated cgroup v2 directory to make it in (only there); else under this process's cgroup.
+    Raises OSError when out of file descriptors or memory, which says nothing about the host's cgroups.
     """
     reasons = []
     for make in (_create_v2,) if parent else (_create_v2, _create_v1):
         try:
             cgroup = make(_PREFIX + name, memory_bytes, max_processes, cpus, parent)
         except OSError as exc:
+            if exc.errno in _EXHAUSTED:  # this process is short of something, not the host of cgroups: raised
+                raise
             reasons.append(f"{make.__doc__}: {exc}")
             continue
         if cgroup is not None:

@@ -36,7 +36,8 @@ def _lock_dir() -> str:
 
 
 def acquire_uid(uids: range) -> UidLease:
-    """Lease the first free uid in ``uids``; raises RuntimeError when every one is taken."""
+    """Lease the first free uid in ``uids``; raises RuntimeError when every one is taken (OSError if the lock
+    files cannot be opened)."""
     directory = _lock_dir()
     for uid in uids:
         fd = os.open(os.path.join(directory, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -45,5 +46,8 @@ def acquire_uid(uids: range) -> UidLease:
         except BlockingIOError:
             os.close(fd)
             continue
+        except BaseException:
+            os.close(fd)
+            raise
         return UidLease(uid, fd)
     raise RuntimeError(f"all {len(uids)} sandbox uids in {uids} are in use")

@@ -1,18 +1,19 @@
 """LocalSandbox: runs untrusted Python in a confined child process on this machine.
 
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
-rlimits on CPU time, address space, processes, file size and open files; no_new_privs; a seccomp filter
-refusing new user namespaces and socket families other than unix, inet, inet6 and netlink; a wall-clock
+rlimits on CPU time, address space, processes, file size and open files; no core dumps; no_new_privs; a
+seccomp filter refusing new user namespaces and socket families other than unix, inet, inet6 and netlink; a wall-clock
 timeout and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
 capability bounding set, fresh mount, network, IPC, UTS and PID namespaces (read-only filesystem, host unix
-sockets and temp dirs covered, hidden host directories, tmpfs working directory, a /proc of the run's own
-processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
+sockets and temp dirs covered, hidden host directories, tmpfs working directory, /tmp and /dev/shm, a /proc of
+the run's own processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
 and IPC objects cleared before it is used again; an in-process socket guard; and a supervisor that kills and
 reaps everything the program started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import grp
 import json
@@ -27,8 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path, PurePosixPath
 
 import anyio
 from anyio.abc import ByteReceiveStream, Process
@@ -53,6 +54,7 @@ _FALLBACK_NOTE = (
 
 CODE_FILE = "solution.py"
 _BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+_UNSTARTED = "the sandbox could not run the program"  # a host-side OSError starting a run: its stderr begins so
 _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTERM before we SIGKILL it
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where hosts keep unix sockets and shared scratch files; each is covered by an empty tmpfs in a run's mounts.
@@ -123,6 +125,10 @@ class LocalSandbox(BaseSandbox):
         self._max_processes = max_processes
         self._workdir_mb = workdir_mb
         self._python = python or _default_python(self._root)
+        if not (os.path.isfile(self._python) and os.access(self._python, os.X_OK)):
+            raise InvalidInputError(
+                f"{self._python!r} is not an executable file", field="python", fix="pass the path of a Python interpreter"
+            )
         needed = [tempfile.gettempdir(), str(Path(os.path.realpath(self._python)).parent.parent)]
         if hidden_paths is None:
             self._hidden_paths = _hideable(["/home", "/root", os.getcwd()], needed, strict=False)
@@ -206,6 +212,8 @@ class LocalSandbox(BaseSandbox):
             if self._namespaces is None:
                 async with self._limiter.get():
                     probe = await self._execute({CODE_FILE: b""}, b"", max(self._timeout_s, 10.0), self._memory_mb, True)
+                if probe.status == "sandbox_error" and probe.stderr.startswith(_UNSTARTED):
+                    return True  # the host could not start it (out of fds, say): nothing learnt; this run fails closed
                 unavailable = "namespaces unavailable" in probe.stderr
                 self._namespaces = not unavailable  # any other failure: keep them, so runs fail closed, loudly
                 if unavailable:
@@ -240,12 +248,25 @@ class LocalSandbox(BaseSandbox):
     async def _execute(
         self, contents: Mapping[str, bytes], stdin: bytes, timeout_s: float, memory_mb: int, namespaces: bool
     ) -> ExecutionResult:
+        """One run; a host-side failure to start it (no fds, no memory to fork, no interpreter) is a ``sandbox_error``
+        result, with everything made for the run undone."""
+        try:
+            return await self._execute_once(contents, stdin, timeout_s, memory_mb, namespaces)
+        except OSError as exc:
+            log.warning("LocalSandbox: could not run the program: %s: %s", type(exc).__name__, exc)
+            return ExecutionResult(status="sandbox_error", stderr=f"{_UNSTARTED}: {type(exc).__name__}: {exc}\n")
+
+    async def _execute_once(
+        self, contents: Mapping[str, bytes], stdin: bytes, timeout_s: float, memory_mb: int, namespaces: bool
+    ) -> ExecutionResult:
         workdir = await anyio.to_thread.run_sync(_make_workdir, contents)
-        status_r, status_w = os.pipe()
+        proc: Process | None = None
+        status_r = status_w = -1
         lease: UidLease | None = None
         cgroup: _cgroups.RunCgroup | None = None
         cgroup_fds: list[int] = []
         try:
+            status_r, status_w = os.pipe()
             if self._root:
                 try:
                     lease = acquire_uid(self._uids)
@@ -322,7 +343,8 @@ class LocalSandbox(BaseSandbox):
                     await anyio.to_thread.run_sync(cgroup.remove)
                 if lease:
                     lease.release()
-                await anyio.to_thread.run_sync(shutil.rmtree, workdir, True)
+                # Not started: the directory holds what we wrote, nothing a program made (links to follow)
+                await anyio.to_thread.run_sync(_remove_workdir, workdir, contents if proc is None else ())
 
     async def _supervise(
         self, proc: Process, stdin: bytes, timeout_s: float, uid: int | None
@@ -471,9 +493,30 @@ def _make_workdir(contents: Mapping[str, bytes]) -> str:
             with open(path, "wb") as f:
                 f.write(data)
     except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove_workdir(workdir, contents)
         raise
     return workdir
+
+
+def _remove_workdir(workdir: str, written: Iterable[str]) -> None:
+    """Remove a run's working directory. Where that fails for want of a file descriptor (listing a directory takes
+    one), remove the files ``written`` there and their directories by name, which takes none: only pass them while
+    no program can have replaced a directory of theirs with a link."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    if not os.path.lexists(workdir):
+        return
+    directories: set[str] = set()
+    for name in written:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(workdir, name))
+        directories.update(str(parent) for parent in PurePosixPath(name).parents if str(parent) != ".")
+    for directory in sorted(directories, key=len, reverse=True):  # deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(workdir, directory))
+    with contextlib.suppress(OSError):
+        os.rmdir(workdir)
+    if os.path.lexists(workdir):
+        log.warning("LocalSandbox: could not remove the working directory %s", workdir)
 
 
 def _read_report(fd: int) -> dict:
