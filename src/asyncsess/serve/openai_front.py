@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat import ChatRenderer, Tool, parse_tool_calls
+from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, parse_tool_calls, special_texts
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
@@ -403,7 +403,7 @@ class OpenAIFront:
             if m.role == "assistant" and m.tool_calls:
                 raw = [self._replies.get(c.id) for c in m.tool_calls]
                 if raw[0] is not None and all(r == raw[0] for r in raw):
-                    out.append({"role": "assistant", "content": raw[0]})  # exactly what the model wrote
+                    out.append({"role": "assistant", "content": raw[0], VERBATIM: "1"})  # exactly what the model wrote
                     continue
                 calls = [
                     f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}</tool_call>'
@@ -436,11 +436,12 @@ class OpenAIFront:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
+        check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
         messages = self._chat_messages(req)
         try:
             prompt = renderer.tokens(messages, tools)
-        except InvalidInputError:
-            raise
+        except InvalidInputError as err:  # its field indexes the rendered conversation, not the request's messages
+            raise FrontError(str(err), "messages") from None
         except Exception as err:  # the template rejected the conversation
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
