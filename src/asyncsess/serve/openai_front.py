@@ -55,6 +55,7 @@ from .openai_wire import (
     model_not_found,
     no_route,
     parse_body,
+    served_tokens,
     usage,
     validation_error,
 )
@@ -189,7 +190,7 @@ class OpenAIFront:
 
         @app.exception_handler(StarletteHTTPException)
         async def _no_route(request: Request, err: StarletteHTTPException) -> JSONResponse:
-            return no_route(request, err.status_code, str(err.detail))
+            return no_route(request, err.status_code, str(err.detail), err.headers)  # a 405 keeps its Allow
 
         return app
 
@@ -247,6 +248,8 @@ class OpenAIFront:
                 req = model.model_validate(body)
             except ValidationError as err:
                 raise validation_error(err) from None
+            if req.stream_options is not None and not req.stream:
+                raise FrontError("stream_options is only allowed when stream is true; set stream or drop it", "stream_options")
             rollout = _rollout_id(request, req)
             return await handler(req, rollout, request)
         except FrontError as err:
@@ -470,9 +473,7 @@ class OpenAIFront:
                 {
                     "index": c.index,
                     "message": chat_message(c),
-                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]}
-                    if req.logprobs
-                    else None,
+                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in c.shown()]} if req.logprobs else None,
                     "finish_reason": c.finish,
                 }
                 for c in choices
@@ -501,7 +502,10 @@ class OpenAIFront:
                     self._remember(call_id, text)
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
-        return Choice(i, tokens, lps, top, finish, text, content if content or not tool_calls else None, tool_calls)  # type: ignore[arg-type]
+        # the log-probs served cover the reply's text (the whole of it for tool calls), never the end token
+        served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content, skip_special_tokens=False)
+        shown = content if content or not tool_calls else None
+        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ completions
 
@@ -526,7 +530,8 @@ class OpenAIFront:
             reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
             text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
             top = [_top_alternatives(s, j) for j in range(len(tokens))]
-            choices.append(Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, []))
+            served = served_tokens(tok, reply, text)  # the log-probs served cover the text, not the end token
+            choices.append(Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, [], served))
         self._capture(rollout, index, "completions", req, binding, prompt, choices)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         headers = {VERSION_HEADER: str(binding.version)}
