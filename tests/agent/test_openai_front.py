@@ -585,3 +585,32 @@ async def test_completion_logprobs_cover_the_text_not_the_eos(sampler):
     assert streamed == lp.tokens
     captured = front.captures.calls("c")[0].choices[0]
     assert captured.tokens[-1] == tok.eos_token_id and len(captured.logprobs) == 9
+
+
+@pytest.mark.parametrize("rollout", ["héllo/wörld", "日本語", "emoji-🙂", "a b?c#d%2F"])
+async def test_a_unicode_rollout_id_round_trips_from_the_header_and_from_metadata(sampler, rollout):
+    """The header's UTF-8 bytes were read as Latin-1: the call was captured under ``hÃ©llo/wÃ¶rld`` (unreadable by the id
+    the agent set) and a rollout bound under its id was served by the default sampler; now any Unicode id round-trips."""
+    from urllib.parse import quote
+
+    bound = OpenAIFront(sampler)
+    bound.bind(rollout, sampler, version=3)
+    bound.publish(sampler, version=9)  # what a call under another id gets
+    async with bound.openai_client(rollout) as client:  # the header, UTF-8 encoded
+        reply = await client.chat.completions.with_raw_response.create(model="policy", messages=HI, max_tokens=2)
+    assert reply.headers["x-weight-version"] == "3"  # the bound sampler served it
+    async with httpx.AsyncClient(transport=bound.transport(), base_url="http://front") as http:
+        body = {"model": "policy", "messages": HI, "max_tokens": 2, "metadata": {"rollout_id": rollout}}
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        got = await http.get("/v1/asyncsess/rollouts/" + quote(rollout, safe="/"))
+    assert got.status_code == 200 and got.json()["rollout_id"] == rollout
+    assert [c["call_index"] for c in got.json()["calls"]] == [0, 1] and bound.captures.rollout_ids() == [rollout]
+
+
+async def test_a_rollout_header_that_is_not_utf8_is_a_400_naming_it(sampler):
+    front = OpenAIFront(sampler)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        body = {"model": "policy", "messages": HI, "max_tokens": 2}
+        r = await http.post("/v1/chat/completions", json=body, headers={"x-rollout-id": b"caf\xe9"})  # Latin-1 bytes
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-rollout-id" and "UTF-8" in r.json()["error"]["message"]
+    assert front.captures.rollout_ids() == []

@@ -75,13 +75,26 @@ def _rollout_id(request: Request, req: SamplingRequest) -> str:
     ``"default"``; one its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine;
     a ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL), else a FrontError
     naming where it came from."""
-    sources = [(ROLLOUT_HEADER, request.headers.get(ROLLOUT_HEADER)), ("metadata.rollout_id", (req.metadata or {}).get("rollout_id"))]
+    sources = [(ROLLOUT_HEADER, _header_text(request)), ("metadata.rollout_id", (req.metadata or {}).get("rollout_id"))]
     field, rollout = next(((f, r) for f, r in [*sources, ("user", req.user)] if r), (None, DEFAULT_ROLLOUT))
     if len(rollout) > MAX_ROLLOUT_ID_CHARS:
         raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", field)
     if any(part in (".", "..") for part in rollout.split("/")):
         raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", field)
     return rollout
+
+
+def _header_text(request: Request) -> str | None:
+    """The ``X-Rollout-Id`` header as the UTF-8 text the client sent (Starlette reads header bytes as Latin-1, so
+    ``héllo`` came back as ``hÃ©llo``: captured under another id, and a bound rollout's calls served by the default
+    sampler); bytes that are not UTF-8 are a FrontError naming the header."""
+    value = request.headers.get(ROLLOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise FrontError(f"the {ROLLOUT_HEADER} header is not UTF-8 text; send the rollout id UTF-8 encoded", ROLLOUT_HEADER) from None
 
 
 def _topk(k: int) -> dict[str, Any]:
@@ -203,9 +216,9 @@ class OpenAIFront:
         import openai  # the test/agent extra; not needed to serve
 
         headers = dict(kwargs.pop("default_headers", None) or {})
-        if rollout_id is not None:
-            headers[ROLLOUT_HEADER] = rollout_id
-        http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front")
+        # UTF-8 bytes in the httpx client's headers: httpx (and so openai's default_headers) sends ASCII text only
+        rollout = {ROLLOUT_HEADER: rollout_id.encode("utf-8")} if rollout_id is not None else {}
+        http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front", headers=rollout)
         kwargs.setdefault("max_retries", 0)
         return openai.AsyncOpenAI(
             base_url="http://asyncsess-front/v1", api_key="asyncsess", http_client=cast(Any, http), default_headers=headers, **kwargs
