@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a bool or a string
+MAX_TOKENS = 2**31 - 1  # a completion budget past a 32-bit int (2**70, say) reached the backend as it came
 
 
 class FrontError(Exception):
@@ -224,7 +225,7 @@ class SamplingRequest(_Req):
     model: str
     n: StrictInt = Field(default=1, ge=1)
     stop: str | list[str] | None = Field(default=None)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
@@ -262,7 +263,7 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt = Field(default=0, ge=0, le=20)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
 
 
 class CompletionRequest(SamplingRequest):
