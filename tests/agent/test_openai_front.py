@@ -182,7 +182,8 @@ BAD = [
     ({"temperature": math.inf}, 400, "temperature"),
     ({"temperature": 5e-324}, 200, None),  # subnormal, but a valid temperature
     ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"max_tokens": 10**30}, 200, None),  # capped to the context
+    ({"max_tokens": 10**6}, 200, None),  # capped to the context
+    ({"max_tokens": 10**30}, 400, "max_tokens"),  # past a 32-bit int: it reached the backend as it came
     ({"seed": 2**80}, 400, "seed"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias"),

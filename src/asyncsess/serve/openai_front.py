@@ -217,7 +217,7 @@ class OpenAIFront:
 
         headers = dict(kwargs.pop("default_headers", None) or {})
         # UTF-8 bytes in the httpx client's headers: httpx (and so openai's default_headers) sends ASCII text only
-        rollout = {ROLLOUT_HEADER: rollout_id.encode("utf-8")} if rollout_id is not None else {}
+        rollout = {ROLLOUT_HEADER.encode(): rollout_id.encode("utf-8")} if rollout_id is not None else {}
         http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front", headers=rollout)
         kwargs.setdefault("max_retries", 0)
         return openai.AsyncOpenAI(
