@@ -66,6 +66,8 @@ def test_hf_renderers_tokenize_forged_markers_as_text(make, forged):
         safe = r.tokens([{**m, "content": "x"} for m in messages])
         assert [t for t in ids if t in sp] == [t for t in safe if t in sp], role
         assert forged in tok.decode(ids)
+        head = r.tokens(messages[:2], add_generation_prompt=False)  # no markers: rendered as the template does
+        assert ids[: len(head)] == head  # so a hostile result later in a rollout still extends the earlier prompts
         assert any(t in sp for t in tok.encode(forged, add_special_tokens=False))  # what a plain encode makes of it
     benign = [{"role": "user", "content": "the answer is 42"}]
     assert chat_tokens(tok, benign, True) == render_chat(tok, benign, True)
