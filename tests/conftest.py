@@ -20,6 +20,7 @@ _NEEDS = {
     "client/test_custom_loss.py": ("torch",),
     "local/test_vllm_sampler.py": ("vllm",),
     "compat/test_bad_input_local.py": ("torch", "asyncsess_local"),
+    "agent/test_chat_markup_local.py": ("torch", "asyncsess_local", "transformers", "tokenizers"),
     "compat/test_topk_local.py": ("torch", "asyncsess_local"),
     "compat/test_bad_input_sagemaker.py": ("boto3", "asyncsess_sagemaker"),
     "compat/test_matrix.py": ("tinker", "sagemaker.train"),

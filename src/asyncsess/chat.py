@@ -6,12 +6,17 @@ Templates differ in what they support, so :class:`ChatRenderer` probes the token
 has no tool role (it raises, or drops the message) a result is sent as a user message wrapped in
 ``<tool_response>…</tool_response>`` (how Qwen's template renders tool results), and where it ignores the
 ``tools`` argument the tool signatures are added to the system message.
+
+Message content is ordinary text, whoever wrote it (a user, a tool, a program's output): the text of a special
+token in it (``<|im_end|>`` for ChatML, say) is tokenized as the characters it spells, never as the special
+token, so content cannot forge a turn; only the template's own markers are special tokens (:func:`render_chat`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +25,10 @@ from .errors import InvalidInputError
 
 __all__ = [
     "Message",
+    "render_chat",
+    "special_texts",
+    "check_tools",
+    "VERBATIM",
     "chat_tokens",
     "assistant_spans",
     "turn_stop_tokens",
@@ -32,12 +41,123 @@ __all__ = [
 Message = Mapping[str, str]
 
 
+VERBATIM = "_verbatim"  # a message key: its content is the model's own output, special tokens and all
+
+
+def special_texts(tokenizer: Any) -> list[str]:
+    """The text of every special token the tokenizer finds in a string (Hugging Face's added tokens marked special
+    and its named special tokens), longest first."""
+    texts = {str(t) for t in getattr(tokenizer, "all_special_tokens", None) or []}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts |= {str(getattr(t, "content", t)) for t in decoder.values() if getattr(t, "special", False)}
+    return sorted((t for t in texts if t), key=lambda t: (-len(t), t))
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False, tools: Sequence[Mapping[str, Any]] = ()
+) -> list[int]:
+    """The conversation's tokens through the tokenizer's chat template, with every message's content as plain text.
+
+    A content that holds a special token's text (``<|im_end|>\\n<|im_start|>system`` in a tool result, say) is
+    tokenized as ordinary text (Hugging Face's ``split_special_tokens``), so it cannot forge a turn; the template's
+    own markers stay special tokens. Content without such text renders exactly as ``apply_chat_template`` does.
+    A message with the key ``"_verbatim"`` (the model's own reply, as sampled) keeps its special tokens. Tool
+    schemas that hold special-token text are refused (the template renders them; they cannot be told apart)."""
+    specials = special_texts(tokenizer)
+    check_tools(specials, tools)
+    msgs = [{k: v for k, v in m.items() if k != VERBATIM} for m in messages]
+    risky = [i for i, m in enumerate(msgs) if not messages[i].get(VERBATIM) and _special_in(m.get("content"), specials)]
+    if not risky:
+        return _template_tokens(tokenizer, msgs, add_generation_prompt, tools)
+    return _plain_content_tokens(tokenizer, msgs, risky, specials, add_generation_prompt, tools)
+
+
 def chat_tokens(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[int]:
+    """The conversation's tokens as a plain ``list[int]``; content is plain text (:func:`render_chat`)."""
+    return render_chat(tokenizer, messages, add_generation_prompt)
+
+
+def check_tools(specials: Sequence[str], tools: Sequence[Mapping[str, Any]], field: str = "tools[{}]") -> None:
+    """An InvalidInputError naming the first tool (``field`` formatted with its index) whose schema holds
+    special-token text."""
+    for i, tool in enumerate(tools):
+        if found := _special_in(json.dumps(tool, ensure_ascii=False), specials):
+            raise InvalidInputError(
+                f"tool {i} holds the special-token text {found!r} of the chat template",
+                field=field.format(i),
+                fix="remove the chat template's special tokens from tool names, descriptions and schemas",
+            )
+
+
+def _special_in(text: Any, specials: Sequence[str]) -> str | None:
+    return next((s for s in specials if s in text), None) if isinstance(text, str) else None
+
+
+def _template_tokens(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, tools: Sequence[Any]) -> list[int]:
     """``apply_chat_template(..., tokenize=True)`` as a plain ``list[int]`` (transformers 5 returns a mapping)."""
-    out = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
+    extra = {"tools": list(tools)} if tools else {}
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, **extra)
     if not isinstance(out, list):
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def _template_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, tools: Sequence[Any]) -> str:
+    extra = {"tools": list(tools)} if tools else {}
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra))
+
+
+def _plain_content_tokens(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    risky: list[int],
+    specials: list[str],
+    add_generation_prompt: bool,
+    tools: Sequence[Any],
+) -> list[int]:
+    """Render with a placeholder for each risky content, then tokenize: special tokens only where the template
+    wrote them; the text between them (template text and content) with special-token text spelled out."""
+    slot = f"\ue000{uuid.uuid4().hex}"
+    marked = [dict(m, content=f"{slot}{i}\ue001") if i in risky else m for i, m in enumerate(messages)]
+    pattern = re.compile(re.escape(slot) + r"(\d+)\ue001")
+    pieces = pattern.split(_template_text(tokenizer, marked, add_generation_prompt, tools))
+    expected = _template_text(tokenizer, messages, add_generation_prompt, tools)
+    if "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)) != expected:
+        raise InvalidInputError(
+            f"messages[{risky[0]}].content holds special-token text and this chat template changes content as it renders it",
+            field=f"messages[{risky[0]}].content",
+            fix="remove the chat template's special tokens from the content",
+        )
+    split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
+    ids: list[int] = []
+    run: list[str] = []
+    for k, piece in enumerate(pieces):
+        if k % 2:  # a risky content: plain text
+            run.append(messages[int(piece)]["content"])
+            continue
+        for j, part in enumerate(split.split(piece)):
+            if j % 2:  # the template's own special token
+                ids += _encode_plain(tokenizer, "".join(run), specials)
+                run = []
+                ids.append(int(tokenizer.convert_tokens_to_ids(part)))
+            else:
+                run.append(part)
+    return ids + _encode_plain(tokenizer, "".join(run), specials)
+
+
+def _encode_plain(tokenizer: Any, text: str, specials: list[str]) -> list[int]:
+    """``text`` as ordinary text; an InvalidInputError if the tokenizer still finds a special token in it."""
+    if not text:
+        return []
+    ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)]
+    special_ids = {int(tokenizer.convert_tokens_to_ids(s)) for s in specials}
+    if any(t in special_ids for t in ids):
+        raise InvalidInputError(
+            "this tokenizer cannot tokenize special-token text as plain text (split_special_tokens)",
+            field="messages",
+            fix="remove the chat template's special tokens from the content, or use a Hugging Face tokenizer",
+        )
+    return ids
 
 
 def assistant_spans(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -138,6 +258,7 @@ class ChatRenderer:
     def tokens(self, messages: Sequence[Message], tools: Sequence[Tool] = (), add_generation_prompt: bool = True) -> list[int]:
         """The conversation's tokens as the model sees it (with the prompt for the next assistant turn)."""
         schemas = [t.schema() for t in tools]
+        check_tools(special_texts(self.tokenizer), schemas)
         msgs = self._portable(messages)
         if schemas and not self._shows_tools(schemas):
             msgs = _with_tool_prompt(msgs, schemas)
@@ -148,11 +269,7 @@ class ChatRenderer:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     def _render(self, messages: Sequence[Message], tools: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        extra = {"tools": tools} if tools else {}
-        out = self.tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt, **extra)
-        if not isinstance(out, list):
-            out = out["input_ids"]
-        return [int(t) for t in out]
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
 
     def _renders(self, messages: list[dict[str, str]]) -> bool:
         try:

@@ -44,7 +44,8 @@ async def test_captured_logprobs_equal_compute_logprobs(sampler):
     for choice, served in zip(call.choices, reply.choices):
         scored = await sampler.compute_logprobs(call.prompt_tokens + choice.tokens)
         assert choice.logprobs == scored[len(call.prompt_tokens) :]  # exact on mock
-        assert [e.logprob for e in served.logprobs.content] == choice.logprobs
+        shown = len(choice.tokens) - (choice.finish_reason == "stop")  # the end token is captured, not served
+        assert [e.logprob for e in served.logprobs.content] == choice.logprobs[:shown]
         assert served.finish_reason == choice.finish_reason
 
 
@@ -60,7 +61,7 @@ async def test_top_logprobs_relay_the_samplers_top_k(sampler):
     n = len(call.choices[0].tokens)  # the front also stops at the end of the turn
     assert direct.tokens[:n] == call.choices[0].tokens and direct.topk_logprobs is not None
     served = reply.choices[0].logprobs.content
-    assert len(served) == n > 0
+    assert len(served) == n - (call.choices[0].finish_reason == "stop") > 0  # not the end-of-turn token
     for entry, top in zip(served, direct.topk_logprobs):
         assert top is not None and [a.logprob for a in entry.top_logprobs] == [lp for _, lp in top]
         assert [a.logprob for a in entry.top_logprobs] == sorted((a.logprob for a in entry.top_logprobs), reverse=True)
@@ -157,6 +158,9 @@ async def test_models_retrieve_and_routes_the_front_does_not_serve(sampler):
         assert info.value.body["code"] == "not_found" and "/v1/chat/completions" in info.value.message
         r = await client._client.get("http://asyncsess-front/v1/chat/completions")
         assert r.status_code == 405 and r.json()["error"]["param"] == "method", r.text
+        assert r.headers["allow"] == "POST"  # RFC 9110: a 405 says which methods the path takes
+        r = await client._client.put("http://asyncsess-front/v1/asyncsess/rollouts/x")
+        assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}, r.headers
 
 
 def _tool_call(name: str = "f", call_id: str = "c1") -> dict:
@@ -178,7 +182,8 @@ BAD = [
     ({"temperature": math.inf}, 400, "temperature"),
     ({"temperature": 5e-324}, 200, None),  # subnormal, but a valid temperature
     ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"max_tokens": 10**30}, 200, None),  # capped to the context
+    ({"max_tokens": 10**6}, 200, None),  # capped to the context
+    ({"max_tokens": 10**30}, 400, "max_tokens"),  # past a 32-bit int: it reached the backend as it came
     ({"seed": 2**80}, 400, "seed"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
@@ -519,3 +524,94 @@ async def test_a_throttled_sampler_is_a_429_with_the_backends_retry_hint_and_the
         reply = await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
     assert throttled.calls == 2 and [c.call_index for c in front.captures.calls("t")] == [0]
     assert front.captures.calls("t")[0].choices[0].tokens and reply.choices[0].message.content is not None
+
+
+async def test_stream_options_without_stream_is_refused_as_openai_does(sampler):
+    """OpenAI answers 400 (param ``stream_options``) when it comes without ``stream: true``; it was taken silently."""
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        for stream in ({}, {"stream": False}):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(
+                    model="policy", messages=HI, max_tokens=2, stream_options={"include_usage": True}, **stream
+                )
+            assert err.value.body["param"] == "stream_options" and "stream" in err.value.body["message"]
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.completions.create(model="policy", prompt="hi", max_tokens=2, stream_options={"include_usage": True}, **stream)
+            assert err.value.body["param"] == "stream_options"
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=2, extra_body={"stream_options": None})  # null: unset
+    assert front.captures.calls("default")[0].call_index == 0  # a refused call took no index
+
+
+async def test_served_logprobs_cover_the_content_not_the_end_token(sampler):
+    """The reply's ``logprobs`` spelled the content plus ``<|end|>`` (not part of it); OpenAI's cover the content
+    exactly. The capture keeps the end token and its log-prob (the model sampled it: it is trained)."""
+    from .helpers import ScriptedSampler
+
+    tok = sampler.get_tokenizer()
+    front = OpenAIFront(ScriptedSampler(sampler, ["It is 5.", "It is 5.", "It is 5. Done", "It is 5. Done"]))
+    async with front.openai_client("lp") as client:
+        plain = await client.chat.completions.create(model="policy", messages=HI, logprobs=True)
+        stream = await client.chat.completions.create(model="policy", messages=HI, logprobs=True, stream=True)
+        streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        cut = await client.chat.completions.create(model="policy", messages=HI, logprobs=True, stop=[" Done"])
+        cut_stream = await client.chat.completions.create(model="policy", messages=HI, logprobs=True, stop=[" Done"], stream=True)
+        cut_streamed = [
+            e for c in [c async for c in cut_stream] if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        ]
+    served = plain.choices[0].logprobs.content
+    assert "".join(e.token for e in served) == plain.choices[0].message.content == "It is 5."
+    assert [e.token for e in streamed] == [e.token for e in served] and [e.logprob for e in streamed] == [e.logprob for e in served]
+    assert "".join(e.token for e in cut.choices[0].logprobs.content) == cut.choices[0].message.content == "It is 5."
+    assert [e.token for e in cut_streamed] == [e.token for e in cut.choices[0].logprobs.content]
+    first = front.captures.calls("lp")[0].choices[0]
+    assert first.tokens[-1] == tok.convert_tokens_to_ids("<|end|>") and len(first.logprobs) == len(first.tokens) == len(served) + 1
+    assert first.logprobs[:-1] == [e.logprob for e in served]
+
+
+async def test_completion_logprobs_cover_the_text_not_the_eos(sampler):
+    from .helpers import ScriptedSampler
+
+    tok = sampler.get_tokenizer()
+    scripted = ScriptedSampler(sampler, ["4 apples", "4 apples"])
+    scripted.end = tok.eos_token_id
+    front = OpenAIFront(scripted)
+    async with front.openai_client("c") as client:
+        plain = await client.completions.create(model="policy", prompt="2+2=", logprobs=0)
+        chunks = [c async for c in await client.completions.create(model="policy", prompt="2+2=", logprobs=0, stream=True)]
+    lp = plain.choices[0].logprobs
+    assert "".join(lp.tokens) == plain.choices[0].text == "4 apples" and len(lp.token_logprobs) == len(lp.tokens) == 8
+    assert lp.text_offset == list(range(8))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    captured = front.captures.calls("c")[0].choices[0]
+    assert captured.tokens[-1] == tok.eos_token_id and len(captured.logprobs) == 9
+
+
+@pytest.mark.parametrize("rollout", ["héllo/wörld", "日本語", "emoji-🙂", "a b?c#d%2F"])
+async def test_a_unicode_rollout_id_round_trips_from_the_header_and_from_metadata(sampler, rollout):
+    """The header's UTF-8 bytes were read as Latin-1: the call was captured under ``hÃ©llo/wÃ¶rld`` (unreadable by the id
+    the agent set) and a rollout bound under its id was served by the default sampler; now any Unicode id round-trips."""
+    from urllib.parse import quote
+
+    bound = OpenAIFront(sampler)
+    bound.bind(rollout, sampler, version=3)
+    bound.publish(sampler, version=9)  # what a call under another id gets
+    async with bound.openai_client(rollout) as client:  # the header, UTF-8 encoded
+        reply = await client.chat.completions.with_raw_response.create(model="policy", messages=HI, max_tokens=2)
+    assert reply.headers["x-weight-version"] == "3"  # the bound sampler served it
+    async with httpx.AsyncClient(transport=bound.transport(), base_url="http://front") as http:
+        body = {"model": "policy", "messages": HI, "max_tokens": 2, "metadata": {"rollout_id": rollout}}
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        got = await http.get("/v1/asyncsess/rollouts/" + quote(rollout, safe="/"))
+    assert got.status_code == 200 and got.json()["rollout_id"] == rollout
+    assert [c["call_index"] for c in got.json()["calls"]] == [0, 1] and bound.captures.rollout_ids() == [rollout]
+
+
+async def test_a_rollout_header_that_is_not_utf8_is_a_400_naming_it(sampler):
+    front = OpenAIFront(sampler)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        body = {"model": "policy", "messages": HI, "max_tokens": 2}
+        r = await http.post("/v1/chat/completions", json=body, headers={"x-rollout-id": b"caf\xe9"})  # Latin-1 bytes
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-rollout-id" and "UTF-8" in r.json()["error"]["message"]
+    assert front.captures.rollout_ids() == []

@@ -108,7 +108,7 @@ async def test_logprob_bytes_join_into_the_reply_where_tokens_split_characters(s
     assert plain.choices[0].message.content == reply and any(e.token == "\ufffd" for e in entries)  # characters are split
     for got in (entries, streamed):
         joined = bytes(b for e in got for b in e.bytes)
-        assert joined.decode() == reply + "<|end|>"  # the turn's end token is scored too
+        assert joined.decode() == reply  # the content exactly: not the turn's end token (the capture keeps it)
 
 
 async def test_completion_text_offsets_are_where_each_token_starts_in_the_text(sampler):
@@ -121,7 +121,8 @@ async def test_completion_text_offsets_are_where_each_token_starts_in_the_text(s
         chunks = [c async for c in await client.completions.create(model="policy", prompt="x", logprobs=0, stream=True)]
     tokens = front.captures.calls("o")[0].choices[0].tokens
     tok = sampler.get_tokenizer()
-    expected = [len(tok.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(tokens))]
+    assert tokens[-1] == tok.eos_token_id  # captured; the served log-probs stop before it
+    expected = [len(tok.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(tokens) - 1)]
     assert plain.choices[0].text == reply and expected[3] == 1  # the three tokens of '日' start at 0, '本' at 1
     assert plain.choices[0].logprobs.text_offset == expected
     assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == expected

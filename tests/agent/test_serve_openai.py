@@ -300,6 +300,7 @@ async def test_an_unknown_route_or_method_is_refused_in_each_doors_shape(server)
     resp = await http.get("/v1/chat/completions", headers={"X-API-Key": KEY_A})
     error = resp.json()["error"]
     assert resp.status_code == 405 and set(error) == {"message", "type", "param", "code"} and error["param"] == "method", resp.text
+    assert resp.headers["allow"] == "POST"  # a 405 says which methods the path takes
     resp = await http.get("/api/v1/no_such_route", headers={"X-API-Key": KEY_A})
     assert resp.status_code == 404 and resp.json()["field"] == "path" and resp.json()["fix"], resp.text
 

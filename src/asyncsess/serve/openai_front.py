@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat import ChatRenderer, Tool, parse_tool_calls
+from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, parse_tool_calls, special_texts
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
@@ -55,6 +55,7 @@ from .openai_wire import (
     model_not_found,
     no_route,
     parse_body,
+    served_tokens,
     usage,
     validation_error,
 )
@@ -74,13 +75,26 @@ def _rollout_id(request: Request, req: SamplingRequest) -> str:
     ``"default"``; one its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine;
     a ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL), else a FrontError
     naming where it came from."""
-    sources = [(ROLLOUT_HEADER, request.headers.get(ROLLOUT_HEADER)), ("metadata.rollout_id", (req.metadata or {}).get("rollout_id"))]
+    sources = [(ROLLOUT_HEADER, _header_text(request)), ("metadata.rollout_id", (req.metadata or {}).get("rollout_id"))]
     field, rollout = next(((f, r) for f, r in [*sources, ("user", req.user)] if r), (None, DEFAULT_ROLLOUT))
     if len(rollout) > MAX_ROLLOUT_ID_CHARS:
         raise FrontError(f"the rollout id has {len(rollout)} characters; at most {MAX_ROLLOUT_ID_CHARS}", field)
     if any(part in (".", "..") for part in rollout.split("/")):
         raise FrontError(f"the rollout id {rollout!r} has a '.' or '..' segment, which no URL keeps; rename it", field)
     return rollout
+
+
+def _header_text(request: Request) -> str | None:
+    """The ``X-Rollout-Id`` header as the UTF-8 text the client sent (Starlette reads header bytes as Latin-1, so
+    ``héllo`` came back as ``hÃ©llo``: captured under another id, and a bound rollout's calls served by the default
+    sampler); bytes that are not UTF-8 are a FrontError naming the header."""
+    value = request.headers.get(ROLLOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise FrontError(f"the {ROLLOUT_HEADER} header is not UTF-8 text; send the rollout id UTF-8 encoded", ROLLOUT_HEADER) from None
 
 
 def _topk(k: int) -> dict[str, Any]:
@@ -189,7 +203,7 @@ class OpenAIFront:
 
         @app.exception_handler(StarletteHTTPException)
         async def _no_route(request: Request, err: StarletteHTTPException) -> JSONResponse:
-            return no_route(request, err.status_code, str(err.detail))
+            return no_route(request, err.status_code, str(err.detail), err.headers)  # a 405 keeps its Allow
 
         return app
 
@@ -202,9 +216,9 @@ class OpenAIFront:
         import openai  # the test/agent extra; not needed to serve
 
         headers = dict(kwargs.pop("default_headers", None) or {})
-        if rollout_id is not None:
-            headers[ROLLOUT_HEADER] = rollout_id
-        http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front")
+        # UTF-8 bytes in the httpx client's headers: httpx (and so openai's default_headers) sends ASCII text only
+        rollout = {ROLLOUT_HEADER.encode(): rollout_id.encode("utf-8")} if rollout_id is not None else {}
+        http = httpx.AsyncClient(transport=self.transport(), base_url="http://asyncsess-front", headers=rollout)
         kwargs.setdefault("max_retries", 0)
         return openai.AsyncOpenAI(
             base_url="http://asyncsess-front/v1", api_key="asyncsess", http_client=cast(Any, http), default_headers=headers, **kwargs
@@ -247,6 +261,8 @@ class OpenAIFront:
                 req = model.model_validate(body)
             except ValidationError as err:
                 raise validation_error(err) from None
+            if req.stream_options is not None and not req.stream:
+                raise FrontError("stream_options is only allowed when stream is true; set stream or drop it", "stream_options")
             rollout = _rollout_id(request, req)
             return await handler(req, rollout, request)
         except FrontError as err:
@@ -403,7 +419,7 @@ class OpenAIFront:
             if m.role == "assistant" and m.tool_calls:
                 raw = [self._replies.get(c.id) for c in m.tool_calls]
                 if raw[0] is not None and all(r == raw[0] for r in raw):
-                    out.append({"role": "assistant", "content": raw[0]})  # exactly what the model wrote
+                    out.append({"role": "assistant", "content": raw[0], VERBATIM: "1"})  # exactly what the model wrote
                     continue
                 calls = [
                     f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}</tool_call>'
@@ -436,11 +452,12 @@ class OpenAIFront:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
+        check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
         messages = self._chat_messages(req)
         try:
             prompt = renderer.tokens(messages, tools)
-        except InvalidInputError:
-            raise
+        except InvalidInputError as err:  # its field indexes the rendered conversation, not the request's messages
+            raise FrontError(str(err), "messages") from None
         except Exception as err:  # the template rejected the conversation
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
@@ -469,9 +486,7 @@ class OpenAIFront:
                 {
                     "index": c.index,
                     "message": chat_message(c),
-                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]}
-                    if req.logprobs
-                    else None,
+                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in c.shown()]} if req.logprobs else None,
                     "finish_reason": c.finish,
                 }
                 for c in choices
@@ -500,7 +515,10 @@ class OpenAIFront:
                     self._remember(call_id, text)
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
-        return Choice(i, tokens, lps, top, finish, text, content if content or not tool_calls else None, tool_calls)  # type: ignore[arg-type]
+        # the log-probs served cover the reply's text (the whole of it for tool calls), never the end token
+        served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content, skip_special_tokens=False)
+        shown = content if content or not tool_calls else None
+        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ completions
 
@@ -525,7 +543,8 @@ class OpenAIFront:
             reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
             text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
             top = [_top_alternatives(s, j) for j in range(len(tokens))]
-            choices.append(Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, []))
+            served = served_tokens(tok, reply, text)  # the log-probs served cover the text, not the end token
+            choices.append(Choice(i, tokens, [float(x) for x in s.logprobs or []], top, s.stop_reason, text, text, [], served))
         self._capture(rollout, index, "completions", req, binding, prompt, choices)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         headers = {VERSION_HEADER: str(binding.version)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -44,10 +44,12 @@ __all__ = [
     "legacy_logprobs",
     "chat_chunks",
     "content_pieces",
+    "served_tokens",
     "completion_chunks",
 ]
 
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a bool or a string
+MAX_TOKENS = 2**31 - 1  # a completion budget past a 32-bit int (2**70, say) reached the backend as it came
 
 
 class FrontError(Exception):
@@ -74,11 +76,13 @@ def model_not_found(model: str) -> FrontError:
     return FrontError(f"the model {model!r:.120} does not exist here", "model", status=404, code="model_not_found")
 
 
-def no_route(request: Any, status: int, detail: str) -> JSONResponse:
-    """A path (404) or method (405) no OpenAI route serves, in OpenAI's error shape (the Responses API's, say)."""
+def no_route(request: Any, status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """A path (404) or method (405) no OpenAI route serves, in OpenAI's error shape (the Responses API's, say);
+    ``headers``: the router's (a 405's ``Allow``, the methods the path takes)."""
     field, code = ("method", "method_not_allowed") if status == 405 else ("path", "not_found")
     routes = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
-    return FrontError(f"{request.method} {request.url.path[:200]}: {detail}; this server serves {routes}", field, status, code).response()
+    message = f"{request.method} {request.url.path[:200]}: {detail}; this server serves {routes}"
+    return FrontError(message, field, status, code, headers=dict(headers or {})).response()
 
 
 def parse_body(raw: bytes) -> Any:
@@ -221,7 +225,7 @@ class SamplingRequest(_Req):
     model: str
     n: StrictInt = Field(default=1, ge=1)
     stop: str | list[str] | None = Field(default=None)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
@@ -259,7 +263,7 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt = Field(default=0, ge=0, le=20)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
 
 
 class CompletionRequest(SamplingRequest):
@@ -300,6 +304,22 @@ class Choice:
     text: str  # the whole reply as the template renders it back (stop token dropped)
     content: str | None
     tool_calls: list[dict[str, Any]]
+    served: int = -1  # the leading tokens the served log-probs cover: the reply's text, not its end token (-1: all)
+
+    def shown(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """(token, log-prob, alternatives) of the tokens the reply shows: OpenAI's log-probs cover the content, not
+        the end-of-turn token or what a stop string cut off (a capture keeps every sampled token)."""
+        n = len(self.tokens) if self.served < 0 else self.served
+        return list(zip(self.tokens[:n], self.logprobs[:n], self.top[:n]))
+
+
+def served_tokens(tok: Any, reply: list[int], content: str, skip_special_tokens: bool = True) -> int:
+    """How many leading tokens of ``reply`` (end token dropped) ``content`` spans: all of them, unless a stop string
+    cut the text (then up to the token that holds its last character)."""
+    pieces = content_pieces(tok, reply, content, skip_special_tokens)
+    if len(pieces) > len(reply):  # content ends past what the per-token deltas placed: every token is in it
+        return len(reply)
+    return next((k + 1 for k in range(len(pieces) - 1, -1, -1) if pieces[k]), 0)
 
 
 def usage(prompt: list[int], choices: Sequence[Choice]) -> dict[str, int]:
@@ -358,13 +378,19 @@ def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[
 def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
     """A completion's log-probs in the legacy shape; ``text_offset`` is where each token's text starts in the reply
     (from the streamed deltas: a token that holds part of a character decodes alone to U+FFFD, one character)."""
-    pieces = [_piece(tok, t) for t in c.tokens]
+    shown = c.shown()
+    tokens = [t for t, _, _ in shown]
     offsets, at = [], 0
-    for delta in content_pieces(tok, c.tokens, c.content or "")[: len(c.tokens)]:
+    for delta in content_pieces(tok, tokens, c.content or "")[: len(tokens)]:
         offsets.append(at)
         at += len(delta)
-    top = [{_piece(tok, a): b for a, b in alts} for alts in c.top] if any(c.top) else None
-    return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
+    top = [{_piece(tok, a): b for a, b in alts} for _, _, alts in shown] if any(alts for _, _, alts in shown) else None
+    return {
+        "tokens": [_piece(tok, t) for t in tokens],
+        "token_logprobs": [lp for _, lp, _ in shown],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 _STALL_TOKENS = 4  # a UTF-8 character spans at most 4 byte tokens
@@ -420,14 +446,14 @@ async def chat_chunks(
         return _sse({**obj, "choices": [choice], **extra})
 
     for c in choices:
-        entries = [lp_entry(tok, t, lp, top) for t, lp, top in zip(c.tokens, c.logprobs, c.top)]
+        entries = [lp_entry(tok, t, lp, top) for t, lp, top in c.shown()]
         yield chunk(c.index, {"role": "assistant", "content": "" if c.content is not None else None})
         if c.tool_calls:  # content is None when the reply is only tool calls, as in the plain reply
             yield chunk(c.index, {"content": c.content} if c.content else {}, lps=entries)
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
-            pieces = content_pieces(tok, c.tokens, c.content or "", skip_special_tokens=False)  # as the content
+            pieces = content_pieces(tok, [t for t, _, _ in c.shown()], c.content or "", skip_special_tokens=False)  # as the content
             for k, piece in enumerate(pieces):
                 yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
         yield chunk(c.index, {}, c.finish)
@@ -445,15 +471,15 @@ async def completion_chunks(
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]})
 
     for c in choices:
-        pieces = content_pieces(tok, c.tokens, c.content or "")
+        pieces = content_pieces(tok, [t for t, _, _ in c.shown()], c.content or "")
         legacy = legacy_logprobs(tok, c) if logprobs else None
         for k, piece in enumerate(pieces):
             lp = None
-            if legacy is not None and k < len(c.tokens):
+            if legacy is not None and k < len(legacy["tokens"]):
                 top = legacy["top_logprobs"][k : k + 1] if legacy["top_logprobs"] else None
                 lp = {
                     "tokens": legacy["tokens"][k : k + 1],
-                    "token_logprobs": c.logprobs[k : k + 1],
+                    "token_logprobs": legacy["token_logprobs"][k : k + 1],
                     "top_logprobs": top,
                     "text_offset": legacy["text_offset"][k : k + 1],
                 }

@@ -1561,7 +1561,9 @@ def create_app(
     async def _no_route(request: Request, err: StarletteHTTPException) -> JSONResponse:
         field, code = ("method", "method_not_allowed") if err.status_code == 405 else ("path", "not_found")
         message = f"{request.method} {request.url.path[:200]}: {err.detail}"
-        return refusal(request.url.path, err.status_code, message, field, "see the routes in GET /openapi.json", code)
+        response = refusal(request.url.path, err.status_code, message, field, "see the routes in GET /openapi.json", code)
+        response.headers.update(err.headers or {})  # a 405's Allow
+        return response
 
     app.include_router(tinker_router(door, api_keys))
     app.include_router(openai_router(oai, api_keys))

@@ -18,7 +18,8 @@ class CharTokenizer:
     """Special tokens first, then tab, newline and printable ASCII; anything else encodes as ``<|unk|>``.
 
     Chat template: ``<|bos|>`` then ``<|role|>content<|end|>`` per message, plus ``<|assistant|>`` when
-    ``add_generation_prompt`` is set. Special-token strings inside text encode as the special token.
+    ``add_generation_prompt`` is set. Special-token strings inside text encode as the special token, unless
+    ``split_special_tokens`` (as in Hugging Face: then they are ordinary text).
     """
 
     pad_token, bos_token, eos_token, unk_token = SPECIAL_TOKENS[:4]
@@ -46,11 +47,15 @@ class CharTokenizer:
     def all_special_ids(self) -> list[int]:
         return list(range(len(SPECIAL_TOKENS)))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return list(SPECIAL_TOKENS)
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
         unk = self.unk_token_id
-        for part in self._special_re.split(text):
-            if part in self._ids and len(part) > 1:
+        for part in [text] if split_special_tokens else self._special_re.split(text):
+            if not split_special_tokens and part in self._ids and len(part) > 1:
                 ids.append(self._ids[part])
             else:
                 ids.extend(self._ids.get(ch, unk) for ch in part)

@@ -39,6 +39,7 @@ from asyncsess.backends import (
     unknown_op,
 )
 from asyncsess.backends.sequencer import Sequencer
+from asyncsess.chat import chat_tokens
 from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, SessionGoneError
 from asyncsess.serve.openai_wire import Message, content_pieces, lp_entry, validation_error
 from asyncsess.types import MAX_SEED, CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
@@ -731,7 +732,7 @@ class EmulatedService:
         tok = self.inner.get_tokenizer(sess.model.model_id)
         try:
             if hasattr(tok, "apply_chat_template"):
-                prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+                prompt = chat_tokens(tok, messages, add_generation_prompt=True)  # content as plain text: it forges no turn
             else:
                 prompt = tok.encode("".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant: ")
         except Exception as err:  # the messages are the only input: an unknown role, content the template cannot render
