@@ -406,6 +406,7 @@ LOSS_FUNCTIONS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo"
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (a torch generator's range)
 MAX_STOPS = 64  # stop strings or token ids per request
 MAX_STOP_CHARS = 1000  # characters per stop string
+MAX_TOKENS = 2**31 - 1  # new tokens one request may ask for: past a 32-bit int (2**70, say) it reached the backend as it came
 
 
 def _not_a_bool(v: Any) -> Any:
@@ -424,7 +425,7 @@ class SamplingParams(_Input):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1

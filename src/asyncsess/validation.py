@@ -268,6 +268,10 @@ def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None,
     elif isinstance(prompt, str):
         if encode is None:
             raise InvalidInputError("text needs a tokenizer", field=field, fix="pass token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: each tokenizer did something else with it
+            raise InvalidInputError(f"not valid Unicode at {err.start}: {err.reason}", field=field, fix="give valid text") from None
         tokens = encode(prompt)
     else:
         try:

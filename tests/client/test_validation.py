@@ -68,6 +68,11 @@ async def test_out_of_range_sampling_params(tc):
         sc.sample([1, 2], 0)
     with _bad("adam_params.learning_rate"):
         tc.optim_step({"learning_rate": -1})
+    with _bad("sampling_params.max_tokens"):  # 2**63 was handed to the backend as it came
+        sc.sample([1, 2], 1, {"max_tokens": 2**31})
+    with _bad("prompt"):  # a lone surrogate: each tokenizer did something else with it (mock took it)
+        sc.sample("caf\ud800", 1)
+    assert (await sc.sample("café", 1, {"max_tokens": 2**31 - 1})).sequences
 
 
 async def test_rejected_op_consumes_no_sequence_number(tc):

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..types import MAX_STOP_CHARS
+from ..types import MAX_STOP_CHARS, MAX_TOKENS
 
 __all__ = [
     "FrontError",
@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int too; not a bool or a string
-MAX_TOKENS = 2**31 - 1  # a completion budget past a 32-bit int (2**70, say) reached the backend as it came
 
 
 class FrontError(Exception):
