@@ -254,6 +254,8 @@ class TensorData(_Input):
         arr = np.asarray(array)
         if dtype is None:
             dtype = "int64" if np.issubdtype(arr.dtype, np.integer) else "float32"
+        if dtype == "int64" and np.issubdtype(arr.dtype, np.integer):  # as Python ints: a uint64 past int64 read as -1
+            return cls.model_construct(data=arr.ravel().tolist(), dtype=dtype, shape=list(arr.shape))
         np_dtype = np.int64 if dtype == "int64" else np.float32
         return cls.model_construct(data=arr.astype(np_dtype).ravel().tolist(), dtype=dtype, shape=list(arr.shape))
 

@@ -183,3 +183,19 @@ async def test_a_loss_that_is_not_a_name_is_a_typed_error(tc, loss_fn):
     with _bad("loss_fn"):
         tc.forward_backward([sft_datum([1, 40, 41])], loss_fn)
     assert tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy").seq == 1
+
+
+async def test_a_uint64_array_past_int64_is_refused_by_its_value_not_wrapped():
+    """numpy's cast to int64 wrapped 2**64-1 to -1, so the refusal named an id nobody sent."""
+    import numpy as np
+
+    from asyncsess import TensorData
+
+    wrapped = TensorData.from_numpy(np.array([1, 2**64 - 1], dtype=np.uint64))
+    assert wrapped.data == [1, 2**64 - 1] and wrapped.dtype == "int64"
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        d = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": np.array([3, 2**64 - 1], dtype=np.uint64), "weights": [1.0, 1.0]})
+        with pytest.raises(InvalidInputError, match="id 18446744073709551615 is not a token id"):
+            tc.forward_backward([d], "cross_entropy")
+        assert tc.current_sequence_number == 0
