@@ -1059,3 +1059,46 @@ def test_a_client_token_reused_with_another_request_is_refused_and_its_number_is
     assert wait_op(rt.get_training_operation_result, other, again["operationId"])["status"] == "Completed"
     sm.stop_training_session(TrainingSessionName=name)
     sm.stop_training_session(TrainingSessionName=other)
+
+
+def test_a_next_token_reused_with_other_filters_is_a_validation_exception(sm, emulator):
+    """A NextToken named only its list and row offset, so one issued for NameContains=a paged ListTrainingSessions
+    filtered by b (or unfiltered) from that offset, skipping rows it never counted; AWS refuses it."""
+    tag = uuid.uuid4().hex[:6]
+    for _ in range(3):
+        new_session(sm, f"a{tag}-{uuid.uuid4().hex[:6]}")
+    first = sm.list_training_sessions(NameContains=f"a{tag}", MaxResults=1)
+    token = first["NextToken"]
+    for other in [{}, {"NameContains": f"b{tag}"}, {"NameContains": f"a{tag}", "StatusEquals": "Running"}]:
+        with pytest.raises(ClientError, match="other request parameters") as err:
+            sm.list_training_sessions(NextToken=token, **other)
+        assert _code(err) == ("ValidationException", 400), other
+    for _ in range(2):
+        sm.create_model_package_group(ModelPackageGroupName=f"g{uuid.uuid4().hex[:8]}")
+    groups = sm.list_model_package_groups(SortBy="Name", MaxResults=1)["NextToken"]
+    with pytest.raises(ClientError, match="other request parameters") as err:  # the sort order is part of the request
+        sm.list_model_package_groups(SortBy="CreationTime", NextToken=groups)
+    assert _code(err) == ("ValidationException", 400)
+    rest = sm.list_training_sessions(NameContains=f"a{tag}", NextToken=token, MaxResults=5)  # same filters, another page size
+    names = [s["TrainingSessionArn"] for s in first["TrainingSessionSummaries"] + rest["TrainingSessionSummaries"]]
+    assert len(names) == len(set(names)) == 3 and "NextToken" not in rest
+
+
+def test_a_model_package_token_is_good_only_for_its_group(sm, emulator):
+    """ListModelPackages filtered by one group returned a token that paged another group's packages."""
+    groups = [f"g{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for g in groups:
+        sm.create_model_package_group(ModelPackageGroupName=g)
+    name = _name()
+    arn = sm.describe_model_package_group(ModelPackageGroupName=groups[0])["ModelPackageGroupArn"]
+    _start_in_group(sm, name, arn)
+    _, rt = clients(emulator.url)
+    for seq in (1, 2):
+        op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveState": {}})
+        assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    token = sm.list_model_packages(ModelPackageGroupName=groups[0], MaxResults=1)["NextToken"]
+    with pytest.raises(ClientError, match="NextToken") as err:
+        sm.list_model_packages(ModelPackageGroupName=groups[1], NextToken=token)
+    assert _code(err) == ("ValidationException", 400)
+    assert len(sm.list_model_packages(ModelPackageGroupName=groups[0], NextToken=token)["ModelPackageSummaryList"]) == 1
+    sm.stop_training_session(TrainingSessionName=name)
