@@ -307,3 +307,35 @@ async def test_an_optimizer_step_past_the_service_s_limits_is_refused_at_once_an
         step = await tc.optim_step(AdamParams(learning_rate=0.001))
         assert step is not None
         assert [op["status"] for op in emulator.session_state(tc.model_id)["operations"].values()] == ["Completed", "Completed"]
+
+
+async def test_a_checkpoint_of_another_lora_rank_is_refused_naming_the_rank(emulator):
+    """Resuming a rank-8 checkpoint into a rank-32 session (the default) or loading it into a rank-16 one: the
+    client that saved it refuses at once (no session created, no number taken); another client learns it from the
+    service's ValidationException, and the session it created for the resume is stopped, not left running."""
+    sm = clients(emulator.url)[0]
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8)
+        path = (await tc.save_state()).path
+        other = await svc.create_lora_training_client(BASE, rank=16)
+        before = len(sm.list_training_sessions()["TrainingSessionSummaries"])
+        with pytest.raises(InvalidInputError, match="rank 8") as err:
+            await svc.create_training_client_from_state(path)
+        assert err.value.field == "rank" and "rank=8" in (err.value.fix or "")
+        assert len(sm.list_training_sessions()["TrainingSessionSummaries"]) == before
+        with pytest.raises(InvalidInputError, match="rank 8") as err:
+            other.load_state(path)
+        assert err.value.field == "rank"
+        assert other.forward_backward(BATCH, "cross_entropy").seq == 1  # the refusal took no number
+        resumed = await svc.create_training_client_from_state(path, rank=8)
+        assert (await resumed.forward(BATCH, "cross_entropy")).loss_fn_outputs
+
+    def running() -> set[str]:
+        return {s["TrainingSessionArn"] for s in sm.list_training_sessions(StatusEquals="Running")["TrainingSessionSummaries"]}
+
+    before = running()
+    async with asyncsess.ServiceClient(driver_url(emulator)) as fresh:  # knows nothing of the package
+        with pytest.raises(InvalidInputError, match="rank 8") as err:
+            await fresh.create_training_client_from_state(path, rank=16)
+        assert "LoraConfig.Rank 8" in str(err.value)
+        assert running() <= before

@@ -1102,3 +1102,30 @@ def test_a_model_package_token_is_good_only_for_its_group(sm, emulator):
     assert _code(err) == ("ValidationException", 400)
     assert len(sm.list_model_packages(ModelPackageGroupName=groups[0], NextToken=token)["ModelPackageSummaryList"]) == 1
     sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("optimizer", [False, True])
+def test_load_state_of_a_checkpoint_of_another_lora_rank_is_refused_naming_the_rank(sm, rt, emulator, optimizer):
+    """A rank-8 checkpoint loaded into a rank-16 session was taken: the engine refused it after numbering and the
+    session Failed. Now the loadState is a ValidationException naming both ranks; its number is used up, the session
+    keeps Running, and a checkpoint of its own rank still loads."""
+    small, big = _name(), _name()
+    new_session(sm, small, rank=8)
+    new_session(sm, big, rank=16)
+    arns_by_rank = {}
+    for name, rank in ((small, 8), (big, 16)):
+        op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+        done = wait_op(rt.get_training_operation_result, name, op["operationId"])
+        arns_by_rank[rank] = done["operationResult"]["saveState"]["modelPackageArn"]
+    load = {"loadState": {"modelPackageArn": arns_by_rank[8], "loadOptimizer": optimizer}}
+    with pytest.raises(rt.exceptions.ValidationException, match=r"rank 8.*rank 16|rank 16.*rank 8") as err:
+        rt.execute_training_operation(trainingSessionName=big, sequenceNumber=2, operationConfig=load)
+    assert "LoraConfig.Rank" in err.value.response["Error"]["Message"]
+    own = {"loadState": {"modelPackageArn": arns_by_rank[16], "loadOptimizer": optimizer}}
+    op = rt.execute_training_operation(trainingSessionName=big, sequenceNumber=3, operationConfig=own)
+    assert wait_op(rt.get_training_operation_result, big, op["operationId"])["status"] == "Completed"
+    detail = sm.describe_training_session(TrainingSessionName=big)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 3
+    assert emulator.session_state(big)["applied"] == [1, 3]
+    for name in (small, big):
+        sm.stop_training_session(TrainingSessionName=name)

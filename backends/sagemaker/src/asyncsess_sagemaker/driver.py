@@ -169,6 +169,7 @@ class SageMakerBackend(Backend):
         self._samplers: dict[str, _Sampler] = {}
         self._package_session: dict[str, str] = {}  # model package ARN -> the live session that saved it
         self._package_kind: dict[str, str | None] = {}  # ARN -> "state"/"sampler"/"merged" of a save here; None: deleted here
+        self._package_rank: dict[str, int] = {}  # ARN -> the LoRA rank of the session here that saved it
         self._hub: dict[str, tuple[str, str | None]] = {}  # base model as given -> (hub content ARN, HF id)
         self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -403,6 +404,9 @@ class SageMakerBackend(Backend):
             raise InvalidInputError(
                 f"rank {spec.rank} is above the service maximum {_RANK_MAX}", field="rank", fix=f"use a rank <= {_RANK_MAX}"
             )
+        if spec.from_path:
+            self._require_package_arn(spec.from_path, "path")
+            self._check_rank(spec.from_path, spec.rank)
         base_model = spec.base_model
         if not base_model and spec.from_path:
             base_model = await self._base_model_of(spec.from_path)
@@ -473,6 +477,8 @@ class SageMakerBackend(Backend):
         if not isinstance(op, LoadStateOp):
             return
         self._require_package_arn(op.path, "path")
+        if sess is not None:
+            self._check_rank(op.path, sess.rank)
         if op.path not in self._package_kind:
             return
         kind = self._package_kind[op.path]
@@ -483,6 +489,14 @@ class SageMakerBackend(Backend):
                 f"{op.path} holds sampler weights (save_weights_for_sampler), not training state",
                 field="path",
                 fix="load a path that save_state returned",
+            )
+
+    def _check_rank(self, arn: str, rank: int) -> None:
+        """A package this client saved holds a LoRA adapter of its session's rank; another rank cannot load it."""
+        saved = self._package_rank.get(arn)
+        if saved is not None and saved != rank:
+            raise InvalidInputError(
+                f"{arn} holds a LoRA adapter of rank {saved}, not {rank}", field="rank", fix=f"load it into a session of rank={saved}"
             )
 
     @staticmethod
@@ -731,6 +745,7 @@ class SageMakerBackend(Backend):
         )
         self._package_session[arn] = sess.name
         self._package_kind[arn] = kind
+        self._package_rank[arn] = sess.rank
         ref = arns.parse_model_package_arn(arn)
         sess.packages.append(
             Checkpoint(

@@ -521,13 +521,20 @@ class EmulatedService:
             self._use_up(sess, seq)
 
     def _checkpoint_of(self, sess: SessionRecord, arn: str) -> ModelPackageRecord:
-        """The package ``loadState`` names: one of this account's, saved by ``saveState`` from this session's base model."""
+        """The package ``loadState`` names: one of this account's, saved by ``saveState`` from this session's base model
+        with this session's LoRA rank."""
         pkg = self._known_package(arn)
         if not pkg.is_checkpoint:
             raise AwsError.validation(f"Model package {arn} holds weights for sampling (saveWeights); load a package saved by saveState")
         if pkg.model != sess.model:
             raise AwsError.validation(
                 f"Model package {arn} was trained from {pkg.model.model_id}, not this session's {sess.model.model_id}"
+            )
+        rank = sess.request["LoraConfig"]["Rank"]
+        if pkg.rank != rank:  # the adapter's matrices have another shape: the engine would refuse it after numbering
+            raise AwsError.validation(
+                f"Model package {arn} holds a LoRA adapter of rank {pkg.rank}; this session has rank {rank}: "
+                f"load it into a session created with LoraConfig.Rank {pkg.rank}"
             )
         return pkg
 
@@ -631,6 +638,7 @@ class EmulatedService:
             merged=merged,
             inner_path=saved.path,
             model=sess.model,
+            rank=sess.request["LoraConfig"]["Rank"],
             session_name=sess.name,
             s3_uri=f"{output}/checkpoints/{version}/" + ("hf_merged/" if merged else ""),
         )
