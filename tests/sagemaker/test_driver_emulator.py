@@ -339,3 +339,18 @@ async def test_a_checkpoint_of_another_lora_rank_is_refused_naming_the_rank(emul
             await fresh.create_training_client_from_state(path, rank=16)
         assert "LoraConfig.Rank 8" in str(err.value)
         assert running() <= before
+
+
+async def test_sampled_sequences_carry_distinct_sequence_ids_to_name_in_spans(emulator):
+    """sequence_id was None on sagemaker:// (mock:// and local:// name every sequence), so Tinker provenance spans
+    could not name a sampled sequence."""
+    from asyncsess.types import SampledProvenanceSpan
+
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8)
+        sc = await tc.save_weights_and_get_sampling_client()
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+        first, second = [await sc.sample([1, 40, 41], 3, params) for _ in range(2)]
+    ids = [s.sequence_id for s in first.sequences + second.sequences]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 6
+    assert [SampledProvenanceSpan(sequence_id=i, length=1).sequence_id for i in ids] == ids

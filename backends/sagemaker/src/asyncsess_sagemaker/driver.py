@@ -785,7 +785,8 @@ class SageMakerBackend(Backend):
 
     # -------------------------------------------------------------------------------- sampling
 
-    async def _sampling(self, session: str, config: dict[str, Any], operation_name: str) -> dict[str, Any]:
+    async def _sampling(self, session: str, config: dict[str, Any], operation_name: str) -> tuple[dict[str, Any], str]:
+        """Run one sampling operation: (its ``operationResult``, its operation id)."""
         _check_config(config, _SAMPLE_CONFIG, check_sample_config)
         sess = self._sessions.get(session) or _orphan(session)
         if sess.gone is not None:
@@ -801,7 +802,7 @@ class SageMakerBackend(Backend):
             operationId=resp["operationId"],
         )
         if result["status"] == "Completed":
-            return result.get("operationResult") or {}
+            return result.get("operationResult") or {}, resp["operationId"]
         if result["status"] == "Skipped":
             await self._check_alive(sess)
         raise ServerError(
@@ -877,15 +878,15 @@ class SageMakerBackend(Backend):
             )
         if request.topk_prompt_logprobs:
             body["topkPromptLogprobs"] = request.topk_prompt_logprobs
-        result = await self._sampling(sampler.session, {"sample": body}, "sample")
-        return sample_response_from_wire(result["sample"], len(request.prompt), request.sampling_params.max_tokens)
+        result, op_id = await self._sampling(sampler.session, {"sample": body}, "sample")
+        return sample_response_from_wire(result["sample"], len(request.prompt), request.sampling_params.max_tokens, op_id)
 
     async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
         sampler = self._sampler(sampler_id)
         body: dict[str, Any] = {"prompt": model_input_to_wire(tokens)}
         if sampler.model_package:
             body["modelPackageArn"] = sampler.model_package
-        result = await self._sampling(sampler.session, {"computeLogprobs": body}, "compute_logprobs")
+        result, _ = await self._sampling(sampler.session, {"computeLogprobs": body}, "compute_logprobs")
         return logprobs_from_wire(result["computeLogprobs"]["logprobs"], len(tokens))
 
     # ------------------------------------------------------------------ OpenAI-compatible chat
