@@ -116,11 +116,20 @@ class _Submission:
     token: str
     config: dict[str, Any]
     step: int  # optimizer steps numbered so far, this op included
+    earlier_steps: list[_Submission] = field(default_factory=list)  # optimizer steps numbered before it, then undelivered
     after: _Submission | None = None  # delivered first (pipeline_submissions=False)
     delivered: anyio.Event = field(default_factory=anyio.Event)
     started: bool = False
+    refused: bool = False  # the service refused it (ValidationException): it never ran
     op_id: str | None = None
     error: BaseException | None = None
+
+    async def applied_step(self) -> int:
+        """:attr:`step` less the optimizer steps numbered before this op that the service refused (each of those
+        had counted itself, and a pipelined op was numbered before the refusal came back)."""
+        for earlier in self.earlier_steps:
+            await earlier.delivered.wait()
+        return self.step - sum(earlier.refused for earlier in self.earlier_steps)
 
 
 @dataclass
@@ -136,6 +145,7 @@ class _Session:
     next_wire_seq: int = 1
     steps: int = 0
     undelivered: set[int] = field(default_factory=set)  # wire numbers given out and not yet acknowledged
+    steps_in_flight: list[_Submission] = field(default_factory=list)  # optimizer steps numbered, maybe not yet delivered
     last_numbered: _Submission | None = None
     gone: SessionGoneError | None = None
     poison: AsyncSessError | None = None
@@ -608,8 +618,6 @@ class SageMakerBackend(Backend):
             except InvalidInputError as err:
                 err.void = True  # it takes no wire number: nothing reached the service
                 raise
-            if isinstance(op, OptimStepOp):
-                sess.steps += 1
             return self._number(sess, config, _client_token(name, op.idempotency_key))
 
         return number
@@ -623,7 +631,14 @@ class SageMakerBackend(Backend):
 
     def _number(self, sess: _Session, config: dict[str, Any], token: str) -> _Submission:
         after = None if self.options.pipeline_submissions else sess.last_numbered
-        sub = _Submission(seq=sess.next_wire_seq, token=token, config=config, step=sess.steps, after=after)
+        sess.steps_in_flight = [s for s in sess.steps_in_flight if not s.delivered.is_set()]
+        optimizer = "optimizerStep" in config
+        sess.steps += optimizer
+        sub = _Submission(
+            seq=sess.next_wire_seq, token=token, config=config, step=sess.steps, earlier_steps=list(sess.steps_in_flight), after=after
+        )
+        if optimizer:
+            sess.steps_in_flight.append(sub)
         sess.next_wire_seq += 1
         sess.undelivered.add(sub.seq)
         sess.last_numbered = sub
@@ -669,6 +684,7 @@ class SageMakerBackend(Backend):
             )
         except InvalidInputError as err:  # refused: no operation was made, and its number is used up (no gap)
             err.void = True
+            sub.refused = True
             sess.steps -= "optimizerStep" in sub.config
             raise
         except TransientError as err:  # delivered or not, nobody knows: a gap may be open
@@ -719,7 +735,7 @@ class SageMakerBackend(Backend):
         sub = await sess.sequencer.execute(op)
         op_id = await self._deliver(sess, sub)
         resp = await self._training_outcome(sess, op_id, op.kind)
-        return self._training_result(sess, op, resp, sub.step)
+        return self._training_result(sess, op, resp, await sub.applied_step())
 
     def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any], step: int) -> TrainingResult:
         body = (resp.get("operationResult") or {}).get(_wire_key(op)) or {}
