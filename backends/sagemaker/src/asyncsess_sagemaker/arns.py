@@ -17,6 +17,7 @@ __all__ = [
     "HubContentRef",
     "parse_hub_content_arn",
     "account_of",
+    "region_of",
     "hub_content_name_for",
 ]
 
@@ -26,7 +27,7 @@ _MODEL_PACKAGE = re.compile(r"arn:(aws[a-z\-]*):sagemaker:([a-z0-9\-]+):(\d{12})
 _HUB_CONTENT = re.compile(
     r"arn:([a-z0-9\-.]+):sagemaker:([a-zA-Z0-9\-]+):(\d{12}|aws):hub-content/([^/]+)/Model/([^/]+)(?:/(\d+\.\d+\.\d+))?"
 )
-_ACCOUNT = re.compile(r"arn:aws[a-z\-]*:[a-z0-9\-]+:[a-z0-9\-]*:(\d{12}):")
+_ACCOUNT = re.compile(r"arn:aws[a-z\-]*:[a-z0-9\-]+:([a-z0-9\-]*):(\d{12}):")
 
 
 def session_arn(region: str, account: str, name: str) -> str:
@@ -82,6 +83,12 @@ def parse_hub_content_arn(arn: str) -> HubContentRef | None:
 
 
 def account_of(arn: str) -> str | None:
+    m = _ACCOUNT.match(arn)
+    return m.group(2) if m else None
+
+
+def region_of(arn: str) -> str | None:
+    """The region of an account-owned ARN (empty for a global one such as IAM's), else None."""
     m = _ACCOUNT.match(arn)
     return m.group(1) if m else None
 

@@ -179,7 +179,7 @@ class SageMakerBackend(Backend):
         self._samplers: dict[str, _Sampler] = {}
         self._package_session: dict[str, str] = {}  # model package ARN -> the live session that saved it
         self._package_kind: dict[str, str | None] = {}  # ARN -> "state"/"sampler"/"merged" of a save here; None: deleted here
-        self._package_rank: dict[str, int] = {}  # ARN -> the LoRA rank of the session here that saved it
+        self._package_lora: dict[str, tuple[int, int]] = {}  # ARN -> (LoRA rank, alpha) of the session here that saved it
         self._hub: dict[str, tuple[str, str | None]] = {}  # base model as given -> (hub content ARN, HF id)
         self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -414,20 +414,23 @@ class SageMakerBackend(Backend):
             raise InvalidInputError(
                 f"rank {spec.rank} is above the service maximum {_RANK_MAX}", field="rank", fix=f"use a rank <= {_RANK_MAX}"
             )
+        rank, alpha = spec.rank, int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
         if spec.from_path:
             self._require_package_arn(spec.from_path, "path")
-            self._check_rank(spec.from_path, spec.rank)
+            # the session takes the LoRA shape of a package saved here (as local:// takes a checkpoint's); of another
+            # package the service refuses a rank that is not the package's, naming both
+            rank, alpha = self._package_lora.get(spec.from_path, (rank, alpha))
         base_model = spec.base_model
         if not base_model and spec.from_path:
             base_model = await self._base_model_of(spec.from_path)
         if not base_model:
             raise InvalidInputError("no base model", field="base_model", fix="name a base model (or resume from a model package ARN)")
         hub_arn, hf_id = await self._resolve_base_model(base_model)
-        alpha = int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
         per_call = spec.session_options
         name = per_call.get("training_session_name") or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         group = per_call.get("model_package_group_arn") or await self._model_package_group()
-        request = self._create_request(name, hub_arn, spec.rank, alpha, group, per_call)
+        self._require_here(group, "model_package_group_arn")
+        request = self._create_request(name, hub_arn, rank, alpha, group, per_call)
         await self._calls.retried(
             self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request
         )
@@ -436,7 +439,7 @@ class SageMakerBackend(Backend):
             base_model=base_model,
             hub_arn=hub_arn,
             hf_id=hf_id,
-            rank=spec.rank,
+            rank=rank,
             alpha=alpha,
             sequencer=Sequencer(self._numberer(name), gap_timeout=300.0),
             limits=self._hub_limits.get(hub_arn, (None, None)),
@@ -454,7 +457,7 @@ class SageMakerBackend(Backend):
         return GetInfoResponse(
             model_id=name,
             base_model=hf_id or base_model,
-            lora_rank=spec.rank,
+            lora_rank=rank,
             lora_alpha=float(alpha),
             seed=spec.seed,
             user_metadata=dict(spec.user_metadata),
@@ -503,19 +506,32 @@ class SageMakerBackend(Backend):
 
     def _check_rank(self, arn: str, rank: int) -> None:
         """A package this client saved holds a LoRA adapter of its session's rank; another rank cannot load it."""
-        saved = self._package_rank.get(arn)
+        saved = self._package_lora.get(arn, (None, None))[0]
         if saved is not None and saved != rank:
             raise InvalidInputError(
                 f"{arn} holds a LoRA adapter of rank {saved}, not {rank}", field="rank", fix=f"load it into a session of rank={saved}"
             )
 
-    @staticmethod
-    def _require_package_arn(arn: str, field: str) -> None:
+    def _require_package_arn(self, arn: str, field: str) -> None:
         if arns.parse_model_package_arn(arn) is None:
             raise InvalidInputError(
                 f"{arn!r} is not a model package version ARN",
                 field=field,
                 fix="use the path a save_state/save_weights call returned (arn:aws:sagemaker:REGION:ACCOUNT:model-package/GROUP/VERSION)",
+            )
+        self._require_here(arn, field)
+
+    def _require_here(self, arn: str, field: str) -> None:
+        """A model package (group) of this client's region and, where the execution role names it, its account: the
+        service takes no other (it answered ResourceNotFound or a ValidationException naming no field, and a sampler's
+        own session was created first)."""
+        region, account = arns.region_of(arn), arns.account_of(arn)
+        mine = arns.account_of(self.options.role_arn) if self.options.role_arn else None
+        if region != self.options.region or (mine is not None and account != mine):
+            raise InvalidInputError(
+                f"{arn} belongs to account {account} in {region}; this client works in {mine or 'its own account'} in {self.options.region}",
+                field=field,
+                fix="use a model package of this account and region, or a client of its region",
             )
 
     async def _stop_quietly(self, name: str) -> None:
@@ -761,7 +777,7 @@ class SageMakerBackend(Backend):
         )
         self._package_session[arn] = sess.name
         self._package_kind[arn] = kind
-        self._package_rank[arn] = sess.rank
+        self._package_lora[arn] = (sess.rank, sess.alpha)
         ref = arns.parse_model_package_arn(arn)
         sess.packages.append(
             Checkpoint(
