@@ -522,14 +522,20 @@ class SageMakerBackend(Backend):
         self._require_here(arn, field)
 
     def _require_here(self, arn: str, field: str) -> None:
-        """A model package (group) of this client's region and, where the execution role names it, its account: the
-        service takes no other (it answered ResourceNotFound or a ValidationException naming no field, and a sampler's
-        own session was created first)."""
+        """A model package (group) of this client's region and, where the execution role names them, its partition and
+        account: the service takes no other (it answered ResourceNotFound or a ValidationException naming no field, and
+        a sampler's own session was created first)."""
         region, account = arns.region_of(arn), arns.account_of(arn)
-        mine = arns.account_of(self.options.role_arn) if self.options.role_arn else None
-        if region != self.options.region or (mine is not None and account != mine):
+        role = self.options.role_arn or ""
+        mine = arns.account_of(role)
+        if (
+            region != self.options.region
+            or (mine is not None and account != mine)
+            or arns.partition_of(arn) != (arns.partition_of(role) or arns.partition_of(arn))
+        ):
             raise InvalidInputError(
-                f"{arn} belongs to account {account} in {region}; this client works in {mine or 'its own account'} in {self.options.region}",
+                f"{arn} belongs to account {account} in {region}; this client works in {mine or 'its own account'} in {self.options.region}"
+                + (f" ({arns.partition_of(role)})" if mine else ""),
                 field=field,
                 fix="use a model package of this account and region, or a client of its region",
             )
