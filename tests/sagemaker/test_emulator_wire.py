@@ -1129,3 +1129,41 @@ def test_load_state_of_a_checkpoint_of_another_lora_rank_is_refused_naming_the_r
     assert emulator.session_state(big)["applied"] == [1, 3]
     for name in (small, big):
         sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_refused_and_hostile_runtime_calls_on_one_session_never_touch_another(sm, rt, emulator):
+    """Refusals on session a (bad data, a reused token or number, unknown, foreign or rank-mismatched packages, another
+    session's operation ids) leave session b as it was: its next number is still 1, its ops and results its own."""
+    a, b = _name(), _name()
+    new_session(sm, a, rank=8)
+    new_session(sm, b, rank=16)
+    saved = rt.execute_training_operation(trainingSessionName=b, sequenceNumber=1, clientToken="tok", operationConfig={"saveState": {}})
+    b_package = wait_op(rt.get_training_operation_result, b, saved["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+    before = (sm.describe_training_session(TrainingSessionName=b)["TrainingSessionDetail"], emulator.session_state(b))
+    foreign = b_package.replace("111122223333", "999999999999")
+    refused = [
+        fb([1, 2, 9999]),  # a token past the vocabulary
+        {"loadState": {"modelPackageArn": b_package, "loadOptimizer": True}},  # rank 16 into rank 8
+        {"loadState": {"modelPackageArn": foreign, "loadOptimizer": True}},
+        {"loadState": {"modelPackageArn": b_package.rsplit("/", 1)[0] + "/0", "loadOptimizer": False}},
+        {"optimizerStep": {"adamParamsConfig": {"learningRate": 1.0}}},
+    ]
+    for seq, config in enumerate(refused, start=1):
+        with pytest.raises(ClientError) as err:
+            rt.execute_training_operation(trainingSessionName=a, sequenceNumber=seq, clientToken=f"a{seq}", operationConfig=config)
+        assert _code(err)[1] in (400, 404), config
+    op = rt.execute_training_operation(trainingSessionName=a, sequenceNumber=6, clientToken="tok", operationConfig=OPTIM)  # b's token
+    assert op["operationId"] != saved["operationId"]
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.get_training_operation_result(trainingSessionName=a, operationId=saved["operationId"])
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.get_sampling_operation_result(trainingSessionName=a, operationId=saved["operationId"])
+    with pytest.raises(ClientError) as err:
+        rt.execute_sampling_operation(trainingSessionName=a, operationConfig={"loadWeightsForSampling": {"modelPackageArn": foreign}})
+    assert _code(err) == ("ResourceNotFoundException", 404)
+    assert wait_op(rt.get_training_operation_result, a, op["operationId"])["status"] == "Completed"
+    assert (sm.describe_training_session(TrainingSessionName=b)["TrainingSessionDetail"], emulator.session_state(b)) == before
+    assert sm.describe_training_session(TrainingSessionName=a)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    assert emulator.session_state(a)["applied"] == [6]
+    for name in (a, b):
+        sm.stop_training_session(TrainingSessionName=name)
