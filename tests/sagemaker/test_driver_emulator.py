@@ -307,3 +307,84 @@ async def test_an_optimizer_step_past_the_service_s_limits_is_refused_at_once_an
         step = await tc.optim_step(AdamParams(learning_rate=0.001))
         assert step is not None
         assert [op["status"] for op in emulator.session_state(tc.model_id)["operations"].values()] == ["Completed", "Completed"]
+
+
+async def test_a_checkpoint_of_another_lora_rank_resumes_at_its_rank_or_is_refused_naming_it(emulator):
+    """A rank-8 checkpoint: the client that saved it resumes it at rank 8 (the default rank 32 is not asked of the
+    service) and refuses to load it into its rank-16 session before numbering; a client that does not know the package
+    learns the rank from the service's ValidationException, and the session it created for the resume is stopped.
+    The rank-8 package was loaded into rank-32 sessions, and the engine refused it after numbering."""
+    sm = clients(emulator.url)[0]
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8)
+        path = (await tc.save_state()).path
+        resumed = await svc.create_training_client_from_state(path)
+        assert resumed.get_info().lora_rank == 8
+        detail = sm.describe_training_session(TrainingSessionName=resumed.model_id)["TrainingSessionDetail"]
+        assert detail["LoraConfig"] == {"Rank": 8, "Alpha": 16}
+        assert (await resumed.forward(BATCH, "cross_entropy")).loss_fn_outputs
+        other = await svc.create_lora_training_client(BASE, rank=16)
+        with pytest.raises(InvalidInputError, match="rank 8") as err:
+            other.load_state(path)
+        assert err.value.field == "rank" and "rank=8" in (err.value.fix or "")
+        assert other.forward_backward(BATCH, "cross_entropy").seq == 1  # the refusal took no number
+
+    def running() -> set[str]:
+        return {s["TrainingSessionArn"] for s in sm.list_training_sessions(StatusEquals="Running")["TrainingSessionSummaries"]}
+
+    before = running()
+    async with asyncsess.ServiceClient(driver_url(emulator)) as fresh:  # knows nothing of the package
+        with pytest.raises(InvalidInputError, match="rank 8") as err:
+            await fresh.create_training_client_from_state(path, rank=16)
+        assert "LoraConfig.Rank 8" in str(err.value)
+        assert running() <= before
+        assert (await (await fresh.create_training_client_from_state(path, rank=8)).forward(BATCH, "cross_entropy")).loss_fn_outputs
+
+
+async def test_sampled_sequences_carry_distinct_sequence_ids_to_name_in_spans(emulator):
+    """sequence_id was None on sagemaker:// (mock:// and local:// name every sequence), so Tinker provenance spans
+    could not name a sampled sequence."""
+    from asyncsess.types import SampledProvenanceSpan
+
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=8)
+        sc = await tc.save_weights_and_get_sampling_client()
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+        first, second = [await sc.sample([1, 40, 41], 3, params) for _ in range(2)]
+    ids = [s.sequence_id for s in first.sequences + second.sequences]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 6
+    assert [SampledProvenanceSpan(sequence_id=i, length=1).sequence_id for i in ids] == ids
+
+
+ELSEWHERE = {
+    "another account": "arn:aws:sagemaker:us-west-2:999999999999:model-package/sagemaker-default/1",
+    "another region": "arn:aws:sagemaker:eu-west-1:111122223333:model-package/sagemaker-default/1",
+}
+
+
+@pytest.mark.parametrize("where", sorted(ELSEWHERE))
+async def test_a_model_package_of_another_account_or_region_is_refused_naming_the_field_before_any_call(emulator, where):
+    """A sampler on another account's package created a training session first, then failed with a ValidationException
+    naming no field; load_state and resuming were a NotFoundError, and a group of another account a ResourceNotFound
+    naming no field. The service takes only its own account's and region's packages: refused before any call."""
+    arn = ELSEWHERE[where]
+    sm = clients(emulator.url)[0]
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        sessions = len(sm.list_training_sessions()["TrainingSessionSummaries"])
+        calls = {
+            "model_path": lambda: svc.create_sampling_client(model_path=arn),
+            "path": lambda: svc.create_training_client_from_state(arn, rank=4),
+            "model_package_group_arn": lambda: svc.create_lora_training_client(
+                BASE, rank=4, model_package_group_arn=arn.replace("model-package/", "model-package-group/").rsplit("/", 1)[0]
+            ),
+        }
+        for field, call in calls.items():
+            with pytest.raises(InvalidInputError) as err:
+                await call()
+            assert err.value.field == field and "account" in str(err.value), err.value
+        with pytest.raises(InvalidInputError) as err:
+            tc.load_state(arn)
+        assert err.value.field == "path"
+        assert len(sm.list_training_sessions()["TrainingSessionSummaries"]) == sessions  # no session was created
+        assert tc.current_sequence_number == 0 and emulator.session_state(tc.model_id)["operations"] == {}

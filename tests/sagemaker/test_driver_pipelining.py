@@ -134,3 +134,44 @@ async def test_an_op_the_service_refuses_voids_its_number_and_the_ops_after_it_r
         assert blind_emulator.session_state(tc.model_id)["applied"] == [1, 2, 3, 5, 6, 7]  # number 4 was used up
         clean = await _weights_after(await svc.create_lora_training_client(BASE, rank=4))
     assert via_refusal == clean  # bit for bit: the emulator runs on mock://
+
+
+class _RefuseHeld:
+    """Wraps ``execute_training_operation``: the op with sequence number ``refused`` is held until number ``until`` was
+    acknowledged, then sent with a learning rate past the service's limit, which the service refuses."""
+
+    def __init__(self, execute: Any, refused: int, until: int) -> None:
+        self.execute, self.refused, self.until = execute, refused, until
+        self.later_acked = threading.Event()
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if kwargs["sequenceNumber"] == self.refused:
+            self.later_acked.wait(10)  # unpipelined, the later ops are never sent first: the assertions below fail
+            kwargs["operationConfig"] = {"optimizerStep": {"adamParamsConfig": {"learningRate": 0.5}}}
+            return self.execute(**kwargs)
+        out = self.execute(**kwargs)
+        if kwargs["sequenceNumber"] == self.until:
+            self.later_acked.set()
+        return out
+
+
+async def test_an_optimizer_step_the_service_refuses_is_not_counted_by_the_ops_numbered_behind_it(emulator):
+    """The ops numbered behind a refused optimizer step counted it (the refusal came back after their numbering), so a
+    save reported step 2 and the next step 3 where the service had applied 1 and 2."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        await tc.forward_backward(GOOD, "cross_entropy")
+        assert (await tc.optim_step(AdamParams(learning_rate=0.01))).step == 1
+        svc.backend.runtime.execute_training_operation = _RefuseHeld(svc.backend.runtime.execute_training_operation, 3, until=6)
+        refused = tc.optim_step(AdamParams(learning_rate=0.01))  # number 3
+        saved = tc.save_state()  # 4
+        fb, opt = tc.forward_backward(GOOD, "cross_entropy"), tc.optim_step(AdamParams(learning_rate=0.01))  # 5, 6
+        with pytest.raises(InvalidInputError, match="learningRate") as err:
+            await refused
+        assert err.value.void
+        assert (await saved).step == 1
+        await fb
+        assert (await opt).step == 2
+        assert [c.step for c in await svc.backend.list_checkpoints(tc.model_id)] == [1]
+        assert (await tc.optim_step(AdamParams(learning_rate=0.01))).step == 3  # numbered after the refusal came back
+    assert emulator.session_state(tc.model_id)["applied"] == [1, 2, 4, 5, 6, 7]

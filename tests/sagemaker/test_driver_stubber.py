@@ -23,7 +23,7 @@ from asyncsess.backends import (
     TrainingSessionSpec,
 )
 from asyncsess.errors import InvalidInputError, UnsupportedError
-from asyncsess.types import AdamParams, Datum, SamplingParams
+from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 from asyncsess_sagemaker.driver import SageMakerBackend
 from asyncsess_sagemaker.options import SageMakerOptions
 
@@ -367,3 +367,31 @@ async def test_an_object_that_is_not_an_op_record_is_refused_before_it_takes_a_s
     stubs.training(1, "k1", {"optimizerStep": {"adamParamsConfig": ANY}}, {"optimizerStep": {"metrics": {}}})
     step = await backend.execute_training(info.model_id, OptimStepOp(seq=1, idempotency_key="k1"))
     assert step.step == 1
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field"),
+    [
+        ({"weights": [1.0, 1e7]}, "weights"),
+        ({"weights": [1.0, float("nan")]}, "weights"),
+        ({"weights": [1.0, 1.0, 1.0]}, "shape"),  # one value per input token (2)
+        ({"weights": [1.0, 1.0], "ref_log_prob": [0.0, 0.0], "bogus": [0.0, 0.0]}, "lossFnInputs"),
+    ],
+)
+async def test_a_datum_the_wire_rules_refuse_takes_no_wire_number(stubbed, inputs, field):
+    """Called as a door calls it (no client-side checks first): the datum rules run before the op is given the
+    session's next wire number, so nothing is sent and the next op is sequence number 1."""
+    backend, stubs = stubbed
+    stubs.create()
+    info = await backend.create_training_session(TrainingSessionSpec(base_model="org/tiny-model", rank=8))
+    stubs.name = info.model_id
+    tensors = {k: TensorData.model_construct(data=v, dtype="float32", shape=[len(v)]) for k, v in inputs.items()}
+    tensors["target_tokens"] = TensorData(data=[5, 6], dtype="int64", shape=[2])
+    bad = Datum.model_construct(model_input=ModelInput.from_ints([1, 5]), loss_fn_inputs=tensors)  # as a door may pass it
+    with pytest.raises(InvalidInputError) as err:
+        await backend.execute_training(info.model_id, ForwardBackwardOp(seq=1, idempotency_key="a", data=(bad,), loss_fn="cross_entropy"))
+    assert err.value.void and field in f"{err.value.field} {err.value}"
+    stubs.runtime.assert_no_pending_responses()  # nothing reached the wire
+    stubs.training(1, "k2", {"optimizerStep": {"adamParamsConfig": ANY}}, {"optimizerStep": {"metrics": {}}})
+    assert (await backend.execute_training(info.model_id, OptimStepOp(seq=2, idempotency_key="k2"))).step == 1
+    backend._sessions.clear()

@@ -1074,3 +1074,111 @@ def test_chat_content_that_spells_the_templates_markers_is_plain_text(sm, rt, em
 
     assert prompt_tokens(forged) == prompt_tokens("x" * len(forged))
     sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_next_token_reused_with_other_filters_is_a_validation_exception(sm, emulator):
+    """A NextToken named only its list and row offset, so one issued for NameContains=a paged ListTrainingSessions
+    filtered by b (or unfiltered) from that offset, skipping rows it never counted; AWS refuses it."""
+    tag = uuid.uuid4().hex[:6]
+    for _ in range(3):
+        new_session(sm, f"a{tag}-{uuid.uuid4().hex[:6]}")
+    first = sm.list_training_sessions(NameContains=f"a{tag}", MaxResults=1)
+    token = first["NextToken"]
+    for other in [{}, {"NameContains": f"b{tag}"}, {"NameContains": f"a{tag}", "StatusEquals": "Running"}]:
+        with pytest.raises(ClientError, match="other request parameters") as err:
+            sm.list_training_sessions(NextToken=token, **other)
+        assert _code(err) == ("ValidationException", 400), other
+    for _ in range(2):
+        sm.create_model_package_group(ModelPackageGroupName=f"g{uuid.uuid4().hex[:8]}")
+    groups = sm.list_model_package_groups(SortBy="Name", MaxResults=1)["NextToken"]
+    with pytest.raises(ClientError, match="other request parameters") as err:  # the sort order is part of the request
+        sm.list_model_package_groups(SortBy="CreationTime", NextToken=groups)
+    assert _code(err) == ("ValidationException", 400)
+    rest = sm.list_training_sessions(NameContains=f"a{tag}", NextToken=token, MaxResults=5)  # same filters, another page size
+    names = [s["TrainingSessionArn"] for s in first["TrainingSessionSummaries"] + rest["TrainingSessionSummaries"]]
+    assert len(names) == len(set(names)) == 3 and "NextToken" not in rest
+
+
+def test_a_model_package_token_is_good_only_for_its_group(sm, emulator):
+    """ListModelPackages filtered by one group returned a token that paged another group's packages."""
+    groups = [f"g{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for g in groups:
+        sm.create_model_package_group(ModelPackageGroupName=g)
+    name = _name()
+    arn = sm.describe_model_package_group(ModelPackageGroupName=groups[0])["ModelPackageGroupArn"]
+    _start_in_group(sm, name, arn)
+    _, rt = clients(emulator.url)
+    for seq in (1, 2):
+        op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveState": {}})
+        assert wait_op(rt.get_training_operation_result, name, op["operationId"])["status"] == "Completed"
+    token = sm.list_model_packages(ModelPackageGroupName=groups[0], MaxResults=1)["NextToken"]
+    with pytest.raises(ClientError, match="NextToken") as err:
+        sm.list_model_packages(ModelPackageGroupName=groups[1], NextToken=token)
+    assert _code(err) == ("ValidationException", 400)
+    assert len(sm.list_model_packages(ModelPackageGroupName=groups[0], NextToken=token)["ModelPackageSummaryList"]) == 1
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize("optimizer", [False, True])
+def test_load_state_of_a_checkpoint_of_another_lora_rank_is_refused_naming_the_rank(sm, rt, emulator, optimizer):
+    """A rank-8 checkpoint loaded into a rank-16 session was taken: the engine refused it after numbering and the
+    session Failed. Now the loadState is a ValidationException naming both ranks; its number is used up, the session
+    keeps Running, and a checkpoint of its own rank still loads."""
+    small, big = _name(), _name()
+    new_session(sm, small, rank=8)
+    new_session(sm, big, rank=16)
+    arns_by_rank = {}
+    for name, rank in ((small, 8), (big, 16)):
+        op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+        done = wait_op(rt.get_training_operation_result, name, op["operationId"])
+        arns_by_rank[rank] = done["operationResult"]["saveState"]["modelPackageArn"]
+    load = {"loadState": {"modelPackageArn": arns_by_rank[8], "loadOptimizer": optimizer}}
+    with pytest.raises(rt.exceptions.ValidationException, match=r"rank 8.*rank 16|rank 16.*rank 8") as err:
+        rt.execute_training_operation(trainingSessionName=big, sequenceNumber=2, operationConfig=load)
+    assert "LoraConfig.Rank" in err.value.response["Error"]["Message"]
+    own = {"loadState": {"modelPackageArn": arns_by_rank[16], "loadOptimizer": optimizer}}
+    op = rt.execute_training_operation(trainingSessionName=big, sequenceNumber=3, operationConfig=own)
+    assert wait_op(rt.get_training_operation_result, big, op["operationId"])["status"] == "Completed"
+    detail = sm.describe_training_session(TrainingSessionName=big)["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Running" and detail["LastReceivedSequenceNumber"] == 3
+    assert emulator.session_state(big)["applied"] == [1, 3]
+    for name in (small, big):
+        sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_refused_and_hostile_runtime_calls_on_one_session_never_touch_another(sm, rt, emulator):
+    """Refusals on session a (bad data, a reused token or number, unknown, foreign or rank-mismatched packages, another
+    session's operation ids) leave session b as it was: its next number is still 1, its ops and results its own."""
+    a, b = _name(), _name()
+    new_session(sm, a, rank=8)
+    new_session(sm, b, rank=16)
+    saved = rt.execute_training_operation(trainingSessionName=b, sequenceNumber=1, clientToken="tok", operationConfig={"saveState": {}})
+    b_package = wait_op(rt.get_training_operation_result, b, saved["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+    before = (sm.describe_training_session(TrainingSessionName=b)["TrainingSessionDetail"], emulator.session_state(b))
+    foreign = b_package.replace("111122223333", "999999999999")
+    refused = [
+        fb([1, 2, 9999]),  # a token past the vocabulary
+        {"loadState": {"modelPackageArn": b_package, "loadOptimizer": True}},  # rank 16 into rank 8
+        {"loadState": {"modelPackageArn": foreign, "loadOptimizer": True}},
+        {"loadState": {"modelPackageArn": b_package.rsplit("/", 1)[0] + "/0", "loadOptimizer": False}},
+        {"optimizerStep": {"adamParamsConfig": {"learningRate": 1.0}}},
+    ]
+    for seq, config in enumerate(refused, start=1):
+        with pytest.raises(ClientError) as err:
+            rt.execute_training_operation(trainingSessionName=a, sequenceNumber=seq, clientToken=f"a{seq}", operationConfig=config)
+        assert _code(err)[1] in (400, 404), config
+    op = rt.execute_training_operation(trainingSessionName=a, sequenceNumber=6, clientToken="tok", operationConfig=OPTIM)  # b's token
+    assert op["operationId"] != saved["operationId"]
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.get_training_operation_result(trainingSessionName=a, operationId=saved["operationId"])
+    with pytest.raises(rt.exceptions.ResourceNotFoundException):
+        rt.get_sampling_operation_result(trainingSessionName=a, operationId=saved["operationId"])
+    with pytest.raises(ClientError) as err:
+        rt.execute_sampling_operation(trainingSessionName=a, operationConfig={"loadWeightsForSampling": {"modelPackageArn": foreign}})
+    assert _code(err) == ("ResourceNotFoundException", 404)
+    assert wait_op(rt.get_training_operation_result, a, op["operationId"])["status"] == "Completed"
+    assert (sm.describe_training_session(TrainingSessionName=b)["TrainingSessionDetail"], emulator.session_state(b)) == before
+    assert sm.describe_training_session(TrainingSessionName=a)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    assert emulator.session_state(a)["applied"] == [6]
+    for name in (a, b):
+        sm.stop_training_session(TrainingSessionName=name)

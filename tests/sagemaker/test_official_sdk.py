@@ -189,7 +189,7 @@ def test_sdk_grpo_loop_samples_trains_and_refreshes_the_sampler(service, sdk_emu
 
 def test_sdk_resumes_from_the_latest_checkpoint_and_deletes_packages(service, sdk_emulator):
     """The SDK's resume and clean-up flow: latest package of each kind, a client from the checkpoint with its
-    optimizer, and delete_model_package (DeleteModelPackage answers nothing, which the response check took for
+    optimizer (at the checkpoint's LoRA rank: the SDK's default rank 32 is refused naming both), and delete_model_package (DeleteModelPackage answers nothing, which the response check took for
     an emulator bug: a 500, so the SDK reported the deleted package as not deleted)."""
     tc = service.create_lora_training_client(base_model=BASE_ARN, rank=8, alpha=16)
     batch = [_sft_datum([1, 40, 41, 42, 43, 2])]
@@ -202,7 +202,10 @@ def test_sdk_resumes_from_the_latest_checkpoint_and_deletes_packages(service, sd
         tc.stop()
     assert service.get_latest_model_package(ts.ModelPackageKind.CHECKPOINT).model_package_arn == checkpoint
     assert service.get_latest_model_package(ts.ModelPackageKind.MODEL).model_package_arn == weights
-    resumed = service.create_training_client_from_state_with_optimizer(checkpoint)
+    with pytest.raises(ClientError, match="rank 8; this session has rank 32") as err:  # the SDK's default rank is 32
+        service.create_training_client_from_state_with_optimizer(checkpoint)
+    assert err.value.response["Error"]["Code"] == "ValidationException"
+    resumed = service.create_training_client_from_state_with_optimizer(checkpoint, rank=8, alpha=16)
     try:
         assert resumed.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"] > 0
     finally:

@@ -17,6 +17,8 @@ __all__ = [
     "HubContentRef",
     "parse_hub_content_arn",
     "account_of",
+    "region_of",
+    "partition_of",
     "hub_content_name_for",
 ]
 
@@ -26,7 +28,7 @@ _MODEL_PACKAGE = re.compile(r"arn:(aws[a-z\-]*):sagemaker:([a-z0-9\-]+):(\d{12})
 _HUB_CONTENT = re.compile(
     r"arn:([a-z0-9\-.]+):sagemaker:([a-zA-Z0-9\-]+):(\d{12}|aws):hub-content/([^/]+)/Model/([^/]+)(?:/(\d+\.\d+\.\d+))?"
 )
-_ACCOUNT = re.compile(r"arn:aws[a-z\-]*:[a-z0-9\-]+:[a-z0-9\-]*:(\d{12}):")
+_ACCOUNT = re.compile(r"arn:(aws[a-z\-]*):[a-z0-9\-]+:([a-z0-9\-]*):(\d{12}):")
 
 
 def session_arn(region: str, account: str, name: str) -> str:
@@ -55,9 +57,10 @@ class ModelPackageRef:
 
 
 def parse_model_package_arn(arn: str) -> ModelPackageRef | None:
-    """A model package *version* ARN, or None (group ARNs and anything else)."""
+    """A model package *version* ARN, or None (group ARNs, versions outside ``ModelPackageVersion``'s 1..2**31-1,
+    and anything else)."""
     m = _MODEL_PACKAGE.fullmatch(arn)
-    if m is None:
+    if m is None or len(m.group(5)) > 10 or not 1 <= int(m.group(5)) <= 2**31 - 1:  # int() of 5000 digits raises
         return None
     return ModelPackageRef(region=m.group(2), account=m.group(3), group=m.group(4), version=int(m.group(5)))
 
@@ -82,6 +85,18 @@ def parse_hub_content_arn(arn: str) -> HubContentRef | None:
 
 
 def account_of(arn: str) -> str | None:
+    m = _ACCOUNT.match(arn)
+    return m.group(3) if m else None
+
+
+def region_of(arn: str) -> str | None:
+    """The region of an account-owned ARN (empty for a global one such as IAM's), else None."""
+    m = _ACCOUNT.match(arn)
+    return m.group(2) if m else None
+
+
+def partition_of(arn: str) -> str | None:
+    """The partition (``aws``, ``aws-cn``, ...) of an account-owned ARN, else None."""
     m = _ACCOUNT.match(arn)
     return m.group(1) if m else None
 

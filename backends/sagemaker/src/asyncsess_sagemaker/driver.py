@@ -116,11 +116,20 @@ class _Submission:
     token: str
     config: dict[str, Any]
     step: int  # optimizer steps numbered so far, this op included
+    earlier_steps: list[_Submission] = field(default_factory=list)  # optimizer steps numbered before it, then undelivered
     after: _Submission | None = None  # delivered first (pipeline_submissions=False)
     delivered: anyio.Event = field(default_factory=anyio.Event)
     started: bool = False
+    refused: bool = False  # the service refused it (ValidationException): it never ran
     op_id: str | None = None
     error: BaseException | None = None
+
+    async def applied_step(self) -> int:
+        """:attr:`step` less the optimizer steps numbered before this op that the service refused (each of those
+        had counted itself, and a pipelined op was numbered before the refusal came back)."""
+        for earlier in self.earlier_steps:
+            await earlier.delivered.wait()
+        return self.step - sum(earlier.refused for earlier in self.earlier_steps)
 
 
 @dataclass
@@ -136,6 +145,7 @@ class _Session:
     next_wire_seq: int = 1
     steps: int = 0
     undelivered: set[int] = field(default_factory=set)  # wire numbers given out and not yet acknowledged
+    steps_in_flight: list[_Submission] = field(default_factory=list)  # optimizer steps numbered, maybe not yet delivered
     last_numbered: _Submission | None = None
     gone: SessionGoneError | None = None
     poison: AsyncSessError | None = None
@@ -169,6 +179,7 @@ class SageMakerBackend(Backend):
         self._samplers: dict[str, _Sampler] = {}
         self._package_session: dict[str, str] = {}  # model package ARN -> the live session that saved it
         self._package_kind: dict[str, str | None] = {}  # ARN -> "state"/"sampler"/"merged" of a save here; None: deleted here
+        self._package_lora: dict[str, tuple[int, int]] = {}  # ARN -> (LoRA rank, alpha) of the session here that saved it
         self._hub: dict[str, tuple[str, str | None]] = {}  # base model as given -> (hub content ARN, HF id)
         self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -403,17 +414,23 @@ class SageMakerBackend(Backend):
             raise InvalidInputError(
                 f"rank {spec.rank} is above the service maximum {_RANK_MAX}", field="rank", fix=f"use a rank <= {_RANK_MAX}"
             )
+        rank, alpha = spec.rank, int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
+        if spec.from_path:
+            self._require_package_arn(spec.from_path, "path")
+            # the session takes the LoRA shape of a package saved here (as local:// takes a checkpoint's); of another
+            # package the service refuses a rank that is not the package's, naming both
+            rank, alpha = self._package_lora.get(spec.from_path, (rank, alpha))
         base_model = spec.base_model
         if not base_model and spec.from_path:
             base_model = await self._base_model_of(spec.from_path)
         if not base_model:
             raise InvalidInputError("no base model", field="base_model", fix="name a base model (or resume from a model package ARN)")
         hub_arn, hf_id = await self._resolve_base_model(base_model)
-        alpha = int(round(spec.alpha)) if spec.alpha is not None else 2 * spec.rank
         per_call = spec.session_options
         name = per_call.get("training_session_name") or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         group = per_call.get("model_package_group_arn") or await self._model_package_group()
-        request = self._create_request(name, hub_arn, spec.rank, alpha, group, per_call)
+        self._require_here(group, "model_package_group_arn")
+        request = self._create_request(name, hub_arn, rank, alpha, group, per_call)
         await self._calls.retried(
             self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request
         )
@@ -422,7 +439,7 @@ class SageMakerBackend(Backend):
             base_model=base_model,
             hub_arn=hub_arn,
             hf_id=hf_id,
-            rank=spec.rank,
+            rank=rank,
             alpha=alpha,
             sequencer=Sequencer(self._numberer(name), gap_timeout=300.0),
             limits=self._hub_limits.get(hub_arn, (None, None)),
@@ -440,7 +457,7 @@ class SageMakerBackend(Backend):
         return GetInfoResponse(
             model_id=name,
             base_model=hf_id or base_model,
-            lora_rank=spec.rank,
+            lora_rank=rank,
             lora_alpha=float(alpha),
             seed=spec.seed,
             user_metadata=dict(spec.user_metadata),
@@ -473,6 +490,8 @@ class SageMakerBackend(Backend):
         if not isinstance(op, LoadStateOp):
             return
         self._require_package_arn(op.path, "path")
+        if sess is not None:
+            self._check_rank(op.path, sess.rank)
         if op.path not in self._package_kind:
             return
         kind = self._package_kind[op.path]
@@ -485,13 +504,40 @@ class SageMakerBackend(Backend):
                 fix="load a path that save_state returned",
             )
 
-    @staticmethod
-    def _require_package_arn(arn: str, field: str) -> None:
+    def _check_rank(self, arn: str, rank: int) -> None:
+        """A package this client saved holds a LoRA adapter of its session's rank; another rank cannot load it."""
+        saved = self._package_lora.get(arn, (None, None))[0]
+        if saved is not None and saved != rank:
+            raise InvalidInputError(
+                f"{arn} holds a LoRA adapter of rank {saved}, not {rank}", field="rank", fix=f"load it into a session of rank={saved}"
+            )
+
+    def _require_package_arn(self, arn: str, field: str) -> None:
         if arns.parse_model_package_arn(arn) is None:
             raise InvalidInputError(
                 f"{arn!r} is not a model package version ARN",
                 field=field,
                 fix="use the path a save_state/save_weights call returned (arn:aws:sagemaker:REGION:ACCOUNT:model-package/GROUP/VERSION)",
+            )
+        self._require_here(arn, field)
+
+    def _require_here(self, arn: str, field: str) -> None:
+        """A model package (group) of this client's region and, where the execution role names them, its partition and
+        account: the service takes no other (it answered ResourceNotFound or a ValidationException naming no field, and
+        a sampler's own session was created first)."""
+        region, account = arns.region_of(arn), arns.account_of(arn)
+        role = self.options.role_arn or ""
+        mine = arns.account_of(role)
+        if (
+            region != self.options.region
+            or (mine is not None and account != mine)
+            or arns.partition_of(arn) != (arns.partition_of(role) or arns.partition_of(arn))
+        ):
+            raise InvalidInputError(
+                f"{arn} belongs to account {account} in {region}; this client works in {mine or 'its own account'} in {self.options.region}"
+                + (f" ({arns.partition_of(role)})" if mine else ""),
+                field=field,
+                fix="use a model package of this account and region, or a client of its region",
             )
 
     async def _stop_quietly(self, name: str) -> None:
@@ -594,8 +640,6 @@ class SageMakerBackend(Backend):
             except InvalidInputError as err:
                 err.void = True  # it takes no wire number: nothing reached the service
                 raise
-            if isinstance(op, OptimStepOp):
-                sess.steps += 1
             return self._number(sess, config, _client_token(name, op.idempotency_key))
 
         return number
@@ -609,7 +653,14 @@ class SageMakerBackend(Backend):
 
     def _number(self, sess: _Session, config: dict[str, Any], token: str) -> _Submission:
         after = None if self.options.pipeline_submissions else sess.last_numbered
-        sub = _Submission(seq=sess.next_wire_seq, token=token, config=config, step=sess.steps, after=after)
+        sess.steps_in_flight = [s for s in sess.steps_in_flight if not s.delivered.is_set()]
+        optimizer = "optimizerStep" in config
+        sess.steps += optimizer
+        sub = _Submission(
+            seq=sess.next_wire_seq, token=token, config=config, step=sess.steps, earlier_steps=list(sess.steps_in_flight), after=after
+        )
+        if optimizer:
+            sess.steps_in_flight.append(sub)
         sess.next_wire_seq += 1
         sess.undelivered.add(sub.seq)
         sess.last_numbered = sub
@@ -655,6 +706,7 @@ class SageMakerBackend(Backend):
             )
         except InvalidInputError as err:  # refused: no operation was made, and its number is used up (no gap)
             err.void = True
+            sub.refused = True
             sess.steps -= "optimizerStep" in sub.config
             raise
         except TransientError as err:  # delivered or not, nobody knows: a gap may be open
@@ -705,7 +757,7 @@ class SageMakerBackend(Backend):
         sub = await sess.sequencer.execute(op)
         op_id = await self._deliver(sess, sub)
         resp = await self._training_outcome(sess, op_id, op.kind)
-        return self._training_result(sess, op, resp, sub.step)
+        return self._training_result(sess, op, resp, await sub.applied_step())
 
     def _training_result(self, sess: _Session, op: TrainingOp, resp: dict[str, Any], step: int) -> TrainingResult:
         body = (resp.get("operationResult") or {}).get(_wire_key(op)) or {}
@@ -731,6 +783,7 @@ class SageMakerBackend(Backend):
         )
         self._package_session[arn] = sess.name
         self._package_kind[arn] = kind
+        self._package_lora[arn] = (sess.rank, sess.alpha)
         ref = arns.parse_model_package_arn(arn)
         sess.packages.append(
             Checkpoint(
@@ -770,7 +823,8 @@ class SageMakerBackend(Backend):
 
     # -------------------------------------------------------------------------------- sampling
 
-    async def _sampling(self, session: str, config: dict[str, Any], operation_name: str) -> dict[str, Any]:
+    async def _sampling(self, session: str, config: dict[str, Any], operation_name: str) -> tuple[dict[str, Any], str]:
+        """Run one sampling operation: (its ``operationResult``, its operation id)."""
         _check_config(config, _SAMPLE_CONFIG, check_sample_config)
         sess = self._sessions.get(session) or _orphan(session)
         if sess.gone is not None:
@@ -786,7 +840,7 @@ class SageMakerBackend(Backend):
             operationId=resp["operationId"],
         )
         if result["status"] == "Completed":
-            return result.get("operationResult") or {}
+            return result.get("operationResult") or {}, resp["operationId"]
         if result["status"] == "Skipped":
             await self._check_alive(sess)
         raise ServerError(
@@ -862,15 +916,15 @@ class SageMakerBackend(Backend):
             )
         if request.topk_prompt_logprobs:
             body["topkPromptLogprobs"] = request.topk_prompt_logprobs
-        result = await self._sampling(sampler.session, {"sample": body}, "sample")
-        return sample_response_from_wire(result["sample"], len(request.prompt), request.sampling_params.max_tokens)
+        result, op_id = await self._sampling(sampler.session, {"sample": body}, "sample")
+        return sample_response_from_wire(result["sample"], len(request.prompt), request.sampling_params.max_tokens, op_id)
 
     async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
         sampler = self._sampler(sampler_id)
         body: dict[str, Any] = {"prompt": model_input_to_wire(tokens)}
         if sampler.model_package:
             body["modelPackageArn"] = sampler.model_package
-        result = await self._sampling(sampler.session, {"computeLogprobs": body}, "compute_logprobs")
+        result, _ = await self._sampling(sampler.session, {"computeLogprobs": body}, "compute_logprobs")
         return logprobs_from_wire(result["computeLogprobs"]["logprobs"], len(tokens))
 
     # ------------------------------------------------------------------ OpenAI-compatible chat

@@ -394,11 +394,12 @@ def sample_response_to_wire(resp: SampleResponse, prompt_length: int, include_pr
     return out
 
 
-def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_tokens: int | None) -> SampleResponse:
-    """``max_tokens`` below the wire minimum is enforced here: longer sequences are cut and marked ``length``."""
+def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_tokens: int | None, operation_id: str) -> SampleResponse:
+    """``max_tokens`` below the wire minimum is enforced here: longer sequences are cut and marked ``length``. Each
+    sequence is named ``"<operation_id>:<i>"`` (the wire names none), as the other backends name theirs."""
     seqs = []
     total = Usage()
-    for s in wire["sequences"]:
+    for i, s in enumerate(wire["sequences"]):
         tokens, logprobs, reason = list(s["tokens"]), s.get("logprobs"), s["stopReason"]
         if max_tokens is not None and len(tokens) > max_tokens:
             tokens, reason = tokens[:max_tokens], "length"
@@ -408,7 +409,11 @@ def sample_response_from_wire(wire: dict[str, Any], prompt_length: int, max_toke
             training_tokens=0, prefill_tokens=int(tu.get("prefill") or 0), decode_tokens=int(tu.get("decode") or 0)
         )
         total = total + usage
-        seqs.append(SampledSequence.model_construct(stop_reason=reason, tokens=tokens, logprobs=logprobs, sequence_id=None, usage=usage))
+        seqs.append(
+            SampledSequence.model_construct(
+                stop_reason=reason, tokens=tokens, logprobs=logprobs, sequence_id=f"{operation_id}:{i}", usage=usage
+            )
+        )
     prompt_lp = wire.get("promptLogprobs")
     topk = wire.get("topkPromptLogprobs")
     return SampleResponse.model_construct(

@@ -11,6 +11,7 @@ number all the same: its turn passes without running anything, so the ops after 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -521,13 +522,20 @@ class EmulatedService:
             self._use_up(sess, seq)
 
     def _checkpoint_of(self, sess: SessionRecord, arn: str) -> ModelPackageRecord:
-        """The package ``loadState`` names: one of this account's, saved by ``saveState`` from this session's base model."""
+        """The package ``loadState`` names: one of this account's, saved by ``saveState`` from this session's base model
+        with this session's LoRA rank."""
         pkg = self._known_package(arn)
         if not pkg.is_checkpoint:
             raise AwsError.validation(f"Model package {arn} holds weights for sampling (saveWeights); load a package saved by saveState")
         if pkg.model != sess.model:
             raise AwsError.validation(
                 f"Model package {arn} was trained from {pkg.model.model_id}, not this session's {sess.model.model_id}"
+            )
+        rank = sess.request["LoraConfig"]["Rank"]
+        if pkg.rank != rank:  # the adapter's matrices have another shape: the engine would refuse it after numbering
+            raise AwsError.validation(
+                f"Model package {arn} holds a LoRA adapter of rank {pkg.rank}; this session has rank {rank}: "
+                f"load it into a session created with LoraConfig.Rank {pkg.rank}"
             )
         return pkg
 
@@ -631,6 +639,7 @@ class EmulatedService:
             merged=merged,
             inner_path=saved.path,
             model=sess.model,
+            rank=sess.request["LoraConfig"]["Rank"],
             session_name=sess.name,
             s3_uri=f"{output}/checkpoints/{version}/" + ("hf_merged/" if merged else ""),
         )
@@ -994,18 +1003,32 @@ def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -
 
 
 def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    """One page of a List* answer. ``NextToken`` names the list (``key``) and the offset of the next row, as an earlier
-    page of this operation returned it; any other token is a ValidationException ("abc" was a 500, "-1" a slice from
-    the end, and a token of another List operation was read as an offset into this one)."""
-    token = body.get("NextToken") or f"{key}:0"
-    listed, _, offset = token.partition(":") if isinstance(token, str) else ("", "", "")
+    """One page of a List* answer. ``NextToken`` names the list (``key``), a digest of the request's filters and sort
+    order (every member but ``NextToken`` and ``MaxResults``), and the offset of the next row, as an earlier page of
+    this operation with these filters returned it; any other token is a ValidationException, as AWS answers ("abc" was
+    a 500, "-1" a slice from the end, a token of another List operation was read as an offset into this one, and one
+    issued for other filters paged through rows it never counted)."""
+    filters = _filters_digest(body)
+    token = body.get("NextToken") or f"{key}:{filters}:0"
+    listed, given, offset = token.split(":", 2) if isinstance(token, str) and token.count(":") == 2 else ("", "", "")
     if listed != key or not (offset.isascii() and offset.isdigit() and len(offset) < 19):
         raise AwsError.validation(
             f"NextToken {json.dumps(token)[:64]} is not a pagination token this operation returned: pass NextToken back unchanged"
+        )
+    if given != filters:
+        raise AwsError.validation(
+            f"NextToken {json.dumps(token)[:64]} was returned for other request parameters: "
+            "repeat the filters and sort order of the call that returned it, or start again without NextToken"
         )
     start = int(offset)
     size = body.get("MaxResults") or 100
     out: dict[str, Any] = {key: rows[start : start + size]}
     if start + size < len(rows):
-        out["NextToken"] = f"{key}:{start + size}"
+        out["NextToken"] = f"{key}:{filters}:{start + size}"
     return out
+
+
+def _filters_digest(body: dict[str, Any]) -> str:
+    """A short digest of a List* request's members other than ``NextToken`` and ``MaxResults`` (a page size may change)."""
+    kept = {k: v for k, v in body.items() if k not in ("NextToken", "MaxResults") and v is not None}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -139,6 +139,7 @@ class ModelPackageRecord:
     merged: bool
     inner_path: str
     model: HubModel
+    rank: int  # the LoRA rank of the session that saved it
     session_name: str
     s3_uri: str
     created: float = field(default_factory=time.time)
