@@ -325,3 +325,36 @@ def test_another_key_cannot_reach_a_tenants_objects(server: Server) -> None:
     cks = a.http.get(f"/api/v1/training_runs/{a.model}/checkpoints").json()["checkpoints"]
     assert sorted(c["tinker_path"] for c in cks) == sorted([a.state, sampler_path]) and not any(c["public"] for c in cks)
     assert "error" not in a.result(a.post("optim_step", {"model_id": a.model, "seq_id": 3, "adam_params": {"learning_rate": 0.01}}))
+
+
+@pytest.mark.parametrize("route", ["optim_step", "forward_backward"])
+def test_a_seq_id_far_ahead_of_the_queue_is_refused_and_holds_nothing(server: Server, route: str) -> None:
+    """A seq_id of 2**31-1 (or any past the model's window) was taken: its future waited, for requests that never
+    come, until the door's gap timeout (300 s), and its promise and op were held meanwhile. Now it is a 400 naming
+    seq_id, before anything is queued, and the model's next requests run at once, in order."""
+    from asyncsess.serve import tinker_proto
+    from asyncsess.serve.tinker_api import SEQ_WINDOW
+    from asyncsess.types import Datum, ModelInput
+
+    w = _open(server, API_KEY)
+    model = w.new_model()
+    datum = Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]})
+
+    def send(seq: int) -> httpx.Response:
+        if route == "optim_step":
+            return w.post(route, {"model_id": model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}})
+        body = tinker_proto.encode_forward_backward(model, seq, [datum], "cross_entropy")
+        return w.http.post("/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+
+    far = (2**31 - 1, 1 + SEQ_WINDOW) if route == "forward_backward" else (2**31 - 1, 2**31, 2**62 - 1, 1 + SEQ_WINDOW)  # int32 on protobuf
+    for seq in far:
+        before = _state(server), dict(server.door.models[model].thunks)
+        resp = send(seq)
+        assert resp.status_code == 400, (seq, resp.text)
+        assert resp.json()["field"] == "seq_id" and str(seq) in resp.json()["error"]
+        assert (_state(server), dict(server.door.models[model].thunks)) == before
+    for seq in (1, 2, SEQ_WINDOW):  # the window's last seq is taken; the queue runs 1 and 2 meanwhile
+        resp = send(seq)
+        assert resp.status_code == 200, resp.text
+        if seq < SEQ_WINDOW:
+            assert not (isinstance(answer := w.result(resp), dict) and "error" in answer), answer

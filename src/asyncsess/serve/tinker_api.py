@@ -83,6 +83,7 @@ PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 MAX_TEXT = 1024  # characters of a display_name or project_id
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
+SEQ_WINDOW = KEEP_SEQS  # how far ahead of a model's queue a seq_id may be (the SDK's are at most a few chunks ahead)
 KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
 EXPIRED = {"type": "expired"}
 RELEASED_FIX = (
@@ -639,6 +640,13 @@ class TinkerDoor:
         """Queue one request of model ``m`` at ``seq``; ``make`` validates (raising ApiError) and returns the op."""
         if seq < 1:
             raise ApiError(400, f"seq_id={seq}", field="seq_id", fix="seq_id starts at 1 for each model")
+        if seq >= m.sequencer.next_seq + SEQ_WINDOW:  # it would hold a promise open for requests that never come
+            raise ApiError(
+                400,
+                f"seq_id={seq} is {seq - m.sequencer.next_seq} past the model's next ({m.sequencer.next_seq})",
+                field="seq_id",
+                fix=f"number a model's requests 1, 2, 3, ...: at most {SEQ_WINDOW - 1} ahead of the next one to run",
+            )
         digest = _hash(body)
         earlier = m.submitted.get(seq)
         if earlier is not None:
