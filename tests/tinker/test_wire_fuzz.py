@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from pydantic import BaseModel
 from tinker import types
@@ -32,8 +33,11 @@ EDGES: list[Any] = [
     float("-inf"),
     -0.0,
     5e-324,  # the smallest subnormal
+    2**31 - 1,  # int32's largest: a seq_id that held the turn
     2**63,
     2**64,
+    -(2**63),
+    1e308,
     -1,
     0,
     1.5,
@@ -42,6 +46,9 @@ EDGES: list[Any] = [
     "\x00",
     "\ud800",  # a lone surrogate: json.dumps sends it as the escape \ud800
     "x" * 100_000,
+    "tinker://0-0-0:train:0/weights/../../etc",  # a path of no one's, climbing out
+    "/etc/passwd",
+    "é",
     [],
     {},
     [1, "a"],
@@ -358,3 +365,149 @@ def test_a_seq_id_far_ahead_of_the_queue_is_refused_and_holds_nothing(server: Se
         assert resp.status_code == 200, resp.text
         if seq < SEQ_WINDOW:
             assert not (isinstance(answer := w.result(resp), dict) and "error" in answer), answer
+
+
+def _fb_cases() -> dict[str, Callable[[Any], Any]]:
+    """Edits of a valid ForwardBackwardRequest protobuf (``msg``), each returning the message or the raw body to send."""
+    nan, inf = float("nan"), float("inf")
+
+    def setf(name: str, value: Any) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            setattr(msg, name, value)
+            return msg
+
+        return edit
+
+    def tensor(field: str, **changes: Any) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            t = msg.data[0].loss_fn_inputs[field]
+            if "values" in changes:
+                t.dense = np.asarray(changes["values"], dtype="<f4" if field == "weights" else "<i8").tobytes()
+            if "shape" in changes:
+                del t.shape[:]
+                t.shape.extend(changes["shape"])
+            if "dtype" in changes:
+                t.dtype = changes["dtype"]
+            if "raw" in changes:
+                t.dense = changes["raw"]
+            if "csr" in changes:
+                shape, values, crow, col = changes["csr"]
+                t.ClearField("dense")
+                del t.shape[:]
+                t.shape.extend(shape)
+                t.sparse_csr.values = np.asarray(values, dtype="<i8").tobytes()
+                t.sparse_csr.crow_indices = np.asarray(crow, dtype="<i8").tobytes()
+                t.sparse_csr.col_indices = np.asarray(col, dtype="<i8").tobytes()
+            return msg
+
+        return edit
+
+    def config(key: str, value: Any) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            if isinstance(value, str):
+                msg.loss_fn_config_v2[key].text = value
+            else:
+                msg.loss_fn_config[key] = value
+                msg.loss_fn_config_v2[key].number = value
+            return msg
+
+        return edit
+
+    def tokens(raw: bytes) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            msg.data[0].model_input[0].encoded_text.tokens = raw
+            return msg
+
+        return edit
+
+    def image(msg: Any) -> Any:
+        msg.data[0].model_input.add().image.data = b"\x89PNG"
+        return msg
+
+    cases: dict[str, Callable[[Any], Any]] = {
+        "garbage body": lambda msg: b"\xff\x00garbage",
+        "no data": lambda msg: (msg.ClearField("data"), msg)[1],
+        "image chunk": image,
+        "odd token bytes": tokens(b"\x01\x02\x03"),
+        "negative token": tokens(np.asarray([5, -1], dtype="<i4").tobytes()),
+        "token 2**31-1": tokens(np.asarray([5, 2**31 - 1], dtype="<i4").tobytes()),
+    }
+    cases |= {f"seq_id={v}": setf("seq_id", v) for v in (0, -1, -(2**31), 2**31 - 1)}
+    for v in ("", "\x00", "x" * 100_000, "é", "0-0-0:train:0"):
+        cases[f"model_id={v!r:.20}"] = setf("model_id", v)
+    for v in ("", "\x00", "x" * 100_000, "nope", "stable_reinforce", "../cross_entropy"):
+        cases[f"loss_fn={v!r:.20}"] = setf("loss_fn", v)
+    for v in (nan, inf, -inf, 5e-324, 1e308, "text"):
+        cases[f"loss_fn_config={v!r}"] = config("clip_low_threshold", v)
+    cases["loss_fn_config unknown key"] = config("x" * 1000, 1.0)
+    for v in (nan, inf, -inf, 1e-45, 3e38, -1e30):
+        cases[f"weights={v!r}"] = tensor("weights", values=[1.0, v])
+    for v in (-1, 2**31 - 1, 2**62):
+        cases[f"target_tokens={v}"] = tensor("target_tokens", values=[6, v])
+    for v in (0, 3, 4, 99):
+        cases[f"weights dtype={v}"] = tensor("weights", dtype=v)
+    for shape in ([5], [-1, -2], [2**40], [0], [1, 2, 1, 1], [-2, -1]):
+        cases[f"weights shape={shape}"] = tensor("weights", shape=shape)
+    cases["weights odd bytes"] = tensor("weights", raw=b"\x00" * 7)
+    for shape in ([2**31, 2**31], [2**20, 2**20], [-1, 2], [2, -1], [2], [2, 1, 1]):
+        cases[f"target csr shape={shape}"] = tensor("target_tokens", csr=(shape, [6, 7], [0, 1, 2], [0, 0]))
+    cases["target csr bad indices"] = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 5, 2], [0, 9]))
+    cases["target csr negative col"] = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 1, 2], [0, -3]))
+    return cases
+
+
+def test_forward_backward_protobuf_at_its_edges(server: Server) -> None:
+    """Every field of the protobuf forward_backward (the SDK's hot path, which the JSON fuzz does not reach) at its
+    edges, sent raw (and zstd-compressed): never a 5xx or a hang; a refusal is a 4xx naming the field that changes
+    nothing but the op's turn, and the model's next op runs."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from asyncsess.serve import tinker_proto
+    from asyncsess.types import Datum, ModelInput
+
+    w = _open(server, API_KEY)
+    good = Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]})
+    problems: list[str] = []
+
+    def fb(model: str, seq: int) -> bytes:
+        return tinker_proto.encode_forward_backward(model, seq, [good], "cross_entropy")
+
+    def send(body: bytes, zstd: bool = False) -> httpx.Response:
+        headers = {"Content-Type": "application/x-protobuf"} | ({"Content-Encoding": "zstd"} if zstd else {})
+        return w.http.post("/api/v1/forward_backward", content=tinker_proto.compress(body) if zstd else body, headers=headers)
+
+    for zstd in (False, True):
+        for name, edit in _fb_cases().items():
+            model = w.new_model()
+            msg = pb.ForwardBackwardRequest()
+            msg.ParseFromString(fb(model, 1))
+            body = edit(msg)
+            raw = body if isinstance(body, bytes) else body.SerializeToString()
+            before = _state(server)
+            try:
+                resp = send(raw, zstd)
+            except httpx.TransportError as err:  # the server dropped the connection: an unhandled error
+                problems.append(f"no answer: {name}{' (zstd)' if zstd else ''}: {err!r}")
+                continue
+            case = f"{name}{' (zstd)' if zstd else ''}: {resp.status_code} {resp.text[:300]}"
+            if resp.status_code >= 500:
+                problems.append(f"5xx: {case}")
+                continue
+            turn_used = True
+            if resp.status_code >= 400:
+                answer = resp.json()
+                if not answer.get("field"):
+                    problems.append(f"names no field: {case}")
+                if len(resp.content) > 8192:
+                    problems.append(f"a {len(resp.content)}-byte refusal: {case}")
+                if _state(server) != before:
+                    problems.append(f"a refusal changed the door's state {before} -> {_state(server)}: {case}")
+                turn_used = answer.get("field") not in ("body", "model_id", "seq_id", "Content-Encoding")
+            else:
+                got = w.result(resp)
+                if isinstance(got, dict) and "error" in got:
+                    problems.append(f"accepted, then failed when run: {case} -> {str(got)[:300]}")
+            probe = w.result(send(fb(model, 2 if turn_used else 1)))
+            if isinstance(probe, dict) and "error" in probe:
+                problems.append(f"the model's next op failed: {case} -> {str(probe)[:300]}")
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"

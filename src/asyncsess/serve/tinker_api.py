@@ -85,14 +85,15 @@ MAX_TEXT = 1024  # characters of a display_name or project_id
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 SEQ_WINDOW = KEEP_SEQS  # how far ahead of a model's queue a seq_id may be (the SDK's are at most a few chunks ahead)
 KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
-EXPIRED = {"type": "expired"}
+EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
 RELEASED_FIX = (
     "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
     "open); for weights that stay, save_weights_for_sampler(name) and create_sampling_client(model_path)"
 )
 # forward_backward bodies up to this size (bytes, decompressed) are decoded, checked and answered on the event loop: there
 # ~1 ms of codec costs less than a thread hop, which under load waits up to the GIL switch interval (5 ms) per hop
-INLINE_BYTES = 64 * 1024  # the finish reason of a session the server expired
+INLINE_BYTES = 64 * 1024
+INLINE_SPARSE = 1 << 18  # cells the sparse tensors of a body decoded on the event loop may expand to (else: in a thread)
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
 # request id is "not found", exactly as an id that never existed.
@@ -705,12 +706,16 @@ class TinkerDoor:
         size = tinker_proto.decompressed_size(raw) if encoding == "zstd" else len(raw)
         off_loop = _inline if size is not None and size <= self.inline_bytes else anyio.to_thread.run_sync
 
-        def decode() -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
+        def decode(sparse: int = tinker_proto.MAX_SPARSE_VALUES) -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
             body = tinker_proto.decompress(raw) if encoding == "zstd" else raw
-            return body, tinker_proto.decode_forward_backward(body)
+            return body, tinker_proto.decode_forward_backward(body, sparse)
 
         try:
-            raw, wire = await off_loop(decode)
+            try:
+                raw, wire = await off_loop(decode, INLINE_SPARSE if off_loop is _inline else tinker_proto.MAX_SPARSE_VALUES)
+            except tinker_proto.SparseTooLarge:  # a small body whose sparse tensors expand to more than the loop should hold
+                off_loop = anyio.to_thread.run_sync
+                raw, wire = await off_loop(decode)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
