@@ -511,3 +511,95 @@ def test_forward_backward_protobuf_at_its_edges(server: Server) -> None:
             if isinstance(probe, dict) and "error" in probe:
                 problems.append(f"the model's next op failed: {case} -> {str(probe)[:300]}")
     assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+PATH_EDGES = ["%00", "%ED%A0%80", "%FF", "..", "..%2F..%2Fetc", "a%2F..%2F..", "x" * 4000, "%C3%A9", "0-0-0:train:0", " ", "%20%0A"]
+QUERY_EDGES = ["-1", "0", str(2**63), str(2**64), "1e3", "NaN", "abc", "", "%00", "1.5"]
+
+
+def test_rest_routes_with_edge_ids_and_pages(server: Server) -> None:
+    """The REST routes take ids in the URL path and pages in the query, which the JSON fuzz does not reach: each edge
+    value (NUL, bad UTF-8, climbing paths, 4,000 characters, another run's id) in each path parameter, and each
+    edge value of limit / offset, is a 4xx naming a field or a 2xx, never a 5xx or a dropped connection, and
+    changes nothing."""
+    w = _open(server, API_KEY)
+    ck = w.state.split("/", 3)[3]  # "weights/base"
+    templates = [
+        ("GET", "/training_runs/{m}", None),
+        ("GET", "/training_runs/{m}/checkpoints", None),
+        ("PUT", "/training_runs/{m}/checkpoints/{c}/ttl", {"ttl_seconds": 3600}),
+        ("POST", "/training_runs/{m}/checkpoints/{c}/publish", None),
+        ("DELETE", "/training_runs/{m}/checkpoints/{c}/publish", None),
+        ("DELETE", "/training_runs/{m}/checkpoints/{c}", None),
+        ("GET", "/sessions/{s}", None),
+        ("PUT", "/sessions/{s}/project", {"project_id": "p"}),
+        ("POST", "/sessions/{s}/finish", {"reason": {"type": "success"}}),
+        ("GET", "/samplers/{s}", None),
+    ]
+    problems: list[str] = []
+
+    def call(method: str, path: str, body: Any) -> None:
+        before = _state(server)
+        try:
+            resp = w.http.request(method, f"/api/v1{path}", json=body)
+        except httpx.TransportError as err:
+            problems.append(f"no answer: {method} {path[:80]}: {err!r}")
+            return
+        case = f"{method} {path[:80]}: {resp.status_code} {resp.text[:200]}"
+        if resp.status_code >= 500:
+            problems.append(f"5xx: {case}")
+        elif resp.status_code >= 400:
+            try:
+                named = resp.json().get("field")
+            except ValueError:
+                named = None
+            if not named:
+                problems.append(f"names no field: {case}")
+            if _state(server) != before:
+                problems.append(f"a refusal changed the door's state: {case}")
+
+    for method, template, body in templates:
+        for edge in PATH_EDGES:
+            for key in ("m", "c", "s"):
+                if "{" + key + "}" not in template:
+                    continue
+                ids = {"m": w.model, "c": ck, "s": w.session if "sessions" in template else w.sampler} | {key: edge}
+                call(method, template.format(**ids), body)
+    for route in ("/training_runs", "/checkpoints", "/sessions"):
+        for param in ("limit", "offset"):
+            for edge in QUERY_EDGES:
+                call("GET", f"{route}?{param}={edge}", None)
+    # the tenant's objects are as they were: its session open, its checkpoint listed and private, its model trains
+    assert w.post("session_heartbeat", {"session_id": w.session}).status_code == 200
+    assert [c["public"] for c in w.http.get(f"/api/v1/training_runs/{w.model}/checkpoints").json()["checkpoints"]] == [False]
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+def test_finish_takes_tinkers_reasons_only(server: Server) -> None:
+    """sessions/{id}/finish took any reason and detail (a list, a number, 100,000 characters, a lone surrogate) and
+    finished the session with it: such a session then had no status in searches, as if the server had expired it.
+    Now a reason other than Tinker's three, or a detail that is not clean text of at most 65,536 characters, is a 400
+    naming the field and the session stays open; the SDK's own reasons finish it."""
+    w = _open(server, API_KEY)
+    problems: list[str] = []
+    for key in ("reason", "detail"):
+        for value in EDGES:
+            session = w.post("create_session", {"tags": [], "sdk_version": "fuzz"}).json()["session_id"]
+            body = _with({"reason": {"type": "errored"}, "detail": "boom"}, (key,), value)
+            resp = w.post(f"sessions/{session}/finish", body)
+            case = f"{key}={value!r:.30}: {resp.status_code} {resp.text[:200]}"
+            open_now = w.post("session_heartbeat", {"session_id": session}).status_code == 200
+            if resp.status_code >= 400:
+                if resp.status_code >= 500 or resp.json().get("field") != key:
+                    problems.append(f"not a 4xx naming {key}: {case}")
+                if not open_now:
+                    problems.append(f"a refusal finished the session: {case}")
+            else:
+                valid = value in (MISSING, None) or (key == "detail" and isinstance(value, str) and len(value) <= 65536)
+                if not valid or value in ("\x00", "\ud800"):
+                    problems.append(f"finished with it: {case}")
+                if open_now:
+                    problems.append(f"answered 200 and left the session open: {case}")
+    found = w.post("sessions/search", {"limit": 200, "statuses": [{"type": "client_finished", "reasons": ["errored"]}]}).json()
+    assert len(found["sessions"]) >= 2  # the accepted ones are listed with their reason
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"

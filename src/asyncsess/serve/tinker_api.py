@@ -82,6 +82,8 @@ T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 MAX_TEXT = 1024  # characters of a display_name or project_id
+MAX_DETAIL = 65536  # characters of a finish detail (the SDK sends an error's text)
+FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSessionFinishReason
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 SEQ_WINDOW = KEEP_SEQS  # how far ahead of a model's queue a seq_id may be (the SDK's are at most a few chunks ahead)
 KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
@@ -530,8 +532,15 @@ class TinkerDoor:
         s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
+        reason, detail = body.get("reason"), body.get("detail")
+        if reason is not None and not (isinstance(reason, dict) and set(reason) == {"type"} and reason["type"] in FINISH_REASONS):
+            raise ApiError(400, f"got {reason!r:.60}", field="reason", fix='send {"type": "success"}, "errored" or "interrupted"')
+        if detail is not None and (not isinstance(detail, str) or len(detail) > MAX_DETAIL):
+            raise ApiError(400, f"expected text of at most {MAX_DETAIL} characters", field="detail")
+        if detail:
+            _str(body, "detail")  # no NUL, no lone surrogate
         if s.finished is None:
-            s.finished = {"reason": body.get("reason"), "detail": body.get("detail"), "time": time.time()}
+            s.finished = {"reason": reason, "detail": detail, "time": time.time()}
             await self._release(s, "finished")
         return {"session_id": session_id, "status": "finished"}
 
