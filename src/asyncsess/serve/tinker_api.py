@@ -292,6 +292,9 @@ class TinkerDoor:
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
         self.poll_timeout = poll_timeout
         self.gap_timeout = gap_timeout
+        # the SDK never re-sends a seq_id it gave up on (its turn counter moves on): after gap_timeout a model's
+        # queue goes on without it, rather than failing every later request (False: fail them, for tests of the turns)
+        self.skip_gaps = True
         self.session_timeout = session_timeout  # 0: sessions never expire
         self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
@@ -552,7 +555,7 @@ class TinkerDoor:
         async def run(turn: _Turn) -> Any:
             return await m.thunks.pop(turn.seq)()
 
-        m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout)
+        m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout, skip_gaps=self.skip_gaps)
         self.models[model_id] = m
         self._backend_models[backend_id] = model_id
         session.models.append(model_id)
@@ -665,6 +668,14 @@ class TinkerDoor:
                     409, f"seq_id {seq} of {m.id} was already used for another request", field="seq_id", fix="use a fresh seq_id"
                 )
             return earlier[1]
+        if seq in m.sequencer.skipped:
+            raise ApiError(
+                400,
+                f"seq_id {seq} of {m.id} came after the model's queue went on without it (its later requests waited "
+                f"{self.gap_timeout:g} s for it)",
+                field="seq_id",
+                fix="send a model's requests in seq_id order, without gaps",
+            )
         if seq < m.sequencer.next_seq:
             raise ApiError(409, f"seq_id {seq} is older than the model's queue ({m.sequencer.next_seq})", field="seq_id")
         m.last_request = time.time()
