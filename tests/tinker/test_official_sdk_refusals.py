@@ -85,6 +85,12 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     ),
     "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
     "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
+    "save_state name '.' (on local:// the directory itself; mock:// took it)": (
+        lambda tc: tc.save_state("."),
+        tinker.BadRequestError,
+        "checkpoint name",
+    ),
+    "save_weights_for_sampler name '-x'": (lambda tc: tc.save_weights_for_sampler("-x"), tinker.BadRequestError, "checkpoint name"),
     "save_state with a TTL of 0": (lambda tc: tc.save_state("x", ttl_seconds=0), tinker.BadRequestError, "ttl_seconds"),
     "save_weights_for_sampler with a TTL of 10**30": (
         lambda tc: tc.save_weights_for_sampler("x", ttl_seconds=10**30),

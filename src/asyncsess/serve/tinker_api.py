@@ -69,6 +69,7 @@ from ..validation import (
     coerce_adam_params,
     coerce_prompt,
     coerce_sampling_params,
+    is_checkpoint_name,
 )
 from . import tinker_proto
 from .body_limit import MAX_BODY_BYTES, BodyLimit
@@ -1456,8 +1457,8 @@ def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
 def _name(path: Any, default: str) -> str:
     if path is None:
         return default
-    if not isinstance(path, str) or not path or len(path) > 128 or not all(c.isalnum() or c in "._-" for c in path) or not path.isascii():
-        raise ApiError(400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -")
+    if not is_checkpoint_name(path):  # one rule for every backend ("." and ".." name directories on disk)
+        raise ApiError(400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit")
     return path
 
 
