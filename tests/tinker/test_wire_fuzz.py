@@ -454,6 +454,14 @@ def _fb_cases() -> dict[str, Callable[[Any], Any]]:
         cases[f"target csr shape={shape}"] = tensor("target_tokens", csr=(shape, [6, 7], [0, 1, 2], [0, 0]))
     cases["target csr bad indices"] = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 5, 2], [0, 9]))
     cases["target csr negative col"] = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 1, 2], [0, -3]))
+    cases["target csr repeated cell"] = tensor("target_tokens", csr=([2, 2], [6, 7], [0, 2, 2], [1, 1]))
+
+    def odd_values(msg: Any) -> Any:
+        msg = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 1, 2], [0, 0]))(msg)
+        msg.data[0].loss_fn_inputs["target_tokens"].sparse_csr.values = b"\x00" * 15
+        return msg
+
+    cases["target csr odd value bytes"] = odd_values
     return cases
 
 

@@ -132,8 +132,11 @@ def _tensor_from_pb(msg: Any, where: str, sparse_left: list[int]) -> TensorData:
             raise InvalidInputError("inconsistent CSR indices", field=where)
         if np.any(col >= shape[1]) or np.any(col < 0):
             raise InvalidInputError("CSR column index out of range", field=where)
+        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+        if len(np.unique(rows * shape[1] + col)) != len(col):
+            raise InvalidInputError("a CSR cell is listed twice", field=where, fix="list each (row, column) once")
         dense = np.zeros(shape, dtype=np_dtype)
-        dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
+        dense[rows, col] = values
         arr = dense
     else:
         arr = _buffer(msg.dense, np_dtype, where)
