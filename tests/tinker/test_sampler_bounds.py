@@ -138,3 +138,27 @@ def test_a_closed_sampler_whose_checkpoint_was_deleted_is_a_410(server: Server, 
     with pytest.raises(tinker.APIStatusError) as err:
         sampler.sample(PROMPT, 1, PARAMS).result()
     assert err.value.status_code == 410 and "gone" in err.value.body["error"]  # type: ignore[index]
+
+
+def test_the_openai_door_reopens_a_closed_sampler_and_says_why_a_released_one_is_gone(
+    server: Server, service: tinker.ServiceClient
+) -> None:
+    """The OpenAI front serves the Tinker door's samplers by id: one the door closed reopens on its next call
+    (same answer), one it released is a 410 ``model_gone`` that says why."""
+    import openai
+
+    chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    hi = [{"role": "user", "content": "Say hi."}]
+    tc = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    on_base = service.create_sampling_client(base_model=BASE).result()._sampling_session_id
+    ephemeral = tc.save_weights_and_get_sampling_client().result()._sampling_session_id
+    before = chat.chat.completions.create(model=on_base, messages=hi, max_tokens=4, seed=3)  # type: ignore[arg-type]
+    chat.chat.completions.create(model=ephemeral, messages=hi, max_tokens=4, seed=3)  # type: ignore[arg-type]
+    for _ in range(CAP):
+        tc.save_weights_and_get_sampling_client().result()
+    assert server.door.samplers[on_base].backend_id is None and ephemeral not in server.door.samplers
+    after = chat.chat.completions.create(model=on_base, messages=hi, max_tokens=4, seed=3)  # type: ignore[arg-type]
+    assert after.choices[0].message.content == before.choices[0].message.content
+    with pytest.raises(openai.APIStatusError) as err:
+        chat.chat.completions.create(model=ephemeral, messages=hi, max_tokens=4)  # type: ignore[arg-type]
+    assert err.value.status_code == 410 and "released" in str(err.value)
