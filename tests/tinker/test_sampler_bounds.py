@@ -74,7 +74,8 @@ def test_200_sampler_refreshes_stay_bounded_and_recent_samplers_still_sample(ser
             assert len(_open_backend_samplers(server, session_id)) <= CAP, step
         # the door and the backend hold a bounded number of samplers and snapshots for the session
         assert len(server.door.sessions[session_id].samplers) <= CAP + 2  # + the two closed ones that can reopen
-        snapshots = [c for c in server.backend._checkpoints.values() if c.ephemeral]  # type: ignore[attr-defined]
+        backend_model = server.door.models[tc.model_id].backend_id
+        snapshots = [c for c in server.backend._checkpoints.values() if c.ephemeral and c.session_id == backend_model]  # type: ignore[attr-defined]
         assert len(snapshots) <= CAP + 1
         assert sum(len(s.ids) for s in server.door.samplers.values()) <= 3 * CAP
         # the samplers the loop still uses sample; the first, released long ago, says why
