@@ -1458,7 +1458,9 @@ def _name(path: Any, default: str) -> str:
     if path is None:
         return default
     if not is_checkpoint_name(path):  # one rule for every backend ("." and ".." name directories on disk)
-        raise ApiError(400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit")
+        raise ApiError(
+            400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
     return path
 
 
