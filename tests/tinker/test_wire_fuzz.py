@@ -612,3 +612,34 @@ def test_finish_takes_tinkers_reasons_only(server: Server) -> None:
     found = w.post("sessions/search", {"limit": 200, "statuses": [{"type": "client_finished", "reasons": ["errored"]}]}).json()
     assert len(found["sessions"]) >= 2  # the accepted ones are listed with their reason
     assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+def test_the_seq_id_window_runs_from_the_first_missing_request_not_the_last_run(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that pipelines its requests (sends them all, in order, before any has run) is never refused: the
+    window starts at the first seq_id not received, however far behind the backend runs."""
+    import threading
+
+    import anyio
+
+    w = _open(server, API_KEY)
+    model = w.new_model()
+    backend_id = server.door.models[model].backend_id
+    gate = threading.Event()
+    real = server.backend.execute_training
+
+    async def held(session_id: str, op: Any) -> Any:
+        if session_id == backend_id:
+            await anyio.to_thread.run_sync(gate.wait)
+        return await real(session_id, op)
+
+    monkeypatch.setattr(server.backend, "execute_training", held)
+    monkeypatch.setattr(server.door, "seq_window", 8)
+    try:
+        sent = [w.post("optim_step", {"model_id": model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}}) for seq in range(1, 21)]
+        assert [r.status_code for r in sent] == [200] * 20  # 20 queued, none run: all within the window
+        assert server.door.models[model].sequencer.next_seq == 1
+        far = w.post("optim_step", {"model_id": model, "seq_id": 29, "adam_params": {"learning_rate": 0.01}})
+        assert far.status_code == 400 and far.json()["field"] == "seq_id"  # 8 past the first missing one (21)
+    finally:
+        gate.set()
+    assert all("error" not in w.result(r) for r in sent)

@@ -86,7 +86,7 @@ MAX_TEXT = 1024  # characters of a display_name or project_id
 MAX_DETAIL = 65536  # characters of a finish detail (the SDK sends an error's text)
 FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSessionFinishReason
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
-SEQ_WINDOW = KEEP_SEQS  # how far ahead of a model's queue a seq_id may be (the SDK's are at most a few chunks ahead)
+SEQ_WINDOW = KEEP_SEQS  # how far past a model's first missing seq_id a request may be (the SDK's: a few chunks at most)
 KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
 EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
 RELEASED_FIX = (
@@ -167,6 +167,14 @@ class _Model:
     checkpoints: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
     trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
+    frontier: int = 1  # its first seq_id not received yet: every one before it arrived (or ran, or was skipped)
+
+    def arrived(self) -> int:
+        """Move :attr:`frontier` past the seq_ids received; returns it."""
+        self.frontier = max(self.frontier, self.sequencer.next_seq)
+        while self.frontier in self.thunks or self.frontier in self.submitted:
+            self.frontier += 1
+        return self.frontier
 
 
 @dataclass
@@ -296,6 +304,7 @@ class TinkerDoor:
         # the SDK never re-sends a seq_id it gave up on (its turn counter moves on): after gap_timeout a model's
         # queue goes on without it, rather than failing every later request (False: fail them, for tests of the turns)
         self.skip_gaps = True
+        self.seq_window = SEQ_WINDOW
         self.session_timeout = session_timeout  # 0: sessions never expire
         self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
@@ -654,12 +663,12 @@ class TinkerDoor:
         """Queue one request of model ``m`` at ``seq``; ``make`` validates (raising ApiError) and returns the op."""
         if seq < 1:
             raise ApiError(400, f"seq_id={seq}", field="seq_id", fix="seq_id starts at 1 for each model")
-        if seq >= m.sequencer.next_seq + SEQ_WINDOW:  # it would hold a promise open for requests that never come
+        if seq >= m.arrived() + self.seq_window:  # it would hold a promise open for requests that never come
             raise ApiError(
                 400,
-                f"seq_id={seq} is {seq - m.sequencer.next_seq} past the model's next ({m.sequencer.next_seq})",
+                f"seq_id={seq} is {seq - m.frontier} past the model's first missing one ({m.frontier})",
                 field="seq_id",
-                fix=f"number a model's requests 1, 2, 3, ...: at most {SEQ_WINDOW - 1} ahead of the next one to run",
+                fix=f"number a model's requests 1, 2, 3, ...: at most {self.seq_window - 1} past the first not sent yet",
             )
         digest = _hash(body)
         earlier = m.submitted.get(seq)
