@@ -643,3 +643,17 @@ def test_the_seq_id_window_runs_from_the_first_missing_request_not_the_last_run(
     finally:
         gate.set()
     assert all("error" not in w.result(r) for r in sent)
+
+
+def test_a_released_sampler_is_410_to_its_owner_and_404_to_another_key(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _open(server, API_KEY), _open(server, OTHER_KEY)
+    monkeypatch.setattr(server.door, "max_samplers", 1)
+    ids = []
+    for turn in (2, 3):  # two refreshes: the first sampler is released when the second opens
+        body = {"model_id": a.model, "seq_id": turn, "sampling_session_seq_id": 500 + turn}
+        ids.append(a.result(a.post("save_weights_for_sampler", body))["sampling_session_id"])
+    assert ids[0] not in server.door.samplers and ids[1] in server.door.samplers
+    mine, theirs = a.http.get(f"/api/v1/samplers/{ids[0]}"), b.http.get(f"/api/v1/samplers/{ids[0]}")
+    never = b.http.get(f"/api/v1/samplers/{ids[0].split(':')[0]}:sample:99999")
+    assert mine.status_code == 410 and "released" in mine.json()["error"]
+    assert theirs.status_code == never.status_code == 404 and theirs.json()["field"] == never.json()["field"]
