@@ -167,6 +167,33 @@ async def test_a_refused_seq_is_void_its_turn_passes_and_nothing_is_poisoned():
     assert await seqr.execute(OptimStepOp(seq=5, idempotency_key="k5")) == 5, "nothing is poisoned"
 
 
+async def test_skip_gaps_voids_the_seqs_that_never_arrived_and_runs_the_rest_in_order():
+    """A server whose clients never re-send a number they gave up on (the Tinker door) goes on without it after
+    the gap timeout; an op that did arrive keeps its turn. 1,000+ missing numbers in a row are skipped too."""
+    from asyncsess import ConflictError
+    from asyncsess.backends.sequencer import Sequencer
+
+    async def run(op):
+        return op.seq
+
+    seqr = Sequencer(run, gap_timeout=0.01, skip_gaps=True)
+    assert await seqr.execute(OptimStepOp(seq=1, idempotency_key="k1")) == 1
+    results: list[int] = []
+
+    async def execute(seq: int) -> None:
+        results.append(await seqr.execute(OptimStepOp(seq=seq, idempotency_key=f"k{seq}")))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(execute, 5)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(execute, 1200)
+    assert results == [5, 1200] and seqr.applied == [1, 5, 1200]
+    assert seqr.skipped == set(range(2, 5)) | set(range(6, 1200)) and seqr.next_seq == 1201
+    with pytest.raises(ConflictError):
+        await seqr.execute(OptimStepOp(seq=3, idempotency_key="k3"))  # came too late: never run
+    assert await seqr.execute(OptimStepOp(seq=1201, idempotency_key="k1201")) == 1201
+
+
 async def test_a_void_refusal_of_one_part_of_a_split_batch_poisons_the_rest(monkeypatch):
     """The other parts ran: the batch was half-applied, so the ops after it must not run as if it had not."""
     from asyncsess import InvalidInputError

@@ -87,3 +87,30 @@ def test_rl_step_with_sampler_refresh_and_bit_exact_resume(service: tinker.Servi
         outs.append(fb.result().metrics["loss:sum"])
     assert outs[1] == outs[3], "same state before the step"
     assert np.float32(outs[0]) == np.float32(outs[2]), "and the same step after it (optimizer moments restored)"
+
+
+def test_sampler_refreshes_stay_bounded_on_local(service: tinker.ServiceClient, local_server: Server, tiny: str) -> None:
+    """On local:// each refresh is an adapter snapshot in memory: the door's bound closes old samplers, so the engine
+    drops their snapshots; a closed sampler on base weights reopens with the same answer, a released one is a 410."""
+    door = local_server.door
+    door.max_samplers = 3
+    try:
+        tc = service.create_lora_training_client(base_model=tiny, rank=4, seed=0).result()
+        prompt = types.ModelInput.from_ints(tc.get_tokenizer().encode("what is 2 plus 3?"))
+        params = types.SamplingParams(max_tokens=4, seed=1)
+        on_base = service.create_sampling_client(base_model=tiny).result()
+        base_tokens = on_base.sample(prompt, 1, params).result().sequences[0].tokens
+        first = tc.save_weights_and_get_sampling_client().result()
+        for _ in range(8):
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            last = tc.save_weights_and_get_sampling_client().result()
+            assert len(last.sample(prompt, 1, params).result().sequences[0].tokens) > 0
+        snapshots = local_server.backend.engine.state._snapshots  # type: ignore[attr-defined]
+        owner = door.models[tc.model_id].backend_id
+        assert len([s for s in snapshots.values() if s.owner == owner]) <= 3
+        with pytest.raises(tinker.APIStatusError) as err:
+            first.sample(prompt, 1, params).result()
+        assert err.value.status_code == 410
+        assert on_base.sample(prompt, 1, params).result().sequences[0].tokens == base_tokens
+    finally:
+        door.max_samplers = 16

@@ -27,6 +27,7 @@ GAP = 2.0  # seconds a model's queue waits for a missing seq_id before failing t
 def server() -> Iterator[Server]:
     for srv in start_server("mock://"):
         srv.door.gap_timeout = GAP  # a request left waiting on a seq_id the server never used up fails fast
+        srv.door.skip_gaps = False  # ... rather than run once the gap is skipped: these tests check every turn is used
         yield srv
 
 
@@ -84,6 +85,12 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     ),
     "save_state name with ..": (lambda tc: tc.save_state("../escape"), tinker.BadRequestError, "checkpoint name"),
     "save_weights_for_sampler name with /": (lambda tc: tc.save_weights_for_sampler("a/b"), tinker.BadRequestError, "checkpoint name"),
+    "save_state name '.' (on local:// the directory itself; mock:// took it)": (
+        lambda tc: tc.save_state("."),
+        tinker.BadRequestError,
+        "checkpoint name",
+    ),
+    "save_weights_for_sampler name '-x'": (lambda tc: tc.save_weights_for_sampler("-x"), tinker.BadRequestError, "checkpoint name"),
     "save_state with a TTL of 0": (lambda tc: tc.save_state("x", ttl_seconds=0), tinker.BadRequestError, "ttl_seconds"),
     "save_weights_for_sampler with a TTL of 10**30": (
         lambda tc: tc.save_weights_for_sampler("x", ttl_seconds=10**30),

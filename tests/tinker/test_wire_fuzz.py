@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from pydantic import BaseModel
 from tinker import types
@@ -32,8 +33,11 @@ EDGES: list[Any] = [
     float("-inf"),
     -0.0,
     5e-324,  # the smallest subnormal
+    2**31 - 1,  # int32's largest: a seq_id that held the turn
     2**63,
     2**64,
+    -(2**63),
+    1e308,
     -1,
     0,
     1.5,
@@ -42,6 +46,9 @@ EDGES: list[Any] = [
     "\x00",
     "\ud800",  # a lone surrogate: json.dumps sends it as the escape \ud800
     "x" * 100_000,
+    "tinker://0-0-0:train:0/weights/../../etc",  # a path of no one's, climbing out
+    "/etc/passwd",
+    "é",
     [],
     {},
     [1, "a"],
@@ -81,6 +88,7 @@ ORDERED = {"optim_step", "save_weights", "save_weights_for_sampler", "load_weigh
 def server() -> Iterator[Server]:
     for srv in start_server("mock://", api_keys={API_KEY, OTHER_KEY}):
         srv.door.gap_timeout = 2.0  # a turn the door failed to use up fails the probe in 2 s instead of 300
+        srv.door.skip_gaps = False  # ... rather than run once the gap is skipped: these tests check every turn is used
         yield srv
 
 
@@ -325,3 +333,327 @@ def test_another_key_cannot_reach_a_tenants_objects(server: Server) -> None:
     cks = a.http.get(f"/api/v1/training_runs/{a.model}/checkpoints").json()["checkpoints"]
     assert sorted(c["tinker_path"] for c in cks) == sorted([a.state, sampler_path]) and not any(c["public"] for c in cks)
     assert "error" not in a.result(a.post("optim_step", {"model_id": a.model, "seq_id": 3, "adam_params": {"learning_rate": 0.01}}))
+
+
+@pytest.mark.parametrize("route", ["optim_step", "forward_backward"])
+def test_a_seq_id_far_ahead_of_the_queue_is_refused_and_holds_nothing(server: Server, route: str) -> None:
+    """A seq_id of 2**31-1 (or any past the model's window) was taken: its future waited, for requests that never
+    come, until the door's gap timeout (300 s), and its promise and op were held meanwhile. Now it is a 400 naming
+    seq_id, before anything is queued, and the model's next requests run at once, in order."""
+    from asyncsess.serve import tinker_proto
+    from asyncsess.serve.tinker_api import SEQ_WINDOW
+    from asyncsess.types import Datum, ModelInput
+
+    w = _open(server, API_KEY)
+    model = w.new_model()
+    datum = Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]})
+
+    def send(seq: int) -> httpx.Response:
+        if route == "optim_step":
+            return w.post(route, {"model_id": model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}})
+        body = tinker_proto.encode_forward_backward(model, seq, [datum], "cross_entropy")
+        return w.http.post("/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+
+    far = (2**31 - 1, 1 + SEQ_WINDOW) if route == "forward_backward" else (2**31 - 1, 2**31, 2**62 - 1, 1 + SEQ_WINDOW)  # int32 on protobuf
+    for seq in far:
+        before = _state(server), dict(server.door.models[model].thunks)
+        resp = send(seq)
+        assert resp.status_code == 400, (seq, resp.text)
+        assert resp.json()["field"] == "seq_id" and str(seq) in resp.json()["error"]
+        assert (_state(server), dict(server.door.models[model].thunks)) == before
+    for seq in (1, 2, SEQ_WINDOW):  # the window's last seq is taken; the queue runs 1 and 2 meanwhile
+        resp = send(seq)
+        assert resp.status_code == 200, resp.text
+        if seq < SEQ_WINDOW:
+            assert not (isinstance(answer := w.result(resp), dict) and "error" in answer), answer
+
+
+def _fb_cases() -> dict[str, Callable[[Any], Any]]:
+    """Edits of a valid ForwardBackwardRequest protobuf (``msg``), each returning the message or the raw body to send."""
+    nan, inf = float("nan"), float("inf")
+
+    def setf(name: str, value: Any) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            setattr(msg, name, value)
+            return msg
+
+        return edit
+
+    def tensor(field: str, **changes: Any) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            t = msg.data[0].loss_fn_inputs[field]
+            if "values" in changes:
+                t.dense = np.asarray(changes["values"], dtype="<f4" if field == "weights" else "<i8").tobytes()
+            if "shape" in changes:
+                del t.shape[:]
+                t.shape.extend(changes["shape"])
+            if "dtype" in changes:
+                t.dtype = changes["dtype"]
+            if "raw" in changes:
+                t.dense = changes["raw"]
+            if "csr" in changes:
+                shape, values, crow, col = changes["csr"]
+                t.ClearField("dense")
+                del t.shape[:]
+                t.shape.extend(shape)
+                t.sparse_csr.values = np.asarray(values, dtype="<i8").tobytes()
+                t.sparse_csr.crow_indices = np.asarray(crow, dtype="<i8").tobytes()
+                t.sparse_csr.col_indices = np.asarray(col, dtype="<i8").tobytes()
+            return msg
+
+        return edit
+
+    def config(key: str, value: Any) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            if isinstance(value, str):
+                msg.loss_fn_config_v2[key].text = value
+            else:
+                msg.loss_fn_config[key] = value
+                msg.loss_fn_config_v2[key].number = value
+            return msg
+
+        return edit
+
+    def tokens(raw: bytes) -> Callable[[Any], Any]:
+        def edit(msg: Any) -> Any:
+            msg.data[0].model_input[0].encoded_text.tokens = raw
+            return msg
+
+        return edit
+
+    def image(msg: Any) -> Any:
+        msg.data[0].model_input.add().image.data = b"\x89PNG"
+        return msg
+
+    cases: dict[str, Callable[[Any], Any]] = {
+        "garbage body": lambda msg: b"\xff\x00garbage",
+        "no data": lambda msg: (msg.ClearField("data"), msg)[1],
+        "image chunk": image,
+        "odd token bytes": tokens(b"\x01\x02\x03"),
+        "negative token": tokens(np.asarray([5, -1], dtype="<i4").tobytes()),
+        "token 2**31-1": tokens(np.asarray([5, 2**31 - 1], dtype="<i4").tobytes()),
+    }
+    cases |= {f"seq_id={v}": setf("seq_id", v) for v in (0, -1, -(2**31), 2**31 - 1)}
+    for v in ("", "\x00", "x" * 100_000, "é", "0-0-0:train:0"):
+        cases[f"model_id={v!r:.20}"] = setf("model_id", v)
+    for v in ("", "\x00", "x" * 100_000, "nope", "stable_reinforce", "../cross_entropy"):
+        cases[f"loss_fn={v!r:.20}"] = setf("loss_fn", v)
+    for v in (nan, inf, -inf, 5e-324, 1e308, "text"):
+        cases[f"loss_fn_config={v!r}"] = config("clip_low_threshold", v)
+    cases["loss_fn_config unknown key"] = config("x" * 1000, 1.0)
+    for v in (nan, inf, -inf, 1e-45, 3e38, -1e30):
+        cases[f"weights={v!r}"] = tensor("weights", values=[1.0, v])
+    for v in (-1, 2**31 - 1, 2**62):
+        cases[f"target_tokens={v}"] = tensor("target_tokens", values=[6, v])
+    for v in (0, 3, 4, 99):
+        cases[f"weights dtype={v}"] = tensor("weights", dtype=v)
+    for shape in ([5], [-1, -2], [2**40], [0], [1, 2, 1, 1], [-2, -1]):
+        cases[f"weights shape={shape}"] = tensor("weights", shape=shape)
+    cases["weights odd bytes"] = tensor("weights", raw=b"\x00" * 7)
+    for shape in ([2**31, 2**31], [2**20, 2**20], [-1, 2], [2, -1], [2], [2, 1, 1]):
+        cases[f"target csr shape={shape}"] = tensor("target_tokens", csr=(shape, [6, 7], [0, 1, 2], [0, 0]))
+    cases["target csr bad indices"] = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 5, 2], [0, 9]))
+    cases["target csr negative col"] = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 1, 2], [0, -3]))
+    cases["target csr repeated cell"] = tensor("target_tokens", csr=([2, 2], [6, 7], [0, 2, 2], [1, 1]))
+
+    def odd_values(msg: Any) -> Any:
+        msg = tensor("target_tokens", csr=([2, 1], [6, 7], [0, 1, 2], [0, 0]))(msg)
+        msg.data[0].loss_fn_inputs["target_tokens"].sparse_csr.values = b"\x00" * 15
+        return msg
+
+    cases["target csr odd value bytes"] = odd_values
+    return cases
+
+
+def test_forward_backward_protobuf_at_its_edges(server: Server) -> None:
+    """Every field of the protobuf forward_backward (the SDK's hot path, which the JSON fuzz does not reach) at its
+    edges, sent raw (and zstd-compressed): never a 5xx or a hang; a refusal is a 4xx naming the field that changes
+    nothing but the op's turn, and the model's next op runs."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from asyncsess.serve import tinker_proto
+    from asyncsess.types import Datum, ModelInput
+
+    w = _open(server, API_KEY)
+    good = Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]})
+    problems: list[str] = []
+
+    def fb(model: str, seq: int) -> bytes:
+        return tinker_proto.encode_forward_backward(model, seq, [good], "cross_entropy")
+
+    def send(body: bytes, zstd: bool = False) -> httpx.Response:
+        headers = {"Content-Type": "application/x-protobuf"} | ({"Content-Encoding": "zstd"} if zstd else {})
+        return w.http.post("/api/v1/forward_backward", content=tinker_proto.compress(body) if zstd else body, headers=headers)
+
+    for zstd in (False, True):
+        for name, edit in _fb_cases().items():
+            model = w.new_model()
+            msg = pb.ForwardBackwardRequest()
+            msg.ParseFromString(fb(model, 1))
+            body = edit(msg)
+            raw = body if isinstance(body, bytes) else body.SerializeToString()
+            before = _state(server)
+            try:
+                resp = send(raw, zstd)
+            except httpx.TransportError as err:  # the server dropped the connection: an unhandled error
+                problems.append(f"no answer: {name}{' (zstd)' if zstd else ''}: {err!r}")
+                continue
+            case = f"{name}{' (zstd)' if zstd else ''}: {resp.status_code} {resp.text[:300]}"
+            if resp.status_code >= 500:
+                problems.append(f"5xx: {case}")
+                continue
+            turn_used = True
+            if resp.status_code >= 400:
+                answer = resp.json()
+                if not answer.get("field"):
+                    problems.append(f"names no field: {case}")
+                if len(resp.content) > 8192:
+                    problems.append(f"a {len(resp.content)}-byte refusal: {case}")
+                if _state(server) != before:
+                    problems.append(f"a refusal changed the door's state {before} -> {_state(server)}: {case}")
+                turn_used = answer.get("field") not in ("body", "model_id", "seq_id", "Content-Encoding")
+            else:
+                got = w.result(resp)
+                if isinstance(got, dict) and "error" in got:
+                    problems.append(f"accepted, then failed when run: {case} -> {str(got)[:300]}")
+            probe = w.result(send(fb(model, 2 if turn_used else 1)))
+            if isinstance(probe, dict) and "error" in probe:
+                problems.append(f"the model's next op failed: {case} -> {str(probe)[:300]}")
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+PATH_EDGES = ["%00", "%ED%A0%80", "%FF", "..", "..%2F..%2Fetc", "a%2F..%2F..", "x" * 4000, "%C3%A9", "0-0-0:train:0", " ", "%20%0A"]
+QUERY_EDGES = ["-1", "0", str(2**63), str(2**64), "1e3", "NaN", "abc", "", "%00", "1.5"]
+
+
+def test_rest_routes_with_edge_ids_and_pages(server: Server) -> None:
+    """The REST routes take ids in the URL path and pages in the query, which the JSON fuzz does not reach: each edge
+    value (NUL, bad UTF-8, climbing paths, 4,000 characters, another run's id) in each path parameter, and each
+    edge value of limit / offset, is a 4xx naming a field or a 2xx, never a 5xx or a dropped connection, and
+    changes nothing."""
+    w = _open(server, API_KEY)
+    ck = w.state.split("/", 3)[3]  # "weights/base"
+    templates = [
+        ("GET", "/training_runs/{m}", None),
+        ("GET", "/training_runs/{m}/checkpoints", None),
+        ("PUT", "/training_runs/{m}/checkpoints/{c}/ttl", {"ttl_seconds": 3600}),
+        ("POST", "/training_runs/{m}/checkpoints/{c}/publish", None),
+        ("DELETE", "/training_runs/{m}/checkpoints/{c}/publish", None),
+        ("DELETE", "/training_runs/{m}/checkpoints/{c}", None),
+        ("GET", "/sessions/{s}", None),
+        ("PUT", "/sessions/{s}/project", {"project_id": "p"}),
+        ("POST", "/sessions/{s}/finish", {"reason": {"type": "success"}}),
+        ("GET", "/samplers/{s}", None),
+    ]
+    problems: list[str] = []
+
+    def call(method: str, path: str, body: Any) -> None:
+        before = _state(server)
+        try:
+            resp = w.http.request(method, f"/api/v1{path}", json=body)
+        except httpx.TransportError as err:
+            problems.append(f"no answer: {method} {path[:80]}: {err!r}")
+            return
+        case = f"{method} {path[:80]}: {resp.status_code} {resp.text[:200]}"
+        if resp.status_code >= 500:
+            problems.append(f"5xx: {case}")
+        elif resp.status_code >= 400:
+            try:
+                named = resp.json().get("field")
+            except ValueError:
+                named = None
+            if not named:
+                problems.append(f"names no field: {case}")
+            if _state(server) != before:
+                problems.append(f"a refusal changed the door's state: {case}")
+
+    for method, template, body in templates:
+        for edge in PATH_EDGES:
+            for key in ("m", "c", "s"):
+                if "{" + key + "}" not in template:
+                    continue
+                ids = {"m": w.model, "c": ck, "s": w.session if "sessions" in template else w.sampler} | {key: edge}
+                call(method, template.format(**ids), body)
+    for route in ("/training_runs", "/checkpoints", "/sessions"):
+        for param in ("limit", "offset"):
+            for edge in QUERY_EDGES:
+                call("GET", f"{route}?{param}={edge}", None)
+    # the tenant's objects are as they were: its session open, its checkpoint listed and private, its model trains
+    assert w.post("session_heartbeat", {"session_id": w.session}).status_code == 200
+    assert [c["public"] for c in w.http.get(f"/api/v1/training_runs/{w.model}/checkpoints").json()["checkpoints"]] == [False]
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+def test_finish_takes_tinkers_reasons_only(server: Server) -> None:
+    """sessions/{id}/finish took any reason and detail (a list, a number, 100,000 characters, a lone surrogate) and
+    finished the session with it: such a session then had no status in searches, as if the server had expired it.
+    Now a reason other than Tinker's three, or a detail that is not clean text of at most 65,536 characters, is a 400
+    naming the field and the session stays open; the SDK's own reasons finish it."""
+    w = _open(server, API_KEY)
+    problems: list[str] = []
+    for key in ("reason", "detail"):
+        for value in EDGES:
+            session = w.post("create_session", {"tags": [], "sdk_version": "fuzz"}).json()["session_id"]
+            body = _with({"reason": {"type": "errored"}, "detail": "boom"}, (key,), value)
+            resp = w.post(f"sessions/{session}/finish", body)
+            case = f"{key}={value!r:.30}: {resp.status_code} {resp.text[:200]}"
+            open_now = w.post("session_heartbeat", {"session_id": session}).status_code == 200
+            if resp.status_code >= 400:
+                if resp.status_code >= 500 or resp.json().get("field") != key:
+                    problems.append(f"not a 4xx naming {key}: {case}")
+                if not open_now:
+                    problems.append(f"a refusal finished the session: {case}")
+            else:
+                valid = value in (MISSING, None) or (key == "detail" and isinstance(value, str) and len(value) <= 65536)
+                if not valid or value in ("\x00", "\ud800"):
+                    problems.append(f"finished with it: {case}")
+                if open_now:
+                    problems.append(f"answered 200 and left the session open: {case}")
+    found = w.post("sessions/search", {"limit": 200, "statuses": [{"type": "client_finished", "reasons": ["errored"]}]}).json()
+    assert len(found["sessions"]) >= 2  # the accepted ones are listed with their reason
+    assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} in all)"
+
+
+def test_the_seq_id_window_runs_from_the_first_missing_request_not_the_last_run(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that pipelines its requests (sends them all, in order, before any has run) is never refused: the
+    window starts at the first seq_id not received, however far behind the backend runs."""
+    import threading
+
+    import anyio
+
+    w = _open(server, API_KEY)
+    model = w.new_model()
+    backend_id = server.door.models[model].backend_id
+    gate = threading.Event()
+    real = server.backend.execute_training
+
+    async def held(session_id: str, op: Any) -> Any:
+        if session_id == backend_id:
+            await anyio.to_thread.run_sync(gate.wait)
+        return await real(session_id, op)
+
+    monkeypatch.setattr(server.backend, "execute_training", held)
+    monkeypatch.setattr(server.door, "seq_window", 8)
+    try:
+        sent = [w.post("optim_step", {"model_id": model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}}) for seq in range(1, 21)]
+        assert [r.status_code for r in sent] == [200] * 20  # 20 queued, none run: all within the window
+        assert server.door.models[model].sequencer.next_seq == 1
+        far = w.post("optim_step", {"model_id": model, "seq_id": 29, "adam_params": {"learning_rate": 0.01}})
+        assert far.status_code == 400 and far.json()["field"] == "seq_id"  # 8 past the first missing one (21)
+    finally:
+        gate.set()
+    assert all("error" not in w.result(r) for r in sent)
+
+
+def test_a_released_sampler_is_410_to_its_owner_and_404_to_another_key(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _open(server, API_KEY), _open(server, OTHER_KEY)
+    monkeypatch.setattr(server.door, "max_samplers", 1)
+    ids = []
+    for turn in (2, 3):  # two refreshes: the first sampler is released when the second opens
+        body = {"model_id": a.model, "seq_id": turn, "sampling_session_seq_id": 500 + turn}
+        ids.append(a.result(a.post("save_weights_for_sampler", body))["sampling_session_id"])
+    assert ids[0] not in server.door.samplers and ids[1] in server.door.samplers
+    mine, theirs = a.http.get(f"/api/v1/samplers/{ids[0]}"), b.http.get(f"/api/v1/samplers/{ids[0]}")
+    never = b.http.get(f"/api/v1/samplers/{ids[0].split(':')[0]}:sample:99999")
+    assert mine.status_code == 410 and "released" in mine.json()["error"]
+    assert theirs.status_code == never.status_code == 404 and theirs.json()["field"] == never.json()["field"]

@@ -47,7 +47,9 @@ class Sequencer(Generic[R]):
     ``run`` gets the object ``execute`` was given: an op record for a backend, any :class:`Sequenced` for a door.
 
     - An op that arrives early waits for its predecessors (at most ``gap_timeout`` seconds, then it
-      fails with a retryable error and the slot is freed so a retry can wait again).
+      fails with a retryable error and the slot is freed so a retry can wait again). With ``skip_gaps``
+      (a server whose clients never re-send a number they gave up on, as Tinker's SDK) it runs instead, and the
+      numbers that never arrived are void: their turn passes, and :attr:`skipped` lists them.
     - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running.
     - The same ``seq`` with another key is a :class:`ConflictError`, and so is a re-delivery of an op
       more than ``keep_results`` ops old (its result is no longer kept).
@@ -60,7 +62,13 @@ class Sequencer(Generic[R]):
     """
 
     def __init__(
-        self, run: Callable[[Any], Awaitable[R]], *, first_seq: int = 1, gap_timeout: float = 60.0, keep_results: int = 1024
+        self,
+        run: Callable[[Any], Awaitable[R]],
+        *,
+        first_seq: int = 1,
+        gap_timeout: float = 60.0,
+        keep_results: int = 1024,
+        skip_gaps: bool = False,
     ) -> None:
         self._run = run
         self._next = first_seq
@@ -71,6 +79,8 @@ class Sequencer(Generic[R]):
         self._poison: tuple[int, BaseException] | None = None
         self._void: set[int] = set()  # refused seqs ahead of the next one: their turn passes without running anything
         self._stopped: str | None = None
+        self._skip_gaps = skip_gaps
+        self.skipped: set[int] = set()  # seqs voided by skip_gaps (the last keep_results of them)
         self.applied: list[int] = []  # seqs actually executed, in order (for tests and logs)
 
     @property
@@ -160,26 +170,38 @@ class Sequencer(Generic[R]):
         raise error
 
     async def _wait_turn(self, op: Sequenced) -> None:
-        if op.seq == self._next:
-            return
-        ev = self._turn.setdefault(op.seq, anyio.Event())
-        with anyio.move_on_after(self._gap_timeout) as scope:
-            await ev.wait()
-        self._turn.pop(op.seq, None)
-        if self._stopped is not None:
-            raise SessionGoneError(f"session {self._stopped}", operation=op.kind, seq=op.seq)
-        if scope.cancelled_caught:
-            raise TransientError(
-                f"ops {self._next}..{op.seq - 1} never arrived (waited {self._gap_timeout:g}s)", operation=op.kind, seq=op.seq
-            )
+        while op.seq != self._next:
+            ev = self._turn.setdefault(op.seq, anyio.Event())
+            with anyio.move_on_after(self._gap_timeout) as scope:
+                await ev.wait()
+            self._turn.pop(op.seq, None)
+            if self._stopped is not None:
+                raise SessionGoneError(f"session {self._stopped}", operation=op.kind, seq=op.seq)
+            if scope.cancelled_caught and not self._skip_gaps:
+                raise TransientError(
+                    f"ops {self._next}..{op.seq - 1} never arrived (waited {self._gap_timeout:g}s)", operation=op.kind, seq=op.seq
+                )
+            if scope.cancelled_caught:
+                self._skip_missing(op.seq)
 
-    def _advance(self) -> None:
-        self._slots.pop(self._next - self._keep, None)
-        self._next += 1
+    def _skip_missing(self, seq: int) -> None:
+        """Void the numbers before ``seq`` that never arrived (those that did keep their turn), then advance past them."""
+        missing = [s for s in range(self._next, seq) if s not in self._slots and s not in self._void]
+        self._void.update(missing)
+        self.skipped.update(missing)
+        self.skipped -= {s for s in self.skipped if s < self._next - self._keep}
         if self._next in self._void:
             self._void.discard(self._next)
             self._advance()
-            return
+
+    def _advance(self) -> None:
+        """Move past the current number and every void one after it; wake the op whose turn it is."""
+        while True:
+            self._slots.pop(self._next - self._keep, None)
+            self._next += 1
+            if self._next not in self._void:
+                break
+            self._void.discard(self._next)
         ev = self._turn.get(self._next)
         if ev is not None:
             ev.set()

@@ -8,7 +8,7 @@ import os
 import typer
 
 from .body_limit import MAX_BODY_BYTES
-from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 
 __all__ = ["finite", "serve"]
 
@@ -41,6 +41,12 @@ def serve(
         help="Seconds without a heartbeat (the tinker SDK sends one every 10 s) before a session expires: its models and "
         "samplers are stopped on the backend and its futures dropped; 0 = never.",
     ),
+    max_samplers: int = typer.Option(
+        MAX_SAMPLERS,
+        min=1,
+        help="Samplers one session keeps open on the backend; past it the least recently used idle one is closed (one on "
+        "a saved path or base weights reopens on its next sample; one from save_weights_and_get_sampling_client answers 410).",
+    ),
     max_body_mb: float = typer.Option(
         MAX_BODY_BYTES / 2**20, min=0.001, max=2**20, callback=finite, help="Largest request body in MiB; a larger one gets a 413."
     ),
@@ -64,5 +70,6 @@ def serve(
         poll_timeout=poll_timeout,
         session_timeout=session_timeout,
         max_body_bytes=int(max_body_mb * 2**20),
+        max_samplers=max_samplers,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

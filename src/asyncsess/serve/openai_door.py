@@ -44,7 +44,7 @@ class OpenAIDoor:
         self.max_capture_tokens = max_capture_tokens
         self.max_n, self.max_tokens = max_n, max_tokens
         self._svc: ServiceClient | None = None
-        self._fronts: dict[tuple[str | None, str], OpenAIFront] = {}
+        self._fronts: dict[tuple[str | None, str], tuple[str, OpenAIFront]] = {}  # (key, model) -> (backend id, front)
         self._captures: dict[str | None, CaptureStore] = {}
         self._opened: dict[str, tuple[str, str, int]] = {}  # base model / tinker path -> (backend id, base model, version)
         self._lock = anyio.Lock()
@@ -86,13 +86,23 @@ class OpenAIDoor:
             s = self.door.samplers.get(model)
             s = s if s is not None and self.door.owns(s.session_id) else None
             ck = self.door.visible_checkpoint(model)
+            released = self.door.released(model)
         finally:
             caller.reset(token)
+        if released is not None:
+            self._fronts.pop((key, model), None)
+            raise FrontError(released, "model", status=410, code="model_gone")
         if s is not None:
             if self.door.sessions[s.session_id].finished is not None:
                 self._fronts.pop((key, model), None)
                 raise FrontError(f"{model} was stopped: its session is finished", "model", status=410, code="model_gone")
-            backend_id, base_model, version = s.backend_id, s.base_model, s.version
+            self.door.touch(s)  # in use: the last the door closes to bound the session's samplers
+            s.busy += 1
+            try:
+                backend_id = await self.door.live_backend_id(s)  # reopened if the door closed it
+            finally:
+                s.busy -= 1
+            base_model, version = s.base_model, s.version
         elif ck is not None:
             if ck.kind != "sampler":
                 raise FrontError(
@@ -104,7 +114,8 @@ class OpenAIDoor:
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
             raise model_not_found(model)
-        front = self._fronts.get((key, model))
+        cached = self._fronts.get((key, model))
+        front = cached[1] if cached is not None and cached[0] == backend_id else None  # a reopened sampler has a new id
         if front is None:
             assert self._svc is not None, "OpenAIDoor.running() is not active"
             context = (await self._base_models()).get(base_model)
@@ -119,7 +130,7 @@ class OpenAIDoor:
                 context_window=context,
                 sampler_name=model,
             )
-            self._fronts[(key, model)] = front
+            self._fronts[(key, model)] = (backend_id, front)
         return front
 
     async def models(self, key: str | None) -> list[str]:

@@ -18,12 +18,14 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -67,10 +69,11 @@ from ..validation import (
     coerce_adam_params,
     coerce_prompt,
     coerce_sampling_params,
+    is_checkpoint_name,
 )
 from . import tinker_proto
 from .body_limit import MAX_BODY_BYTES, BodyLimit
-from .defaults import POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
@@ -80,11 +83,20 @@ T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 MAX_TEXT = 1024  # characters of a display_name or project_id
+MAX_DETAIL = 65536  # characters of a finish detail (the SDK sends an error's text)
+FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSessionFinishReason
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
-EXPIRED = {"type": "expired"}
+SEQ_WINDOW = KEEP_SEQS  # how far past a model's first missing seq_id a request may be (the SDK's: a few chunks at most)
+KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
+EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
+RELEASED_FIX = (
+    "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
+    "open); for weights that stay, save_weights_for_sampler(name) and create_sampling_client(model_path)"
+)
 # forward_backward bodies up to this size (bytes, decompressed) are decoded, checked and answered on the event loop: there
 # ~1 ms of codec costs less than a thread hop, which under load waits up to the GIL switch interval (5 ms) per hop
-INLINE_BYTES = 64 * 1024  # the finish reason of a session the server expired
+INLINE_BYTES = 64 * 1024
+INLINE_SPARSE = 1 << 18  # cells the sparse tensors of a body decoded on the event loop may expand to (else: in a thread)
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
 # request id is "not found", exactly as an id that never existed.
@@ -155,17 +167,33 @@ class _Model:
     checkpoints: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
     trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
+    frontier: int = 1  # its first seq_id not received yet: every one before it arrived (or ran, or was skipped)
+
+    def arrived(self) -> int:
+        """Move :attr:`frontier` past the seq_ids received; returns it."""
+        self.frontier = max(self.frontier, self.sequencer.next_seq)
+        while self.frontier in self.thunks or self.frontier in self.submitted:
+            self.frontier += 1
+        return self.frontier
 
 
 @dataclass
 class _Sampler:
+    """A sampling session. ``backend_id`` None: closed on the backend to bound the session's open samplers; one with
+    a ``spec`` (base weights or a saved path) reopens on its next sample, an ephemeral one (no ``spec``) is released."""
+
     id: str
-    backend_id: str
+    backend_id: str | None
     base_model: str
     model_path: str | None
     session_id: str = ""
     version: int = 0  # the optimizer step of the weights it samples (0: base weights)
     ids: dict[int, tuple[str, Promise]] = field(default_factory=dict)
+    spec: SamplerSpec | None = None  # how to reopen it; None: an ephemeral snapshot's sampler, which cannot be
+    backend_path: str | None = None  # an ephemeral one's snapshot path on the backend
+    used: int = 0  # when it was last opened or sampled (a tick of the door's clock): the least recent is closed first
+    busy: int = 0  # samples accepted and not finished: a busy sampler is never closed
+    lock: anyio.Lock = field(default_factory=anyio.Lock)  # one reopen at a time
 
 
 @dataclass(frozen=True)
@@ -261,11 +289,22 @@ class TinkerDoor:
     """Tinker's sessions, models, samplers, checkpoints and promises over one asyncsess backend."""
 
     def __init__(
-        self, backend: Backend, *, poll_timeout: float = POLL_TIMEOUT, gap_timeout: float = 300.0, session_timeout: float = SESSION_TIMEOUT
+        self,
+        backend: Backend,
+        *,
+        poll_timeout: float = POLL_TIMEOUT,
+        gap_timeout: float = 300.0,
+        session_timeout: float = SESSION_TIMEOUT,
+        max_samplers: int = MAX_SAMPLERS,
     ) -> None:
         self.backend = backend
+        self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
         self.poll_timeout = poll_timeout
         self.gap_timeout = gap_timeout
+        # the SDK never re-sends a seq_id it gave up on (its turn counter moves on): after gap_timeout a model's
+        # queue goes on without it, rather than failing every later request (False: fail them, for tests of the turns)
+        self.skip_gaps = True
+        self.seq_window = SEQ_WINDOW
         self.session_timeout = session_timeout  # 0: sessions never expire
         self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
@@ -281,6 +320,8 @@ class TinkerDoor:
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
         self._limits: dict[str, _Limits] = {}
+        self._clock = itertools.count(1)
+        self._released: OrderedDict[str, str] = OrderedDict()  # released ephemeral sampler id -> why
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -302,8 +343,9 @@ class TinkerDoor:
                     with contextlib.suppress(Exception):
                         await self.backend.stop_session(m.backend_id)
                 for s in list(self.samplers.values()):
-                    with contextlib.suppress(Exception):
-                        await self.backend.stop_session(s.backend_id)
+                    if s.backend_id is not None:
+                        with contextlib.suppress(Exception):
+                            await self.backend.stop_session(s.backend_id)
                 await self.backend.aclose()
 
     # ------------------------------------------------------------------------------- plumbing
@@ -364,8 +406,10 @@ class TinkerDoor:
             with contextlib.suppress(Exception):
                 await self.backend.stop_session(self.models[mid].backend_id)
         for sid in s.samplers:
-            with contextlib.suppress(Exception):
-                await self.backend.stop_session(self.samplers[sid].backend_id)
+            backend_id = self.samplers[sid].backend_id
+            if backend_id is not None:
+                with contextlib.suppress(Exception):
+                    await self.backend.stop_session(backend_id)
 
     def _gone(self, s: _Session) -> ApiError:
         """410 for a request naming a finished or expired session (the SDK's heartbeat loop stops on 410)."""
@@ -407,6 +451,10 @@ class TinkerDoor:
 
     def sampler(self, sampling_session_id: str, *, live: bool = False) -> _Sampler:
         s = self.samplers.get(sampling_session_id)
+        if s is None and self.released(sampling_session_id) is not None:
+            raise ApiError(
+                410, self.released(sampling_session_id) or "", field="sampling_session_id", fix=RELEASED_FIX.format(self.max_samplers)
+            )
         if s is None or not self.owns(s.session_id):
             raise _not_found("sampling_session_id", sampling_session_id, "create_sampling_session first")
         if live:
@@ -497,8 +545,15 @@ class TinkerDoor:
         s = self.sessions.get(session_id) if self.owns(session_id) else None
         if s is None:
             raise _not_found("session_id", session_id, "use an id from create_session")
+        reason, detail = body.get("reason"), body.get("detail")
+        if reason is not None and not (isinstance(reason, dict) and set(reason) == {"type"} and reason["type"] in FINISH_REASONS):
+            raise ApiError(400, f"got {reason!r:.60}", field="reason", fix='send {"type": "success"}, "errored" or "interrupted"')
+        if detail is not None and (not isinstance(detail, str) or len(detail) > MAX_DETAIL):
+            raise ApiError(400, f"expected text of at most {MAX_DETAIL} characters", field="detail")
+        if detail:
+            _str(body, "detail")  # no NUL, no lone surrogate
         if s.finished is None:
-            s.finished = {"reason": body.get("reason"), "detail": body.get("detail"), "time": time.time()}
+            s.finished = {"reason": reason, "detail": detail, "time": time.time()}
             await self._release(s, "finished")
         return {"session_id": session_id, "status": "finished"}
 
@@ -510,7 +565,7 @@ class TinkerDoor:
         async def run(turn: _Turn) -> Any:
             return await m.thunks.pop(turn.seq)()
 
-        m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout)
+        m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout, skip_gaps=self.skip_gaps)
         self.models[model_id] = m
         self._backend_models[backend_id] = model_id
         session.models.append(model_id)
@@ -608,6 +663,13 @@ class TinkerDoor:
         """Queue one request of model ``m`` at ``seq``; ``make`` validates (raising ApiError) and returns the op."""
         if seq < 1:
             raise ApiError(400, f"seq_id={seq}", field="seq_id", fix="seq_id starts at 1 for each model")
+        if seq >= m.arrived() + self.seq_window:  # it would hold a promise open for requests that never come
+            raise ApiError(
+                400,
+                f"seq_id={seq} is {seq - m.frontier} past the model's first missing one ({m.frontier})",
+                field="seq_id",
+                fix=f"number a model's requests 1, 2, 3, ...: at most {self.seq_window - 1} past the first not sent yet",
+            )
         digest = _hash(body)
         earlier = m.submitted.get(seq)
         if earlier is not None:
@@ -616,6 +678,14 @@ class TinkerDoor:
                     409, f"seq_id {seq} of {m.id} was already used for another request", field="seq_id", fix="use a fresh seq_id"
                 )
             return earlier[1]
+        if seq in m.sequencer.skipped:
+            raise ApiError(
+                400,
+                f"seq_id {seq} of {m.id} came after the model's queue went on without it (its later requests waited "
+                f"{self.gap_timeout:g} s for it)",
+                field="seq_id",
+                fix="send a model's requests in seq_id order, without gaps",
+            )
         if seq < m.sequencer.next_seq:
             raise ApiError(409, f"seq_id {seq} is older than the model's queue ({m.sequencer.next_seq})", field="seq_id")
         m.last_request = time.time()
@@ -666,12 +736,16 @@ class TinkerDoor:
         size = tinker_proto.decompressed_size(raw) if encoding == "zstd" else len(raw)
         off_loop = _inline if size is not None and size <= self.inline_bytes else anyio.to_thread.run_sync
 
-        def decode() -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
+        def decode(sparse: int = tinker_proto.MAX_SPARSE_VALUES) -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
             body = tinker_proto.decompress(raw) if encoding == "zstd" else raw
-            return body, tinker_proto.decode_forward_backward(body)
+            return body, tinker_proto.decode_forward_backward(body, sparse)
 
         try:
-            raw, wire = await off_loop(decode)
+            try:
+                raw, wire = await off_loop(decode, INLINE_SPARSE if off_loop is _inline else tinker_proto.MAX_SPARSE_VALUES)
+            except tinker_proto.SparseTooLarge:  # a small body whose sparse tensors expand to more than the loop should hold
+                off_loop = anyio.to_thread.run_sync
+                raw, wire = await off_loop(decode)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
@@ -818,8 +892,9 @@ class TinkerDoor:
                     ck = self._record(m, resp, op, "sampler_weights", "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
+                m.names.discard(f"sampler_weights/{name}")  # never listed: its seq_id keeps it unique
                 sid = f"{m.session_id}:sample:{ephemeral_seq}"
-                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step)
+                await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step, ephemeral=True)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return go
@@ -910,16 +985,80 @@ class TinkerDoor:
     # ------------------------------------------------------------------------------- sampling
 
     async def _open_sampler(
-        self, sid: str, session: _Session, base_model: str | None, path: str | None, backend_path: str | None, version: int = 0
+        self,
+        sid: str,
+        session: _Session,
+        base_model: str | None,
+        path: str | None,
+        backend_path: str | None,
+        version: int = 0,
+        *,
+        ephemeral: bool = False,
     ) -> _Sampler:
-        backend_id = await self.backend.create_sampler(
-            SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
-        )
+        spec = SamplerSpec(base_model=None if backend_path else base_model, model_path=backend_path)
+        backend_id = await self.backend.create_sampler(spec)
         await self._adopt(session, backend_id)
-        s = _Sampler(sid, backend_id, base_model or "", path, session.id, version)
+        s = _Sampler(sid, backend_id, base_model or "", path, session.id, version, used=next(self._clock))
+        if ephemeral:
+            s.backend_path = backend_path
+        else:
+            s.spec = spec
         self.samplers[sid] = s
         session.samplers.append(sid)
+        await self._bound(session)
         return s
+
+    async def _bound(self, session: _Session) -> None:
+        """Keep at most ``max_samplers`` of the session's samplers open on the backend: close the least recently used
+        idle ones past it. One on base weights or a saved path reopens on its next sample; an ephemeral one
+        (``save_weights_and_get_sampling_client``) holds a snapshot nothing else can reopen, so it is released and
+        its id answers 410 from then on. An RL loop that refreshes its sampler every step stays bounded; the
+        samplers it still uses (rollouts of the last few steps) are the most recently used and stay open."""
+        open_now = [self.samplers[sid] for sid in session.samplers if self.samplers[sid].backend_id is not None]
+        idle = sorted((s for s in open_now if not s.busy), key=lambda s: s.used)
+        closing: list[str] = []
+        for s in idle[: max(0, len(open_now) - self.max_samplers)]:  # all state changes first, then the awaits
+            assert s.backend_id is not None
+            closing.append(s.backend_id)
+            s.backend_id = None
+            s.ids.clear()  # its re-send records (and their results) go with it
+            if s.spec is None:
+                del self.samplers[s.id]
+                session.samplers.remove(s.id)
+                if s.backend_path is not None:
+                    self._backend_paths.pop(s.backend_path, None)
+                self._released[s.id] = (
+                    f"sampler {s.id} was released: its session opened {self.max_samplers} samplers used more recently, "
+                    "and its snapshot weights (from save_weights_and_get_sampling_client) went with it"
+                )
+                while len(self._released) > KEEP_RELEASED:
+                    self._released.popitem(last=False)
+        for backend_id in closing:
+            with contextlib.suppress(Exception):
+                await self.backend.stop_session(backend_id)
+
+    def released(self, sampling_session_id: str) -> str | None:
+        """Why the caller's ephemeral sampler ``sampling_session_id`` was released (None: it was not, or not theirs)."""
+        why = self._released.get(sampling_session_id)
+        return why if why is not None and self.owns(sampling_session_id.split(":", 1)[0]) else None
+
+    def touch(self, s: _Sampler) -> None:
+        """``s`` is being used now: it is the last of its session's samplers that :meth:`_bound` closes."""
+        s.used = next(self._clock)
+
+    async def live_backend_id(self, s: _Sampler) -> str:
+        """``s``'s sampler on the backend, reopened if :meth:`_bound` closed it (the caller holds ``s.busy``)."""
+        async with s.lock:
+            if s.backend_id is None:
+                if s.spec is None:
+                    raise SessionGoneError(self.released(s.id) or f"sampler {s.id} was released")
+                session = self.sessions[s.session_id]
+                backend_id = await self.backend.create_sampler(s.spec)
+                await self._adopt(session, backend_id)
+                s.backend_id = backend_id
+                await self._bound(session)
+        assert s.backend_id is not None
+        return s.backend_id
 
     async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         session = self._session(_str(body, "session_id"))
@@ -972,13 +1111,27 @@ class TinkerDoor:
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         want_prompt = _flag(body, "prompt_logprobs")
+        if s.backend_id is None and s.model_path is not None and s.model_path.startswith("tinker://"):
+            if self.visible_checkpoint(s.model_path) is None:  # closed to bound the session's samplers; cannot reopen
+                raise ApiError(
+                    410,
+                    f"sampler {s.id} was closed and its checkpoint {s.model_path!r:.200} is gone (deleted, expired or unpublished)",
+                    field="sampling_session_id",
+                    fix="create a sampling client on a checkpoint that exists",
+                )
         promise = self.promises.new("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
         request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
 
+        s.busy += 1  # not closed while this sample runs
+        self.touch(s)
+
         async def work() -> Callable[[Promise], None]:
-            resp: SampleResponse = await self.backend.sample(s.backend_id, request)
+            try:
+                resp: SampleResponse = await self.backend.sample(await self.live_backend_id(s), request)
+            finally:
+                s.busy -= 1
             request.check_extras(resp)
             if last_n is not None:  # the prompt rows before the last n are not scored (log-probs and top-k alike)
                 resp.prompt_logprobs = _keep_tail(resp.prompt_logprobs, last_n)
@@ -1313,8 +1466,10 @@ def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
 def _name(path: Any, default: str) -> str:
     if path is None:
         return default
-    if not isinstance(path, str) or not path or len(path) > 128 or not all(c.isalnum() or c in "._-" for c in path) or not path.isascii():
-        raise ApiError(400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -")
+    if not is_checkpoint_name(path):  # one rule for every backend ("." and ".." name directories on disk)
+        raise ApiError(
+            400, f"bad checkpoint name {path!r:.60}", field="path", fix="use 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
     return path
 
 
@@ -1524,6 +1679,7 @@ def create_app(
     poll_timeout: float = POLL_TIMEOUT,
     session_timeout: float = SESSION_TIMEOUT,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_samplers: int = MAX_SAMPLERS,
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
@@ -1544,7 +1700,7 @@ def create_app(
         path = str(scope.get("path", ""))
         return refusal(path, 413, "the request body is too large", "body", f"send at most {max_body_bytes} bytes", "body_too_large")
 
-    door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout)
+    door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout, max_samplers=max_samplers)
     oai = OpenAIDoor(door)
 
     @contextlib.asynccontextmanager

@@ -43,6 +43,11 @@ _NAME_OF = {1: "float32", 2: "int64", 3: "int64"}
 
 
 MAX_BODY = 1 << 29  # 512 MiB decompressed; the SDK sends <= ~5 MB per chunk
+MAX_SPARSE_VALUES = 1 << 24  # cells the sparse (CSR) tensors of one request may expand to (a few bytes of shape asked for terabytes)
+
+
+class SparseTooLarge(InvalidInputError):
+    """The request's sparse tensors expand past the cells the decoder was allowed (see ``decode_forward_backward``)."""
 
 
 def decompress(body: bytes) -> bytes:
@@ -96,32 +101,46 @@ class ForwardBackwardWire:
         self.error = error
 
 
-def _tensor_from_pb(msg: Any, where: str) -> TensorData:
+def _buffer(raw: bytes, np_dtype: Any, where: str) -> np.ndarray[Any, Any]:
+    if len(raw) % np.dtype(np_dtype).itemsize:
+        raise InvalidInputError(f"{len(raw)} bytes is not a whole number of {np.dtype(np_dtype).name} values", field=where)
+    return np.frombuffer(raw, dtype=np_dtype)
+
+
+def _tensor_from_pb(msg: Any, where: str, sparse_left: list[int]) -> TensorData:
+    """One tensor; ``sparse_left[0]``: the cells the request's sparse tensors may still expand to (taken here)."""
     if msg.dtype not in _NP_OF:
         raise InvalidInputError(f"dtype enum {msg.dtype} is not on the public wire", field=where, fix="send float32 or int64")
     np_dtype = _NP_OF[msg.dtype]
+    shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInputError(f"shape {shape} has a negative size", field=where)
     if msg.WhichOneof("encoding") == "sparse_csr":
-        shape = list(msg.shape)
         if len(shape) != 2:
             raise InvalidInputError("a sparse CSR tensor needs a 2-D shape", field=where)
-        dense = np.zeros(shape, dtype=np_dtype)
-        values = np.frombuffer(msg.sparse_csr.values, dtype=np_dtype)
-        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype="<i8")
-        col = np.frombuffer(msg.sparse_csr.col_indices, dtype="<i8")
-        if len(crow) != shape[0] + 1 or len(col) != len(values) or (len(crow) and crow[-1] != len(values)):
+        if math.prod(shape) > sparse_left[0]:
+            raise SparseTooLarge(
+                f"sparse shape {shape} expands past the {MAX_SPARSE_VALUES} cells a request's sparse tensors may fill",
+                field=where,
+                fix="send a smaller tensor, or split the batch",
+            )
+        sparse_left[0] -= math.prod(shape)
+        values = _buffer(msg.sparse_csr.values, np_dtype, where)
+        crow = _buffer(msg.sparse_csr.crow_indices, "<i8", where)
+        col = _buffer(msg.sparse_csr.col_indices, "<i8", where)
+        if len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0):
             raise InvalidInputError("inconsistent CSR indices", field=where)
-        for r in range(shape[0]):
-            lo, hi = int(crow[r]), int(crow[r + 1])
-            if lo > hi or np.any(col[lo:hi] >= shape[1]) or np.any(col[lo:hi] < 0):
-                raise InvalidInputError("CSR column index out of range", field=where)
-            dense[r, col[lo:hi]] = values[lo:hi]
+        if np.any(col >= shape[1]) or np.any(col < 0):
+            raise InvalidInputError("CSR column index out of range", field=where)
+        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+        if len(np.unique(rows * shape[1] + col)) != len(col):
+            raise InvalidInputError("a CSR cell is listed twice", field=where, fix="list each (row, column) once")
+        dense = np.zeros(shape, dtype=np_dtype)
+        dense[rows, col] = values
         arr = dense
     else:
-        raw = msg.dense
-        if len(raw) % np_dtype.itemsize:
-            raise InvalidInputError(f"{len(raw)} bytes is not a whole number of {np_dtype.name} values", field=where)
-        arr = np.frombuffer(raw, dtype=np_dtype)
-        shape = list(msg.shape) or [arr.size]
+        arr = _buffer(msg.dense, np_dtype, where)
+        shape = shape or [arr.size]
         if math.prod(shape) != arr.size:
             raise InvalidInputError(f"shape {shape} does not hold {arr.size} values", field=where)
         arr = arr.reshape(shape)
@@ -131,9 +150,11 @@ def _tensor_from_pb(msg: Any, where: str) -> TensorData:
     return TensorData.model_construct(data=arr.ravel().tolist(), dtype=dtype, shape=list(arr.shape))
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardWire:
+def decode_forward_backward(body: bytes, max_sparse_values: int = MAX_SPARSE_VALUES) -> ForwardBackwardWire:
     """Parse a (decompressed) ``ForwardBackwardRequest``. A body that is not one raises ``InvalidInputError``; bad
-    config or data come back as the wire's ``error``, naming the field."""
+    config or data come back as the wire's ``error``, naming the field. Sparse tensors that would expand past
+    ``max_sparse_values`` cells raise :class:`SparseTooLarge` (a caller decoding on its event loop passes a small
+    budget and decodes again in a thread when it is exceeded)."""
     pb = _pb()
     msg = pb.ForwardBackwardRequest()
     try:
@@ -143,8 +164,11 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardWire:
     wire = ForwardBackwardWire(msg.model_id, msg.seq_id, msg.loss_fn, None, msg.forward_only, [])
     try:
         wire.loss_fn_config = _config_from_pb(msg)
-        wire.data = [_datum_from_pb(d, i) for i, d in enumerate(msg.data)]
+        sparse_left = [min(max_sparse_values, MAX_SPARSE_VALUES)]
+        wire.data = [_datum_from_pb(d, i, sparse_left) for i, d in enumerate(msg.data)]
     except InvalidInputError as err:
+        if isinstance(err, SparseTooLarge) and max_sparse_values < MAX_SPARSE_VALUES:
+            raise
         wire.error = err
     return wire
 
@@ -160,7 +184,7 @@ def _config_from_pb(msg: Any) -> dict[str, float] | None:
     return config or None
 
 
-def _datum_from_pb(d: Any, i: int) -> Datum:
+def _datum_from_pb(d: Any, i: int, sparse_left: list[int]) -> Datum:
     chunks = []
     for j, c in enumerate(d.model_input):
         kind = c.WhichOneof("chunk")
@@ -170,7 +194,7 @@ def _datum_from_pb(d: Any, i: int) -> Datum:
         if len(raw) % 4:
             raise InvalidInputError("token bytes are not int32", field=f"data[{i}].model_input[{j}]")
         chunks.append(EncodedTextChunk.model_construct(tokens=np.frombuffer(raw, dtype="<i4").tolist(), type="encoded_text"))
-    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]") for k, t in d.loss_fn_inputs.items()}
+    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]", sparse_left) for k, t in d.loss_fn_inputs.items()}
     return Datum.model_construct(model_input=ModelInput.model_construct(chunks=chunks), loss_fn_inputs=inputs)
 
 
