@@ -156,16 +156,14 @@ def create_app(
         so another tenant's path and a missing one get the same answer."""
         if path is None:
             return
-        if path.startswith(EPHEMERAL):
-            owner = path[len(EPHEMERAL) :].split("/", 1)[0]
-        else:
-            owner = backend.engine.store.owner(path, field)
+        store = backend.engine.store
+        owner = store.ephemeral_owner(path, field) if path.startswith(EPHEMERAL) else store.owner(path, field)
         if owners.by_id.get(owner) != key:
             raise InvalidInputError(
                 f"no checkpoint at {_show(path)} for this API key", field=field, fix="pass a path saved with this API key"
             )
         if not path.startswith(EPHEMERAL):
-            backend.engine.store.resolve(path, field)  # the key's own: now it may learn that it is missing
+            store.resolve(path, field)  # the key's own: now it may learn that it is missing
 
     # ---------------------------------------------------------------- the backend protocol
 
