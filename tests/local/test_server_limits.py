@@ -195,6 +195,26 @@ OP_CASES = [
         "loss_fn_config.clip_low_threshold",
     ),
     ({"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [{"model_input": [1]}] * 1025}, "data"),
+    *(  # a token id with a fraction, in text, or a bool was truncated or read as a number (6.5 trained on token 6)
+        (
+            {
+                "kind": "forward_backward",
+                "loss_fn": "cross_entropy",
+                "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": targets, "weights": weights}}],
+            },
+            "data[0]",
+        )
+        for targets, weights in (
+            ([2.5, 3], [1.0, 1.0]),
+            ({"data": [2.5, 3.0], "dtype": "float32", "shape": [2]}, [1.0, 1.0]),
+            ({"data": [2.5, 3.0], "dtype": "int64"}, [1.0, 1.0]),
+            (["2", "3"], [1.0, 1.0]),
+            ([True, 3], [1.0, 1.0]),
+            ([INF, 3], [1.0, 1.0]),
+            ([2, 3], ["1.0", 1.0]),
+            ([2, 3], {"data": [True, 1.0], "dtype": "float32"}),
+        )
+    ),
     *(  # sampler log-probs that are no log-probs: exp(p − q) overflowed and the step made the weights NaN
         (
             {

@@ -173,6 +173,12 @@ def test_a_snapshot_path_of_ones_own_does_not_lead_into_the_other_keys_checkpoin
         assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": path}, THEIRS), "from_path")
         assert_refused(send(c, "POST", "/v1/samplers", {"model_path": path}, THEIRS), "model_path")
     # the refusals name the snapshot path as such, and the owner's own snapshot still opens a sampler
-    r = send(c, "POST", f"/v1/sessions/{mine['sid']}/ops", _op("load_state", worker.backend.next_seq(mine["sid"]), path=mine["paths"]["ephemeral"]), MINE)
+    r = send(
+        c,
+        "POST",
+        f"/v1/sessions/{mine['sid']}/ops",
+        _op("load_state", worker.backend.next_seq(mine["sid"]), path=mine["paths"]["ephemeral"]),
+        MINE,
+    )
     assert "sampler snapshot" in assert_refused(r, "path")["message"]
     assert new_sampler(c, MINE, model_path=mine["paths"]["ephemeral"])
