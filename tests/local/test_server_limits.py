@@ -588,3 +588,21 @@ def test_the_sampler_falls_back_to_greedy_on_non_finite_probabilities():
     rows = [_Row(job=i, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     chosen = TorchSampler._choose(None, logits, rows, jobs)  # type: ignore[arg-type]
     assert chosen.tolist()[1:] == [2, 1] and 0 <= chosen[0] < 4
+
+
+def test_a_seq_and_key_resent_with_another_op_is_refused_and_a_true_retry_answered(c, worker, tiny):
+    """The worker answered an optim_step re-sent under a forward's seq and key with the forward's outputs."""
+    sid = new_session(c, tiny, MINE)
+    datum = {"model_input": [5, 6], "loss_fn_inputs": {"target_tokens": [6, 7], "weights": [1.0, 1.0]}}
+    first = {"kind": "forward", "seq": 1, "idempotency_key": "k", "loss_fn": "cross_entropy", "data": [datum]}
+    r = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
+    assert r.status_code == 200, r.text
+    for other in (
+        {"kind": "optim_step", "seq": 1, "idempotency_key": "k", "adam_params": {"learning_rate": 1e-3}},
+        {"kind": "save_state", "seq": 1, "idempotency_key": "k", "name": "x"},
+    ):
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", other, MINE), "idempotency_key")
+        assert "another op" in err["message"], err
+    again = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
+    assert again.status_code == 200 and again.json() == r.json()
+    assert worker.backend.next_seq(sid) == 2 and not worker.backend.engine.store.list(sid)  # nothing else ran
