@@ -400,7 +400,7 @@ def _whole_numbers(values: Sequence[Any]) -> list[int]:
         if isinstance(v, numbers.Integral) and not isinstance(v, bool):
             out.append(int(v))
         elif isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and float(v).is_integer():
-            out.append(int(v))
+            out.append(int(float(v)))
         else:
             raise ValueError(f"int64 data (token ids) must hold whole numbers, not {str(v)[:20]}")
     return out
