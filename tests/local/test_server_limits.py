@@ -606,3 +606,17 @@ def test_a_seq_and_key_resent_with_another_op_is_refused_and_a_true_retry_answer
     again = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
     assert again.status_code == 200 and again.json() == r.json()
     assert worker.backend.next_seq(sid) == 2 and not worker.backend.engine.store.list(sid)  # nothing else ran
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "fix"),
+    [
+        ({"kind": "save_state", "ttl_seconds": 0}, "ttl_seconds", "1..316224000"),
+        ({"kind": "save_state", "description": "d" * 2000}, "description", "1024 characters"),
+        ({"kind": "save_state", "name": "a" + "." * 127}, "name", "letters, digits"),
+    ],
+)
+def test_a_refusal_by_an_sdk_check_carries_that_checks_own_fix(c, worker, ids, extra, field, fix):
+    """These said only "see the request schema in GET /openapi.json", the real fix buried in the message."""
+    err = assert_refused(send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(worker, ids["sid"]) | extra, MINE), field)
+    assert fix in err["fix"] and "(fix:" not in err["message"].removesuffix(f" (fix: {err['fix']})"), err

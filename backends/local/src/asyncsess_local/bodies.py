@@ -284,5 +284,9 @@ def invalid_input(errors: Any) -> InvalidInputError:
             where += f"[{part}]"
         elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
             where += f".{part}" if where else str(part)
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidInputError) and cause.fix:  # an SDK check (ttl_seconds, description, ...): its own fix
+        text = cause.message.removesuffix(f" (fix: {cause.fix})")
+        return InvalidInputError(text.removeprefix(f"{cause.field}: ") if cause.field else text, field=where or "body", fix=cause.fix)
     fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
-    return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)
+    return InvalidInputError(str(first.get("msg", "invalid")).removeprefix("Value error, "), field=where or "body", fix=fix)
