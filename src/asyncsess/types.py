@@ -464,6 +464,14 @@ class SamplingParams(_Input):
     stop: str | list[str | int] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_entries(cls, v: Any) -> Any:
+        """A stop entry is a string or a token id: a bool or a float is refused, never read as token 1 or 6."""
+        if isinstance(v, (list, tuple)) and any(isinstance(s, (bool, float)) for s in v):
+            raise ValueError("a stop entry is a string or an int token id (not a bool or a float)")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str | int] | None) -> str | list[str | int] | None:

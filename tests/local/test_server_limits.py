@@ -106,6 +106,11 @@ def test_checkpoint_names_match_the_whole_pattern(c, worker, ids, name):
 
 
 SESSION_CASES = [
+    # session_options took any JSON: lone surrogates, NUL, and megabytes kept per session and echoed back
+    ({"session_options": {"x": "\ud800"}}, "session_options"),
+    ({"session_options": {"x": {"a\x00": 1}}}, "session_options"),
+    ({"session_options": {"x": "y" * 20_000}}, "session_options"),
+    ({"session_options": {"x": list(range(20_000))}}, "session_options"),
     ({"alpha": NAN}, "alpha"),
     ({"alpha": INF}, "alpha"),
     ({"alpha": -INF}, "alpha"),
@@ -274,6 +279,8 @@ def test_each_op_kind_takes_only_its_own_fields(c, tiny, extra, field):
 
 
 SAMPLE_CASES = [
+    ({"sampling_params": {"max_tokens": 2, "stop": [True]}}, "sampling_params.stop"),  # was token id 1
+    ({"sampling_params": {"max_tokens": 2, "stop": [6.0]}}, "sampling_params.stop"),  # was token id 6
     ({"num_samples": 100000}, "num_samples"),
     ({"num_samples": 0}, "num_samples"),
     ({"num_samples": 2**70}, "num_samples"),

@@ -74,6 +74,25 @@ def _clean(text: str) -> str:
 
 
 _CLEAN = AfterValidator(_clean)
+MAX_OPTIONS_CHARS = 16_384  # session_options, as JSON
+
+
+def _clean_json(value: Any) -> Any:
+    """A free-form JSON value (``session_options``): its text clean (see :func:`_clean`), its size capped
+    (walked with a stack, not recursion: any depth the JSON parser took is fine)."""
+    size, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            size += len(_clean(v)) + 2
+        elif isinstance(v, dict):
+            todo += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            todo += v
+        size += 1
+        if size > MAX_OPTIONS_CHARS:
+            raise ValueError(f"is larger than {MAX_OPTIONS_CHARS} characters as JSON")
+    return value
 
 
 def Text(max_length: int, min_length: int = 0) -> Any:
@@ -108,7 +127,7 @@ DatumIn = Annotated[Datum, BeforeValidator(_datum)]
 # the SDK's own checks (they raise InvalidInputError, a ValueError: pydantic reports them by field)
 Description = Annotated[str | None, AfterValidator(check_description)]
 TTLSeconds = Annotated[int | None, AfterValidator(check_ttl_seconds)]
-SessionOptions = Annotated[dict[Label, JsonValue], Field(max_length=16), AfterValidator(check_session_options)]
+SessionOptions = Annotated[dict[Label, JsonValue], Field(max_length=16), AfterValidator(_clean_json), AfterValidator(check_session_options)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOPK)]
 TargetIds = Annotated[list[Annotated[int, Field(ge=-1, lt=2**31)]], Field(max_length=MAX_TOPK)]
 
@@ -288,5 +307,7 @@ def invalid_input(errors: Any) -> InvalidInputError:
     if isinstance(cause, InvalidInputError) and cause.fix:  # an SDK check (ttl_seconds, description, ...): its own fix
         text = cause.message.removesuffix(f" (fix: {cause.fix})")
         return InvalidInputError(text.removeprefix(f"{cause.field}: ") if cause.field else text, field=where or "body", fix=cause.fix)
+    if len(where) > 200:  # a path down a deeply nested value
+        where = f"{where[:197]}..."
     fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
     return InvalidInputError(str(first.get("msg", "invalid")).removeprefix("Value error, "), field=where or "body", fix=fix)
