@@ -627,3 +627,52 @@ def test_a_refusal_by_an_sdk_check_carries_that_checks_own_fix(c, worker, ids, e
     """These said only "see the request schema in GET /openapi.json", the real fix buried in the message."""
     err = assert_refused(send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(worker, ids["sid"]) | extra, MINE), field)
     assert fix in err["fix"] and "(fix:" not in err["message"].removesuffix(f" (fix: {err['fix']})"), err
+
+
+def test_creations_sent_at_once_cannot_pass_the_per_key_cap_together(tiny, tmp_path):
+    """The cap was counted before the await that creates: N requests sent together all passed it (a key
+    could hold max_live_per_key + its in-flight requests). Creation is held until every request has either
+    entered it or been answered, so exactly the allowance gets in, whatever the scheduling."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import anyio
+
+    w = start_worker(tiny, str(tmp_path), max_live_per_key=2)
+    gate, seen = threading.Event(), threading.Condition()
+    entered = answered = 0
+    create = w.backend.create_sampler
+
+    async def held_create(spec):
+        nonlocal entered
+        with seen:
+            entered += 1
+            seen.notify_all()
+        await anyio.to_thread.run_sync(gate.wait)
+        return await create(spec)
+
+    w.backend.create_sampler = held_create
+
+    def post(_):
+        nonlocal answered
+        with httpx.Client(base_url=w.url, timeout=120) as own:
+            r = own.post("/v1/samplers", json={"base_model": tiny}, headers=MINE)
+        with seen:
+            answered += 1
+            seen.notify_all()
+        return r
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(post, i) for i in range(4)]
+            with seen:
+                seen.wait_for(lambda: entered + answered == 4)
+            gate.set()
+            out = [f.result() for f in futures]
+        assert sorted(r.status_code for r in out) == [200, 200, 400, 400], [r.text for r in out]
+        for r in out:
+            if r.status_code == 400:
+                assert_refused(r, "base_model")
+        assert entered == 2
+    finally:
+        gate.set()
+        w.stop()

@@ -18,8 +18,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -136,15 +136,26 @@ def create_app(
             raise InvalidInputError(f"unknown base model {_show(name)}", field=field, fix="use a name from GET /v1/models")
         return name
 
-    def check_room(key: str, what: str) -> None:
+    opening: Counter[str] = Counter()  # sessions and samplers being created, per tenant (they count as open)
+
+    @contextmanager
+    def room(key: str, what: str) -> Iterator[None]:
+        """Hold one of ``key``'s ``max_live_per_key`` places while a session or sampler is created: counted and
+        taken with no await between, so requests sent at once cannot all pass the check."""
         engine = backend.engine
         live = sum(1 for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers))
+        live += opening[key]
         if live >= max_live_per_key:
             raise InvalidInputError(
                 f"this API key holds {live} open sessions and samplers, the most allowed",
                 field=what,
                 fix="stop the ones you no longer need (DELETE /v1/sessions/{id})",
             )
+        opening[key] += 1
+        try:
+            yield
+        finally:
+            opening[key] -= 1
 
     def seq_is_new(session_id: str, seq: int) -> bool:
         """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
@@ -174,12 +185,12 @@ def create_app(
     @app.post("/v1/sessions")
     async def create_session(body: bodies.SessionBody, key: str = Depends(api_key)) -> Any:
         spec = body.spec()
-        check_room(key, "base_model")
         owned_path(key, spec.from_path, "from_path")
         if spec.from_path is None or spec.base_model:
             check_base_model(spec.base_model, "base_model")
-        info = await backend.create_training_session(spec)
-        owners.own(info.model_id, key, durable=True)
+        with room(key, "base_model"):
+            info = await backend.create_training_session(spec)
+            owners.own(info.model_id, key, durable=True)
         return info.model_dump(mode="json")
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
@@ -220,12 +231,12 @@ def create_app(
     @app.post("/v1/samplers")
     async def create_sampler(body: bodies.SamplerBody, key: str = Depends(api_key)) -> Any:
         spec = body.spec()
-        check_room(key, "model_path" if spec.model_path else "base_model")
         owned_path(key, spec.model_path, "model_path")
         if spec.model_path is None:
             check_base_model(spec.base_model, "base_model")
-        sampler_id = await backend.create_sampler(spec)
-        owners.own(sampler_id, key)
+        with room(key, "model_path" if spec.model_path else "base_model"):
+            sampler_id = await backend.create_sampler(spec)
+            owners.own(sampler_id, key)
         return {"sampler_id": sampler_id}
 
     @app.post("/v1/samplers/{sampler_id}/sample")
