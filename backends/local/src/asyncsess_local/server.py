@@ -422,11 +422,11 @@ def main(argv: list[str] | None = None) -> None:
     if not keys:
         keys = [secrets.token_urlsafe(24)]
         print(f"API key (set ASYNCSESS_API_KEY to reuse): {keys[0]}", flush=True)
-    if args.supervise:  # the same keys for every restart of the child
+    if args.supervise:  # the same keys for every restart of the child; one not given as --api-key goes in its env
         from .supervise import supervise
 
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--supervise"]
-        raise SystemExit(supervise([*rest, *(a for k in keys if k not in (args.api_key or []) for a in ("--api-key", k))]))
+        raise SystemExit(supervise(rest, api_key=None if args.api_key else keys[0]))
     backend = LocalBackend(
         model=args.model,
         device=args.device,
