@@ -220,11 +220,17 @@ class CheckpointStore:
         return self._save(sess, op, fill)
 
     def check_state(self, path: Path, sess: TrainSession, field: str = "path") -> dict[str, Any]:
-        """The metadata of a ``save_state`` directory that ``sess`` can load (its LoRA rank and targets);
+        """The metadata of a ``save_state`` directory that ``sess`` can load (its base model, LoRA rank and targets);
         anything else is an InvalidInputError naming ``field``."""
         meta = self.meta(path)
         if meta.get("kind") != "state":
             raise InvalidInputError(f"{self.uri(path)} is a {meta.get('kind')} checkpoint", field=field, fix="pass a save_state path")
+        if meta.get("base_model") != sess.base_model:  # module names and shapes may match on another base: never load it there
+            raise InvalidInputError(
+                f"the checkpoint was trained on {_show(str(meta.get('base_model')))}, this session is on {_show(sess.base_model)}",
+                field=field,
+                fix="load it into a session on its base model (or create one with from_path)",
+            )
         if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
             raise InvalidInputError(
                 "the checkpoint's LoRA rank or targets differ from this session's",
