@@ -303,11 +303,12 @@ def invalid_input(errors: Any) -> InvalidInputError:
             where += f"[{part}]"
         elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
             where += f".{part}" if where else str(part)
-    cause = (first.get("ctx") or {}).get("error")
+    if len(where) > 200:  # a path down a deeply nested value
+        where = f"{where[:197]}..."
+    ctx = first.get("ctx")
+    cause = ctx.get("error") if isinstance(ctx, dict) else None
     if isinstance(cause, InvalidInputError) and cause.fix:  # an SDK check (ttl_seconds, description, ...): its own fix
         text = cause.message.removesuffix(f" (fix: {cause.fix})")
         return InvalidInputError(text.removeprefix(f"{cause.field}: ") if cause.field else text, field=where or "body", fix=cause.fix)
-    if len(where) > 200:  # a path down a deeply nested value
-        where = f"{where[:197]}..."
     fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
     return InvalidInputError(str(first.get("msg", "invalid")).removeprefix("Value error, "), field=where or "body", fix=fix)
