@@ -164,6 +164,8 @@ OP_CASES = [
     ({"seq": 5000}, "seq"),  # too far ahead: refused at once, not held for the gap timeout
     ({"seq": True}, "seq"),  # was taken as seq 1 (and used it up)
     ({"seq": "1"}, "seq"),
+    ({"adam_params": {"learning_rate": "0.001"}}, "adam_params.learning_rate"),  # was taken as 0.001
+    ({"adam_params": {"learning_rate": 1e-3, "beta1": "0.9"}}, "adam_params.beta1"),
     ({"kind": "save_state", "ttl_seconds": True}, "ttl_seconds"),
     ({"idempotency_key": "\ud800"}, "idempotency_key"),
     (
@@ -279,6 +281,11 @@ def test_each_op_kind_takes_only_its_own_fields(c, tiny, extra, field):
 
 
 SAMPLE_CASES = [
+    # the body was strict, its nested sampling_params not: text and whole floats were taken as numbers
+    ({"sampling_params": {"max_tokens": "2"}}, "sampling_params.max_tokens"),
+    ({"sampling_params": {"max_tokens": 2.0}}, "sampling_params.max_tokens"),
+    ({"sampling_params": {"max_tokens": 2, "temperature": "0.5"}}, "sampling_params.temperature"),
+    ({"sampling_params": {"max_tokens": 2, "seed": 1.0}}, "sampling_params.seed"),
     ({"sampling_params": {"max_tokens": 2, "stop": [True]}}, "sampling_params.stop"),  # was token id 1
     ({"sampling_params": {"max_tokens": 2, "stop": [6.0]}}, "sampling_params.stop"),  # was token id 6
     ({"num_samples": 100000}, "num_samples"),

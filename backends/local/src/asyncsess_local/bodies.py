@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, ValidationError
 
 from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
@@ -119,6 +119,10 @@ def _datum(value: Any) -> Any:
         return value
     try:
         return Datum.model_validate(value)
+    except ValidationError as err:  # the first error, with where in the datum it is
+        first = err.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}"[:300]) from None
     except Exception as err:
         raise ValueError(str(err).splitlines()[0][:200]) from None
 
@@ -133,6 +137,19 @@ TargetIds = Annotated[list[Annotated[int, Field(ge=-1, lt=2**31)]], Field(max_le
 
 
 class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class StrictSamplingParams(SamplingParams):
+    """:class:`SamplingParams` of their JSON types (a body's strictness does not reach a nested model:
+    ``"max_tokens": "2"``, ``2.0`` or ``"temperature": "0.5"`` were taken as numbers)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class StrictAdamParams(AdamParams):
+    """:class:`AdamParams` of their JSON types (``"learning_rate": "0.001"`` was taken as a number)."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
@@ -168,6 +185,8 @@ class _OpFields(_Body):
         fields = {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
         if "data" in fields:
             fields["data"] = tuple(fields["data"])
+        if "adam_params" in fields:  # the shared type, checked strictly here
+            fields["adam_params"] = AdamParams.model_validate(fields["adam_params"].model_dump())
         return cls(**fields)
 
 
@@ -193,7 +212,7 @@ class OptimStepBody(_OpFields):
     """``optim_step``: apply the accumulated gradient."""
 
     kind: Literal["optim_step"]
-    adam_params: AdamParams | None = None
+    adam_params: StrictAdamParams | None = None
 
 
 class _SaveFields(_OpFields):
@@ -250,7 +269,7 @@ class SampleBody(_Body):
 
     prompt: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     num_samples: int = Field(default=1, ge=1, le=MAX_NUM_SAMPLES)
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampling_params: StrictSamplingParams = Field(default_factory=StrictSamplingParams)
     include_prompt_logprobs: bool = False
     request_id: Long = ""
     topk_prompt_logprobs: TopK = 0
@@ -263,7 +282,7 @@ class SampleBody(_Body):
         return SampleRequest(
             tuple(self.prompt),
             self.num_samples,
-            self.sampling_params,
+            SamplingParams.model_validate(self.sampling_params.model_dump()),
             self.include_prompt_logprobs,
             self.request_id,
             self.topk_prompt_logprobs,
