@@ -7,6 +7,8 @@ result has both ``.path`` and ``.model_package_arn``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NamedTuple, Union
 
@@ -200,8 +202,20 @@ class TensorData(_Input):
     sparse_crow_indices: list[int] | None = None
     sparse_col_indices: list[int] | None = None
 
+    @field_validator("data", mode="before")
+    @classmethod
+    def _numbers(cls, data: Any) -> Any:
+        """Numbers only: a string or a bool in ``data`` is refused, never read as a number."""
+        if isinstance(data, (list, tuple)):
+            bad = next((v for v in data if isinstance(v, (str, bytes, bool))), None)
+            if bad is not None:
+                raise ValueError(f"data holds {str(bad)[:20]!r}, not a number: give numbers")
+        return data
+
     @model_validator(mode="after")
     def _check_shape(self) -> TensorData:
+        if self.dtype == "int64":
+            self.data = _whole_numbers(self.data)
         if self.sparse_crow_indices is not None or self.sparse_col_indices is not None:
             self._densify()
         if self.shape is not None:
@@ -244,7 +258,9 @@ class TensorData(_Input):
         vals = list(values)
         if dtype is None:
             dtype = "int64" if all(isinstance(v, int) and not isinstance(v, bool) for v in vals) else "float32"
-        data = [int(v) for v in vals] if dtype == "int64" else [float(v) for v in vals]
+        if any(isinstance(v, (str, bytes)) for v in vals):
+            raise ValueError("data holds a string, not a number: give numbers")
+        data = _whole_numbers(vals) if dtype == "int64" else [float(v) for v in vals]
         return cls.model_construct(data=data, dtype=dtype, shape=[len(data)])
 
     @classmethod
@@ -257,6 +273,8 @@ class TensorData(_Input):
         if dtype == "int64" and np.issubdtype(arr.dtype, np.integer):  # as Python ints: a uint64 past int64 read as -1
             return cls.model_construct(data=arr.ravel().tolist(), dtype=dtype, shape=list(arr.shape))
         np_dtype = np.int64 if dtype == "int64" else np.float32
+        if dtype == "int64" and arr.dtype.kind in "fc" and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
+            raise ValueError("int64 data (token ids) must hold whole numbers: a float with a fraction would be truncated")
         return cls.model_construct(data=arr.astype(np_dtype).ravel().tolist(), dtype=dtype, shape=list(arr.shape))
 
     @classmethod
@@ -377,12 +395,27 @@ class Datum(_Input):
         return values
 
 
+def _whole_numbers(values: Sequence[Any]) -> list[int]:
+    """``values`` as ints: whole numbers only (``6.0`` is 6; ``6.5``, NaN, ±inf and bools are refused, never truncated)."""
+    out = []
+    for v in values:
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            out.append(int(v))
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and float(v).is_integer():
+            out.append(int(float(v)))
+        else:
+            raise ValueError(f"int64 data (token ids) must hold whole numbers, not {str(v)[:20]}")
+    return out
+
+
 def _coerce_named(key: str, value: Any) -> TensorData:
     try:
         return TensorData.coerce(key, value)
     except ValidationError as err:  # re-raised with the key: pydantic drops the location of a nested model's error
         first = err.errors(include_url=False)[0]
         raise ValueError(f"loss_fn_inputs[{key!r}]: {first['msg'].removeprefix('Value error, ')}") from None
+    except ValueError as err:  # from_list / from_numpy: a string, or a fraction where token ids go
+        raise ValueError(f"loss_fn_inputs[{key!r}]: {err}") from None
 
 
 def _span_dict(span: Any) -> Any:
@@ -433,6 +466,14 @@ class SamplingParams(_Input):
     top_k: int = -1
     stop: str | list[str | int] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_entries(cls, v: Any) -> Any:
+        """A stop entry is a string or a token id: a bool or a float is refused, never read as token 1 or 6."""
+        if isinstance(v, (list, tuple)) and any(isinstance(s, (bool, float)) for s in v):
+            raise ValueError("a stop entry is a string or an int token id (not a bool or a float)")
+        return v
 
     @field_validator("stop")
     @classmethod

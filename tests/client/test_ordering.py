@@ -214,3 +214,27 @@ async def test_a_void_refusal_of_one_part_of_a_split_batch_poisons_the_rest(monk
             await batch
         with pytest.raises(PoisonedError, match="half-applied"):
             await step
+
+
+async def test_a_redelivery_of_another_op_under_the_same_seq_and_key_is_a_conflict():
+    """The same ``(seq, key)`` with another kind or checkpoint was answered with the first op's result (an
+    optim_step got a forward's outputs, a save of "b" the path of "a"): a ConflictError naming the key."""
+    from asyncsess import ConflictError
+    from asyncsess.backends import LoadStateOp, SaveStateOp
+    from asyncsess.backends.sequencer import Sequencer
+
+    async def run(op):
+        return (op.kind, getattr(op, "name", None))
+
+    seqr = Sequencer(run)
+    assert await seqr.execute(SaveStateOp(seq=1, idempotency_key="k", name="a")) == ("save_state", "a")
+    for other in (
+        OptimStepOp(seq=1, idempotency_key="k"),
+        SaveStateOp(seq=1, idempotency_key="k", name="b"),
+        LoadStateOp(seq=1, idempotency_key="k", path="a"),
+    ):
+        with pytest.raises(ConflictError) as err:
+            await seqr.execute(other)
+        assert err.value.field == "idempotency_key" and err.value.seq == 1
+    assert await seqr.execute(SaveStateOp(seq=1, idempotency_key="k", name="a")) == ("save_state", "a"), "a true retry"
+    assert seqr.applied == [1]

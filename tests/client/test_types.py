@@ -30,6 +30,18 @@ def test_tensor_data_coercion_by_key():
         TensorData(data=[1, 2, 3], dtype="int64", shape=[2])
 
 
+@pytest.mark.parametrize(
+    "targets",
+    [[1.5, 2], np.array([1.5, 2.0]), np.array([np.nan, 2.0]), ["1", 2], [True, 2], {"data": [1.5, 2], "dtype": "int64"}],
+)
+def test_token_ids_are_whole_numbers_never_truncated_or_parsed(targets):
+    """``target_tokens`` of 1.5 trained on token 1, "1" and True were read as 1; whole floats (1.0) still pass."""
+    with pytest.raises(ValueError, match="target_tokens"):
+        Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": targets, "weights": [1.0, 1.0]})
+    ok = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": np.array([1.0, 2.0]), "weights": [True, False]})
+    assert ok.loss_fn_inputs["target_tokens"].data == [1, 2] and ok.loss_fn_inputs["weights"].data == [1.0, 0.0]
+
+
 def test_datum_accepts_both_anchor_forms():
     d = Datum.model_validate({"prompt": [1, 2], "loss_fn_inputs": {"target_tokens": [2, 3], "weights": [1, 1]}})
     assert d.model_input.to_ints() == [1, 2]

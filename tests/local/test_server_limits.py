@@ -106,6 +106,11 @@ def test_checkpoint_names_match_the_whole_pattern(c, worker, ids, name):
 
 
 SESSION_CASES = [
+    # session_options took any JSON: lone surrogates, NUL, and megabytes kept per session and echoed back
+    ({"session_options": {"x": "\ud800"}}, "session_options"),
+    ({"session_options": {"x": {"a\x00": 1}}}, "session_options"),
+    ({"session_options": {"x": "y" * 20_000}}, "session_options"),
+    ({"session_options": {"x": list(range(20_000))}}, "session_options"),
     ({"alpha": NAN}, "alpha"),
     ({"alpha": INF}, "alpha"),
     ({"alpha": -INF}, "alpha"),
@@ -159,6 +164,8 @@ OP_CASES = [
     ({"seq": 5000}, "seq"),  # too far ahead: refused at once, not held for the gap timeout
     ({"seq": True}, "seq"),  # was taken as seq 1 (and used it up)
     ({"seq": "1"}, "seq"),
+    ({"adam_params": {"learning_rate": "0.001"}}, "adam_params.learning_rate"),  # was taken as 0.001
+    ({"adam_params": {"learning_rate": 1e-3, "beta1": "0.9"}}, "adam_params.beta1"),
     ({"kind": "save_state", "ttl_seconds": True}, "ttl_seconds"),
     ({"idempotency_key": "\ud800"}, "idempotency_key"),
     (
@@ -195,6 +202,26 @@ OP_CASES = [
         "loss_fn_config.clip_low_threshold",
     ),
     ({"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [{"model_input": [1]}] * 1025}, "data"),
+    *(  # a token id with a fraction, in text, or a bool was truncated or read as a number (6.5 trained on token 6)
+        (
+            {
+                "kind": "forward_backward",
+                "loss_fn": "cross_entropy",
+                "data": [{"model_input": [1, 2], "loss_fn_inputs": {"target_tokens": targets, "weights": weights}}],
+            },
+            "data[0]",
+        )
+        for targets, weights in (
+            ([2.5, 3], [1.0, 1.0]),
+            ({"data": [2.5, 3.0], "dtype": "float32", "shape": [2]}, [1.0, 1.0]),
+            ({"data": [2.5, 3.0], "dtype": "int64"}, [1.0, 1.0]),
+            (["2", "3"], [1.0, 1.0]),
+            ([True, 3], [1.0, 1.0]),
+            ([INF, 3], [1.0, 1.0]),
+            ([2, 3], ["1.0", 1.0]),
+            ([2, 3], {"data": [True, 1.0], "dtype": "float32"}),
+        )
+    ),
     *(  # sampler log-probs that are no log-probs: exp(p − q) overflowed and the step made the weights NaN
         (
             {
@@ -254,6 +281,13 @@ def test_each_op_kind_takes_only_its_own_fields(c, tiny, extra, field):
 
 
 SAMPLE_CASES = [
+    # the body was strict, its nested sampling_params not: text and whole floats were taken as numbers
+    ({"sampling_params": {"max_tokens": "2"}}, "sampling_params.max_tokens"),
+    ({"sampling_params": {"max_tokens": 2.0}}, "sampling_params.max_tokens"),
+    ({"sampling_params": {"max_tokens": 2, "temperature": "0.5"}}, "sampling_params.temperature"),
+    ({"sampling_params": {"max_tokens": 2, "seed": 1.0}}, "sampling_params.seed"),
+    ({"sampling_params": {"max_tokens": 2, "stop": [True]}}, "sampling_params.stop"),  # was token id 1
+    ({"sampling_params": {"max_tokens": 2, "stop": [6.0]}}, "sampling_params.stop"),  # was token id 6
     ({"num_samples": 100000}, "num_samples"),
     ({"num_samples": 0}, "num_samples"),
     ({"num_samples": 2**70}, "num_samples"),
@@ -568,3 +602,84 @@ def test_the_sampler_falls_back_to_greedy_on_non_finite_probabilities():
     rows = [_Row(job=i, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     chosen = TorchSampler._choose(None, logits, rows, jobs)  # type: ignore[arg-type]
     assert chosen.tolist()[1:] == [2, 1] and 0 <= chosen[0] < 4
+
+
+def test_a_seq_and_key_resent_with_another_op_is_refused_and_a_true_retry_answered(c, worker, tiny):
+    """The worker answered an optim_step re-sent under a forward's seq and key with the forward's outputs."""
+    sid = new_session(c, tiny, MINE)
+    datum = {"model_input": [5, 6], "loss_fn_inputs": {"target_tokens": [6, 7], "weights": [1.0, 1.0]}}
+    first = {"kind": "forward", "seq": 1, "idempotency_key": "k", "loss_fn": "cross_entropy", "data": [datum]}
+    r = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
+    assert r.status_code == 200, r.text
+    for other in (
+        {"kind": "optim_step", "seq": 1, "idempotency_key": "k", "adam_params": {"learning_rate": 1e-3}},
+        {"kind": "save_state", "seq": 1, "idempotency_key": "k", "name": "x"},
+    ):
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", other, MINE), "idempotency_key")
+        assert "another op" in err["message"], err
+    again = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
+    assert again.status_code == 200 and again.json() == r.json()
+    assert worker.backend.next_seq(sid) == 2 and not worker.backend.engine.store.list(sid)  # nothing else ran
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "fix"),
+    [
+        ({"kind": "save_state", "ttl_seconds": 0}, "ttl_seconds", "1..316224000"),
+        ({"kind": "save_state", "description": "d" * 2000}, "description", "1024 characters"),
+        ({"kind": "save_state", "name": "a" + "." * 127}, "name", "letters, digits"),
+    ],
+)
+def test_a_refusal_by_an_sdk_check_carries_that_checks_own_fix(c, worker, ids, extra, field, fix):
+    """These said only "see the request schema in GET /openapi.json", the real fix buried in the message."""
+    err = assert_refused(send(c, "POST", f"/v1/sessions/{ids['sid']}/ops", _op(worker, ids["sid"]) | extra, MINE), field)
+    assert fix in err["fix"] and "(fix:" not in err["message"].removesuffix(f" (fix: {err['fix']})"), err
+
+
+def test_creations_sent_at_once_cannot_pass_the_per_key_cap_together(tiny, tmp_path):
+    """The cap was counted before the await that creates: N requests sent together all passed it (a key
+    could hold max_live_per_key + its in-flight requests). Creation is held until every request has either
+    entered it or been answered, so exactly the allowance gets in, whatever the scheduling."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import anyio
+
+    w = start_worker(tiny, str(tmp_path), max_live_per_key=2)
+    gate, seen = threading.Event(), threading.Condition()
+    entered = answered = 0
+    create = w.backend.create_sampler
+
+    async def held_create(spec):
+        nonlocal entered
+        with seen:
+            entered += 1
+            seen.notify_all()
+        await anyio.to_thread.run_sync(gate.wait)
+        return await create(spec)
+
+    w.backend.create_sampler = held_create
+
+    def post(_):
+        nonlocal answered
+        with httpx.Client(base_url=w.url, timeout=120) as own:
+            r = own.post("/v1/samplers", json={"base_model": tiny}, headers=MINE)
+        with seen:
+            answered += 1
+            seen.notify_all()
+        return r
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(post, i) for i in range(4)]
+            with seen:
+                seen.wait_for(lambda: entered + answered == 4)
+            gate.set()
+            out = [f.result() for f in futures]
+        assert sorted(r.status_code for r in out) == [200, 200, 400, 400], [r.text for r in out]
+        for r in out:
+            if r.status_code == 400:
+                assert_refused(r, "base_model")
+        assert entered == 2
+    finally:
+        gate.set()
+        w.stop()

@@ -151,3 +151,34 @@ def test_one_keys_bad_requests_do_not_fail_the_other_keys_batch(c, tiny):
     tokens = [[s["tokens"] for s in r.json()["sequences"]] for r in mine_out]
     assert all(t == tokens[0] for t in tokens)  # same seed, same tokens, whatever it was batched with
     assert [r.status_code for r in theirs_out] == [400, 400, 200, 400, 400, 400] * 2
+
+
+def test_a_snapshot_path_of_ones_own_does_not_lead_into_the_other_keys_checkpoints(c, tiny, mine, worker):
+    """``local://ephemeral/<own session>/../../<their session>/state/<name>`` passed the ownership check (the
+    owner was read from the text after the prefix) and then resolved on disk: load_state and from_path loaded
+    the other key's weights. A snapshot path is never a path on disk, and must have the form a save gives."""
+    theirs_sid = new_session(c, tiny, THEIRS)
+    rel = mine["paths"]["state"].removeprefix(f"local://{worker.backend.engine.store.root}/")
+    evil = [
+        f"local://ephemeral/{theirs_sid}/../../{rel}",
+        f"local://ephemeral/{theirs_sid}/1/../../../{rel}",
+        f"local://ephemeral/{theirs_sid}/..%2F..%2F{rel}",
+        f"local://ephemeral/{theirs_sid}\\..\\..\\{rel.replace('/', chr(92))}",
+        f"local://ephemeral/{theirs_sid}/1/",
+        f"local://ephemeral/{theirs_sid}",
+    ]
+    for path in evil:
+        r = send(c, "POST", f"/v1/sessions/{theirs_sid}/ops", _op("load_state", worker.backend.next_seq(theirs_sid), path=path), THEIRS)
+        assert_refused(r, "path")
+        assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": path}, THEIRS), "from_path")
+        assert_refused(send(c, "POST", "/v1/samplers", {"model_path": path}, THEIRS), "model_path")
+    # the refusals name the snapshot path as such, and the owner's own snapshot still opens a sampler
+    r = send(
+        c,
+        "POST",
+        f"/v1/sessions/{mine['sid']}/ops",
+        _op("load_state", worker.backend.next_seq(mine["sid"]), path=mine["paths"]["ephemeral"]),
+        MINE,
+    )
+    assert "sampler snapshot" in assert_refused(r, "path")["message"]
+    assert new_sampler(c, MINE, model_path=mine["paths"]["ephemeral"])

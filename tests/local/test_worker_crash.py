@@ -182,3 +182,35 @@ def test_a_supervised_worker_comes_back_after_kill_9(tiny: str, tmp_path: Path) 
         if sup.poll() is None:
             sup.kill()
             sup.wait(timeout=30)
+
+
+@pytest.mark.parametrize("from_env", [True, False])
+def test_a_supervised_workers_key_is_never_on_a_command_line(monkeypatch, capsys, from_env: bool) -> None:
+    """A key from $ASYNCSESS_API_KEY, or one the worker made up, was passed to the child as ``--api-key``:
+    readable by every local user in /proc/<pid>/cmdline. It goes in the child's environment."""
+    from asyncsess_local import server, supervise
+
+    started: list[tuple[list[str], dict[str, str] | None]] = []
+
+    class Child:
+        pid = 1
+
+        def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+            started.append((args, env))
+
+        def wait(self) -> int:
+            return 0  # a clean exit ends the supervisor
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", Child)
+    monkeypatch.setattr(supervise.signal, "signal", lambda *a: None)
+    if from_env:
+        monkeypatch.setenv("ASYNCSESS_API_KEY", "secret-from-env")
+    else:
+        monkeypatch.delenv("ASYNCSESS_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as done:
+        server.main(["--supervise", "--port", "1"])
+    assert done.value.code == 0
+    [(args, env)] = started
+    key = "secret-from-env" if from_env else capsys.readouterr().out.split("ASYNCSESS_API_KEY to reuse): ")[1].split()[0]
+    assert not any(key in a for a in args) and "--api-key" not in args, args
+    assert env is not None and env["ASYNCSESS_API_KEY"] == key

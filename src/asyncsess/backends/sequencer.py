@@ -39,6 +39,13 @@ class _Slot(Generic[R]):
     done: anyio.Event
     result: R | None = None
     error: BaseException | None = None
+    what: tuple[Any, ...] = ()  # what a re-delivery must repeat (see _what)
+
+
+def _what(op: Sequenced) -> tuple[Any, ...]:
+    """The parts of ``op`` a re-delivery under its key must repeat: its kind, and the checkpoint name or path it
+    names. No backend rewrites these when it checks an op (a batch may be coerced, so it is not compared)."""
+    return (op.kind, getattr(op, "name", None), getattr(op, "path", None))
 
 
 class Sequencer(Generic[R]):
@@ -50,7 +57,9 @@ class Sequencer(Generic[R]):
       fails with a retryable error and the slot is freed so a retry can wait again). With ``skip_gaps``
       (a server whose clients never re-send a number they gave up on, as Tinker's SDK) it runs instead, and the
       numbers that never arrived are void: their turn passes, and :attr:`skipped` lists them.
-    - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running.
+    - A repeated delivery (same ``seq`` and key) gets the stored result or error without re-running; one of
+      another kind (or naming another checkpoint) is a :class:`ConflictError` naming ``idempotency_key``:
+      answering it with the first op's result would hide the caller's bug.
     - The same ``seq`` with another key is a :class:`ConflictError`, and so is a re-delivery of an op
       more than ``keep_results`` ops old (its result is no longer kept).
     - After an op fails, every later op fails with :class:`PoisonedError` naming the cause, unless the failure
@@ -110,6 +119,14 @@ class Sequencer(Generic[R]):
                     operation=op.kind,
                     seq=op.seq,
                 )
+            if slot.what != _what(op):
+                raise ConflictError(
+                    f"sequence number {op.seq} and its idempotency key were already used for another op ({slot.what[0]})",
+                    field="idempotency_key",
+                    fix="give each new op its own seq and key; resend one only to retry the same op",
+                    operation=op.kind,
+                    seq=op.seq,
+                )
             await slot.done.wait()
             return self._outcome(slot)
         if op.seq < self._next:
@@ -118,7 +135,7 @@ class Sequencer(Generic[R]):
             )
         if self._stopped is not None:
             raise SessionGoneError(f"session {self._stopped}", operation=op.kind, seq=op.seq)
-        slot = _Slot(key=op.idempotency_key, done=anyio.Event())
+        slot = _Slot(key=op.idempotency_key, done=anyio.Event(), what=_what(op))
         self._slots[op.seq] = slot
         try:
             await self._wait_turn(op)
@@ -163,7 +180,7 @@ class Sequencer(Generic[R]):
         error.operation = error.operation or op.kind
         done = anyio.Event()
         done.set()
-        self._slots[op.seq] = _Slot(key=op.idempotency_key, done=done, error=error)
+        self._slots[op.seq] = _Slot(key=op.idempotency_key, done=done, error=error, what=_what(op))
         self._void.add(op.seq)
         if op.seq == self._next:
             self._advance()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, ValidationError
 
 from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
@@ -74,6 +74,25 @@ def _clean(text: str) -> str:
 
 
 _CLEAN = AfterValidator(_clean)
+MAX_OPTIONS_CHARS = 16_384  # session_options, as JSON
+
+
+def _clean_json(value: Any) -> Any:
+    """A free-form JSON value (``session_options``): its text clean (see :func:`_clean`), its size capped
+    (walked with a stack, not recursion: any depth the JSON parser took is fine)."""
+    size, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            size += len(_clean(v)) + 2
+        elif isinstance(v, dict):
+            todo += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            todo += v
+        size += 1
+        if size > MAX_OPTIONS_CHARS:
+            raise ValueError(f"is larger than {MAX_OPTIONS_CHARS} characters as JSON")
+    return value
 
 
 def Text(max_length: int, min_length: int = 0) -> Any:
@@ -100,6 +119,10 @@ def _datum(value: Any) -> Any:
         return value
     try:
         return Datum.model_validate(value)
+    except ValidationError as err:  # the first error, with where in the datum it is
+        first = err.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}"[:300]) from None
     except Exception as err:
         raise ValueError(str(err).splitlines()[0][:200]) from None
 
@@ -108,12 +131,25 @@ DatumIn = Annotated[Datum, BeforeValidator(_datum)]
 # the SDK's own checks (they raise InvalidInputError, a ValueError: pydantic reports them by field)
 Description = Annotated[str | None, AfterValidator(check_description)]
 TTLSeconds = Annotated[int | None, AfterValidator(check_ttl_seconds)]
-SessionOptions = Annotated[dict[Label, JsonValue], Field(max_length=16), AfterValidator(check_session_options)]
+SessionOptions = Annotated[dict[Label, JsonValue], Field(max_length=16), AfterValidator(_clean_json), AfterValidator(check_session_options)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOPK)]
 TargetIds = Annotated[list[Annotated[int, Field(ge=-1, lt=2**31)]], Field(max_length=MAX_TOPK)]
 
 
 class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class StrictSamplingParams(SamplingParams):
+    """:class:`SamplingParams` of their JSON types (a body's strictness does not reach a nested model:
+    ``"max_tokens": "2"``, ``2.0`` or ``"temperature": "0.5"`` were taken as numbers)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class StrictAdamParams(AdamParams):
+    """:class:`AdamParams` of their JSON types (``"learning_rate": "0.001"`` was taken as a number)."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
@@ -149,6 +185,8 @@ class _OpFields(_Body):
         fields = {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
         if "data" in fields:
             fields["data"] = tuple(fields["data"])
+        if "adam_params" in fields:  # the shared type, checked strictly here
+            fields["adam_params"] = AdamParams.model_validate(fields["adam_params"].model_dump())
         return cls(**fields)
 
 
@@ -174,7 +212,7 @@ class OptimStepBody(_OpFields):
     """``optim_step``: apply the accumulated gradient."""
 
     kind: Literal["optim_step"]
-    adam_params: AdamParams | None = None
+    adam_params: StrictAdamParams | None = None
 
 
 class _SaveFields(_OpFields):
@@ -231,7 +269,7 @@ class SampleBody(_Body):
 
     prompt: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     num_samples: int = Field(default=1, ge=1, le=MAX_NUM_SAMPLES)
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampling_params: StrictSamplingParams = Field(default_factory=StrictSamplingParams)
     include_prompt_logprobs: bool = False
     request_id: Long = ""
     topk_prompt_logprobs: TopK = 0
@@ -244,7 +282,7 @@ class SampleBody(_Body):
         return SampleRequest(
             tuple(self.prompt),
             self.num_samples,
-            self.sampling_params,
+            SamplingParams.model_validate(self.sampling_params.model_dump()),
             self.include_prompt_logprobs,
             self.request_id,
             self.topk_prompt_logprobs,
@@ -284,5 +322,12 @@ def invalid_input(errors: Any) -> InvalidInputError:
             where += f"[{part}]"
         elif not any(c in str(part) for c in "[(,"):  # not a union branch's tag
             where += f".{part}" if where else str(part)
+    if len(where) > 200:  # a path down a deeply nested value
+        where = f"{where[:197]}..."
+    ctx = first.get("ctx")
+    cause = ctx.get("error") if isinstance(ctx, dict) else None
+    if isinstance(cause, InvalidInputError) and cause.fix:  # an SDK check (ttl_seconds, description, ...): its own fix
+        text = cause.message.removesuffix(f" (fix: {cause.fix})")
+        return InvalidInputError(text.removeprefix(f"{cause.field}: ") if cause.field else text, field=where or "body", fix=cause.fix)
     fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
-    return InvalidInputError(str(first.get("msg", "invalid")), field=where or "body", fix=fix)
+    return InvalidInputError(str(first.get("msg", "invalid")).removeprefix("Value error, "), field=where or "body", fix=fix)

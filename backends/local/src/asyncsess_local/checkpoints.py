@@ -6,8 +6,9 @@ plus its adapter). Every directory holds ``asyncsess.json`` (what it is). A save
 scratch directory (``.<name>.*``, never listed) and renamed into place, so a name only ever holds a whole
 checkpoint; a name that holds one is refused unless the save says ``overwrite``. The URI of a directory is
 ``local://`` + its absolute path; paths that resolve outside the root are refused, so a worker never
-reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/...`` names
-an in-memory sampler snapshot that has no directory (see :mod:`.sessions`).
+reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/<model_id>/<seq>``
+names an in-memory sampler snapshot that has no directory (see :mod:`.sessions`): it is never read as a
+path on disk (:meth:`CheckpointStore.ephemeral_owner` checks its form).
 
 The store also writes and reads a session's checkpoints (:meth:`CheckpointStore.save_state`,
 :meth:`~CheckpointStore.load_state`, :meth:`~CheckpointStore.save_weights`); torch, safetensors and
@@ -48,6 +49,7 @@ KINDS = {"state": "training", "sampler": "sampler", "merged": "merged"}
 EPHEMERAL = "local://ephemeral/"
 META = "asyncsess.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched with fullmatch: no trailing newline
+_EPHEMERAL = re.compile(re.escape(EPHEMERAL) + r"([A-Za-z0-9_-]{1,64})/[0-9]{1,20}")  # what Sessions.snapshot names
 MAX_PATH_CHARS = 1024
 
 
@@ -99,6 +101,16 @@ class CheckpointStore:
             )
         return name
 
+    @staticmethod
+    def ephemeral_owner(uri: str, field: str = "path") -> str:
+        """The model id a ``local://ephemeral/<model_id>/<seq>`` URI belongs to; any other spelling is refused."""
+        match = _EPHEMERAL.fullmatch(uri)
+        if match is None:
+            raise InvalidInputError(
+                f"{_show(uri)} is not a sampler snapshot path", field=field, fix="pass the .path of an ephemeral save_weights result"
+            )
+        return match.group(1)
+
     def uri(self, path: Path) -> str:
         return f"local://{path}"
 
@@ -111,6 +123,12 @@ class CheckpointStore:
                 f"{_show(uri)} is not a checkpoint path",
                 field=field,
                 fix=f"pass the .path of a save result (printable, at most {MAX_PATH_CHARS} characters)",
+            )
+        if uri.startswith(EPHEMERAL):  # an in-memory snapshot: no directory, whatever follows the prefix
+            raise InvalidInputError(
+                f"{_show(uri)} is a sampler snapshot, not a checkpoint on disk",
+                field=field,
+                fix="pass the .path of a durable save (a snapshot path only opens a sampler)",
             )
         raw = uri[len("local://") :] if uri.startswith("local://") else uri
         if "://" in raw:
@@ -202,11 +220,17 @@ class CheckpointStore:
         return self._save(sess, op, fill)
 
     def check_state(self, path: Path, sess: TrainSession, field: str = "path") -> dict[str, Any]:
-        """The metadata of a ``save_state`` directory that ``sess`` can load (its LoRA rank and targets);
+        """The metadata of a ``save_state`` directory that ``sess`` can load (its base model, LoRA rank and targets);
         anything else is an InvalidInputError naming ``field``."""
         meta = self.meta(path)
         if meta.get("kind") != "state":
             raise InvalidInputError(f"{self.uri(path)} is a {meta.get('kind')} checkpoint", field=field, fix="pass a save_state path")
+        if meta.get("base_model") != sess.base_model:  # module names and shapes may match on another base: never load it there
+            raise InvalidInputError(
+                f"the checkpoint was trained on {_show(str(meta.get('base_model')))}, this session is on {_show(sess.base_model)}",
+                field=field,
+                fix="load it into a session on its base model (or create one with from_path)",
+            )
         if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
             raise InvalidInputError(
                 "the checkpoint's LoRA rank or targets differ from this session's",

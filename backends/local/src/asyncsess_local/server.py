@@ -18,8 +18,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -136,15 +136,26 @@ def create_app(
             raise InvalidInputError(f"unknown base model {_show(name)}", field=field, fix="use a name from GET /v1/models")
         return name
 
-    def check_room(key: str, what: str) -> None:
+    opening: Counter[str] = Counter()  # sessions and samplers being created, per tenant (they count as open)
+
+    @contextmanager
+    def room(key: str, what: str) -> Iterator[None]:
+        """Hold one of ``key``'s ``max_live_per_key`` places while a session or sampler is created: counted and
+        taken with no await between, so requests sent at once cannot all pass the check."""
         engine = backend.engine
         live = sum(1 for i, k in owners.by_id.items() if k == key and (i in engine.sessions or i in engine.samplers))
+        live += opening[key]
         if live >= max_live_per_key:
             raise InvalidInputError(
                 f"this API key holds {live} open sessions and samplers, the most allowed",
                 field=what,
                 fix="stop the ones you no longer need (DELETE /v1/sessions/{id})",
             )
+        opening[key] += 1
+        try:
+            yield
+        finally:
+            opening[key] -= 1
 
     def seq_is_new(session_id: str, seq: int) -> bool:
         """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
@@ -156,16 +167,14 @@ def create_app(
         so another tenant's path and a missing one get the same answer."""
         if path is None:
             return
-        if path.startswith(EPHEMERAL):
-            owner = path[len(EPHEMERAL) :].split("/", 1)[0]
-        else:
-            owner = backend.engine.store.owner(path, field)
+        store = backend.engine.store
+        owner = store.ephemeral_owner(path, field) if path.startswith(EPHEMERAL) else store.owner(path, field)
         if owners.by_id.get(owner) != key:
             raise InvalidInputError(
                 f"no checkpoint at {_show(path)} for this API key", field=field, fix="pass a path saved with this API key"
             )
         if not path.startswith(EPHEMERAL):
-            backend.engine.store.resolve(path, field)  # the key's own: now it may learn that it is missing
+            store.resolve(path, field)  # the key's own: now it may learn that it is missing
 
     # ---------------------------------------------------------------- the backend protocol
 
@@ -176,12 +185,12 @@ def create_app(
     @app.post("/v1/sessions")
     async def create_session(body: bodies.SessionBody, key: str = Depends(api_key)) -> Any:
         spec = body.spec()
-        check_room(key, "base_model")
         owned_path(key, spec.from_path, "from_path")
         if spec.from_path is None or spec.base_model:
             check_base_model(spec.base_model, "base_model")
-        info = await backend.create_training_session(spec)
-        owners.own(info.model_id, key, durable=True)
+        with room(key, "base_model"):
+            info = await backend.create_training_session(spec)
+            owners.own(info.model_id, key, durable=True)
         return info.model_dump(mode="json")
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
@@ -222,12 +231,12 @@ def create_app(
     @app.post("/v1/samplers")
     async def create_sampler(body: bodies.SamplerBody, key: str = Depends(api_key)) -> Any:
         spec = body.spec()
-        check_room(key, "model_path" if spec.model_path else "base_model")
         owned_path(key, spec.model_path, "model_path")
         if spec.model_path is None:
             check_base_model(spec.base_model, "base_model")
-        sampler_id = await backend.create_sampler(spec)
-        owners.own(sampler_id, key)
+        with room(key, "model_path" if spec.model_path else "base_model"):
+            sampler_id = await backend.create_sampler(spec)
+            owners.own(sampler_id, key)
         return {"sampler_id": sampler_id}
 
     @app.post("/v1/samplers/{sampler_id}/sample")
@@ -413,11 +422,11 @@ def main(argv: list[str] | None = None) -> None:
     if not keys:
         keys = [secrets.token_urlsafe(24)]
         print(f"API key (set ASYNCSESS_API_KEY to reuse): {keys[0]}", flush=True)
-    if args.supervise:  # the same keys for every restart of the child
+    if args.supervise:  # the same keys for every restart of the child; one not given as --api-key goes in its env
         from .supervise import supervise
 
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--supervise"]
-        raise SystemExit(supervise([*rest, *(a for k in keys if k not in (args.api_key or []) for a in ("--api-key", k))]))
+        raise SystemExit(supervise(rest, api_key=None if args.api_key else keys[0]))
     backend = LocalBackend(
         model=args.model,
         device=args.device,

@@ -197,6 +197,12 @@ class Sessions:
                 )
         base_name = spec.base_model or meta.get("base_model", "")
         slot = self.slot(base_name)
+        if meta and slot.name != meta.get("base_model"):  # another name of the same model is fine (one slot)
+            raise InvalidInputError(
+                f"{spec.from_path} was trained on {meta.get('base_model')!r}, not {spec.base_model!r}",
+                field="base_model",
+                fix="leave base_model out: a session from a checkpoint is on the checkpoint's base model",
+            )
         if meta:
             rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), list(meta["targets"])
         else:
@@ -334,6 +340,14 @@ class Sessions:
             else:
                 slot.host.import_peft(adapter, peft_dir)
             snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir)
+        if spec.base_model and spec.base_model != snap.slot.name and self.slots.get(spec.base_model) is not snap.slot:
+            if snap.refs == 0 and snap.owner is None:
+                self._drop_snapshot(path)
+            raise InvalidInputError(
+                f"{spec.model_path} holds weights for {snap.slot.name!r}, not {spec.base_model!r}",
+                field="base_model",
+                fix="leave base_model out: a sampler on a saved path samples that path's base model",
+            )
         vllm = snap.slot.vllm
         if vllm is not None and not snap.in_vllm and _vllm_takes(snap.slot, snap.slot.host.info[snap.adapter].targets):
             host, adapter = snap.slot.host, snap.adapter

@@ -9,6 +9,7 @@ crashes within ``window_s`` seconds: it gives up (a worker that cannot start sho
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -19,9 +20,10 @@ from types import FrameType
 __all__ = ["supervise"]
 
 
-def supervise(argv: list[str], *, max_restarts: int = 10, window_s: float = 600.0) -> int:
+def supervise(argv: list[str], *, api_key: str | None = None, max_restarts: int = 10, window_s: float = 600.0) -> int:
     """Run ``python -m asyncsess_local.server *argv`` until it exits cleanly or is stopped (0), or until it
-    crashed too often (its last exit code)."""
+    crashed too often (its last exit code). ``api_key`` goes to every child in ``$ASYNCSESS_API_KEY``, never on
+    its command line (which any local user can read)."""
     crashes: deque[float] = deque()
     stopping = False
     child: subprocess.Popen[bytes] | None = None
@@ -35,7 +37,8 @@ def supervise(argv: list[str], *, max_restarts: int = 10, window_s: float = 600.
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     while True:
-        child = subprocess.Popen([sys.executable, "-m", "asyncsess_local.server", *argv])
+        env = {**os.environ, "ASYNCSESS_API_KEY": api_key} if api_key else None
+        child = subprocess.Popen([sys.executable, "-m", "asyncsess_local.server", *argv], env=env)
         print(f"asyncsess-worker: worker pid {child.pid} started", flush=True)
         code = child.wait()
         if stopping or code == 0:
