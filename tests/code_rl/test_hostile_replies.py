@@ -57,7 +57,10 @@ def test_numbers_within_range_stay_numbers():
 
 def test_deep_nesting_lone_surrogates_and_nul():
     assert parse_tool_calls(call_with('{"a": ' * 200_000)) == ([], "a tool call nests too deeply")
-    assert parse_tool_calls(call_with("{}", name='"\\ud800"'))[1] == "a tool call's name holds a lone surrogate (\\ud800-\\udfff), which is not text"
+    assert (
+        parse_tool_calls(call_with("{}", name='"\\ud800"'))[1]
+        == "a tool call's name holds a lone surrogate (\\ud800-\\udfff), which is not text"
+    )
     assert parse_tool_calls(call_with("{}", name='"f\x00"'))[1].startswith("a tool call is not JSON: Invalid control character")
     [call], err = parse_tool_calls(call_with('{"code": "\\ud800\\u0000"}'))  # escaped in an argument: the tool's to judge
     assert err is None and call.arguments == {"code": "\ud800\x00"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from pathlib import Path
 
 from ..rl.problem_env import Problem
@@ -26,9 +27,7 @@ def final_answer(text: str) -> str | None:
     """The number after the last ``####`` that has one, canonical (:func:`asyncsess.tasks.numbers.canonical`:
     ``"#### 1,200.50"`` -> ``"1200.5"``); ``None`` if absent or if that ``####`` is followed by something else
     than a plain ASCII decimal (``1e999``, ``10**10**10``, ``3/4``, ``٤٢``)."""
-    last: re.Match[str] | None = None
-    for last in _FINAL.finditer(text):
-        pass
+    last = next(iter(deque(_FINAL.finditer(text), maxlen=1)), None)
     if last is None:
         return None
     value = last.group(1).rstrip(".,").replace(",", "")  # a sentence may end right after the number
