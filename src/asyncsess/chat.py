@@ -116,13 +116,17 @@ def _plain_content_tokens(
     tools: Sequence[Any],
 ) -> list[int]:
     """Render with a placeholder for each risky content, then tokenize: special tokens only where the template
-    wrote them; the text between them (template text and content) with special-token text spelled out."""
+    wrote them; the text between them (template text and content) with special-token text spelled out. A
+    template that trims content (Llama 3's ``| trim``) gets the content trimmed; any other change is refused."""
     slot = f"\ue000{uuid.uuid4().hex}"
     marked = [dict(m, content=f"{slot}{i}\ue001") if i in risky else m for i, m in enumerate(messages)]
     pattern = re.compile(re.escape(slot) + r"(\d+)\ue001")
     pieces = pattern.split(_template_text(tokenizer, marked, add_generation_prompt, tools))
     expected = _template_text(tokenizer, messages, add_generation_prompt, tools)
-    if "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)) != expected:
+    for shown in ({i: messages[i]["content"] for i in risky}, {i: messages[i]["content"].strip() for i in risky}):
+        if "".join(shown[int(p)] if k % 2 else p for k, p in enumerate(pieces)) == expected:
+            break
+    else:
         raise InvalidInputError(
             f"messages[{risky[0]}].content holds special-token text and this chat template changes content as it renders it",
             field=f"messages[{risky[0]}].content",
@@ -133,7 +137,7 @@ def _plain_content_tokens(
     run: list[str] = []
     for k, piece in enumerate(pieces):
         if k % 2:  # a risky content: plain text
-            run.append(messages[int(piece)]["content"])
+            run.append(shown[int(piece)])
             continue
         for j, part in enumerate(split.split(piece)):
             if j % 2:  # the template's own special token

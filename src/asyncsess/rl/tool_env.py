@@ -14,6 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..chat import ChatRenderer, Message, Tool, parse_tool_calls
+from ..errors import InvalidInputError
 from ..types import ModelInput
 from .types import Action, Env, Observation, StepResult, StopCondition
 
@@ -26,8 +27,9 @@ class ToolEnv(Env):
     """A chat episode: the model may call tools on each of its first ``max_turns - 1`` turns; the episode ends
     with the first reply that calls none (or the ``max_turns``-th reply), which ``grade`` scores.
 
-    A malformed tool call, or more than ``max_calls`` calls in one reply, ends the episode (``parse_error``; the
-    reply is still graded). A call of an unknown tool, or with arguments that do not fit the tool's schema
+    A malformed tool call, more than ``max_calls`` calls in one reply, or a conversation the template cannot render
+    with its special-token text kept plain (:func:`asyncsess.chat.render_chat`) ends the episode (``parse_error``;
+    the reply is still graded). A call of an unknown tool, or with arguments that do not fit the tool's schema
     (:meth:`asyncsess.chat.Tool.refusal`), is not run: its result is an ``{"error": ...}`` for the model. When the next
     observation would reach ``max_trajectory_tokens`` the episode ends with ``overflow_reward``
     (``context_overflow``). Tool metrics are reported on the turn of the call; the final step adds
@@ -66,9 +68,7 @@ class ToolEnv(Env):
         self.turns += 1
         calls, error = parse_tool_calls(text, self.max_calls)
         if error is not None or not calls or self.turns >= self.max_turns:
-            reward, final = await self.grade(text)
-            reason = "parse_error" if error is not None else "max_turns" if calls else "completed"
-            return StepResult(reward, True, metrics={**final, "tool_calls": float(self.tool_calls)}, stop_reason=reason)
+            return await self._end(text, "parse_error" if error is not None else "max_turns" if calls else "completed")
         metrics: dict[str, float] = {}
         for call in calls:
             tool = self.tools.get(call.name)
@@ -80,8 +80,15 @@ class ToolEnv(Env):
                 metrics.update(tool_metrics)
             self.messages.append({"role": "tool", "content": content})
         self.tool_calls += len(calls)
-        ob = self.renderer.tokens(self.messages, list(self.tools.values()))
+        try:
+            ob = self.renderer.tokens(self.messages, list(self.tools.values()))
+        except InvalidInputError:  # the reply or a result spells special tokens and the template changes that content
+            return await self._end(text, "parse_error", metrics)
         if self.max_trajectory_tokens is not None and len(ob) >= self.max_trajectory_tokens:
             metrics["tool_calls"] = float(self.tool_calls)
             return StepResult(self.overflow_reward, True, metrics=metrics, stop_reason="context_overflow")
         return StepResult(0.0, False, ModelInput.from_ints(ob), list(self.renderer.stop), metrics)
+
+    async def _end(self, text: str, reason: str, metrics: dict[str, float] | None = None) -> StepResult:
+        reward, final = await self.grade(text)
+        return StepResult(reward, True, metrics={**(metrics or {}), **final, "tool_calls": float(self.tool_calls)}, stop_reason=reason)
