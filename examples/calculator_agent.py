@@ -21,23 +21,33 @@ TOOLS = [
     }
 ]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv, ast.USub: operator.neg}
+MAX_EXPR = 1000  # characters: a longer expression is refused before it is parsed
+MAX_VALUE = 1e100  # a number, or any intermediate result, beyond this in magnitude is refused
 
 
 def calc(expr: str) -> str:
-    """Evaluate + - * / on numbers, nothing else."""
+    """Evaluate + - * / on numbers, nothing else. Every outcome is a short string: the value, or ``error: ...``
+    for bad syntax, another operation (``**``, names, calls, attributes), division by zero, an expression
+    longer than MAX_EXPR characters, or a number beyond MAX_VALUE (checked at each step, so nothing grows)."""
 
     def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.operand))
-        raise ValueError("only numbers and + - * /")
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            value = node.value
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            value = _OPS[type(node.op)](ev(node.left), ev(node.right))
+        elif isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            value = _OPS[type(node.op)](ev(node.operand))
+        else:
+            raise ValueError("only numbers and + - * /")
+        if not abs(value) <= MAX_VALUE:  # also NaN; an int compares with the float exactly, without overflow
+            raise ValueError(f"a number beyond {MAX_VALUE:g}")
+        return value
 
+    if len(expr) > MAX_EXPR:
+        return f"error: the expression is longer than {MAX_EXPR} characters"
     try:
         value = ev(ast.parse(expr, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as err:
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError) as err:  # MemoryError: the parser's stack
         return f"error: {err}"
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
@@ -55,7 +65,7 @@ async def solve(client: openai.AsyncOpenAI, question: str, model: str = "policy"
         for call in reply.tool_calls:
             try:
                 expr = json.loads(call.function.arguments).get("expr", "")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 expr = ""
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calc(str(expr))})
     return (reply.content or "") if reply is not None else ""

@@ -116,13 +116,17 @@ def _plain_content_tokens(
     tools: Sequence[Any],
 ) -> list[int]:
     """Render with a placeholder for each risky content, then tokenize: special tokens only where the template
-    wrote them; the text between them (template text and content) with special-token text spelled out."""
+    wrote them; the text between them (template text and content) with special-token text spelled out. A
+    template that trims content (Llama 3's ``| trim``) gets the content trimmed; any other change is refused."""
     slot = f"\ue000{uuid.uuid4().hex}"
     marked = [dict(m, content=f"{slot}{i}\ue001") if i in risky else m for i, m in enumerate(messages)]
     pattern = re.compile(re.escape(slot) + r"(\d+)\ue001")
     pieces = pattern.split(_template_text(tokenizer, marked, add_generation_prompt, tools))
     expected = _template_text(tokenizer, messages, add_generation_prompt, tools)
-    if "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)) != expected:
+    for shown in ({i: messages[i]["content"] for i in risky}, {i: messages[i]["content"].strip() for i in risky}):
+        if "".join(shown[int(p)] if k % 2 else p for k, p in enumerate(pieces)) == expected:
+            break
+    else:
         raise InvalidInputError(
             f"messages[{risky[0]}].content holds special-token text and this chat template changes content as it renders it",
             field=f"messages[{risky[0]}].content",
@@ -133,7 +137,7 @@ def _plain_content_tokens(
     run: list[str] = []
     for k, piece in enumerate(pieces):
         if k % 2:  # a risky content: plain text
-            run.append(messages[int(piece)]["content"])
+            run.append(shown[int(piece)])
             continue
         for j, part in enumerate(split.split(piece)):
             if j % 2:  # the template's own special token
@@ -199,7 +203,8 @@ def turn_stop_tokens(tokenizer: Any) -> list[int]:
 
 ToolFn = Callable[[Mapping[str, Any]], Awaitable[tuple[str, dict[str, float]]]]
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_MAX_DIGITS = 4300  # an integer literal longer than this is refused (Python's own default int-from-str limit)
 _PROBE = "asyncsess-probe-7f3a"
 
 
@@ -215,6 +220,42 @@ class Tool:
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
+    def refusal(self, arguments: Mapping[str, Any]) -> str | None:
+        """Why ``arguments`` do not fit :attr:`parameters`, or ``None``: the top level of the schema is checked
+        (``required``, each property's ``type`` and ``enum``, ``additionalProperties: false``)."""
+        props = self.parameters.get("properties") or {}
+        missing = [k for k in self.parameters.get("required") or [] if k not in arguments]
+        if missing:
+            return f"{self.name} needs the argument {missing[0]!r}"
+        if self.parameters.get("additionalProperties") is False and (extra := [k for k in arguments if k not in props]):
+            return f"{self.name} takes no argument {extra[0][:64]!r}; it takes {sorted(props)}"
+        for key, value in arguments.items():
+            spec = props.get(key)
+            if not isinstance(spec, Mapping):
+                continue
+            kinds = spec.get("type")
+            kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+            if kinds and not any(_JSON_TYPES.get(k, lambda v: True)(value) for k in kinds):
+                return f"{self.name}'s argument {key!r} must be {' or '.join(kinds)}, not {_json_type(value)}"
+            if "enum" in spec and value not in spec["enum"]:
+                return f"{self.name}'s argument {key!r} must be one of {spec['enum']}"
+        return None
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def _json_type(value: Any) -> str:
+    return next((k for k, fits in _JSON_TYPES.items() if fits(value)), type(value).__name__)
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -226,21 +267,62 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value")
 
 
-def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
-    """The tool calls in a reply, and an error message when one is malformed (not JSON, no name, unclosed)."""
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} is beyond a float's range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > _MAX_DIGITS:  # int() of a long digit string is quadratic, and refused past Python's limit
+        raise ValueError(f"an integer of {len(text)} digits is longer than {_MAX_DIGITS}")
+    return int(text)
+
+
+def _tool_call(body: str) -> ToolCall | str:
+    """One ``<tool_call>`` body as a ToolCall, or what is wrong with it."""
+    try:
+        obj = json.loads(body, parse_constant=_not_json, parse_float=_finite, parse_int=_bounded_int)
+    except ValueError as err:  # JSONDecodeError, NaN/Infinity (Python's extension), 1e999, a 10**5-digit integer
+        return f"a tool call is not JSON: {err}"
+    except RecursionError:  # a model can write "[[[[..." past the parser's recursion limit
+        return "a tool call nests too deeply"
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), dict):
+        return 'a tool call must be {"name": str, "arguments": object}'
+    if not _is_text(obj["name"]):
+        return "a tool call's name holds a lone surrogate (\\ud800-\\udfff), which is not text"
+    return ToolCall(obj["name"], dict(obj.get("arguments", {})))
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def parse_tool_calls(text: str, limit: int | None = None) -> tuple[list[ToolCall], str | None]:
+    """The tool calls in a reply, and an error message when one is malformed (not JSON, NaN, Infinity or a
+    number beyond a float's range or of more than 4300 digits, nested too deeply, no name, a name that is not
+    text, unclosed) or when there are more than ``limit``; the calls before the error come with it.
+
+    A call's body runs from ``<tool_call>`` to the next ``</tool_call>``; the scan is linear in the text."""
     calls: list[ToolCall] = []
-    for body in _CALL.findall(text):
-        try:
-            obj = json.loads(body, parse_constant=_not_json)
-        except ValueError as err:  # JSONDecodeError, or NaN/Infinity (Python's extension: a JSON parser refuses it)
-            return calls, f"a tool call is not JSON: {err}"
-        except RecursionError:  # a model can write "[[[[..." past the parser's recursion limit
-            return calls, "a tool call nests too deeply"
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), dict):
-            return calls, 'a tool call must be {"name": str, "arguments": object}'
-        calls.append(ToolCall(obj["name"], dict(obj.get("arguments", {}))))
-    if text.count("<tool_call>") != len(calls):
-        return calls, "a <tool_call> is not closed"
+    at = text.find(_OPEN)
+    while at >= 0:
+        start = at + len(_OPEN)
+        end = text.find(_CLOSE, start)
+        if end < 0:
+            return calls, "a <tool_call> is not closed"
+        if limit is not None and len(calls) >= limit:
+            return calls, f"more than {limit} tool calls in one reply"
+        call = _tool_call(text[start:end])
+        if isinstance(call, str):
+            return calls, call
+        calls.append(call)
+        at = text.find(_OPEN, end + len(_CLOSE))
     return calls, None
 
 

@@ -14,6 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 
 from ..chat import ChatRenderer, Message, Tool, parse_tool_calls
+from ..errors import InvalidInputError
 from ..types import ModelInput
 from .types import Action, Env, Observation, StepResult, StopCondition
 
@@ -26,7 +27,10 @@ class ToolEnv(Env):
     """A chat episode: the model may call tools on each of its first ``max_turns - 1`` turns; the episode ends
     with the first reply that calls none (or the ``max_turns``-th reply), which ``grade`` scores.
 
-    A malformed tool call ends the episode (``parse_error``; the reply is still graded). When the next
+    A malformed tool call, more than ``max_calls`` calls in one reply, or a conversation the template cannot render
+    with its special-token text kept plain (:func:`asyncsess.chat.render_chat`) ends the episode (``parse_error``;
+    the reply is still graded). A call of an unknown tool, or with arguments that do not fit the tool's schema
+    (:meth:`asyncsess.chat.Tool.refusal`), is not run: its result is an ``{"error": ...}`` for the model. When the next
     observation would reach ``max_trajectory_tokens`` the episode ends with ``overflow_reward``
     (``context_overflow``). Tool metrics are reported on the turn of the call; the final step adds
     ``tool_calls``, the number of calls made.
@@ -42,12 +46,16 @@ class ToolEnv(Env):
         max_turns: int = 2,
         max_trajectory_tokens: int | None = None,
         overflow_reward: float = 0.0,
+        max_calls: int = 16,
     ) -> None:
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
+        if max_calls < 1:
+            raise ValueError("max_calls must be >= 1")
         self.renderer, self.messages, self.grade = renderer, [dict(m) for m in messages], grade
         self.tools = {t.name: t for t in tools}
         self.max_turns, self.max_trajectory_tokens, self.overflow_reward = max_turns, max_trajectory_tokens, overflow_reward
+        self.max_calls = max_calls
         self.turns = 0
         self.tool_calls = 0
 
@@ -58,23 +66,29 @@ class ToolEnv(Env):
         text = self.renderer.decode(action)
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
-        calls, error = parse_tool_calls(text)
+        calls, error = parse_tool_calls(text, self.max_calls)
         if error is not None or not calls or self.turns >= self.max_turns:
-            reward, final = await self.grade(text)
-            reason = "parse_error" if error is not None else "max_turns" if calls else "completed"
-            return StepResult(reward, True, metrics={**final, "tool_calls": float(self.tool_calls)}, stop_reason=reason)
+            return await self._end(text, "parse_error" if error is not None else "max_turns" if calls else "completed")
         metrics: dict[str, float] = {}
         for call in calls:
             tool = self.tools.get(call.name)
-            if tool is None:
-                content = json.dumps({"error": f"unknown tool {call.name!r}; available: {sorted(self.tools)}"})
+            refusal = f"unknown tool {call.name[:64]!r}; available: {sorted(self.tools)}" if tool is None else tool.refusal(call.arguments)
+            if tool is None or refusal is not None:
+                content = json.dumps({"error": refusal})
             else:
                 content, tool_metrics = await tool.run(call.arguments)
                 metrics.update(tool_metrics)
             self.messages.append({"role": "tool", "content": content})
         self.tool_calls += len(calls)
-        ob = self.renderer.tokens(self.messages, list(self.tools.values()))
+        try:
+            ob = self.renderer.tokens(self.messages, list(self.tools.values()))
+        except InvalidInputError:  # the reply or a result spells special tokens and the template changes that content
+            return await self._end(text, "parse_error", metrics)
         if self.max_trajectory_tokens is not None and len(ob) >= self.max_trajectory_tokens:
             metrics["tool_calls"] = float(self.tool_calls)
             return StepResult(self.overflow_reward, True, metrics=metrics, stop_reason="context_overflow")
         return StepResult(0.0, False, ModelInput.from_ints(ob), list(self.renderer.stop), metrics)
+
+    async def _end(self, text: str, reason: str, metrics: dict[str, float] | None = None) -> StepResult:
+        reward, final = await self.grade(text)
+        return StepResult(reward, True, metrics={**(metrics or {}), **final, "tool_calls": float(self.tool_calls)}, stop_reason=reason)

@@ -2,8 +2,10 @@
 (each operand has one or two digits with equal probability, so a quarter of the problems are
 single-digit ones).
 
-Reward 1 when the reply's final number (its last integer, so "23 + 45 = 68" counts) equals the
-answer. ``env/all/format`` records whether the reply is only that number, as the prompt asks.
+Reward 1 when the reply's final number (its last run of ASCII digits with its sign, so "23 + 45 = 68"
+counts) equals the answer, compared as canonical strings (``-0`` is 0, ``068`` is 68; never converted to
+``int``, so a 100k-digit reply is just wrong). ``env/all/format`` records whether the reply is only that
+number, as the prompt asks.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import random
 import re
 
 from ..rl.problem_env import Problem
+from .numbers import canonical
 
 __all__ = ["QUESTION", "make_problems", "split", "grade"]
 
 QUESTION = "What is {a} {op} {b}? Reply with only the number."
-_INT = re.compile(r"-?\d+")
+_INT = re.compile(r"-?[0-9]+")
 
 
 def _problem(a: int, op: str, b: int) -> Problem:
@@ -52,6 +55,6 @@ def split(n_train: int, n_test: int, seed: int, ops: str = "+-") -> tuple[list[P
 
 def grade(problem: Problem, reply: str) -> tuple[float, dict[str, float]]:
     numbers = _INT.findall(reply)
-    correct = bool(numbers) and numbers[-1] == problem.answer
+    correct = bool(numbers) and canonical(numbers[-1]) == canonical(problem.answer)
     only = reply.strip() == problem.answer
     return float(correct), {"correct": float(correct), "format": float(only)}

@@ -2,32 +2,38 @@
 
 Loaded from a local JSONL file (rows ``{"question", "answer"}`` in the dataset's own format) or,
 when online, through ``datasets`` (``openai/gsm8k``, config ``main``). Reward 1 when the number after
-``####`` in the reply matches the reference.
+``####`` in the reply matches the reference (:func:`final_answer`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from pathlib import Path
 
 from ..rl.problem_env import Problem
+from .numbers import DECIMAL, canonical
 
 __all__ = ["INSTRUCTION", "load", "final_answer", "grade"]
 
 INSTRUCTION = " Solve it step by step, then give the final answer as a number after ####, e.g. #### 42."
-_FINAL = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+# after "####" (and a "$"), one run of digits, dots and commas; one reading per "####", so linear in the text
+_FINAL = re.compile(r"####\s*(?:\$\s*)?(-?[0-9.,]+)")
+_MORE = re.compile(r"[ \t]*(?:[eE][-+]?[0-9]|\*\*|[*/^][ \t]*[0-9.])")  # an exponent or an operator: an expression
 
 
 def final_answer(text: str) -> str | None:
-    """The number after the last ``####``, without commas or a trailing ``.0``; ``None`` if absent."""
-    found = _FINAL.findall(text)
-    if not found:
+    """The number after the last ``####`` that has one, canonical (:func:`asyncsess.tasks.numbers.canonical`:
+    ``"#### 1,200.50"`` -> ``"1200.5"``); ``None`` if absent or if that ``####`` is followed by something else
+    than a plain ASCII decimal (``1e999``, ``10**10**10``, ``3/4``, ``٤٢``)."""
+    last = next(iter(deque(_FINAL.finditer(text), maxlen=1)), None)
+    if last is None:
         return None
-    value = found[-1].replace(",", "")
-    if "." in value:
-        value = value.rstrip("0").rstrip(".")
-    return value
+    value = last.group(1).rstrip(".,").replace(",", "")  # a sentence may end right after the number
+    if not DECIMAL.fullmatch(value) or _MORE.match(text, last.end(1)):
+        return None
+    return canonical(value)
 
 
 def _row(row: dict[str, str]) -> Problem:
