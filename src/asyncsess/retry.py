@@ -67,7 +67,9 @@ class RetryPolicy:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or value < 0 or (positive and value == 0):
                 bound = "> 0 (or None for no limit)" if positive else ">= 0"
-                raise InvalidInputError(f"{value!r:.40} is not a finite number of seconds {bound}", field=f.name, fix=f"give {f.name} {bound}")
+                raise InvalidInputError(
+                    f"{value!r:.40} is not a finite number of seconds {bound}", field=f.name, fix=f"give {f.name} {bound}"
+                )
 
     @classmethod
     def none(cls) -> RetryPolicy:

@@ -45,7 +45,9 @@ CALLS: dict[str, Callable[[HttpBackend], Awaitable[Any]]] = {
 }
 
 
-async def against(handler: Callable[[Seen], bytes | Act], call: Callable[[HttpBackend], Awaitable[Any]], **options: Any) -> tuple[Any, Rogue]:
+async def against(
+    handler: Callable[[Seen], bytes | Act], call: Callable[[HttpBackend], Awaitable[Any]], **options: Any
+) -> tuple[Any, Rogue]:
     """``call`` on a driver of the rogue server: its result, or the exception it raised (returned, not raised)."""
     async with rogue_server(handler) as rogue:
         backend = HttpBackend(rogue.url, api_key=KEY, **options)
@@ -233,7 +235,9 @@ async def test_the_error_bodys_retry_after_is_sanitised_and_the_header_fills_in(
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 async def test_a_redirect_to_another_host_is_not_followed_and_the_key_stays_home(status: int) -> None:
     async with rogue_server(lambda _: response(200, wire.encode_result(OptimStepResponse(metrics={})))) as elsewhere:
-        got, rogue = await against(lambda _: response(status, b"", headers={"location": f"{elsewhere.url}/steal"}), CALLS["execute_training"])
+        got, rogue = await against(
+            lambda _: response(status, b"", headers={"location": f"{elsewhere.url}/steal"}), CALLS["execute_training"]
+        )
     assert isinstance(got, APIResponseValidationError) and "redirect" in str(got)
     assert elsewhere.seen == [], "nothing (and no key) reached the other host"
     assert len(rogue.seen) == 1
@@ -281,7 +285,9 @@ async def test_a_chunked_body_past_the_cap_is_refused_while_it_streams() -> None
 
 async def test_a_gzip_bomb_is_cut_off_at_the_cap_not_inflated() -> None:
     bomb = gzip.compress(b"[" + b"0," * (20 * 2**20) + b"0]", compresslevel=9)  # 40 MB of JSON in ~40 KB
-    got, _ = await against(lambda _: response(200, bomb, headers={"content-encoding": "gzip"}), CALLS["compute_logprobs"], max_response_bytes=2**20)
+    got, _ = await against(
+        lambda _: response(200, bomb, headers={"content-encoding": "gzip"}), CALLS["compute_logprobs"], max_response_bytes=2**20
+    )
     assert isinstance(got, APIResponseValidationError) and "max_response_bytes" in str(got)
 
 
@@ -325,4 +331,3 @@ def test_every_op_kind_has_the_result_that_answers_it() -> None:
     from asyncsess.backends import OP_TYPES
 
     assert set(wire.RESULT_OF_OP) == set(OP_TYPES)
-

@@ -29,7 +29,7 @@ from ..types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilit
 from . import http_wire as wire
 from .base import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, require_op
 
-__all__ = ["HttpBackend", "MAX_RESPONSE_BYTES"]
+__all__ = ["HttpBackend", "MAX_RESPONSE_BYTES", "read_capped"]
 
 MAX_RESPONSE_BYTES = 256 * 2**20
 """The largest answer (decoded bytes) the driver reads; ``max_response_bytes=`` changes it."""
@@ -82,7 +82,7 @@ class HttpBackend(Backend):
         try:
             r = await self.client.send(request, stream=True)  # follow_redirects is off: the key never leaves base_url
             try:
-                content = await _read_capped(r, self.max_response_bytes, f"{method} {path}")
+                content = await read_capped(r, self.max_response_bytes, f"{method} {path}")
             finally:
                 await r.aclose()
         except (httpx.TransportError, httpx.TimeoutException) as err:
@@ -160,8 +160,9 @@ class HttpBackend(Backend):
         return self._tokenizers[base_model]
 
 
-async def _read_capped(r: httpx.Response, limit: int, what: str) -> bytes:
-    """The (decoded) body of ``r``, refused as soon as it is known to pass ``limit`` bytes."""
+async def read_capped(r: httpx.Response, limit: int, what: str) -> bytes:
+    """The (decoded) body of the streamed ``r``, refused (an APIResponseValidationError) as soon as it is known to
+    pass ``limit`` bytes: a 2 GB ``Content-Length`` before a byte is read, a gzip bomb at ``limit`` decoded bytes."""
     declared = r.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit and "content-encoding" not in r.headers:
         raise APIResponseValidationError(f"{what}: the worker announced a {int(declared)}-byte answer, over max_response_bytes={limit}")
@@ -183,7 +184,9 @@ def _result(r: httpx.Response, content: bytes) -> Any:
         body = json.loads(content) if content else None
     except ValueError:  # not JSON (or not UTF-8)
         if r.status_code < 300:
-            raise APIResponseValidationError(f"the worker answered {r.status_code} with a body that is not JSON: {content[:200]!r}") from None
+            raise APIResponseValidationError(
+                f"the worker answered {r.status_code} with a body that is not JSON: {content[:200]!r}"
+            ) from None
         body = content[:500].decode("utf-8", "replace")
     if 300 <= r.status_code < 400:
         where = r.headers.get("location", "")[:200]
