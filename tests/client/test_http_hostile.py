@@ -331,3 +331,35 @@ def test_every_op_kind_has_the_result_that_answers_it() -> None:
     from asyncsess.backends import OP_TYPES
 
     assert set(wire.RESULT_OF_OP) == set(OP_TYPES)
+
+
+SAMPLES = {
+    "two sequences for one": [{"stop_reason": "stop", "tokens": [1]}, {"stop_reason": "stop", "tokens": [2]}],
+    "none for one": [],
+    "fewer log-probs than tokens": [{"stop_reason": "stop", "tokens": [1, 2, 3], "logprobs": [-0.1]}],
+    "a token past the vocabulary": [{"stop_reason": "length", "tokens": [5, 64]}],
+    "a huge token id": [{"stop_reason": "length", "tokens": [10**30]}],
+    "a negative token id": [{"stop_reason": "length", "tokens": [-1]}],
+}
+
+
+@pytest.mark.parametrize("sequences", SAMPLES.values(), ids=SAMPLES)
+async def test_sampled_sequences_that_do_not_answer_the_request_are_refused_by_the_client(sequences: list[Any]) -> None:
+    """The client accepted any sequences: a token id no vocabulary has, or fewer log-probs than tokens, reached the loop."""
+    from asyncsess import ResultMismatchError, ServiceClient
+
+    def handler(seen: Seen) -> bytes:
+        answers = {
+            "/v1/capabilities": {"supported_models": [{"model_name": "m", "max_context_length": 128, "vocab_size": 64}]},
+            "/v1/sessions": {"model_id": "s1", "base_model": "m", "lora_rank": 4, "lora_alpha": 8.0},
+            "/v1/samplers": {"sampler_id": "x1"},
+            "/v1/samplers/x1/sample": {"sequences": sequences},
+        }
+        return response(200, answers.get(seen.path, {}))
+
+    async with rogue_server(handler) as rogue:
+        async with ServiceClient(rogue.url, retry=FAST, heartbeat_interval=0) as svc:
+            await svc.create_lora_training_client("m", rank=4)  # caches the capabilities (vocab_size=64)
+            sc = await svc.create_sampling_client(base_model="m")
+            with pytest.raises((APIResponseValidationError, ResultMismatchError)):
+                await sc.sample([1, 2], 1, SamplingParams(max_tokens=4))
