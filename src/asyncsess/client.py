@@ -624,16 +624,19 @@ class ServiceClient:
 
 
 def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_size: int | None) -> None:
-    """A backend's sequences must answer the request: ``num_samples`` of them, one log-prob per token, token ids in
-    the vocabulary (``[0, vocab_size)`` when known); anything else is not accepted as a result."""
+    """A backend's sequences must answer the request: ``num_samples`` of them, one log-prob (not NaN) per token, token
+    ids in the vocabulary (``[0, vocab_size)``, or int32 when the size is unknown); anything else is not a result."""
     if len(response.sequences) != request.num_samples:
         raise APIResponseValidationError(f"the backend returned {len(response.sequences)} sequences for num_samples={request.num_samples}")
     for s in response.sequences:
         if s.logprobs is not None and len(s.logprobs) != len(s.tokens):
             raise ResultMismatchError("sample.logprobs", len(s.tokens), len(s.logprobs))
-        bad = next((t for t in s.tokens if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if s.logprobs is not None and any(lp != lp for lp in s.logprobs):
+            raise APIResponseValidationError("the backend returned a NaN log-prob for a sampled token")
+        top = vocab_size if vocab_size is not None else 2**31
+        bad = next((t for t in s.tokens if not 0 <= t < top), None)
         if bad is not None:
-            raise APIResponseValidationError(f"the backend sampled token id {str(bad)[:30]}, outside the vocabulary [0, {vocab_size})")
+            raise APIResponseValidationError(f"the backend sampled token id {str(bad)[:30]}, outside the vocabulary [0, {top})")
 
 
 def _warn_unclosed(svc_ref: weakref.ref[ServiceClient], session_id: str, kind: str) -> None:

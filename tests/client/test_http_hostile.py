@@ -340,6 +340,7 @@ SAMPLES = {
     "a token past the vocabulary": [{"stop_reason": "length", "tokens": [5, 64]}],
     "a huge token id": [{"stop_reason": "length", "tokens": [10**30]}],
     "a negative token id": [{"stop_reason": "length", "tokens": [-1]}],
+    "a NaN log-prob": [{"stop_reason": "length", "tokens": [5], "logprobs": [float("nan")]}],
 }
 
 
@@ -362,4 +363,19 @@ async def test_sampled_sequences_that_do_not_answer_the_request_are_refused_by_t
             await svc.create_lora_training_client("m", rank=4)  # caches the capabilities (vocab_size=64)
             sc = await svc.create_sampling_client(base_model="m")
             with pytest.raises((APIResponseValidationError, ResultMismatchError)):
+                await sc.sample([1, 2], 1, SamplingParams(max_tokens=4))
+
+
+async def test_a_huge_token_id_is_refused_even_when_the_vocabulary_size_is_unknown() -> None:
+    from asyncsess import ServiceClient
+
+    def handler(seen: Seen) -> bytes:
+        if seen.path == "/v1/samplers":
+            return response(200, {"sampler_id": "x1"})
+        return response(200, {"sequences": [{"stop_reason": "length", "tokens": [2**31]}]})
+
+    async with rogue_server(handler) as rogue:
+        async with ServiceClient(rogue.url, retry=FAST, heartbeat_interval=0) as svc:
+            sc = await svc.create_sampling_client(base_model="m")
+            with pytest.raises(APIResponseValidationError, match="vocabulary"):
                 await sc.sample([1, 2], 1, SamplingParams(max_tokens=4))
