@@ -25,7 +25,7 @@ def _backend(seen: list[TrainingOp]) -> HttpBackend:
         results = {  # each op answered with its own kind of result (another kind is refused as another request's answer)
             "forward_backward": ForwardBackwardOutput(metrics={"seq": float(op.seq)}),
             "optim_step": OptimStepResponse(metrics={"seq": float(op.seq)}),
-            "save_weights": CheckpointResponse(path="p", kind="sampler"),
+            "save_weights": CheckpointResponse(path="p", kind=getattr(op, "checkpoint_kind", "sampler")),
             "load_state": LoadWeightsResponse(path="p"),
         }
         return httpx.Response(200, json=wire.encode_result(results[op.kind]))

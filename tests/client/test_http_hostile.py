@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from asyncsess import RetryPolicy, SamplingParams
-from asyncsess.backends import OptimStepOp, SampleRequest, SamplerSpec, TrainingSessionSpec
+from asyncsess.backends import OptimStepOp, SampleRequest, SamplerSpec, SaveWeightsOp, TrainingSessionSpec
 from asyncsess.backends import http_wire as wire
 from asyncsess.backends.http import HttpBackend
 from asyncsess.errors import (
@@ -24,7 +24,7 @@ from asyncsess.errors import (
     is_retryable,
 )
 from asyncsess.retry import MAX_RETRY_AFTER, call_with_retry, retry_after_seconds
-from asyncsess.types import OptimStepResponse
+from asyncsess.types import CheckpointResponse, OptimStepResponse
 
 from .helpers import sft_datum
 from .rogue_server import Act, Rogue, Seen, response, rogue_server
@@ -96,6 +96,18 @@ async def test_an_op_result_that_does_not_answer_the_op_is_refused_not_accepted(
     got, rogue = await against(lambda _: response(200, body), CALLS["execute_training"])
     assert isinstance(got, APIResponseValidationError), what
     assert len(rogue.seen) == 1
+
+
+@pytest.mark.parametrize("kind", ["state", "merged"])
+async def test_a_save_answered_with_another_kind_of_checkpoint_is_refused(kind: str) -> None:
+    answer = wire.encode_result(CheckpointResponse(path="x", kind=kind))  # type: ignore[arg-type]
+    got, _ = await against(lambda _: response(200, answer), lambda b: b.execute_training("s1", SaveWeightsOp(seq=1, idempotency_key="k")))
+    assert isinstance(got, APIResponseValidationError) and "checkpoint" in str(got)
+    ok, _ = await against(
+        lambda _: response(200, wire.encode_result(CheckpointResponse(path="x", kind="sampler"))),
+        lambda b: b.execute_training("s1", SaveWeightsOp(seq=1, idempotency_key="k")),
+    )
+    assert ok == CheckpointResponse(path="x", kind="sampler")
 
 
 async def test_the_right_result_still_decodes() -> None:

@@ -25,9 +25,20 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from ..errors import APIResponseValidationError, TransientError
-from ..types import Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
+from ..types import Checkpoint, CheckpointResponse, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from . import http_wire as wire
-from .base import Backend, ParsedURL, SampleRequest, SamplerSpec, Tokenizer, TrainingOp, TrainingSessionSpec, require_op
+from .base import (
+    Backend,
+    ParsedURL,
+    SampleRequest,
+    SamplerSpec,
+    SaveStateOp,
+    SaveWeightsOp,
+    Tokenizer,
+    TrainingOp,
+    TrainingSessionSpec,
+    require_op,
+)
 
 __all__ = ["HttpBackend", "MAX_RESPONSE_BYTES", "read_capped"]
 
@@ -108,7 +119,12 @@ class HttpBackend(Backend):
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
         op = require_op(op)
         body = await self._call("POST", f"/v1/sessions/{session_id}/ops", json=wire.encode_op(op))
-        return wire.decode_result(body, op.kind)
+        result = wire.decode_result(body, op.kind)
+        if isinstance(op, (SaveStateOp, SaveWeightsOp)) and isinstance(result, CheckpointResponse) and result.kind != op.checkpoint_kind:
+            raise APIResponseValidationError(
+                f"the worker answered a {op.kind} op with a {result.kind!r} checkpoint, not {op.checkpoint_kind!r}"
+            )
+        return result
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         body = await self._call("POST", "/v1/samplers", json=wire.SAMPLER_SPEC.dump_python(spec, mode="json"))
