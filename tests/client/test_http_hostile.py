@@ -391,3 +391,10 @@ async def test_a_huge_token_id_is_refused_even_when_the_vocabulary_size_is_unkno
             sc = await svc.create_sampling_client(base_model="m")
             with pytest.raises(APIResponseValidationError, match="vocabulary"):
                 await sc.sample([1, 2], 1, SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, float("nan"), "big", True])
+def test_a_response_limit_that_is_not_a_positive_whole_number_is_refused(limit: Any) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        HttpBackend("http://127.0.0.1:9", max_response_bytes=limit)
+    assert err.value.field == "max_response_bytes"

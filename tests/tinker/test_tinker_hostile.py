@@ -232,3 +232,13 @@ async def test_a_server_that_never_finishes_answering_meets_the_ops_deadline(act
 
     got = await drive(Wire(**{"future:optim_step": act}), under_deadline)
     assert isinstance(got, DeadlineExceededError)
+
+
+@pytest.mark.parametrize("limit", [0, "lots", float("inf")])
+def test_a_response_limit_that_is_not_a_positive_whole_number_is_refused(limit: Any) -> None:
+    from asyncsess.backends import load_backend
+    from asyncsess.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError) as err:
+        load_backend("tinker://127.0.0.1:9", max_response_bytes=limit)
+    assert err.value.field == "max_response_bytes"

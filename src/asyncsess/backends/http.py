@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from ..errors import APIResponseValidationError, TransientError
+from ..errors import APIResponseValidationError, InvalidInputError, TransientError
 from ..types import Checkpoint, CheckpointResponse, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
 from . import http_wire as wire
 from .base import (
@@ -40,11 +40,20 @@ from .base import (
     require_op,
 )
 
-__all__ = ["HttpBackend", "MAX_RESPONSE_BYTES", "read_capped"]
+__all__ = ["HttpBackend", "MAX_RESPONSE_BYTES", "read_capped", "response_limit"]
 
 MAX_RESPONSE_BYTES = 256 * 2**20
 """The largest answer (decoded bytes) the driver reads; ``max_response_bytes=`` changes it."""
 M = TypeVar("M", bound=BaseModel)
+
+
+def response_limit(value: Any) -> int:
+    """``max_response_bytes`` as given, or an InvalidInputError naming it (a whole number of bytes >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"{value!r:.40} is not a whole number of bytes >= 1", field="max_response_bytes", fix="e.g. 256 * 2**20")
+    return value
+
+
 _CHECKPOINTS = TypeAdapter(list[Checkpoint])
 _LOGPROBS = TypeAdapter(list[float | None])
 
@@ -62,7 +71,7 @@ class HttpBackend(Backend):
         max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.max_response_bytes = max_response_bytes
+        self.max_response_bytes = response_limit(max_response_bytes)
         key = api_key or os.environ.get("ASYNCSESS_API_KEY", "")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._timeout = httpx.Timeout(timeout, connect=10.0)

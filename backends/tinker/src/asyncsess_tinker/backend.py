@@ -36,7 +36,7 @@ from asyncsess.backends import (
     require_op,
     unknown_op,
 )
-from asyncsess.backends.http import MAX_RESPONSE_BYTES, read_capped
+from asyncsess.backends.http import MAX_RESPONSE_BYTES, read_capped, response_limit
 from asyncsess.errors import (
     APIResponseValidationError,
     AsyncSessError,
@@ -85,7 +85,7 @@ class TinkerBackend(Backend):
         max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.max_response_bytes = max_response_bytes
+        self.max_response_bytes = response_limit(max_response_bytes)
         self.api_key = api_key
         self.timeout = timeout
         self.poll_timeout = poll_timeout
@@ -109,7 +109,7 @@ class TinkerBackend(Backend):
         port = f":{url.port}" if url.port else ""
         key = url.query.get("api_key") or options.get("api_key") or os.environ.get("TINKER_API_KEY")
         tokenizer = options.get("tokenizer") or url.query.get("tokenizer")
-        limit = int(options.get("max_response_bytes", MAX_RESPONSE_BYTES))
+        limit = options.get("max_response_bytes", MAX_RESPONSE_BYTES)
         return cls(
             f"{http}://{url.host}{port}{url.path}",
             key,
