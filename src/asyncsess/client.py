@@ -43,6 +43,7 @@ from .backends import (
 from .batching import chunk_datums, merge_outputs
 from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
 from .errors import (
+    APIResponseValidationError,
     AsyncSessError,
     ConflictError,
     InvalidInputError,
@@ -536,6 +537,11 @@ class ServiceClient:
                     return m.vocab_size, m.max_context_length
         return None, None
 
+    def _vocab_size(self, base_model: str) -> int | None:
+        """The vocabulary size the cached capabilities give ``base_model`` (no call to the backend)."""
+        models = self._caps.supported_models if self._caps is not None else []
+        return next((m.vocab_size for m in models if m.model_name == base_model), None)
+
     def _require_open(self) -> None:
         if self._tg is None or self._closed:
             raise RuntimeError("ServiceClient is not open: use `async with ServiceClient(url) as svc:`")
@@ -615,6 +621,22 @@ class ServiceClient:
                     await self.backend.heartbeat(sampler_id)
                 except Exception as err:  # the sampler's next call reports a lost session, typed
                     log.debug("heartbeat for sampler %s failed: %r", sampler_id, err)
+
+
+def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_size: int | None) -> None:
+    """A backend's sequences must answer the request: ``num_samples`` of them, one log-prob (not NaN) per token, token
+    ids in the vocabulary (``[0, vocab_size)``, or int32 when the size is unknown); anything else is not a result."""
+    if len(response.sequences) != request.num_samples:
+        raise APIResponseValidationError(f"the backend returned {len(response.sequences)} sequences for num_samples={request.num_samples}")
+    for s in response.sequences:
+        if s.logprobs is not None and len(s.logprobs) != len(s.tokens):
+            raise ResultMismatchError("sample.logprobs", len(s.tokens), len(s.logprobs))
+        if s.logprobs is not None and any(lp != lp for lp in s.logprobs):
+            raise APIResponseValidationError("the backend returned a NaN log-prob for a sampled token")
+        top = vocab_size if vocab_size is not None else 2**31
+        bad = next((t for t in s.tokens if not 0 <= t < top), None)
+        if bad is not None:
+            raise APIResponseValidationError(f"the backend sampled token id {str(bad)[:30]}, outside the vocabulary [0, {top})")
 
 
 def _warn_unclosed(svc_ref: weakref.ref[ServiceClient], session_id: str, kind: str) -> None:
@@ -1294,6 +1316,7 @@ class SamplingClient:
         n = len(request.prompt)
         if request.include_prompt_logprobs and response.prompt_logprobs is not None and len(response.prompt_logprobs) != n:
             raise ResultMismatchError("sample.prompt_logprobs", n, len(response.prompt_logprobs))
+        _check_sequences(request, response, self._svc._vocab_size(self.base_model))
         request.check_extras(response)
         if last_n is not None:
             update: dict[str, Any] = {}

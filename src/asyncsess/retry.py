@@ -6,20 +6,22 @@ are rare; later retries, and every retry once faults are common, back off expone
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import math
 import random
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import anyio
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt
 
-from .errors import DeadlineExceededError, RetriesExhaustedError, TransientError
+from .errors import DeadlineExceededError, InvalidInputError, RetriesExhaustedError, TransientError
 
-__all__ = ["RetryPolicy", "RetryEvent", "RetryBudget", "is_retryable", "call_with_retry"]
+__all__ = ["RetryPolicy", "RetryEvent", "RetryBudget", "is_retryable", "call_with_retry", "retry_after_seconds"]
 
 log = logging.getLogger("asyncsess.retry")
 T = TypeVar("T")
@@ -38,7 +40,11 @@ class RetryPolicy:
       first retry.
     - ``attempt_timeout`` (s): one try that takes longer is abandoned and retried (the backend's
       idempotency makes that safe).
-    - ``deadline`` (s): the whole op, retries included, fails with ``DeadlineExceededError`` past this.
+    - ``deadline`` (s): the whole op, retries included, fails with ``DeadlineExceededError`` past this; a
+      backoff (or a server's ``Retry-After``) that would end past it fails at once instead of sleeping.
+
+    Every number must be finite and not negative (the timeouts, when set, positive; ``max_attempts`` at
+    least 1): anything else is refused when the policy is built, naming the field.
     """
 
     max_attempts: int = 8
@@ -48,6 +54,22 @@ class RetryPolicy:
     attempt_timeout: float | None = 600.0
     deadline: float | None = 3600.0
     immediate_first_retry: bool = True
+
+    def __post_init__(self) -> None:
+        n = self.max_attempts
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"{n!r:.40} is not a whole number of tries >= 1", field="max_attempts", fix="e.g. max_attempts=8")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("max_attempts", "immediate_first_retry") or (value is None and f.name in ("attempt_timeout", "deadline")):
+                continue
+            positive = f.name in ("attempt_timeout", "deadline")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (positive and value == 0):
+                bound = "> 0 (or None for no limit)" if positive else ">= 0"
+                raise InvalidInputError(
+                    f"{value!r:.40} is not a finite number of seconds {bound}", field=f.name, fix=f"give {f.name} {bound}"
+                )
 
     @classmethod
     def none(cls) -> RetryPolicy:
@@ -96,13 +118,44 @@ class RetryBudget:
         self.tokens = min(self.capacity, self.tokens + self.refund)
 
 
+MAX_RETRY_AFTER = 3600.0
+"""The longest ``Retry-After`` honoured (s); a longer hint is cut to this (the op's deadline usually fires first)."""
+
+
+def retry_after_seconds(value: Any, *, now: float | None = None) -> float | None:
+    """A server's ``Retry-After`` (seconds, or an HTTP date) as seconds to wait, at most :data:`MAX_RETRY_AFTER`;
+    ``None`` for anything else (garbage, NaN, infinity, a negative number), so a hostile hint never makes a sleep
+    that is negative, NaN or endless."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, (str, bytes)):
+        text = (value.decode("latin-1") if isinstance(value, bytes) else value).strip()[:100]
+        try:
+            seconds = float(text)
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError, OverflowError):
+                return None
+            if when.tzinfo is None:
+                return None
+            seconds = max(0.0, when.timestamp() - (time.time() if now is None else now))
+    else:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER)
+
+
 def _delay(policy: RetryPolicy, attempt: int, err: BaseException | None, *, may_hurry: bool = True) -> float:
     """The sleep before retry ``attempt`` (1 = the first retry) after ``err``."""
-    hint = getattr(err, "retry_after", None)
+    hint = retry_after_seconds(getattr(err, "retry_after", None))
     if attempt == 1 and getattr(err, "lost_response", False) and not hint:
         return 0.0  # only the answer was lost: fetch the stored result now, a backoff would buy nothing
     if attempt == 1 and policy.immediate_first_retry and may_hurry:
-        return float(hint) if hint else 0.0  # a throttle's Retry-After is honoured exactly
+        return hint if hint else 0.0  # a throttle's Retry-After is honoured exactly
     delay = min(policy.max_backoff, policy.initial_backoff * 2 ** (attempt - 1)) + random.uniform(0, policy.jitter)
     return max(delay, hint) if hint else delay
 
@@ -170,6 +223,8 @@ async def call_with_retry(
         if err is not None:
             if budget is not None:
                 budget.failed(err)
+            if anyio.current_time() + state.upcoming_sleep >= deadline_at:  # still asleep at the deadline: fail now
+                raise DeadlineExceededError(f"not done within the {policy.deadline:g}s deadline", operation=operation, seq=seq) from err
             announce(state.attempt_number + 1, err, state.upcoming_sleep)
 
     retrying = AsyncRetrying(

@@ -12,7 +12,7 @@ from asyncsess.backends import ForwardBackwardOp, LoadStateOp, OptimStepOp, Save
 from asyncsess.backends import http_wire as wire
 from asyncsess.backends.http import HttpBackend
 from asyncsess.errors import InvalidInputError
-from asyncsess.types import AdamParams, LoadWeightsResponse, OptimStepResponse
+from asyncsess.types import AdamParams, CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse
 
 from .helpers import sft_datum
 
@@ -22,8 +22,13 @@ def _backend(seen: list[TrainingOp]) -> HttpBackend:
         assert request.url.path == "/v1/sessions/s1/ops"
         op = wire.decode_op(json.loads(request.content))  # as a worker would decode it
         seen.append(op)
-        result = LoadWeightsResponse(path="p") if isinstance(op, LoadStateOp) else OptimStepResponse(metrics={"seq": float(op.seq)})
-        return httpx.Response(200, json=wire.encode_result(result))
+        results = {  # each op answered with its own kind of result (another kind is refused as another request's answer)
+            "forward_backward": ForwardBackwardOutput(metrics={"seq": float(op.seq)}),
+            "optim_step": OptimStepResponse(metrics={"seq": float(op.seq)}),
+            "save_weights": CheckpointResponse(path="p", kind=getattr(op, "checkpoint_kind", "sampler")),
+            "load_state": LoadWeightsResponse(path="p"),
+        }
+        return httpx.Response(200, json=wire.encode_result(results[op.kind]))
 
     return HttpBackend("http://worker.invalid", transport=httpx.MockTransport(handler))
 

@@ -101,3 +101,52 @@ async def test_retry_after_is_honoured_exactly_on_a_first_retry_and_never_cut_sh
         await sc.sample([1, 40], 1)
         assert [e.sleep for e in seen] == [0.03, 0.03], "the hint beats a shorter backoff, with no jitter added"
     assert _delay(RetryPolicy(jitter=0.0), 3, RateLimitError("slow", retry_after=0.5)) == 0.8, "a longer backoff wins"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("initial_backoff", float("nan")),
+        ("initial_backoff", -0.1),
+        ("initial_backoff", float("inf")),
+        ("max_backoff", float("nan")),
+        ("max_backoff", float("inf")),
+        ("max_backoff", -1),
+        ("jitter", float("nan")),
+        ("jitter", -1e-9),
+        ("attempt_timeout", float("nan")),
+        ("attempt_timeout", float("inf")),
+        ("attempt_timeout", 0),
+        ("attempt_timeout", -5),
+        ("deadline", float("nan")),
+        ("deadline", float("inf")),
+        ("deadline", -1.0),
+        ("deadline", 0.0),
+        ("deadline", "60"),
+        ("max_attempts", 0),
+        ("max_attempts", -3),
+        ("max_attempts", 2.5),
+        ("max_attempts", float("nan")),
+        ("max_attempts", True),
+    ],
+)
+def test_a_policy_with_a_value_that_is_not_a_finite_number_in_range_is_refused_naming_it(field, value):
+    """NaN made every sleep NaN (anyio refuses it mid-op), a negative backoff a ValueError from the sleep, and an
+    infinite one or deadline a hang: each is refused when the policy is built."""
+    from asyncsess import InvalidInputError
+
+    with pytest.raises(InvalidInputError) as err:
+        RetryPolicy(**{field: value})
+    assert err.value.field == field and err.value.fix
+
+
+def test_the_limits_of_a_policy_are_still_accepted():
+    assert RetryPolicy(initial_backoff=0, max_backoff=0, jitter=0, attempt_timeout=None, deadline=None).deadline is None
+    assert RetryPolicy.none().max_attempts == 1 and RetryPolicy(attempt_timeout=1e-3, deadline=1e9).deadline == 1e9
+
+
+async def test_a_hint_that_is_nan_negative_or_garbage_never_becomes_the_sleep():
+    policy = RetryPolicy(initial_backoff=0.001, max_backoff=0.001, jitter=0.0)
+    for hint in (float("nan"), -1.0, float("inf"), "soon", [3]):
+        err = RateLimitError("slow", retry_after=hint)  # type: ignore[arg-type]
+        assert _delay(policy, 1, err) == 0.0 and _delay(policy, 2, err) == 0.001

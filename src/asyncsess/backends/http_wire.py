@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field, TypeAdapter, ValidationError
 
 from .. import errors
+from ..retry import retry_after_seconds
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, TrainingResult
 from .base import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingSessionSpec
 
@@ -43,6 +44,15 @@ _RESULTS: dict[str, type] = {
     "checkpoint": CheckpointResponse,
     "load": LoadWeightsResponse,
 }
+RESULT_OF_OP: dict[str, str] = {
+    "forward": "forward_backward",
+    "forward_backward": "forward_backward",
+    "optim_step": "optim_step",
+    "save_state": "checkpoint",
+    "save_weights": "checkpoint",
+    "load_state": "load",
+}
+"""The result ``type`` that answers each op ``kind``: any other is the answer to another request."""
 
 # error class -> HTTP status; bad input is always a 4xx, never a 5xx
 STATUS: dict[type[errors.AsyncSessError], int] = {
@@ -114,8 +124,26 @@ def encode_result(result: TrainingResult) -> dict[str, Any]:
     return {"type": kind, "result": result.model_dump(mode="json")}
 
 
-def decode_result(body: dict[str, Any]) -> TrainingResult:
-    return _RESULTS[body["type"]].model_validate(body["result"])  # type: ignore[attr-defined,no-any-return]
+def decode_result(body: Any, op_kind: str | None = None) -> TrainingResult:
+    """The result a worker's answer holds; one of another shape, or (given ``op_kind``) one that does not answer
+    that kind of op, is an :class:`~asyncsess.errors.APIResponseValidationError`, never a wrong result."""
+    kind = body.get("type") if isinstance(body, dict) else None
+    if not isinstance(kind, str) or kind not in _RESULTS or not isinstance(body.get("result"), dict):
+        raise errors.APIResponseValidationError(f"the worker's answer is not an op result: {str(body)[:200]!r}")
+    want = RESULT_OF_OP.get(op_kind or "", kind)
+    if kind != want:
+        raise errors.APIResponseValidationError(f"the worker answered a {op_kind} op with a {kind} result (another request's answer?)")
+    try:
+        return _RESULTS[kind].model_validate(body["result"])  # type: ignore[attr-defined,no-any-return]
+    except ValidationError as err:
+        raise invalid_answer(f"a {kind} result", err) from None
+
+
+def invalid_answer(what: str, err: ValidationError) -> errors.APIResponseValidationError:
+    """A server's answer that does not fit its type, naming the first bad field (pydantic's error stays the cause)."""
+    first = err.errors(include_url=False)[0] if err.error_count() else None
+    where = ".".join(map(str, first["loc"])) if first else "?"
+    return errors.APIResponseValidationError(f"the server's answer is not {what}: {where}: {first['msg'] if first else err}")
 
 
 def encode_error(err: errors.AsyncSessError) -> dict[str, Any]:
@@ -131,20 +159,40 @@ def encode_error(err: errors.AsyncSessError) -> dict[str, Any]:
     return {"error": {"type": type(err).__name__, **state, "param": getattr(err, "field", None), "code": code}}
 
 
-def decode_error(body: Any, status: int) -> errors.AsyncSessError:
-    """Rebuild the server's typed error (an unknown shape becomes a ServerError or TransientError by status)."""
+def decode_error(body: Any, status: int, retry_after: Any = None) -> errors.AsyncSessError:
+    """Rebuild the server's typed error. An unknown shape (a proxy's page, another server's JSON) becomes a
+    TransientError (408, 409, 429, 5xx), an InvalidInputError (another 4xx) or an APIResponseValidationError (an
+    error body under a 2xx or 3xx). Each field must have its type or is dropped; ``retry_after`` (the HTTP
+    header) is the hint when the body has none, read by :func:`~asyncsess.retry.retry_after_seconds`."""
     info = body.get("error") if isinstance(body, dict) else None
-    cls = getattr(errors, info.get("type", ""), None) if isinstance(info, dict) else None
+    name = info.get("type") if isinstance(info, dict) else None
+    cls = getattr(errors, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if cls is errors.InputValidationError:  # pydantic's half needs its line errors: the typed half is what travels
+        cls = errors.InvalidInputError
     if not (isinstance(info, dict) and isinstance(cls, type) and issubclass(cls, errors.AsyncSessError)):
         text = str(body)[:500]
         if status in (408, 409, 429) or status >= 500:
-            return errors.TransientError(f"worker answered {status}: {text}")
-        return errors.InvalidInputError(f"worker answered {status}: {text}")
+            return errors.TransientError(f"worker answered {status}: {text}", retry_after=retry_after_seconds(retry_after))
+        if status >= 400:
+            return errors.InvalidInputError(f"worker answered {status}: {text}")
+        return errors.APIResponseValidationError(f"worker answered {status} with an error: {text}")
     err = cls.__new__(cls)
-    Exception.__init__(err, info.get("message", ""))
-    state = {k: info.get(k) for k in _FIELDS}
+    message = info.get("message")
+    message = message if isinstance(message, str) else f"worker answered {status} with a {name} and no message"
+    Exception.__init__(err, message)
+    state: dict[str, Any] = {k: v for k in _FIELDS if isinstance(v := info.get(k), str)}
+    state["message"] = message
+    seq = info.get("seq")
+    state["seq"] = seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+    state["retry_after"] = retry_after_seconds(info.get("retry_after"))
+    if state["retry_after"] is None:
+        state["retry_after"] = retry_after_seconds(retry_after)
+    for k in _FIELDS:
+        state.setdefault(k, None)
     if issubclass(cls, errors.PoisonedError):
-        state["cause"] = errors.ServerError(info["cause"]) if info.get("cause") else None
+        state["cause"] = errors.ServerError(str(info["cause"])[:2000]) if info.get("cause") else None
+    if issubclass(cls, errors.TransientError):
+        state["lost_response"] = False
     if info.get("void") is True:
         state["void"] = True
     err.__dict__.update(state)

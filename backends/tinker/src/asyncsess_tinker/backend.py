@@ -8,10 +8,12 @@ so a retried op reaches the server under the same ``(model_id, seq_id)`` and is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
@@ -34,7 +36,18 @@ from asyncsess.backends import (
     require_op,
     unknown_op,
 )
-from asyncsess.errors import ConflictError, InvalidInputError, ServerError, SessionGoneError, TransientError, UnsupportedError
+from asyncsess.backends.http import MAX_RESPONSE_BYTES, read_capped, response_limit
+from asyncsess.errors import (
+    APIResponseValidationError,
+    AsyncSessError,
+    ConflictError,
+    InvalidInputError,
+    ServerError,
+    SessionGoneError,
+    TransientError,
+    UnsupportedError,
+)
+from asyncsess.retry import retry_after_seconds
 from asyncsess.serve import tinker_proto
 from asyncsess.types import (
     Checkpoint,
@@ -69,8 +82,10 @@ class TinkerBackend(Backend):
         timeout: float = 60.0,
         poll_timeout: float = 45.0,
         tokenizer: Tokenizer | str | None = None,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.max_response_bytes = response_limit(max_response_bytes)
         self.api_key = api_key
         self.timeout = timeout
         self.poll_timeout = poll_timeout
@@ -94,7 +109,14 @@ class TinkerBackend(Backend):
         port = f":{url.port}" if url.port else ""
         key = url.query.get("api_key") or options.get("api_key") or os.environ.get("TINKER_API_KEY")
         tokenizer = options.get("tokenizer") or url.query.get("tokenizer")
-        return cls(f"{http}://{url.host}{port}{url.path}", key, timeout=url.get_float("timeout", 60.0), tokenizer=tokenizer)
+        limit = options.get("max_response_bytes", MAX_RESPONSE_BYTES)
+        return cls(
+            f"{http}://{url.host}{port}{url.path}",
+            key,
+            timeout=url.get_float("timeout", 60.0),
+            tokenizer=tokenizer,
+            max_response_bytes=limit,
+        )
 
     # ------------------------------------------------------------------------------- transport
 
@@ -102,9 +124,9 @@ class TinkerBackend(Backend):
         headers = {"X-API-Key": self.api_key} if self.api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
         config = await self._post("/api/v1/client/config", {"sdk_version": "asyncsess"})
-        self._compress = bool(config.get("proto_compress_fwdbwd"))
+        self._compress = config.get("proto_compress_fwdbwd") is True
         created = await self._post("/api/v1/create_session", {"tags": ["asyncsess"], "user_metadata": {}, "sdk_version": "asyncsess"})
-        self.session_id = created["session_id"]
+        self.session_id = _text(created, "session_id")
 
     async def aclose(self) -> None:
         if self._http is None:
@@ -124,49 +146,74 @@ class TinkerBackend(Backend):
             raise SessionGoneError("the tinker:// backend is not open (use ServiceClient as an async context manager)")
         return self._http
 
-    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytes]:
+        """The answer and its body (at most ``max_response_bytes`` decoded); a refusal raised typed. Redirects are
+        not followed: the API key goes to ``base_url`` only."""
+        client = self._client()
         try:
-            resp = await self._client().request(method, path, **kw)
+            resp = await client.send(client.build_request(method, path, **kw), stream=True)
+            try:
+                content = await read_capped(resp, self.max_response_bytes, path)
+            finally:
+                await resp.aclose()
         except httpx.TimeoutException as err:
             raise TransientError(f"{path}: timed out ({err!r})") from err
         except httpx.TransportError as err:
-            raise TransientError(f"{path}: connection failed ({err!r})") from err
+            lost = isinstance(err, (httpx.ReadError, httpx.RemoteProtocolError))
+            raise TransientError(f"{path}: connection failed ({err!r})", lost_response=lost) from err
+        except httpx.DecodingError as err:
+            raise APIResponseValidationError(f"{path}: the answer's Content-Encoding does not decode: {err}") from None
+        if 300 <= resp.status_code < 400:
+            where = resp.headers.get("location", "")[:200]
+            raise APIResponseValidationError(f"{path}: the server answered {resp.status_code}, a redirect to {where!r}: not followed")
         if resp.status_code >= 400 and resp.status_code != 408:
-            _raise_for(resp, path)
-        return resp
+            _raise_for(resp, content, path)
+        return resp, content
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return (await self._send("POST", path, json=body)).json()
+        return _object(path, (await self._send("POST", path, json=body))[1])
 
     async def _get(self, path: str, **params: Any) -> dict[str, Any]:
-        return (await self._send("GET", path, params=params)).json()
+        return _object(path, (await self._send("GET", path, params=params))[1])
 
     async def _result(self, future: dict[str, Any], *, proto: bool = False) -> Any:
-        """Long-poll ``retrieve_future`` until the promise is done; raise its failure as a typed error."""
+        """Long-poll ``retrieve_future`` until the promise is done; raise its failure as a typed error. The answer
+        is a JSON object, or (``proto``) protobuf bytes; anything else is an APIResponseValidationError."""
         headers = {"Accept": PROTO} if proto else {}
-        rid = future["request_id"]
+        rid = _text(future, "request_id")
         while True:
-            resp = await self._send(
+            resp, content = await self._send(
                 "POST", "/api/v1/retrieve_future", json={"request_id": rid}, headers=headers, timeout=self.poll_timeout + 15
             )
             if resp.status_code == 408:
                 continue
             if PROTO in resp.headers.get("content-type", ""):
-                return resp.content
-            body = resp.json()
+                if not proto:
+                    raise APIResponseValidationError(f"retrieve_future: a protobuf answer to a JSON request ({rid})", request_id=rid)
+                return content
+            body = _object("retrieve_future", content)
             if body.get("type") == "try_again":
                 continue
             if "error" in body and "category" in body:
-                msg = f"{body['error']}"
+                msg = str(body["error"])[:2000]
                 if body["category"] == "user":
                     raise InvalidInputError(msg, request_id=rid)
                 raise ServerError(msg, request_id=rid)
+            if proto:
+                raise APIResponseValidationError(
+                    f"retrieve_future: a JSON answer where protobuf was asked: {str(body)[:200]!r}", request_id=rid
+                )
             return body
 
     # ---------------------------------------------------------------------------------- seam
 
     async def capabilities(self) -> ServerCapabilities:
         body = await self._get("/api/v1/get_server_capabilities")
+        with _reading("get_server_capabilities"):
+            return self._capabilities(body)
+
+    @staticmethod
+    def _capabilities(body: dict[str, Any]) -> ServerCapabilities:
         return ServerCapabilities(
             supported_models=[
                 SupportedModel(
@@ -194,7 +241,8 @@ class TinkerBackend(Backend):
                 "type": "load_weights",
             }
             fut = await self._post("/api/v1/load_weights", {k: v for k, v in body.items() if v is not None})
-            model_id = (await self._result(fut)).get("model_id") or f"{self.session_id}:train:{seq}"
+            loaded = await self._result(fut)
+            model_id = _text(loaded, "model_id") if "model_id" in loaded else f"{self.session_id}:train:{seq}"
         else:
             lora = {"rank": spec.rank, "seed": spec.seed, "train_mlp": spec.train_mlp, "train_attn": spec.train_attn}
             lora["train_unembed"] = spec.train_unembed
@@ -207,17 +255,21 @@ class TinkerBackend(Backend):
                 "type": "create_model",
             }
             fut = await self._post("/api/v1/create_model", body)
-            model_id = (await self._result(fut))["model_id"]
+            model_id = _text(await self._result(fut), "model_id")
         info = await self._post("/api/v1/get_info", {"model_id": model_id, "type": "get_info"})
-        out = GetInfoResponse(
-            model_id=model_id,
-            base_model=info.get("model_name") or (info.get("model_data") or {}).get("model_name") or spec.base_model,
-            lora_rank=info.get("lora_rank") or spec.rank,
-            lora_alpha=spec.alpha if spec.alpha is not None else 32.0,
-            seed=spec.seed,
-        )
+        with _reading("get_info"):
+            data = info.get("model_data") or {}
+            out = GetInfoResponse(
+                model_id=model_id,
+                base_model=info.get("model_name") or data.get("model_name") or spec.base_model,
+                lora_rank=info.get("lora_rank") or spec.rank,
+                lora_alpha=spec.alpha if spec.alpha is not None else 32.0,
+                seed=spec.seed,
+            )
+            tokenizer_id = data.get("tokenizer_id")
+            if tokenizer_id is not None and not isinstance(tokenizer_id, str):
+                raise TypeError(f"tokenizer_id {tokenizer_id!r:.60} is not text")
         self._models[model_id] = out
-        tokenizer_id = (info.get("model_data") or {}).get("tokenizer_id")
         if tokenizer_id:
             self._tokenizer_ids[out.base_model] = tokenizer_id
         return out
@@ -248,8 +300,11 @@ class TinkerBackend(Backend):
                 if self._compress:
                     raw = await anyio.to_thread.run_sync(tinker_proto.compress, raw)
                     headers["Content-Encoding"] = "zstd"
-                fut = (await self._send("POST", "/api/v1/forward_backward", content=raw, headers=headers)).json()
-                fb = tinker_proto.decode_forward_backward_output(await self._result(fut, proto=True))
+                fut = _object("forward_backward", (await self._send("POST", "/api/v1/forward_backward", content=raw, headers=headers))[1])
+                answer = await self._result(fut, proto=True)
+                with _reading("forward_backward"):
+                    fb = tinker_proto.decode_forward_backward_output(answer)
+                    _check_outputs(fb, op.data)
                 fb.usage = Usage(training_tokens=sum(d.model_input.length for d in op.data))
                 return fb
             case OptimStepOp(adam_params=adam):
@@ -257,12 +312,13 @@ class TinkerBackend(Backend):
                     raise UnsupportedError("Tinker's wire has no LoRA+ ratio", field="adam_params.lora_plus_lr_ratio", fix="leave it None")
                 params = adam.model_dump(exclude={"lora_plus_lr_ratio"})
                 out = await self._result(await self._post("/api/v1/optim_step", {**base, "adam_params": params, "type": "optim_step"}))
-                return OptimStepResponse(metrics=out.get("metrics"))
+                with _reading("optim_step"):
+                    return OptimStepResponse(metrics=out.get("metrics"))
             case SaveStateOp():
                 name = op.name or f"{op.seq:06d}"
                 body = {**base, **_save_fields(op), "path": name, "type": "save_weights"}
                 out = await self._result(await self._post("/api/v1/save_weights", body))
-                return CheckpointResponse(path=out["path"], kind="state")
+                return CheckpointResponse(path=_text(out, "path"), kind="state")
             case SaveWeightsOp():
                 if op.merge_weights:
                     raise UnsupportedError(
@@ -271,11 +327,12 @@ class TinkerBackend(Backend):
                 name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
                 body = {**base, **_save_fields(op), "path": name, "type": "save_weights_for_sampler"}
                 out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
-                return CheckpointResponse(path=out["path"], kind="sampler")
+                return CheckpointResponse(path=_text(out, "path"), kind="sampler")
             case LoadStateOp(path=path, with_optimizer=with_optimizer):
                 body = {**base, "path": path, "optimizer": with_optimizer, "type": "load_weights"}
                 out = await self._result(await self._post("/api/v1/load_weights", body))
-                return LoadWeightsResponse(path=out.get("path") or path)
+                got = out.get("path")
+                return LoadWeightsResponse(path=got if isinstance(got, str) and got else path)
             case _:
                 unknown_op(op)
 
@@ -289,7 +346,7 @@ class TinkerBackend(Backend):
             body["base_model"] = spec.base_model
         else:
             raise InvalidInputError("neither model_path nor base_model", field="model_path", fix="pass a saved path or a base model name")
-        sid = (await self._post("/api/v1/create_sampling_session", body))["sampling_session_id"]
+        sid = _text(await self._post("/api/v1/create_sampling_session", body), "sampling_session_id")
         self._sample_seq[sid] = 0
         self._sample_ids[sid] = OrderedDict()
         return sid
@@ -309,8 +366,13 @@ class TinkerBackend(Backend):
                 if len(ids) > KEEP_SAMPLE_IDS:
                     ids.popitem(last=False)
         body = {**body, "sampling_session_id": sampler_id, "seq_id": seq, "type": "sample"}
-        fut = (await self._send("POST", "/api/v1/asample", json=body, headers={"X-Tinker-Sampling-Backpressure": "1"})).json()
-        resp = tinker_proto.decode_sample_response(await self._result(fut, proto=True))
+        fut = _object(
+            "asample", (await self._send("POST", "/api/v1/asample", json=body, headers={"X-Tinker-Sampling-Backpressure": "1"}))[1]
+        )
+        answer = await self._result(fut, proto=True)
+        with _reading("asample"):
+            resp = tinker_proto.decode_sample_response(answer)
+            _check_sample(resp, body)
         names = fut.get("sample_sequence_ids")  # the server names each sequence when it takes the request (as the SDK reads them)
         if isinstance(names, list) and len(names) == len(resp.sequences):
             for sequence, name in zip(resp.sequences, names):
@@ -368,17 +430,22 @@ class TinkerBackend(Backend):
             rows = (await self._get(f"/api/v1/training_runs/{session_id}/checkpoints")).get("checkpoints", [])
         else:
             rows = await self._user_checkpoints()
-        return [_checkpoint(c) for c in rows]
+        with _reading("checkpoints"):
+            return [_checkpoint(c) for c in rows]
 
     async def _user_checkpoints(self, page: int = 100) -> list[dict[str, Any]]:
         """Every page of ``list_user_checkpoints`` (the server pages them, newest first)."""
         rows: list[dict[str, Any]] = []
         while True:
             body = await self._get("/api/v1/checkpoints", limit=page, offset=len(rows))
-            batch = body.get("checkpoints", [])
-            rows += batch
-            if not batch or len(rows) >= int((body.get("cursor") or {}).get("total_count", 0)):
-                return rows
+            with _reading("checkpoints"):
+                batch = body.get("checkpoints", [])
+                if not isinstance(batch, list):
+                    raise TypeError("checkpoints is not a list")
+                rows += batch
+                total = (body.get("cursor") or {}).get("total_count", 0)
+                if not batch or isinstance(total, bool) or not isinstance(total, int) or len(rows) >= total:
+                    return rows
 
     async def delete_checkpoint(self, path: str) -> None:
         """Tinker's REST delete of a ``tinker://<run>/<folder>/<name>`` path."""
@@ -414,22 +481,76 @@ def _epoch(value: Any) -> float:
         return 0.0
 
 
-def _raise_for(resp: httpx.Response, path: str) -> None:
+def _object(path: str, content: bytes) -> dict[str, Any]:
+    """A JSON object answer, or an APIResponseValidationError (not JSON, not an object)."""
     try:
-        body = resp.json()
-    except (json.JSONDecodeError, ValueError):
-        body = {"error": resp.text[:500]}
+        body = json.loads(content)
+    except ValueError:
+        raise APIResponseValidationError(f"{path}: the answer is not JSON: {content[:200]!r}") from None
+    if not isinstance(body, dict):
+        raise APIResponseValidationError(f"{path}: the answer is not a JSON object: {str(body)[:200]!r}")
+    return body
+
+
+def _text(body: dict[str, Any], key: str) -> str:
+    """``body[key]``, a non-empty string, or an APIResponseValidationError."""
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise APIResponseValidationError(f"the server's answer has no {key} (text): {str(body)[:200]!r}")
+    return value
+
+
+@contextlib.contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """Decoding a server's answer: any failure but our typed errors is an APIResponseValidationError naming ``what``."""
+    try:
+        yield
+    except AsyncSessError:
+        raise
+    except Exception as err:  # KeyError, TypeError, pydantic's ValidationError, protobuf's DecodeError, numpy's ValueError
+        raise APIResponseValidationError(f"{what}: the server's answer does not decode: {type(err).__name__}: {str(err)[:300]}") from err
+
+
+def _check_outputs(fb: Any, data: Any) -> None:
+    """One output per datum, each tensor one value per token: a server's short or long answer is not accepted."""
+    if len(fb.loss_fn_outputs) != len(data):
+        raise APIResponseValidationError(f"forward_backward: {len(fb.loss_fn_outputs)} outputs for {len(data)} datums")
+    for i, (out, datum) in enumerate(zip(fb.loss_fn_outputs, data)):
+        for name, td in out.items():
+            if td.shape and td.shape[0] != datum.model_input.length:
+                raise APIResponseValidationError(
+                    f"forward_backward: output {name!r} of datum {i} has {td.shape[0]} rows for {datum.model_input.length} tokens"
+                )
+
+
+def _check_sample(resp: SampleResponse, body: dict[str, Any]) -> None:
+    """As many sequences as asked, one log-prob per token, no negative token id."""
+    if len(resp.sequences) != body["num_samples"]:
+        raise APIResponseValidationError(f"asample: {len(resp.sequences)} sequences for num_samples={body['num_samples']}")
+    for s in resp.sequences:
+        if s.logprobs is not None and len(s.logprobs) != len(s.tokens):
+            raise APIResponseValidationError(f"asample: {len(s.logprobs)} log-probs for {len(s.tokens)} sampled tokens")
+        if any(t < 0 for t in s.tokens):
+            raise APIResponseValidationError("asample: a sampled token id is negative")
+
+
+def _raise_for(resp: httpx.Response, content: bytes, path: str) -> None:
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = {"error": content[:500].decode("utf-8", "replace")}
     if not isinstance(body, dict):
         body = {"error": str(body)[:500]}
-    message = str(body.get("error") or body.get("detail") or resp.reason_phrase)
+    message = str(body.get("error") or body.get("detail") or resp.reason_phrase)[:2000]
     status = resp.status_code
     if status == 409:
-        raise ConflictError(message, field=body.get("field"), fix=body.get("fix"))
+        field, fix = body.get("field"), body.get("fix")
+        raise ConflictError(message, field=field if isinstance(field, str) else None, fix=fix if isinstance(fix, str) else None)
     if status == 410:
         raise SessionGoneError(f"{path}: {message}")
     if status == 429 or status >= 500:
-        retry_after = resp.headers.get("retry-after")
-        raise TransientError(f"{path}: HTTP {status}: {message}", retry_after=float(retry_after) if retry_after else None)
+        hint = retry_after_seconds(resp.headers.get("retry-after"))
+        raise TransientError(f"{path}: HTTP {status}: {message}", retry_after=hint)
     if status in (401, 403):
         raise InvalidInputError(message, field="api_key", fix="pass ?api_key=, api_key=... or set TINKER_API_KEY")
     raise InvalidInputError(message)
