@@ -106,6 +106,7 @@ log = logging.getLogger("asyncsess")
 QUEUE_STATE_LOG_INTERVAL = 60  # seconds between two "sampling is paused" warnings of one SamplingClient (Tinker's)
 DEFAULT_URL = "local://"
 T = TypeVar("T")
+Op = TypeVar("Op", bound=TrainingOp)
 
 
 class ServiceClient:
@@ -574,9 +575,10 @@ class ServiceClient:
         try:
             with anyio.CancelScope() as scope:
                 fut._cancel_scope = scope
-                if fut._cancel_requested:  # cancelled before this task started
-                    scope.cancel()
-                fut._set_result(await fn(*args))
+                if fut._cancel_requested:  # cancelled before this task started: never sent (an fn that does not
+                    scope.cancel()  # yield would otherwise run to the end, and cancel() would have said True for nothing)
+                else:
+                    fut._set_result(await fn(*args))
         except Exception as err:
             if isinstance(err, AsyncSessError) and err.operation is None:
                 err.operation = fut.operation  # say which call failed (SageMaker's operation_type)
@@ -982,7 +984,7 @@ class TrainingClient:
         self._next_seq += 1
         return seq, f"{self._key_prefix}-{seq}"
 
-    def _number(self, make: Callable[..., TrainingOp]) -> TrainingOp:
+    def _number(self, make: Callable[..., Op]) -> Op:
         """``make(seq=, idempotency_key=)`` (a ``partial`` of a record) with the next number, once the backend's
         :meth:`~Backend.precheck` accepts it; a refusal frees the number again."""
         seq, key = self._reserve()
@@ -1051,12 +1053,13 @@ class TrainingClient:
             raise
 
     async def _run_custom(
-        self, original: tuple[Datum, ...], fwds: list[TrainingOp], bwds: list[TrainingOp], loss_fn: CustomLossFn
+        self, original: tuple[Datum, ...], fwds: list[ForwardOp], bwds: list[ForwardBackwardOp], loss_fn: CustomLossFn
     ) -> ForwardBackwardOutput:
-        outs, refused = [], None
-        for op in fwds:  # every number is sent, in order: a gap would stall the ops after it
+        outs: list[ForwardBackwardOutput] = []
+        refused: Exception | None = None
+        for fwd in fwds:  # every number is sent, in order: a gap would stall the ops after it
             try:
-                outs.append(await self._run_op(op))
+                outs.append(await self._run_op(fwd))
             except Exception as err:
                 if poisons(err):  # _run_op poisoned the ops after it, the backward's numbers with them
                     raise
@@ -1072,9 +1075,9 @@ class TrainingClient:
             raise
         done = 0
         parts = []
-        for op in bwds:
-            chunk = op.data  # type: ignore[union-attr]
-            part = dataclasses.replace(op, data=with_weights(chunk, weights[done : done + len(chunk)]))
+        for bwd in bwds:
+            chunk = bwd.data
+            part = dataclasses.replace(bwd, data=with_weights(chunk, weights[done : done + len(chunk)]))
             done += len(chunk)
             parts.append(await self._run_op(part))
         out = merge_outputs(parts)
@@ -1085,11 +1088,11 @@ class TrainingClient:
             usage=forward.usage + out.usage,
         )
 
-    async def _fill(self, bwds: list[TrainingOp], err: Exception) -> None:
+    async def _fill(self, bwds: list[ForwardBackwardOp], err: Exception) -> None:
         """Run the reserved backward numbers as forwards of their first datum (they read, apply nothing), so the ops
         after them keep their order and run; ``err`` is void then. A filler that fails for good poisons, as any op."""
         for op in bwds:
-            await self._run_op(ForwardOp(seq=op.seq, idempotency_key=op.idempotency_key, data=op.data[:1], loss_fn="cross_entropy"))  # type: ignore[union-attr]
+            await self._run_op(ForwardOp(seq=op.seq, idempotency_key=op.idempotency_key, data=op.data[:1], loss_fn="cross_entropy"))
         if isinstance(err, AsyncSessError):
             err.void = True
 

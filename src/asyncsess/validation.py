@@ -323,7 +323,9 @@ def coerce_sampling_params(params: Any) -> SamplingParams:
             return SamplingParams.model_validate(params)
         except ValidationError as err:
             e = err.errors()[0]
-            raise InvalidInputError(e["msg"].removeprefix("Value error, "), field=f"sampling_params.{'.'.join(map(str, e['loc']))}", fix="see SamplingParams") from None
+            raise InvalidInputError(
+                e["msg"].removeprefix("Value error, "), field=f"sampling_params.{'.'.join(map(str, e['loc']))}", fix="see SamplingParams"
+            ) from None
     raise InvalidInputError(f"got {type(params).__name__}", field="sampling_params", fix="pass SamplingParams(...)")
 
 
@@ -338,7 +340,9 @@ def coerce_adam_params(params: Any) -> AdamParams:
             return AdamParams.model_validate(params)
         except ValidationError as err:
             e = err.errors()[0]
-            raise InvalidInputError(e["msg"].removeprefix("Value error, "), field=f"adam_params.{'.'.join(map(str, e['loc']))}", fix="see AdamParams") from None
+            raise InvalidInputError(
+                e["msg"].removeprefix("Value error, "), field=f"adam_params.{'.'.join(map(str, e['loc']))}", fix="see AdamParams"
+            ) from None
     raise InvalidInputError(f"got {type(params).__name__}", field="adam_params", fix="pass AdamParams(...)")
 
 
