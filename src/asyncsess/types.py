@@ -490,6 +490,15 @@ class SamplingParams(_Input):
     stop: str | list[str | int] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_items(cls, v: Any) -> Any:
+        """A stop is a string or a token id: ``True`` or ``1.0`` was read as a stop at token id 1."""
+        for s in v if isinstance(v, (list, tuple)) else ():
+            if not isinstance(s, str) and (isinstance(s, bool) or not isinstance(s, numbers.Integral)):
+                raise ValueError(f"a stop is a string or a token id (int), not {_shown(s)}")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str | int] | None) -> str | list[str | int] | None:

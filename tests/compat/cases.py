@@ -146,6 +146,8 @@ CASES: list[Case] = [
     ("sample-top-p-zero", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"top_p": 0.0}), "sampling_params"),
     ("sample-stop-surrogate", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": ["ok", SURROGATE]}), "sampling_params"),
     ("sample-stop-too-long", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": LONG}), "sampling_params"),
+    ("sample-stop-bool", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": ["ok", True]}), "sampling_params.stop"),
+    ("sample-stop-float", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": [2.0]}), "sampling_params.stop"),
     ("sample-params-wrong-type", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, "greedy"), "sampling_params"),
     ("sample-empty-prompt", "sc", lambda sc: sc.sample([], 1), "prompt"),
     ("sample-float-prompt", "sc", lambda sc: sc.sample([1.5, 2.0], 1), "prompt"),
