@@ -52,7 +52,9 @@ def linearize(
     try:
         result = loss_fn(copies, leaves)
     except Exception as err:
-        raise InvalidInputError(f"raised {type(err).__name__}: {err}"[:500], field="loss_fn", fix=_FIX) from err
+        raise InvalidInputError(
+            f"raised {type(err).__name__}: {err}"[:500], field="loss_fn", fix="fix loss_fn (its exception is this error's __cause__)"
+        ) from err
     if not (isinstance(result, tuple) and len(result) == 2):
         raise InvalidInputError(f"returned {type(result).__name__}", field="loss_fn", fix=_FIX)
     loss, metrics = result
