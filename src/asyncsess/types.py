@@ -149,13 +149,16 @@ class ModelInput(_Input):
             return cls.model_validate(value)
         if hasattr(value, "chunks") and not isinstance(value, (str, bytes)):
             return cls.model_validate({"chunks": [c if isinstance(c, dict) else {"tokens": list(c.tokens)} for c in value.chunks]})
+        if getattr(value, "is_meta", False):
+            raise TypeError("a tensor on the meta device holds no token ids; pass one on the CPU or a GPU")
         if hasattr(value, "tolist"):
             value = value.tolist()
         if isinstance(value, list) and all(type(t) is int for t in value):  # the common case, fast
             return cls.from_ints(value)
         if isinstance(value, (list, tuple)):
-            if not all((isinstance(t, int) or hasattr(t, "__index__")) and not isinstance(t, bool) for t in value):
-                raise TypeError("a prompt given as a list must hold token ids (int, not bool or str)")
+            bad = next((t for t in value if isinstance(t, bool) or not (isinstance(t, int) or hasattr(t, "__index__"))), value)
+            if bad is not value:
+                raise TypeError(f"a prompt given as a list must hold token ids (ints), not {_shown(bad)}")
             return cls.from_ints([int(t) for t in value])
         raise TypeError(f"cannot make a ModelInput from {type(value).__name__}; pass list[int] or ModelInput")
 

@@ -93,6 +93,13 @@ CASES: list[Case] = [
         lambda tc: tc.forward_backward([{**datum(), "model_input": {"chunks": [{"tokens": ["1", "40", "41", "42", "43"]}]}}]),
         "data[0]",
     ),
+    (
+        "fb-model-input-float-array",
+        "tc",
+        lambda tc: tc.forward_backward([{**datum(), "model_input": np.array([1.0, 40, 41, 42, 43])}]),
+        "data[0]",
+    ),
+    ("sample-prompt-bool-array", "sc", lambda sc: sc.sample(np.ones(3, dtype=bool), 1), "prompt"),
     ("fb-config-str", "tc", lambda tc: tc.forward_backward([rl()], "ppo", {"clip_low_threshold": "0.8"}), "loss_fn_config"),
     ("fb-config-bool", "tc", lambda tc: tc.forward_backward([rl()], "ppo", {"clip_high_threshold": True}), "loss_fn_config"),
     ("optim-lr-str", "tc", lambda tc: tc.optim_step({"learning_rate": "0.001"}), "adam_params.learning_rate"),
