@@ -1070,8 +1070,11 @@ class TrainingClient:
         forward = merge_outputs(outs)
         try:
             loss, metrics, weights = linearize(original, forward, loss_fn)
-        except InvalidInputError as err:
+        except InvalidInputError as err:  # the user's loss_fn
             await self._fill(bwds, err)
+            raise
+        except Exception as err:  # anything else: the reserved numbers are never filled
+            self._poison_after(fwds[-1].seq, err)
             raise
         done = 0
         parts = []
@@ -1079,7 +1082,13 @@ class TrainingClient:
             chunk = bwd.data
             part = dataclasses.replace(bwd, data=with_weights(chunk, weights[done : done + len(chunk)]))
             done += len(chunk)
-            parts.append(await self._run_op(part))
+            try:
+                parts.append(await self._run_op(part))
+            except AsyncSessError as err:
+                if not poisons(err) and len(bwds) > 1:  # other parts ran, or are never sent: as _merge_parts
+                    msg = f"a custom loss's backward sent as {len(bwds)} ops did not run in full: {err}"
+                    self._poison_after(bwd.seq, OperationError(msg, seq=bwd.seq))
+                raise
         out = merge_outputs(parts)
         return ForwardBackwardOutput.model_construct(
             loss_fn_output_type=out.loss_fn_output_type,
@@ -1091,10 +1100,14 @@ class TrainingClient:
     async def _fill(self, bwds: list[ForwardBackwardOp], err: Exception) -> None:
         """Run the reserved backward numbers as forwards of their first datum (they read, apply nothing), so the ops
         after them keep their order and run; ``err`` is void then. A filler that fails for good poisons, as any op."""
+        void = True
         for op in bwds:
-            await self._run_op(ForwardOp(seq=op.seq, idempotency_key=op.idempotency_key, data=op.data[:1], loss_fn="cross_entropy"))
+            try:
+                await self._run_op(ForwardOp(seq=op.seq, idempotency_key=op.idempotency_key, data=op.data[:1], loss_fn="cross_entropy"))
+            except Exception as filler:  # a void refusal still took its turn; any other failure poisoned (in _run_op)
+                void = void and not poisons(filler)
         if isinstance(err, AsyncSessError):
-            err.void = True
+            err.void = void
 
     def _poison_after(self, seq: int, err: Exception) -> None:
         """Op ``seq`` failed for good: fail every later op of this client with the cause."""

@@ -184,3 +184,63 @@ async def test_a_custom_loss_over_the_chunk_limit_trains_like_one_op():
         assert out_b.metrics["loss:sum"] == pytest.approx(out_a.metrics["loss:sum"], rel=1e-6)
         assert len(out_b.loss_fn_outputs) == 2
         np.testing.assert_allclose(one.backend.weights(a.model_id), split.backend.weights(b.model_id), atol=1e-6)
+
+
+def _refuse_at_its_turn(monkeypatch, backend, kind, seqs):
+    """mock:// judges each op again at its turn (its precheck, in the executor): refuse ops of ``kind`` whose seq is in
+    ``seqs`` there, as a remote backend refuses an op void after the client numbered it."""
+    from asyncsess import InvalidInputError
+
+    real = backend.precheck
+
+    def precheck(session_id, op):
+        if isinstance(op, kind) and op.seq in seqs:
+            raise InvalidInputError("refused at its turn", field="data", fix="-")
+        return real(session_id, op)
+
+    monkeypatch.setattr(backend, "precheck", precheck)
+
+
+async def test_a_forward_refused_at_its_turn_fills_the_backward_and_poisons_nothing(monkeypatch):
+    """The forward pass refused void after numbering used to poison the client for good (its backward number was
+    never filled); now the backward's number runs a forward, the call fails void, and the ops after it run."""
+    from asyncsess import InvalidInputError
+    from asyncsess.backends.base import ForwardOp
+
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        calls = []
+
+        def loss(data, logprobs):
+            calls.append(1)
+            return importance_sampling(data, logprobs)
+
+        custom = tc.forward_backward_custom(_batch(), loss)
+        nxt = tc.forward_backward(_batch(), "importance_sampling")
+        _refuse_at_its_turn(monkeypatch, svc.backend, ForwardOp, {custom.seq})  # before any of them ran: nothing awaited yet
+        with pytest.raises(InvalidInputError) as err:
+            await custom
+        assert err.value.void and calls == []
+        assert nxt.seq == custom.seq + 2 and math.isfinite((await nxt).loss)
+        assert np.abs(svc.backend.weights(tc.model_id)).max() == 0  # no optim_step yet, nothing else applied
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+async def test_a_backward_refused_at_its_turn_poisons_only_when_split(monkeypatch, chunks):
+    """One backward op refused void applied nothing: the ops after it run. Split in two, the other part ran (or is
+    never sent): the client is poisoned, as for a chunked forward_backward."""
+    from asyncsess import InvalidInputError, PoisonedError
+    from asyncsess.backends.base import ForwardBackwardOp
+
+    async with ServiceClient("mock://", max_chunk_datums=2 // chunks) as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        custom = tc.forward_backward_custom(_batch(), importance_sampling)
+        nxt = tc.forward(_batch(), "importance_sampling")
+        _refuse_at_its_turn(monkeypatch, svc.backend, ForwardBackwardOp, {custom.seq + chunks})  # the first backward
+        with pytest.raises(InvalidInputError):
+            await custom
+        if chunks == 1:
+            assert len((await nxt).loss_fn_outputs) == 2
+        else:
+            with pytest.raises(PoisonedError):
+                await nxt
