@@ -113,7 +113,7 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
     return out
 
 
-def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, encode: Callable[[str], list[int]] | None) -> Datum:
+def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, TensorData] | None, encode: Callable[[str], list[int]] | None) -> Datum:
     if isinstance(item, Datum):
         datum = item
     elif isinstance(item, Mapping) or hasattr(item, "loss_fn_inputs"):  # a dict, or Tinker's own Datum
@@ -146,9 +146,7 @@ def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, en
         except TypeError as err:
             raise InvalidInputError(str(err), field=f"data[{i}]", fix="pass a Datum, a dict, or a list of token ids") from None
     if shared_inputs and not datum.loss_fn_inputs:
-        datum = Datum.model_construct(
-            model_input=datum.model_input, loss_fn_inputs={k: TensorData.coerce(k, v) for k, v in shared_inputs.items()}
-        )
+        datum = Datum.model_construct(model_input=datum.model_input, loss_fn_inputs=dict(shared_inputs))
     return datum
 
 
@@ -163,7 +161,17 @@ def coerce_datums(
         raise InvalidInputError(f"expected a non-empty list of datums, got {shown}", field="data", fix="pass list[Datum]")
     if all(isinstance(t, int) for t in data):  # a single token list (SageMaker)
         data = [data]
-    return [_coerce_datum(i, item, shared_inputs, encode) for i, item in enumerate(data)]
+    shared = None if not shared_inputs else {str(k): _shared_input(k, v) for k, v in shared_inputs.items()}
+    return [_coerce_datum(i, item, shared, encode) for i, item in enumerate(data)]
+
+
+def _shared_input(key: Any, value: Any) -> TensorData:
+    """One of SageMaker's ``loss_fn_inputs`` for every datum, made a tensor once."""
+    try:
+        return TensorData.coerce(key, value)
+    except (TypeError, ValueError, OverflowError) as err:
+        msg = str(err).splitlines()[0].removeprefix(f"loss_fn_inputs[{key!r}]: ")
+        raise InvalidInputError(msg, field=f"loss_fn_inputs[{key!r}]", fix="a list of numbers, one per input token") from None
 
 
 def check_datums(

@@ -113,7 +113,18 @@ CASES: list[Case] = [
     ("fbc-loss-not-callable", "tc", lambda tc: tc.forward_backward_custom([datum()], "cross_entropy"), "loss_fn"),
     ("fwd-empty-input", "tc", lambda tc: tc.forward([datum([1])]), "model_input"),
     ("fwd-too-long", "tc", lambda tc: tc.forward([datum([1, *([40] * 100_000), 2])]), "data[0]"),
-    ("fwd-shared-inputs-garbage", "tc", lambda tc: tc.forward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": object()}), "data"),
+    (
+        "fwd-shared-inputs-garbage",
+        "tc",
+        lambda tc: tc.forward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": object()}),
+        "loss_fn_inputs['target_tokens']",
+    ),
+    (
+        "fb-shared-inputs-bools",
+        "tc",
+        lambda tc: tc.forward_backward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": [40, 41, 42], "weights": [True] * 3}),
+        "loss_fn_inputs['weights']",
+    ),
     # ---------------------------------------------------------------- optim_step
     ("optim-nan-lr", "tc", lambda tc: tc.optim_step({"learning_rate": NAN}), "adam_params"),
     ("optim-inf-lr", "tc", lambda tc: tc.optim_step({"learning_rate": INF}), "adam_params"),
