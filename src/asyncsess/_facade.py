@@ -162,6 +162,9 @@ class SyncFuture(Generic[T]):
     def __repr__(self) -> str:
         return repr(self._fut).replace("APIFuture", "SyncFuture", 1)
 
+    def __reduce__(self) -> Any:
+        return self._fut.__reduce__()  # refused by name: a handle on work in this process
+
     @property
     def seq(self) -> int | None:
         return self._fut.seq

@@ -9,6 +9,7 @@ are ``async def``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -94,6 +95,7 @@ from .validation import (
     check_ttl_seconds,
     check_user_metadata,
     coerce_adam_params,
+    coerce_datums,
     coerce_prompt,
     coerce_sampling_params,
     split_name_and_description,
@@ -105,6 +107,7 @@ log = logging.getLogger("asyncsess")
 QUEUE_STATE_LOG_INTERVAL = 60  # seconds between two "sampling is paused" warnings of one SamplingClient (Tinker's)
 DEFAULT_URL = "local://"
 T = TypeVar("T")
+Op = TypeVar("Op", bound=TrainingOp)
 
 
 class ServiceClient:
@@ -578,9 +581,10 @@ class ServiceClient:
         try:
             with anyio.CancelScope() as scope:
                 fut._cancel_scope = scope
-                if fut._cancel_requested:  # cancelled before this task started
-                    scope.cancel()
-                fut._set_result(await fn(*args))
+                if fut._cancel_requested:  # cancelled before this task started: never sent (an fn that does not
+                    scope.cancel()  # yield would otherwise run to the end, and cancel() would have said True for nothing)
+                else:
+                    fut._set_result(await fn(*args))
         except Exception as err:
             if isinstance(err, AsyncSessError) and err.operation is None:
                 err.operation = fut.operation  # say which call failed (SageMaker's operation_type)
@@ -717,8 +721,11 @@ class TrainingClient:
     def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
-        ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
-        Two sequence numbers are reserved now, so later ops stay behind both passes.
+        ``loss_fn(data, logprobs) -> (loss, metrics)`` receives copies of the datums and one torch tensor of log-probs
+        per datum. The forward and the backward pass are numbered now (one op each per chunk), so later ops stay
+        behind both. A ``loss_fn`` that raises or returns no finite scalar loss with finite gradients fails this
+        future with an :class:`InvalidInputError` naming ``loss_fn``: the backward's numbers then run a forward
+        (nothing is applied) and the client stays usable.
         """
         if not callable(loss_fn):
             raise InvalidInputError("must be callable (data, logprobs) -> (loss, metrics)", field="loss_fn")
@@ -727,12 +734,17 @@ class TrainingClient:
         multi = "cross_entropy" in self._multi_target
         forward_data = check_datums(ce_view(original), "cross_entropy", vocab_size=vocab, max_length=context, multi_target=multi)
         self._raise_if_unusable("forward_backward_custom")
-        fwd_seq, fwd_key = self._reserve()
-        fwd = ForwardOp(seq=fwd_seq, idempotency_key=fwd_key, data=forward_data, loss_fn="cross_entropy")
-        bwd_seq, bwd_key = self._reserve()
-        fut: APIFuture[ForwardBackwardOutput] = APIFuture("forward_backward_custom", fwd.seq)
+        chunks = chunk_datums(forward_data, self._svc.max_chunk_datums, self._svc.max_chunk_bytes)
+        first = self._next_seq
+        try:  # the backend judges both passes before they take their numbers, as for forward_backward
+            fwds = [self._number(functools.partial(ForwardOp, data=c, loss_fn="cross_entropy")) for c in chunks]
+            bwds = [self._number(functools.partial(ForwardBackwardOp, data=c, loss_fn="cross_entropy")) for c in chunks]
+        except BaseException:
+            self._next_seq = first  # refused before they took their places: the numbers are free again
+            raise
+        fut: APIFuture[ForwardBackwardOutput] = APIFuture("forward_backward_custom", fwds[0].seq)
         fut._withdrawable = False
-        return self._track(fut, self._run_custom, original, fwd, bwd_seq, bwd_key, loss_fn)
+        return self._track(fut, self._run_custom, original, fwds, bwds, loss_fn)
 
     def optim_step(
         self, optim_params: AdamParams | Mapping[str, float] | None = None, *, adam_params: AdamParams | Mapping[str, float] | None = None
@@ -975,16 +987,10 @@ class TrainingClient:
 
     def _coerce_rl_datums(self, data: Any) -> tuple[Datum, ...]:
         """Datums for a custom loss: anything with ``target_tokens`` (other keys are passed to the loss fn)."""
-        if isinstance(data, Datum):
-            data = [data]
-        out = []
-        for i, d in enumerate(data):
-            d = d if isinstance(d, Datum) else Datum.model_validate(d)
+        out = coerce_datums(data, encode=self._encode_or_none())
+        for i, d in enumerate(out):
             if "target_tokens" not in d.loss_fn_inputs:
                 raise InvalidInputError("needs target_tokens", field=f"data[{i}].loss_fn_inputs", fix="add target_tokens")
-            out.append(d)
-        if not out:
-            raise InvalidInputError("expected a non-empty list of datums", field="data")
         return tuple(out)
 
     def _raise_if_unusable(self, operation: str) -> None:
@@ -1000,16 +1006,22 @@ class TrainingClient:
         self._next_seq += 1
         return seq, f"{self._key_prefix}-{seq}"
 
-    def _submit(self, operation: str, make: Callable[..., TrainingOp]) -> APIFuture[Any]:
-        """Number an op and run it in order; ``make(seq=, idempotency_key=)`` builds its record (a ``partial`` of one)."""
-        self._raise_if_unusable(operation)
+    def _number(self, make: Callable[..., Op]) -> Op:
+        """``make(seq=, idempotency_key=)`` (a ``partial`` of a record) with the next number, once the backend's
+        :meth:`~Backend.precheck` accepts it; a refusal frees the number again."""
         seq, key = self._reserve()
         op = make(seq=seq, idempotency_key=key)
         try:
             self._svc.backend.precheck(self.model_id, op)
         except BaseException:
-            self._next_seq -= 1  # refused before it took its place: the number is free again
+            self._next_seq -= 1
             raise
+        return op
+
+    def _submit(self, operation: str, make: Callable[..., TrainingOp]) -> APIFuture[Any]:
+        """Number an op and run it in order; ``make(seq=, idempotency_key=)`` builds its record (a ``partial`` of one)."""
+        self._raise_if_unusable(operation)
+        op = self._number(make)
         fut: APIFuture[Any] = APIFuture(operation, op.seq)
         fut._withdrawable = False  # an ordered op keeps its place once numbered
         return self._track(fut, self._run_op, op)
@@ -1063,22 +1075,61 @@ class TrainingClient:
             raise
 
     async def _run_custom(
-        self, original: tuple[Datum, ...], fwd: ForwardOp, bwd_seq: int, bwd_key: str, loss_fn: CustomLossFn
+        self, original: tuple[Datum, ...], fwds: list[ForwardOp], bwds: list[ForwardBackwardOp], loss_fn: CustomLossFn
     ) -> ForwardBackwardOutput:
+        outs: list[ForwardBackwardOutput] = []
+        refused: Exception | None = None
+        for fwd in fwds:  # every number is sent, in order: a gap would stall the ops after it
+            try:
+                outs.append(await self._run_op(fwd))
+            except Exception as err:
+                if poisons(err):  # _run_op poisoned the ops after it, the backward's numbers with them
+                    raise
+                refused = refused or err  # refused void: nothing ran
+        if refused is not None:
+            await self._fill(bwds, refused)
+            raise refused
+        forward = merge_outputs(outs)
         try:
-            forward = await self._run_op(fwd)
             loss, metrics, weights = linearize(original, forward, loss_fn)
-        except Exception as err:  # the reserved backward number can never be filled: poison
-            self._poison_after(fwd.seq, err)
+        except InvalidInputError as err:  # the user's loss_fn
+            await self._fill(bwds, err)
             raise
-        bwd = ForwardBackwardOp(seq=bwd_seq, idempotency_key=bwd_key, data=with_weights(fwd.data, weights), loss_fn="cross_entropy")
-        out: ForwardBackwardOutput = await self._run_op(bwd)
+        except Exception as err:  # anything else: the reserved numbers are never filled
+            self._poison_after(fwds[-1].seq, err)
+            raise
+        done = 0
+        parts = []
+        for bwd in bwds:
+            chunk = bwd.data
+            part = dataclasses.replace(bwd, data=with_weights(chunk, weights[done : done + len(chunk)]))
+            done += len(chunk)
+            try:
+                parts.append(await self._run_op(part))
+            except AsyncSessError as err:
+                if not poisons(err) and len(bwds) > 1:  # other parts ran, or are never sent: as _merge_parts
+                    msg = f"a custom loss's backward sent as {len(bwds)} ops did not run in full: {err}"
+                    self._poison_after(bwd.seq, OperationError(msg, seq=bwd.seq))
+                raise
+        out = merge_outputs(parts)
         return ForwardBackwardOutput.model_construct(
             loss_fn_output_type=out.loss_fn_output_type,
             loss_fn_outputs=forward.loss_fn_outputs,
             metrics={**out.metrics, **metrics, "loss:sum": loss, "surrogate_loss:sum": out.metrics.get("loss:sum", 0.0)},
             usage=forward.usage + out.usage,
         )
+
+    async def _fill(self, bwds: list[ForwardBackwardOp], err: Exception) -> None:
+        """Run the reserved backward numbers as forwards of their first datum (they read, apply nothing), so the ops
+        after them keep their order and run; ``err`` is void then. A filler that fails for good poisons, as any op."""
+        void = True
+        for op in bwds:
+            try:
+                await self._run_op(ForwardOp(seq=op.seq, idempotency_key=op.idempotency_key, data=op.data[:1], loss_fn="cross_entropy"))
+            except Exception as filler:  # a void refusal still took its turn; any other failure poisoned (in _run_op)
+                void = void and not poisons(filler)
+        if isinstance(err, AsyncSessError):
+            err.void = void
 
     def _poison_after(self, seq: int, err: Exception) -> None:
         """Op ``seq`` failed for good: fail every later op of this client with the cause."""

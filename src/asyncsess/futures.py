@@ -62,6 +62,9 @@ class APIFuture(Generic[T]):
         seq = f" seq={self.seq}" if self.seq is not None else ""
         return f"<APIFuture {self.operation}{seq} {state}>"
 
+    def __reduce__(self) -> Any:
+        raise TypeError(f"{self!r} is a handle on work in this process and cannot be pickled: pickle its result (await it first)")
+
     # ------------------------------------------------------------------ waiting
 
     def __await__(self) -> Generator[Any, None, T]:

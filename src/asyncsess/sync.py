@@ -222,8 +222,11 @@ class TrainingClient:
     def forward_backward_custom(self, data: Any, loss_fn: CustomLossFn, *, loss_type_input: Any = None) -> SyncFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the log-probs, lowered to ``cross_entropy`` (needs torch).
 
-        ``loss_fn(data, logprobs) -> (loss, metrics)`` receives one torch tensor of log-probs per datum.
-        Two sequence numbers are reserved now, so later ops stay behind both passes."""
+        ``loss_fn(data, logprobs) -> (loss, metrics)`` receives copies of the datums and one torch tensor of log-probs
+        per datum. The forward and the backward pass are numbered now (one op each per chunk), so later ops stay
+        behind both. A ``loss_fn`` that raises or returns no finite scalar loss with finite gradients fails this
+        future with an :class:`InvalidInputError` naming ``loss_fn``: the backward's numbers then run a forward
+        (nothing is applied) and the client stays usable."""
         return _facade.submit(self._async.forward_backward_custom, data, loss_fn, loss_type_input=loss_type_input)
 
     def optim_step(self, optim_params: AdamParams | Mapping[str, float] | None = None, *, adam_params: AdamParams | Mapping[str, float] | None = None) -> SyncFuture[OptimStepResponse]:

@@ -73,6 +73,25 @@ class _Input(_Model):
             raise InputValidationError.of(err) from None
 
 
+def is_number(v: Any) -> bool:
+    """An int or float (numpy's included), not a bool and not text: lax coercion of ``"0.8"`` or ``True`` hides bugs."""
+    t = type(v)
+    return t is float or t is int or (isinstance(v, numbers.Real) and not isinstance(v, bool))
+
+
+def _first_non_number(values: Sequence[Any]) -> int | None:
+    """The index of the first item of ``values`` that is not a number, or None."""
+    for i, v in enumerate(values):
+        t = type(v)
+        if t is not float and t is not int and not is_number(v):
+            return i
+    return None
+
+
+def _shown(v: Any) -> str:
+    return f"{type(v).__name__} {v!r:.40}"
+
+
 class EncodedTextChunk(_Input):
     """A run of token ids."""
 
@@ -81,10 +100,12 @@ class EncodedTextChunk(_Input):
 
     @field_validator("tokens", mode="before")
     @classmethod
-    def _no_bools(cls, v: Any) -> Any:
-        """A bool is not a token id (pydantic's lax mode would read ``True`` as id 1)."""
-        if isinstance(v, (list, tuple)) and any(isinstance(t, bool) for t in v):
-            raise ValueError("a token id is an int, not a bool")
+    def _ints_only(cls, v: Any) -> Any:
+        """A bool or a str is not a token id (pydantic's lax mode would read ``True`` as id 1, ``"7"`` as 7)."""
+        if isinstance(v, (list, tuple)):
+            bad = _first_non_number(v)
+            if bad is not None:
+                raise ValueError(f"tokens[{bad}] is {_shown(v[bad])}: a token id is an int")
         return v
 
     @property
@@ -129,13 +150,16 @@ class ModelInput(_Input):
             return cls.model_validate(value)
         if hasattr(value, "chunks") and not isinstance(value, (str, bytes)):
             return cls.model_validate({"chunks": [c if isinstance(c, dict) else {"tokens": list(c.tokens)} for c in value.chunks]})
+        if getattr(value, "is_meta", False):
+            raise TypeError("a tensor on the meta device holds no token ids; pass one on the CPU or a GPU")
         if hasattr(value, "tolist"):
             value = value.tolist()
         if isinstance(value, list) and all(type(t) is int for t in value):  # the common case, fast
             return cls.from_ints(value)
         if isinstance(value, (list, tuple)):
-            if not all((isinstance(t, int) or hasattr(t, "__index__")) and not isinstance(t, bool) for t in value):
-                raise TypeError("a prompt given as a list must hold token ids (int, not bool)")
+            bad = next((t for t in value if isinstance(t, bool) or not (isinstance(t, int) or hasattr(t, "__index__"))), value)
+            if bad is not value:
+                raise TypeError(f"a prompt given as a list must hold token ids (ints), not {_shown(bad)}")
             return cls.from_ints([int(t) for t in value])
         raise TypeError(f"cannot make a ModelInput from {type(value).__name__}; pass list[int] or ModelInput")
 
@@ -202,15 +226,14 @@ class TensorData(_Input):
     sparse_crow_indices: list[int] | None = None
     sparse_col_indices: list[int] | None = None
 
-    @field_validator("data", mode="before")
+    @field_validator("data", "shape", "sparse_crow_indices", "sparse_col_indices", mode="before")
     @classmethod
-    def _numbers(cls, data: Any) -> Any:
-        """Numbers only: a string or a bool in ``data`` is refused, never read as a number."""
-        if isinstance(data, (list, tuple)):
-            bad = next((v for v in data if isinstance(v, (str, bytes, bool))), None)
+    def _numbers_only(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            bad = _first_non_number(v)
             if bad is not None:
-                raise ValueError(f"data holds {str(bad)[:20]!r}, not a number: give numbers")
-        return data
+                raise ValueError(f"{info.field_name}[{bad}] is {_shown(v[bad])}, not a number")
+        return v
 
     @model_validator(mode="after")
     def _check_shape(self) -> TensorData:
@@ -256,10 +279,11 @@ class TensorData(_Input):
     @classmethod
     def from_list(cls, values: Sequence[Any], dtype: Literal["int64", "float32"] | None = None) -> TensorData:
         vals = list(values)
+        bad = _first_non_number(vals)
+        if bad is not None:
+            raise TypeError(f"item {bad} is {_shown(vals[bad])}, not a number")
         if dtype is None:
             dtype = "int64" if all(isinstance(v, int) and not isinstance(v, bool) for v in vals) else "float32"
-        if any(isinstance(v, (str, bytes)) for v in vals):
-            raise ValueError("data holds a string, not a number: give numbers")
         data = _whole_numbers(vals) if dtype == "int64" else [float(v) for v in vals]
         return cls.model_construct(data=data, dtype=dtype, shape=[len(data)])
 
@@ -268,6 +292,8 @@ class TensorData(_Input):
         import numpy as np
 
         arr = np.asarray(array)
+        if arr.dtype.kind not in "iuf":  # bool, text, object, complex: numpy's astype would coerce them silently
+            raise TypeError(f"an array of {arr.dtype} is not numbers; pass ints or floats")
         if dtype is None:
             dtype = "int64" if np.issubdtype(arr.dtype, np.integer) else "float32"
         if dtype == "int64" and np.issubdtype(arr.dtype, np.integer):  # as Python ints: a uint64 past int64 read as -1
@@ -279,9 +305,15 @@ class TensorData(_Input):
 
     @classmethod
     def from_torch(cls, tensor: Any, dtype: Literal["int64", "float32"] | None = None) -> TensorData:
+        if tensor.is_meta:
+            raise TypeError("a tensor on the meta device holds no values; pass one on the CPU or a GPU")
+        if tensor.is_complex() or str(tensor.dtype) == "torch.bool":
+            raise TypeError(f"a {tensor.dtype} tensor is not real numbers; pass ints or floats")
         t = tensor.detach().cpu()
+        if str(t.layout) != "torch.strided":  # sparse: the values it stands for
+            t = t.to_dense()
         if t.is_floating_point():
-            t = t.float()
+            t = t.float()  # bfloat16 and float16 included
         return cls.from_numpy(t.numpy(), dtype)
 
     @classmethod
@@ -302,6 +334,10 @@ class TensorData(_Input):
             return cls.from_numpy(value, dtype)
         if isinstance(value, (list, tuple)):
             if value and isinstance(value[0], (list, tuple)):
+                for row in value:  # numpy would read a bool in a row as 1 and text as a str array
+                    bad = _first_non_number(row) if isinstance(row, (list, tuple)) else None
+                    if bad is not None:
+                        raise TypeError(f"loss_fn_inputs[{key!r}]: item {bad} of a row is {_shown(row[bad])}, not a number")
                 return cls.from_numpy(value, dtype)
             return cls.from_list(value, dtype)
         raise TypeError(f"loss_fn_inputs[{key!r}]: cannot make a tensor from {type(value).__name__}")
@@ -408,14 +444,22 @@ def _whole_numbers(values: Sequence[Any]) -> list[int]:
     return out
 
 
+class LossInputError(ValueError):
+    """A ``loss_fn_inputs`` value that makes no tensor; ``key`` names it (pydantic drops a nested model's location)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"loss_fn_inputs[{key!r}]: {message.removeprefix(f'loss_fn_inputs[{key!r}]: ')}")
+        self.key = key
+
+
 def _coerce_named(key: str, value: Any) -> TensorData:
     try:
         return TensorData.coerce(key, value)
-    except ValidationError as err:  # re-raised with the key: pydantic drops the location of a nested model's error
+    except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        raise ValueError(f"loss_fn_inputs[{key!r}]: {first['msg'].removeprefix('Value error, ')}") from None
-    except ValueError as err:  # from_list / from_numpy: a string, or a fraction where token ids go
-        raise ValueError(f"loss_fn_inputs[{key!r}]: {err}") from None
+        raise LossInputError(key, first["msg"].removeprefix("Value error, ")) from None
+    except (TypeError, ValueError, OverflowError) as err:
+        raise LossInputError(key, str(err).splitlines()[0]) from None
 
 
 def _span_dict(span: Any) -> Any:
@@ -444,10 +488,10 @@ MAX_STOP_CHARS = 1000  # characters per stop string
 MAX_TOKENS = 2**31 - 1  # new tokens one request may ask for: past a 32-bit int (2**70, say) it reached the backend as it came
 
 
-def _not_a_bool(v: Any) -> Any:
-    """A number field refuses True/False (pydantic's lax mode would read them as 1 and 0)."""
-    if isinstance(v, bool):
-        raise ValueError(f"{v} is a bool, not a number")
+def _a_number(v: Any) -> Any:
+    """A number field refuses True/False and text (pydantic's lax mode would read them as 1, 0 and ``float("0.8")``)."""
+    if v is not None and not is_number(v):
+        raise ValueError(f"{_shown(v)} is not a number")
     return v
 
 
@@ -455,7 +499,7 @@ class SamplingParams(_Input):
     """Decoding parameters. Defaults follow Tinker; ``max_tokens=None`` means the backend's limit.
 
     ``stop=None`` keeps the implicit end-of-sequence stop; ``stop=[]`` disables every stop, EOS included.
-    Numbers must be finite and not bools; a stop string must be non-empty; ``seed`` is in ``0..2**63-1``.
+    Numbers must be finite numbers (not bools, not text); a stop string must be non-empty; ``seed`` is in ``0..2**63-1``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -469,10 +513,11 @@ class SamplingParams(_Input):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop_entries(cls, v: Any) -> Any:
-        """A stop entry is a string or a token id: a bool or a float is refused, never read as token 1 or 6."""
-        if isinstance(v, (list, tuple)) and any(isinstance(s, (bool, float)) for s in v):
-            raise ValueError("a stop entry is a string or an int token id (not a bool or a float)")
+    def _stop_items(cls, v: Any) -> Any:
+        """A stop is a string or a token id: ``True`` or ``1.0`` was read as a stop at token id 1."""
+        for s in v if isinstance(v, (list, tuple)) else ():
+            if not isinstance(s, str) and (isinstance(s, bool) or not isinstance(s, numbers.Integral)):
+                raise ValueError(f"a stop is a string or a token id (int), not {_shown(s)}")
         return v
 
     @field_validator("stop")
@@ -491,7 +536,7 @@ class SamplingParams(_Input):
                     raise ValueError("a stop string must be valid Unicode (no lone surrogates)") from None
         return v
 
-    _no_bools = field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", mode="before")(_not_a_bool)
+    _numbers_only = field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", mode="before")(_a_number)
 
     @field_validator("top_k")
     @classmethod
@@ -534,7 +579,7 @@ MAX_LEARNING_RATE = 10.0
 class AdamParams(_Input):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip).
 
-    Every number must be finite (a bool is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,
+    Every number must be a finite number (a bool or text is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,
     ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``.
     """
 
@@ -548,7 +593,7 @@ class AdamParams(_Input):
     grad_clip_norm: float = Field(default=0.0, ge=0.0)
     lora_plus_lr_ratio: float | None = Field(default=None, ge=1.0, le=1000.0)
 
-    _no_bools = field_validator("*", mode="before")(_not_a_bool)
+    _numbers_only = field_validator("*", mode="before")(_a_number)
 
     @field_validator("grad_clip_norm", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import ConflictError, InvalidInputError, UnsupportedError
-from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, ModelInput, SamplingParams, TensorData
+from .types import FLOAT_KEYS, INT_KEYS, AdamParams, Datum, LossInputError, ModelInput, SamplingParams, TensorData, is_number
 
 __all__ = [
     "MAX_SAMPLES",
@@ -23,6 +23,7 @@ __all__ = [
     "LOSS_CONFIG_KEYS",
     "check_loss_fn",
     "check_datums",
+    "coerce_datums",
     "check_loss_fn_config",
     "coerce_prompt",
     "coerce_sampling_params",
@@ -93,9 +94,13 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
             keys = ", ".join(sorted(allowed)) or "none"
             raise InvalidInputError(f"{loss_fn} takes no key {key!r} (it takes: {keys})", field=f"loss_fn_config[{key!r}]", fix="remove it")
         try:
+            if not is_number(value):  # float("0.8") or float(True) would hide a bug
+                raise TypeError
             out[key] = float(value)
         except (TypeError, ValueError, OverflowError):
-            raise InvalidInputError(f"{value!r} is not a number", field=f"loss_fn_config[{key!r}]", fix="give a number") from None
+            raise InvalidInputError(
+                f"{type(value).__name__} {value!r:.40} is not a number", field=f"loss_fn_config[{key!r}]", fix="give a number, e.g. 0.8"
+            ) from None
         if not math.isfinite(out[key]):
             raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r}]", fix="give a finite number")
     lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
@@ -108,7 +113,7 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
     return out
 
 
-def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, encode: Callable[[str], list[int]] | None) -> Datum:
+def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, TensorData] | None, encode: Callable[[str], list[int]] | None) -> Datum:
     if isinstance(item, Datum):
         datum = item
     elif isinstance(item, Mapping) or hasattr(item, "loss_fn_inputs"):  # a dict, or Tinker's own Datum
@@ -117,8 +122,13 @@ def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, en
         except ValidationError as err:
             first = err.errors(include_url=False)[0]
             where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            cause = (first.get("ctx") or {}).get("error")
+            msg = first["msg"].removeprefix("Value error, ")
+            if isinstance(cause, LossInputError):
+                where = f".loss_fn_inputs[{cause.key!r}]"
+                msg = msg.removeprefix(f"loss_fn_inputs[{cause.key!r}]: ")
             raise InvalidInputError(
-                first["msg"].removeprefix("Value error, "),
+                msg,
                 field=f"data[{i}]{where}",
                 fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}",
             ) from None
@@ -136,10 +146,32 @@ def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, Any] | None, en
         except TypeError as err:
             raise InvalidInputError(str(err), field=f"data[{i}]", fix="pass a Datum, a dict, or a list of token ids") from None
     if shared_inputs and not datum.loss_fn_inputs:
-        datum = Datum.model_construct(
-            model_input=datum.model_input, loss_fn_inputs={k: TensorData.coerce(k, v) for k, v in shared_inputs.items()}
-        )
+        datum = Datum.model_construct(model_input=datum.model_input, loss_fn_inputs=dict(shared_inputs))
     return datum
+
+
+def coerce_datums(
+    data: Any, *, shared_inputs: Mapping[str, Any] | None = None, encode: Callable[[str], list[int]] | None = None
+) -> list[Datum]:
+    """Every accepted form of a batch (a Datum, a dict, Tinker's Datum, a token list, text) as a non-empty list of Datums."""
+    if isinstance(data, (Datum, Mapping)) or hasattr(data, "loss_fn_inputs"):
+        data = [data]
+    if not isinstance(data, Sequence) or isinstance(data, (str, bytes)) or len(data) == 0:
+        shown = "an empty list" if isinstance(data, Sequence) and not isinstance(data, (str, bytes)) else type(data).__name__
+        raise InvalidInputError(f"expected a non-empty list of datums, got {shown}", field="data", fix="pass list[Datum]")
+    if all(isinstance(t, int) for t in data):  # a single token list (SageMaker)
+        data = [data]
+    shared = None if not shared_inputs else {str(k): _shared_input(k, v) for k, v in shared_inputs.items()}
+    return [_coerce_datum(i, item, shared, encode) for i, item in enumerate(data)]
+
+
+def _shared_input(key: Any, value: Any) -> TensorData:
+    """One of SageMaker's ``loss_fn_inputs`` for every datum, made a tensor once."""
+    try:
+        return TensorData.coerce(key, value)
+    except (TypeError, ValueError, OverflowError) as err:
+        msg = str(err).splitlines()[0].removeprefix(f"loss_fn_inputs[{key!r}]: ")
+        raise InvalidInputError(msg, field=f"loss_fn_inputs[{key!r}]", fix="a list of numbers, one per input token") from None
 
 
 def check_datums(
@@ -157,16 +189,9 @@ def check_datums(
     ``multi_target``: the backend takes ``(N, K)`` ``target_tokens`` for this loss (K targets per position, e.g. a
     densified CSR matrix); every other per-token input then has the targets' shape.
     """
-    if isinstance(data, (Datum, Mapping)):
-        data = [data]
-    if not isinstance(data, Sequence) or isinstance(data, (str, bytes)) or len(data) == 0:
-        raise InvalidInputError("expected a non-empty list of datums", field="data", fix="pass list[Datum]")
-    if all(isinstance(t, int) for t in data):  # a single token list (SageMaker)
-        data = [data]
     required, optional = LOSS_INPUTS[loss_fn]
     out = []
-    for i, item in enumerate(data):
-        d = _coerce_datum(i, item, shared_inputs, encode)
+    for i, d in enumerate(coerce_datums(data, shared_inputs=shared_inputs, encode=encode)):
         n = d.model_input.length
         if n == 0:
             raise InvalidInputError("model_input is empty", field=f"data[{i}].model_input", fix="give at least one token")
@@ -306,7 +331,9 @@ def coerce_sampling_params(params: Any) -> SamplingParams:
             return SamplingParams.model_validate(params)
         except ValidationError as err:
             e = err.errors()[0]
-            raise InvalidInputError(e["msg"], field=f"sampling_params.{'.'.join(map(str, e['loc']))}", fix="see SamplingParams") from None
+            raise InvalidInputError(
+                e["msg"].removeprefix("Value error, "), field=f"sampling_params.{'.'.join(map(str, e['loc']))}", fix="see SamplingParams"
+            ) from None
     raise InvalidInputError(f"got {type(params).__name__}", field="sampling_params", fix="pass SamplingParams(...)")
 
 
@@ -321,7 +348,9 @@ def coerce_adam_params(params: Any) -> AdamParams:
             return AdamParams.model_validate(params)
         except ValidationError as err:
             e = err.errors()[0]
-            raise InvalidInputError(e["msg"], field=f"adam_params.{'.'.join(map(str, e['loc']))}", fix="see AdamParams") from None
+            raise InvalidInputError(
+                e["msg"].removeprefix("Value error, "), field=f"adam_params.{'.'.join(map(str, e['loc']))}", fix="see AdamParams"
+            ) from None
     raise InvalidInputError(f"got {type(params).__name__}", field="adam_params", fix="pass AdamParams(...)")
 
 

@@ -75,3 +75,42 @@ async def test_future_gives_a_concurrent_future_and_cancelling_it_withdraws_the_
         late = tc.forward([sft_datum([1, 40, 41])], "cross_entropy")
         assert late.future().cancel() and late.future().cancelled()  # an ordered op keeps its place: it still runs
         assert (await late).loss == pytest.approx(out.loss) and not late.cancelled()
+
+
+@pytest.mark.parametrize("latency", [0, 30])
+async def test_a_request_cancelled_before_its_task_started_is_never_sent(latency, monkeypatch):
+    """On a backend that answers without yielding (mock:// with no latency), cancel() said True yet the sample ran to
+    the end and the future held its result: a withdrawn request must not be sent."""
+    async with ServiceClient(f"mock://?latency_ms={latency}") as svc:
+        sc = await svc.create_sampling_client(base_model="mock/bigram-tiny")
+        sent = []
+        real = svc.backend.sample
+
+        async def spy(sampler_id, request):
+            sent.append(request)
+            return await real(sampler_id, request)
+
+        monkeypatch.setattr(svc.backend, "sample", spy)
+        fut = sc.sample([1, 40], 1, SamplingParams(max_tokens=2))
+        assert fut.cancel() is True
+        with pytest.raises(OperationCancelledError):
+            await fut
+        with pytest.raises(OperationCancelledError):  # awaited again: the same outcome
+            await fut
+        assert fut.cancelled() and sent == []
+        assert len((await sc.sample([1, 40], 1, SamplingParams(max_tokens=2))).sequences) == 1 and len(sent) == 1
+
+
+async def test_a_future_refuses_pickling_by_name_and_its_result_pickles():
+    """Pickling a future failed deep inside (cannot pickle '_asyncio.Task') or, once done, pickled a dead handle."""
+    import pickle
+
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fut = tc.forward([sft_datum([1, 40, 41])], "cross_entropy")
+        with pytest.raises(TypeError, match="cannot be pickled: pickle its result"):
+            pickle.dumps(fut)
+        out = await fut
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(fut)
+        assert pickle.loads(pickle.dumps(out)).loss == out.loss

@@ -38,7 +38,7 @@ def test_token_ids_are_whole_numbers_never_truncated_or_parsed(targets):
     """``target_tokens`` of 1.5 trained on token 1, "1" and True were read as 1; whole floats (1.0) still pass."""
     with pytest.raises(ValueError, match="target_tokens"):
         Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": targets, "weights": [1.0, 1.0]})
-    ok = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": np.array([1.0, 2.0]), "weights": [True, False]})
+    ok = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": np.array([1.0, 2.0]), "weights": [1, 0.0]})
     assert ok.loss_fn_inputs["target_tokens"].data == [1, 2] and ok.loss_fn_inputs["weights"].data == [1.0, 0.0]
 
 
@@ -96,3 +96,47 @@ def test_a_refused_input_value_is_a_bad_request_naming_the_field(build, field):
     assert err.value.status_code == 400 and err.value.category == "user" and err.value.errors()
     again = pickle.loads(pickle.dumps(err.value))
     assert type(again) is type(err.value) and str(again) == str(err.value) and again.field == err.value.field
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: AdamParams(learning_rate="0.001"),
+        lambda: AdamParams(weight_decay=b"0"),
+        lambda: SamplingParams(max_tokens="5"),
+        lambda: TensorData(data=["1", 2.0], dtype="float32"),
+        lambda: TensorData(data=[1.0, True], dtype="float32"),
+        lambda: TensorData(data=[1.0, 2.0], dtype="float32", shape=["2"]),
+        lambda: ModelInput(chunks=[{"tokens": [1, "2"]}]),
+        lambda: Datum(model_input=[1, 2], loss_fn_inputs={"weights": [1.0, "1"]}),
+    ],
+    ids=["adam-str", "adam-bytes", "max-tokens-str", "data-str", "data-bool", "shape-str", "tokens-str", "datum-weights-str"],
+)
+def test_text_and_bools_are_not_numbers(build):
+    """pydantic's lax mode read "0.001" as 0.001 and True as 1: a loop passing the wrong column trained on it."""
+    with pytest.raises(InvalidInputError, match="not a number|token id is an int"):
+        build()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[True, "1"], ("1", "2"), [[1.0], ["1"]], np.array(["1", "2"]), np.array([True, False]), np.array([1 + 2j]), np.array([1, None])],
+    ids=["list-bool-str", "tuple-str", "rows-str", "np-str", "np-bool", "np-complex", "np-object"],
+)
+def test_tensor_coercion_takes_numbers_only(value):
+    with pytest.raises(TypeError, match="not (a number|numbers)"):
+        TensorData.coerce("weights", value)
+
+
+def test_numeric_numpy_and_torch_forms_stay_accepted():
+    torch = pytest.importorskip("torch")
+    assert AdamParams(learning_rate=np.float32(0.5), beta1=np.float64(0.5)).learning_rate == 0.5
+    assert TensorData.coerce("weights", [np.float32(0.5), np.int64(2), 1, 1.5]).data == [0.5, 2.0, 1.0, 1.5]
+    assert TensorData.coerce("target_tokens", np.array([3, 4], dtype=np.uint16)).data == [3, 4]
+    base = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).requires_grad_()
+    t = TensorData.coerce("weights", base.t())  # bfloat16, requires_grad, non-contiguous
+    assert t.shape == [3, 2] and t.data == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+    assert TensorData.coerce("weights", torch.tensor([0.0, 2.0]).to_sparse()).data == [0.0, 2.0]
+    for bad in (torch.ones(2, device="meta"), torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.complex64)):
+        with pytest.raises(TypeError):
+            TensorData.coerce("weights", bad)

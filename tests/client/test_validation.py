@@ -199,3 +199,25 @@ async def test_a_uint64_array_past_int64_is_refused_by_its_value_not_wrapped():
         with pytest.raises(InvalidInputError, match="id 18446744073709551615 is not a token id"):
             tc.forward_backward([d], "cross_entropy")
         assert tc.current_sequence_number == 0
+
+
+async def test_torch_forms_of_a_datum_are_taken_or_refused_typed_before_numbering(tc):
+    """A datum built from torch tensors: bfloat16 / requires_grad / non-contiguous are taken as their values; a meta
+    tensor (no values) raised NotImplementedError from deep inside torch, a bool tensor was read as 1.0 and 0.0."""
+    torch = pytest.importorskip("torch")
+    ids = torch.arange(40, 46).reshape(3, 2)[:, 0]  # non-contiguous: 40, 42, 44
+    weights = torch.ones(2, 3, dtype=torch.bfloat16, requires_grad=True).t()[:, 0]
+    good = {"model_input": ids, "loss_fn_inputs": {"target_tokens": ids + 1, "weights": weights}}
+    out = await tc.forward_backward([good], "cross_entropy")
+    assert len(out.loss_fn_outputs[0]["logprobs"].data) == 3 and tc.current_sequence_number == 1
+    bad = [
+        ({**good, "model_input": ids.to("meta")}, "data[0]"),
+        ({**good, "loss_fn_inputs": {"target_tokens": ids + 1, "weights": torch.ones(3, device="meta")}}, "['weights']"),
+        ({**good, "loss_fn_inputs": {"target_tokens": ids + 1, "weights": torch.ones(3, dtype=torch.bool)}}, "['weights']"),
+        ({**good, "loss_fn_inputs": {"target_tokens": (ids + 1).to(torch.complex64), "weights": weights}}, "['target_tokens']"),
+    ]
+    for datum, field in bad:
+        with pytest.raises(InvalidInputError) as err:
+            tc.forward_backward([datum], "cross_entropy")
+        assert field in err.value.field and err.value.fix
+    assert tc.current_sequence_number == 1

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, TensorData
 from asyncsess.futures import APIFuture
 
@@ -34,6 +36,10 @@ def rl(**over: Any) -> Any:
 
 def good_datum() -> Datum:
     return Datum.model_validate(datum())
+
+
+def _sum_loss(data: Any, logprobs: Any) -> Any:
+    return -sum(p.sum() for p in logprobs), {}
 
 
 NAN, INF = math.nan, math.inf
@@ -64,9 +70,61 @@ CASES: list[Case] = [
     ("fb-bad-config-key", "tc", lambda tc: tc.forward_backward([rl()], "ppo", {"clip": 0.2}), "loss_fn_config"),
     ("fb-config-not-a-dict", "tc", lambda tc: tc.forward_backward([datum()], "cross_entropy", "clip"), "loss_fn_config"),
     ("fb-config-nan-ok-key", "tc", lambda tc: tc.forward_backward([rl()], "ppo", {"clip_low_threshold": "abc"}), "loss_fn_config"),
+    # numbers only: a str or a bool where a number goes was read as float("0.8") / 1.0 and trained on
+    ("fb-weights-bool-and-str", "tc", lambda tc: tc.forward_backward([datum(weights=[True, "1", 1.0, 1.0, 1.0])]), "weights"),
+    ("fb-advantages-str", "tc", lambda tc: tc.forward_backward([rl(advantages=["0.5"] * 5)], "importance_sampling"), "advantages"),
+    (
+        "fb-target-tokens-str",
+        "tc",
+        lambda tc: tc.forward_backward([datum(target_tokens=[str(t) for t in GOOD_TOKENS[1:]])]),
+        "target_tokens",
+    ),
+    (
+        "fb-target-tokens-2d-bool",
+        "tc",
+        lambda tc: tc.forward_backward([datum(target_tokens=[[40], [41], [True], [43], [2]])]),
+        "target_tokens",
+    ),
+    ("fb-weights-numpy-bool", "tc", lambda tc: tc.forward_backward([datum(weights=np.ones(5, dtype=bool))]), "weights"),
+    ("fb-weights-numpy-str", "tc", lambda tc: tc.forward_backward([datum(weights=np.array(["1"] * 5))]), "weights"),
+    (
+        "fb-model-input-str",
+        "tc",
+        lambda tc: tc.forward_backward([{**datum(), "model_input": {"chunks": [{"tokens": ["1", "40", "41", "42", "43"]}]}}]),
+        "data[0]",
+    ),
+    (
+        "fb-model-input-float-array",
+        "tc",
+        lambda tc: tc.forward_backward([{**datum(), "model_input": np.array([1.0, 40, 41, 42, 43])}]),
+        "data[0]",
+    ),
+    ("sample-prompt-bool-array", "sc", lambda sc: sc.sample(np.ones(3, dtype=bool), 1), "prompt"),
+    ("fb-config-str", "tc", lambda tc: tc.forward_backward([rl()], "ppo", {"clip_low_threshold": "0.8"}), "loss_fn_config"),
+    ("fb-config-bool", "tc", lambda tc: tc.forward_backward([rl()], "ppo", {"clip_high_threshold": True}), "loss_fn_config"),
+    ("optim-lr-str", "tc", lambda tc: tc.optim_step({"learning_rate": "0.001"}), "adam_params.learning_rate"),
+    ("sample-temperature-str", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"temperature": "0.5"}), "sampling_params.temperature"),
+    # forward_backward_custom: the same checks as forward_backward, before either pass is numbered
+    ("fbc-data-not-a-list", "tc", lambda tc: tc.forward_backward_custom(5, _sum_loss), "data"),
+    ("fbc-data-empty", "tc", lambda tc: tc.forward_backward_custom([], _sum_loss), "data"),
+    ("fbc-target-str", "tc", lambda tc: tc.forward_backward_custom([datum(target_tokens=["40"] * 5)], _sum_loss), "target_tokens"),
+    ("fbc-no-target", "tc", lambda tc: tc.forward_backward_custom([{"model_input": [1, 40]}], _sum_loss), "loss_fn_inputs"),
+    ("fbc-token-outside-vocab", "tc", lambda tc: tc.forward_backward_custom([datum([1, 10**6, 41, 2])], _sum_loss), "data[0]"),
+    ("fbc-loss-not-callable", "tc", lambda tc: tc.forward_backward_custom([datum()], "cross_entropy"), "loss_fn"),
     ("fwd-empty-input", "tc", lambda tc: tc.forward([datum([1])]), "model_input"),
     ("fwd-too-long", "tc", lambda tc: tc.forward([datum([1, *([40] * 100_000), 2])]), "data[0]"),
-    ("fwd-shared-inputs-garbage", "tc", lambda tc: tc.forward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": object()}), "data"),
+    (
+        "fwd-shared-inputs-garbage",
+        "tc",
+        lambda tc: tc.forward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": object()}),
+        "loss_fn_inputs['target_tokens']",
+    ),
+    (
+        "fb-shared-inputs-bools",
+        "tc",
+        lambda tc: tc.forward_backward([[1, 40, 41]], "cross_entropy", None, {"target_tokens": [40, 41, 42], "weights": [True] * 3}),
+        "loss_fn_inputs['weights']",
+    ),
     # ---------------------------------------------------------------- optim_step
     ("optim-nan-lr", "tc", lambda tc: tc.optim_step({"learning_rate": NAN}), "adam_params"),
     ("optim-inf-lr", "tc", lambda tc: tc.optim_step({"learning_rate": INF}), "adam_params"),
@@ -106,6 +164,8 @@ CASES: list[Case] = [
     ("sample-top-p-zero", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"top_p": 0.0}), "sampling_params"),
     ("sample-stop-surrogate", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": ["ok", SURROGATE]}), "sampling_params"),
     ("sample-stop-too-long", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": LONG}), "sampling_params"),
+    ("sample-stop-bool", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": ["ok", True]}), "sampling_params.stop"),
+    ("sample-stop-float", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, {"max_tokens": 3, "stop": [2.0]}), "sampling_params.stop"),
     ("sample-params-wrong-type", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, "greedy"), "sampling_params"),
     ("sample-empty-prompt", "sc", lambda sc: sc.sample([], 1), "prompt"),
     ("sample-float-prompt", "sc", lambda sc: sc.sample([1.5, 2.0], 1), "prompt"),

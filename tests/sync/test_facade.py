@@ -241,3 +241,34 @@ def test_futures_have_tinkers_surface_and_cancelling_the_concurrent_future_withd
             sample.result()
         hold.set()
         assert len(sc.sample([1, 40], 1, sync_api.SamplingParams(max_tokens=2)).result().sequences) == 1
+
+
+def test_a_sync_future_refuses_pickling_by_name():
+    """Pickling a SyncFuture failed on an internal lock (cannot pickle '_thread.RLock'); it names what to pickle."""
+    import pickle
+
+    with sync_api.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fut = tc.forward([sft_datum([1, 40], [41])], "cross_entropy")
+        out = fut.result()
+        with pytest.raises(TypeError, match="cannot be pickled: pickle its result"):
+            pickle.dumps(fut)
+        assert pickle.loads(pickle.dumps(out)).loss == out.loss
+
+
+def test_a_custom_loss_that_blocks_on_the_facade_fails_typed_and_the_client_goes_on():
+    """A sync loss fn that calls a blocking op of the same facade runs on the facade's loop, where it would
+    deadlock: it fails as an InvalidInputError naming loss_fn (cause: FacadeMisuseError), and nothing is poisoned."""
+    pytest.importorskip("torch")
+    with sync_api.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        d = sft_datum([1, 40], [41])
+
+        def loss(data, logprobs):
+            tc.forward([d], "cross_entropy").result()
+            return -logprobs[0].sum(), {}
+
+        with pytest.raises(client.InvalidInputError) as err:
+            tc.forward_backward_custom([d], loss).result()
+        assert err.value.field == "loss_fn" and isinstance(err.value.__cause__, FacadeMisuseError)
+        assert tc.forward_backward([d], "cross_entropy").result().loss > 0
