@@ -144,6 +144,8 @@ class ModelInput(_Input):
             return value
         if isinstance(value, EncodedTextChunk):
             return cls.model_construct(chunks=[value])
+        if hasattr(value, "keys") and "input_ids" in value.keys() and "chunks" not in value.keys():
+            return cls.from_any(value["input_ids"])  # a tokenizer's output (apply_chat_template's BatchEncoding)
         if isinstance(value, dict):
             if "prompt" in value and "chunks" not in value:
                 return cls.from_any(value["prompt"])
@@ -158,6 +160,8 @@ class ModelInput(_Input):
             return cls.from_ints(value)
         if isinstance(value, (list, tuple)):
             bad = next((t for t in value if isinstance(t, bool) or not (isinstance(t, int) or hasattr(t, "__index__"))), value)
+            if isinstance(bad, (list, tuple)):
+                raise TypeError(f"a batch of {len(value)} token lists is not one prompt; pass one sequence (input_ids[0])")
             if bad is not value:
                 raise TypeError(f"a prompt given as a list must hold token ids (ints), not {_shown(bad)}")
             return cls.from_ints([int(t) for t in value])

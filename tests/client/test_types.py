@@ -19,6 +19,18 @@ def test_model_input_round_trip_and_forms():
         ModelInput.from_any([1.5])
 
 
+def test_a_tokenizers_output_is_a_prompt_and_a_batch_is_refused_by_name():
+    """transformers 5's ``apply_chat_template`` returns a BatchEncoding (a mapping with ``input_ids``)."""
+    from collections import UserDict
+
+    assert ModelInput.from_any(UserDict({"input_ids": [5, 6], "attention_mask": [1, 1]})).to_ints() == [5, 6]
+    assert ModelInput.from_any({"input_ids": np.array([7, 8])}).to_ints() == [7, 8]
+    with pytest.raises(TypeError, match=r"batch of 1 token lists.*input_ids\[0\]"):
+        ModelInput.from_any({"input_ids": np.array([[7, 8]])})
+    with pytest.raises(TypeError, match="must hold token ids"):
+        ModelInput.from_any({"input_ids": ["a"]})
+
+
 def test_tensor_data_coercion_by_key():
     assert TensorData.coerce("target_tokens", [1.0, 2.0]).dtype == "int64"
     assert TensorData.coerce("weights", [1, 0]).dtype == "float32"

@@ -68,6 +68,12 @@ async def test_training_loop_through_the_client(url, tiny):
         assert len(out.sequences) == 3 and all(len(s.tokens) == 6 for s in out.sequences)
         lp = await sc.compute_logprobs(prompt + out.sequences[0].tokens)
         assert lp[len(prompt) :] == pytest.approx(out.sequences[0].logprobs, abs=1e-4)
+        # what transformers 5's apply_chat_template returns (a BatchEncoding) is a prompt as it stands
+        chat = tok.apply_chat_template([{"role": "user", "content": "what is 2 plus"}], add_generation_prompt=True)
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, stop=[])
+        assert (await sc.sample(chat, 1, greedy)).sequences[0].tokens == (await sc.sample(list(chat["input_ids"]), 1, greedy)).sequences[
+            0
+        ].tokens
 
         resumed = await svc.create_training_client_from_state_with_optimizer(state.path)
         assert resumed.get_info().step == 6
