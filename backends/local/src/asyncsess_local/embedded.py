@@ -5,7 +5,8 @@ directory, an alias such as ``tiny-llama`` or a hub id), ``device`` (``auto``/``
 ``dtype`` (``auto``/``float32``/``bfloat16``), ``dir`` (checkpoint root; default a fresh temp dir),
 ``token_budget`` (tokens per training micro-batch; halved after running out of memory),
 ``checkpoint_layers`` (``auto``/``on``/``off``: recompute decoder layers in backward; auto = CUDA and
->= 1B parameters), ``shared_prefix`` (datums of one pass sharing at least this many leading tokens run
+>= 1B parameters), ``attention`` (``auto``: :mod:`.attention`'s grouped float32 attention on the CPU, SDPA
+elsewhere; ``grouped``; ``sdpa``), ``shared_prefix`` (datums of one pass sharing at least this many leading tokens run
 that prefix once; 0 = off), ``sampler`` (``auto``: vLLM when it is installed and the device is CUDA, else
 torch; ``torch``; ``vllm``) and the vLLM engine's ``vllm_memory``, ``vllm_kv_cache_mb``,
 ``vllm_max_loras``, ``vllm_max_cpu_loras``, ``vllm_max_lora_rank``, ``vllm_max_model_len``,
@@ -76,6 +77,7 @@ class LocalBackend(Backend):
         checkpoint_dir: str | None = None,
         token_budget: int = 8192,
         checkpoint_layers: str = "auto",
+        attention: str = "auto",
         shared_prefix: int = EngineConfig.shared_prefix,
         gap_timeout: float = 60.0,
         sampler: str | None = None,
@@ -99,6 +101,7 @@ class LocalBackend(Backend):
             checkpoint_dir=checkpoint_dir,
             token_budget=token_budget,
             checkpoint_layers=checkpoint_layers,
+            attention=attention,
             shared_prefix=shared_prefix,
             sampler=sampler or "auto",
             vllm=vllm or VllmOptions(),
@@ -121,6 +124,7 @@ class LocalBackend(Backend):
             checkpoint_dir=options.pop("checkpoint_dir", q.get("dir") or None),
             token_budget=options.pop("token_budget", url.get_int("token_budget", 8192)),
             checkpoint_layers=options.pop("checkpoint_layers", q.get("checkpoint_layers") or "auto"),
+            attention=options.pop("attention", q.get("attention") or "auto"),
             shared_prefix=options.pop("shared_prefix", url.get_int("shared_prefix", EngineConfig.shared_prefix)),
             sampler=options.pop("sampler", q.get("sampler") or None),
             vllm=options.pop("vllm", None) or _vllm_options(url),

@@ -57,7 +57,7 @@ from .adapters import BASE
 from .checkpoints import CheckpointStore
 from .completion import Completion
 from .logprobs import packed_logprobs
-from .models import pick_device, pick_dtype
+from .models import ATTENTION, pick_device, pick_dtype
 from .sampler import SampleJob
 from .sessions import SamplerRef, Sessions, Slot, SlotOptions
 from .vllm_sampler import VllmOptions, choose_sampler
@@ -75,6 +75,7 @@ class EngineConfig:
     models: dict[str, str] = field(default_factory=dict)  # name -> directory overrides
     token_budget: int = 8192  # tokens per packed training micro-batch (halved after running out of memory)
     checkpoint_layers: str = "auto"  # recompute decoder layers in backward: on, off, auto (CUDA and >= 1B parameters)
+    attention: str = "auto"  # auto (grouped on the CPU, else sdpa), grouped or sdpa: see attention.py
     logprob_chunk: int = 1024  # positions per LM-head chunk
     shared_prefix: int = 16  # datums of a pass sharing >= this many leading tokens run that prefix once (0: off)
     max_sample_rows: int = 256  # rows decoded together
@@ -156,12 +157,15 @@ class Engine:
             raise InvalidInputError(
                 f"unknown checkpoint_layers {self.config.checkpoint_layers!r}", field="checkpoint_layers", fix="use auto, on or off"
             )
+        if self.config.attention not in ATTENTION:
+            raise InvalidInputError(f"unknown attention {self.config.attention!r}", field="attention", fix=f"use {', '.join(ATTENTION)}")
         options = SlotOptions(
             device=self.device,
             dtype=self.dtype,
             sampler_kind=self.sampler_kind,
             sampler_choice=self.config.sampler,
             checkpoint_layers=self.config.checkpoint_layers,
+            attention=self.config.attention,
             models=self.config.models,
             vllm=self.config.vllm,
             retain_snapshots=self.config.retain_snapshots,

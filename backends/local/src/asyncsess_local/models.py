@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncsess.errors import InvalidInputError
 
-__all__ = ["ModelSource", "pick_device", "pick_dtype", "resolve_model", "load_model", "load_tokenizer", "ALIASES"]
+__all__ = ["ATTENTION", "ModelSource", "pick_device", "pick_dtype", "resolve_model", "load_model", "load_tokenizer", "ALIASES"]
 
 
 def pick_device(device: str | None = None) -> Any:
@@ -97,11 +97,23 @@ def resolve_model(name: str, overrides: dict[str, str] | None = None) -> ModelSo
     return ModelSource(name, name)
 
 
-def load_model(source: ModelSource, device: Any, dtype: Any) -> Any:
+ATTENTION = ("auto", "grouped", "sdpa")  # attention implementations: auto is grouped on the CPU, else sdpa
+
+
+def load_model(source: ModelSource, device: Any, dtype: Any, attention: str = "auto") -> Any:
+    """The base model, frozen, in eval mode on ``device``; ``attention`` as in :data:`ATTENTION`."""
+    import torch
     from transformers import AutoModelForCausalLM
 
+    from .attention import register
+
+    kwargs = dict(source.kwargs)
+    if attention == "grouped" or (attention == "auto" and torch.device(device).type == "cpu"):
+        kwargs.setdefault("attn_implementation", register())  # SDPA's masked CPU path is several times slower
+    elif attention == "sdpa":
+        kwargs.setdefault("attn_implementation", "sdpa")
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
     except OSError as err:
         raise InvalidInputError(f"cannot load {source.name!r}: {err}", field="base_model", fix="check the name or path") from None
     model.to(device)

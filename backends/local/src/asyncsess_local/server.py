@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-unembed", default="torch", choices=["torch", "refuse"], help="LM-head LoRAs vLLM cannot load")
     p.add_argument("--token-budget", type=int, default=8192, help="tokens per training micro-batch (halved after an OOM)")
     p.add_argument("--checkpoint-layers", default="auto", choices=["auto", "on", "off"], help="recompute decoder layers in backward")
+    p.add_argument("--attention", default="auto", choices=["auto", "grouped", "sdpa"], help="auto: grouped float32 attention on the CPU")
     args = p.parse_args(argv)
     keys = args.api_key or ([os.environ["ASYNCSESS_API_KEY"]] if os.environ.get("ASYNCSESS_API_KEY") else [])
     if not keys:
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         sampler=args.sampler,
         token_budget=args.token_budget,
         checkpoint_layers=args.checkpoint_layers,
+        attention=args.attention,
         vllm=VllmOptions(
             memory=args.vllm_memory,
             max_model_len=args.vllm_max_model_len,

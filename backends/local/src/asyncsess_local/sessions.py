@@ -99,6 +99,7 @@ class SlotOptions:
     sampler_kind: str  # torch or vllm
     sampler_choice: str  # what was asked for: auto, torch or vllm
     checkpoint_layers: str  # auto, on or off
+    attention: str  # auto, grouped or sdpa (models.ATTENTION)
     models: dict[str, str]
     vllm: VllmOptions
     retain_snapshots: int = 0  # ephemeral snapshots kept per training session (0: as long as samplers use them)
@@ -130,7 +131,7 @@ class Sessions:
             if s.source.path == source.path and s.source.kwargs == source.kwargs:
                 self.slots[name] = s
                 return s
-        model = models.load_model(source, opts.device, opts.dtype)
+        model = models.load_model(source, opts.device, opts.dtype, opts.attention)
         tokenizer = load_tokenizer(source)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tokenizer.eos_token_id} - {None})
