@@ -160,7 +160,7 @@ class ModelInput(_Input):
             return cls.from_ints(value)
         if isinstance(value, (list, tuple)):
             bad = next((t for t in value if isinstance(t, bool) or not (isinstance(t, int) or hasattr(t, "__index__"))), value)
-            if isinstance(bad, (list, tuple)):
+            if bad is not value and isinstance(bad, (list, tuple)):
                 raise TypeError(f"a batch of {len(value)} token lists is not one prompt; pass one sequence (input_ids[0])")
             if bad is not value:
                 raise TypeError(f"a prompt given as a list must hold token ids (ints), not {_shown(bad)}")

@@ -25,6 +25,7 @@ def test_a_tokenizers_output_is_a_prompt_and_a_batch_is_refused_by_name():
 
     assert ModelInput.from_any(UserDict({"input_ids": [5, 6], "attention_mask": [1, 1]})).to_ints() == [5, 6]
     assert ModelInput.from_any({"input_ids": np.array([7, 8])}).to_ints() == [7, 8]
+    assert ModelInput.from_any((np.int64(3), 4)).to_ints() == [3, 4]  # a tuple of integer-likes is one prompt
     with pytest.raises(TypeError, match=r"batch of 1 token lists.*input_ids\[0\]"):
         ModelInput.from_any({"input_ids": np.array([[7, 8]])})
     with pytest.raises(TypeError, match="must hold token ids"):
