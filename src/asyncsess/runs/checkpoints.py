@@ -167,7 +167,10 @@ async def save_checkpoint(
     final: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> CheckpointRecord:
-    """Save the session (``state``: weights + optimizer, resumable; ``sampler``: weights) and append a record."""
+    """Save the session (``state``: weights + optimizer, resumable; ``sampler``: weights) and append a record.
+    A ``checkpoints.jsonl`` with a line that is not a record is refused first (nothing is saved)."""
+    file = Path(run_dir) / CHECKPOINTS_FILE
+    read_checkpoints(run_dir)  # never bury a bad line under new ones
     state = tc.save_state(name) if kind in ("state", "both") else None
     sampler = tc.save_weights_for_sampler(name) if kind in ("sampler", "both") else None
     record = CheckpointRecord(
@@ -178,7 +181,6 @@ async def save_checkpoint(
         sampler_path=(await sampler).path if sampler else None,
         extra=dict(extra or {}),
     )
-    file = Path(run_dir) / CHECKPOINTS_FILE
     with open_for_append(file, lambda n, r: _record(file, n, r), _FIX) as f:
         f.write(record.model_dump_json() + "\n")
     return record
