@@ -195,6 +195,7 @@ class CheckpointStore:
         name and, for a ``state``, the LoRA shape (:func:`check_lora`) and a ``step``."""
         file = path / META
         try:
+            _own_file(file)
             if file.stat().st_size > MAX_META_BYTES:
                 raise ValueError(f"{file.stat().st_size} bytes")
             meta = json.loads(file.read_bytes().decode("utf-8"))
@@ -349,6 +350,14 @@ def _write_merged(slot: Slot, adapter_dir: Path, out: Path, dtype: torch.dtype) 
     slot.tokenizer.save_pretrained(str(out))
 
 
+def _own_file(file: Path) -> None:
+    """Refuse a file reached through a symlink (the worker writes none; one may point out of the root)."""
+    if os.path.realpath(file) != os.path.normpath(os.path.abspath(file)):
+        raise OSError(f"{file.name} is a link")
+    if not file.is_file():
+        raise OSError(f"{file.name} is not a file")
+
+
 def _bad(uri: str, file: str, what: str, field: str) -> InvalidInputError:
     return InvalidInputError(
         f"{_show(uri)}: {file} {what}", field=field, fix="pass the .path of a checkpoint this worker saved, as it saved it"
@@ -377,6 +386,7 @@ def adapter_config(uri: str, path: Path, known: set[str], field: str = "path") -
     checked (:func:`check_lora`, each target one of the base model's ``known`` linear layers)."""
     file = path / "adapter_config.json"
     try:
+        _own_file(file)
         if file.stat().st_size > MAX_META_BYTES:
             raise ValueError(f"{file.stat().st_size} bytes")
         config = json.loads(file.read_bytes().decode("utf-8"))
@@ -407,6 +417,7 @@ def read_tensors(uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, pa
 
     name = file.name
     try:
+        _own_file(file)
         size = file.stat().st_size
         with file.open("rb") as f:
             head = f.read(8)
