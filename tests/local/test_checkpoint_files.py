@@ -113,8 +113,12 @@ STATE = {
     "missing tensor": _tensors("adapter.safetensors", lambda ts: dict(list(ts.items())[1:])),
     "extra tensor": _tensors("adapter.safetensors", lambda ts: {**ts, "evil": torch.zeros(1)}),
     "NaN weights": _tensors("adapter.safetensors", lambda ts: {k: v * float("nan") for k, v in ts.items()}),
-    "inf optimizer moment": _tensors("optimizer.safetensors", lambda ts: {k: v * float("inf") if "exp_avg" in k else v for k, v in ts.items()}),
-    "optimizer of another shape": _tensors("optimizer.safetensors", lambda ts: {k: torch.zeros(3) if "exp_avg" in k else v for k, v in ts.items()}),
+    "inf optimizer moment": _tensors(
+        "optimizer.safetensors", lambda ts: {k: v * float("inf") if "exp_avg" in k else v for k, v in ts.items()}
+    ),
+    "optimizer of another shape": _tensors(
+        "optimizer.safetensors", lambda ts: {k: torch.zeros(3) if "exp_avg" in k else v for k, v in ts.items()}
+    ),
     "weights linked out of the root": _link_out("adapter.safetensors"),
     "meta linked out of the root": _link_out("asyncsess.json"),
 }

@@ -202,7 +202,7 @@ def read_checkpoints(run_dir: str | Path) -> list[CheckpointRecord]:
     naming the line and field for any other line that is not a record, or whose step is below the one before."""
     file = Path(run_dir) / CHECKPOINTS_FILE
     lines: list[JsonlLine] = read_jsonl(file, lambda n, r: _record(file, n, r), _FIX)
-    records = []
+    records: list[CheckpointRecord] = []
     for n, raw in lines:
         record = _record(file, n, raw)
         if records and record.step < records[-1].step:

@@ -279,7 +279,9 @@ class CheckpointStore:
         meta = self.check_state(path, sess)
         shapes = {k: tuple(p.shape) for k, p in sess.params.items()}
         weights = read_tensors(self.uri(path), path / "adapter.safetensors", shapes)
-        optimizer = read_tensors(self.uri(path), path / "optimizer.safetensors", _adam_shapes(shapes), partial=True) if with_optimizer else None
+        optimizer = (
+            read_tensors(self.uri(path), path / "optimizer.safetensors", _adam_shapes(shapes), partial=True) if with_optimizer else None
+        )
         host.load_state_dict(sess.adapter, weights)
         for p in sess.params.values():
             p.grad = None
