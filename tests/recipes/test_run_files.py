@@ -9,7 +9,7 @@ import pytest
 
 from asyncsess import ServiceClient
 from asyncsess.errors import InvalidInputError
-from asyncsess.rl import Problem, RLConfig, problem_datasets, train_rl
+from asyncsess.rl import Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, ShuffledDataset, problem_datasets, train_rl
 from asyncsess.runs.checkpoints import last_checkpoint, prepare_run_dir, read_checkpoints, save_checkpoint
 from asyncsess.runs.metrics import MetricsLogger, read_metrics
 
@@ -216,3 +216,45 @@ async def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_
     await train_rl(BASE, datasets(BASE), path, progress=False)
     records = read_metrics(path)
     assert [r["step"] for r in records] == [0, 1, 2] and not any("stale" in r for r in records)
+
+
+def shuffled(cfg):
+    def make(tokenizer):
+        renderer = PromptRenderer(tokenizer)
+        return ShuffledDataset(PROBLEMS, cfg.groups_per_batch, lambda p: ProblemGroupBuilder(renderer, p, digit_share, cfg.group_size)), []
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"state": {"position": 10**9}}, "state.position"),  # past the epoch: an IndexError mid-run before
+        ({"state": {"position": -1}}, "state.position"),  # silently the last item before
+        ({"state": {"epoch": -5}}, "state.epoch"),
+        ({"state": {"epoch": True}}, "state.epoch"),
+        ({"state": {"rng": {"bit_generator": "PCG64", "state": "x"}}}, "state.rng"),
+        ({"state": {"rng": [1, 2]}}, "state.rng"),
+        ({"batch": -1}, "checkpoints.jsonl.extra.dataset"),
+        ({"batch": "1"}, "checkpoints.jsonl.extra.dataset"),
+        ({"state": None}, "checkpoints.jsonl.extra.dataset"),
+        (None, "checkpoints.jsonl.extra.dataset"),
+    ],
+)
+async def test_a_tampered_dataset_state_is_refused_before_a_step(tmp_path, change, field):
+    cfg = BASE.model_copy(update={"save_every": 1})
+    path = tmp_path / "run"
+    await train_rl(cfg, shuffled(cfg), path, progress=False)
+    records = (path / "checkpoints.jsonl").read_text().splitlines()
+    last = json.loads(records[-1])
+    dataset = last["extra"]["dataset"]
+    if change is None:
+        last["extra"]["dataset"] = "a string"
+    else:
+        for key, value in change.items():
+            dataset[key] = {**dataset[key], **value} if isinstance(value, dict) else value
+    (path / "checkpoints.jsonl").write_text("\n".join([*records[:-1], json.dumps(last)]) + "\n")
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(cfg.model_copy(update={"max_steps": 4}), shuffled(cfg), path, progress=False)
+    assert err.value.field == field
+    assert max(r["step"] for r in read_metrics(path)) < 2 and last_checkpoint(path).step == 2  # no step trained or saved
