@@ -145,6 +145,22 @@ def test_a_run_dir_that_is_a_file_or_a_strangers_dir_is_refused(tmp_path):
         prepare_run_dir(home, BASE)
 
 
+@pytest.mark.parametrize("where", ["under a file", "a dangling link"])
+def test_a_run_dir_that_cannot_be_made_is_a_typed_error(tmp_path, where):
+    """(No write permission is not tested: the tests run as root, which every permission bit lets through.)"""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(InvalidInputError, match="cannot be used") as err:
+        prepare_run_dir(tmp_path / ("file/run" if where == "under a file" else "link"), BASE)
+    assert err.value.field == "run_dir"
+
+
+def test_a_misspelt_if_exists_is_refused_not_taken_as_resume(tmp_path):
+    with pytest.raises(InvalidInputError) as err:
+        prepare_run_dir(tmp_path / "run", BASE, if_exists="overwite")  # type: ignore[arg-type]
+    assert err.value.field == "if_exists" and not (tmp_path / "run").exists()
+
+
 async def test_overwrite_through_a_symlink_empties_the_run_it_points_at(tmp_path):
     path = await saved_run(tmp_path)
     (tmp_path / "link").symlink_to(path)

@@ -93,13 +93,25 @@ def prepare_run_dir(
     is refused first, leaving the directory as it was; so is a ``checkpoints.jsonl`` or ``config.json`` that
     does not hold what a run writes there.
     """
+    if if_exists not in ("resume", "overwrite", "raise"):
+        raise InvalidInputError(f"{if_exists!r:.40} is not a choice", field="if_exists", fix="pass 'resume', 'overwrite' or 'raise'")
     if isinstance(url := getattr(config, "url", None), str):
         check_url(url)
     path = Path(run_dir)
     cfg = json.loads(config.model_dump_json())
-    record = None
     if path.exists() and not path.is_dir():
         raise InvalidInputError(f"{path} is a file, not a directory", field="run_dir", fix="pass a directory path (new or a run's)")
+    try:
+        return _prepare(path, cfg, if_exists)
+    except OSError as err:  # a parent that is a file, no permission, a read-only or full disk
+        raise InvalidInputError(
+            f"{path} cannot be used as a run directory ({err.strerror or err})", field="run_dir", fix="pass a directory this process can write"
+        ) from None
+
+
+def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path, CheckpointRecord | None]:
+    """:func:`prepare_run_dir` once its arguments are checked."""
+    record = None
     if path.exists() and any(path.iterdir()):
         if if_exists == "raise":
             raise InvalidInputError(f"{path} is not empty", field="run_dir", fix="pick a new directory, or resume/overwrite it")
