@@ -219,8 +219,7 @@ def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, sav
     if "dataset" in extra:
         kind = extra["dataset"].get("type") if isinstance(extra["dataset"], dict) else None
         raise InvalidInputError(
-            f"the checkpoint holds the state of a {kind!r:.60}, make_datasets returned an "
-            f"index-addressed {_type_name(dataset)}",
+            f"the checkpoint holds the state of a {kind!r:.60}, make_datasets returned an index-addressed {_type_name(dataset)}",
             field="make_datasets",
             fix="resume with the same dataset, or start a new run directory",
         )

@@ -105,7 +105,9 @@ def prepare_run_dir(
         return _prepare(path, cfg, if_exists)
     except OSError as err:  # a parent that is a file, no permission, a read-only or full disk
         raise InvalidInputError(
-            f"{path} cannot be used as a run directory ({err.strerror or err})", field="run_dir", fix="pass a directory this process can write"
+            f"{path} cannot be used as a run directory ({err.strerror or err})",
+            field="run_dir",
+            fix="pass a directory this process can write",
         ) from None
 
 
