@@ -75,7 +75,9 @@ class ShuffledDataset(Generic[T]):
                 )
         rng = np.random.Generator(np.random.PCG64())
         try:
-            rng.bit_generator.state = state.get("rng")
+            if not isinstance(saved := state.get("rng"), dict):
+                raise TypeError(f"a {type(saved).__name__}")
+            rng.bit_generator.state = saved
         except (TypeError, ValueError, KeyError, OverflowError) as err:
             raise InvalidInputError(f"rng is not a PCG64 state ({err})", field="state.rng", fix="start a new run directory") from None
         self.rng = rng
