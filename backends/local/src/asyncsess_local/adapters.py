@@ -204,16 +204,16 @@ class LoraHost:
         """The names of the base model's linear layers (what an adapter may target)."""
         return {m for names in self.groups.values() for m in names}
 
-    def import_peft(self, name: str, path: Path, uri: str) -> None:
+    def import_peft(self, name: str, path: Path, uri: str, field: str = "model_path") -> None:
         """Add adapter ``name`` (frozen) from a PEFT adapter directory (``uri``: its name in errors); its config and
         tensors are checked (:mod:`.checkpoints`) before the adapter is allocated and filled."""
         from .checkpoints import adapter_config, read_tensors
 
-        rank, alpha, targets = adapter_config(uri, path, self.known_targets())
+        rank, alpha, targets = adapter_config(uri, path, self.known_targets(), field)
         self.add(name, rank=rank, alpha=alpha, targets=targets, seed=None)
         try:
             shapes = {k: tuple(p.shape) for k, p in self.params(name).items()}
-            self.load_state_dict(name, read_tensors(uri, path / "adapter_model.safetensors", shapes))
+            self.load_state_dict(name, read_tensors(uri, path / "adapter_model.safetensors", shapes, field=field))
         except BaseException:
             self.remove(name)
             raise

@@ -272,15 +272,17 @@ class CheckpointStore:
             )
         return meta
 
-    def load_state(self, host: LoraHost, sess: TrainSession, path: Path, *, with_optimizer: bool) -> None:
+    def load_state(self, host: LoraHost, sess: TrainSession, path: Path, *, with_optimizer: bool, field: str = "path") -> None:
         """Put a ``save_state`` directory's weights (and optimizer state, else a fresh one) into ``sess``."""
         from .trainer import load_optimizer_tensors
 
-        meta = self.check_state(path, sess)
+        meta = self.check_state(path, sess, field)
         shapes = {k: tuple(p.shape) for k, p in sess.params.items()}
-        weights = read_tensors(self.uri(path), path / "adapter.safetensors", shapes)
+        weights = read_tensors(self.uri(path), path / "adapter.safetensors", shapes, field=field)
         optimizer = (
-            read_tensors(self.uri(path), path / "optimizer.safetensors", _adam_shapes(shapes), partial=True) if with_optimizer else None
+            read_tensors(self.uri(path), path / "optimizer.safetensors", _adam_shapes(shapes), partial=True, field=field)
+            if with_optimizer
+            else None
         )
         host.load_state_dict(sess.adapter, weights)
         for p in sess.params.values():
@@ -411,7 +413,9 @@ def _adam_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...
     return out
 
 
-def read_tensors(uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, partial: bool = False) -> dict[str, torch.Tensor]:
+def read_tensors(
+    uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, partial: bool = False, field: str = "path"
+) -> dict[str, torch.Tensor]:
     """The tensors of safetensors ``file``, which must be exactly ``shapes`` (with ``partial``: those of some
     parameters, each whole), in a float dtype, all finite. Its header is checked before anything is read: a
     file that claims more bytes than it has, another format (a pickle), or unexpected tensors is refused."""
@@ -428,9 +432,9 @@ def read_tensors(uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, pa
                 raise ValueError("not a safetensors file")
             header = json.loads(f.read(n).decode("utf-8"))
     except (OSError, ValueError, RecursionError, struct.error) as err:
-        raise _bad(uri, name, f"is not a safetensors file ({str(err)[:60]})", "path") from None
+        raise _bad(uri, name, f"is not a safetensors file ({str(err)[:60]})", field) from None
     if not isinstance(header, dict):
-        raise _bad(uri, name, "has no safetensors header", "path")
+        raise _bad(uri, name, "has no safetensors header", field)
     header.pop("__metadata__", None)
     if partial:
         owners = {k.split("::", 1)[0] for k in header}
@@ -439,7 +443,7 @@ def read_tensors(uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, pa
         expected = shapes
     if set(header) != set(expected):
         missing, extra = sorted(set(expected) - set(header))[:2], sorted(set(header) - set(expected))[:2]
-        raise _bad(uri, name, f"does not hold this adapter's tensors (missing {missing}, unexpected {extra})", "path")
+        raise _bad(uri, name, f"does not hold this adapter's tensors (missing {missing}, unexpected {extra})", field)
     end = size - 8 - n
     for key, info in header.items():
         ok = isinstance(info, dict) and info.get("dtype") in _DTYPES and info.get("shape") == list(expected[key])
@@ -452,12 +456,12 @@ def read_tensors(uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, pa
             and 0 <= offsets[0] <= offsets[1] <= end
             and offsets[1] - offsets[0] == math.prod(expected[key]) * _DTYPES[info["dtype"]]
         ):
-            raise _bad(uri, name, f"{key!r:.80}: not a float tensor of shape {list(expected[key])} within the file", "path")
+            raise _bad(uri, name, f"{key!r:.80}: not a float tensor of shape {list(expected[key])} within the file", field)
     try:
         tensors = load_file(str(file))
     except Exception as err:  # the header checked out, the data did not
-        raise _bad(uri, name, f"cannot be read ({type(err).__name__})", "path") from None
+        raise _bad(uri, name, f"cannot be read ({type(err).__name__})", field) from None
     for key, t in tensors.items():
         if not bool(t.isfinite().all()):
-            raise _bad(uri, name, f"{key!r:.80} holds NaN or infinite values", "path")
+            raise _bad(uri, name, f"{key!r:.80} holds NaN or infinite values", field)
     return tensors

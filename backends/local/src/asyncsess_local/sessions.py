@@ -243,7 +243,7 @@ class Sessions:
         )
         try:
             if ckpt is not None:
-                self.store.load_state(slot.host, sess, ckpt, with_optimizer=spec.with_optimizer)
+                self.store.load_state(slot.host, sess, ckpt, with_optimizer=spec.with_optimizer, field="from_path")
         except BaseException:
             slot.host.remove(adapter)
             raise
@@ -338,7 +338,7 @@ class Sessions:
                 slot.host.add(adapter, rank=meta["rank"], alpha=float(meta["alpha"]), targets=list(meta["targets"]), seed=None)
                 try:
                     shapes = {k: tuple(p.shape) for k, p in slot.host.params(adapter).items()}
-                    slot.host.load_state_dict(adapter, read_tensors(uri, d / "adapter.safetensors", shapes))
+                    slot.host.load_state_dict(adapter, read_tensors(uri, d / "adapter.safetensors", shapes, field="model_path"))
                 except BaseException:
                     slot.host.remove(adapter)
                     raise
