@@ -93,7 +93,7 @@ async def main(args: list[str]) -> dict[str, Any]:
             before = await nll(tc, test)
             evals = {start: before}  # step -> test/nll of the weights before that step
             pipe = SubmitAhead(cfg.submit_ahead)
-            with MetricsLogger(path, resume_step=start if record or recovered else None) as log:
+            with MetricsLogger(path, resume_step=start) as log:  # before a first checkpoint: from step 0 again
 
                 def write(done: list) -> None:
                     for s, out, opt in done:

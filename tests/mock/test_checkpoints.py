@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 
@@ -257,4 +261,90 @@ async def test_a_save_or_load_refused_at_its_turn_is_void_and_the_ops_after_it_r
     assert err.value.void
     await s.run("optim_step", adam_params=HP)
     assert [seq for _, seq, _ in b.applied_log] == [1, 3, 5]
+    await b.stop_session(s.id)
+
+
+def _npz(file, **change):
+    """Rewrite a stored ``.npz`` with some arrays changed (``None``: removed)."""
+    with np.load(file) as z:
+        arrays = {k: z[k] for k in z.files}
+    for k, v in change.items():
+        if v is None:
+            arrays.pop(k, None)
+        else:
+            arrays[k] = v
+    with open(file, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _meta(file, **change):
+    with np.load(file) as z:
+        meta = json.loads(str(z["meta"]))
+    _npz(file, meta=np.array(json.dumps({**meta, **change})))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        "truncated",
+        "empty",
+        "pickle",
+        "object array",
+        "wrong shape",
+        "int dtype",
+        "NaN delta",
+        "inf moment",
+        "huge delta",
+        "no meta",
+        "unknown meta field",
+        "step as string",
+        "rank 10**9",
+        "another path",
+        "link out of the root",
+        "extra array",
+    ],
+)
+async def test_a_damaged_checkpoint_file_is_a_typed_error_and_the_listing_survives(open_session, datum, tmp_path, tamper):
+    """What another process finds in ``?checkpoint_dir=`` after a full disk, a kill or a careless edit: each is an
+    InvalidInputError naming the field, never a numpy/zipfile/pickle traceback or a wrong-sized model."""
+    import pickle
+
+    from asyncsess.backends.base import parse_url
+
+    store = tmp_path / "store"
+    b = MockBackend.from_url(parse_url(f"mock://?checkpoint_dir={store}"))
+    s = await open_session(b)
+    await _train(s, _batches(b.tokenizer, datum)[:1])
+    state = await s.run("save_state", name="half")
+    del MockBackend._checkpoints[state.path]  # as a fresh process finds it: on disk only
+    file = store / s.id / "weights" / "half.npz"
+    v = b.tokenizer.vocab_size
+    edits = {
+        "truncated": lambda: os.truncate(file, file.stat().st_size // 2),
+        "empty": lambda: file.write_bytes(b""),
+        "pickle": lambda: file.write_bytes(pickle.dumps({"delta": 1})),
+        "object array": lambda: _npz(file, delta=np.array([{"x": 1}], dtype=object)),
+        "wrong shape": lambda: _npz(file, delta=np.zeros((v + 1, v))),
+        "int dtype": lambda: _npz(file, delta=np.zeros((v, v), dtype=np.int64)),
+        "NaN delta": lambda: _npz(file, delta=np.full((v, v), np.nan)),
+        "inf moment": lambda: _npz(file, adam_v=np.full((v, v), np.inf)),
+        "huge delta": lambda: _npz(file, delta=np.zeros((4 * v, 4 * v))),
+        "no meta": lambda: _npz(file, meta=None),
+        "unknown meta field": lambda: _meta(file, evil=1),
+        "step as string": lambda: _meta(file, step="3"),
+        "rank 10**9": lambda: _meta(file, rank=10**9),
+        "another path": lambda: _meta(file, path="mock://someone-else/weights/half"),
+        "link out of the root": lambda: (shutil.move(file, tmp_path / "outside.npz"), file.symlink_to(tmp_path / "outside.npz")),
+        "extra array": lambda: _npz(file, evil=np.zeros(3)),
+    }
+    edits[tamper]()
+    other = MockBackend.from_url(parse_url(f"mock://?checkpoint_dir={store}"))
+    with pytest.raises(InvalidInputError) as err:
+        await other.create_training_session(TrainingSessionSpec("", from_path=state.path, with_optimizer=True))
+    assert err.value.field == "from_path" and state.path in str(err.value)
+    with pytest.raises(InvalidInputError) as err:
+        await other.create_sampler(SamplerSpec(model_path=state.path))
+    assert err.value.field == "model_path"
+    assert state.path not in {c.path for c in await other.list_checkpoints()}
     await b.stop_session(s.id)

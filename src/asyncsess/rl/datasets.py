@@ -59,13 +59,28 @@ class ShuffledDataset(Generic[T]):
         return {"num_items": len(self.items), "epoch": self.epoch, "position": self.position, "rng": self._epoch_start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_items"] != len(self.items):
+        """Restore a :meth:`state_dict`; one that is not one (a position past the epoch, a negative epoch, not a
+        PCG64 state) is an InvalidInputError naming the key, before anything changes."""
+        n = state.get("num_items") if isinstance(state, dict) else None
+        if n != len(self.items) or type(n) is not int:
             raise InvalidInputError(
-                f"the state is of {state['num_items']} items, this dataset has {len(self.items)}",
+                f"the state is of {n!r:.40} items, this dataset has {len(self.items)}",
                 field="items",
                 fix="resume with the same items, or start a new run directory",
             )
-        self.rng.bit_generator.state = state["rng"]
+        for key, top in (("epoch", 2**53), ("position", len(self.items))):
+            if type(state.get(key)) is not int or not 0 <= state[key] <= top:
+                raise InvalidInputError(
+                    f"{key} {state.get(key)!r:.40} is not a whole number of 0..{top}", field=f"state.{key}", fix="start a new run directory"
+                )
+        rng = np.random.Generator(np.random.PCG64())
+        try:
+            if not isinstance(saved := state.get("rng"), dict):
+                raise TypeError(f"a {type(saved).__name__}")
+            rng.bit_generator.state = saved
+        except (TypeError, ValueError, KeyError, OverflowError) as err:
+            raise InvalidInputError(f"rng is not a PCG64 state ({err})", field="state.rng", fix="start a new run directory") from None
+        self.rng = rng
         self.epoch = state["epoch"] - 1
         self._new_epoch()
         self.position = state["position"]
@@ -127,6 +142,17 @@ class DrawnBatches:
         if saved is None:
             self._state = _load(dataset, json.loads(_dump(dataset)), "its own state_dict()")
             return
+        if (
+            not isinstance(saved, dict)
+            or not isinstance(saved.get("state"), dict)
+            or type(saved.get("batch")) is not int
+            or not 0 <= saved["batch"] <= 2**53
+        ):
+            raise InvalidInputError(
+                f"the checkpoint's dataset entry {str(saved)[:80]} is not a saved dataset state",
+                field="checkpoints.jsonl.extra.dataset",
+                fix="start a new run directory",
+            )
         if saved.get("type") != _type_name(dataset):
             raise InvalidInputError(
                 f"the checkpoint holds the state of a {saved.get('type')}, make_datasets returned a {_type_name(dataset)}",
@@ -193,9 +219,9 @@ def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, sav
             )
         return DrawnBatches(dataset, groups_per_batch, extra.get("dataset"))
     if "dataset" in extra:
+        kind = extra["dataset"].get("type") if isinstance(extra["dataset"], dict) else None
         raise InvalidInputError(
-            f"the checkpoint holds the state of a {extra['dataset'].get('type')}, make_datasets returned an "
-            f"index-addressed {_type_name(dataset)}",
+            f"the checkpoint holds the state of a {kind!r:.60}, make_datasets returned an index-addressed {_type_name(dataset)}",
             field="make_datasets",
             fix="resume with the same dataset, or start a new run directory",
         )

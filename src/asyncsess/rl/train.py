@@ -23,6 +23,7 @@ trainer (``verify_refresh``, :mod:`.refresh`).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -34,9 +35,18 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ..backends.base import Tokenizer
 from ..client import SamplingClient, ServiceClient, TrainingClient
-from ..errors import AsyncSessError
+from ..errors import AsyncSessError, InvalidInputError
 from ..futures import APIFuture
-from ..runs.checkpoints import CheckpointRecord, RecoveryConfig, open_training_client, prepare_run_dir, run_recovering, save_checkpoint
+from ..runs.checkpoints import (
+    CHECKPOINTS_FILE,
+    MAX_STEP,
+    CheckpointRecord,
+    RecoveryConfig,
+    open_training_client,
+    prepare_run_dir,
+    run_recovering,
+    save_checkpoint,
+)
 from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
 from ..runs.schedule import LRSchedule, decayed_lr
@@ -181,7 +191,8 @@ async def train_rl(
     async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> RLResult:
         path, record = prepare_run_dir(run_dir, cfg, mode)
         start = record.step if record else 0
-        with MetricsLogger(path, resume_step=start if record or recovered else None) as log:
+        resumed = _resume_point(path, record, cfg.groups_per_batch)  # checked before a session is opened
+        with MetricsLogger(path, resume_step=start) as log:  # a run resumed before its first checkpoint rewrites step 0 on
             async with ServiceClient(cfg.url) as svc:
                 tc = await open_training_client(svc, cfg, record)
                 train, test = make_datasets(tc.get_tokenizer())
@@ -193,9 +204,47 @@ async def train_rl(
                 reference = await svc.create_sampling_client(base_model=tc.base_model) if cfg.kl_penalty_coef else None
                 loop = _Loop(cfg, tc, data, list(test), window, path, log, make_completer, play_group, reference)
                 loop.pending_metrics = dict(recovered)
-                return await loop.run(start, record, progress)
+                return await loop.run(start, record, resumed, progress)
 
     return await run_recovering(attempt, if_exists, url=cfg.url, run_dir=run_dir, recovery=cfg)
+
+
+_Pending = tuple[int, int, TrajectoryGroup]  # a saved group: its index, sampler version, episodes
+_PENDING = re.compile(r"pending-[0-9]{6,20}\.json")
+
+
+def _resume_point(path: Path, record: CheckpointRecord | None, groups_per_batch: int) -> tuple[int, list[_Pending]]:
+    """The record's position in the stream of groups (``cursor``) and the groups it sampled but did not train
+    (its ``pending_file``, read from the run directory only); a typed error naming the field if either is not
+    what a checkpoint writes."""
+    if record is None:
+        return 0, []
+    where, fix = f"{path / CHECKPOINTS_FILE} ({record.name})", "start a new run directory"
+    cursor = record.extra.get("cursor", record.step * groups_per_batch)
+    if type(cursor) is not int or not 0 <= cursor <= MAX_STEP:
+        raise InvalidInputError(f"{where}: cursor {cursor!r:.40} is not a group number", field="checkpoints.jsonl.extra.cursor", fix=fix)
+    name = record.extra.get("pending_file")
+    if name is None:
+        return cursor, []
+    if not isinstance(name, str) or not _PENDING.fullmatch(name):
+        raise InvalidInputError(
+            f"{where}: pending_file {name!r:.80} is not a pending-<step>.json name in the run directory",
+            field="checkpoints.jsonl.extra.pending_file",
+            fix=fix,
+        )
+    file = path / name
+    try:
+        if file.is_symlink() or not file.is_file():
+            raise OSError(f"{file} is not a file in the run directory")
+        saved = json.loads(file.read_bytes().decode("utf-8"))
+        if not isinstance(saved, list) or not all(isinstance(f, dict) and {"index", "version", "group"} <= f.keys() for f in saved):
+            raise ValueError("not a list of saved groups")
+        if not all(type(f["index"]) is int and type(f["version"]) is int and isinstance(f["group"], dict) for f in saved):
+            raise ValueError("a group's index, version or group has the wrong type")
+        groups = [(f["index"], f["version"], TrajectoryGroup.from_dict(f["group"])) for f in saved]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as err:
+        raise InvalidInputError(f"{where}: {name}: {str(err)[:120]}", field="checkpoints.jsonl.extra.pending_file", fix=fix) from None
+    return cursor, groups
 
 
 class _Loop:
@@ -253,7 +302,7 @@ class _Loop:
             self.samplers.release(sampler)
         return {f"test/{k}": v for k, v in rollout_metrics([g for g in groups if g is not None]).items()}
 
-    async def run(self, start: int, record: CheckpointRecord | None, progress: bool) -> RLResult:
+    async def run(self, start: int, record: CheckpointRecord | None, resumed: tuple[int, list[_Pending]], progress: bool) -> RLResult:
         cfg = self.cfg
         sampler, probe, _ = await self.refresh(None)
         await self.verify(start, probe, sampler, None)  # a resumed adapter loaded twice fails here
@@ -265,12 +314,8 @@ class _Loop:
             records = [r for r in read_metrics(self.path) if r["step"] < start]
             before = next(({k: v for k, v in r.items() if k.startswith("test/")} for r in records if r["step"] == 0), {})
             train_seconds = next((r["time/total"] for r in reversed(records) if r.get("time/total") is not None), 0.0)
-        extra = record.extra if record is not None else {}
-        finished = []
-        if "pending_file" in extra:
-            now = time.perf_counter()
-            saved = json.loads((self.path / extra["pending_file"]).read_text())
-            finished = [FinishedGroup(f["index"], f["version"], TrajectoryGroup.from_dict(f["group"]), None, now, now) for f in saved]
+        now = time.perf_counter()
+        finished = [FinishedGroup(index, version, group, None, now, now) for index, version, group in resumed[1]]
         eval_metrics = before if start == 0 else {}
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
@@ -281,7 +326,7 @@ class _Loop:
                 cfg.groups_per_batch * (cfg.max_staleness + 1),
                 self.samplers,
                 self.play,
-                int(extra.get("cursor", start * cfg.groups_per_batch)),
+                resumed[0],
                 finished,
             )
             if isinstance(self.train, DrawnBatches):  # it keeps the batches of groups not yet trained

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -16,13 +17,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..backends.registry import check_url
 from ..client import ServiceClient, TrainingClient
 from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
 from ..retry import RetryPolicy
-from .metrics import read_metrics
+from .jsonl import JsonlLine, open_for_append, read_jsonl, refuse
+from .metrics import METRICS_FILE, read_metrics
 
 __all__ = [
     "CHECKPOINTS_FILE",
@@ -32,6 +34,7 @@ __all__ = [
     "prepare_run_dir",
     "save_checkpoint",
     "last_checkpoint",
+    "read_checkpoints",
     "RecoveryConfig",
     "run_recovering",
     "wait_for_backend",
@@ -48,11 +51,16 @@ CHECKPOINTS_FILE = "checkpoints.jsonl"
 CONFIG_FILE = "config.json"
 
 
+MAX_STEP = 2**53  # an optimizer-step count; more is not a run's
+
+
 class CheckpointRecord(BaseModel):
     """One line of ``checkpoints.jsonl``. ``step`` is the number of optimizer steps the state holds."""
 
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
     name: str
-    step: int
+    step: int = Field(ge=0, le=MAX_STEP)
     final: bool = False
     state_path: str | None = None
     sampler_path: str | None = None
@@ -80,29 +88,83 @@ def prepare_run_dir(
 ) -> tuple[Path, CheckpointRecord | None]:
     """Create ``run_dir`` and write ``config.json``; return the checkpoint to resume from, if any.
 
-    An existing directory is resumed (its config must match), emptied (``overwrite``) or refused (``raise``).
-    A config whose ``url`` no installed backend serves is refused first, leaving the directory as it was.
+    An existing directory is resumed (its config must match), emptied (``overwrite``; only a run's directory,
+    one that holds ``config.json``) or refused (``raise``). A config whose ``url`` no installed backend serves
+    is refused first, leaving the directory as it was; so is a ``checkpoints.jsonl`` or ``config.json`` that
+    does not hold what a run writes there.
     """
+    if if_exists not in ("resume", "overwrite", "raise"):
+        raise InvalidInputError(f"{if_exists!r:.40} is not a choice", field="if_exists", fix="pass 'resume', 'overwrite' or 'raise'")
     if isinstance(url := getattr(config, "url", None), str):
         check_url(url)
     path = Path(run_dir)
     cfg = json.loads(config.model_dump_json())
+    if path.exists() and not path.is_dir():
+        raise InvalidInputError(f"{path} is a file, not a directory", field="run_dir", fix="pass a directory path (new or a run's)")
+    try:
+        return _prepare(path, cfg, if_exists)
+    except OSError as err:  # a parent that is a file, no permission, a read-only or full disk
+        raise InvalidInputError(
+            f"{path} cannot be used as a run directory ({err.strerror or err})",
+            field="run_dir",
+            fix="pass a directory this process can write",
+        ) from None
+
+
+def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path, CheckpointRecord | None]:
+    """:func:`prepare_run_dir` once its arguments are checked."""
     record = None
     if path.exists() and any(path.iterdir()):
         if if_exists == "raise":
             raise InvalidInputError(f"{path} is not empty", field="run_dir", fix="pick a new directory, or resume/overwrite it")
+        old = _read_config(path)
+        if old is None and any((path / name).exists() for name in (CHECKPOINTS_FILE, METRICS_FILE)):
+            raise InvalidInputError(
+                f"{path} holds run files but no {CONFIG_FILE}", field="run_dir", fix="use a new run directory (or restore its config.json)"
+            )
         if if_exists == "overwrite":
-            shutil.rmtree(path)
+            if old is None:
+                raise InvalidInputError(
+                    f"{path} is not a run directory (it has no {CONFIG_FILE}); overwrite would delete what it holds",
+                    field="run_dir",
+                    fix="pick a new or empty directory, or a run directory",
+                )
+            _empty(path)
         else:
-            old = path / CONFIG_FILE
-            if old.exists() and _comparable(json.loads(old.read_text())) != _comparable(cfg):
+            if old is not None and _comparable(old) != _comparable(cfg):
                 raise InvalidInputError(
                     f"{path} holds a run with a different config", field="run_dir", fix="use a new run directory or the same settings"
                 )
             record = last_checkpoint(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp = path / f".{CONFIG_FILE}.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, path / CONFIG_FILE)  # whole or not at all: a kill never leaves half a config
     return path, record
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    """The ``config.json`` of the run in ``path`` (``None`` if it has none); a typed error if it is not one."""
+    file = path / CONFIG_FILE
+    if not file.exists() and not file.is_symlink():
+        return None
+    fix = f"use a new run directory (its {CONFIG_FILE} is not one asyncsess wrote)"
+    try:
+        value = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise refuse(file, None, None, f"is not a config ({type(err).__name__}: {str(err)[:80]})", fix) from None
+    if not isinstance(value, dict):
+        raise refuse(file, None, None, f"holds a JSON {type(value).__name__}, not an object", fix)
+    return value
+
+
+def _empty(path: Path) -> None:
+    """Remove what ``path`` holds (the directory itself stays: it may be a mount point or a link's target)."""
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +181,10 @@ async def save_checkpoint(
     final: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> CheckpointRecord:
-    """Save the session (``state``: weights + optimizer, resumable; ``sampler``: weights) and append a record."""
+    """Save the session (``state``: weights + optimizer, resumable; ``sampler``: weights) and append a record.
+    A ``checkpoints.jsonl`` with a line that is not a record is refused first (nothing is saved)."""
+    file = Path(run_dir) / CHECKPOINTS_FILE
+    read_checkpoints(run_dir)  # never bury a bad line under new ones
     state = tc.save_state(name) if kind in ("state", "both") else None
     sampler = tc.save_weights_for_sampler(name) if kind in ("sampler", "both") else None
     record = CheckpointRecord(
@@ -130,18 +195,39 @@ async def save_checkpoint(
         sampler_path=(await sampler).path if sampler else None,
         extra=dict(extra or {}),
     )
-    with (Path(run_dir) / CHECKPOINTS_FILE).open("a") as f:
+    with open_for_append(file, lambda n, r: _record(file, n, r), _FIX) as f:
         f.write(record.model_dump_json() + "\n")
     return record
 
 
+_FIX = "start a new run directory, or cut checkpoints.jsonl back to its last good line"
+
+
+def _record(file: Path, line: int, raw: dict[str, Any]) -> CheckpointRecord:
+    try:
+        return CheckpointRecord.model_validate(raw)
+    except ValidationError as err:
+        e = err.errors(include_url=False)[0]
+        raise refuse(file, line, ".".join(map(str, e["loc"])) or None, e["msg"], _FIX) from None
+
+
+def read_checkpoints(run_dir: str | Path) -> list[CheckpointRecord]:
+    """The records of ``checkpoints.jsonl`` (a torn last line, left by a killed process, aside); a typed error
+    naming the line and field for any other line that is not a record, or whose step is below the one before."""
+    file = Path(run_dir) / CHECKPOINTS_FILE
+    lines: list[JsonlLine] = read_jsonl(file, lambda n, r: _record(file, n, r), _FIX)
+    records: list[CheckpointRecord] = []
+    for n, raw in lines:
+        record = _record(file, n, raw)
+        if records and record.step < records[-1].step:
+            raise refuse(file, n, "step", f"step {record.step} comes after step {records[-1].step}", _FIX)
+        records.append(record)
+    return records
+
+
 def last_checkpoint(run_dir: str | Path, required_key: str = "state_path") -> CheckpointRecord | None:
-    """The last record of ``checkpoints.jsonl`` whose ``required_key`` is set."""
-    path = Path(run_dir) / CHECKPOINTS_FILE
-    if not path.exists():
-        return None
-    records = [CheckpointRecord.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
-    usable = [r for r in records if getattr(r, required_key) is not None]
+    """The last record of ``checkpoints.jsonl`` whose ``required_key`` is set (see :func:`read_checkpoints`)."""
+    usable = [r for r in read_checkpoints(run_dir) if getattr(r, required_key) is not None]
     return usable[-1] if usable else None
 
 
@@ -238,6 +324,6 @@ async def run_recovering(
 def _steps_logged(run_dir: str | Path) -> int:
     """How many steps ``metrics.jsonl`` records as done (the closing evaluation line aside)."""
     path = Path(run_dir)
-    if not (path / "metrics.jsonl").exists():
+    if not (path / METRICS_FILE).exists():
         return 0
     return max((r["step"] for r in read_metrics(path) if "progress/step" not in r), default=-1) + 1

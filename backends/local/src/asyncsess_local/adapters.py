@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import re
 import warnings
 from dataclasses import dataclass
@@ -201,16 +200,21 @@ class LoraHost:
         config.inference_mode = True
         config.save_pretrained(str(path))
 
-    def import_peft(self, name: str, path: Path) -> None:
-        """Add adapter ``name`` (frozen) from a PEFT adapter directory."""
-        from safetensors.torch import load_file
+    def known_targets(self) -> set[str]:
+        """The names of the base model's linear layers (what an adapter may target)."""
+        return {m for names in self.groups.values() for m in names}
 
-        config = json.loads((path / "adapter_config.json").read_text())
-        tensors = load_file(str(path / "adapter_model.safetensors"))
-        self.add(name, rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=sorted(config["target_modules"]), seed=None)
+    def import_peft(self, name: str, path: Path, uri: str, field: str = "model_path") -> None:
+        """Add adapter ``name`` (frozen) from a PEFT adapter directory (``uri``: its name in errors); its config and
+        tensors are checked (:mod:`.checkpoints`) before the adapter is allocated and filled."""
+        from .checkpoints import adapter_config, read_tensors
+
+        rank, alpha, targets = adapter_config(uri, path, self.known_targets(), field)
+        self.add(name, rank=rank, alpha=alpha, targets=targets, seed=None)
         try:
-            self.load_state_dict(name, tensors)
-        except ValueError:
+            shapes = {k: tuple(p.shape) for k, p in self.params(name).items()}
+            self.load_state_dict(name, read_tensors(uri, path / "adapter_model.safetensors", shapes, field=field))
+        except BaseException:
             self.remove(name)
             raise
         for p in self.params(name).values():

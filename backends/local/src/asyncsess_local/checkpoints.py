@@ -14,6 +14,12 @@ The store also writes and reads a session's checkpoints (:meth:`CheckpointStore.
 :meth:`~CheckpointStore.load_state`, :meth:`~CheckpointStore.save_weights`); torch, safetensors and
 peft are imported when one is written or read.
 
+What a checkpoint directory holds is checked before anything is allocated for it (:meth:`CheckpointStore.meta`,
+:func:`adapter_config`, :func:`read_tensors`): its metadata (kind, base model, a LoRA rank of 1..``MAX_LORA_RANK``,
+known target modules) and each safetensors file's header (the tensors a session of that shape has, in a float
+dtype, whose bytes are in the file) before it is read, and its numbers (finite) after; anything else is an
+:class:`InvalidInputError` naming the file, so a tampered or truncated checkpoint is a 4xx, never a 5xx or an OOM.
+
 A path from a caller is checked as text first (at most 1024 characters, no NUL, no lone surrogate,
 no ``://`` inside), then normalised without touching the disk (:meth:`CheckpointStore.owner`), so a
 worker can refuse another tenant's path before it learns whether that path exists.
@@ -22,9 +28,11 @@ worker can refuse another tenant's path before it learns whether that path exist
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,7 +51,7 @@ if TYPE_CHECKING:
     from .sessions import Slot
     from .trainer import TrainSession
 
-__all__ = ["CheckpointStore", "EPHEMERAL", "KINDS"]
+__all__ = ["CheckpointStore", "EPHEMERAL", "KINDS", "MAX_LORA_RANK", "adapter_config", "read_tensors"]
 
 KINDS = {"state": "training", "sampler": "sampler", "merged": "merged"}
 EPHEMERAL = "local://ephemeral/"
@@ -51,6 +59,10 @@ META = "asyncsess.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # matched with fullmatch: no trailing newline
 _EPHEMERAL = re.compile(re.escape(EPHEMERAL) + r"([A-Za-z0-9_-]{1,64})/[0-9]{1,20}")  # what Sessions.snapshot names
 MAX_PATH_CHARS = 1024
+MAX_LORA_RANK = 256
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header of a LoRA adapter or its optimizer state is a few KB
+MAX_META_BYTES = 1 << 20
+_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # what a checkpoint's tensors are stored in
 
 
 def _show(value: str, limit: int = 80) -> str:
@@ -178,9 +190,25 @@ class CheckpointStore:
             shutil.rmtree(scratch, ignore_errors=True)
         return self.uri(final)
 
-    @staticmethod
-    def meta(path: Path) -> dict[str, Any]:
-        return json.loads((path / META).read_text())
+    def meta(self, path: Path, field: str = "path") -> dict[str, Any]:
+        """The ``asyncsess.json`` of checkpoint directory ``path``, checked: a known ``kind``, a ``base_model``
+        name and, for a ``state``, the LoRA shape (:func:`check_lora`) and a ``step``."""
+        file = path / META
+        try:
+            _own_file(file)
+            if file.stat().st_size > MAX_META_BYTES:
+                raise ValueError(f"{file.stat().st_size} bytes")
+            meta = json.loads(file.read_bytes().decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as err:
+            raise _bad(self.uri(path), META, f"is not checkpoint metadata ({type(err).__name__})", field) from None
+        if not isinstance(meta, dict) or meta.get("kind") not in KINDS or not isinstance(meta.get("base_model"), str):
+            raise _bad(self.uri(path), META, "has no known kind or base_model", field)
+        if meta["kind"] == "state":
+            check_lora(self.uri(path), META, meta.get("rank"), meta.get("alpha"), meta.get("targets"), field)
+            step = meta.get("step", 0)
+            if type(step) is not int or not 0 <= step < 2**53:
+                raise _bad(self.uri(path), META, f"step {step!r:.40} is not a step count", field)
+        return meta
 
     def list(self, model_id: str | None = None) -> list[Checkpoint]:
         pattern = f"{model_id}/*/*/{META}" if model_id else f"*/*/*/{META}"
@@ -189,7 +217,12 @@ class CheckpointStore:
             d = meta_file.parent
             if d.name.startswith("."):  # a save being written, or an older one being replaced
                 continue
-            meta = json.loads(meta_file.read_text())
+            try:
+                meta = self.meta(d)
+            except InvalidInputError:  # a damaged checkpoint is refused when opened, not a failed listing
+                continue
+            if d.parent.name not in KINDS:
+                continue
             out.append(
                 Checkpoint(
                     checkpoint_id=f"{d.parent.parent.name}/{d.parent.name}/{d.name}",
@@ -222,7 +255,7 @@ class CheckpointStore:
     def check_state(self, path: Path, sess: TrainSession, field: str = "path") -> dict[str, Any]:
         """The metadata of a ``save_state`` directory that ``sess`` can load (its base model, LoRA rank and targets);
         anything else is an InvalidInputError naming ``field``."""
-        meta = self.meta(path)
+        meta = self.meta(path, field)
         if meta.get("kind") != "state":
             raise InvalidInputError(f"{self.uri(path)} is a {meta.get('kind')} checkpoint", field=field, fix="pass a save_state path")
         if meta.get("base_model") != sess.base_model:  # module names and shapes may match on another base: never load it there
@@ -239,19 +272,24 @@ class CheckpointStore:
             )
         return meta
 
-    def load_state(self, host: LoraHost, sess: TrainSession, path: Path, *, with_optimizer: bool) -> None:
+    def load_state(self, host: LoraHost, sess: TrainSession, path: Path, *, with_optimizer: bool, field: str = "path") -> None:
         """Put a ``save_state`` directory's weights (and optimizer state, else a fresh one) into ``sess``."""
-        from safetensors.torch import load_file
-
         from .trainer import load_optimizer_tensors
 
-        meta = self.check_state(path, sess)
-        host.load_state_dict(sess.adapter, load_file(str(path / "adapter.safetensors")))
+        meta = self.check_state(path, sess, field)
+        shapes = {k: tuple(p.shape) for k, p in sess.params.items()}
+        weights = read_tensors(self.uri(path), path / "adapter.safetensors", shapes, field=field)
+        optimizer = (
+            read_tensors(self.uri(path), path / "optimizer.safetensors", _adam_shapes(shapes), partial=True, field=field)
+            if with_optimizer
+            else None
+        )
+        host.load_state_dict(sess.adapter, weights)
         for p in sess.params.values():
             p.grad = None
         sess.step = int(meta.get("step", 0))
-        if with_optimizer:
-            load_optimizer_tensors(sess, load_file(str(path / "optimizer.safetensors")))
+        if optimizer is not None:
+            load_optimizer_tensors(sess, optimizer)
         else:
             sess.optimizer.state.clear()
 
@@ -314,3 +352,116 @@ def _write_merged(slot: Slot, adapter_dir: Path, out: Path, dtype: torch.dtype) 
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)
     slot.tokenizer.save_pretrained(str(out))
+
+
+def _own_file(file: Path) -> None:
+    """Refuse a file reached through a symlink (the worker writes none; one may point out of the root)."""
+    if os.path.realpath(file) != os.path.normpath(os.path.abspath(file)):
+        raise OSError(f"{file.name} is a link")
+    if not file.is_file():
+        raise OSError(f"{file.name} is not a file")
+
+
+def _bad(uri: str, file: str, what: str, field: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{_show(uri)}: {file} {what}", field=field, fix="pass the .path of a checkpoint this worker saved, as it saved it"
+    )
+
+
+def check_lora(uri: str, file: str, rank: Any, alpha: Any, targets: Any, field: str = "path") -> tuple[int, float, list[str]]:
+    """A checkpoint's LoRA shape, checked before an adapter is allocated for it: a whole rank of 1..MAX_LORA_RANK,
+    a finite alpha > 0 and a non-empty list of module names."""
+    if type(rank) is not int or not 1 <= rank <= MAX_LORA_RANK:
+        raise _bad(uri, file, f"rank {rank!r:.40} is not a LoRA rank of 1..{MAX_LORA_RANK}", field)
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise _bad(uri, file, f"alpha {alpha!r:.40} is not a LoRA alpha (a finite number > 0)", field)
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or len(targets) > 64
+        or not all(isinstance(t, str) and _NAME.fullmatch(t) for t in targets)
+    ):
+        raise _bad(uri, file, f"targets {targets!r:.60} are not module names", field)
+    return rank, float(alpha), list(targets)
+
+
+def adapter_config(uri: str, path: Path, known: set[str], field: str = "path") -> tuple[int, float, list[str]]:
+    """The rank, alpha and target modules of the PEFT adapter directory ``path`` (its ``adapter_config.json``),
+    checked (:func:`check_lora`, each target one of the base model's ``known`` linear layers)."""
+    file = path / "adapter_config.json"
+    try:
+        _own_file(file)
+        if file.stat().st_size > MAX_META_BYTES:
+            raise ValueError(f"{file.stat().st_size} bytes")
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise _bad(uri, file.name, f"is not a PEFT adapter config ({type(err).__name__})", field) from None
+    if not isinstance(config, dict):
+        raise _bad(uri, file.name, "is not a JSON object", field)
+    targets = config.get("target_modules")
+    rank, alpha, targets = check_lora(uri, file.name, config.get("r"), config.get("lora_alpha"), targets, field)
+    if unknown := sorted(set(targets) - known):
+        raise _bad(uri, file.name, f"targets modules the base model lacks: {unknown[:3]}", field)
+    return rank, alpha, sorted(targets)
+
+
+def _adam_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The tensors of AdamW's state for parameters of ``shapes`` (see :func:`.trainer.optimizer_tensors`)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for key, shape in shapes.items():
+        out.update({f"{key}::step": (), f"{key}::exp_avg": shape, f"{key}::exp_avg_sq": shape})
+    return out
+
+
+def read_tensors(
+    uri: str, file: Path, shapes: dict[str, tuple[int, ...]], *, partial: bool = False, field: str = "path"
+) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors ``file``, which must be exactly ``shapes`` (with ``partial``: those of some
+    parameters, each whole), in a float dtype, all finite. Its header is checked before anything is read: a
+    file that claims more bytes than it has, another format (a pickle), or unexpected tensors is refused."""
+    from safetensors.torch import load_file
+
+    name = file.name
+    try:
+        _own_file(file)
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError("not a safetensors file")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (OSError, ValueError, RecursionError, struct.error) as err:
+        raise _bad(uri, name, f"is not a safetensors file ({str(err)[:60]})", field) from None
+    if not isinstance(header, dict):
+        raise _bad(uri, name, "has no safetensors header", field)
+    header.pop("__metadata__", None)
+    if partial:
+        owners = {k.split("::", 1)[0] for k in header}
+        expected = {k: v for k, v in shapes.items() if k.split("::", 1)[0] in owners}
+    else:
+        expected = shapes
+    if set(header) != set(expected):
+        missing, extra = sorted(set(expected) - set(header))[:2], sorted(set(header) - set(expected))[:2]
+        raise _bad(uri, name, f"does not hold this adapter's tensors (missing {missing}, unexpected {extra})", field)
+    end = size - 8 - n
+    for key, info in header.items():
+        ok = isinstance(info, dict) and info.get("dtype") in _DTYPES and info.get("shape") == list(expected[key])
+        offsets = info.get("data_offsets") if ok else None
+        if not (
+            ok
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= end
+            and offsets[1] - offsets[0] == math.prod(expected[key]) * _DTYPES[info["dtype"]]
+        ):
+            raise _bad(uri, name, f"{key!r:.80}: not a float tensor of shape {list(expected[key])} within the file", field)
+    try:
+        tensors = load_file(str(file))
+    except Exception as err:  # the header checked out, the data did not
+        raise _bad(uri, name, f"cannot be read ({type(err).__name__})", field) from None
+    for key, t in tensors.items():
+        if not bool(t.isfinite().all()):
+            raise _bad(uri, name, f"{key!r:.80} holds NaN or infinite values", field)
+    return tensors

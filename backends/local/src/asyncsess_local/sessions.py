@@ -32,7 +32,7 @@ from asyncsess.types import CheckpointResponse, GetInfoResponse, SupportedModel
 
 from . import models, trainer
 from .adapters import BASE, LoraHost, target_modules
-from .checkpoints import EPHEMERAL, CheckpointStore
+from .checkpoints import EPHEMERAL, MAX_LORA_RANK, CheckpointStore, read_tensors
 from .logprobs import head_is_plain
 from .models import ModelSource, load_tokenizer, resolve_model
 from .sampler import TorchSampler
@@ -41,7 +41,6 @@ from .vllm_sampler import VllmOptions, VllmSampler
 __all__ = ["Sessions", "Slot", "SamplerRef", "MAX_LORA_RANK"]
 
 log = logging.getLogger("asyncsess.local")
-MAX_LORA_RANK = 256
 CHECKPOINT_LAYERS_ABOVE = 10**9  # parameters: checkpoint_layers=auto turns it on for models this big (on CUDA)
 
 
@@ -191,7 +190,7 @@ class Sessions:
         ckpt: Path | None = None
         if spec.from_path:
             ckpt = self.store.resolve(spec.from_path, "from_path")
-            meta = self.store.meta(ckpt)
+            meta = self.store.meta(ckpt, "from_path")
             if meta.get("kind") != "state":
                 raise InvalidInputError(
                     f"{spec.from_path} is a {meta.get('kind')} checkpoint", field="from_path", fix="pass a save_state path"
@@ -205,7 +204,8 @@ class Sessions:
                 fix="leave base_model out: a session from a checkpoint is on the checkpoint's base model",
             )
         if meta:
-            rank, alpha, targets = int(meta["rank"]), float(meta["alpha"]), list(meta["targets"])
+            rank, alpha, targets = meta["rank"], float(meta["alpha"]), list(meta["targets"])  # checked by store.meta
+            _check_targets(slot, targets, spec.from_path or "", "from_path")
         else:
             if not (spec.train_mlp or spec.train_attn or spec.train_unembed):
                 raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="set at least one to True")
@@ -244,7 +244,7 @@ class Sessions:
         )
         try:
             if ckpt is not None:
-                self.store.load_state(slot.host, sess, ckpt, with_optimizer=spec.with_optimizer)
+                self.store.load_state(slot.host, sess, ckpt, with_optimizer=spec.with_optimizer, field="from_path")
         except BaseException:
             slot.host.remove(adapter)
             raise
@@ -329,17 +329,22 @@ class Sessions:
             if path.startswith(EPHEMERAL):
                 raise InvalidInputError(f"{path} is no longer available", field="model_path", fix="save the weights again")
             d = Path(path)
-            meta = self.store.meta(d)
+            meta = self.store.meta(d, "model_path")
             slot = self.slot(meta["base_model"])
             adapter = f"s{next(self._names)}"
             peft_dir = None if meta["kind"] == "state" else d / "adapter" if meta["kind"] == "merged" else d
+            uri = self.store.uri(d)
             if peft_dir is None:
-                from safetensors.torch import load_file
-
-                slot.host.add(adapter, rank=int(meta["rank"]), alpha=float(meta["alpha"]), targets=list(meta["targets"]), seed=None)
-                slot.host.load_state_dict(adapter, load_file(str(d / "adapter.safetensors")))
+                _check_targets(slot, meta["targets"], uri, "model_path")
+                slot.host.add(adapter, rank=meta["rank"], alpha=float(meta["alpha"]), targets=list(meta["targets"]), seed=None)
+                try:
+                    shapes = {k: tuple(p.shape) for k, p in slot.host.params(adapter).items()}
+                    slot.host.load_state_dict(adapter, read_tensors(uri, d / "adapter.safetensors", shapes, field="model_path"))
+                except BaseException:
+                    slot.host.remove(adapter)
+                    raise
             else:
-                slot.host.import_peft(adapter, peft_dir)
+                slot.host.import_peft(adapter, peft_dir, uri)
             snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir)
         if spec.base_model and spec.base_model != snap.slot.name and self.slots.get(spec.base_model) is not snap.slot:
             if snap.refs == 0 and snap.owner is None:
@@ -401,3 +406,11 @@ def _vllm_takes(slot: Slot, targets: list[str]) -> bool:
     if slot.vllm is None:
         return False
     return slot.vllm.unembed_lora or not set(targets) & set(slot.host.groups["unembed"])
+
+
+def _check_targets(slot: Slot, targets: list[str], uri: str, field: str) -> None:
+    """Refuse a checkpoint whose LoRA targets modules this base model lacks (before an adapter is added)."""
+    if unknown := sorted(set(targets) - slot.host.known_targets()):
+        raise InvalidInputError(
+            f"{uri}: its LoRA targets modules {slot.name!r} lacks: {unknown[:3]}", field=field, fix="pass a checkpoint of this base model"
+        )

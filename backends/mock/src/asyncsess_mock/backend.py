@@ -111,7 +111,7 @@ class MockBackend(Backend):
         self._stopped_samplers: set[str] = set()  # ids only: a stopped sampler's tables are freed
         self._models_used: dict[str, None] = {}
         self._ordinal = itertools.count()
-        self._store = DiskStore(self.config.checkpoint_dir) if self.config.checkpoint_dir else None
+        self._store = DiskStore(self.config.checkpoint_dir, self.tokenizer.vocab_size) if self.config.checkpoint_dir else None
         # with a store shared by processes, session ids (and so checkpoint paths) must not repeat across them
         self._id_prefix = f"{uuid.uuid4().hex[:8]}-" if self._store else ""
         self._refresh_faults: dict[str, np.ndarray] = {}  # sampler checkpoint path -> the (wrong) D its first sampler serves
@@ -371,7 +371,7 @@ class MockBackend(Backend):
     def _checkpoint(self, path: str, field: str, *, state_only: bool = False) -> StoredCheckpoint:
         ckpt = self._checkpoints.get(path)
         if ckpt is None and self._store is not None:
-            ckpt = self._store.load(path)
+            ckpt = self._store.load(path, field)
         if ckpt is None:
             raise InvalidInputError(
                 f"no checkpoint at {path!r}",
@@ -389,7 +389,13 @@ class MockBackend(Backend):
         stored = dict(self._checkpoints)
         if self._store is not None:
             for path in self._store.paths():
-                if path not in stored and (ckpt := self._store.load(path)) is not None:
+                if path in stored:
+                    continue
+                try:
+                    ckpt = self._store.load(path)
+                except InvalidInputError:  # a damaged file is refused when opened, not a failed listing
+                    continue
+                if ckpt is not None:
                     stored[path] = ckpt
         return [c.record() for c in stored.values() if not c.ephemeral and session_id in (None, c.session_id)]
 

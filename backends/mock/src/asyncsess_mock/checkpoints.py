@@ -8,8 +8,10 @@ State: ``mock://<session_id>/weights/<name>`` (delta + AdamW state). Sampler wei
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -80,10 +82,14 @@ _STORED = re.compile(r"mock://([A-Za-z0-9._-]{1,128})/(weights|sampler_weights)/
 
 class DiskStore:
     """Checkpoints as ``.npz`` files under ``root`` (``mock://?checkpoint_dir=``), so another process can resume
-    from them, as from a remote backend's storage. A file is written whole or not at all (rename)."""
+    from them, as from a remote backend's storage. A file is written whole or not at all (rename).
 
-    def __init__(self, root: str) -> None:
+    A file is checked when read (:meth:`load`): no pickle, no link, the arrays and metadata a save writes, of
+    the ``vocab_size`` x ``vocab_size`` shape, finite; anything else is an InvalidInputError naming the path."""
+
+    def __init__(self, root: str, vocab_size: int) -> None:
         self.root = Path(root)
+        self.shape = (vocab_size, vocab_size)
 
     def _file(self, path: str) -> Path | None:
         m = _STORED.fullmatch(path)
@@ -104,14 +110,37 @@ class DiskStore:
             np.savez(f, **arrays)
         os.replace(tmp, file)
 
-    def load(self, path: str) -> StoredCheckpoint | None:
+    def load(self, path: str, field: str = "path") -> StoredCheckpoint | None:
+        """The checkpoint stored for ``path`` (``None`` if there is none); a file that is not one a save wrote
+        is an InvalidInputError naming ``field``."""
         file = self._file(path)
-        if file is None or not file.is_file():
+        if file is None or not (file.is_file() or file.is_symlink()):
             return None
-        with np.load(file, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
-            adam = AdamState(z["adam_m"], z["adam_v"], int(z["adam_step"])) if "adam_m" in z else None
-            return StoredCheckpoint(delta=z["delta"], adam=adam, **meta)
+        try:
+            if file.is_symlink() or file.parent.is_symlink() or file.parent.parent.is_symlink():
+                raise ValueError("it is reached through a link")
+            with np.load(file, allow_pickle=False) as z:
+                if set(z.files) - {"delta", "meta", "adam_m", "adam_v", "adam_step"}:
+                    raise ValueError(f"unexpected arrays {sorted(z.files)[:4]}")
+                meta = json.loads(str(z["meta"][()]))
+                arrays = {k: z[k] for k in ("delta", "adam_m", "adam_v") if k in z.files}
+                adam_step = z["adam_step"][()] if "adam_step" in z.files else None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, RecursionError) as err:
+            raise _bad(path, field, f"is not a checkpoint file ({type(err).__name__}: {str(err)[:60]})") from None
+        for key, a in arrays.items():
+            if a.shape != self.shape or a.dtype != np.float64 or not np.isfinite(a).all():
+                raise _bad(path, field, f"{key}: not finite float64 numbers of shape {self.shape}")
+        if ("adam_m" in arrays) != ("adam_v" in arrays) or ("adam_m" in arrays) != (adam_step is not None):
+            raise _bad(path, field, "holds part of an optimizer state")
+        meta = _check_meta(path, field, meta)
+        if (meta["kind"] == "state") != ("adam_m" in arrays) or meta["path"] != path:
+            raise _bad(path, field, "does not hold what a save of its kind writes")
+        adam = None
+        if adam_step is not None:
+            if not isinstance(adam_step, np.integer) or not 0 <= int(adam_step) < 2**53:
+                raise _bad(path, field, "adam_step is not a step count")
+            adam = AdamState(arrays["adam_m"], arrays["adam_v"], int(adam_step))
+        return StoredCheckpoint(delta=arrays["delta"], adam=adam, **meta)
 
     def delete(self, path: str) -> bool:
         file = self._file(path)
@@ -123,3 +152,40 @@ class DiskStore:
     def paths(self) -> list[str]:
         """The paths of every stored checkpoint."""
         return sorted(f"mock://{f.parent.parent.name}/{f.parent.name}/{f.stem}" for f in self.root.glob("*/*/*.npz"))
+
+
+def _bad(path: str, field: str, what: str) -> InvalidInputError:
+    return InvalidInputError(f"{path}: {what}", field=field, fix="pass the .path of a checkpoint a mock:// backend saved, as it saved it")
+
+
+_META: dict[str, tuple[type, ...]] = {
+    "path": (str,),
+    "session_id": (str,),
+    "name": (str,),
+    "kind": (str,),
+    "base_model": (str,),
+    "seed": (int, type(None)),
+    "step": (int,),
+    "time": (float, int),
+    "ephemeral": (bool,),
+    "description": (str, type(None)),
+    "user_metadata": (dict, type(None)),
+    "ttl_seconds": (int, type(None)),
+    "rank": (int,),
+    "alpha": (float, int),
+}
+
+
+def _check_meta(path: str, field: str, meta: Any) -> dict[str, Any]:
+    """The metadata of a stored checkpoint: exactly :class:`StoredCheckpoint`'s fields, each of its type."""
+    if not isinstance(meta, dict) or set(meta) - set(_META) or not {"path", "session_id", "name", "kind", "base_model"} <= set(meta):
+        raise _bad(path, field, "its metadata is not a checkpoint's")
+    for key, value in meta.items():
+        types = _META[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise _bad(path, field, f"its metadata's {key} is {value!r:.40}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _bad(path, field, f"its metadata's {key} is not finite")
+    if meta["kind"] not in _DIRS or not 0 <= meta.get("step", 0) < 2**53 or not 1 <= meta.get("rank", 1) <= 1 << 16:
+        raise _bad(path, field, "its metadata's kind, step or rank is out of range")
+    return meta
