@@ -18,14 +18,15 @@ the front does not implement is refused by name, never ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import httpx
@@ -61,6 +62,8 @@ from .openai_wire import (
 )
 
 __all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER"]
+
+T = TypeVar("T")
 
 ROLLOUT_HEADER = "x-rollout-id"
 VERSION_HEADER = "x-weight-version"
@@ -354,10 +357,9 @@ class OpenAIFront:
         index = self.captures.reserve(rollout)
         binding.seeded_calls += int(seeded)
         try:
-            seqs = await self._sampled(binding, prompt, req, params, topk, pending)
-            if await request.is_disconnected():
-                raise _ClientGone
+            seqs = await _unless_gone(request, self._sampled(binding, prompt, req, params, topk, pending))
         except BaseException:
+            await _withdraw(pending)  # the client hung up or timed out: free the sampling slot now
             if self.captures.release(rollout, index):
                 binding.seeded_calls -= int(seeded)
             raise
@@ -447,6 +449,11 @@ class OpenAIFront:
         for i, t in enumerate(req.tools or []):
             if t.function.strict:
                 raise FrontError("strict (schema-constrained) tool calls are not supported; leave it unset", f"tools.{i}.function.strict")
+        budgets = (req.max_tokens, req.max_completion_tokens)
+        if None not in budgets and budgets[0] != budgets[1]:  # one of them would be ignored
+            raise FrontError(
+                f"max_tokens={budgets[0]} and max_completion_tokens={budgets[1]} disagree; send only max_completion_tokens", "max_tokens"
+            )
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -462,7 +469,12 @@ class OpenAIFront:
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
-        index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
+        try:
+            index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
+        except InvalidInputError as err:  # the backend refused the prompt: the chat has no 'prompt', it sent messages
+            if err.field != "prompt":
+                raise
+            raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
         choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
         self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
@@ -570,6 +582,45 @@ class OpenAIFront:
 
 class _ClientGone(Exception):
     """The client hung up before its call was answered."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; :class:`_ClientGone` as soon as the client hangs up (``work`` cancelled).
+
+    A sampler slot held for a client that is gone was held to the end of its sampling (minutes for a long reply),
+    delaying every other agent's calls. The ASGI ``receive`` of a request whose body was read waits for the
+    disconnect (or, in-process, for the response)."""
+    gone, failed, result = False, None, None
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        scope.cancel()
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            try:
+                result = await work
+            except Exception as err:  # raised after the task group: inside it, it would come wrapped in a group
+                failed = err
+            tg.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    if gone:
+        raise _ClientGone
+    return cast(T, result)
+
+
+async def _withdraw(pending: Any) -> None:
+    """Cancel a sampling future that is not done, and wait (shielded) until it has given back its pool slot."""
+    cancel = getattr(pending, "cancel", None)
+    if cancel is not None and cancel():
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(Exception):
+                await pending
 
 
 def _unavailable(err: AsyncSessError) -> FrontError:

@@ -1,0 +1,125 @@
+"""Round two of hostile callers of the OpenAI front: clients that hang up or time out while their call samples, tool
+names OpenAI refuses, budgets that disagree, and prompts the sampler refuses, named as the caller sent them."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import openai
+import pytest
+
+from asyncsess import ServiceClient
+from asyncsess.serve.openai_front import OpenAIFront
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "Say hi."}]
+HOLD_MS = 30_000  # a sample that holds its pool slot this long (the fix frees it at once)
+
+
+@pytest.fixture
+async def held():
+    """A sampler whose every sample holds its pool slot for HOLD_MS."""
+    async with ServiceClient(f"mock://?latency_ms={HOLD_MS}") as svc:
+        yield await svc.create_sampling_client(base_model="mock/bigram-tiny")
+
+
+def _scope(path: str) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"x-rollout-id", b"gone")],
+        "client": ("127.0.0.1", 1),
+        "server": ("front", 80),
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_hangs_up_while_its_call_samples_frees_the_slot_at_once(held, stream):
+    """The server sampled on for a client that was gone, holding a pool slot (and a worker's per-key in-flight
+    count) to the end of the reply, then answered no one; other agents queued behind it. The hang-up now withdraws
+    the sample: the slot is free when the handler returns, nothing is captured, no call index is used."""
+    front = OpenAIFront(held)
+    app = front.app()
+    body = {"model": "policy", "messages": HI, "max_tokens": 4, "stream": stream}
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        while front.stats()["in_flight"] == 0:  # hang up once the call holds its slot (it holds it for HOLD_MS)
+            await anyio.sleep(0)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(_scope("/v1/chat/completions"), receive, send)
+    s = front.stats()
+    assert s["in_flight"] == 0 and s["peak_in_flight"] == 1 and front.counts["sampled_tokens"] == 0, (s, front.counts)
+    assert sent[0]["status"] == 499 and front.captures.calls("gone") == []
+    front.captures.reserve("gone")  # the next call of the rollout is its first
+    assert front.captures.release("gone", 0)
+
+
+async def test_an_in_process_client_that_times_out_leaves_no_slot_held(held):
+    """The in-process transport cancels a call at the client's read timeout; the sample went on in the background
+    holding its pool slot, so an agent that timed out and retried held two."""
+    front = OpenAIFront(held)
+    async with front.openai_client("t", timeout=0.5, max_retries=1) as client:
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    s = front.stats()
+    assert s["in_flight"] == 0 and front.counts["sampled_tokens"] == 0 and front.captures.calls("t") == [], s
+
+
+@pytest.fixture
+async def sampler():
+    async with ServiceClient("mock://") as svc:
+        yield await svc.create_sampling_client(base_model="mock/bigram-tiny")
+
+
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+HOSTILE = [
+    # OpenAI's function-name rule ^[a-zA-Z0-9_-]{1,64}$: a 10 MB name was tokenized into the prompt
+    ({"tools": [_tool("a b")]}, "tools.0.function.name"),
+    ({"tools": [_tool("f" * 65)]}, "tools.0.function.name"),
+    ({"tools": [_tool("f" * 10_000_000)]}, "tools.0.function.name"),
+    ({"tools": [_tool("<tool_call>")]}, "tools.0.function.name"),
+    ({"tools": [_tool(f"f{i}") for i in range(10_000)]}, "tools"),
+    # both budgets: max_tokens was silently ignored
+    ({"max_tokens": 5, "max_completion_tokens": 3}, "max_tokens"),
+    # a prompt the sampler refuses (mock's context is 512) was named 'prompt', which chat requests lack
+    ({"tools": [_tool("f", {"type": "string", "enum": [str(i) for i in range(2000)]})]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), HOSTILE, ids=[f"{next(iter(c))}-{p}-{i}" for i, (c, p) in enumerate(HOSTILE)])
+async def test_hostile_requests_are_a_400_naming_the_param_for_the_official_client(sampler, change, param):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("h") as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(**{"model": "policy", "messages": HI, **change})
+        assert err.value.param == param, err.value.body
+        ok = await client.chat.completions.create(model="policy", messages=HI, max_tokens=3, max_completion_tokens=3)
+    assert [c.call_index for c in front.captures.calls("h")] == [0] and ok.usage.completion_tokens <= 3
+
+
+async def test_a_prompt_the_sampler_refuses_is_still_named_prompt_by_completions(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model="policy", prompt="x" * 600, max_tokens=2)
+    assert err.value.param == "prompt"
