@@ -123,3 +123,66 @@ async def test_a_prompt_the_sampler_refuses_is_still_named_prompt_by_completions
         with pytest.raises(openai.BadRequestError) as err:
             await client.completions.create(model="policy", prompt="x" * 600, max_tokens=2)
     assert err.value.param == "prompt"
+
+
+class _Counted:
+    """A tokenizer that counts the calls that tokenize text."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        return self.real.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.real.apply_chat_template(*args, **kwargs)
+
+
+class _CountingSampler:
+    def __init__(self, real) -> None:
+        self.real, self.tok = real, _Counted(real.get_tokenizer())
+        self.sampler_id, self.base_model = real.sampler_id, real.base_model
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def get_tokenizer(self):
+        return self.tok
+
+
+TOO_LONG = [
+    ("chat", {"messages": [{"role": "user", "content": "a" * 1_000_000}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "a" * 100_000}] * 40}, "messages"),
+    ("chat", {"tools": [_tool("f", {"type": "string", "enum": [str(i) for i in range(100_000)]})]}, "messages"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 1_000_000}}]}, "messages"),
+    ("completions", {"prompt": "a" * 1_000_000}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "change", "param"), TOO_LONG, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(TOO_LONG)])
+async def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(sampler, route, change, param):
+    """A few MB of text (a worker takes 256 MB bodies) were tokenized before the context check refused them: seconds
+    on the event loop that serves every tenant's calls. A token spells at most as many characters as the
+    vocabulary's longest entry, so such text is refused untokenized."""
+    counting = _CountingSampler(sampler)
+    front = OpenAIFront(counting, context_window=64)
+    async with front.openai_client() as client:
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)  # (renders the template once)
+        counting.tok.calls = 0
+        with pytest.raises(openai.BadRequestError) as err:
+            if route == "chat":
+                await client.chat.completions.create(**{"model": "policy", "messages": HI, "max_tokens": 2, **change})
+            else:
+                await client.completions.create(**{"model": "policy", "max_tokens": 2, **change})
+        assert err.value.param == param and "context" in err.value.message, err.value.body
+        assert counting.tok.calls == 0
+        ok = await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")

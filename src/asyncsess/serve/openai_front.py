@@ -148,6 +148,7 @@ class OpenAIFront:
         self._renderers: dict[str, ChatRenderer] = {}
         self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
         self._string_stops: set[str] = set()  # samplers that refused stop token ids
+        self._token_chars: dict[str, int | None] = {}  # base model -> the most characters one token spells
         self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
 
     # ------------------------------------------------------------------ binding samplers to rollouts
@@ -304,6 +305,23 @@ class OpenAIFront:
             self._renderers[key] = ChatRenderer(sampler.get_tokenizer())
         return self._renderers[key]
 
+    def _refuse_past_context(self, sampler: SamplingClient, chars: int, field: str, what: str) -> None:
+        """A FrontError when ``chars`` characters of text are sure to make more tokens than the context holds: each
+        token spells at most as many characters as the vocabulary's longest entry. Tokenizing first took seconds
+        for a few MB of text, on the event loop every tenant's calls wait on."""
+        if self.context_window is None:
+            return
+        key = sampler.base_model
+        if key not in self._token_chars:
+            self._token_chars[key] = _max_token_chars(sampler.get_tokenizer())
+        most = self._token_chars[key]
+        if most is not None and chars > most * self.context_window:
+            raise FrontError(
+                f"{what} {chars} characters: more than the {self.context_window} tokens of the model's context "
+                f"can spell ({most} characters a token at most); shorten them",
+                field,
+            )
+
     def _params(
         self, req: SamplingRequest, binding: _Binding, prompt_len: int, max_tokens: int | None, stop: list[str | int]
     ) -> SamplingParams:
@@ -457,6 +475,10 @@ class OpenAIFront:
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
+        shown = [m.text() for m in req.messages if m.role != "assistant"]  # (a template may drop old assistant text)
+        for t in req.tools or []:  # as compact as a template could show a tool
+            shown += [t.function.name, t.function.description, json.dumps(t.function.parameters, separators=(",", ":"), ensure_ascii=False)]
+        self._refuse_past_context(binding.sampler, sum(map(len, shown)), "messages", "the messages and tools hold")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
@@ -538,6 +560,8 @@ class OpenAIFront:
         binding = self._binding(rollout, req.model)
         topk = _topk(req.logprobs or 0)
         tok = binding.sampler.get_tokenizer()
+        if isinstance(req.prompt, str):
+            self._refuse_past_context(binding.sampler, len(req.prompt), "prompt", "the prompt holds")
         prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
@@ -689,6 +713,20 @@ def _answers_in_call_order(messages: Sequence[Message]) -> list[Message]:
 
 async def _no_run(arguments: Any) -> tuple[str, dict[str, float]]:
     raise RuntimeError("the front renders tools; the agent runs them")
+
+
+def _max_token_chars(tok: Any) -> int | None:
+    """The most characters one token of ``tok`` decodes to, at most (its longest vocabulary entry: a token's string
+    spells a character in one or more characters); None if the vocabulary cannot be read."""
+    try:
+        vocab = getattr(tok, "get_vocab", None)
+        if vocab is not None:
+            return max(map(len, vocab()), default=None)
+        if len(tok) <= 2**16:
+            return max((len(str(tok.decode([i]))) for i in range(len(tok))), default=None)
+    except Exception:  # a tokenizer without a readable vocabulary: no early bound
+        pass
+    return None
 
 
 def _stops_as_strings(params: SamplingParams, tok: Any) -> SamplingParams:
