@@ -363,3 +363,55 @@ async def test_a_body_over_the_limit_is_a_413_in_each_doors_shape_and_the_server
             await _sampling_session(http, KEY_A)  # small bodies still go through
             reply = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=4)
             assert reply.choices[0].message.content is not None
+
+
+async def _slow_loris(app: Any, path: str) -> list[dict[str, Any]]:
+    """What ``app`` sends a client that sends the start of a body to ``path`` and then nothing (for 30 s)."""
+    import anyio
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"x-api-key", KEY_A.encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("serve", 80),
+    }
+    chunks = [{"type": "http.request", "body": b'{"model": "', "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if chunks:
+            return chunks.pop(0)
+        with anyio.move_on_after(30):  # the rest of the body never comes (the fix answers after 0.1 s)
+            await anyio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_body_still_arriving_at_the_deadline_is_a_408_in_each_doors_shape_and_a_long_call_is_not() -> None:
+    """A slow-loris client (a body that never finishes arriving) held its connection, and the handler waiting on it,
+    for as long as it liked. The body now has ``max_body_seconds`` to arrive; a call that samples for longer once
+    its body is in is answered (the server's wait for a hang-up is not timed)."""
+    app = create_app(load_backend("mock://?latency_ms=300"), {KEY_A}, poll_timeout=5.0, max_body_seconds=0.1)
+    async with app.router.lifespan_context(app):
+        for path, field in (("/v1/chat/completions", "param"), ("/api/v1/create_session", "field")):
+            sent = await _slow_loris(app, path)
+            assert sent[0]["status"] == 408, sent
+            body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            err = body["error"] if field == "param" else body  # OpenAI's shape, Tinker's
+            assert err[field] == "body" and "0.1 s" in json.dumps(body), body
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=30) as http:
+            reply = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=4)  # samples 0.3 s
+            assert reply.choices[0].message.content is not None

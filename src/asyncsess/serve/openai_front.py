@@ -467,11 +467,6 @@ class OpenAIFront:
         for i, t in enumerate(req.tools or []):
             if t.function.strict:
                 raise FrontError("strict (schema-constrained) tool calls are not supported; leave it unset", f"tools.{i}.function.strict")
-        budgets = (req.max_tokens, req.max_completion_tokens)
-        if None not in budgets and budgets[0] != budgets[1]:  # one of them would be ignored
-            raise FrontError(
-                f"max_tokens={budgets[0]} and max_completion_tokens={budgets[1]} disagree; send only max_completion_tokens", "max_tokens"
-            )
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -491,6 +486,11 @@ class OpenAIFront:
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
+        budgets = (req.max_tokens, req.max_completion_tokens)
+        if None not in budgets and budgets[0] != budgets[1]:  # one of them would be ignored
+            raise FrontError(
+                f"max_tokens={budgets[0]} and max_completion_tokens={budgets[1]} disagree; send only max_completion_tokens", "max_tokens"
+            )
         try:
             index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
         except InvalidInputError as err:  # the backend refused the prompt: the chat has no 'prompt', it sent messages
