@@ -186,3 +186,33 @@ async def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenize
         assert counting.tok.calls == 0
         ok = await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_distinct_tool_sets_do_not_grow_the_servers_memory(sampler):
+    """The renderer remembered, for every distinct tool set it was sent, whether the template shows tools, keyed
+    by the tool set's whole JSON: a client that varies a description (a nonce, a timestamp) grew the server's
+    memory by each set's size, for good. (The calls here are refused by mock's 512-token context after rendering,
+    so no capture holds them either.)"""
+    import gc
+    import tracemalloc
+
+    front = OpenAIFront(sampler)
+
+    async def calls(client, first: int, n: int) -> None:
+        for i in range(first, first + n):
+            tool = {"type": "function", "function": {"name": "f", "description": f"{i} " + "d" * 20_000}}
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model="policy", messages=HI, max_tokens=2, tools=[tool])
+
+    async with front.openai_client() as client:
+        await calls(client, 0, 20)  # (warm caches up)
+        tracemalloc.start()
+        try:
+            gc.collect()  # (refused calls leave tracebacks in reference cycles)
+            before = tracemalloc.get_traced_memory()[0]
+            await calls(client, 20, 200)  # 4 MB of descriptions
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    assert grown < 1_000_000, grown
