@@ -415,3 +415,26 @@ async def test_a_body_still_arriving_at_the_deadline_is_a_408_in_each_doors_shap
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=30) as http:
             reply = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=4)  # samples 0.3 s
             assert reply.choices[0].message.content is not None
+
+
+async def test_a_deleted_or_overwritten_checkpoint_does_not_keep_its_sampler_open(server) -> None:
+    """The door opened a sampler per checkpoint path sampled and kept it for good: a deleted checkpoint's weights
+    stayed loaded on the backend (one more per checkpoint ever sampled), and an overwritten one kept serving the
+    old weights. A changed record now closes its sampler; the next call opens one on what the path holds."""
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    backend = app.state.tinker_door.backend
+    model_id, path = await _sampler_saved_as_pub(http, a)
+    client = _openai(http, KEY_A)
+    await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+    [(first, _, _)] = app.state.openai_door._opened.values()
+    body = {"model_id": model_id, "seq_id": 2, "path": "pub", "overwrite": True}
+    fut = await http.post("/api/v1/save_weights_for_sampler", json=body, headers=a)
+    assert (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).status_code == 200
+    await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+    [(second, _, _)] = app.state.openai_door._opened.values()
+    assert second != first and first not in backend._samplers  # the old weights' sampler was stopped
+    assert (await http.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub", headers=a)).status_code == 204
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+    assert app.state.openai_door._opened == {} and second not in backend._samplers

@@ -6,7 +6,8 @@ Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker
 
 - a sampling session id the Tinker API returned (``create_sampling_session``,
   ``save_weights_and_get_sampling_client``) to a session of the same key;
-- a ``tinker://.../sampler_weights/...`` path saved by the same key, or published (a sampler is opened on first use);
+- a ``tinker://.../sampler_weights/...`` path saved by the same key, or published (a sampler is opened on first use,
+  and stopped once the checkpoint is deleted, expires or is overwritten);
 - a base model the backend offers (one sampler on the base weights, opened once, shared by all keys).
 
 Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
@@ -47,6 +48,7 @@ class OpenAIDoor:
         self._fronts: dict[tuple[str | None, str], tuple[str, OpenAIFront]] = {}  # (key, model) -> (backend id, front)
         self._captures: dict[str | None, CaptureStore] = {}
         self._opened: dict[str, tuple[str, str, int]] = {}  # base model / tinker path -> (backend id, base model, version)
+        self._opened_for: dict[str, object] = {}  # tinker path -> the door's checkpoint record its sampler loaded
         self._lock = anyio.Lock()
 
     @contextlib.asynccontextmanager
@@ -73,11 +75,28 @@ class OpenAIDoor:
         caps = await self.door.backend.capabilities()
         return {m.model_name: m.max_context_length for m in caps.supported_models if m.sampleable}
 
-    async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int) -> tuple[str, str, int]:
+    async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int, record: object = None) -> tuple[str, str, int]:
         async with self._lock:
+            await self._close_stale()
             if what not in self._opened:
                 self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
+                if record is not None:
+                    self._opened_for[what] = record
             return self._opened[what]
+
+    async def _close_stale(self) -> None:
+        """Stop the samplers opened on checkpoints the door no longer holds as they were: deleted, expired or
+        overwritten. They stayed open for good (one per checkpoint ever sampled), an overwritten one serving the
+        old weights."""
+        for what, record in list(self._opened_for.items()):
+            if self.door.checkpoints.get(what) is record:
+                continue
+            backend_id = self._opened.pop(what)[0]
+            del self._opened_for[what]
+            for k in [k for k in self._fronts if k[1] == what]:
+                del self._fronts[k]
+            with contextlib.suppress(Exception):
+                await self.door.backend.stop_session(backend_id)
 
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
@@ -109,10 +128,12 @@ class OpenAIDoor:
                     f"{model} holds training state, not sampler weights", "model", code="model_not_sampleable"
                 )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
-            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step)
+            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step, ck)
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
+            async with self._lock:
+                await self._close_stale()
             raise model_not_found(model)
         cached = self._fronts.get((key, model))
         front = cached[1] if cached is not None and cached[0] == backend_id else None  # a reopened sampler has a new id
