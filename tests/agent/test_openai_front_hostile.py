@@ -11,6 +11,7 @@ import pytest
 
 from asyncsess import ServiceClient
 from asyncsess.serve.openai_front import OpenAIFront
+from asyncsess.types import SampledSequence, SampleResponse
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "Say hi."}]
@@ -41,12 +42,30 @@ def _scope(path: str) -> dict:
     }
 
 
+class _Unscored:
+    """A sampler whose samples come back at once without log-probs: the front scores them with compute_logprobs."""
+
+    def __init__(self, real) -> None:
+        self.real, self.sampler_id, self.base_model = real, real.sampler_id, real.base_model
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def sample(self, prompt, num_samples=1, sampling_params=None, **kwargs):
+        async def unscored() -> SampleResponse:
+            return SampleResponse(sequences=[SampledSequence(stop_reason="length", tokens=[5, 6])] * num_samples)
+
+        return unscored()
+
+
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_client_that_hangs_up_while_its_call_samples_frees_the_slot_at_once(held, stream):
+@pytest.mark.parametrize("scored", [False, True], ids=["sampling", "scoring"])
+async def test_a_client_that_hangs_up_while_its_call_samples_frees_the_slot_at_once(held, stream, scored):
     """The server sampled on for a client that was gone, holding a pool slot (and a worker's per-key in-flight
     count) to the end of the reply, then answered no one; other agents queued behind it. The hang-up now withdraws
-    the sample: the slot is free when the handler returns, nothing is captured, no call index is used."""
-    front = OpenAIFront(held)
+    the sample (or the scoring of a sample that came without log-probs): the slot is free when the handler returns,
+    nothing is captured, no call index is used."""
+    front = OpenAIFront(_Unscored(held) if scored else held)
     app = front.app()
     body = {"model": "policy", "messages": HI, "max_tokens": 4, "stream": stream}
     messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]

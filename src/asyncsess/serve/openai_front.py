@@ -393,11 +393,13 @@ class OpenAIFront:
             if err.field != "sampling_params.stop" or not params.stop_token_ids():
                 raise
             self._string_stops.add(sampler.sampler_id)
-            response = await sampler.sample(prompt, req.n, _stops_as_strings(params, sampler.get_tokenizer()), **topk)
+            response = await _withdrawn_if_cancelled(
+                sampler.sample(prompt, req.n, _stops_as_strings(params, sampler.get_tokenizer()), **topk)
+            )
         seqs = list(response.sequences)
         for i, seq in enumerate(seqs):
             if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):  # score them: a capture needs log-probs
-                lps = await sampler.compute_logprobs(prompt + list(seq.tokens))
+                lps = await _withdrawn_if_cancelled(sampler.compute_logprobs(prompt + list(seq.tokens)))
                 seqs[i] = seq.model_copy(update={"logprobs": [float(x or 0.0) for x in lps[len(prompt) :]]})
         self.counts["sampled_tokens"] += sum(len(s.tokens) for s in seqs)
         return seqs
@@ -636,6 +638,15 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
     if gone:
         raise _ClientGone
     return cast(T, result)
+
+
+async def _withdrawn_if_cancelled(pending: Awaitable[T]) -> T:
+    """``await pending``; if the caller is cancelled meanwhile (its client hung up), its work is withdrawn too."""
+    try:
+        return await pending
+    except BaseException:
+        await _withdraw(pending)
+        raise
 
 
 async def _withdraw(pending: Any) -> None:
