@@ -438,3 +438,28 @@ async def test_a_deleted_or_overwritten_checkpoint_does_not_keep_its_sampler_ope
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
     assert app.state.openai_door._opened == {} and second not in backend._samplers
+
+
+async def test_samplers_on_checkpoint_paths_are_bounded_least_recently_used_first(server) -> None:
+    """A key that sampled checkpoint after checkpoint (an eval over a run's saves) kept a sampler open on each, for
+    good. Past ``max_open_paths`` the least recently used one serving no call is stopped; it reopens when named."""
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    oai, backend = app.state.openai_door, app.state.tinker_door.backend
+    oai.max_open_paths = 2
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    paths = []
+    for i in range(4):
+        body = {"model_id": model_id, "seq_id": i + 1, "path": f"p{i}"}
+        fut = (await http.post("/api/v1/save_weights_for_sampler", json=body, headers=a)).json()
+        paths.append((await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["path"])
+    client = _openai(http, KEY_A)
+    opened = []
+    for path in [*paths, paths[0]]:
+        await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+        opened.append(oai._opened[path][0])
+        assert len(oai._opened) == min(len(opened), 2), oai._opened
+    assert list(oai._opened) == [paths[3], paths[0]] and opened[-1] != opened[0]  # p0 was closed, then reopened
+    assert not any(o in backend._samplers for o in opened[:3])  # and the closed samplers are stopped on the backend

@@ -150,6 +150,7 @@ class OpenAIFront:
         self._string_stops: set[str] = set()  # samplers that refused stop token ids
         self._token_chars: dict[str, int | None] = {}  # base model -> the most characters one token spells
         self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
+        self.active = 0  # calls being served (a reply being streamed is no longer one: it has its samples)
 
     # ------------------------------------------------------------------ binding samplers to rollouts
 
@@ -257,6 +258,7 @@ class OpenAIFront:
 
     async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any) -> Response:
         self.counts["requests"] += 1
+        self.active += 1
         try:
             body = parse_body(await request.body())
             if not isinstance(body, dict):
@@ -280,6 +282,8 @@ class OpenAIFront:
         except AsyncSessError as err:  # the backend failed, not the request
             self.counts["errors"] += 1
             return _unavailable(err).response()
+        finally:
+            self.active -= 1
 
     # ------------------------------------------------------------------ shared steps
 
