@@ -71,6 +71,7 @@ DEFAULT_ROLLOUT = "default"
 MAX_ROLLOUT_ID_CHARS = 256
 _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
+_MERGED = 4  # characters Unicode normalization may compose into one (a letter and 3 marks: Greek's ᾧ)
 
 
 def _rollout_id(request: Request, req: SamplingRequest) -> str:
@@ -311,18 +312,19 @@ class OpenAIFront:
 
     def _refuse_past_context(self, sampler: SamplingClient, chars: int, field: str, what: str) -> None:
         """A FrontError when ``chars`` characters of text are sure to make more tokens than the context holds: each
-        token spells at most as many characters as the vocabulary's longest entry. Tokenizing first took seconds
-        for a few MB of text, on the event loop every tenant's calls wait on."""
+        token spells at most as many characters as the vocabulary's longest entry, once a tokenizer's Unicode
+        normalization has merged a character with its combining marks (at most ``_MERGED`` into one). Tokenizing
+        first took seconds for a few MB of text, on the event loop every tenant's calls wait on."""
         if self.context_window is None:
             return
         key = sampler.base_model
         if key not in self._token_chars:
             self._token_chars[key] = _max_token_chars(sampler.get_tokenizer())
         most = self._token_chars[key]
-        if most is not None and chars > most * self.context_window:
+        if most is not None and chars > _MERGED * most * self.context_window:
             raise FrontError(
                 f"{what} {chars} characters: more than the {self.context_window} tokens of the model's context "
-                f"can spell ({most} characters a token at most); shorten them",
+                f"can spell ({most} characters a token at most, {_MERGED} before normalization); shorten them",
                 field,
             )
 
