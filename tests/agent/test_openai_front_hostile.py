@@ -117,6 +117,10 @@ HOSTILE = [
     ({"tools": [_tool("f" * 10_000_000)]}, "tools.0.function.name"),
     ({"tools": [_tool("<tool_call>")]}, "tools.0.function.name"),
     ({"tools": [_tool(f"f{i}") for i in range(10_000)]}, "tools"),
+    ({"tools": [_tool("f")], "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the legacy form
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),  # what the official client merges into the body
+    ({"messages": [*HI, {"role": "tool", "tool_call_id": "nothing", "content": "4"}]}, "messages.1.role"),
     # both budgets: max_tokens was silently ignored
     ({"max_tokens": 5, "max_completion_tokens": 3}, "max_tokens"),
     # a prompt the sampler refuses (mock's context is 512) was named 'prompt', which chat requests lack
@@ -235,3 +239,15 @@ async def test_distinct_tool_sets_do_not_grow_the_servers_memory(sampler):
         finally:
             tracemalloc.stop()
     assert grown < 1_000_000, grown
+
+
+async def test_schemas_with_ref_cycles_and_parallel_tool_calls_are_served(sampler):
+    """A ``$ref`` cycle is JSON like any other (the front never resolves it) and ``parallel_tool_calls=true`` is
+    what the front does anyway."""
+    cyclic = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a", "type": "object"}
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        r = await client.chat.completions.create(
+            model="policy", messages=HI, max_tokens=2, tools=[_tool("f", cyclic)], parallel_tool_calls=True
+        )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
