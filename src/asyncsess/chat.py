@@ -14,9 +14,11 @@ token, so content cannot forge a turn; only the template's own markers are speci
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -326,6 +328,9 @@ def parse_tool_calls(text: str, limit: int | None = None) -> tuple[list[ToolCall
     return calls, None
 
 
+_MAX_TOOL_SETS = 256  # tool sets a renderer remembers whether its template shows
+
+
 class ChatRenderer:
     """Renders conversations with tools for one tokenizer; ``stop`` holds the tokens that end an assistant turn."""
 
@@ -335,7 +340,7 @@ class ChatRenderer:
         self.tool_role = self._renders(
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": _PROBE}]
         )
-        self._native_tools: dict[str, bool] = {}
+        self._native_tools: OrderedDict[str, bool] = OrderedDict()  # tool set digest -> the template shows them
 
     def tokens(self, messages: Sequence[Message], tools: Sequence[Tool] = (), add_generation_prompt: bool = True) -> list[int]:
         """The conversation's tokens as the model sees it (with the prompt for the next assistant turn)."""
@@ -360,13 +365,18 @@ class ChatRenderer:
             return False
 
     def _shows_tools(self, schemas: list[dict[str, Any]]) -> bool:
-        key = json.dumps(schemas, sort_keys=True)
+        """Whether the template renders ``schemas``; remembered by a digest of them, for the last
+        ``_MAX_TOOL_SETS`` tool sets (the sets a server is sent are unbounded, and may be MBs each)."""
+        key = hashlib.sha256(json.dumps(schemas, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
         if key not in self._native_tools:
             probe = [{"role": "user", "content": "hi"}]
             try:
                 self._native_tools[key] = self._render(probe, schemas, True) != self._render(probe, [], True)
             except Exception:
                 self._native_tools[key] = False
+            while len(self._native_tools) > _MAX_TOOL_SETS:
+                self._native_tools.popitem(last=False)
+        self._native_tools.move_to_end(key)
         return self._native_tools[key]
 
     def _portable(self, messages: Sequence[Message]) -> list[dict[str, str]]:

@@ -241,7 +241,8 @@ BAD = [
     ({"list[int]": 1}, 400, "list[int]"),
     ({"messages": [{"role": "user", "content": "x", "a[0]": 1}]}, 400, "messages.0.a[0]"),
     ({"metadata": {"rollout_id": "r" * 513}}, 400, "metadata.rollout_id"),
-    ({"messages": [{"role": "user", "content": "long " * 20000}]}, 400, "prompt"),
+    # the sampler refused the rendered prompt: named 'prompt', a parameter chat lacks
+    ({"messages": [{"role": "user", "content": "long " * 20000}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0.type"),
 ]
 

@@ -95,3 +95,28 @@ async def test_a_call_whose_client_timed_out_is_not_captured(anyio_backend):
                 await client.chat.completions.create(model="policy", messages=HI, max_tokens=4, user="gone")
     [call] = front.captures.calls("gone")  # the answered call only (its index may follow the ones given back)
     assert slow.calls == 3 and front.captures.ended == 3 and call.choices[0].tokens
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_streaming_client_that_hangs_up_frees_its_slot_at_once(anyio_backend):
+    """Over a socket, a streaming agent that gave up (closed its connection) held its sampler slot until the whole
+    reply was sampled (minutes for a long one), for no one. uvicorn's disconnect now withdraws the sample."""
+    async with ServiceClient("mock://?latency_ms=30000") as svc:  # each sample holds its slot for 30 s
+        front = OpenAIFront(await svc.create_sampling_client(base_model="mock/bigram-tiny"), captures=_Ended())
+        async with _served(front) as port:
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            async with client, anyio.create_task_group() as tg:
+
+                async def agent() -> None:
+                    stream = await client.chat.completions.create(model="policy", messages=HI, max_tokens=4, stream=True, user="gone")
+                    async for _ in stream:
+                        pass
+
+                tg.start_soon(agent)
+                while front.stats()["in_flight"] == 0:  # the call holds its slot (for 30 s)
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()  # the agent hangs up
+            while front.captures.ended == 0:  # the server saw it
+                await anyio.sleep(0.01)
+            s = front.stats()
+    assert s["in_flight"] == 0 and front.counts["sampled_tokens"] == 0 and front.captures.calls("gone") == [], s

@@ -363,3 +363,103 @@ async def test_a_body_over_the_limit_is_a_413_in_each_doors_shape_and_the_server
             await _sampling_session(http, KEY_A)  # small bodies still go through
             reply = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=4)
             assert reply.choices[0].message.content is not None
+
+
+async def _slow_loris(app: Any, path: str) -> list[dict[str, Any]]:
+    """What ``app`` sends a client that sends the start of a body to ``path`` and then nothing (for 30 s)."""
+    import anyio
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"x-api-key", KEY_A.encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("serve", 80),
+    }
+    chunks = [{"type": "http.request", "body": b'{"model": "', "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if chunks:
+            return chunks.pop(0)
+        with anyio.move_on_after(30):  # the rest of the body never comes (the fix answers after 0.1 s)
+            await anyio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_body_still_arriving_at_the_deadline_is_a_408_in_each_doors_shape_and_a_long_call_is_not() -> None:
+    """A slow-loris client (a body that never finishes arriving) held its connection, and the handler waiting on it,
+    for as long as it liked. The body now has ``max_body_seconds`` to arrive; a call that samples for longer once
+    its body is in is answered (the server's wait for a hang-up is not timed)."""
+    app = create_app(load_backend("mock://?latency_ms=300"), {KEY_A}, poll_timeout=5.0, max_body_seconds=0.1)
+    async with app.router.lifespan_context(app):
+        for path, field in (("/v1/chat/completions", "param"), ("/api/v1/create_session", "field")):
+            sent = await _slow_loris(app, path)
+            assert sent[0]["status"] == 408, sent
+            body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+            err = body["error"] if field == "param" else body  # OpenAI's shape, Tinker's
+            assert err[field] == "body" and "0.1 s" in json.dumps(body), body
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=30) as http:
+            reply = await _openai(http, KEY_A).chat.completions.create(model=BASE, messages=HI, max_tokens=4)  # samples 0.3 s
+            assert reply.choices[0].message.content is not None
+
+
+async def test_a_deleted_or_overwritten_checkpoint_does_not_keep_its_sampler_open(server) -> None:
+    """The door opened a sampler per checkpoint path sampled and kept it for good: a deleted checkpoint's weights
+    stayed loaded on the backend (one more per checkpoint ever sampled), and an overwritten one kept serving the
+    old weights. A changed record now closes its sampler; the next call opens one on what the path holds."""
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    backend = app.state.tinker_door.backend
+    model_id, path = await _sampler_saved_as_pub(http, a)
+    client = _openai(http, KEY_A)
+    await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+    [(first, _, _)] = app.state.openai_door._opened.values()
+    body = {"model_id": model_id, "seq_id": 2, "path": "pub", "overwrite": True}
+    fut = await http.post("/api/v1/save_weights_for_sampler", json=body, headers=a)
+    assert (await http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=a)).status_code == 200
+    await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+    [(second, _, _)] = app.state.openai_door._opened.values()
+    assert second != first and first not in backend._samplers  # the old weights' sampler was stopped
+    assert (await http.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub", headers=a)).status_code == 204
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+    assert app.state.openai_door._opened == {} and second not in backend._samplers
+
+
+async def test_samplers_on_checkpoint_paths_are_bounded_least_recently_used_first(server) -> None:
+    """A key that sampled checkpoint after checkpoint (an eval over a run's saves) kept a sampler open on each, for
+    good. Past ``max_open_paths`` the least recently used one serving no call is stopped; it reopens when named."""
+    app, http = server
+    a = {"X-API-Key": KEY_A}
+    oai, backend = app.state.openai_door, app.state.tinker_door.backend
+    oai.max_open_paths = 2
+    sid = (await http.post("/api/v1/create_session", json={"tags": []}, headers=a)).json()["session_id"]
+    fut = (await http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}, headers=a)).json()
+    model_id = (await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["model_id"]
+    paths = []
+    for i in range(4):
+        body = {"model_id": model_id, "seq_id": i + 1, "path": f"p{i}"}
+        fut = (await http.post("/api/v1/save_weights_for_sampler", json=body, headers=a)).json()
+        paths.append((await http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=a)).json()["path"])
+    client = _openai(http, KEY_A)
+    opened = []
+    for path in [*paths, paths[0]]:
+        await client.completions.create(model=path, prompt=[5, 6], max_tokens=2)
+        opened.append(oai._opened[path][0])
+        assert len(oai._opened) == min(len(opened), 2), oai._opened
+    assert list(oai._opened) == [paths[3], paths[0]] and opened[-1] != opened[0]  # p0 was closed, then reopened
+    assert not any(o in backend._samplers for o in opened[:3])  # and the closed samplers are stopped on the backend

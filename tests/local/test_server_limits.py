@@ -493,6 +493,32 @@ def test_a_body_over_the_cap_gets_a_413(tmp_path):
         w.stop()
 
 
+def test_a_slow_loris_body_gets_a_408_and_frees_its_keys_slot(tmp_path):
+    """A client that sent part of a body and then nothing held its connection and one of its key's in-flight
+    requests for as long as it kept the socket open. The body now has ``max_body_seconds`` to arrive."""
+    import json
+    import socket
+
+    from asyncsess_local.embedded import LocalBackend
+    from asyncsess_local.server import serve_in_thread
+
+    w = serve_in_thread(LocalBackend(device="cpu", checkpoint_dir=str(tmp_path)), [KEY], max_body_seconds=0.2, max_inflight_per_key=1)
+    try:
+        for path in ("/v1/sessions", "/v1/chat/completions"):
+            with socket.create_connection(("127.0.0.1", w.port), timeout=30) as sock:  # (30 s: the fix answers in 0.2)
+                head = f"POST {path} HTTP/1.1\r\nHost: w\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                sock.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"model": '.encode())  # and the rest never comes
+                reply = sock.makefile("rb")
+                status = reply.readline()
+                headers = dict(line.decode().strip().lower().split(": ", 1) for line in iter(reply.readline, b"\r\n"))
+                body = reply.read(int(headers["content-length"]))
+            assert b" 408 " in status and json.loads(body)["error"]["field"] == "body", (status, body)
+        with httpx.Client(base_url=w.url, timeout=60) as c:  # the key's one in-flight slot is free again
+            assert c.get("/v1/models", headers=MINE).status_code == 200
+    finally:
+        w.stop()
+
+
 def test_the_server_is_healthy_after_all_this(c, tiny):
     assert_healthy(c, tiny)
 

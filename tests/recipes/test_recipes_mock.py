@@ -129,7 +129,13 @@ def test_demo_command_refuses_bad_options_with_a_message_not_a_traceback(tmp_pat
 
 @pytest.mark.parametrize(
     ("args", "option"),
-    [(["--port", "99999"], "--port"), (["--poll-timeout", "nan"], "--poll-timeout"), (["--backend", "nope://"], "--backend")],
+    [
+        (["--port", "99999"], "--port"),
+        (["--poll-timeout", "nan"], "--poll-timeout"),
+        (["--backend", "nope://"], "--backend"),
+        (["--max-body-seconds", "0"], "--max-body-seconds"),
+        (["--max-body-seconds", "inf"], "--max-body-seconds"),
+    ],
 )
 def test_serve_command_refuses_bad_options_before_it_binds(args, option):
     from typer.testing import CliRunner

@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from .body_limit import MAX_BODY_BYTES
+from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS
 from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 
 __all__ = ["finite", "serve"]
@@ -50,6 +50,12 @@ def serve(
     max_body_mb: float = typer.Option(
         MAX_BODY_BYTES / 2**20, min=0.001, max=2**20, callback=finite, help="Largest request body in MiB; a larger one gets a 413."
     ),
+    max_body_seconds: float = typer.Option(
+        MAX_BODY_SECONDS,
+        min=0.001,
+        callback=finite,
+        help="Seconds a request body has to arrive, from the request's start; a slower one (a slow-loris client) gets a 408.",
+    ),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
     """Serve Tinker's HTTP API (point TINKER_BASE_URL here) and the OpenAI API (/v1) in front of an asyncsess backend."""
@@ -71,5 +77,6 @@ def serve(
         session_timeout=session_timeout,
         max_body_bytes=int(max_body_mb * 2**20),
         max_samplers=max_samplers,
+        max_body_seconds=max_body_seconds,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

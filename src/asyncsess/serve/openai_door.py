@@ -6,7 +6,9 @@ Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker
 
 - a sampling session id the Tinker API returned (``create_sampling_session``,
   ``save_weights_and_get_sampling_client``) to a session of the same key;
-- a ``tinker://.../sampler_weights/...`` path saved by the same key, or published (a sampler is opened on first use);
+- a ``tinker://.../sampler_weights/...`` path saved by the same key, or published (a sampler is opened on first use,
+  and stopped once the checkpoint is deleted, expires or is overwritten, or when more than ``max_open_paths`` are
+  open and it is the least recently used);
 - a base model the backend offers (one sampler on the base weights, opened once, shared by all keys).
 
 Anything else, another key's sampler included, is a 404 ``model_not_found`` that does not say whether it
@@ -19,6 +21,7 @@ optimizer step of the sampled weights (0 for base weights) and its ``sampler_id`
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -33,20 +36,33 @@ from .openai_front import OpenAIFront
 from .openai_wire import ChatRequest, CompletionRequest, FrontError, model_card, model_not_found, parse_body
 from .tinker_api import TinkerDoor, api_key_of, caller
 
-__all__ = ["OpenAIDoor", "FrontSource", "openai_router"]
+__all__ = ["OpenAIDoor", "FrontSource", "openai_router", "MAX_OPEN_PATHS"]
+
+MAX_OPEN_PATHS = 64  # samplers the door keeps open on checkpoint paths (least recently used closed past it)
 
 
 class OpenAIDoor:
     """OpenAI fronts over the samplers of ``door``, one per (API key, sampler), with per-key captures."""
 
-    def __init__(self, door: TinkerDoor, *, max_n: int = 64, max_tokens: int = 256, max_capture_tokens: int = MAX_CAPTURE_TOKENS) -> None:
+    def __init__(
+        self,
+        door: TinkerDoor,
+        *,
+        max_n: int = 64,
+        max_tokens: int = 256,
+        max_capture_tokens: int = MAX_CAPTURE_TOKENS,
+        max_open_paths: int = MAX_OPEN_PATHS,
+    ) -> None:
         self.door = door
+        self.max_open_paths = max_open_paths
         self.max_capture_tokens = max_capture_tokens
         self.max_n, self.max_tokens = max_n, max_tokens
         self._svc: ServiceClient | None = None
         self._fronts: dict[tuple[str | None, str], tuple[str, OpenAIFront]] = {}  # (key, model) -> (backend id, front)
         self._captures: dict[str | None, CaptureStore] = {}
-        self._opened: dict[str, tuple[str, str, int]] = {}  # base model / tinker path -> (backend id, base model, version)
+        # base model / tinker path -> (backend id, base model, version), least recently used first
+        self._opened: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
+        self._opened_for: dict[str, object] = {}  # tinker path -> the door's checkpoint record its sampler loaded
         self._lock = anyio.Lock()
 
     @contextlib.asynccontextmanager
@@ -73,11 +89,43 @@ class OpenAIDoor:
         caps = await self.door.backend.capabilities()
         return {m.model_name: m.max_context_length for m in caps.supported_models if m.sampleable}
 
-    async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int) -> tuple[str, str, int]:
+    async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int, record: object = None) -> tuple[str, str, int]:
         async with self._lock:
+            await self._close_stale()
             if what not in self._opened:
                 self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
+                if record is not None:
+                    self._opened_for[what] = record
+                    await self._bound_paths()
+            self._opened.move_to_end(what)
             return self._opened[what]
+
+    async def _bound_paths(self) -> None:
+        """Past ``max_open_paths`` samplers on checkpoint paths, stop the least recently used ones that serve no call
+        (one reopens on its next call): a key sampling checkpoint after checkpoint kept every one of them loaded."""
+        excess = len(self._opened_for) - self.max_open_paths
+        for what in [w for w in list(self._opened)[:-1] if w in self._opened_for]:  # never the one just opened
+            if excess <= 0:
+                break
+            if not any(front.active for (_, m), (_, front) in self._fronts.items() if m == what):
+                await self._close(what)
+                excess -= 1
+
+    async def _close(self, what: str) -> None:
+        backend_id = self._opened.pop(what)[0]
+        self._opened_for.pop(what, None)
+        for k in [k for k in self._fronts if k[1] == what]:
+            del self._fronts[k]
+        with contextlib.suppress(Exception):
+            await self.door.backend.stop_session(backend_id)
+
+    async def _close_stale(self) -> None:
+        """Stop the samplers opened on checkpoints the door no longer holds as they were: deleted, expired or
+        overwritten. They stayed open for good (one per checkpoint ever sampled), an overwritten one serving the
+        old weights."""
+        for what, record in list(self._opened_for.items()):
+            if self.door.checkpoints.get(what) is not record:
+                await self._close(what)
 
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
@@ -109,10 +157,12 @@ class OpenAIDoor:
                     f"{model} holds training state, not sampler weights", "model", code="model_not_sampleable"
                 )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
-            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step)
+            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step, ck)
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
+            async with self._lock:
+                await self._close_stale()
             raise model_not_found(model)
         cached = self._fronts.get((key, model))
         front = cached[1] if cached is not None and cached[0] == backend_id else None  # a reopened sampler has a new id

@@ -18,14 +18,15 @@ the front does not implement is refused by name, never ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import httpx
@@ -62,12 +63,15 @@ from .openai_wire import (
 
 __all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER"]
 
+T = TypeVar("T")
+
 ROLLOUT_HEADER = "x-rollout-id"
 VERSION_HEADER = "x-weight-version"
 DEFAULT_ROLLOUT = "default"
 MAX_ROLLOUT_ID_CHARS = 256
 _MAX_REMEMBERED_REPLIES = 100_000
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
+_MERGED = 4  # characters Unicode normalization may compose into one (a letter and 3 marks: Greek's ᾧ)
 
 
 def _rollout_id(request: Request, req: SamplingRequest) -> str:
@@ -145,7 +149,9 @@ class OpenAIFront:
         self._renderers: dict[str, ChatRenderer] = {}
         self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
         self._string_stops: set[str] = set()  # samplers that refused stop token ids
+        self._token_chars: dict[str, int | None] = {}  # base model -> the most characters one token spells
         self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
+        self.active = 0  # calls being served (a reply being streamed is no longer one: it has its samples)
 
     # ------------------------------------------------------------------ binding samplers to rollouts
 
@@ -253,6 +259,7 @@ class OpenAIFront:
 
     async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any) -> Response:
         self.counts["requests"] += 1
+        self.active += 1
         try:
             body = parse_body(await request.body())
             if not isinstance(body, dict):
@@ -276,6 +283,8 @@ class OpenAIFront:
         except AsyncSessError as err:  # the backend failed, not the request
             self.counts["errors"] += 1
             return _unavailable(err).response()
+        finally:
+            self.active -= 1
 
     # ------------------------------------------------------------------ shared steps
 
@@ -300,6 +309,24 @@ class OpenAIFront:
         if key not in self._renderers:
             self._renderers[key] = ChatRenderer(sampler.get_tokenizer())
         return self._renderers[key]
+
+    def _refuse_past_context(self, sampler: SamplingClient, chars: int, field: str, what: str) -> None:
+        """A FrontError when ``chars`` characters of text are sure to make more tokens than the context holds: each
+        token spells at most as many characters as the vocabulary's longest entry, once a tokenizer's Unicode
+        normalization has merged a character with its combining marks (at most ``_MERGED`` into one). Tokenizing
+        first took seconds for a few MB of text, on the event loop every tenant's calls wait on."""
+        if self.context_window is None:
+            return
+        key = sampler.base_model
+        if key not in self._token_chars:
+            self._token_chars[key] = _max_token_chars(sampler.get_tokenizer())
+        most = self._token_chars[key]
+        if most is not None and chars > _MERGED * most * self.context_window:
+            raise FrontError(
+                f"{what} {chars} characters: more than the {self.context_window} tokens of the model's context "
+                f"can spell ({most} characters a token at most, {_MERGED} before normalization); shorten them",
+                field,
+            )
 
     def _params(
         self, req: SamplingRequest, binding: _Binding, prompt_len: int, max_tokens: int | None, stop: list[str | int]
@@ -354,10 +381,9 @@ class OpenAIFront:
         index = self.captures.reserve(rollout)
         binding.seeded_calls += int(seeded)
         try:
-            seqs = await self._sampled(binding, prompt, req, params, topk, pending)
-            if await request.is_disconnected():
-                raise _ClientGone
+            seqs = await _unless_gone(request, self._sampled(binding, prompt, req, params, topk, pending))
         except BaseException:
+            await _withdraw(pending)  # the client hung up or timed out: free the sampling slot now
             if self.captures.release(rollout, index):
                 binding.seeded_calls -= int(seeded)
             raise
@@ -373,11 +399,13 @@ class OpenAIFront:
             if err.field != "sampling_params.stop" or not params.stop_token_ids():
                 raise
             self._string_stops.add(sampler.sampler_id)
-            response = await sampler.sample(prompt, req.n, _stops_as_strings(params, sampler.get_tokenizer()), **topk)
+            response = await _withdrawn_if_cancelled(
+                sampler.sample(prompt, req.n, _stops_as_strings(params, sampler.get_tokenizer()), **topk)
+            )
         seqs = list(response.sequences)
         for i, seq in enumerate(seqs):
             if seq.logprobs is None or len(seq.logprobs) != len(seq.tokens):  # score them: a capture needs log-probs
-                lps = await sampler.compute_logprobs(prompt + list(seq.tokens))
+                lps = await _withdrawn_if_cancelled(sampler.compute_logprobs(prompt + list(seq.tokens)))
                 seqs[i] = seq.model_copy(update={"logprobs": [float(x or 0.0) for x in lps[len(prompt) :]]})
         self.counts["sampled_tokens"] += sum(len(s.tokens) for s in seqs)
         return seqs
@@ -450,6 +478,10 @@ class OpenAIFront:
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
+        shown = [m.text() for m in req.messages if m.role != "assistant"]  # (a template may drop old assistant text)
+        for t in req.tools or []:  # as compact as a template could show a tool
+            shown += [t.function.name, t.function.description, json.dumps(t.function.parameters, separators=(",", ":"), ensure_ascii=False)]
+        self._refuse_past_context(binding.sampler, sum(map(len, shown)), "messages", "the messages and tools hold")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
@@ -462,7 +494,17 @@ class OpenAIFront:
             raise FrontError(f"the chat template cannot render these messages: {err}", "messages") from None
         stops = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = self._params(req, binding, len(prompt), req.max_completion_tokens or req.max_tokens, [*renderer.stop, *stops])
-        index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
+        budgets = (req.max_tokens, req.max_completion_tokens)
+        if None not in budgets and budgets[0] != budgets[1]:  # one of them would be ignored
+            raise FrontError(
+                f"max_tokens={budgets[0]} and max_completion_tokens={budgets[1]} disagree; send only max_completion_tokens", "max_tokens"
+            )
+        try:
+            index, seqs = await self._sample(request, rollout, binding, prompt, req, params, topk)
+        except InvalidInputError as err:  # the backend refused the prompt: the chat has no 'prompt', it sent messages
+            if err.field != "prompt":
+                raise
+            raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
         choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
         self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
@@ -526,6 +568,8 @@ class OpenAIFront:
         binding = self._binding(rollout, req.model)
         topk = _topk(req.logprobs or 0)
         tok = binding.sampler.get_tokenizer()
+        if isinstance(req.prompt, str):
+            self._refuse_past_context(binding.sampler, len(req.prompt), "prompt", "the prompt holds")
         prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
@@ -570,6 +614,54 @@ class OpenAIFront:
 
 class _ClientGone(Exception):
     """The client hung up before its call was answered."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; :class:`_ClientGone` as soon as the client hangs up (``work`` cancelled).
+
+    A sampler slot held for a client that is gone was held to the end of its sampling (minutes for a long reply),
+    delaying every other agent's calls. The ASGI ``receive`` of a request whose body was read waits for the
+    disconnect (or, in-process, for the response)."""
+    gone, failed, result = False, None, None
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        scope.cancel()
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            try:
+                result = await work
+            except Exception as err:  # raised after the task group: inside it, it would come wrapped in a group
+                failed = err
+            tg.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    if gone:
+        raise _ClientGone
+    return cast(T, result)
+
+
+async def _withdrawn_if_cancelled(pending: Awaitable[T]) -> T:
+    """``await pending``; if the caller is cancelled meanwhile (its client hung up), its work is withdrawn too."""
+    try:
+        return await pending
+    except BaseException:
+        await _withdraw(pending)
+        raise
+
+
+async def _withdraw(pending: Any) -> None:
+    """Cancel a sampling future that is not done, and wait (shielded) until it has given back its pool slot."""
+    cancel = getattr(pending, "cancel", None)
+    if cancel is not None and cancel():
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(Exception):
+                await pending
 
 
 def _unavailable(err: AsyncSessError) -> FrontError:
@@ -638,6 +730,20 @@ def _answers_in_call_order(messages: Sequence[Message]) -> list[Message]:
 
 async def _no_run(arguments: Any) -> tuple[str, dict[str, float]]:
     raise RuntimeError("the front renders tools; the agent runs them")
+
+
+def _max_token_chars(tok: Any) -> int | None:
+    """The most characters one token of ``tok`` decodes to, at most (its longest vocabulary entry: a token's string
+    spells a character in one or more characters); None if the vocabulary cannot be read."""
+    try:
+        vocab = getattr(tok, "get_vocab", None)
+        if vocab is not None:
+            return max(map(len, vocab()), default=None)
+        if len(tok) <= 2**16:
+            return max((len(str(tok.decode([i]))) for i in range(len(tok))), default=None)
+    except Exception:  # a tokenizer without a readable vocabulary: no early bound
+        pass
+    return None
 
 
 def _stops_as_strings(params: SamplingParams, tok: Any) -> SamplingParams:

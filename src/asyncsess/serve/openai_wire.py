@@ -166,7 +166,8 @@ class _Req(BaseModel):
 
 
 class _Function(_Req):
-    name: Text = Field(min_length=1)
+    # OpenAI's rule for a function name: a name the model can write back whole in a tool call
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: Text = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
     strict: StrictBool | None = None

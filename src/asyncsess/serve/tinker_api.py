@@ -72,7 +72,7 @@ from ..validation import (
     is_checkpoint_name,
 )
 from . import tinker_proto
-from .body_limit import MAX_BODY_BYTES, BodyLimit
+from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
 from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
@@ -1680,11 +1680,13 @@ def create_app(
     session_timeout: float = SESSION_TIMEOUT,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_samplers: int = MAX_SAMPLERS,
+    max_body_seconds: float = MAX_BODY_SECONDS,
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
-    A request body over ``max_body_bytes`` is a 413 in the door's error shape, before any of it is buffered; so
-    are an unknown route (404) and a method a route does not take (405)."""
+    A request body over ``max_body_bytes`` is a 413 in the door's error shape, before any of it is buffered; one
+    still arriving ``max_body_seconds`` after the request began (a slow-loris client) a 408; so are an unknown
+    route (404) and a method a route does not take (405)."""
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from .openai_door import OpenAIDoor, openai_router
@@ -1699,6 +1701,10 @@ def create_app(
     def too_large(scope: Any) -> JSONResponse:
         path = str(scope.get("path", ""))
         return refusal(path, 413, "the request body is too large", "body", f"send at most {max_body_bytes} bytes", "body_too_large")
+
+    def too_slow(scope: Any) -> JSONResponse:
+        path, fix = str(scope.get("path", "")), f"send the whole body within {max_body_seconds:g} s"
+        return refusal(path, 408, "the request body did not arrive in time", "body", fix, "body_timeout")
 
     door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout, max_samplers=max_samplers)
     oai = OpenAIDoor(door)
@@ -1723,5 +1729,5 @@ def create_app(
 
     app.include_router(tinker_router(door, api_keys))
     app.include_router(openai_router(oai, api_keys))
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=too_large)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, refuse=too_large, max_seconds=max_body_seconds, too_slow=too_slow)
     return app

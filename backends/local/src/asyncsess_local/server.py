@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncsess.backends import LoadStateOp, SaveWeightsOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.serve import body_limit
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.types import CheckpointResponse
@@ -54,13 +55,15 @@ def create_app(
     *,
     models: Iterable[str] = (),
     max_body_bytes: int = bodies.MAX_BODY_BYTES,
+    max_body_seconds: float = body_limit.MAX_BODY_SECONDS,
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
-    samplers one key may hold open at once; ``max_inflight_per_key``: requests one key may have in flight
+    samplers one key may hold open at once; ``max_body_seconds``: how long a request's body may take to arrive
+    (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
     (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
     (oldest rollouts dropped past it). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
@@ -102,6 +105,7 @@ def create_app(
         _Guard,
         keys=keys,
         max_body_bytes=max_body_bytes,
+        max_body_seconds=max_body_seconds,
         max_inflight_per_key=max_inflight_per_key,
         inflight=app.state.inflight,
         ready=lambda: ready.is_set(),
@@ -293,9 +297,16 @@ class _Guard:
     for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
 
     def __init__(
-        self, app: Any, keys: list[bytes], max_body_bytes: int, max_inflight_per_key: int, inflight: Counter[str], ready: Callable[[], bool]
+        self,
+        app: Any,
+        keys: list[bytes],
+        max_body_bytes: int,
+        max_body_seconds: float,
+        max_inflight_per_key: int,
+        inflight: Counter[str],
+        ready: Callable[[], bool],
     ) -> None:
-        self.app, self.keys, self.max_body, self.ready = app, keys, max_body_bytes, ready
+        self.app, self.keys, self.max_body, self.max_seconds, self.ready = app, keys, max_body_bytes, max_body_seconds, ready
         self.max_inflight, self.inflight = max_inflight_per_key, inflight
 
     def _key(self, scope: Any) -> bytes | None:
@@ -343,9 +354,16 @@ class _Guard:
                 await send(message)
 
             try:
-                await BodyLimit(self.app, self.max_body, lambda _: _JSON(wire.encode_error(too_large), status_code=413))(
-                    scope, receive, tracked
+                too_slow = InvalidInputError(
+                    "the body did not arrive in time", field="body", fix=f"send the whole body within {self.max_seconds:g} s"
                 )
+                await BodyLimit(
+                    self.app,
+                    self.max_body,
+                    lambda _: _JSON(wire.encode_error(too_large), status_code=413),
+                    max_seconds=self.max_seconds,
+                    too_slow=lambda _: _JSON(wire.encode_error(too_slow), status_code=408),
+                )(scope, receive, tracked)
             except Exception as err:
                 incident = uuid.uuid4().hex[:12]
                 log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))

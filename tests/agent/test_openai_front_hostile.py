@@ -1,0 +1,253 @@
+"""Round two of hostile callers of the OpenAI front: clients that hang up or time out while their call samples, tool
+names OpenAI refuses, budgets that disagree, and prompts the sampler refuses, named as the caller sent them."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import openai
+import pytest
+
+from asyncsess import ServiceClient
+from asyncsess.serve.openai_front import OpenAIFront
+from asyncsess.types import SampledSequence, SampleResponse
+
+pytestmark = pytest.mark.anyio
+HI = [{"role": "user", "content": "Say hi."}]
+HOLD_MS = 30_000  # a sample that holds its pool slot this long (the fix frees it at once)
+
+
+@pytest.fixture
+async def held():
+    """A sampler whose every sample holds its pool slot for HOLD_MS."""
+    async with ServiceClient(f"mock://?latency_ms={HOLD_MS}") as svc:
+        yield await svc.create_sampling_client(base_model="mock/bigram-tiny")
+
+
+def _scope(path: str) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"x-rollout-id", b"gone")],
+        "client": ("127.0.0.1", 1),
+        "server": ("front", 80),
+    }
+
+
+class _Unscored:
+    """A sampler whose samples come back at once without log-probs: the front scores them with compute_logprobs."""
+
+    def __init__(self, real) -> None:
+        self.real, self.sampler_id, self.base_model = real, real.sampler_id, real.base_model
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def sample(self, prompt, num_samples=1, sampling_params=None, **kwargs):
+        async def unscored() -> SampleResponse:
+            return SampleResponse(sequences=[SampledSequence(stop_reason="length", tokens=[5, 6])] * num_samples)
+
+        return unscored()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("scored", [False, True], ids=["sampling", "scoring"])
+async def test_a_client_that_hangs_up_while_its_call_samples_frees_the_slot_at_once(held, stream, scored):
+    """The server sampled on for a client that was gone, holding a pool slot (and a worker's per-key in-flight
+    count) to the end of the reply, then answered no one; other agents queued behind it. The hang-up now withdraws
+    the sample (or the scoring of a sample that came without log-probs): the slot is free when the handler returns,
+    nothing is captured, no call index is used."""
+    front = OpenAIFront(_Unscored(held) if scored else held)
+    app = front.app()
+    body = {"model": "policy", "messages": HI, "max_tokens": 4, "stream": stream}
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        while front.stats()["in_flight"] == 0:  # hang up once the call holds its slot (it holds it for HOLD_MS)
+            await anyio.sleep(0)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(_scope("/v1/chat/completions"), receive, send)
+    s = front.stats()
+    assert s["in_flight"] == 0 and s["peak_in_flight"] == 1 and front.counts["sampled_tokens"] == 0, (s, front.counts)
+    assert sent[0]["status"] == 499 and front.captures.calls("gone") == []
+    front.captures.reserve("gone")  # the next call of the rollout is its first
+    assert front.captures.release("gone", 0)
+
+
+async def test_an_in_process_client_that_times_out_leaves_no_slot_held(held):
+    """The in-process transport cancels a call at the client's read timeout; the sample went on in the background
+    holding its pool slot, so an agent that timed out and retried held two."""
+    front = OpenAIFront(held)
+    async with front.openai_client("t", timeout=0.5, max_retries=1) as client:
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="policy", messages=HI, max_tokens=4)
+    s = front.stats()
+    assert s["in_flight"] == 0 and front.counts["sampled_tokens"] == 0 and front.captures.calls("t") == [], s
+
+
+@pytest.fixture
+async def sampler():
+    async with ServiceClient("mock://") as svc:
+        yield await svc.create_sampling_client(base_model="mock/bigram-tiny")
+
+
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+HOSTILE = [
+    # OpenAI's function-name rule ^[a-zA-Z0-9_-]{1,64}$: a 10 MB name was tokenized into the prompt
+    ({"tools": [_tool("a b")]}, "tools.0.function.name"),
+    ({"tools": [_tool("f" * 65)]}, "tools.0.function.name"),
+    ({"tools": [_tool("f" * 10_000_000)]}, "tools.0.function.name"),
+    ({"tools": [_tool("<tool_call>")]}, "tools.0.function.name"),
+    ({"tools": [_tool(f"f{i}") for i in range(10_000)]}, "tools"),
+    ({"tools": [_tool("f")], "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the legacy form
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),  # what the official client merges into the body
+    ({"messages": [*HI, {"role": "tool", "tool_call_id": "nothing", "content": "4"}]}, "messages.1.role"),
+    # both budgets: max_tokens was silently ignored
+    ({"max_tokens": 5, "max_completion_tokens": 3}, "max_tokens"),
+    # a prompt the sampler refuses (mock's context is 512) was named 'prompt', which chat requests lack
+    ({"tools": [_tool("f", {"type": "string", "enum": [str(i) for i in range(2000)]})]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), HOSTILE, ids=[f"{next(iter(c))}-{p}-{i}" for i, (c, p) in enumerate(HOSTILE)])
+async def test_hostile_requests_are_a_400_naming_the_param_for_the_official_client(sampler, change, param):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("h") as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(**{"model": "policy", "messages": HI, **change})
+        assert err.value.param == param, err.value.body
+        ok = await client.chat.completions.create(model="policy", messages=HI, max_tokens=3, max_completion_tokens=3)
+    assert [c.call_index for c in front.captures.calls("h")] == [0] and ok.usage.completion_tokens <= 3
+
+
+async def test_a_prompt_the_sampler_refuses_is_still_named_prompt_by_completions(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model="policy", prompt="x" * 600, max_tokens=2)
+    assert err.value.param == "prompt"
+
+
+class _Counted:
+    """A tokenizer that counts the calls that tokenize text."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        return self.real.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.real.apply_chat_template(*args, **kwargs)
+
+
+class _CountingSampler:
+    def __init__(self, real) -> None:
+        self.real, self.tok = real, _Counted(real.get_tokenizer())
+        self.sampler_id, self.base_model = real.sampler_id, real.base_model
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def get_tokenizer(self):
+        return self.tok
+
+
+TOO_LONG = [
+    ("chat", {"messages": [{"role": "user", "content": "a" * 1_000_000}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "a" * 100_000}] * 40}, "messages"),
+    ("chat", {"tools": [_tool("f", {"type": "string", "enum": [str(i) for i in range(100_000)]})]}, "messages"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 1_000_000}}]}, "messages"),
+    ("completions", {"prompt": "a" * 1_000_000}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "change", "param"), TOO_LONG, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(TOO_LONG)])
+async def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(sampler, route, change, param):
+    """A few MB of text (a worker takes 256 MB bodies) were tokenized before the context check refused them: seconds
+    on the event loop that serves every tenant's calls. A token spells at most as many characters as the
+    vocabulary's longest entry, so such text is refused untokenized."""
+    counting = _CountingSampler(sampler)
+    front = OpenAIFront(counting, context_window=64)
+    async with front.openai_client() as client:
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)  # (renders the template once)
+        counting.tok.calls = 0
+        with pytest.raises(openai.BadRequestError) as err:
+            if route == "chat":
+                await client.chat.completions.create(**{"model": "policy", "messages": HI, "max_tokens": 2, **change})
+            else:
+                await client.completions.create(**{"model": "policy", "max_tokens": 2, **change})
+        assert err.value.param == param and "context" in err.value.message, err.value.body
+        assert counting.tok.calls == 0
+        ok = await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_distinct_tool_sets_do_not_grow_the_servers_memory(sampler):
+    """The renderer remembered, for every distinct tool set it was sent, whether the template shows tools, keyed
+    by the tool set's whole JSON: a client that varies a description (a nonce, a timestamp) grew the server's
+    memory by each set's size, for good. (The calls here are refused by mock's 512-token context after rendering,
+    so no capture holds them either.)"""
+    import gc
+    import tracemalloc
+
+    front = OpenAIFront(sampler)
+
+    async def calls(client, first: int, n: int) -> None:
+        for i in range(first, first + n):
+            tool = {"type": "function", "function": {"name": "f", "description": f"{i} " + "d" * 20_000}}
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model="policy", messages=HI, max_tokens=2, tools=[tool])
+
+    async with front.openai_client() as client:
+        await calls(client, 0, 20)  # (warm caches up)
+        tracemalloc.start()
+        try:
+            gc.collect()  # (refused calls leave tracebacks in reference cycles)
+            before = tracemalloc.get_traced_memory()[0]
+            await calls(client, 20, 200)  # 4 MB of descriptions
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    assert grown < 1_000_000, grown
+
+
+async def test_schemas_with_ref_cycles_and_parallel_tool_calls_are_served(sampler):
+    """A ``$ref`` cycle is JSON like any other (the front never resolves it) and ``parallel_tool_calls=true`` is
+    what the front does anyway."""
+    cyclic = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a", "type": "object"}
+    front = OpenAIFront(sampler)
+    async with front.openai_client() as client:
+        r = await client.chat.completions.create(
+            model="policy", messages=HI, max_tokens=2, tools=[_tool("f", cyclic)], parallel_tool_calls=True
+        )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
