@@ -22,6 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .errors import DeadlineExceededError, FacadeMisuseError
 from .futures import APIFuture
+from .validation import check_timeout
 
 __all__ = ["SyncFuture", "call", "call_async", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
 
@@ -170,8 +171,10 @@ class SyncFuture(Generic[T]):
         return self._fut.seq
 
     def result(self, timeout: float | None = None) -> T:
-        """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds."""
+        """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds (``None`` or ``inf``:
+        no limit; NaN, a negative or a non-number is an ``InvalidInputError`` naming ``timeout``)."""
         _check_thread("SyncFuture.result()")
+        timeout = check_timeout(timeout)
         try:
             return self._done.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -182,6 +185,7 @@ class SyncFuture(Generic[T]):
 
     async def result_async(self, timeout: float | None = None) -> T:
         """Wait without blocking the caller's event loop (in a worker thread); ``DeadlineExceededError`` after ``timeout`` s."""
+        timeout = check_timeout(timeout)
         if not self._done.done():
             with anyio.move_on_after(timeout):
                 await anyio.to_thread.run_sync(concurrent.futures.wait, [self._done], timeout, abandon_on_cancel=True)
@@ -208,6 +212,7 @@ class SyncFuture(Generic[T]):
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until done; return the op's error (or None). Raise ``DeadlineExceededError`` on timeout."""
         _check_thread("SyncFuture.exception()")
+        timeout = check_timeout(timeout)
         try:
             return self._done.exception(timeout)
         except concurrent.futures.TimeoutError:
