@@ -1,7 +1,8 @@
 """Runtime of the generated sync facade: one background event loop per process, and blocking futures.
 
 The loop (an anyio blocking portal on a daemon thread) starts on first use and is shut down at
-interpreter exit, after every facade ServiceClient still open has been closed. Calls hop onto it with
+interpreter exit, after every facade ServiceClient still open has been closed. A child made by ``os.fork()``
+starts its own loop on first use; the parent's clients are refused there (``WrongEventLoopError``). Calls hop onto it with
 ``portal.call``; no thread is made per call.
 """
 
@@ -12,6 +13,7 @@ import atexit
 import concurrent.futures
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable, Coroutine, Generator
 from contextlib import AbstractContextManager
@@ -34,6 +36,7 @@ _portal_cm: AbstractContextManager[BlockingPortal] | None = None
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: int | None = None
 _services: dict[int, AbstractContextManager[Any]] = {}
+_abandoned: list[Any] = []  # a forked child's copies of the parent's loop objects (see _forget_after_fork)
 
 
 def _get_portal() -> BlockingPortal:
@@ -129,6 +132,21 @@ def reopen_sampler(handle: Any) -> Any:
     svc = open_service(client.ServiceClient(handle.url, heartbeat_interval=0, **handle.options))
     inner = call(client.SamplingClient.from_sampler_handle(handle).attach, svc)
     return sync.SamplingClient._wrap(inner)
+
+
+def _forget_after_fork() -> None:
+    """In a child made by ``os.fork()``: the loop thread was not copied, so the next call starts a new loop (the
+    parent's clients are refused there with ``WrongEventLoopError``), and exit does not wait on the parent's."""
+    global _lock, _portal, _portal_cm, _loop, _loop_thread
+    # kept, never finalized: closing the portal's context manager would wait here for a thread that is not
+    _abandoned.append((_portal_cm, _portal, dict(_services)))
+    _lock = threading.Lock()
+    _portal = _portal_cm = _loop = _loop_thread = None
+    _services.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def shutdown() -> None:

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import pickle
+import sys
 import time
 import uuid
 import warnings
@@ -46,6 +47,7 @@ from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
 from .errors import (
     APIResponseValidationError,
     AsyncSessError,
+    ClientClosedError,
     ConflictError,
     InvalidInputError,
     NotFoundError,
@@ -55,6 +57,7 @@ from .errors import (
     ResultMismatchError,
     SessionGoneError,
     UnsupportedError,
+    WrongEventLoopError,
     poisons,
 )
 from .futures import APIFuture
@@ -154,6 +157,8 @@ class ServiceClient:
         self._backend: Backend | None = None
         self._tg: TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set on asyncio: op tasks are plain tasks there
+        self._owner: object = None  # the event loop (asyncio) or run (trio's token) that opened this client
+        self._pid = 0  # the process that opened it
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._training: weakref.WeakValueDictionary[str, TrainingClient] = weakref.WeakValueDictionary()
@@ -167,6 +172,9 @@ class ServiceClient:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> ServiceClient:
+        if self._tg is not None or self._closed:
+            state = "is already open" if not self._closed else "was closed"
+            raise ClientClosedError(f"this ServiceClient {state}: a ServiceClient opens once; make a new one for another block")
         backend = self._given
         if backend is None:
             backend = load_backend(self.url, **self._options)
@@ -174,6 +182,7 @@ class ServiceClient:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._backend, self._tg = backend, tg
+        self._owner, self._pid = _loop_token(), os.getpid()
         if sniffio.current_async_library() == "asyncio":
             self._loop = asyncio.get_running_loop()
         if self._heartbeat_interval > 0:
@@ -186,6 +195,8 @@ class ServiceClient:
 
     async def aclose(self) -> None:
         """Stop every session this client opened, then release the backend. Idempotent."""
+        if not self._closed and self._tg is not None:
+            self._check_loop("aclose")
         if self._closed or self._tg is None:
             self._closed = True
             return
@@ -213,7 +224,7 @@ class ServiceClient:
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            raise RuntimeError("ServiceClient is not open: use `async with ServiceClient(url) as svc:`")
+            raise ClientClosedError(self._not_open())
         return self._backend
 
     # ------------------------------------------------------------------ factories
@@ -547,11 +558,31 @@ class ServiceClient:
 
     def _require_open(self) -> None:
         if self._tg is None or self._closed:
-            raise RuntimeError("ServiceClient is not open: use `async with ServiceClient(url) as svc:`")
+            raise ClientClosedError(self._not_open())
+        self._check_loop()
         while self._orphans:
             self._start(self._stop_quietly, self._orphans.pop())
 
+    def _not_open(self) -> str:
+        if self._closed:
+            return "this ServiceClient was closed: open a new one (`async with ServiceClient(url) as svc:`)"
+        return "ServiceClient is not open: use `async with ServiceClient(url) as svc:`"
+
+    def _check_loop(self, operation: str | None = None) -> None:
+        """Refuse a call made on another event loop (or thread, or forked process) than the one that opened this
+        client: its tasks would never run there, or its results never wake the caller."""
+        if self._owner is None or _loop_token() is self._owner:
+            return
+        if self._pid != os.getpid():
+            where, fix = f"process {self._pid}, before os.fork()", "open a new ServiceClient in this process"
+        else:
+            where, fix = "another event loop (or thread)", "call it from the loop that opened it, or open a ServiceClient on this one"
+        raise WrongEventLoopError(f"this ServiceClient was opened in {where}: {fix}", operation=operation)
+
     async def _call(self, operation: str, fn: Callable[[], Awaitable[T]], seq: int | None = None) -> T:
+        if self._tg is None or self._closed:
+            raise ClientClosedError(self._not_open(), operation=operation, seq=seq)
+        self._check_loop(operation)
         return await call_with_retry(
             self.retry_policy, fn, operation=operation, seq=seq, on_retry=self._record_retry, budget=self.retry_budget
         )
@@ -625,6 +656,22 @@ class ServiceClient:
                     await self.backend.heartbeat(sampler_id)
                 except Exception as err:  # the sampler's next call reports a lost session, typed
                     log.debug("heartbeat for sampler %s failed: %r", sampler_id, err)
+
+
+def _loop_token() -> object:
+    """The running event loop (asyncio) or trio run (its token), or ``None`` outside any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    if "trio" in sys.modules:
+        import trio
+
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    return None
 
 
 def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_size: int | None) -> None:
@@ -994,6 +1041,7 @@ class TrainingClient:
         return tuple(out)
 
     def _raise_if_unusable(self, operation: str) -> None:
+        self._svc._check_loop(operation)
         if self._stopped:
             raise SessionGoneError("this TrainingClient was stopped", operation=operation)
         if self._gone is not None:

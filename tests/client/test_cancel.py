@@ -5,13 +5,17 @@ Every wait is on an event or on ``wait_all_tasks_blocked`` (no sleep-then-assert
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import subprocess
+import sys
+import textwrap
 
 import anyio
 import pytest
 
-from asyncsess import DeadlineExceededError, InvalidInputError, ServiceClient
+from asyncsess import ClientClosedError, DeadlineExceededError, InvalidInputError, ServiceClient, WrongEventLoopError
 from asyncsess.sampling import SamplingLimiter
 
 from .helpers import sft_datum
@@ -81,3 +85,74 @@ async def test_a_wait_with_a_bad_timeout_is_refused_naming_it(timeout):
         assert (await fut.result_async(math.inf)).sequences  # inf: no limit
         with pytest.raises(DeadlineExceededError):
             await sc.sample([1, 2]).result_async(0)
+
+
+async def test_a_client_used_from_another_event_loop_is_refused_before_numbering():
+    """An op called from another loop (another thread's asyncio.run) took a sequence number, was started on the
+    owner's loop from the wrong thread, and its awaiter never woke (a hang)."""
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        sc = await svc.create_sampling_client(base_model="m")
+        errors: list[BaseException] = []
+
+        async def elsewhere() -> None:
+            for call in (lambda: tc.forward_backward([sft_datum([1, 40, 41])]), lambda: sc.sample([1, 2]), svc.get_server_capabilities):
+                try:
+                    await call()
+                except BaseException as err:
+                    errors.append(err)
+
+        await anyio.to_thread.run_sync(asyncio.run, elsewhere())
+        assert [type(e) for e in errors] == [WrongEventLoopError] * 3, errors
+        assert "another event loop" in str(errors[0]) and errors[0].operation == "forward_backward"
+        assert tc.current_sequence_number == 0
+        assert (await tc.forward_backward([sft_datum([1, 40, 41])])).loss > 0  # seq 1: nothing skipped
+        await tc.stop()
+
+
+async def test_a_closed_or_reentered_service_client_is_refused_typed():
+    svc = ServiceClient("mock://")
+    with pytest.raises(ClientClosedError, match="not open"):
+        await svc.create_sampling_client(base_model="m")
+    async with svc:
+        sc = await svc.create_sampling_client(base_model="m")
+        with pytest.raises(ClientClosedError, match="already open"):
+            await svc.__aenter__()
+    for call in (lambda: sc.sample([1, 2]), lambda: svc.create_sampling_client(base_model="m"), svc.get_server_capabilities):
+        with pytest.raises(ClientClosedError, match="was closed: open a new one") as err:
+            await call()
+        assert isinstance(err.value, RuntimeError)  # what it was before it was typed
+    with pytest.raises(ClientClosedError, match="was closed"):
+        async with svc:
+            pass
+
+
+def test_a_forked_child_refuses_the_parents_sync_clients_and_opens_its_own(tmp_path):
+    """In a child made by os.fork(), the sync facade's loop thread is gone: a call on the parent's client hung for
+    good, and so did the child's own new clients and its exit."""
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        from asyncsess import WrongEventLoopError
+        from asyncsess.sync import ServiceClient
+        with ServiceClient("mock://") as svc:
+            sc = svc.create_sampling_client(base_model="m")
+            sc.sample([1, 2]).result()
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(120)  # a broken build fails instead of hanging the suite
+                try:
+                    sc.sample([1, 2])
+                except WrongEventLoopError as err:
+                    print("refused:", err, flush=True)
+                with ServiceClient("mock://") as own:
+                    print("own:", len(own.create_sampling_client(base_model="m").sample([1, 2]).result().sequences), flush=True)
+                sys.exit(0)  # a normal exit: atexit runs the facade's shutdown
+            _, status = os.waitpid(pid, 0)
+            print("child exit:", os.waitstatus_to_exitcode(status), flush=True)
+            print("parent:", len(sc.sample([1, 2]).result().sequences), flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("refused: this ServiceClient was opened in process") and "before os.fork()" in out[0]
+    assert out[1:] == ["own: 1", "child exit: 0", "parent: 1"]
