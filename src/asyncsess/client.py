@@ -513,8 +513,14 @@ class ServiceClient:
             update["session_options"] = dict(spec.session_options)
         if update:  # the backend had no use for them: keep them with the session's info
             info = info.model_copy(update=update)
+        try:
+            limits = await self._model_limits(info.base_model)
+        except BaseException:  # cancelled (a timeout around the call): the session exists but nobody holds it
+            with anyio.CancelScope(shield=True):
+                await self._stop_quietly(info.model_id)
+            raise
         tc = TrainingClient(self, info)
-        tc._limits = await self._model_limits(info.base_model)
+        tc._limits = limits
         tc._multi_target = frozenset(self._caps.multi_target_losses) if self._caps is not None else frozenset()
         self._training[info.model_id] = tc
         self._known[info.model_id] = SessionSummary(

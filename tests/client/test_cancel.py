@@ -17,6 +17,7 @@ import pytest
 
 from asyncsess import ClientClosedError, DeadlineExceededError, InvalidInputError, ServiceClient, WrongEventLoopError
 from asyncsess.sampling import SamplingLimiter
+from asyncsess_mock import MockBackend
 
 from .helpers import sft_datum
 
@@ -156,3 +157,38 @@ def test_a_forked_child_refuses_the_parents_sync_clients_and_opens_its_own(tmp_p
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith("refused: this ServiceClient was opened in process") and "before os.fork()" in out[0]
     assert out[1:] == ["own: 1", "child exit: 0", "parent: 1"]
+
+
+class _HeldCapabilities(MockBackend):
+    """mock:// whose capabilities call waits on ``gate`` once ``entered`` is set (a slow remote backend)."""
+
+    gate: anyio.Event | None = None
+    entered: anyio.Event | None = None
+
+    async def capabilities(self):
+        if self.gate is not None and self.entered is not None:
+            self.entered.set()
+            await self.gate.wait()
+        return await super().capabilities()
+
+
+async def test_a_training_client_cancelled_while_it_is_being_set_up_stops_its_session():
+    """A timeout around create_lora_training_client that fired after the session was created (while the client read
+    the model's limits) left that session open past the ServiceClient's close: nobody held it."""
+    backend = _HeldCapabilities()
+    await backend.open()
+    try:
+        async with ServiceClient("mock://", backend=backend) as svc:
+            before = set(MockBackend.open_sessions())
+            backend.entered, backend.gate = anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(svc.create_lora_training_client, "a-model-new-to-the-backend")
+                await backend.entered.wait()
+                tg.cancel_scope.cancel()
+            assert backend.calls["create_training_session"] == 1
+            assert set(MockBackend.open_sessions()) == before
+            backend.gate = None
+            tc = await svc.create_lora_training_client("m", rank=4)  # the client is still usable
+            await tc.stop()
+    finally:
+        await backend.aclose()
