@@ -696,6 +696,14 @@ def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_siz
             raise APIResponseValidationError(f"the backend sampled token id {str(bad)[:30]}, outside the vocabulary [0, {top})")
 
 
+def _on_collect(obj: object, fn: Callable[..., None], *args: Any) -> weakref.finalize:
+    """``fn(*args)`` once ``obj`` is garbage-collected, but not at interpreter exit: a client still referenced then
+    was not dropped, and its ServiceClient's own close (the sync facade's at exit) stops its session."""
+    finalizer = weakref.finalize(obj, fn, *args)
+    finalizer.atexit = False
+    return finalizer
+
+
 def _warn_unclosed(svc_ref: weakref.ref[ServiceClient], session_id: str, kind: str) -> None:
     svc = svc_ref()
     if svc is None or svc._closed:
@@ -722,7 +730,7 @@ class TrainingClient:
         self._limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context) for checks before numbering
         self._multi_target: frozenset[str] = frozenset()  # losses for which the backend takes (N, K) target_tokens
         self._saved_names: set[tuple[str, str]] = set()
-        self._finalizer = weakref.finalize(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
+        self._finalizer = _on_collect(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.model_id} base={self.base_model} seq={self._next_seq - 1}>"
@@ -1265,7 +1273,7 @@ class SamplingClient:
         self._last_queue_log = -float(QUEUE_STATE_LOG_INTERVAL)
         if service is not None:
             self._limiter = service._limiter
-            self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), sampler_id)
+            self._finalizer = _on_collect(self, _release_sampler, weakref.ref(service), sampler_id)
 
     _svc: ServiceClient
 
@@ -1313,7 +1321,7 @@ class SamplingClient:
         opened = await service._open_sampler(self._handle.spec, self.base_model)
         self.__dict__.update({k: v for k, v in opened.__dict__.items() if k != "_finalizer"})
         opened._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), self.sampler_id)
+        self._finalizer = _on_collect(self, _release_sampler, weakref.ref(service), self.sampler_id)
         self._handle = None
         return self
 

@@ -192,3 +192,25 @@ async def test_a_training_client_cancelled_while_it_is_being_set_up_stops_its_se
             await tc.stop()
     finally:
         await backend.aclose()
+
+
+def test_sync_clients_left_open_at_exit_are_stopped_without_a_false_garbage_collection_warning():
+    """At interpreter exit the clients' finalizers ran before the facade closed them, and warned that a client still
+    referenced 'was garbage-collected while open' (an error under -W error)."""
+    script = textwrap.dedent(
+        """
+        import atexit
+        from asyncsess_mock import MockBackend
+        atexit.register(lambda: print("left open:", MockBackend.open_sessions(), flush=True))  # runs last
+        from asyncsess.rl.data import sft_datum
+        from asyncsess.sync import ServiceClient
+        svc = ServiceClient("mock://?latency_ms=60000")
+        tc = svc.create_lora_training_client("m", rank=4)
+        sc = svc.create_sampling_client(base_model="m")
+        pending = [tc.forward_backward([sft_datum([1, 40], [41])]), sc.sample([1, 2])]
+        print("exiting", flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines() == ["exiting", "left open: []"]
