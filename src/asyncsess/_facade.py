@@ -62,7 +62,8 @@ def _check_thread(what: str) -> None:
 
 
 def _on_loop(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-    """Run a plain function on the loop thread (one hop, no task); its outcome lands in the future."""
+    """Run a plain function on the loop thread (one hop, no task; at once when called there, e.g. from a done-callback,
+    where waiting for the hop would deadlock); its outcome lands in the future."""
     _get_portal()
     assert _loop is not None
     done: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -73,7 +74,10 @@ def _on_loop(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         except BaseException as err:
             done.set_exception(err)
 
-    _loop.call_soon_threadsafe(run)
+    if threading.get_ident() == _loop_thread:
+        run()
+    else:
+        _loop.call_soon_threadsafe(run)
     return done
 
 

@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 
 import anyio
 import pytest
@@ -214,3 +215,34 @@ def test_sync_clients_left_open_at_exit_are_stopped_without_a_false_garbage_coll
     proc = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.splitlines() == ["exiting", "left open: []"]
+
+
+def test_a_sync_future_cancelled_from_a_done_callback_does_not_deadlock_the_facade(monkeypatch):
+    """``SyncFuture.cancel()`` hopped onto the facade's loop and waited; called from a done-callback (which runs on
+    that loop) it waited for itself, and every blocking call of the process hung."""
+    from asyncsess import OperationCancelledError
+    from asyncsess.sync import ServiceClient as SyncServiceClient
+
+    with SyncServiceClient("mock://") as svc:
+        sc = svc.create_sampling_client(base_model="m")
+        backend = svc._async.backend
+        real = backend.sample
+
+        gate = threading.Event()
+
+        async def sample(sampler_id, request):
+            if request.prompt == (1, 2):
+                await anyio.sleep_forever()  # ends only when cancelled
+            await anyio.to_thread.run_sync(gate.wait)  # done only once its callback is added: it runs on the loop
+            return await real(sampler_id, request)
+
+        monkeypatch.setattr(backend, "sample", sample)
+        held = sc.sample([1, 2])
+        said: list[bool] = []
+        fast = sc.sample([1])
+        fast.future().add_done_callback(lambda _: said.append(held.cancel()))
+        gate.set()
+        fast.result()
+        with pytest.raises(OperationCancelledError):
+            held.result()
+        assert said == [True] and held.cancelled()
