@@ -246,3 +246,31 @@ def test_a_sync_future_cancelled_from_a_done_callback_does_not_deadlock_the_faca
         with pytest.raises(OperationCancelledError):
             held.result()
         assert said == [True] and held.cancelled()
+
+
+async def test_closing_the_service_client_from_a_nested_task_while_ops_are_in_flight():
+    """``await svc.close()`` from a task group nested in the ``async with`` block (or from another task) exited the
+    client's own task group out of order: a bare RuntimeError from anyio's internals on asyncio, trio's
+    'Nursery misnesting detected' on trio. Each awaiter now gets a typed error and the pool is empty."""
+    from asyncsess import OperationCancelledError
+
+    errors: list[BaseException] = []
+    async with ServiceClient("mock://?latency_ms=60000") as svc:
+        sc = await svc.create_sampling_client(base_model="m")
+        tc = await svc.create_lora_training_client("m", rank=4)
+        futs = [sc.sample([1, 2]) for _ in range(5)] + [tc.forward_backward([sft_datum([1, 40, 41])])]
+        ids = {sc.sampler_id, tc.model_id}
+
+        async def wait(fut) -> None:
+            try:
+                await fut
+            except OperationCancelledError as err:
+                errors.append(err)
+
+        async with anyio.create_task_group() as tg:
+            for fut in futs:
+                tg.start_soon(wait, fut)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(svc.close)
+        assert sc.stats().in_flight == 0 and not ids & set(MockBackend.open_sessions())
+    assert len(errors) == 6 and all("the ServiceClient was closed before it finished" in str(e) for e in errors)
