@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import functools
 import inspect
 import os
@@ -20,6 +21,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
 import anyio
+import sniffio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .errors import DeadlineExceededError, FacadeMisuseError
@@ -77,8 +79,16 @@ def _on_loop(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
     if threading.get_ident() == _loop_thread:
         run()
     else:
-        _loop.call_soon_threadsafe(run)
+        _loop.call_soon_threadsafe(run, context=_loop_context())
     return done
+
+
+def _loop_context() -> contextvars.Context:
+    """The caller's context for work on the facade's loop, less sniffio's record of the caller's async library (a
+    call from a trio run would otherwise make anyio take the facade's asyncio loop for trio)."""
+    ctx = contextvars.copy_context()
+    ctx.run(sniffio.current_async_library_cvar.set, None)
+    return ctx
 
 
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -100,8 +110,8 @@ def submit(method: Callable[..., APIFuture[T]], *args: Any, **kwargs: Any) -> Sy
 
 
 async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Await the async client method ``fn`` on the facade's loop from any asyncio loop (Tinker's ``*_async``
-    methods of its blocking clients); an op's ``APIFuture`` comes back as a :class:`SyncFuture`."""
+    """Await the async client method ``fn`` on the facade's loop from any asyncio loop or trio run (Tinker's
+    ``*_async`` methods of its blocking clients); an op's ``APIFuture`` comes back as a :class:`SyncFuture`."""
 
     async def run() -> Any:
         value = await fn(*args, **kwargs)
@@ -109,7 +119,14 @@ async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     _get_portal()
     assert _loop is not None
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _loop))
+    done = _loop_context().run(asyncio.run_coroutine_threadsafe, run(), _loop)
+    if sniffio.current_async_library() == "asyncio":
+        return await asyncio.wrap_future(done)
+    try:  # trio: wait in a worker thread (asyncio's future cannot be awaited there)
+        return await anyio.to_thread.run_sync(done.result, abandon_on_cancel=True)
+    except BaseException:
+        done.cancel()  # cancelled while waiting: withdraw the call on the facade's loop
+        raise
 
 
 def open_service(service: Any) -> Any:

@@ -274,3 +274,19 @@ async def test_closing_the_service_client_from_a_nested_task_while_ops_are_in_fl
             tg.start_soon(svc.close)
         assert sc.stats().in_flight == 0 and not ids & set(MockBackend.open_sessions())
     assert len(errors) == 6 and all("the ServiceClient was closed before it finished" in str(e) for e in errors)
+
+
+async def test_the_blocking_clients_async_twins_can_be_awaited_under_trio_too():
+    """Tinker's ``*_async`` methods of the blocking clients awaited an asyncio future: under trio that was a
+    TypeError from trio's internals ('unrecognized yield message'); and the facade's loop ran the call in the trio
+    caller's context, where anyio took that asyncio loop for trio."""
+    from asyncsess.sync import ServiceClient as SyncServiceClient
+
+    with SyncServiceClient("mock://") as svc:
+        sc = svc.create_sampling_client(base_model="m")
+        assert len(sc.sample([1, 2], 2).result().sequences) == 2  # a blocking call made in a trio run, too
+        assert len((await sc.sample_async([1, 2], 2)).sequences) == 2
+        assert (await svc.get_server_capabilities_async()).supported_models
+        tc = svc.create_lora_training_client("m", rank=4)
+        fut = await tc.forward_backward_async([sft_datum([1, 40, 41])])
+        assert (await fut).loss > 0 and fut.seq == 1
