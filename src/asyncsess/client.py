@@ -639,7 +639,9 @@ class ServiceClient:
                 if fut._cancel_requested:  # cancelled before this task started: never sent (an fn that does not
                     scope.cancel()  # yield would otherwise run to the end, and cancel() would have said True for nothing)
                 else:
-                    fut._set_result(await fn(*args))
+                    value = await fn(*args)
+                    if not scope.cancel_called:  # cancel() said True after the answer came: it stays cancelled
+                        fut._set_result(value)
         except Exception as err:
             if isinstance(err, AsyncSessError) and err.operation is None:
                 err.operation = fut.operation  # say which call failed (SageMaker's operation_type)

@@ -290,3 +290,29 @@ async def test_the_blocking_clients_async_twins_can_be_awaited_under_trio_too():
         tc = svc.create_lora_training_client("m", rank=4)
         fut = await tc.forward_backward_async([sft_datum([1, 40, 41])])
         assert (await fut).loss > 0 and fut.seq == 1
+
+
+async def test_cancel_that_said_true_always_ends_cancelled_even_when_the_answer_was_already_on_its_way(monkeypatch):
+    """A sample whose answer had arrived (its task woken, not yet run) when ``cancel()`` was called: cancel() said
+    True, and on trio the future then ended with the result."""
+    from asyncsess import OperationCancelledError
+
+    async with ServiceClient("mock://") as svc:
+        sc = await svc.create_sampling_client(base_model="m")
+        real = svc.backend.sample
+        gate, entered = anyio.Event(), anyio.Event()
+
+        async def sample(sampler_id, request):
+            answer = await real(sampler_id, request)
+            entered.set()
+            await gate.wait()
+            return answer
+
+        monkeypatch.setattr(svc.backend, "sample", sample)
+        fut = sc.sample([1, 2])
+        await entered.wait()
+        gate.set()  # the answer is on its way: the task is woken...
+        assert fut.cancel() is True  # ...and cancelled before it runs again
+        with pytest.raises(OperationCancelledError):
+            await fut
+        assert fut.cancelled() and sc.stats().in_flight == 0
