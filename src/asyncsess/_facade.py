@@ -120,13 +120,36 @@ async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     _get_portal()
     assert _loop is not None
     done = _loop_context().run(asyncio.run_coroutine_threadsafe, run(), _loop)
-    if sniffio.current_async_library() == "asyncio":
-        return await asyncio.wrap_future(done)
-    try:  # trio: wait in a worker thread (asyncio's future cannot be awaited there)
-        return await anyio.to_thread.run_sync(done.result, abandon_on_cancel=True)
+    try:
+        await _wait(done)
     except BaseException:
         done.cancel()  # cancelled while waiting: withdraw the call on the facade's loop
         raise
+    return done.result()
+
+
+async def _wait(done: concurrent.futures.Future[Any], timeout: float | None = None) -> None:
+    """Wait for ``done`` (settled on the facade's loop) on the caller's asyncio loop or trio run, without a worker
+    thread (a wait per thread ran out of anyio's 40 and stalled every later one); return at ``timeout`` s."""
+    if done.done():
+        return
+    event = anyio.Event()
+    if sniffio.current_async_library() == "asyncio":
+        schedule = asyncio.get_running_loop().call_soon_threadsafe
+    else:
+        import trio
+
+        schedule = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def wake(_: concurrent.futures.Future[Any]) -> None:
+        try:
+            schedule(event.set)
+        except RuntimeError:  # the waiting loop has ended
+            pass
+
+    done.add_done_callback(wake)
+    with anyio.move_on_after(timeout):
+        await event.wait()
 
 
 def open_service(service: Any) -> Any:
@@ -223,11 +246,10 @@ class SyncFuture(Generic[T]):
         return self._done.done()
 
     async def result_async(self, timeout: float | None = None) -> T:
-        """Wait without blocking the caller's event loop (in a worker thread); ``DeadlineExceededError`` after ``timeout`` s."""
+        """Wait without blocking the caller's event loop; ``DeadlineExceededError`` after ``timeout`` s."""
         timeout = check_timeout(timeout)
         if not self._done.done():
-            with anyio.move_on_after(timeout):
-                await anyio.to_thread.run_sync(concurrent.futures.wait, [self._done], timeout, abandon_on_cancel=True)
+            await _wait(self._done, timeout)
             if not self._done.done():
                 raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq)
         return self._done.result()

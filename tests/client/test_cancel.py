@@ -316,3 +316,30 @@ async def test_cancel_that_said_true_always_ends_cancelled_even_when_the_answer_
         with pytest.raises(OperationCancelledError):
             await fut
         assert fut.cancelled() and sc.stats().in_flight == 0
+
+
+async def test_awaiting_many_blocking_futures_takes_no_worker_threads(monkeypatch):
+    """Each ``await`` of an ``asyncsess.sync`` future waited in a worker thread: 40 of them held anyio's 40 threads,
+    so the 41st await (and any other ``to_thread`` work of the program) stalled until one of them finished."""
+    from asyncsess.sync import ServiceClient as SyncServiceClient
+
+    with SyncServiceClient("mock://") as svc:
+        sc = svc.create_sampling_client(base_model="m")
+        backend = svc._async.backend
+        real = backend.sample
+
+        async def sample(sampler_id, request):
+            if request.prompt == (1, 2):
+                await anyio.sleep_forever()  # held until cancelled
+            return await real(sampler_id, request)
+
+        monkeypatch.setattr(backend, "sample", sample)
+        held = [sc.sample([1, 2]) for _ in range(41)]
+        async with anyio.create_task_group() as tg:
+            for fut in held:
+                tg.start_soon(fut.result_async)
+            await anyio.wait_all_tasks_blocked()
+            assert anyio.to_thread.current_default_thread_limiter().borrowed_tokens == 0
+            assert (await sc.sample([1]).result_async()).sequences
+            tg.cancel_scope.cancel()
+        assert all(fut.cancel() for fut in held)
