@@ -134,6 +134,7 @@ async def _wait(done: concurrent.futures.Future[Any], timeout: float | None = No
     if done.done():
         return
     event = anyio.Event()
+    schedule: Callable[[Callable[[], None]], object]
     if sniffio.current_async_library() == "asyncio":
         schedule = asyncio.get_running_loop().call_soon_threadsafe
     else:
