@@ -17,6 +17,7 @@ from .errors import (
     AuthenticationError,
     BadRequestError,
     BillingError,
+    ClientClosedError,
     ConflictError,
     DeadlineExceededError,
     FacadeMisuseError,
@@ -42,6 +43,7 @@ from .errors import (
     TransientError,
     UnprocessableEntityError,
     UnsupportedError,
+    WrongEventLoopError,
     is_retryable,
 )
 from .futures import APIFuture, InvalidStateError
@@ -96,6 +98,7 @@ __all__ = [
     "BadRequestError",
     "BillingError",
     "Checkpoint",
+    "ClientClosedError",
     "CheckpointResponse",
     "ConflictError",
     "Datum",
@@ -159,6 +162,7 @@ __all__ = [
     "UnprocessableEntityError",
     "UnsupportedError",
     "Usage",
+    "WrongEventLoopError",
     "available_schemes",
     "is_retryable",
     "load_backend",

@@ -1,7 +1,8 @@
 """Runtime of the generated sync facade: one background event loop per process, and blocking futures.
 
 The loop (an anyio blocking portal on a daemon thread) starts on first use and is shut down at
-interpreter exit, after every facade ServiceClient still open has been closed. Calls hop onto it with
+interpreter exit, after every facade ServiceClient still open has been closed. A child made by ``os.fork()``
+starts its own loop on first use; the parent's clients are refused there (``WrongEventLoopError``). Calls hop onto it with
 ``portal.call``; no thread is made per call.
 """
 
@@ -10,18 +11,22 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable, Coroutine, Generator
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
 import anyio
+import sniffio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .errors import DeadlineExceededError, FacadeMisuseError
 from .futures import APIFuture
+from .validation import check_timeout
 
 __all__ = ["SyncFuture", "call", "call_async", "submit", "open_service", "close_service", "shutdown", "reopen_sampler"]
 
@@ -33,6 +38,7 @@ _portal_cm: AbstractContextManager[BlockingPortal] | None = None
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_thread: int | None = None
 _services: dict[int, AbstractContextManager[Any]] = {}
+_abandoned: list[Any] = []  # a forked child's copies of the parent's loop objects (see _forget_after_fork)
 
 
 def _get_portal() -> BlockingPortal:
@@ -58,7 +64,8 @@ def _check_thread(what: str) -> None:
 
 
 def _on_loop(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-    """Run a plain function on the loop thread (one hop, no task); its outcome lands in the future."""
+    """Run a plain function on the loop thread (one hop, no task; at once when called there, e.g. from a done-callback,
+    where waiting for the hop would deadlock); its outcome lands in the future."""
     _get_portal()
     assert _loop is not None
     done: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -69,8 +76,19 @@ def _on_loop(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         except BaseException as err:
             done.set_exception(err)
 
-    _loop.call_soon_threadsafe(run)
+    if threading.get_ident() == _loop_thread:
+        run()
+    else:
+        _loop.call_soon_threadsafe(run, context=_loop_context())
     return done
+
+
+def _loop_context() -> contextvars.Context:
+    """The caller's context for work on the facade's loop, less sniffio's record of the caller's async library (a
+    call from a trio run would otherwise make anyio take the facade's asyncio loop for trio)."""
+    ctx = contextvars.copy_context()
+    ctx.run(sniffio.current_async_library_cvar.set, None)
+    return ctx
 
 
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -92,8 +110,8 @@ def submit(method: Callable[..., APIFuture[T]], *args: Any, **kwargs: Any) -> Sy
 
 
 async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Await the async client method ``fn`` on the facade's loop from any asyncio loop (Tinker's ``*_async``
-    methods of its blocking clients); an op's ``APIFuture`` comes back as a :class:`SyncFuture`."""
+    """Await the async client method ``fn`` on the facade's loop from any asyncio loop or trio run (Tinker's
+    ``*_async`` methods of its blocking clients); an op's ``APIFuture`` comes back as a :class:`SyncFuture`."""
 
     async def run() -> Any:
         value = await fn(*args, **kwargs)
@@ -101,7 +119,38 @@ async def call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     _get_portal()
     assert _loop is not None
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _loop))
+    done = _loop_context().run(asyncio.run_coroutine_threadsafe, run(), _loop)
+    try:
+        await _wait(done)
+    except BaseException:
+        done.cancel()  # cancelled while waiting: withdraw the call on the facade's loop
+        raise
+    return done.result()
+
+
+async def _wait(done: concurrent.futures.Future[Any], timeout: float | None = None) -> None:
+    """Wait for ``done`` (settled on the facade's loop) on the caller's asyncio loop or trio run, without a worker
+    thread (a wait per thread ran out of anyio's 40 and stalled every later one); return at ``timeout`` s."""
+    if done.done():
+        return
+    event = anyio.Event()
+    schedule: Callable[[Callable[[], None]], object]
+    if sniffio.current_async_library() == "asyncio":
+        schedule = asyncio.get_running_loop().call_soon_threadsafe
+    else:
+        import trio
+
+        schedule = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def wake(_: concurrent.futures.Future[Any]) -> None:
+        try:
+            schedule(event.set)
+        except RuntimeError:  # the waiting loop has ended
+            pass
+
+    done.add_done_callback(wake)
+    with anyio.move_on_after(timeout):
+        await event.wait()
 
 
 def open_service(service: Any) -> Any:
@@ -128,6 +177,21 @@ def reopen_sampler(handle: Any) -> Any:
     svc = open_service(client.ServiceClient(handle.url, heartbeat_interval=0, **handle.options))
     inner = call(client.SamplingClient.from_sampler_handle(handle).attach, svc)
     return sync.SamplingClient._wrap(inner)
+
+
+def _forget_after_fork() -> None:
+    """In a child made by ``os.fork()``: the loop thread was not copied, so the next call starts a new loop (the
+    parent's clients are refused there with ``WrongEventLoopError``), and exit does not wait on the parent's."""
+    global _lock, _portal, _portal_cm, _loop, _loop_thread
+    # kept, never finalized: closing the portal's context manager would wait here for a thread that is not
+    _abandoned.append((_portal_cm, _portal, dict(_services)))
+    _lock = threading.Lock()
+    _portal = _portal_cm = _loop = _loop_thread = None
+    _services.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def shutdown() -> None:
@@ -170,8 +234,10 @@ class SyncFuture(Generic[T]):
         return self._fut.seq
 
     def result(self, timeout: float | None = None) -> T:
-        """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds."""
+        """Block until the value is ready; raise ``DeadlineExceededError`` after ``timeout`` seconds (``None`` or ``inf``:
+        no limit; NaN, a negative or a non-number is an ``InvalidInputError`` naming ``timeout``)."""
         _check_thread("SyncFuture.result()")
+        timeout = check_timeout(timeout)
         try:
             return self._done.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -181,10 +247,10 @@ class SyncFuture(Generic[T]):
         return self._done.done()
 
     async def result_async(self, timeout: float | None = None) -> T:
-        """Wait without blocking the caller's event loop (in a worker thread); ``DeadlineExceededError`` after ``timeout`` s."""
+        """Wait without blocking the caller's event loop; ``DeadlineExceededError`` after ``timeout`` s."""
+        timeout = check_timeout(timeout)
         if not self._done.done():
-            with anyio.move_on_after(timeout):
-                await anyio.to_thread.run_sync(concurrent.futures.wait, [self._done], timeout, abandon_on_cancel=True)
+            await _wait(self._done, timeout)
             if not self._done.done():
                 raise DeadlineExceededError(f"no result within {timeout:g}s", operation=self._fut.operation, seq=self._fut.seq)
         return self._done.result()
@@ -208,6 +274,7 @@ class SyncFuture(Generic[T]):
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until done; return the op's error (or None). Raise ``DeadlineExceededError`` on timeout."""
         _check_thread("SyncFuture.exception()")
+        timeout = check_timeout(timeout)
         try:
             return self._done.exception(timeout)
         except concurrent.futures.TimeoutError:

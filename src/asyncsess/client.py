@@ -9,11 +9,13 @@ are ``async def``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import logging
 import os
 import pickle
+import sys
 import time
 import uuid
 import warnings
@@ -24,7 +26,6 @@ from typing import Any, TypeVar
 
 import anyio
 import sniffio
-from anyio.abc import TaskGroup
 
 from .backends import (
     Backend,
@@ -46,6 +47,7 @@ from .custom_loss import CustomLossFn, ce_view, linearize, with_weights
 from .errors import (
     APIResponseValidationError,
     AsyncSessError,
+    ClientClosedError,
     ConflictError,
     InvalidInputError,
     NotFoundError,
@@ -55,6 +57,7 @@ from .errors import (
     ResultMismatchError,
     SessionGoneError,
     UnsupportedError,
+    WrongEventLoopError,
     poisons,
 )
 from .futures import APIFuture
@@ -152,9 +155,13 @@ class ServiceClient:
         self.max_chunk_datums = max_chunk_datums
         self.max_chunk_bytes = max_chunk_bytes
         self._backend: Backend | None = None
-        self._tg: TaskGroup | None = None
+        self._opened = False
         self._loop: asyncio.AbstractEventLoop | None = None  # set on asyncio: op tasks are plain tasks there
+        self._owner: object = None  # the event loop (asyncio) or run (trio's token) that opened this client
+        self._pid = 0  # the process that opened it
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._scopes: set[anyio.CancelScope] = set()  # trio: one per running task of this client
+        self._idle: anyio.Event | None = None  # trio: set when the last of them ends, once close waits for that
         self._closed = False
         self._training: weakref.WeakValueDictionary[str, TrainingClient] = weakref.WeakValueDictionary()
         self._samplers: set[str] = set()
@@ -167,17 +174,19 @@ class ServiceClient:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> ServiceClient:
+        if self._opened or self._closed:
+            state = "is already open" if not self._closed else "was closed"
+            raise ClientClosedError(f"this ServiceClient {state}: a ServiceClient opens once; make a new one for another block")
         backend = self._given
         if backend is None:
             backend = load_backend(self.url, **self._options)
             await backend.open()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._backend, self._tg = backend, tg
+        self._backend, self._opened = backend, True
+        self._owner, self._pid = _loop_token(), os.getpid()
         if sniffio.current_async_library() == "asyncio":
             self._loop = asyncio.get_running_loop()
         if self._heartbeat_interval > 0:
-            tg.start_soon(self._heartbeat_loop)
+            self._start(self._heartbeat_loop)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -185,8 +194,12 @@ class ServiceClient:
         return None
 
     async def aclose(self) -> None:
-        """Stop every session this client opened, then release the backend. Idempotent."""
-        if self._closed or self._tg is None:
+        """Stop every session this client opened, end its tasks (their futures fail with
+        :class:`OperationCancelledError`), then release the backend. Idempotent; callable from any task of the loop
+        that opened the client (the client holds no task group of its caller's)."""
+        if not self._closed and self._opened:
+            self._check_loop("aclose")
+        if self._closed or not self._opened:
             self._closed = True
             return
         self._closed = True
@@ -197,23 +210,23 @@ class ServiceClient:
                 await self._stop_quietly(sid)
             self._samplers.clear()
             self._orphans.clear()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            with anyio.CancelScope(shield=True):
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
-        tg, self._tg = self._tg, None
-        tg.cancel_scope.cancel()
-        await tg.__aexit__(None, None, None)
-        assert self._backend is not None
-        if self._given is None:
-            with anyio.CancelScope(shield=True):
+            if self._scopes:
+                self._idle = anyio.Event()
+                for scope in list(self._scopes):
+                    scope.cancel()
+                await self._idle.wait()
+            assert self._backend is not None
+            if self._given is None:
                 await self._backend.aclose()
 
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            raise RuntimeError("ServiceClient is not open: use `async with ServiceClient(url) as svc:`")
+            raise ClientClosedError(self._not_open())
         return self._backend
 
     # ------------------------------------------------------------------ factories
@@ -502,8 +515,14 @@ class ServiceClient:
             update["session_options"] = dict(spec.session_options)
         if update:  # the backend had no use for them: keep them with the session's info
             info = info.model_copy(update=update)
+        try:
+            limits = await self._model_limits(info.base_model)
+        except BaseException:  # cancelled (a timeout around the call): the session exists but nobody holds it
+            with anyio.CancelScope(shield=True):
+                await self._stop_quietly(info.model_id)
+            raise
         tc = TrainingClient(self, info)
-        tc._limits = await self._model_limits(info.base_model)
+        tc._limits = limits
         tc._multi_target = frozenset(self._caps.multi_target_losses) if self._caps is not None else frozenset()
         self._training[info.model_id] = tc
         self._known[info.model_id] = SessionSummary(
@@ -546,12 +565,32 @@ class ServiceClient:
         return next((m.vocab_size for m in models if m.model_name == base_model), None)
 
     def _require_open(self) -> None:
-        if self._tg is None or self._closed:
-            raise RuntimeError("ServiceClient is not open: use `async with ServiceClient(url) as svc:`")
+        if not self._opened or self._closed:
+            raise ClientClosedError(self._not_open())
+        self._check_loop()
         while self._orphans:
             self._start(self._stop_quietly, self._orphans.pop())
 
+    def _not_open(self) -> str:
+        if self._closed:
+            return "this ServiceClient was closed: open a new one (`async with ServiceClient(url) as svc:`)"
+        return "ServiceClient is not open: use `async with ServiceClient(url) as svc:`"
+
+    def _check_loop(self, operation: str | None = None) -> None:
+        """Refuse a call made on another event loop (or thread, or forked process) than the one that opened this
+        client: its tasks would never run there, or its results never wake the caller."""
+        if self._owner is None or _loop_token() is self._owner:
+            return
+        if self._pid != os.getpid():
+            where, fix = f"process {self._pid}, before os.fork()", "open a new ServiceClient in this process"
+        else:
+            where, fix = "another event loop (or thread)", "call it from the loop that opened it, or open a ServiceClient on this one"
+        raise WrongEventLoopError(f"this ServiceClient was opened in {where}: {fix}", operation=operation)
+
     async def _call(self, operation: str, fn: Callable[[], Awaitable[T]], seq: int | None = None) -> T:
+        if not self._opened or self._closed:
+            raise ClientClosedError(self._not_open(), operation=operation, seq=seq)
+        self._check_loop(operation)
         return await call_with_retry(
             self.retry_policy, fn, operation=operation, seq=seq, on_retry=self._record_retry, budget=self.retry_budget
         )
@@ -567,31 +606,50 @@ class ServiceClient:
         return fut
 
     def _start(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
-        """Start a background task owned by this client (cancelled at close)."""
-        if self._loop is not None:  # asyncio: a plain task costs ~5 µs, anyio's start_soon ~30 µs
+        """Start a background task owned by this client (cancelled at close).
+
+        Not in a task group of the caller's: ``aclose()`` may then come from any task, nested anywhere. On asyncio
+        a plain task (~5 µs; anyio's start_soon ~30 µs); on trio a system task in its own cancel scope."""
+        if self._loop is not None:
             task: asyncio.Task[Any] = self._loop.create_task(fn(*args))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
-            assert self._tg is not None
-            self._tg.start_soon(fn, *args)
+            import trio
 
-    @staticmethod
-    async def _drive(fut: APIFuture[T], fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:
+            trio.lowlevel.spawn_system_task(self._scoped, fn, args, context=contextvars.copy_context())
+
+    async def _scoped(self, fn: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...]) -> None:
+        """Run a trio task of this client in a cancel scope that ``aclose()`` cancels (and waits for)."""
+        with anyio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                await fn(*args)
+            except Exception:  # a system task's error would end the whole run
+                log.exception("a background task of the ServiceClient failed")
+            finally:
+                self._scopes.discard(scope)
+                if not self._scopes and self._idle is not None:
+                    self._idle.set()
+
+    async def _drive(self, fut: APIFuture[T], fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> None:
         try:
             with anyio.CancelScope() as scope:
                 fut._cancel_scope = scope
                 if fut._cancel_requested:  # cancelled before this task started: never sent (an fn that does not
                     scope.cancel()  # yield would otherwise run to the end, and cancel() would have said True for nothing)
                 else:
-                    fut._set_result(await fn(*args))
+                    value = await fn(*args)
+                    if not scope.cancel_called:  # cancel() said True after the answer came: it stays cancelled
+                        fut._set_result(value)
         except Exception as err:
             if isinstance(err, AsyncSessError) and err.operation is None:
                 err.operation = fut.operation  # say which call failed (SageMaker's operation_type)
             fut._set_exception(err)
         finally:
             if not fut.done():
-                fut._set_exception(OperationCancelledError("cancelled before it finished", operation=fut.operation, seq=fut.seq))
+                why = "the ServiceClient was closed" if self._closed else "cancelled"
+                fut._set_exception(OperationCancelledError(f"{why} before it finished", operation=fut.operation, seq=fut.seq))
 
     async def _stop_quietly(self, session_id: str) -> None:
         self._samplers.discard(session_id)
@@ -627,6 +685,22 @@ class ServiceClient:
                     log.debug("heartbeat for sampler %s failed: %r", sampler_id, err)
 
 
+def _loop_token() -> object:
+    """The running event loop (asyncio) or trio run (its token), or ``None`` outside any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    if "trio" in sys.modules:
+        import trio
+
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    return None
+
+
 def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_size: int | None) -> None:
     """A backend's sequences must answer the request: ``num_samples`` of them, one log-prob (not NaN) per token, token
     ids in the vocabulary (``[0, vocab_size)``, or int32 when the size is unknown); anything else is not a result."""
@@ -641,6 +715,14 @@ def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_siz
         bad = next((t for t in s.tokens if not 0 <= t < top), None)
         if bad is not None:
             raise APIResponseValidationError(f"the backend sampled token id {str(bad)[:30]}, outside the vocabulary [0, {top})")
+
+
+def _on_collect(obj: object, fn: Callable[..., None], *args: Any) -> weakref.finalize:
+    """``fn(*args)`` once ``obj`` is garbage-collected, but not at interpreter exit: a client still referenced then
+    was not dropped, and its ServiceClient's own close (the sync facade's at exit) stops its session."""
+    finalizer = weakref.finalize(obj, fn, *args)
+    finalizer.atexit = False
+    return finalizer
 
 
 def _warn_unclosed(svc_ref: weakref.ref[ServiceClient], session_id: str, kind: str) -> None:
@@ -669,7 +751,7 @@ class TrainingClient:
         self._limits: tuple[int | None, int | None] = (None, None)  # (vocab size, context) for checks before numbering
         self._multi_target: frozenset[str] = frozenset()  # losses for which the backend takes (N, K) target_tokens
         self._saved_names: set[tuple[str, str]] = set()
-        self._finalizer = weakref.finalize(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
+        self._finalizer = _on_collect(self, _warn_unclosed, weakref.ref(service), info.model_id, "TrainingClient")
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.model_id} base={self.base_model} seq={self._next_seq - 1}>"
@@ -994,6 +1076,7 @@ class TrainingClient:
         return tuple(out)
 
     def _raise_if_unusable(self, operation: str) -> None:
+        self._svc._check_loop(operation)
         if self._stopped:
             raise SessionGoneError("this TrainingClient was stopped", operation=operation)
         if self._gone is not None:
@@ -1211,7 +1294,7 @@ class SamplingClient:
         self._last_queue_log = -float(QUEUE_STATE_LOG_INTERVAL)
         if service is not None:
             self._limiter = service._limiter
-            self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), sampler_id)
+            self._finalizer = _on_collect(self, _release_sampler, weakref.ref(service), sampler_id)
 
     _svc: ServiceClient
 
@@ -1259,7 +1342,7 @@ class SamplingClient:
         opened = await service._open_sampler(self._handle.spec, self.base_model)
         self.__dict__.update({k: v for k, v in opened.__dict__.items() if k != "_finalizer"})
         opened._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release_sampler, weakref.ref(service), self.sampler_id)
+        self._finalizer = _on_collect(self, _release_sampler, weakref.ref(service), self.sampler_id)
         self._handle = None
         return self
 

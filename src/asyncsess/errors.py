@@ -54,6 +54,8 @@ __all__ = [
     "PoisonedError",
     "OperationCancelledError",
     "FacadeMisuseError",
+    "ClientClosedError",
+    "WrongEventLoopError",
     "ResourceExhaustedError",
     "SamplerRefreshError",
 ]
@@ -349,6 +351,15 @@ def poisons(error: BaseException) -> bool:
 
 class FacadeMisuseError(RuntimeError):
     """A blocking call was made from the sync facade's own event loop, where it would deadlock."""
+
+
+class ClientClosedError(SessionGoneError, RuntimeError):
+    """The ServiceClient was closed, or never opened: open one with ``async with ServiceClient(url) as svc:``."""
+
+
+class WrongEventLoopError(AsyncSessError, RuntimeError):
+    """A client was used from an event loop (or thread, or forked process) other than the one that opened it: its
+    tasks and events belong to that loop. Use it there, or open a ServiceClient on this loop."""
 
 
 class ResourceExhaustedError(ServerError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -11,8 +12,11 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from .errors import DeadlineExceededError, OperationCancelledError
+from .validation import check_timeout
 
 __all__ = ["APIFuture", "InvalidStateError"]
+
+log = logging.getLogger("asyncsess")
 
 T = TypeVar("T")
 
@@ -71,7 +75,9 @@ class APIFuture(Generic[T]):
         return self.result_async().__await__()
 
     async def result_async(self, timeout: float | None = None) -> T:
-        """Wait for the value; raise :class:`DeadlineExceededError` after ``timeout`` seconds."""
+        """Wait for the value; raise :class:`DeadlineExceededError` after ``timeout`` seconds (``None`` or ``inf``: no
+        limit; NaN, a negative or a non-number is an :class:`InvalidInputError` naming ``timeout``)."""
+        timeout = check_timeout(timeout)
         if not self._done:
             if self._event is None:
                 self._event = anyio.Event()
@@ -152,8 +158,10 @@ class APIFuture(Generic[T]):
         return None
 
     def add_done_callback(self, fn: Callable[[APIFuture[T]], None]) -> None:
+        """Call ``fn(self)`` once the future is done (now, if it is); an exception ``fn`` raises is logged, as asyncio's
+        callbacks' are, so that it never keeps the other callbacks or waiters from seeing the outcome."""
         if self._done:
-            fn(self)
+            _call(fn, self)
         else:
             self._callbacks.append(fn)
 
@@ -173,9 +181,16 @@ class APIFuture(Generic[T]):
         self._done = True
         if self._event is not None:
             self._event.set()
-        for fn in self._callbacks:
-            fn(self)
-        self._callbacks.clear()
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call(fn, self)
+
+
+def _call(fn: Callable[[APIFuture[T]], None], fut: APIFuture[T]) -> None:
+    try:
+        fn(fut)
+    except Exception:
+        log.exception("a done-callback of %r raised", fut)
 
 
 def _mirror_into(cf: concurrent.futures.Future[T]) -> Callable[[APIFuture[T]], None]:

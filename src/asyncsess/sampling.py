@@ -91,8 +91,9 @@ class SamplingLimiter:
         try:
             await entry[1].wait()
         except BaseException:
-            if entry in self._waiters:
+            if entry in self._waiters:  # a cancelled waiter may have held back smaller ones behind it: admit them
                 self._waiters.remove(entry)
+                self._wake()
             else:  # admitted while being cancelled: give the slot back
                 self._release(nbytes)
             raise
@@ -109,6 +110,10 @@ class SamplingLimiter:
     def _release(self, nbytes: int) -> None:
         self._in_flight -= 1
         self._bytes -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        """Admit the waiters at the head of the queue while they fit."""
         while self._waiters and self._fits(self._waiters[0][0]):
             n, ev = self._waiters.popleft()
             self._admit(n)

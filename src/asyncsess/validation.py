@@ -22,6 +22,7 @@ __all__ = [
     "LOSS_INPUTS",
     "LOSS_CONFIG_KEYS",
     "check_loss_fn",
+    "check_timeout",
     "check_datums",
     "coerce_datums",
     "check_loss_fn_config",
@@ -454,6 +455,17 @@ def check_ttl_seconds(ttl: Any) -> int | None:
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1 or ttl > 10 * 366 * 86400:
         raise InvalidInputError(f"{ttl!r:.40} is not a lifetime in seconds", field="ttl_seconds", fix="an int in 1..316224000, or None")
     return ttl
+
+
+def check_timeout(timeout: Any, field: str = "timeout") -> float | None:
+    """A wait's limit in seconds: ``None`` or ``inf`` (no limit, returned as ``None``), else a number >= 0."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+        raise InvalidInputError(
+            f"{timeout!r:.40} is not a number of seconds >= 0", field=field, fix="give seconds >= 0, or None to wait without a limit"
+        )
+    return None if timeout == math.inf else float(timeout)
 
 
 def check_lora_rank(rank: Any, field: str = "rank") -> int:
