@@ -171,6 +171,7 @@ def run_trl(args: argparse.Namespace, out: Path, demo_cfg: dict[str, Any]) -> di
         "groups": groups,
         "group_size": demo_cfg["group_size"],
         "learning_rate": demo_cfg["learning_rate"],
+        "lr_schedule": demo_cfg["lr_schedule"],
         "lora_rank": demo_cfg["lora_rank"],
         "lora_alpha": demo_cfg["lora_alpha"],
         "adam": DEMO_ADAM,
@@ -220,6 +221,10 @@ def unmatched(args: argparse.Namespace, demo_cfg: dict[str, Any]) -> list[str]:
         "takes log-probs in float32 without autocast, TRL trains "
         + ("under the Trainer's bf16 autocast" if args.dtype == "bfloat16" else "in float32"),
         "LoRA init: both PEFT defaults under the same seed, but different RNG streams, so the initial adapters differ",
+        f"learning-rate schedule `{demo_cfg['lr_schedule']}`: the demo decays to 0 over its time budget (or its steps, "
+        f"whichever ends first); TRL's scheduler decays over its planned `--max-steps` ({args.max_steps}), which the budget "
+        "normally cuts short, so with a decaying schedule TRL keeps a higher rate through the run (pass `--max-steps` near "
+        "the steps TRL fits in the budget to match)",
         "budget: both stop when the training time so far plus the last step's length reaches the budget (the demo's "
         "rule); the demo's clock covers its steps (sampling + training), TRL's runs from `on_train_begin` to the last "
         "`on_step_end` (so it includes TRL's dataloader start)",

@@ -96,7 +96,7 @@ def main(job_path: str, out_path: str) -> None:
     cfg = GRPOConfig(
         output_dir=job["out_dir"],
         learning_rate=job["learning_rate"],
-        lr_scheduler_type="constant",
+        lr_scheduler_type=job.get("lr_schedule", "constant"),  # constant, linear or cosine: the same names in both
         warmup_steps=0,
         weight_decay=0.0,
         adam_beta1=job["adam"]["beta1"],
