@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import secrets
 import socket
 import sys
@@ -410,6 +411,17 @@ def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = 
     return _Thread(create_app(backend, api_keys, **app_options), host, port).start()
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse's type for ``--max-body-seconds``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     """``asyncsess-worker [--model M] [--allow-model M2] [--host 127.0.0.1] [--port 8765] [--api-key K] [--dir D] [--device D] [--dtype T]``."""
     import os
@@ -436,6 +448,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-budget", type=int, default=8192, help="tokens per training micro-batch (halved after an OOM)")
     p.add_argument("--checkpoint-layers", default="auto", choices=["auto", "on", "off"], help="recompute decoder layers in backward")
     p.add_argument("--attention", default="auto", choices=["auto", "grouped", "sdpa"], help="auto: grouped float32 attention on the CPU")
+    p.add_argument(
+        "--max-body-seconds",
+        type=_seconds,
+        default=body_limit.MAX_BODY_SECONDS,
+        help="seconds a request body has to arrive; a slower one (a slow-loris client) gets a 408",
+    )
     args = p.parse_args(argv)
     keys = args.api_key or ([os.environ["ASYNCSESS_API_KEY"]] if os.environ.get("ASYNCSESS_API_KEY") else [])
     if not keys:
@@ -465,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(create_app(backend, keys, models=args.allow_model), host=args.host, port=args.port, log_level="info")
+    app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
 if __name__ == "__main__":
