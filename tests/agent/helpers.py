@@ -1,4 +1,5 @@
-"""A sampler with scripted replies scored by a real mock sampler's log-probs (to force tool calls and drift)."""
+"""A sampler with scripted replies scored by a real mock sampler's log-probs (to force tool calls and drift), and a
+raw ASGI request scope for the tests that drive an app without a socket."""
 
 from __future__ import annotations
 
@@ -48,3 +49,21 @@ class ScriptedSampler:
             return SampleResponse(sequences=[seq] * num_samples)
 
         return run()
+
+
+def post_scope(path: str, headers: list[tuple[bytes, bytes]], server: str = "front") -> dict[str, Any]:
+    """The ASGI scope of a JSON ``POST`` to ``path`` with ``headers`` added (for driving an app by hand)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": (server, 80),
+    }

@@ -13,6 +13,8 @@ from asyncsess import ServiceClient
 from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess.types import SampledSequence, SampleResponse
 
+from .helpers import post_scope
+
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "Say hi."}]
 HOLD_MS = 30_000  # a sample that holds its pool slot this long (the fix frees it at once)
@@ -26,20 +28,7 @@ async def held():
 
 
 def _scope(path: str) -> dict:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"x-rollout-id", b"gone")],
-        "client": ("127.0.0.1", 1),
-        "server": ("front", 80),
-    }
+    return post_scope(path, [(b"x-rollout-id", b"gone")])
 
 
 class _Unscored:

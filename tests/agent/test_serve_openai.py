@@ -17,6 +17,8 @@ import pytest
 from asyncsess.backends import load_backend
 from asyncsess.serve.tinker_api import create_app
 
+from .helpers import post_scope
+
 pytestmark = pytest.mark.anyio
 KEY_A, KEY_B = "key-a", "key-b"
 BASE = "mock/bigram-tiny"
@@ -369,20 +371,7 @@ async def _slow_loris(app: Any, path: str) -> list[dict[str, Any]]:
     """What ``app`` sends a client that sends the start of a body to ``path`` and then nothing (for 30 s)."""
     import anyio
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"x-api-key", KEY_A.encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("serve", 80),
-    }
+    scope = post_scope(path, [(b"x-api-key", KEY_A.encode())], server="serve")
     chunks = [{"type": "http.request", "body": b'{"model": "', "more_body": True}]
     sent: list[dict[str, Any]] = []
 
