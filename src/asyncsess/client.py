@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import pickle
-import sys
 import time
 import uuid
 import warnings
@@ -60,7 +59,7 @@ from .errors import (
     WrongEventLoopError,
     poisons,
 )
-from .futures import APIFuture
+from .futures import APIFuture, loop_token
 from .retry import RetryBudget, RetryEvent, RetryPolicy, call_with_retry
 from .sampling import QueueState, SamplingLimiter, SamplingStats
 from .types import (
@@ -182,7 +181,7 @@ class ServiceClient:
             backend = load_backend(self.url, **self._options)
             await backend.open()
         self._backend, self._opened = backend, True
-        self._owner, self._pid = _loop_token(), os.getpid()
+        self._owner, self._pid = loop_token(), os.getpid()
         if sniffio.current_async_library() == "asyncio":
             self._loop = asyncio.get_running_loop()
         if self._heartbeat_interval > 0:
@@ -579,7 +578,7 @@ class ServiceClient:
     def _check_loop(self, operation: str | None = None) -> None:
         """Refuse a call made on another event loop (or thread, or forked process) than the one that opened this
         client: its tasks would never run there, or its results never wake the caller."""
-        if self._owner is None or _loop_token() is self._owner:
+        if self._owner is None or loop_token() is self._owner:
             return
         if self._pid != os.getpid():
             where, fix = f"process {self._pid}, before os.fork()", "open a new ServiceClient in this process"
@@ -683,22 +682,6 @@ class ServiceClient:
                     await self.backend.heartbeat(sampler_id)
                 except Exception as err:  # the sampler's next call reports a lost session, typed
                     log.debug("heartbeat for sampler %s failed: %r", sampler_id, err)
-
-
-def _loop_token() -> object:
-    """The running event loop (asyncio) or trio run (its token), or ``None`` outside any."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    if "trio" in sys.modules:
-        import trio
-
-        try:
-            return trio.lowlevel.current_trio_token()
-        except RuntimeError:
-            pass
-    return None
 
 
 def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_size: int | None) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 import anyio
 
-from .errors import DeadlineExceededError, OperationCancelledError
+from .errors import DeadlineExceededError, OperationCancelledError, WrongEventLoopError
 from .validation import check_timeout
 
 __all__ = ["APIFuture", "InvalidStateError"]
@@ -42,6 +43,7 @@ class APIFuture(Generic[T]):
         "_done",
         "_error",
         "_event",
+        "_loop",
         "_result",
         "_withdrawable",
         "operation",
@@ -60,6 +62,7 @@ class APIFuture(Generic[T]):
         self._withdrawable = True
         self._callbacks: list[Callable[[APIFuture[T]], None]] = []
         self._cf: concurrent.futures.Future[T] | None = None
+        self._loop = loop_token()  # where it settles: waiting for it from another loop would never wake
 
     def __repr__(self) -> str:
         state = "pending" if not self._done else "cancelled" if self.cancelled() else "failed" if self._error else "done"
@@ -79,6 +82,13 @@ class APIFuture(Generic[T]):
         limit; NaN, a negative or a non-number is an :class:`InvalidInputError` naming ``timeout``)."""
         timeout = check_timeout(timeout)
         if not self._done:
+            if self._loop is not None and loop_token() is not self._loop:
+                raise WrongEventLoopError(
+                    f"{self!r} belongs to another event loop (or thread): await it there, or use its `future()` "
+                    "(a concurrent.futures.Future) from this one",
+                    operation=self.operation,
+                    seq=self.seq,
+                )
             if self._event is None:
                 self._event = anyio.Event()
             if timeout is None:
@@ -184,6 +194,22 @@ class APIFuture(Generic[T]):
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             _call(fn, self)
+
+
+def loop_token() -> object:
+    """The running event loop (asyncio) or trio run (its token), or ``None`` outside any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    if "trio" in sys.modules:
+        import trio
+
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    return None
 
 
 def _call(fn: Callable[[APIFuture[T]], None], fut: APIFuture[T]) -> None:

@@ -112,6 +112,34 @@ async def test_a_client_used_from_another_event_loop_is_refused_before_numbering
         await tc.stop()
 
 
+async def test_a_pending_future_awaited_from_another_event_loop_is_refused_not_hung():
+    """A future handed to another loop (another thread's asyncio.run) and awaited there waited on an event that its
+    own loop sets: the waiter never woke. Its ``future()`` is the way across, and still works."""
+    async with ServiceClient("mock://?latency_ms=60000") as svc:
+        sc = await svc.create_sampling_client(base_model="m")
+        pending = sc.sample([1, 2])
+        async with ServiceClient("mock://") as quick_svc:
+            quick = await quick_svc.create_sampling_client(base_model="m")
+            done = quick.sample([1, 2])
+            first = await done
+        errors: list[BaseException] = []
+        results: list[object] = []
+
+        async def elsewhere() -> None:
+            results.append(await done)  # a finished future's value is readable anywhere
+            try:
+                await pending
+            except BaseException as err:
+                errors.append(err)
+
+        await anyio.to_thread.run_sync(asyncio.run, elsewhere())
+        assert results == [first]
+        assert [type(e) for e in errors] == [WrongEventLoopError], errors
+        assert "another event loop" in str(errors[0]) and errors[0].operation == "sample"
+        cf = pending.future()
+        assert pending.cancel() and (await anyio.to_thread.run_sync(lambda: cf.cancelled() or cf.exception(timeout=60)))
+
+
 async def test_a_closed_or_reentered_service_client_is_refused_typed():
     svc = ServiceClient("mock://")
     with pytest.raises(ClientClosedError, match="not open"):
