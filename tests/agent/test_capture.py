@@ -166,6 +166,27 @@ def test_a_bounded_store_drops_the_oldest_rollouts_first():
     assert [c.call_index for c in store.pop("d")] == [1] and store.tokens == 0
 
 
+def test_calls_in_flight_when_their_rollout_is_taken_are_late():
+    """Taken with two calls in flight: both are late (not captured), and calls made meanwhile under the same id
+    number on after them (indices never collide); once nothing of the rollout is left it starts again at 0."""
+    store = CaptureStore()
+    first, second = store.reserve("r"), store.reserve("r")
+    assert store.pop("r") == []
+    third = store.reserve("r")
+    assert third == 2
+    store.add(_call("r", second, 3))
+    assert not store.release("r", first)  # a late call gives nothing back
+    store.add(_call("r", third, 3))
+    assert [c.call_index for c in store.calls("r")] == [2] and store.late_calls == 1  # the released one had nothing
+    assert [c.call_index for c in store.pop("r")] == [2] and store.reserve("r") == 0
+    dropped = CaptureStore(max_tokens=10)
+    late = dropped.reserve("a")
+    dropped.add(_call("b", dropped.reserve("b"), 3))
+    dropped.add(_call("c", dropped.reserve("c"), 3))  # over the bound: "b" is dropped whole
+    dropped.add(_call("a", late, 1))  # "a" was never dropped: captured
+    assert [c.call_index for c in dropped.calls("a")] == [0] and dropped.late_calls == 0
+
+
 def test_an_unbounded_store_keeps_everything():
     store = CaptureStore()
     for i in range(50):

@@ -89,6 +89,49 @@ async def test_an_in_process_client_that_times_out_leaves_no_slot_held(held):
     assert s["in_flight"] == 0 and front.counts["sampled_tokens"] == 0 and front.captures.calls("t") == [], s
 
 
+class _HeldOnce(_Unscored):
+    """A sampler whose first sample waits for ``gate`` (``entered`` is set once it waits); later ones do not."""
+
+    def __init__(self, real) -> None:
+        super().__init__(real)
+        self.entered, self.gate = anyio.Event(), anyio.Event()
+
+    def sample(self, prompt, num_samples=1, sampling_params=None, **kwargs):
+        pending = self.real.sample(prompt, num_samples, sampling_params, **kwargs)
+        if self.entered.is_set():
+            return pending
+
+        async def held() -> SampleResponse:
+            self.entered.set()
+            await self.gate.wait()
+            return await pending
+
+        return held()
+
+
+async def test_a_call_still_sampling_when_its_rollout_is_taken_is_late_and_not_captured(sampler):
+    """A trainer that took a rollout (DELETE of its captures) while one of its calls still sampled found that call
+    captured afterwards under the taken id, alone, as if it were a new rollout's first call."""
+    held = _HeldOnce(sampler)
+    front = OpenAIFront(held)
+    replies: list[str | None] = []
+    async with front.openai_client("r") as client:
+
+        async def call() -> None:
+            reply = await client.chat.completions.create(model="policy", messages=HI, max_tokens=4, seed=1)
+            replies.append(reply.choices[0].message.content)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await held.entered.wait()
+            assert front.captures.pop("r") == []  # the trainer takes the rollout while the call samples
+            held.gate.set()
+        assert len(replies) == 1  # the agent still gets its reply
+        assert front.captures.calls("r") == [] and front.stats()["late_calls"] == 1
+        await call()  # the rollout id, used again once nothing of it is left, starts again at call 0
+        assert [c.call_index for c in front.captures.calls("r")] == [0] and front.stats()["late_calls"] == 1
+
+
 @pytest.fixture
 async def sampler():
     async with ServiceClient("mock://") as svc:

@@ -55,24 +55,32 @@ class CaptureStore:
     first (the one being added to last, and then only its oldest calls); ``dropped_calls`` counts them. A
     trainer that takes its rollouts as they finish never sees a drop; one that never takes them does not
     grow the server without bound.
+
+    A call still being served when its rollout is taken (or dropped) is **late**: the trainer already has the
+    rollout without it, so it is not captured (``late_calls`` counts them), and a new call of the same rollout id
+    numbers on after it rather than reusing its index.
     """
 
     def __init__(self, max_tokens: int | None = None) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
         self.dropped_calls = 0
+        self.late_calls = 0
         self._calls: OrderedDict[str, list[CapturedCall]] = OrderedDict()
-        self._counts: dict[str, int] = {}
+        self._counts: dict[str, int] = {}  # rollout -> call indices handed out
+        self._in_flight: dict[str, int] = {}  # rollout -> calls reserved and not yet added or released
+        self._late: dict[str, list[int]] = {}  # taken rollout -> [indices below this are late, late calls in flight]
 
     def reserve(self, rollout_id: str) -> int:
         """The call index of a new call of ``rollout_id``: the order in which its calls arrived."""
         n = self._counts.get(rollout_id, 0)
         self._counts[rollout_id] = n + 1
+        self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
         return n
 
     def release(self, rollout_id: str, index: int) -> bool:
         """Give back ``index`` (of a call that captured nothing) if no later call of ``rollout_id`` took one."""
-        if self._counts.get(rollout_id) != index + 1:
+        if self._settle(rollout_id, index) or self._counts.get(rollout_id) != index + 1:
             return False
         if index:
             self._counts[rollout_id] = index
@@ -81,6 +89,9 @@ class CaptureStore:
         return True
 
     def add(self, call: CapturedCall) -> None:
+        if self._settle(call.rollout_id, call.call_index):
+            self.late_calls += 1
+            return
         self._calls.setdefault(call.rollout_id, []).append(call)
         self._calls.move_to_end(call.rollout_id)
         self.tokens += _cost(call)
@@ -92,7 +103,7 @@ class CaptureStore:
                     break  # one call over the whole bound is kept until taken
                 gone = self._calls.pop(oldest) if oldest != call.rollout_id else [calls.pop(0)]
                 if oldest != call.rollout_id:
-                    self._counts.pop(oldest, None)
+                    self._forget(oldest)
                 self.tokens -= sum(_cost(c) for c in gone)
                 self.dropped_calls += len(gone)
 
@@ -101,10 +112,35 @@ class CaptureStore:
 
     def pop(self, rollout_id: str) -> list[CapturedCall]:
         """The calls of ``rollout_id``, forgotten by the store."""
-        self._counts.pop(rollout_id, None)
+        self._forget(rollout_id)
         calls = self._calls.pop(rollout_id, [])
         self.tokens -= sum(_cost(c) for c in calls)
         return sorted(calls, key=lambda c: c.call_index)
+
+    def _forget(self, rollout_id: str) -> None:
+        """Start ``rollout_id`` afresh: its calls still in flight become late, and new ones number on after them."""
+        in_flight = self._in_flight.get(rollout_id, 0)
+        if in_flight:
+            self._late[rollout_id] = [self._counts[rollout_id], in_flight]
+        else:
+            self._counts.pop(rollout_id, None)
+
+    def _settle(self, rollout_id: str, index: int) -> bool:
+        """A reserved call of ``rollout_id`` ended; True if it is late (its rollout was taken while it ran)."""
+        left = self._in_flight.get(rollout_id, 0) - 1
+        if left > 0:
+            self._in_flight[rollout_id] = left
+        else:
+            self._in_flight.pop(rollout_id, None)
+        late = self._late.get(rollout_id)
+        if late is None or index >= late[0]:
+            return False
+        late[1] -= 1
+        if late[1] <= 0:
+            del self._late[rollout_id]
+            if rollout_id not in self._in_flight and rollout_id not in self._calls:
+                self._counts.pop(rollout_id, None)  # nothing of the rollout left anywhere: it starts again at 0
+        return True
 
     def rollout_ids(self) -> list[str]:
         return list(self._calls)

@@ -174,7 +174,9 @@ class OpenAIFront:
 
     def stats(self) -> dict[str, Any]:
         """Request counts and the sampling pool's backpressure figures (in flight, queued, ...)."""
-        out: dict[str, Any] = dict(self.counts, bound_rollouts=len(self._bindings))
+        out: dict[str, Any] = dict(
+            self.counts, bound_rollouts=len(self._bindings), late_calls=self.captures.late_calls, dropped_calls=self.captures.dropped_calls
+        )
         binding = self._default or next(iter(self._bindings.values()), None)
         if binding is not None:
             s = binding.sampler.stats()
