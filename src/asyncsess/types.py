@@ -608,7 +608,14 @@ class AdamParams(_Input):
 # -------------------------------------------------------------------------------------- outputs
 
 
-class Usage(_Model):
+class _Output(_Model):
+    """An output type: a field it does not know (one a newer server added) is ignored, so that an older client
+    keeps reading a newer server's answers; a known field of the wrong type is still refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Usage(_Output):
     """Tokens an operation consumed (SageMaker's ``tokenUsage``; Tinker's billing buckets)."""
 
     training_tokens: int = 0
@@ -627,7 +634,7 @@ class Usage(_Model):
         return self.training_tokens + self.prefill_tokens + self.decode_tokens
 
 
-class ForwardBackwardOutput(_Model):
+class ForwardBackwardOutput(_Output):
     """Per-datum outputs (``logprobs``) and metrics; the loss is ``metrics["loss:sum"]``."""
 
     loss_fn_output_type: str = ""
@@ -641,7 +648,7 @@ class ForwardBackwardOutput(_Model):
         return self.metrics["loss:sum"]
 
 
-class OptimStepResponse(_Model):
+class OptimStepResponse(_Output):
     metrics: dict[str, float] | None = None
     step: int = 0
 
@@ -650,7 +657,7 @@ TopkLogprobs = list[list[tuple[int, float]] | None]
 """Per position, the ``(token_id, logprob)`` pairs of the k most likely tokens, most likely first (``None``: not scored)."""
 
 
-class TokenLogprob(_Model):
+class TokenLogprob(_Output):
     """SageMaker's ``(token_id, logprob)`` record."""
 
     token_id: int
@@ -678,7 +685,7 @@ def _topk_arrays(rows: TopkLogprobs | None) -> TopkArrays | None:
     return TopkArrays(ids, lps)
 
 
-class SampledSequence(_Model):
+class SampledSequence(_Output):
     stop_reason: Literal["length", "stop"]
     tokens: list[int]
     logprobs: list[float] | None = None
@@ -703,7 +710,7 @@ class SampledSequence(_Model):
         return _topk_arrays(self.topk_logprobs)
 
 
-class SampleResponse(_Model):
+class SampleResponse(_Output):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     usage: Usage = Field(default_factory=Usage)
@@ -728,7 +735,7 @@ class SampleResponse(_Model):
 CheckpointKind = Literal["state", "sampler", "merged"]
 
 
-class CheckpointResponse(_Model):
+class CheckpointResponse(_Output):
     """Where a save landed. ``path`` is a URI the client can pass back (Tinker ``path``, SageMaker ARN)."""
 
     path: str
@@ -751,7 +758,7 @@ SaveWeightsResponse = CheckpointResponse
 SaveWeightsForSamplerResponse = CheckpointResponse
 
 
-class LoadWeightsResponse(_Model):
+class LoadWeightsResponse(_Output):
     path: str
     step: int = 0
 
@@ -759,7 +766,7 @@ class LoadWeightsResponse(_Model):
 LoadStateResponse = LoadWeightsResponse
 
 
-class Checkpoint(_Model):
+class Checkpoint(_Output):
     """A saved checkpoint (Tinker's ``Checkpoint``; SageMaker's ``ModelPackageInfo`` via the aliases)."""
 
     checkpoint_id: str
@@ -800,7 +807,7 @@ class Checkpoint(_Model):
 ModelPackageInfo = Checkpoint
 
 
-class SessionSummary(_Model):
+class SessionSummary(_Output):
     """One session this client knows of (SageMaker's ``TrainingSessionSummary``)."""
 
     session_id: str
@@ -828,7 +835,7 @@ class SessionSummary(_Model):
 TrainingSessionSummary = SessionSummary
 
 
-class TrainingRun(_Model):
+class TrainingRun(_Output):
     """Tinker's ``TrainingRun``: one training session and its checkpoints."""
 
     training_run_id: str
@@ -843,7 +850,7 @@ class TrainingRun(_Model):
     user_metadata: dict[str, str] | None = None
 
 
-class SupportedModel(_Model):
+class SupportedModel(_Output):
     model_name: str
     max_context_length: int
     trainable: bool = True
@@ -851,7 +858,7 @@ class SupportedModel(_Model):
     vocab_size: int | None = None
 
 
-class ServerCapabilities(_Model):
+class ServerCapabilities(_Output):
     supported_models: list[SupportedModel]
     loss_functions: list[str] = Field(default_factory=lambda: list(LOSS_FUNCTIONS))
     max_lora_rank: int = 256
@@ -859,7 +866,7 @@ class ServerCapabilities(_Model):
     multi_target_losses: list[str] = Field(default_factory=list)  # losses taking (N, K) target_tokens: K targets per position
 
 
-class GetInfoResponse(_Model):
+class GetInfoResponse(_Output):
     model_id: str
     base_model: str
     lora_rank: int
