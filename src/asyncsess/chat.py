@@ -193,9 +193,15 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[i
 
 
 def turn_stop_tokens(tokenizer: Any) -> list[int]:
-    """Token ids that end an assistant turn: the special tokens the template puts after the content, plus EOS."""
+    """Token ids that end an assistant turn: the special tokens the template puts after the content, plus EOS.
+
+    Special means named (``all_special_ids``) or added as special (``added_tokens_decoder``): a tokenizer may name
+    only some of its special tokens (one converted from GGUF names none of ChatML's ``<|im_end|>``)."""
     full, [(start, end)] = assistant_spans(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(added, Mapping):
+        special |= {int(i) for i, t in added.items() if getattr(t, "special", False)}
     stops = [t for t in full[start:end] if t in special]
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:

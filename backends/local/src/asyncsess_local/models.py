@@ -123,6 +123,30 @@ def load_model(source: ModelSource, device: Any, dtype: Any, attention: str = "a
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(source.path, **source.kwargs)
+    gguf_file = source.kwargs.get("gguf_file")
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(source.path, **source.kwargs)
+    # transformers picks a GGUF file's tokenizer class by its architecture (CodeLlama's for a llama file: five infill
+    # tokens past the model's vocabulary, and "<FILL_ME>" in a prompt encodes to nothing) and gets its end-of-sequence
+    # token wrong (SmolLM2's "<|im_start|>", so a turn never ended at "<|im_end|>"): take the plain tokenizer the file
+    # describes, with the special tokens the file names
+    tok = PreTrainedTokenizerFast.from_pretrained(source.path, **source.kwargs)
+    for name, token_id in gguf_special_tokens(Path(source.path) / gguf_file).items():
+        if 0 <= token_id < len(tok):
+            setattr(tok, name, tok.convert_ids_to_tokens(token_id))
+    return tok
+
+
+def gguf_special_tokens(path: Path) -> dict[str, int]:
+    """The special token ids a GGUF file's metadata names: ``{"eos_token": 2, ...}`` (those it names)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    out = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None and field.data:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out
