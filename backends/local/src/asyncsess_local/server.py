@@ -9,6 +9,7 @@ naming the field, never a 5xx. Run it with ``asyncsess-worker --model tiny-llama
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +43,7 @@ from asyncsess.types import CheckpointResponse
 from . import bodies, openai_api
 from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
+from .idle import DEFAULT_TTL, IdleClock
 from .tenants import Owners, tenant_of
 from .vllm_sampler import VllmOptions
 
@@ -60,13 +63,16 @@ def create_app(
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
+    session_ttl: float | None = DEFAULT_TTL,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
     samplers one key may hold open at once; ``max_body_seconds``: how long a request's body may take to arrive
     (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
     (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
-    (oldest rollouts dropped past it). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
+    (oldest rollouts dropped past it); ``session_ttl``: seconds without a request (a heartbeat included) after which a
+    session or sampler is stopped (its client is gone; ``None`` or 0: never). ``/healthz`` (alive) and ``/readyz``
+    (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
@@ -80,14 +86,35 @@ def create_app(
         return names | {backend.default_model} if backend.default_model else names
 
     fronts = openai_api.WorkerFronts(backend, owners, base_models, max_capture_tokens=max_capture_tokens)
+    idle = IdleClock(session_ttl)
+
+    async def reap_idle() -> list[str]:
+        """Stop the sessions and samplers no request touched for ``session_ttl`` seconds; the ids stopped."""
+        gone = idle.expired([*backend.engine.sessions, *backend.engine.samplers])
+        for object_id in gone:
+            log.warning("stopping %s: no request for %gs (its client stopped its heartbeat)", object_id, idle.ttl)
+            with contextlib.suppress(AsyncSessError):
+                await backend.stop_session(object_id)
+        return gone
+
+    async def reap_forever(ttl: float) -> None:
+        while True:
+            await anyio.sleep(min(ttl / 4, 30.0))
+            try:
+                await reap_idle()
+            except Exception:  # never let the reaper take the worker down
+                log.exception("stopping idle sessions failed")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.open()
         try:
-            async with fronts.running():
+            async with fronts.running(), anyio.create_task_group() as tg:
+                if idle.ttl is not None:
+                    tg.start_soon(reap_forever, idle.ttl)
                 ready.set()
                 yield
+                tg.cancel_scope.cancel()
         finally:
             ready.clear()
             await backend.aclose()
@@ -102,6 +129,7 @@ def create_app(
         default_response_class=_JSON,
     )
     app.state.inflight = Counter()  # requests being served, per tenant (see tenant_of)
+    app.state.idle, app.state.reap_idle = idle, reap_idle
     app.add_middleware(
         _Guard,
         keys=keys,
@@ -196,18 +224,21 @@ def create_app(
         with room(key, "base_model"):
             info = await backend.create_training_session(spec)
             owners.own(info.model_id, key, durable=True)
+            idle.touch(info.model_id)
         return info.model_dump(mode="json")
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def stop_session(session_id: IdPath, key: str = Depends(api_key)) -> Response:
         if owners.by_id.get(session_id) == key:
             await backend.stop_session(session_id)
+            idle.forget(session_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/heartbeat", status_code=204)
     async def heartbeat(session_id: IdPath, key: str = Depends(api_key)) -> Response:
         owners.check(key, session_id)
         await backend.heartbeat(session_id)
+        idle.touch(session_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/ops")
@@ -228,7 +259,8 @@ def create_app(
                 op = backend.check_op(session_id, op)
             except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
                 backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
-        result = await backend.execute_training(session_id, op)
+        with idle.using(session_id):
+            result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
             owners.saved_weights(session_id, result.path, result.step)
         return wire.encode_result(result)
@@ -242,17 +274,20 @@ def create_app(
         with room(key, "model_path" if spec.model_path else "base_model"):
             sampler_id = await backend.create_sampler(spec)
             owners.own(sampler_id, key)
+            idle.touch(sampler_id)
         return {"sampler_id": sampler_id}
 
     @app.post("/v1/samplers/{sampler_id}/sample")
     async def sample(sampler_id: IdPath, body: bodies.SampleBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
-        return (await backend.sample(sampler_id, body.request())).model_dump(mode="json")
+        with idle.using(sampler_id):
+            return (await backend.sample(sampler_id, body.request())).model_dump(mode="json")
 
     @app.post("/v1/samplers/{sampler_id}/logprobs")
     async def logprobs(sampler_id: IdPath, body: bodies.LogprobsBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
-        return {"logprobs": await backend.compute_logprobs(sampler_id, body.tokens)}
+        with idle.using(sampler_id):
+            return {"logprobs": await backend.compute_logprobs(sampler_id, body.tokens)}
 
     @app.get("/v1/checkpoints")
     async def checkpoints(session_id: IdQuery = None, key: str = Depends(api_key)) -> Any:
@@ -411,6 +446,11 @@ def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = 
     return _Thread(create_app(backend, api_keys, **app_options), host, port).start()
 
 
+def _ttl(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse's type for ``--session-ttl``; 0: never)."""
+    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+
+
 def _seconds(text: str) -> float:
     """A positive, finite number of seconds (argparse's type for ``--max-body-seconds``)."""
     try:
@@ -454,6 +494,12 @@ def main(argv: list[str] | None = None) -> None:
         default=body_limit.MAX_BODY_SECONDS,
         help="seconds a request body has to arrive; a slower one (a slow-loris client) gets a 408",
     )
+    p.add_argument(
+        "--session-ttl",
+        type=_ttl,
+        default=DEFAULT_TTL,
+        help="seconds without a request (heartbeats count) before a session or sampler is stopped; 0: never",
+    )
     args = p.parse_args(argv)
     keys = args.api_key or ([os.environ["ASYNCSESS_API_KEY"]] if os.environ.get("ASYNCSESS_API_KEY") else [])
     if not keys:
@@ -483,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     logging.basicConfig(level=logging.INFO)
-    app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds)
+    app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds, session_ttl=args.session_ttl)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
