@@ -16,6 +16,7 @@ def start_worker(tiny: str, ckpt_dir: str, **app_options: Any) -> Any:
     from asyncsess_local.server import serve_in_thread
 
     backend = LocalBackend(model=tiny, device="cpu", checkpoint_dir=ckpt_dir, gap_timeout=0.2)
+    app_options.setdefault("session_timeout", None)  # a module's sessions live as long as it runs (test_server_idle.py: expiry)
     worker = serve_in_thread(backend, [KEY, OTHER], **app_options)
     worker.backend = backend
     return worker

@@ -1,5 +1,5 @@
 """Idle expiry: a client that crashed or was killed never stops what it opened; the worker stops the sessions and
-samplers no request (heartbeats included) touched for ``session_ttl`` seconds, freeing its key's places. Before,
+samplers no request (heartbeats included) touched for ``session_timeout`` seconds, freeing its key's places. Before,
 they stayed loaded for good. The worker's clock is a fake one the test moves; the reaper is called directly."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ async def worker(tiny: str, tmp_path):
     from asyncsess_local.server import create_app
 
     backend = LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"))
-    app = create_app(backend, [KEY, OTHER], session_ttl=TTL, max_live_per_key=2)
+    app = create_app(backend, [KEY, OTHER], session_timeout=TTL, max_live_per_key=2)
     now = [0.0]
     app.state.idle.clock = lambda: now[0]
     async with app.router.lifespan_context(app):
@@ -85,7 +85,7 @@ def test_a_request_in_flight_keeps_its_object_alive_past_the_ttl():
     assert idle.expired(["a"]) == ["a"]
     assert IdleClock(0).expired(["a"]) == [] and IdleClock(None).ttl is None
     for bad in (float("nan"), float("inf"), -1.0, "600"):
-        with pytest.raises(ValueError, match="session_ttl"):
+        with pytest.raises(ValueError, match="session_timeout"):
             IdleClock(bad)  # type: ignore[arg-type]
 
 
@@ -94,5 +94,5 @@ def test_the_worker_refuses_a_bad_ttl_before_it_starts(tiny, tmp_path):
     from asyncsess_local.server import create_app
 
     backend = LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"))
-    with pytest.raises(ValueError, match="session_ttl"):
-        create_app(backend, [KEY], session_ttl=float("nan"))
+    with pytest.raises(ValueError, match="session_timeout"):
+        create_app(backend, [KEY], session_timeout=float("nan"))

@@ -14,17 +14,17 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["DEFAULT_TTL", "IdleClock"]
+from asyncsess.serve.defaults import SESSION_TIMEOUT
 
-DEFAULT_TTL = 600.0  # seconds without a request (a heartbeat included) before a session or sampler is stopped
+__all__ = ["IdleClock"]
 
 
 class IdleClock:
     """When each session or sampler was last touched, and which are busy; ``ttl=None`` (or 0) never expires any."""
 
-    def __init__(self, ttl: float | None = DEFAULT_TTL, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl: float | None = SESSION_TIMEOUT, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl is not None and not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl >= 0):
-            raise ValueError(f"session_ttl must be a finite number of seconds >= 0 (0: never), not {ttl!r}")
+            raise ValueError(f"session_timeout must be a finite number of seconds >= 0 (0: never), not {ttl!r}")
         self.ttl = ttl or None
         self.clock = clock
         self._last: dict[str, float] = {}

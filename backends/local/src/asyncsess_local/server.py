@@ -38,12 +38,13 @@ from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, 
 from asyncsess.serve import body_limit
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
+from asyncsess.serve.defaults import SESSION_TIMEOUT
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
 from .checkpoints import EPHEMERAL
 from .embedded import LocalBackend
-from .idle import DEFAULT_TTL, IdleClock
+from .idle import IdleClock
 from .tenants import Owners, tenant_of
 from .vllm_sampler import VllmOptions
 
@@ -63,14 +64,14 @@ def create_app(
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
-    session_ttl: float | None = DEFAULT_TTL,
+    session_timeout: float | None = SESSION_TIMEOUT,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
     samplers one key may hold open at once; ``max_body_seconds``: how long a request's body may take to arrive
     (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
     (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
-    (oldest rollouts dropped past it); ``session_ttl``: seconds without a request (a heartbeat included) after which a
+    (oldest rollouts dropped past it); ``session_timeout``: seconds without a request (a heartbeat included) after which a
     session or sampler is stopped (its client is gone; ``None`` or 0: never). ``/healthz`` (alive) and ``/readyz``
     (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
@@ -86,10 +87,10 @@ def create_app(
         return names | {backend.default_model} if backend.default_model else names
 
     fronts = openai_api.WorkerFronts(backend, owners, base_models, max_capture_tokens=max_capture_tokens)
-    idle = IdleClock(session_ttl)
+    idle = IdleClock(session_timeout)
 
     async def reap_idle() -> list[str]:
-        """Stop the sessions and samplers no request touched for ``session_ttl`` seconds; the ids stopped."""
+        """Stop the sessions and samplers no request touched for ``session_timeout`` seconds; the ids stopped."""
         gone = idle.expired([*backend.engine.sessions, *backend.engine.samplers])
         for object_id in gone:
             log.warning("stopping %s: no request for %gs (its client stopped its heartbeat)", object_id, idle.ttl)
@@ -446,8 +447,8 @@ def serve_in_thread(backend: LocalBackend, api_keys: Iterable[str], host: str = 
     return _Thread(create_app(backend, api_keys, **app_options), host, port).start()
 
 
-def _ttl(text: str) -> float:
-    """A finite number of seconds >= 0 (argparse's type for ``--session-ttl``; 0: never)."""
+def _timeout_seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse's type for ``--session-timeout``; 0: never)."""
     return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
 
 
@@ -495,9 +496,9 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds a request body has to arrive; a slower one (a slow-loris client) gets a 408",
     )
     p.add_argument(
-        "--session-ttl",
-        type=_ttl,
-        default=DEFAULT_TTL,
+        "--session-timeout",
+        type=_timeout_seconds,
+        default=SESSION_TIMEOUT,
         help="seconds without a request (heartbeats count) before a session or sampler is stopped; 0: never",
     )
     args = p.parse_args(argv)
@@ -529,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     logging.basicConfig(level=logging.INFO)
-    app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds, session_ttl=args.session_ttl)
+    app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds, session_timeout=args.session_timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
