@@ -196,13 +196,16 @@ def turn_stop_tokens(tokenizer: Any) -> list[int]:
     """Token ids that end an assistant turn: the special tokens the template puts after the content, plus EOS.
 
     Special means named (``all_special_ids``) or added as special (``added_tokens_decoder``): a tokenizer may name
-    only some of its special tokens (one converted from GGUF names none of ChatML's ``<|im_end|>``)."""
+    only some of its special tokens (one converted from GGUF names none of ChatML's ``<|im_end|>``). Only tokens
+    after the content count: a template may put special tokens before it (a reasoning block's markers)."""
     full, [(start, end)] = assistant_spans(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     added = getattr(tokenizer, "added_tokens_decoder", None)
     if isinstance(added, Mapping):
         special |= {int(i) for i, t in added.items() if getattr(t, "special", False)}
-    stops = [t for t in full[start:end] if t in special]
+    span = full[start:end]
+    after = next((i + 1 for i in range(len(span)) if "ok" in tokenizer.decode(span[: i + 1])), 0)
+    stops = [t for t in span[after:] if t in special]
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         stops.append(int(eos))

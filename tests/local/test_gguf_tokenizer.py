@@ -86,3 +86,16 @@ def test_turn_stops_include_special_tokens_the_tokenizer_does_not_name(tiny_dir:
     end = reference.convert_tokens_to_ids("<|end|>")
     assert end not in renamed.all_special_ids  # the case: <|end|> is special only in added_tokens_decoder
     assert turn_stop_tokens(renamed) == [end, renamed.convert_tokens_to_ids("<s>")]
+
+
+def test_turn_stops_skip_special_tokens_the_template_puts_before_the_content(tiny_dir: Path, reference) -> None:
+    """A template that opens the assistant's content with a special marker (a reasoning block) must not make that
+    marker a stop: the model would end every turn before it began."""
+    from transformers import PreTrainedTokenizerFast
+
+    marked = PreTrainedTokenizerFast.from_pretrained(tiny_dir)
+    marked.add_special_tokens({"additional_special_tokens": ["<think>"]})
+    marked.chat_template = reference.chat_template.replace(
+        "<|{{ m['role'] }}|>{{ m['content'] }}", "<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}<think>{% endif %}{{ m['content'] }}"
+    )
+    assert turn_stop_tokens(marked) == [reference.convert_tokens_to_ids("<|end|>")]
