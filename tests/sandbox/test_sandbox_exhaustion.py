@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 
+import anyio
+
 import pytest
 
-from .conftest import assert_healthy, root_only
+from .conftest import TEST_UIDS, assert_healthy, processes_of, root_only
 
 pytestmark = pytest.mark.anyio
 
@@ -122,4 +124,44 @@ async def test_memory_held_in_files_and_memfds_counts_against_the_run(make_sandb
         assert (memfds.status, memfds.stdout) == ("ok", "refused Function not implemented 0\n"), memfds
     small = await sandbox.run("import os\nfd = os.memfd_create('x')\nos.write(fd, b'x' * 4096)\nprint('ok')")
     assert small.stdout == ("ok\n" if layer else ""), small  # with a cgroup, memfds work as usual
+    await assert_healthy(sandbox)
+
+
+SPIN_IN_SESSIONS = """
+import os
+for _ in range(40):
+    try:
+        if os.fork() == 0:
+            os.setsid()  # a session, so an autogroup, of its own: one more full share of the CPUs
+            break
+    except OSError:
+        break
+while True:
+    pass
+"""
+NEEDS_ONE_CPU_SECOND = "import time\nwhile time.process_time() < 1.0:\n    pass\nprint('done')"
+
+
+@root_only
+async def test_a_run_spinning_in_many_sessions_does_not_starve_another(make_sandbox):
+    """32 spinning processes, each in a session of its own, got 32 shares of the CPUs against a concurrent run's one:
+    an innocent program needing 1 s of CPU timed out after 10 s. The run's cgroup holds all of them to ``cpus``
+    (v2 cpu.max, v1 cpu.cfs_quota_us), and one share."""
+    sandbox = make_sandbox(max_concurrency=2, timeout_s=10.0, max_processes=32)
+    if (await sandbox.isolation()).cgroup is None:
+        pytest.skip("no cgroup per run on this host")
+    results = {}
+
+    async def spin() -> None:
+        results["spin"] = await sandbox.run(SPIN_IN_SESSIONS, timeout_s=60.0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(spin)
+        while len(processes_of(TEST_UIDS)) < 30 and "spin" not in results:  # until it spins in full (or ended)
+            await anyio.sleep(0.01)
+        assert "spin" not in results, results
+        victim = await sandbox.run(NEEDS_ONE_CPU_SECOND)
+        tg.cancel_scope.cancel()  # stops the spinning run (as a cancelled run is stopped)
+    assert (victim.status, victim.stdout) == ("ok", "done\n"), victim
+    assert "spin" not in results
     await assert_healthy(sandbox)

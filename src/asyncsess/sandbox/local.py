@@ -279,7 +279,7 @@ class LocalSandbox(BaseSandbox):
                 cgroup = await self._make_cgroup(str(uid), memory_mb)
                 if cgroup is None and self._cgroups is not False:  # required, or worked before: fail closed
                     return ExecutionResult(status="sandbox_error", stderr="no cgroup leaf could be made for this run\n")
-                cgroup_fds = [cgroup.open_procs()] if cgroup else []
+                cgroup_fds = cgroup.open_procs() if cgroup else []
             cpu_s = max(1, math.ceil(timeout_s))
             config = {
                 "workdir": workdir,
