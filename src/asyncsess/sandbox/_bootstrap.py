@@ -519,6 +519,14 @@ def _reap_all(main_pid, uid, report, in_pid_namespace):
     We are a subreaper, so a living descendant always has us as an ancestor of its parent chain: when wait4(-1)
     reports no children left, nothing the program started is left either.
     """
+    if "cpu_s" not in report:  # stopped or over memory, so not reaped: its pid is still ours to kill
+        # First, as root: a stop early in its set-up finds it before its drop to the uid, out of kill(-1)'s reach
+        # (it would go on to run the program, which nothing would stop). Dying, it can fork no more; with a PID
+        # namespace it is the init, whose death kills everything in the namespace.
+        try:
+            os.kill(main_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if uid is not None:
         _kill_uid(uid, in_pid_namespace)  # all of them are doomed now; we only wait
     flags = 0 if uid is not None else os.WNOHANG  # without a uid, keep killing what shows up
