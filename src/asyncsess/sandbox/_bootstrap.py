@@ -6,7 +6,7 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
-   covered by empty unreadable mounts, ``socket_dirs`` (/run, /var/tmp, ...) by empty root-owned tmpfs (/tmp
+   covered by empty unreadable mounts, ``hidden_files`` by /dev/null, ``socket_dirs`` (/run, /var/tmp, ...) by empty root-owned tmpfs (/tmp
    and /dev/shm by empty writable ones of the run's own), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
    size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
@@ -155,6 +155,15 @@ def _enter_namespaces(cfg, uid, gid):
     os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
     owner = "" if uid is None else f",uid={uid},gid={gid}"
     _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
+
+
+def _hide_files(cfg):
+    """Cover ``hidden_files`` (a grader's test data) with /dev/null: they read as empty. One under a covered directory
+    is out of sight already, and one removed meanwhile shows nothing."""
+    covered = [*cfg["hidden_paths"], *cfg["socket_dirs"]]
+    for path in cfg["hidden_files"]:
+        if not any(os.path.commonpath([path, c]) == c for c in covered) and os.path.lexists(path):
+            _mount(b"/dev/null", path, None, _MS_BIND, None)
 
 
 def _mount_proc():
@@ -345,6 +354,7 @@ def _prepare(cfg):
             _enter_namespaces(cfg, uid, gid)
         except OSError as exc:  # the host degrades on this message only, never on other setup failures
             raise RuntimeError(f"namespaces unavailable: {exc}") from exc
+        _hide_files(cfg)  # (a failure here fails the run, and never turns the namespaces off)
         _write_tree(workdir, files)
     if uid is not None:
         _chown_tree(workdir, uid, gid)

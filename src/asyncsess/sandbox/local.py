@@ -71,6 +71,7 @@ class Isolation(BaseModel):
     fallback (the supervisor sums the memory of the run's processes and kills the run over budget)."""
     socket_guard: bool
     hidden_paths: list[str]
+    hidden_files: list[str]
     socket_dirs: list[str]
     notes: list[str]
 
@@ -86,7 +87,8 @@ class LocalSandbox(BaseSandbox):
     this process's own cgroup, which can delegate only if it is the root or holds no processes). ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
     ``hidden_paths`` (default: /home, /root and the current directory, where project files such as ``.env``
     live) are covered by empty, unreadable directories inside the mount namespace; the rest of the host
-    filesystem stays readable (read-only) wherever file permissions allow.
+    filesystem stays readable (read-only) wherever file permissions allow. ``hidden_files`` (a grader's test data,
+    which a program could otherwise look its answers up in) read as empty inside the mount namespace.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class LocalSandbox(BaseSandbox):
         socket_guard: bool = True,
         uids: range = range(200_000, 204_096),
         hidden_paths: Sequence[str] | None = None,
+        hidden_files: Sequence[str] = (),
     ) -> None:
         for field, value in (
             ("max_concurrency", 1 if max_concurrency is None else max_concurrency),
@@ -135,6 +138,7 @@ class LocalSandbox(BaseSandbox):
         else:
             self._hidden_paths = _hideable(hidden_paths, needed, strict=True)
         self._socket_dirs = _hideable([*_SOCKET_DIRS, tempfile.gettempdir()], needed[1:], strict=False)
+        self._hidden_files = _check_hidden_files(hidden_files)
         self._namespaces = namespaces if self._root or namespaces else False
         self._cgroups = cgroups if self._root or cgroups else False
         self._cgroup_version: int | None = None
@@ -172,6 +176,7 @@ class LocalSandbox(BaseSandbox):
             cgroup=f"v{self._cgroup_version}" if self._cgroups is not False and self._cgroup_version else None,
             socket_guard=self._socket_guard,
             hidden_paths=self._hidden_paths if namespaces else [],
+            hidden_files=self._hidden_files if namespaces else [],
             socket_dirs=self._socket_dirs if namespaces else [],
             notes=list(self._notes),
         )
@@ -292,6 +297,7 @@ class LocalSandbox(BaseSandbox):
                 "max_processes": self._max_processes,
                 "socket_guard": self._socket_guard,
                 "hidden_paths": self._hidden_paths,
+                "hidden_files": self._hidden_files,
                 "socket_dirs": self._socket_dirs,
                 "cgroup_fds": cgroup_fds,
                 "cgroup": cgroup.as_dict() if cgroup else None,
@@ -455,6 +461,19 @@ def _hideable(paths: Sequence[str], needed: Sequence[str], *, strict: bool) -> l
             continue
         hidden.add(real)
     return sorted(hidden)
+
+
+def _check_hidden_files(paths: object) -> list[str]:
+    """The real paths of ``paths``, each an existing regular file, or InvalidInputError."""
+    fix = "pass the paths of existing files (hide directories with hidden_paths)"
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+        raise InvalidInputError(f"must be a sequence of paths, got {paths!r}", field="hidden_files", fix=fix)
+    real = set()
+    for path in paths:
+        if not isinstance(path, str) or not os.path.isfile(path):  # (NUL, lone surrogates: not a file)
+            raise InvalidInputError(f"{path!r} is not an existing file", field="hidden_files", fix=fix)
+        real.add(os.path.realpath(path))
+    return sorted(real)
 
 
 def _usable_by_anyone(executable: str) -> bool:
