@@ -117,8 +117,9 @@ async def test_a_program_cannot_read_its_answers_from_the_problems_file(tmp_path
     try:
         os.chmod(data, 0o755)
         path = os.path.join(data, "problems.jsonl")
+        tests = [{"input": t.stdin, "output": t.expected_stdout} for t in SUM.tests]
         with open(path, "w") as f:
-            f.write(json.dumps({"id": "sum", "question": "Print a + b.", "tests": [{"input": t.stdin, "output": t.expected_stdout} for t in SUM.tests]}) + "\n")
+            f.write(json.dumps({"id": "sum", "question": "Print a + b.", "tests": tests}) + "\n")
         os.chmod(path, 0o644)
         problem = code.load(path)[0]
         cheat = (

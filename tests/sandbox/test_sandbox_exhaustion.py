@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import anyio
-
 import pytest
 
 from .conftest import TEST_UIDS, assert_healthy, processes_of, root_only
@@ -45,10 +44,10 @@ res = struct.unpack_from('i', ring, cqes + (head & struct.unpack_from('I', ring,
 print('vsock', 'made' if res >= 0 else os.strerror(-res))
 """
 
-# bpf, perf_event_open, userfaultfd, request_key, io_uring_setup, io_uring_register
+_NAMES = ("bpf", "perf_event_open", "userfaultfd", "request_key", "io_uring_setup", "io_uring_register")
 KERNEL_SURFACE = {
-    "x86_64": {"bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "request_key": 249, "io_uring_setup": 425, "io_uring_register": 427},
-    "aarch64": {"bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "request_key": 218, "io_uring_setup": 425, "io_uring_register": 427},
+    "x86_64": dict(zip(_NAMES, (321, 298, 323, 249, 425, 427))),
+    "aarch64": dict(zip(_NAMES, (280, 241, 282, 218, 425, 427))),
 }
 CALL_EACH = """
 import ctypes, os

@@ -12,7 +12,7 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
-   refuses new user namespaces and exotic socket families (seccomp), empties its capability bounding set,
+   refuses new user namespaces, exotic socket families, io_uring and other kernel surface (seccomp), empties its capability bounding set,
    drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
