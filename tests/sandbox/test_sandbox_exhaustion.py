@@ -164,3 +164,28 @@ async def test_a_run_spinning_in_many_sessions_does_not_starve_another(make_sand
     assert (victim.status, victim.stdout) == ("ok", "done\n"), victim
     assert "spin" not in results
     await assert_healthy(sandbox)
+
+
+async def test_a_correct_program_can_use_a_pool_of_sixteen_threads(make_sandbox):
+    """glibc reserves 64 MiB of address space per malloc arena (one per thread, up to 8 per CPU): under RLIMIT_AS at
+    256 MiB only 5 threads could start, and a correct program with a thread pool failed. Threads stay bounded by
+    RLIMIT_NPROC and the address space (8 MiB of stack each)."""
+    code = (
+        "import threading\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "barrier = threading.Barrier(16)\n"
+        "with ThreadPoolExecutor(16) as pool:\n"
+        "    print(sum(pool.map(lambda x: barrier.wait() * 0 + x * x, range(16))))\n"  # 16 threads at once
+        "go = threading.Event()\n"
+        "started = 0\n"
+        "try:\n"
+        "    for _ in range(1000):\n"
+        "        threading.Thread(target=go.wait, daemon=True).start()\n"
+        "        started += 1\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "go.set()\n"
+        "print(16 <= started < 1000)\n"
+    )
+    result = await make_sandbox(memory_mb=256).run(code)
+    assert (result.status, result.stdout) == ("ok", "1240\nTrue\n"), result

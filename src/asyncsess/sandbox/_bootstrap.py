@@ -41,6 +41,7 @@ _KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTEN
 _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 _IPC_RMID = 0
 _MAX_PTYS = 16  # pseudo-terminals a run may hold at once
+_M_ARENA_MAX = -8  # mallopt parameter
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _CLONE_NEWUSER = 22, 2, 0x10000000
 _SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: network-namespaced, in every kernel
 # Per architecture: the audit arch seccomp reports; the numbers of unshare, clone, clone3, socket, socketpair,
@@ -370,6 +371,11 @@ def _set_limit(kind, value):
 
 def _set_limits(cfg):
     _set_limit(resource.RLIMIT_AS, cfg["memory_mb"] << 20)
+    # glibc reserves 64 MiB of address space per malloc arena, one per thread up to 8 per CPU: under RLIMIT_AS that
+    # left room for 5 threads at 256 MiB. Two arenas are plenty for the program's threads (its GIL serialises them).
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, 2)
     _set_limit(resource.RLIMIT_NPROC, cfg["max_processes"])
     _set_limit(resource.RLIMIT_FSIZE, cfg["workdir_mb"] << 20)
     _set_limit(resource.RLIMIT_NOFILE, 256)
