@@ -529,16 +529,18 @@ def _memory_in_use(uid):
     return total
 
 
-def _reap_all(main_pid, uid, report, in_pid_namespace):
-    """Kill the program and everything it started, and reap it all.
+def _reap_all(main_pid, uid, report, in_pid_namespace, set_up):
+    """Kill the program and everything it started, and reap it all (``set_up``: the program's process said it was
+    ready, so it runs as the run's uid).
 
     We are a subreaper, so a living descendant always has us as an ancestor of its parent chain: when wait4(-1)
     reports no children left, nothing the program started is left either.
     """
-    if "cpu_s" not in report:  # stopped or over memory, so not reaped: its pid is still ours to kill
-        # First, as root: a stop early in its set-up finds it before its drop to the uid, out of kill(-1)'s reach
-        # (it would go on to run the program, which nothing would stop). Dying, it can fork no more; with a PID
-        # namespace it is the init, whose death kills everything in the namespace.
+    if "cpu_s" not in report and not set_up:  # stopped during its set-up: not reaped, so its pid is still ours
+        # First, as root: the program's process may not have dropped to the uid yet, out of kill(-1)'s reach (it would
+        # go on to run the program, which nothing would stop). Dying, it can fork no more; with a PID namespace it is
+        # the init, whose death kills everything in the namespace. (Once set up, the init reports the program's
+        # exit and CPU time, so it is left to do that.)
         try:
             os.kill(main_pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -618,10 +620,23 @@ def _wait(pid, wake_r, report, cfg):
             return
 
 
+def _read_available(fd):
+    """What ``fd`` (non-blocking) holds now."""
+    data = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data
+
+
 def _supervise(pid, sync_r, wake_r, exit_r, cfg):
     report: dict = {}
     _wait(pid, wake_r, report, cfg)
-    _reap_all(pid, cfg["uid"], report, cfg["namespaces"])
+    os.set_blocking(sync_r, False)
+    said = _read_available(sync_r)  # b"1" once set up (as the run's uid), then b"M" on a MemoryError
+    _reap_all(pid, cfg["uid"], report, cfg["namespaces"], set_up=said[:1] == b"1")
     os.set_blocking(exit_r, False)
     try:  # with namespaces ``pid`` was the init; the program's own exit, as its init saw it
         report.update(json.loads(os.read(exit_r, 4096) or b"{}"))
@@ -629,7 +644,7 @@ def _supervise(pid, sync_r, wake_r, exit_r, cfg):
         pass
     if cfg["uid"] is not None:
         _clear_uid_state(cfg["uid"])
-    said = os.read(sync_r, 1 << 16)  # b"1" once set up, then b"M" on a MemoryError; every writer is gone by now
+    said += _read_available(sync_r)  # every writer is gone by now
     report["started"] = said[:1] == b"1"
     if b"M" in said[1:]:
         report["memory_exceeded"] = True

@@ -2,9 +2,8 @@
 
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
 rlimits on CPU time, address space, processes, file size and open files; no core dumps; no_new_privs; a
-seccomp filter refusing new user namespaces, socket families other than unix, inet, inet6 and netlink, io_uring and other
-kernel surface; a wall-clock
-timeout and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
+seccomp filter refusing new user namespaces, socket families other than unix, inet, inet6 and netlink, io_uring and
+other kernel surface; a wall-clock timeout and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
 capability bounding set, fresh mount, network, IPC, UTS and PID namespaces (read-only filesystem, host unix
 sockets and temp dirs covered, hidden host directories, tmpfs working directory, /tmp and /dev/shm, a /proc of
 the run's own processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
