@@ -224,7 +224,9 @@ class LocalSandbox(BaseSandbox):
                 if unavailable:
                     reason = probe.stderr.strip().splitlines()[0]
                     note = f"{reason[reason.index('namespaces unavailable') :]}; network is blocked only by the socket guard"
-                    self._notes.append(note + ", and the program can write wherever its uid may")
+                    self._notes.append(
+                        note + ", the program can write wherever its uid may and read what it may (hidden paths and files included)"
+                    )
                     log.warning("LocalSandbox: %s", note)
                 elif not probe.ok:
                     log.error("LocalSandbox: the isolation probe failed (%s): %s", probe.status, probe.stderr.strip())
