@@ -80,7 +80,9 @@ async def open_sandbox(cfg: CodeRLConfig) -> AsyncIterator[Sandbox]:
         ) as client:
             yield client
     else:
-        yield LocalSandbox(max_concurrency=cfg.sandbox_concurrency, timeout_s=cfg.sandbox_timeout_s)
+        # the problems files hold every test's expected output: a program that could read them could look it up
+        data = [str(p) for p in (cfg.train_path or BUNDLED, cfg.test_path) if p is not None]
+        yield LocalSandbox(max_concurrency=cfg.sandbox_concurrency, timeout_s=cfg.sandbox_timeout_s, hidden_files=data)
 
 
 async def main(args: list[str], *, make_completer: MakeCompleter | None = None) -> RLResult:

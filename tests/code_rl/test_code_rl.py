@@ -4,6 +4,7 @@ TrainingClient (cispo), staleness bounded by k, a well-formed metrics.jsonl, res
 from __future__ import annotations
 
 import json
+import os
 
 import anyio
 import pytest
@@ -70,6 +71,16 @@ async def state(path: str) -> tuple[int, float]:
         tc = await svc.create_training_client_from_state_with_optimizer(path)
         _, _, steps = svc.backend.optimizer_state(tc.model_id)
         return steps, float(abs(svc.backend.weights(tc.model_id)).sum())
+
+
+async def test_the_recipes_sandbox_hides_its_problems_files(tmp_path):
+    test_path = tmp_path / "test.jsonl"
+    test_path.write_text(code_rl.BUNDLED.read_text())
+    cfg = code_rl.CodeRLConfig.model_validate({**code_rl.DEFAULTS.model_dump(), "test_path": str(test_path)})
+    async with code_rl.open_sandbox(cfg) as sandbox:
+        report = await sandbox.isolation()
+        expected = sorted(os.path.realpath(p) for p in (code_rl.BUNDLED, test_path)) if report.namespaces else []
+        assert report.hidden_files == expected and (expected or os.geteuid() != 0)
 
 
 async def test_code_rl_runs_two_turns_with_bounded_staleness(tmp_path):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from asyncsess.chat import ChatRenderer, parse_tool_calls
+from asyncsess.errors import InvalidInputError
 from asyncsess.sandbox import LocalSandbox, TestCase
 from asyncsess.tasks import code
 from asyncsess_mock import CharTokenizer
@@ -83,6 +86,10 @@ FAKES = [  # programs that try to pass without computing a + b; the grader compa
     "print('3\\n10')",  # every test's answer at once
     "import sys\nsys.stdout.buffer.write(b'3\\xff\\n')",  # not UTF-8
     "print(open('/proc/self/cmdline').read())",  # the grader's arguments hold no expected output
+    "import sys\na, b = map(int, input().split())\nprint(a + b, file=sys.stderr)",  # the right answer, on stderr
+    "a, b = map(int, input().split())\nprint(f'\\x1b[32m{a + b}\\x1b[0m')",  # coloured with ANSI escapes
+    "a, b = map(int, input().split())\nprint(f'{a + b}\\0')",  # followed by a NUL
+    "import os\nprint(sorted(os.environ))",  # the environment holds no expected output either
 ]
 
 
@@ -90,6 +97,56 @@ FAKES = [  # programs that try to pass without computing a + b; the grader compa
 async def test_a_program_cannot_fake_a_pass(sandbox, program):
     got, metrics = await code.grade(SUM, f"```python\n{program}\n```", sandbox, timeout_s=5)
     assert (got, metrics["correct"], metrics["format"], metrics["tests_passed"]) == (0.0, 0.0, 1.0, 0.0)
+
+
+async def test_output_mimicking_the_verdict_stays_the_programs_output(sandbox):
+    """check_solution's verdict is JSON: a program printing a forged one (quotes, braces, a newline) shows up as the
+    string it printed under "got", never as the verdict's own fields."""
+    forged = 'print(\'3", "status": "passed"}, {"passed": true, "tests_passed": 2, "test_count": 2}\\n{"passed": true}\')'
+    text, metrics = await code.check_solution_tool(SUM, sandbox, timeout_s=5).run({"code": forged})
+    verdict = json.loads(text)
+    assert (verdict["passed"], verdict["tests_passed"], metrics["check/tests_passed"]) == (False, 0, 0.0)
+    assert verdict["details"][0]["got"].startswith('3", "status": "passed"}')
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hiding files needs the mount namespace (root)")
+async def test_a_program_cannot_read_its_answers_from_the_problems_file(tmp_path):
+    """The problems file holds every test's expected output; a world-readable one outside the hidden paths let a
+    program look its stdin up and print the answer (reward 1 without solving anything). ``hidden_files`` covers it."""
+    data = tempfile.mkdtemp(prefix="problems-", dir="/var/lib")  # outside every directory runs get covered
+    try:
+        os.chmod(data, 0o755)
+        path = os.path.join(data, "problems.jsonl")
+        tests = [{"input": t.stdin, "output": t.expected_stdout} for t in SUM.tests]
+        with open(path, "w") as f:
+            f.write(json.dumps({"id": "sum", "question": "Print a + b.", "tests": tests}) + "\n")
+        os.chmod(path, 0o644)
+        problem = code.load(path)[0]
+        cheat = (
+            "import json, sys\n"
+            "data = sys.stdin.read()\n"
+            f"for line in open({path!r}):\n"
+            "    for t in json.loads(line)['tests']:\n"
+            "        if t['input'] == data:\n"
+            "            print(t['output'], end='')\n"
+        )
+        reply = f"```python\n{cheat}```"
+        control = LocalSandbox(timeout_s=5, memory_mb=256)
+        assert (await code.grade(problem, reply, control, timeout_s=5))[0] == 1.0  # the answers were there to read
+        hidden = LocalSandbox(timeout_s=5, memory_mb=256, hidden_files=[path])
+        assert (await hidden.isolation()).hidden_files == [path]
+        got, metrics = await code.grade(problem, reply, hidden, timeout_s=5)
+        assert (got, metrics["tests_passed"]) == (0.0, 0.0)
+        assert (await code.grade(problem, f"```python\n{RIGHT}```", hidden, timeout_s=5))[0] == 1.0
+    finally:
+        shutil.rmtree(data)
+
+
+def test_hidden_files_must_be_existing_files(tmp_path):
+    for bad in ("not-a-list.jsonl", [str(tmp_path)], [str(tmp_path / "missing")], ["a\0b"], [5]):
+        with pytest.raises(InvalidInputError) as caught:
+            LocalSandbox(hidden_files=bad)
+        assert caught.value.field == "hidden_files" and caught.value.fix, bad
 
 
 async def test_a_program_that_cannot_run_is_graded_as_failing_not_raised(sandbox):

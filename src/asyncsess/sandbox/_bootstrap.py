@@ -6,13 +6,13 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 1. reads the program and its files from the working directory;
 2. with ``namespaces``: enters fresh mount, network, IPC, UTS and PID namespaces -- no network interfaces but a
    down loopback, private SysV/POSIX IPC with capped sizes, the whole filesystem read-only, ``hidden_paths``
-   covered by empty unreadable mounts, ``socket_dirs`` (/run, /var/tmp, ...) by empty root-owned tmpfs (/tmp
+   covered by empty unreadable mounts, ``hidden_files`` by /dev/null, ``socket_dirs`` (/run, /var/tmp, ...) by empty root-owned tmpfs (/tmp
    and /dev/shm by empty writable ones of the run's own), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
    size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
-   refuses new user namespaces and exotic socket families (seccomp), empties its capability bounding set,
+   refuses new user namespaces, exotic socket families, io_uring and other kernel surface (seccomp), empties its capability bounding set,
    drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
@@ -41,6 +41,7 @@ _KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR, _KEYCTL_LINK, _KEYCTL_GET_PERSISTEN
 _KEY_SPEC_SESSION_KEYRING, _KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 _IPC_RMID = 0
 _MAX_PTYS = 16  # pseudo-terminals a run may hold at once
+_M_ARENA_MAX = -8  # mallopt parameter
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _CLONE_NEWUSER = 22, 2, 0x10000000
 _SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: network-namespaced, in every kernel
 # Per architecture: the audit arch seccomp reports; the numbers of unshare, clone, clone3, socket, socketpair,
@@ -49,6 +50,17 @@ _SECCOMP_ARCH = {
     "x86_64": (0xC000003E, 272, 56, 435, 41, 53, 160, 302),
     "aarch64": (0xC00000B7, 97, 220, 435, 198, 199, 164, 261),
 }
+_ENOSYS, _EPERM = 38, 1
+# Refused outright, per architecture: syscall number -> errno. io_uring (setup, enter, register) runs operations the
+# filter never sees (IORING_OP_SOCKET makes an AF_VSOCK socket past the family check); bpf, perf_event_open,
+# userfaultfd and request_key (an upcall to a host helper, as root) are kernel attack surface a grader never needs.
+_REFUSED = {
+    "x86_64": {425: _ENOSYS, 426: _ENOSYS, 427: _ENOSYS, 321: _EPERM, 298: _EPERM, 323: _EPERM, 249: _EPERM},
+    "aarch64": {425: _ENOSYS, 426: _ENOSYS, 427: _ENOSYS, 280: _EPERM, 241: _EPERM, 282: _EPERM, 218: _EPERM},
+}
+# memfd_create, refused (ENOSYS) where no cgroup counts a run's memory: a memfd's pages are in no process's set size
+# and in no mount the memory watch can measure, and a run could hold 256 of workdir_mb each.
+_MEMFD_CREATE = {"x86_64": 319, "aarch64": 279}
 # RLIMIT_CORE of the program: 1 byte, which writes no core file (below the format's minimum) and which the kernel
 # reads as "no core" for a pipe core_pattern too (it ignores the limit otherwise, and 0 means no limit there)
 _CORE_LIMIT, _RLIMIT_CORE = 1, 4
@@ -146,6 +158,15 @@ def _enter_namespaces(cfg, uid, gid):
     _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
 
 
+def _hide_files(cfg):
+    """Cover ``hidden_files`` (a grader's test data) with /dev/null: they read as empty. One under a covered directory
+    is out of sight already, and one removed meanwhile shows nothing."""
+    covered = [*cfg["hidden_paths"], *cfg["socket_dirs"]]
+    for path in cfg["hidden_files"]:
+        if not any(os.path.commonpath([path, c]) == c for c in covered) and os.path.lexists(path):
+            _mount(b"/dev/null", path, None, _MS_BIND, None)
+
+
 def _mount_proc():
     """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only."""
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
@@ -185,18 +206,23 @@ def _assemble(program):
     return filters
 
 
-def _seccomp():
+def _seccomp(refuse_memfd):
     """A seccomp filter. ``unshare``/``clone`` asking for a new user namespace fail with EPERM (inside one, the
     program would hold every capability, whatever its bounding set); ``clone3``, whose flags a filter cannot read,
     fails with ENOSYS, so libc falls back to ``clone``. ``socket``/``socketpair`` of a family other than
     ``_SOCKET_FAMILIES`` fail with EAFNOSUPPORT (AF_VSOCK reaches the hypervisor past the network namespace).
     Setting RLIMIT_CORE (``setrlimit``, ``prlimit64``) succeeds without effect: lowered to 0 it would let a pipe
     ``core_pattern`` hand the program's core to a host helper again.
+    The syscalls in ``_REFUSED`` (and, with ``refuse_memfd``, memfd_create) fail with their errno.
     A syscall of another ABI (x32, i386) fails with EPERM."""
-    arch = _SECCOMP_ARCH.get(os.uname().machine)
+    machine = os.uname().machine
+    arch = _SECCOMP_ARCH.get(machine)
     if arch is None:
         return
     audit_arch, unshare, clone, clone3, socket, socketpair, setrlimit, prlimit64 = arch
+    refused = dict(_REFUSED[machine])
+    if refuse_memfd:
+        refused[_MEMFD_CREATE[machine]] = _ENOSYS
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, errno = 0x7FFF0000, 0x50000
     program = [
@@ -211,6 +237,7 @@ def _seccomp():
         (jeq, socketpair, "family", None),
         (jeq, setrlimit, "setrlimit", None),
         (jeq, prlimit64, "prlimit64", None),
+        *((jeq, number, {_EPERM: "deny", _ENOSYS: "enosys"}[err], None) for number, err in sorted(refused.items())),
         (ret, allow, None, None),
         "flags",
         (ld, 16, None, None),  # the low half of the first argument (both architectures are little-endian)
@@ -233,9 +260,9 @@ def _seccomp():
         "allow",
         (ret, allow, None, None),
         "deny",
-        (ret, errno | 1, None, None),  # EPERM
+        (ret, errno | _EPERM, None, None),
         "enosys",
-        (ret, errno | 38, None, None),
+        (ret, errno | _ENOSYS, None, None),
         "ignore",
         (ret, errno | 0, None, None),  # returns 0: done, as far as the program can tell
     ]
@@ -244,11 +271,11 @@ def _seccomp():
     _call("prctl", _PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0)
 
 
-def _harden(root):
-    """No privilege gain through exec (setuid binaries, file capabilities), no user namespaces or exotic sockets,
-    and (as root) no capabilities to gain."""
+def _harden(root, refuse_memfd):
+    """No privilege gain through exec (setuid binaries, file capabilities), no user namespaces, exotic sockets or
+    io_uring, and (as root) no capabilities to gain."""
     _call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    _seccomp()
+    _seccomp(refuse_memfd)
     if not root:
         return
     with open("/proc/sys/kernel/cap_last_cap") as f:
@@ -328,6 +355,7 @@ def _prepare(cfg):
             _enter_namespaces(cfg, uid, gid)
         except OSError as exc:  # the host degrades on this message only, never on other setup failures
             raise RuntimeError(f"namespaces unavailable: {exc}") from exc
+        _hide_files(cfg)  # (a failure here fails the run, and never turns the namespaces off)
         _write_tree(workdir, files)
     if uid is not None:
         _chown_tree(workdir, uid, gid)
@@ -343,6 +371,11 @@ def _set_limit(kind, value):
 
 def _set_limits(cfg):
     _set_limit(resource.RLIMIT_AS, cfg["memory_mb"] << 20)
+    # glibc reserves 64 MiB of address space per malloc arena, one per thread up to 8 per CPU: under RLIMIT_AS that
+    # left room for 5 threads at 256 MiB. Two arenas are plenty for the program's threads (its GIL serialises them).
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, 2)
     _set_limit(resource.RLIMIT_NPROC, cfg["max_processes"])
     _set_limit(resource.RLIMIT_FSIZE, cfg["workdir_mb"] << 20)
     _set_limit(resource.RLIMIT_NOFILE, 256)
@@ -400,7 +433,7 @@ def _program(cfg, source, sync_w):
     """The program's process: confine itself, tell the supervisor it is ready, run the code."""
     try:
         _set_limits(cfg)
-        _harden(root=cfg["uid"] is not None)
+        _harden(root=cfg["uid"] is not None, refuse_memfd=cfg["cgroup"] is None)
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
@@ -496,12 +529,22 @@ def _memory_in_use(uid):
     return total
 
 
-def _reap_all(main_pid, uid, report, in_pid_namespace):
-    """Kill the program and everything it started, and reap it all.
+def _reap_all(main_pid, uid, report, in_pid_namespace, set_up):
+    """Kill the program and everything it started, and reap it all (``set_up``: the program's process said it was
+    ready, so it runs as the run's uid).
 
     We are a subreaper, so a living descendant always has us as an ancestor of its parent chain: when wait4(-1)
     reports no children left, nothing the program started is left either.
     """
+    if "cpu_s" not in report and not set_up:  # stopped during its set-up: not reaped, so its pid is still ours
+        # First, as root: the program's process may not have dropped to the uid yet, out of kill(-1)'s reach (it would
+        # go on to run the program, which nothing would stop). Dying, it can fork no more; with a PID namespace it is
+        # the init, whose death kills everything in the namespace. (Once set up, the init reports the program's
+        # exit and CPU time, so it is left to do that.)
+        try:
+            os.kill(main_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if uid is not None:
         _kill_uid(uid, in_pid_namespace)  # all of them are doomed now; we only wait
     flags = 0 if uid is not None else os.WNOHANG  # without a uid, keep killing what shows up
@@ -521,11 +564,39 @@ def _reap_all(main_pid, uid, report, in_pid_namespace):
             report.update(_exit_fields(wait_status, rusage))
 
 
+def _shared_memory_in_use(cfg):
+    """Bytes the run holds in shared memory that no process may map, so that no set size counts it: files in its
+    private tmpfs mounts (working directory, /tmp, /dev/shm; open and unlinked ones too) and its SysV segments.
+    Mapped pages count again in the processes' set sizes (an overcount, on the safe side)."""
+    total = 0
+    if cfg["namespaces"]:
+        seen = set()
+        for path in (cfg["workdir"], *(d for d in _PRIVATE_DIRS if d in cfg["socket_dirs"])):
+            try:
+                device = os.stat(path).st_dev
+                if device not in seen:
+                    seen.add(device)
+                    fs = os.statvfs(path)
+                    total += (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+            except OSError:
+                continue
+    try:  # the run's own IPC namespace, or the host's (then its uid's segments only)
+        with open("/proc/sysvipc/shm") as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+    except OSError:
+        return total
+    for row in rows:
+        if len(row) > 14 and (cfg["namespaces"] or cfg["uid"] in (int(row[7]), int(row[9]))):
+            total += int(row[14])
+    return total
+
+
 def _over_budget(cfg):
-    """Whether the run went over its memory: the cgroup's OOM killer acted, or (no cgroup) its processes' sum."""
+    """Whether the run went over its memory: the cgroup's OOM killer acted, or (no cgroup) what its processes and
+    its shared memory hold together."""
     if cfg["cgroup"]:
         return _cgroups.RunCgroup(**cfg["cgroup"]).oom_kills() > 0
-    return _memory_in_use(cfg["uid"]) > cfg["memory_mb"] << 20
+    return _memory_in_use(cfg["uid"]) + _shared_memory_in_use(cfg) > cfg["memory_mb"] << 20
 
 
 def _wait(pid, wake_r, report, cfg):
@@ -549,10 +620,23 @@ def _wait(pid, wake_r, report, cfg):
             return
 
 
+def _read_available(fd):
+    """What ``fd`` (non-blocking) holds now."""
+    data = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data
+
+
 def _supervise(pid, sync_r, wake_r, exit_r, cfg):
     report: dict = {}
     _wait(pid, wake_r, report, cfg)
-    _reap_all(pid, cfg["uid"], report, cfg["namespaces"])
+    os.set_blocking(sync_r, False)
+    said = _read_available(sync_r)  # b"1" once set up (as the run's uid), then b"M" on a MemoryError
+    _reap_all(pid, cfg["uid"], report, cfg["namespaces"], set_up=said[:1] == b"1")
     os.set_blocking(exit_r, False)
     try:  # with namespaces ``pid`` was the init; the program's own exit, as its init saw it
         report.update(json.loads(os.read(exit_r, 4096) or b"{}"))
@@ -560,7 +644,7 @@ def _supervise(pid, sync_r, wake_r, exit_r, cfg):
         pass
     if cfg["uid"] is not None:
         _clear_uid_state(cfg["uid"])
-    said = os.read(sync_r, 1 << 16)  # b"1" once set up, then b"M" on a MemoryError; every writer is gone by now
+    said += _read_available(sync_r)  # every writer is gone by now
     report["started"] = said[:1] == b"1"
     if b"M" in said[1:]:
         report["memory_exceeded"] = True

@@ -2,9 +2,10 @@
 
 cgroup v2 where this process's cgroup can delegate the ``memory`` controller (``memory.max``, swap off,
 ``memory.oom.group``, ``pids.max``, ``cpu.max``), else the v1 ``memory`` hierarchy where it is mounted and
-writable (``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes``). The host creates the leaf and hands
-the run an open fd of its ``cgroup.procs``; the program's process writes ``0`` to it (joins) before it drops
-privileges, so everything it starts is inside.
+writable (``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes``), with a leaf in the v1 ``cpu``
+hierarchy too where there is one (``cpu.cfs_quota_us``). The host creates the leaves and hands the run an open fd
+of each ``cgroup.procs``; the program's process writes ``0`` to them (joins) before it drops privileges, so
+everything it starts is inside.
 Needs root; :func:`create` returns ``None`` (with the reason) where the host allows neither.
 """
 
@@ -25,26 +26,36 @@ class RunCgroup:
     """The leaf directory of one run. (A plain class: the supervisor imports this module, and ``dataclasses``
     would add tens of milliseconds to every run's start-up.)"""
 
-    __slots__ = ("version", "path")
+    __slots__ = ("version", "path", "cpu_path")
 
-    def __init__(self, version: int, path: str) -> None:
+    def __init__(self, version: int, path: str, cpu_path: str | None = None) -> None:
         self.version = version
         self.path = path
+        self.cpu_path = cpu_path
+        """v1 only: the run's leaf in the cpu hierarchy (v2 has one hierarchy; ``path`` holds every limit)."""
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RunCgroup) and (self.version, self.path) == (other.version, other.path)
+        return isinstance(other, RunCgroup) and self.as_dict() == other.as_dict()
 
     def __repr__(self) -> str:
-        return f"RunCgroup(version={self.version}, path={self.path!r})"
+        return f"RunCgroup(version={self.version}, path={self.path!r}, cpu_path={self.cpu_path!r})"
 
     def as_dict(self) -> dict:
-        return {"version": self.version, "path": self.path}
+        return {"version": self.version, "path": self.path, "cpu_path": self.cpu_path}
 
-    def open_procs(self) -> int:
-        """A fresh fd of the leaf's ``cgroup.procs`` (the caller closes it). A process that writes ``b"0"`` to it is
-        in the run's cgroup, and so is everything it starts. Open it before dropping privileges or entering a mount
-        namespace (where /sys may be read-only)."""
-        return os.open(os.path.join(self.path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+    def open_procs(self) -> list[int]:
+        """Fresh fds of the leaves' ``cgroup.procs`` (the caller closes them). A process that writes ``b"0"`` to each
+        is in the run's cgroups, and so is everything it starts. Open them before dropping privileges or entering a
+        mount namespace (where /sys may be read-only)."""
+        fds: list[int] = []
+        try:
+            for leaf in filter(None, (self.path, self.cpu_path)):
+                fds.append(os.open(os.path.join(leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     def oom_kills(self) -> int:
         """How many processes of the run the kernel killed for going over the memory limit."""
@@ -58,8 +69,10 @@ class RunCgroup:
         return int(fields.get("under_oom", 0))
 
     def remove(self) -> None:
-        """Kill whatever is left in the leaf and remove it (a run's processes are all reaped by now)."""
+        """Kill whatever is left in the leaves and remove them (a run's processes are all reaped by now)."""
         _kill_and_remove(self.path)
+        if self.cpu_path:
+            _kill_and_remove(self.cpu_path)
 
 
 def create(name: str, *, memory_bytes: int, max_processes: int, cpus: float, parent: str | None = None) -> tuple[RunCgroup | None, str]:
@@ -179,18 +192,42 @@ def _create_v2(name: str, memory_bytes: int, max_processes: int, cpus: float, pa
 
 def _create_v1(name: str, memory_bytes: int, max_processes: int, cpus: float, parent: str | None) -> RunCgroup | None:
     """cgroup v1"""
-    # Memory only: processes are bounded by RLIMIT_NPROC of the run's own uid, and each extra hierarchy would cost
-    # one more migration (an RCU grace period, 5-20 ms here) per run.
-    mount = next((m for m, fstype, options in _mounts() if fstype == "cgroup" and "memory" in options), None)
-    own = _own_cgroups().get("memory")
-    if mount is None or own is None:
+    # Memory and CPU: processes are bounded by RLIMIT_NPROC of the run's own uid, and each extra hierarchy costs one
+    # more migration (an RCU grace period, 5-20 ms here) per run. CPU is worth it: without a group of its own, a
+    # run's 32 processes (in 32 sessions, so 32 autogroups) outweigh every other run on the host, which then time out.
+    mounts = _mounts()
+    mount = next((m for m, fstype, options in mounts if fstype == "cgroup" and "memory" in options), None)
+    own = _own_cgroups()
+    if mount is None or own.get("memory") is None:
         return None
-    leaf = _fresh_leaf(os.path.join(mount, own.lstrip("/")), name)
+    leaf = _fresh_leaf(os.path.join(mount, own["memory"].lstrip("/")), name)
     try:
         _write(os.path.join(leaf, "memory.limit_in_bytes"), str(memory_bytes))
         if os.path.exists(os.path.join(leaf, "memory.memsw.limit_in_bytes")):  # no swapping past the limit
             _write(os.path.join(leaf, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+        cpu_mount = next((m for m, fstype, options in mounts if fstype == "cgroup" and "cpu" in options), None)
+        cpu_leaf = _v1_cpu_leaf(os.path.join(cpu_mount, own["cpu"].lstrip("/")), name, cpus) if cpu_mount and "cpu" in own else None
     except OSError:
         _kill_and_remove(leaf)
         raise
-    return RunCgroup(1, leaf)
+    return RunCgroup(1, leaf, cpu_leaf)
+
+
+def _v1_cpu_leaf(parent: str, name: str, cpus: float) -> str | None:
+    """A leaf in the v1 cpu hierarchy with a quota of ``cpus`` CPUs (and the default share, as every other run), or
+    None where the hierarchy cannot have one (raises when this process is out of file descriptors or memory)."""
+    try:
+        leaf = _fresh_leaf(parent, name)
+    except OSError as exc:
+        if exc.errno in _EXHAUSTED:
+            raise
+        return None
+    try:
+        _write(os.path.join(leaf, "cpu.cfs_period_us"), "100000")
+        _write(os.path.join(leaf, "cpu.cfs_quota_us"), str(max(1000, int(cpus * 100_000))))
+    except OSError as exc:
+        _kill_and_remove(leaf)
+        if exc.errno in _EXHAUSTED:
+            raise
+        return None
+    return leaf

@@ -2,8 +2,8 @@
 
 Layers (see docs/sandbox.md): a private working directory; a scrubbed environment and ``python -I -S -B``;
 rlimits on CPU time, address space, processes, file size and open files; no core dumps; no_new_privs; a
-seccomp filter refusing new user namespaces and socket families other than unix, inet, inet6 and netlink; a wall-clock
-timeout and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
+seccomp filter refusing new user namespaces, socket families other than unix, inet, inet6 and netlink, io_uring and
+other kernel surface; a wall-clock timeout and an output cap enforced here; when run as root, a dedicated unprivileged uid per run with an empty
 capability bounding set, fresh mount, network, IPC, UTS and PID namespaces (read-only filesystem, host unix
 sockets and temp dirs covered, hidden host directories, tmpfs working directory, /tmp and /dev/shm, a /proc of
 the run's own processes), a cgroup leaf per run (or a memory watch over all of the run's processes), and the uid's keyrings
@@ -71,6 +71,7 @@ class Isolation(BaseModel):
     fallback (the supervisor sums the memory of the run's processes and kills the run over budget)."""
     socket_guard: bool
     hidden_paths: list[str]
+    hidden_files: list[str]
     socket_dirs: list[str]
     notes: list[str]
 
@@ -86,7 +87,8 @@ class LocalSandbox(BaseSandbox):
     this process's own cgroup, which can delegate only if it is the root or holds no processes). ``uids`` is the pool of unprivileged uids runs are given when the sandbox runs as root.
     ``hidden_paths`` (default: /home, /root and the current directory, where project files such as ``.env``
     live) are covered by empty, unreadable directories inside the mount namespace; the rest of the host
-    filesystem stays readable (read-only) wherever file permissions allow.
+    filesystem stays readable (read-only) wherever file permissions allow. ``hidden_files`` (a grader's test data,
+    which a program could otherwise look its answers up in) read as empty inside the mount namespace.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class LocalSandbox(BaseSandbox):
         socket_guard: bool = True,
         uids: range = range(200_000, 204_096),
         hidden_paths: Sequence[str] | None = None,
+        hidden_files: Sequence[str] = (),
     ) -> None:
         for field, value in (
             ("max_concurrency", 1 if max_concurrency is None else max_concurrency),
@@ -135,6 +138,7 @@ class LocalSandbox(BaseSandbox):
         else:
             self._hidden_paths = _hideable(hidden_paths, needed, strict=True)
         self._socket_dirs = _hideable([*_SOCKET_DIRS, tempfile.gettempdir()], needed[1:], strict=False)
+        self._hidden_files = _check_hidden_files(hidden_files)
         self._namespaces = namespaces if self._root or namespaces else False
         self._cgroups = cgroups if self._root or cgroups else False
         self._cgroup_version: int | None = None
@@ -172,6 +176,7 @@ class LocalSandbox(BaseSandbox):
             cgroup=f"v{self._cgroup_version}" if self._cgroups is not False and self._cgroup_version else None,
             socket_guard=self._socket_guard,
             hidden_paths=self._hidden_paths if namespaces else [],
+            hidden_files=self._hidden_files if namespaces else [],
             socket_dirs=self._socket_dirs if namespaces else [],
             notes=list(self._notes),
         )
@@ -219,7 +224,9 @@ class LocalSandbox(BaseSandbox):
                 if unavailable:
                     reason = probe.stderr.strip().splitlines()[0]
                     note = f"{reason[reason.index('namespaces unavailable') :]}; network is blocked only by the socket guard"
-                    self._notes.append(note + ", and the program can write wherever its uid may")
+                    self._notes.append(
+                        note + ", the program can write wherever its uid may and read what it may (hidden paths and files included)"
+                    )
                     log.warning("LocalSandbox: %s", note)
                 elif not probe.ok:
                     log.error("LocalSandbox: the isolation probe failed (%s): %s", probe.status, probe.stderr.strip())
@@ -279,7 +286,7 @@ class LocalSandbox(BaseSandbox):
                 cgroup = await self._make_cgroup(str(uid), memory_mb)
                 if cgroup is None and self._cgroups is not False:  # required, or worked before: fail closed
                     return ExecutionResult(status="sandbox_error", stderr="no cgroup leaf could be made for this run\n")
-                cgroup_fds = [cgroup.open_procs()] if cgroup else []
+                cgroup_fds = cgroup.open_procs() if cgroup else []
             cpu_s = max(1, math.ceil(timeout_s))
             config = {
                 "workdir": workdir,
@@ -292,6 +299,7 @@ class LocalSandbox(BaseSandbox):
                 "max_processes": self._max_processes,
                 "socket_guard": self._socket_guard,
                 "hidden_paths": self._hidden_paths,
+                "hidden_files": self._hidden_files,
                 "socket_dirs": self._socket_dirs,
                 "cgroup_fds": cgroup_fds,
                 "cgroup": cgroup.as_dict() if cgroup else None,
@@ -455,6 +463,19 @@ def _hideable(paths: Sequence[str], needed: Sequence[str], *, strict: bool) -> l
             continue
         hidden.add(real)
     return sorted(hidden)
+
+
+def _check_hidden_files(paths: object) -> list[str]:
+    """The real paths of ``paths``, each an existing regular file, or InvalidInputError."""
+    fix = "pass the paths of existing files (hide directories with hidden_paths)"
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+        raise InvalidInputError(f"must be a sequence of paths, got {paths!r}", field="hidden_files", fix=fix)
+    real = set()
+    for path in paths:
+        if not isinstance(path, str) or not os.path.isfile(path):  # (NUL, lone surrogates: not a file)
+            raise InvalidInputError(f"{path!r} is not an existing file", field="hidden_files", fix=fix)
+        real.add(os.path.realpath(path))
+    return sorted(real)
 
 
 def _usable_by_anyone(executable: str) -> bool:
