@@ -426,6 +426,10 @@ class TinkerDoor:
                 await self.backend.stop_session(backend_id)
             raise SessionGoneError(self._gone(session).message)
 
+    def _promise(self, kind: str, prefix: str) -> Promise:
+        """A new promise of the session ``prefix`` starts with, counted against its key's share of kept results."""
+        return self.promises.new(kind, prefix, owner=self.sessions[prefix.split(":", 1)[0]].owner)
+
     def owns(self, session_id: str) -> bool:
         """Whether the calling key created session ``session_id``."""
         s = self.sessions.get(session_id)
@@ -579,7 +583,7 @@ class TinkerDoor:
             if earlier[0] != digest:
                 raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
             return earlier[1], False
-        p = self.promises.new(kind, prefix)
+        p = self._promise(kind, prefix)
         self._creating[key] = (digest, p)
         return p, True
 
@@ -653,7 +657,7 @@ class TinkerDoor:
         m = self.model(_str(body, "model_id"))
         m.sequencer.stop("unloaded")
         await self.backend.stop_session(m.backend_id)
-        p = self.promises.new("unload_model", m.session_id)
+        p = self._promise("unload_model", m.session_id)
         p.resolve(json={"model_id": m.id, "type": "unload_model"})
         return _future(p, m.id)
 
@@ -694,7 +698,7 @@ class TinkerDoor:
         except (ApiError, AsyncSessError):
             self._skip(m, seq, digest)  # the turn is used up, so later requests do not wait for it
             raise
-        promise = self.promises.new(kind, m.id)
+        promise = self._promise(kind, m.id)
         m.submitted[seq] = (digest, promise)
         m.submitted.pop(seq - KEEP_SEQS, None)  # re-deliveries older than this get 409, as in the Sequencer
         m.thunks[seq] = thunk
@@ -1119,7 +1123,7 @@ class TinkerDoor:
                     field="sampling_session_id",
                     fix="create a sampling client on a checkpoint that exists",
                 )
-        promise = self.promises.new("sample", s.id)
+        promise = self._promise("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
         request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
@@ -1157,6 +1161,8 @@ class TinkerDoor:
             raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
         if not await self.promises.wait(p, self.poll_timeout):
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408)
+        if p.forgotten:  # its key's newer results pushed it out meanwhile
+            raise _not_found("request_id", rid, "retrieve results as they finish (each key's results are kept for a while)")
         if p.error is not None:
             return JSONResponse({"error": p.error, "category": p.category})
         if p.proto is not None:
