@@ -322,6 +322,9 @@ class TinkerDoor:
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
         self._released: OrderedDict[str, str] = OrderedDict()  # released ephemeral sampler id -> why
+        # sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
+        # one sampler (a second one under it replaced the first in the registry and left it open on the backend)
+        self._sampler_ids: dict[str, str] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -810,10 +813,13 @@ class TinkerDoor:
 
         return self._submit_json(m, body, "optim_step", make)
 
-    def _submit_json(self, m: _Model, body: dict[str, Any], kind: str, make: Callable[[], Callable[[], Awaitable[Any]]]) -> dict[str, Any]:
+    def _submit_json(
+        self, m: _Model, body: dict[str, Any], kind: str, make: Callable[[], Callable[[], Awaitable[Any]]], same: Any = None
+    ) -> dict[str, Any]:
+        """Submit a JSON op at its ``seq_id``; ``same``: what a re-sent request must equal (default: the body)."""
         seq = _int(body, "seq_id")
         try:
-            promise = self.submit(m, seq, body, kind, make)
+            promise = self.submit(m, seq, body if same is None else same, kind, make)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         return _future(promise, m.id)
@@ -886,8 +892,15 @@ class TinkerDoor:
             name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
+            sid = f"{m.session_id}:sample:{ephemeral_seq}"
+            if body.get("path") is None and sid in self._sampler_ids:
+                raise ApiError(
+                    409, f"{sid} already names a sampler", field="sampling_session_seq_id", fix="number a session's samplers 0, 1, 2, ..."
+                )
             op = functools.partial(self._save_op(m, body, SaveWeightsOp, "sampler_weights", name), ephemeral=body.get("path") is None)
             run = self._op(m, op)
+            if body.get("path") is None:
+                self._sampler_ids[sid] = f"ephemeral {m.id} {body['seq_id']}"
 
             async def go() -> Callable[[Promise], None]:
                 await self._deleted(m, f"sampler_weights/{name}")
@@ -897,13 +910,15 @@ class TinkerDoor:
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 m.names.discard(f"sampler_weights/{name}")  # never listed: its seq_id keeps it unique
-                sid = f"{m.session_id}:sample:{ephemeral_seq}"
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step, ephemeral=True)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return go
 
-        return self._submit_json(m, body, "save_weights_for_sampler", make)
+        # the SDK numbers an ephemeral save's sampler anew on each retry of the same request (same seq_id): a retry
+        # after a lost answer gets the first one's future, not a 409
+        same = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+        return self._submit_json(m, body, "save_weights_for_sampler", make, same)
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
         """The backend path behind a ``tinker://`` path (other paths pass through to the backend, unless they name
@@ -1067,20 +1082,34 @@ class TinkerDoor:
     async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         session = self._session(_str(body, "session_id"))
         sid = f"{session.id}:sample:{_int(body, 'sampling_session_seq_id')}"
-        if sid in self.samplers:
-            return {"sampling_session_id": sid, "type": "create_sampling_session"}
         path = _str(body, "model_path") if body.get("model_path") is not None else None
         base_model = _str(body, "base_model") if body.get("base_model") is not None else None
+        digest = _hash({"model_path": path, "base_model": base_model})
+        claimed = self._sampler_ids.get(sid)
+        if claimed is not None:  # a re-sent request gets its sampler; the id used for another is a 409
+            if claimed != digest:
+                raise ApiError(
+                    409, f"{sid} already names another sampler", field="sampling_session_seq_id", fix="number a session's samplers 0, 1, 2, ..."
+                )
+            if sid not in self.samplers:
+                if sid in self._released:
+                    self.sampler(sid)  # 410 saying why
+                raise ApiError(409, f"{sid} is still being created", field="sampling_session_seq_id", fix="retry")  # the SDK retries 409
+            return {"sampling_session_id": sid, "type": "create_sampling_session"}
         backend_path, version = None, 0
         if path:
             backend_path, ck = self._checkpoint(path, "model_path")
             base_model, version = (ck.base_model, ck.step) if ck else (base_model, 0)
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
+        self._sampler_ids[sid] = digest
         try:
             await self._open_sampler(sid, session, base_model, path, backend_path, version)
-        except InvalidInputError as err:
-            raise ApiError.from_error(err) from None
+        except BaseException as err:
+            del self._sampler_ids[sid]  # free for a retry
+            if isinstance(err, (InvalidInputError, SessionGoneError)):
+                raise ApiError.from_error(err) from None
+            raise
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
     def get_sampler(self, sid: str) -> dict[str, Any]:
