@@ -296,8 +296,10 @@ class TinkerDoor:
         gap_timeout: float = 300.0,
         session_timeout: float = SESSION_TIMEOUT,
         max_samplers: int = MAX_SAMPLERS,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.backend = backend
+        self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
         self.poll_timeout = poll_timeout
         self.gap_timeout = gap_timeout
@@ -744,7 +746,7 @@ class TinkerDoor:
         off_loop = _inline if size is not None and size <= self.inline_bytes else anyio.to_thread.run_sync
 
         def decode(sparse: int = tinker_proto.MAX_SPARSE_VALUES) -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
-            body = tinker_proto.decompress(raw) if encoding == "zstd" else raw
+            body = tinker_proto.decompress(raw, self.max_body_bytes) if encoding == "zstd" else raw
             return body, tinker_proto.decode_forward_backward(body, sparse)
 
         try:
@@ -753,6 +755,8 @@ class TinkerDoor:
             except tinker_proto.SparseTooLarge:  # a small body whose sparse tensors expand to more than the loop should hold
                 off_loop = anyio.to_thread.run_sync
                 raw, wire = await off_loop(decode)
+        except tinker_proto.BodyTooLarge as err:  # inflated past what an uncompressed body may be
+            raise ApiError(413, str(err), field=err.field, fix=err.fix) from None
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
@@ -1741,7 +1745,9 @@ def create_app(
         path, fix = str(scope.get("path", "")), f"send the whole body within {max_body_seconds:g} s"
         return refusal(path, 408, "the request body did not arrive in time", "body", fix, "body_timeout")
 
-    door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout, max_samplers=max_samplers)
+    door = TinkerDoor(
+        backend, poll_timeout=poll_timeout, session_timeout=session_timeout, max_samplers=max_samplers, max_body_bytes=max_body_bytes
+    )
     oai = OpenAIDoor(door)
 
     @contextlib.asynccontextmanager
