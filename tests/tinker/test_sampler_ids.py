@@ -54,7 +54,9 @@ class Wire:
         return self.result(self.http.post("/asample", json=body))
 
     def step(self, seq: int) -> Any:
-        return self.result(self.http.post("/optim_step", json={"model_id": self.model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}}))
+        return self.result(
+            self.http.post("/optim_step", json={"model_id": self.model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}})
+        )
 
 
 def _open_on_backend(server: Server) -> int:

@@ -71,6 +71,7 @@ class PromiseTable:
         self._items: dict[str, Promise] = {}
         self._finished: dict[str | None, OrderedDict[str, int]] = {}  # owner -> finished request ids (oldest first) -> size
         self._bytes: dict[str | None, int] = {}
+        self._pending: dict[str | None, int] = {}  # owner -> unfinished promises
         self._ids = itertools.count(1)
         self._keep = keep
         self._keep_bytes = keep_bytes
@@ -78,7 +79,12 @@ class PromiseTable:
     def new(self, kind: str, prefix: str, owner: str | None = None) -> Promise:
         p = Promise(request_id=f"{prefix}:{kind}:{next(self._ids)}", kind=kind, owner=owner, table=self)
         self._items[p.request_id] = p
+        self._pending[owner] = self._pending.get(owner, 0) + 1
         return p
+
+    def pending(self, owner: str | None) -> int:
+        """How many of ``owner``'s promises are unfinished."""
+        return self._pending.get(owner, 0)
 
     def get(self, request_id: str) -> Promise | None:
         return self._items.get(request_id)
@@ -87,6 +93,7 @@ class PromiseTable:
         """Count ``p``'s result against its owner's share; forget the owner's oldest past it (never ``p`` itself)."""
         if self._items.get(p.request_id) is not p:  # already forgotten
             return
+        self._pending[p.owner] -= 1
         done = self._finished.setdefault(p.owner, OrderedDict())
         done[p.request_id] = p.size
         self._bytes[p.owner] = self._bytes.get(p.owner, 0) + p.size
@@ -103,8 +110,10 @@ class PromiseTable:
         for rid in gone:
             p = self._items.pop(rid)
             if not p.done.is_set():
+                self._pending[p.owner] -= 1
                 p.fail(err)
-            size = self._finished.get(p.owner, {}).pop(rid, None)
+            done = self._finished.get(p.owner)
+            size = None if done is None else done.pop(rid, None)
             if size is not None:
                 self._bytes[p.owner] -= size
         return len(gone)

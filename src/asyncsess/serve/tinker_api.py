@@ -73,7 +73,7 @@ from ..validation import (
 )
 from . import tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
-from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
@@ -106,9 +106,11 @@ caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("asyncsess_s
 class ApiError(Exception):
     """An HTTP error with a JSON body naming the field: ``{"error", "field", "fix"}``."""
 
-    def __init__(self, status: int, message: str, field: str | None = None, fix: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, field: str | None = None, fix: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.field, self.fix = status, message, field, fix
+        self.status, self.message, self.field, self.fix, self.headers = status, message, field, fix, headers
 
     @classmethod
     def from_error(cls, err: AsyncSessError) -> ApiError:
@@ -117,7 +119,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         body = {"error": self.message, "detail": self.message, "field": self.field, "fix": self.fix}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _not_found(what: str, value: str, fix: str) -> ApiError:
@@ -297,8 +299,10 @@ class TinkerDoor:
         session_timeout: float = SESSION_TIMEOUT,
         max_samplers: int = MAX_SAMPLERS,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_pending: int = MAX_PENDING,
     ) -> None:
         self.backend = backend
+        self.max_pending = max_pending  # unfinished requests one key may hold (see _room)
         self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
         self.poll_timeout = poll_timeout
@@ -430,6 +434,20 @@ class TinkerDoor:
             with contextlib.suppress(Exception):
                 await self.backend.stop_session(backend_id)
             raise SessionGoneError(self._gone(session).message)
+
+    def _room(self, session_id: str) -> None:
+        """A 429 (before anything is taken: the SDK retries the same request) when the session's key already holds
+        ``max_pending`` unfinished requests: a client firing requests without end held a promise and a task for each,
+        and queued every other key's requests behind them."""
+        owner = self.sessions[session_id].owner
+        if self.promises.pending(owner) >= self.max_pending:
+            raise ApiError(
+                429,
+                f"this key has {self.max_pending} requests unfinished, the most one key may have",
+                field="X-API-Key",
+                fix="retrieve results before sending more (retry after 1 s)",
+                headers={"Retry-After": "1"},
+            )
 
     def _promise(self, kind: str, prefix: str) -> Promise:
         """A new promise of the session ``prefix`` starts with, counted against its key's share of kept results."""
@@ -588,6 +606,7 @@ class TinkerDoor:
             if earlier[0] != digest:
                 raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
             return earlier[1], False
+        self._room(prefix)
         p = self._promise(kind, prefix)
         self._creating[key] = (digest, p)
         return p, True
@@ -697,6 +716,7 @@ class TinkerDoor:
             )
         if seq < m.sequencer.next_seq:
             raise ApiError(409, f"seq_id {seq} is older than the model's queue ({m.sequencer.next_seq})", field="seq_id")
+        self._room(m.session_id)  # before make(): a 429 takes nothing, the SDK re-sends this seq_id
         m.last_request = time.time()
         try:
             thunk = make()
@@ -1093,7 +1113,10 @@ class TinkerDoor:
         if claimed is not None:  # a re-sent request gets its sampler; the id used for another is a 409
             if claimed != digest:
                 raise ApiError(
-                    409, f"{sid} already names another sampler", field="sampling_session_seq_id", fix="number a session's samplers 0, 1, 2, ..."
+                    409,
+                    f"{sid} already names another sampler",
+                    field="sampling_session_seq_id",
+                    fix="number a session's samplers 0, 1, 2, ...",
                 )
             if sid not in self.samplers:
                 if sid in self._released:
@@ -1156,6 +1179,7 @@ class TinkerDoor:
                     field="sampling_session_id",
                     fix="create a sampling client on a checkpoint that exists",
                 )
+        self._room(s.session_id)
         promise = self._promise("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
@@ -1720,6 +1744,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_samplers: int = MAX_SAMPLERS,
     max_body_seconds: float = MAX_BODY_SECONDS,
+    max_pending: int = MAX_PENDING,
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
@@ -1746,7 +1771,12 @@ def create_app(
         return refusal(path, 408, "the request body did not arrive in time", "body", fix, "body_timeout")
 
     door = TinkerDoor(
-        backend, poll_timeout=poll_timeout, session_timeout=session_timeout, max_samplers=max_samplers, max_body_bytes=max_body_bytes
+        backend,
+        poll_timeout=poll_timeout,
+        session_timeout=session_timeout,
+        max_samplers=max_samplers,
+        max_body_bytes=max_body_bytes,
+        max_pending=max_pending,
     )
     oai = OpenAIDoor(door)
 
