@@ -169,6 +169,7 @@ class _Model:
     checkpoints: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
     trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
+    unloaded: bool = False  # unload_model stopped it: its ops are 410s
     frontier: int = 1  # its first seq_id not received yet: every one before it arrived (or ran, or was skipped)
 
     def arrived(self) -> int:
@@ -474,6 +475,8 @@ class TinkerDoor:
             raise _not_found("model_id", model_id, "use the model_id that create_model returned")
         if live:
             self._session(m.session_id)
+            if m.unloaded:  # before its turn: nothing is queued behind a model that is gone
+                raise ApiError(410, f"model {m.id} was unloaded", field="model_id", fix="create a model, or load its checkpoint into one")
         return m
 
     def sampler(self, sampling_session_id: str, *, live: bool = False) -> _Sampler:
@@ -679,8 +682,13 @@ class TinkerDoor:
 
     async def unload_model(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"))
-        m.sequencer.stop("unloaded")
-        await self.backend.stop_session(m.backend_id)
+        if not m.unloaded:  # once: a re-sent unload answers the same
+            m.unloaded = True
+            m.sequencer.stop("unloaded")
+            try:
+                await self.backend.stop_session(m.backend_id)
+            except Exception as err:  # stopped already (its session finished), or the backend failed: it is unloaded here
+                log.warning("unloading %s: %r", m.id, err)
         p = self._promise("unload_model", m.session_id)
         p.resolve(json={"model_id": m.id, "type": "unload_model"})
         return _future(p, m.id)

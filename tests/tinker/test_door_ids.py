@@ -3,7 +3,7 @@
 under a used number replaced the first in the door's registry, listed it twice in its session and left it open on the
 backend for good; a ``create_sampling_session`` re-sent with another body got the first sampler silently. And the SDK
 numbers an ephemeral save's sampler anew each time it retries the request (same ``seq_id``), so a retry after a lost
-answer was a 409, which it retried for five minutes."""
+answer was a 409, which it retried for five minutes. And a model id, once unloaded, names no model for ops."""
 
 from __future__ import annotations
 
@@ -102,3 +102,21 @@ def test_a_retried_ephemeral_save_with_a_new_sampler_number_gets_the_first_futur
     assert sid.endswith(":sample:3") and isinstance(w.sample(sid, 0), bytes)
     assert _open_on_backend(server) == before + 1  # the one save's sampler, no second
     assert server.door.sessions[w.session].samplers == [sid]
+
+
+def test_an_op_on_an_unloaded_model_is_a_410_before_its_turn(server: Server) -> None:
+    """It was queued, took its seq_id and failed when run as a ``server`` error (``SessionGoneError: session
+    unloaded``); a second unload stopped the backend session again."""
+    w = Wire(server)
+    assert "error" not in w.step(1)
+    calls = server.backend.calls["stop_session"]  # type: ignore[attr-defined]
+    for _ in range(2):
+        gone = w.http.post("/unload_model", json={"model_id": w.model})
+        assert w.result(gone) == {"model_id": w.model, "type": "unload_model"}
+    assert server.backend.calls["stop_session"] == calls + 1  # type: ignore[attr-defined]
+    for resp in (
+        w.http.post("/optim_step", json={"model_id": w.model, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}),
+        w.http.post("/save_weights", json={"model_id": w.model, "seq_id": 2, "path": "after"}),
+    ):
+        assert resp.status_code == 410 and resp.json()["field"] == "model_id" and "unloaded" in resp.json()["error"], resp.text
+    assert w.http.post("/get_info", json={"model_id": w.model}).status_code == 200  # its records stay readable
