@@ -574,8 +574,8 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
         )
     k = shape[1]
     rows = tuple(tuple(int(x) for x in tensor.data[i * k : (i + 1) * k]) for i in range(shape[0]))
-    if any(x < -1 for row in rows for x in row):
-        raise InvalidInputError("ids must be >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
+    if any(not -1 <= x < 2**63 for row in rows for x in row):  # past int64: an OverflowError when the backend ran it
+        raise InvalidInputError("ids must be int64 >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
     return rows
 
 
