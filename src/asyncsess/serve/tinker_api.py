@@ -73,7 +73,7 @@ from ..validation import (
 )
 from . import tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
-from .defaults import MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
@@ -301,9 +301,12 @@ class TinkerDoor:
         max_samplers: int = MAX_SAMPLERS,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_pending: int = MAX_PENDING,
+        max_live_per_key: int = MAX_LIVE_PER_KEY,
     ) -> None:
         self.backend = backend
         self.max_pending = max_pending  # unfinished requests one key may hold (see _room)
+        self.max_live_per_key = max_live_per_key  # models plus open samplers one key may hold (see _live_room)
+        self._opening: dict[str | None, int] = {}  # samplers being opened by create_sampling_session, per key
         self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
         self.poll_timeout = poll_timeout
@@ -448,6 +451,24 @@ class TinkerDoor:
                 field="X-API-Key",
                 fix="retrieve results before sending more (retry after 1 s)",
                 headers={"Retry-After": "1"},
+            )
+
+    def _live_room(self, session_id: str, field: str) -> None:
+        """A 400 naming ``field`` when the session's key already holds ``max_live_per_key`` models and open samplers
+        (in sessions not finished or expired; those being created count): each holds backend memory, and one key
+        could take all of it from the others. Checked and counted with no await between, so a burst cannot pass it."""
+        owner = self.sessions[session_id].owner
+        live = {s.id for s in self.sessions.values() if s.owner == owner and s.finished is None}
+        held = sum(1 for m in self.models.values() if m.session_id in live and not m.unloaded)
+        held += sum(1 for s in self.samplers.values() if s.session_id in live and s.backend_id is not None)
+        held += sum(1 for k, (_, p) in self._creating.items() if not p.done.is_set() and k.split(":", 1)[0] in live)
+        held += self._opening.get(owner, 0)
+        if held >= self.max_live_per_key:
+            raise ApiError(
+                400,
+                f"this API key holds {held} models and open samplers, the most allowed",
+                field=field,
+                fix="finish sessions you no longer need (ServiceClient.close() does), or unload_model",
             )
 
     def _promise(self, kind: str, prefix: str) -> Promise:
@@ -610,6 +631,7 @@ class TinkerDoor:
                 raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
             return earlier[1], False
         self._room(prefix)
+        self._live_room(prefix, "model_seq_id")
         p = self._promise(kind, prefix)
         self._creating[key] = (digest, p)
         return p, True
@@ -1137,7 +1159,9 @@ class TinkerDoor:
             base_model, version = (ck.base_model, ck.step) if ck else (base_model, 0)
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
+        self._live_room(session.id, "sampling_session_seq_id")
         self._sampler_ids[sid] = digest
+        self._opening[session.owner] = self._opening.get(session.owner, 0) + 1
         try:
             await self._open_sampler(sid, session, base_model, path, backend_path, version)
         except BaseException as err:
@@ -1145,6 +1169,8 @@ class TinkerDoor:
             if isinstance(err, (InvalidInputError, SessionGoneError)):
                 raise ApiError.from_error(err) from None
             raise
+        finally:
+            self._opening[session.owner] -= 1
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
     def get_sampler(self, sid: str) -> dict[str, Any]:
@@ -1753,6 +1779,7 @@ def create_app(
     max_samplers: int = MAX_SAMPLERS,
     max_body_seconds: float = MAX_BODY_SECONDS,
     max_pending: int = MAX_PENDING,
+    max_live_per_key: int = MAX_LIVE_PER_KEY,
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
@@ -1785,6 +1812,7 @@ def create_app(
         max_samplers=max_samplers,
         max_body_bytes=max_body_bytes,
         max_pending=max_pending,
+        max_live_per_key=max_live_per_key,
     )
     oai = OpenAIDoor(door)
 
