@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -85,6 +85,14 @@ def check_loss_fn(loss_fn: str, supported: Sequence[str] | None = None) -> str:
     return loss_fn
 
 
+def _some(names: Iterable[str], show: int = 8) -> str:
+    """Up to ``show`` of ``names``, each cut to 60 characters, and how many more: a refusal names what is wrong without
+    echoing a request's thousands of keys back."""
+    ordered = sorted(names)
+    shown = ", ".join(f"{n:.60}" for n in ordered[:show])
+    return shown + (f" and {len(ordered) - show} more" if len(ordered) > show else "")
+
+
 def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict[str, float] | None:
     if not config:
         return None
@@ -93,7 +101,9 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
     for key, value in config.items():
         if key not in allowed:
             keys = ", ".join(sorted(allowed)) or "none"
-            raise InvalidInputError(f"{loss_fn} takes no key {key!r} (it takes: {keys})", field=f"loss_fn_config[{key!r}]", fix="remove it")
+            raise InvalidInputError(
+                f"{loss_fn} takes no key {key!r:.60} (it takes: {keys})", field=f"loss_fn_config[{key!r:.60}]", fix="remove it"
+            )
         try:
             if not is_number(value):  # float("0.8") or float(True) would hide a bug
                 raise TypeError
@@ -207,7 +217,7 @@ def check_datums(
         extra = keys - required - optional
         if extra:
             raise InvalidInputError(
-                f"{loss_fn} does not use {', '.join(sorted(extra))}",
+                f"{loss_fn} does not use {_some(extra)}",
                 field=f"data[{i}].loss_fn_inputs",
                 fix="remove the key (caller-side masks belong in weights or advantages)",
             )

@@ -1,7 +1,8 @@
-"""A zstd ``forward_backward`` body inflates to at most the server's body limit (``max_body_bytes``, what an
+"""``forward_backward`` bodies at their limits. A zstd body inflates to at most the server's body limit (``max_body_bytes``, what an
 uncompressed body may be). zstandard's one-shot ``decompress`` allocates what a frame's header declares and ignores
 its ``max_output_size`` then: a 17-byte frame declaring 1 TB was a MemoryError (the connection dropped, no answer),
-one declaring 8 GB was allocated, and a real frame of a few KB inflated to any size."""
+one declaring 8 GB was allocated, and a real frame of a few KB inflated to any size. And a refusal names what
+is wrong without echoing the request back: thousands of unknown keys were all listed, a long one quoted whole."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _frame(declared: int) -> bytes:
     return header + (1 | 1 << 1 | 100 << 3).to_bytes(3, "little") + b"A"  # last block, RLE, 100 bytes of "A"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def model(server: Server) -> tuple[httpx.Client, str]:
     http = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=httpx.Timeout(60.0))
     session = http.post("/create_session", json={"tags": [], "sdk_version": "t"}).json()["session_id"]
@@ -85,3 +86,31 @@ def test_a_frame_cut_short_or_lying_about_its_size_is_a_400_naming_the_body(mode
     for body in (whole[:-4], _frame(50), b"not zstd"):
         resp = _send(http, body)
         assert resp.status_code == 400 and resp.json()["field"] == "body", resp.text
+
+
+def test_a_refusal_of_many_or_long_keys_stays_short(model: tuple[httpx.Client, str]) -> None:
+    from tinker.proto import tinker_public_pb2 as pb
+
+    http, model_id = model
+    seq = 1
+    for edit, field in (
+        (
+            lambda msg: [
+                msg.data[0].loss_fn_inputs[f"k{i:04d}" + "x" * 300].CopyFrom(msg.data[0].loss_fn_inputs["weights"]) for i in range(1000)
+            ],
+            "data[0].loss_fn_inputs",
+        ),
+        (lambda msg: msg.loss_fn_config.__setitem__("k" * 100_000, 1.0), "loss_fn_config["),
+    ):
+        msg = pb.ForwardBackwardRequest()
+        msg.ParseFromString(_request(model_id, seq, 2))
+        edit(msg)
+        resp = http.post("/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": "application/x-protobuf"})
+        assert resp.status_code == 400 and resp.json()["field"].startswith(field), resp.text[:300]
+        assert len(resp.content) < 4096, len(resp.content)
+        seq += 1
+    ok = http.post("/forward_backward", content=_request(model_id, seq, 2), headers={"Content-Type": "application/x-protobuf"})
+    assert ok.status_code == 200, ok.text  # both turns were used up: the model's next op runs
+    while (done := http.post("/retrieve_future", json={"request_id": ok.json()["request_id"]})).status_code == 408:
+        pass
+    assert done.headers["content-type"] == "application/x-protobuf", done.text
