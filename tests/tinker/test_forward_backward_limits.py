@@ -101,6 +101,7 @@ def test_a_refusal_of_many_or_long_keys_stays_short(model: tuple[httpx.Client, s
             "data[0].loss_fn_inputs",
         ),
         (lambda msg: msg.loss_fn_config.__setitem__("k" * 100_000, 1.0), "loss_fn_config["),
+        (lambda msg: setattr(msg.data[0].loss_fn_inputs["k" * 100_000], "dtype", 9), "data[0].loss_fn_inputs['kkk"),  # decoded first
     ):
         msg = pb.ForwardBackwardRequest()
         msg.ParseFromString(_request(model_id, seq, 2))

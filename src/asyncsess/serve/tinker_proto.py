@@ -222,7 +222,7 @@ def _datum_from_pb(d: Any, i: int, sparse_left: list[int]) -> Datum:
         if len(raw) % 4:
             raise InvalidInputError("token bytes are not int32", field=f"data[{i}].model_input[{j}]")
         chunks.append(EncodedTextChunk.model_construct(tokens=np.frombuffer(raw, dtype="<i4").tolist(), type="encoded_text"))
-    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]", sparse_left) for k, t in d.loss_fn_inputs.items()}
+    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r:.60}]", sparse_left) for k, t in d.loss_fn_inputs.items()}
     return Datum.model_construct(model_input=ModelInput.model_construct(chunks=chunks), loss_fn_inputs=inputs)
 
 
