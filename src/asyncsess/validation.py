@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -85,6 +85,14 @@ def check_loss_fn(loss_fn: str, supported: Sequence[str] | None = None) -> str:
     return loss_fn
 
 
+def _some(names: Iterable[str], show: int = 8) -> str:
+    """Up to ``show`` of ``names``, each cut to 60 characters, and how many more: a refusal names what is wrong without
+    echoing a request's thousands of keys back."""
+    ordered = sorted(names)
+    shown = ", ".join(f"{n:.60}" for n in ordered[:show])
+    return shown + (f" and {len(ordered) - show} more" if len(ordered) > show else "")
+
+
 def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict[str, float] | None:
     if not config:
         return None
@@ -93,17 +101,19 @@ def check_loss_fn_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict
     for key, value in config.items():
         if key not in allowed:
             keys = ", ".join(sorted(allowed)) or "none"
-            raise InvalidInputError(f"{loss_fn} takes no key {key!r} (it takes: {keys})", field=f"loss_fn_config[{key!r}]", fix="remove it")
+            raise InvalidInputError(
+                f"{loss_fn} takes no key {key!r:.60} (it takes: {keys})", field=f"loss_fn_config[{key!r:.60}]", fix="remove it"
+            )
         try:
             if not is_number(value):  # float("0.8") or float(True) would hide a bug
                 raise TypeError
             out[key] = float(value)
         except (TypeError, ValueError, OverflowError):
             raise InvalidInputError(
-                f"{type(value).__name__} {value!r:.40} is not a number", field=f"loss_fn_config[{key!r}]", fix="give a number, e.g. 0.8"
+                f"{type(value).__name__} {value!r:.40} is not a number", field=f"loss_fn_config[{key!r:.60}]", fix="give a number, e.g. 0.8"
             ) from None
         if not math.isfinite(out[key]):
-            raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r}]", fix="give a finite number")
+            raise InvalidInputError(f"{value!r} is not finite", field=f"loss_fn_config[{key!r:.60}]", fix="give a finite number")
     lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
     if lo is not None and not 0 <= lo <= 1:  # with high ≥ 1 the bounds never cross (SageMaker's rule too)
         raise InvalidInputError("must be in [0, 1]", field="loss_fn_config['clip_low_threshold']", fix="an absolute ratio bound, e.g. 0.8")
@@ -172,7 +182,7 @@ def _shared_input(key: Any, value: Any) -> TensorData:
         return TensorData.coerce(key, value)
     except (TypeError, ValueError, OverflowError) as err:
         msg = str(err).splitlines()[0].removeprefix(f"loss_fn_inputs[{key!r}]: ")
-        raise InvalidInputError(msg, field=f"loss_fn_inputs[{key!r}]", fix="a list of numbers, one per input token") from None
+        raise InvalidInputError(msg, field=f"loss_fn_inputs[{key!r:.60}]", fix="a list of numbers, one per input token") from None
 
 
 def check_datums(
@@ -207,7 +217,7 @@ def check_datums(
         extra = keys - required - optional
         if extra:
             raise InvalidInputError(
-                f"{loss_fn} does not use {', '.join(sorted(extra))}",
+                f"{loss_fn} does not use {_some(extra)}",
                 field=f"data[{i}].loss_fn_inputs",
                 fix="remove the key (caller-side masks belong in weights or advantages)",
             )
@@ -216,7 +226,7 @@ def check_datums(
         if multi_target and target is not None and target.shape is not None and len(target.shape) == 2 and target.shape[0] == n:
             expected = list(target.shape)
         for key, tensor in d.loss_fn_inputs.items():
-            where = f"data[{i}].loss_fn_inputs[{key!r}]"
+            where = f"data[{i}].loss_fn_inputs[{key!r:.60}]"
             want = "int64" if key in INT_KEYS else "float32" if key in FLOAT_KEYS else tensor.dtype
             if tensor.dtype != want:
                 raise InvalidInputError(f"dtype is {tensor.dtype}", field=where, fix=f"use {want}")
@@ -275,7 +285,7 @@ def _check_ranges(d: Datum, i: int) -> None:
         tensor = d.loss_fn_inputs.get(key)
         bad = None if tensor is None else next((v for v in tensor.data if not low <= v <= high), None)
         if bad is not None:
-            raise InvalidInputError(f"{bad!r} is not {rule}", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix=fix)
+            raise InvalidInputError(f"{bad!r} is not {rule}", field=f"data[{i}].loss_fn_inputs[{key!r:.60}]", fix=fix)
 
 
 def all_finite_f32(values: Sequence[float] | Sequence[int]) -> bool:
@@ -574,8 +584,8 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
         )
     k = shape[1]
     rows = tuple(tuple(int(x) for x in tensor.data[i * k : (i + 1) * k]) for i in range(shape[0]))
-    if any(x < -1 for row in rows for x in row):
-        raise InvalidInputError("ids must be >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
+    if any(not -1 <= x < 2**63 for row in rows for x in row):  # past int64: an OverflowError when the backend ran it
+        raise InvalidInputError("ids must be int64 >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
     return rows
 
 
@@ -599,12 +609,16 @@ def check_finite(d: Datum, i: int) -> None:
         if tensor.dtype == "float32":
             if not all_finite_f32(tensor.data):
                 raise InvalidInputError(
-                    "holds NaN, inf or a value beyond float32", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="give finite float32 values"
+                    "holds NaN, inf or a value beyond float32",
+                    field=f"data[{i}].loss_fn_inputs[{key!r:.60}]",
+                    fix="give finite float32 values",
                 )
         else:
             bad = next((v for v in tensor.data if not 0 <= v < 2**63), None)
             if bad is not None:
-                raise InvalidInputError(f"id {bad} is not a token id", field=f"data[{i}].loss_fn_inputs[{key!r}]", fix="ids in 0..2**63-1")
+                raise InvalidInputError(
+                    f"id {bad} is not a token id", field=f"data[{i}].loss_fn_inputs[{key!r:.60}]", fix="ids in 0..2**63-1"
+                )
     bad = next((t for t in d.model_input.to_ints() if not 0 <= t < 2**63), None)
     if bad is not None:
         raise InvalidInputError(f"id {bad} is not a token id", field=f"data[{i}].model_input", fix="ids in 0..2**63-1")

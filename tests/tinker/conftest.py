@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -32,15 +33,21 @@ def _free_port() -> int:
 
 
 def start_server(
-    backend_url: str, *, poll_timeout: float = 5.0, api_keys: set[str] | None = None, session_timeout: float = 300.0
+    backend_url: str,
+    *,
+    poll_timeout: float = 5.0,
+    api_keys: set[str] | None = None,
+    session_timeout: float = 300.0,
+    **options: Any,
 ) -> Iterator[Server]:
+    """``options``: more of ``create_app``'s (``max_body_bytes``, ...)."""
     import uvicorn
 
     from asyncsess.backends import load_backend
     from asyncsess.serve.tinker_api import create_app
 
     backend = load_backend(backend_url)
-    app = create_app(backend, api_keys or {API_KEY}, poll_timeout=poll_timeout, session_timeout=session_timeout)
+    app = create_app(backend, api_keys or {API_KEY}, poll_timeout=poll_timeout, session_timeout=session_timeout, **options)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)

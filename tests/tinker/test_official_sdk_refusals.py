@@ -191,6 +191,19 @@ def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
         other.holder.close()
 
 
+def test_a_target_id_past_int64_is_refused(service: tinker.ServiceClient, server: Server) -> None:
+    """Sent raw (the SDK's TensorData cannot hold it), a target id of 2**63 or 10**30 was accepted and the sample
+    failed when run with ``OverflowError`` (category ``unknown``); now a 400 naming the field."""
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    body = {"sampling_session_id": sampler._sampling_session_id, "num_samples": 1, "sampling_params": {"max_tokens": 1}}
+    body |= {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}}
+    for seq, bad in enumerate((2**63, 10**30)):
+        target = {"data": [bad], "dtype": "int64", "shape": [1, 1]}
+        sent = body | {"seq_id": 950 + seq, "target_prompt_logprobs": target}
+        resp = httpx.post(f"{server.url}/api/v1/asample", json=sent, headers={"X-API-Key": API_KEY})
+        assert resp.status_code == 400 and resp.json()["field"] == "target_prompt_logprobs", resp.text
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -343,3 +343,21 @@ async def test_k_targets_per_position_over_the_wire_equal_mock_directly(mock_ser
         assert got.loss_fn_outputs[0]["logprobs"].shape == [4, 2]
         assert got.loss_fn_outputs[0]["logprobs"].data == pytest.approx(want.loss_fn_outputs[0]["logprobs"].data, abs=1e-6)
     assert custom.metrics["loss:sum"] == pytest.approx(want_custom.metrics["loss:sum"], rel=1e-5)
+
+
+async def test_a_refusal_keeps_the_field_and_fix_the_server_named(mock_server: Server) -> None:
+    """The door answers a refusal as ``{"error", "field", "fix"}``; tinker:// kept only the message (``err.field`` was
+    None and the fix was lost) for every status but 409."""
+    from asyncsess.backends import SamplerSpec
+
+    b = load_backend(url_of(mock_server))
+    await b.open()
+    try:
+        with pytest.raises(InvalidInputError) as err:
+            await b.create_training_session(TrainingSessionSpec(BASE, rank=4, from_path="tinker://0-0-0:train:0/weights/never"))
+        assert err.value.field == "path" and err.value.fix and "save_state" in err.value.fix, err.value
+        with pytest.raises(InvalidInputError) as err:
+            await b.create_sampler(SamplerSpec(model_path="tinker://0-0-0:train:0/sampler_weights/never"))
+        assert err.value.field == "model_path" and str(err.value).startswith("model_path: "), err.value
+    finally:
+        await b.aclose()

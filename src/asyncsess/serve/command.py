@@ -8,7 +8,7 @@ import os
 import typer
 
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS
-from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 
 __all__ = ["finite", "serve"]
 
@@ -47,6 +47,18 @@ def serve(
         help="Samplers one session keeps open on the backend; past it the least recently used idle one is closed (one on "
         "a saved path or base weights reopens on its next sample; one from save_weights_and_get_sampling_client answers 410).",
     ),
+    max_pending: int = typer.Option(
+        MAX_PENDING,
+        min=1,
+        help="Unfinished requests (futures) one API key may hold on the Tinker API; past it a 429 with Retry-After, which "
+        "the tinker SDK retries.",
+    ),
+    max_live_per_key: int = typer.Option(
+        MAX_LIVE_PER_KEY,
+        min=1,
+        help="Models plus open samplers one API key may hold on the Tinker API (in sessions not finished or expired); "
+        "past it creating another is a 400.",
+    ),
     max_body_mb: float = typer.Option(
         MAX_BODY_BYTES / 2**20, min=0.001, max=2**20, callback=finite, help="Largest request body in MiB; a larger one gets a 413."
     ),
@@ -78,5 +90,7 @@ def serve(
         max_body_bytes=int(max_body_mb * 2**20),
         max_samplers=max_samplers,
         max_body_seconds=max_body_seconds,
+        max_pending=max_pending,
+        max_live_per_key=max_live_per_key,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -73,7 +73,7 @@ from ..validation import (
 )
 from . import tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
-from .defaults import MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .promises import Promise, PromiseTable
 
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
@@ -106,9 +106,11 @@ caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("asyncsess_s
 class ApiError(Exception):
     """An HTTP error with a JSON body naming the field: ``{"error", "field", "fix"}``."""
 
-    def __init__(self, status: int, message: str, field: str | None = None, fix: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, field: str | None = None, fix: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.field, self.fix = status, message, field, fix
+        self.status, self.message, self.field, self.fix, self.headers = status, message, field, fix, headers
 
     @classmethod
     def from_error(cls, err: AsyncSessError) -> ApiError:
@@ -117,7 +119,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         body = {"error": self.message, "detail": self.message, "field": self.field, "fix": self.fix}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _not_found(what: str, value: str, fix: str) -> ApiError:
@@ -167,6 +169,7 @@ class _Model:
     checkpoints: list[str] = field(default_factory=list)
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
     trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
+    unloaded: bool = False  # unload_model stopped it: its ops are 410s
     frontier: int = 1  # its first seq_id not received yet: every one before it arrived (or ran, or was skipped)
 
     def arrived(self) -> int:
@@ -296,8 +299,15 @@ class TinkerDoor:
         gap_timeout: float = 300.0,
         session_timeout: float = SESSION_TIMEOUT,
         max_samplers: int = MAX_SAMPLERS,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_pending: int = MAX_PENDING,
+        max_live_per_key: int = MAX_LIVE_PER_KEY,
     ) -> None:
         self.backend = backend
+        self.max_pending = max_pending  # unfinished requests one key may hold (see _room)
+        self.max_live_per_key = max_live_per_key  # models plus open samplers one key may hold (see _live_room)
+        self._opening: dict[str | None, int] = {}  # samplers being opened by create_sampling_session, per key
+        self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
         self.poll_timeout = poll_timeout
         self.gap_timeout = gap_timeout
@@ -322,6 +332,9 @@ class TinkerDoor:
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
         self._released: OrderedDict[str, str] = OrderedDict()  # released ephemeral sampler id -> why
+        # sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
+        # one sampler (a second one under it replaced the first in the registry and left it open on the backend)
+        self._sampler_ids: dict[str, str] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -426,6 +439,42 @@ class TinkerDoor:
                 await self.backend.stop_session(backend_id)
             raise SessionGoneError(self._gone(session).message)
 
+    def _room(self, session_id: str) -> None:
+        """A 429 (before anything is taken: the SDK retries the same request) when the session's key already holds
+        ``max_pending`` unfinished requests: a client firing requests without end held a promise and a task for each,
+        and queued every other key's requests behind them."""
+        owner = self.sessions[session_id].owner
+        if self.promises.pending(owner) >= self.max_pending:
+            raise ApiError(
+                429,
+                f"this key has {self.max_pending} requests unfinished, the most one key may have",
+                field="X-API-Key",
+                fix="retrieve results before sending more (retry after 1 s)",
+                headers={"Retry-After": "1"},
+            )
+
+    def _live_room(self, session_id: str, field: str) -> None:
+        """A 400 naming ``field`` when the session's key already holds ``max_live_per_key`` models and open samplers
+        (in sessions not finished or expired; those being created count): each holds backend memory, and one key
+        could take all of it from the others. Checked and counted with no await between, so a burst cannot pass it."""
+        owner = self.sessions[session_id].owner
+        live = {s.id for s in self.sessions.values() if s.owner == owner and s.finished is None}
+        held = sum(1 for m in self.models.values() if m.session_id in live and not m.unloaded)
+        held += sum(1 for s in self.samplers.values() if s.session_id in live and s.backend_id is not None)
+        held += sum(1 for k, (_, p) in self._creating.items() if not p.done.is_set() and k.split(":", 1)[0] in live)
+        held += self._opening.get(owner, 0)
+        if held >= self.max_live_per_key:
+            raise ApiError(
+                400,
+                f"this API key holds {held} models and open samplers, the most allowed",
+                field=field,
+                fix="finish sessions you no longer need (ServiceClient.close() does), or unload_model",
+            )
+
+    def _promise(self, kind: str, prefix: str) -> Promise:
+        """A new promise of the session ``prefix`` starts with, counted against its key's share of kept results."""
+        return self.promises.new(kind, prefix, owner=self.sessions[prefix.split(":", 1)[0]].owner)
+
     def owns(self, session_id: str) -> bool:
         """Whether the calling key created session ``session_id``."""
         s = self.sessions.get(session_id)
@@ -447,6 +496,8 @@ class TinkerDoor:
             raise _not_found("model_id", model_id, "use the model_id that create_model returned")
         if live:
             self._session(m.session_id)
+            if m.unloaded:  # before its turn: nothing is queued behind a model that is gone
+                raise ApiError(410, f"model {m.id} was unloaded", field="model_id", fix="create a model, or load its checkpoint into one")
         return m
 
     def sampler(self, sampling_session_id: str, *, live: bool = False) -> _Sampler:
@@ -579,7 +630,9 @@ class TinkerDoor:
             if earlier[0] != digest:
                 raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
             return earlier[1], False
-        p = self.promises.new(kind, prefix)
+        self._room(prefix)
+        self._live_room(prefix, "model_seq_id")
+        p = self._promise(kind, prefix)
         self._creating[key] = (digest, p)
         return p, True
 
@@ -651,9 +704,14 @@ class TinkerDoor:
 
     async def unload_model(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.model(_str(body, "model_id"))
-        m.sequencer.stop("unloaded")
-        await self.backend.stop_session(m.backend_id)
-        p = self.promises.new("unload_model", m.session_id)
+        if not m.unloaded:  # once: a re-sent unload answers the same
+            m.unloaded = True
+            m.sequencer.stop("unloaded")
+            try:
+                await self.backend.stop_session(m.backend_id)
+            except Exception as err:  # stopped already (its session finished), or the backend failed: it is unloaded here
+                log.warning("unloading %s: %r", m.id, err)
+        p = self._promise("unload_model", m.session_id)
         p.resolve(json={"model_id": m.id, "type": "unload_model"})
         return _future(p, m.id)
 
@@ -688,13 +746,14 @@ class TinkerDoor:
             )
         if seq < m.sequencer.next_seq:
             raise ApiError(409, f"seq_id {seq} is older than the model's queue ({m.sequencer.next_seq})", field="seq_id")
+        self._room(m.session_id)  # before make(): a 429 takes nothing, the SDK re-sends this seq_id
         m.last_request = time.time()
         try:
             thunk = make()
         except (ApiError, AsyncSessError):
             self._skip(m, seq, digest)  # the turn is used up, so later requests do not wait for it
             raise
-        promise = self.promises.new(kind, m.id)
+        promise = self._promise(kind, m.id)
         m.submitted[seq] = (digest, promise)
         m.submitted.pop(seq - KEEP_SEQS, None)  # re-deliveries older than this get 409, as in the Sequencer
         m.thunks[seq] = thunk
@@ -737,7 +796,7 @@ class TinkerDoor:
         off_loop = _inline if size is not None and size <= self.inline_bytes else anyio.to_thread.run_sync
 
         def decode(sparse: int = tinker_proto.MAX_SPARSE_VALUES) -> tuple[bytes, tinker_proto.ForwardBackwardWire]:
-            body = tinker_proto.decompress(raw) if encoding == "zstd" else raw
+            body = tinker_proto.decompress(raw, self.max_body_bytes) if encoding == "zstd" else raw
             return body, tinker_proto.decode_forward_backward(body, sparse)
 
         try:
@@ -746,6 +805,8 @@ class TinkerDoor:
             except tinker_proto.SparseTooLarge:  # a small body whose sparse tensors expand to more than the loop should hold
                 off_loop = anyio.to_thread.run_sync
                 raw, wire = await off_loop(decode)
+        except tinker_proto.BodyTooLarge as err:  # inflated past what an uncompressed body may be
+            raise ApiError(413, str(err), field=err.field, fix=err.fix) from None
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         m = self.model(wire.model_id, live=True)
@@ -806,10 +867,13 @@ class TinkerDoor:
 
         return self._submit_json(m, body, "optim_step", make)
 
-    def _submit_json(self, m: _Model, body: dict[str, Any], kind: str, make: Callable[[], Callable[[], Awaitable[Any]]]) -> dict[str, Any]:
+    def _submit_json(
+        self, m: _Model, body: dict[str, Any], kind: str, make: Callable[[], Callable[[], Awaitable[Any]]], same: Any = None
+    ) -> dict[str, Any]:
+        """Submit a JSON op at its ``seq_id``; ``same``: what a re-sent request must equal (default: the body)."""
         seq = _int(body, "seq_id")
         try:
-            promise = self.submit(m, seq, body, kind, make)
+            promise = self.submit(m, seq, body if same is None else same, kind, make)
         except InvalidInputError as err:
             raise ApiError.from_error(err) from None
         return _future(promise, m.id)
@@ -882,8 +946,15 @@ class TinkerDoor:
             name = _name(body.get("path"), f"ephemeral-{_int(body, 'seq_id'):06d}")
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
+            sid = f"{m.session_id}:sample:{ephemeral_seq}"
+            if body.get("path") is None and sid in self._sampler_ids:
+                raise ApiError(
+                    409, f"{sid} already names a sampler", field="sampling_session_seq_id", fix="number a session's samplers 0, 1, 2, ..."
+                )
             op = functools.partial(self._save_op(m, body, SaveWeightsOp, "sampler_weights", name), ephemeral=body.get("path") is None)
             run = self._op(m, op)
+            if body.get("path") is None:
+                self._sampler_ids[sid] = f"ephemeral {m.id} {body['seq_id']}"
 
             async def go() -> Callable[[Promise], None]:
                 await self._deleted(m, f"sampler_weights/{name}")
@@ -893,13 +964,15 @@ class TinkerDoor:
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
                 m.names.discard(f"sampler_weights/{name}")  # never listed: its seq_id keeps it unique
-                sid = f"{m.session_id}:sample:{ephemeral_seq}"
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step, ephemeral=True)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return go
 
-        return self._submit_json(m, body, "save_weights_for_sampler", make)
+        # the SDK numbers an ephemeral save's sampler anew on each retry of the same request (same seq_id): a retry
+        # after a lost answer gets the first one's future, not a 409
+        same = {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+        return self._submit_json(m, body, "save_weights_for_sampler", make, same)
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
         """The backend path behind a ``tinker://`` path (other paths pass through to the backend, unless they name
@@ -1063,20 +1136,41 @@ class TinkerDoor:
     async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
         session = self._session(_str(body, "session_id"))
         sid = f"{session.id}:sample:{_int(body, 'sampling_session_seq_id')}"
-        if sid in self.samplers:
-            return {"sampling_session_id": sid, "type": "create_sampling_session"}
         path = _str(body, "model_path") if body.get("model_path") is not None else None
         base_model = _str(body, "base_model") if body.get("base_model") is not None else None
+        digest = _hash({"model_path": path, "base_model": base_model})
+        claimed = self._sampler_ids.get(sid)
+        if claimed is not None:  # a re-sent request gets its sampler; the id used for another is a 409
+            if claimed != digest:
+                raise ApiError(
+                    409,
+                    f"{sid} already names another sampler",
+                    field="sampling_session_seq_id",
+                    fix="number a session's samplers 0, 1, 2, ...",
+                )
+            if sid not in self.samplers:
+                if sid in self._released:
+                    self.sampler(sid)  # 410 saying why
+                raise ApiError(409, f"{sid} is still being created", field="sampling_session_seq_id", fix="retry")  # the SDK retries 409
+            return {"sampling_session_id": sid, "type": "create_sampling_session"}
         backend_path, version = None, 0
         if path:
             backend_path, ck = self._checkpoint(path, "model_path")
             base_model, version = (ck.base_model, ck.step) if ck else (base_model, 0)
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
+        self._live_room(session.id, "sampling_session_seq_id")
+        self._sampler_ids[sid] = digest
+        self._opening[session.owner] = self._opening.get(session.owner, 0) + 1
         try:
             await self._open_sampler(sid, session, base_model, path, backend_path, version)
-        except InvalidInputError as err:
-            raise ApiError.from_error(err) from None
+        except BaseException as err:
+            del self._sampler_ids[sid]  # free for a retry
+            if isinstance(err, (InvalidInputError, SessionGoneError)):
+                raise ApiError.from_error(err) from None
+            raise
+        finally:
+            self._opening[session.owner] -= 1
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
     def get_sampler(self, sid: str) -> dict[str, Any]:
@@ -1119,7 +1213,8 @@ class TinkerDoor:
                     field="sampling_session_id",
                     fix="create a sampling client on a checkpoint that exists",
                 )
-        promise = self.promises.new("sample", s.id)
+        self._room(s.session_id)
+        promise = self._promise("sample", s.id)
         s.ids[seq] = (digest, promise)
         s.ids.pop(seq - KEEP_SEQS, None)
         request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
@@ -1157,6 +1252,8 @@ class TinkerDoor:
             raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
         if not await self.promises.wait(p, self.poll_timeout):
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"}, status_code=408)
+        if p.forgotten:  # its key's newer results pushed it out meanwhile
+            raise _not_found("request_id", rid, "retrieve results as they finish (each key's results are kept for a while)")
         if p.error is not None:
             return JSONResponse({"error": p.error, "category": p.category})
         if p.proto is not None:
@@ -1681,6 +1778,8 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_samplers: int = MAX_SAMPLERS,
     max_body_seconds: float = MAX_BODY_SECONDS,
+    max_pending: int = MAX_PENDING,
+    max_live_per_key: int = MAX_LIVE_PER_KEY,
 ) -> FastAPI:
     """One server with both doors in front of ``backend``: Tinker's HTTP API (``/api/v1``) and the
     OpenAI-compatible front (``/v1``, :mod:`.openai_door`), sharing the session registry and ``api_keys``.
@@ -1706,7 +1805,15 @@ def create_app(
         path, fix = str(scope.get("path", "")), f"send the whole body within {max_body_seconds:g} s"
         return refusal(path, 408, "the request body did not arrive in time", "body", fix, "body_timeout")
 
-    door = TinkerDoor(backend, poll_timeout=poll_timeout, session_timeout=session_timeout, max_samplers=max_samplers)
+    door = TinkerDoor(
+        backend,
+        poll_timeout=poll_timeout,
+        session_timeout=session_timeout,
+        max_samplers=max_samplers,
+        max_body_bytes=max_body_bytes,
+        max_pending=max_pending,
+        max_live_per_key=max_live_per_key,
+    )
     oai = OpenAIDoor(door)
 
     @contextlib.asynccontextmanager

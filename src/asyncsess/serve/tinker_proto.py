@@ -26,6 +26,7 @@ __all__ = [
     "decode_sample_response",
     "decompress",
     "compress",
+    "BodyTooLarge",
 ]
 
 
@@ -50,13 +51,40 @@ class SparseTooLarge(InvalidInputError):
     """The request's sparse tensors expand past the cells the decoder was allowed (see ``decode_forward_backward``)."""
 
 
-def decompress(body: bytes) -> bytes:
+class BodyTooLarge(InvalidInputError):
+    """A compressed body that inflates past the size allowed (see ``decompress``)."""
+
+
+def decompress(body: bytes, max_size: int = MAX_BODY) -> bytes:
+    """One zstd frame, inflated to at most ``max_size`` bytes (else :class:`BodyTooLarge`). The frame's declared
+    size is never trusted for an allocation: zstandard's one-shot ``decompress`` allocates what the header declares,
+    ignoring ``max_output_size`` (17 bytes declaring 1 TB were a MemoryError, 8 GB were allocated)."""
     import zstandard
 
+    declared = decompressed_size(body)
+    if declared is not None and declared > max_size:
+        raise _too_large(max_size, f"declares {declared} bytes")
+    inflate, out, total = zstandard.ZstdDecompressor().decompressobj(), [], 0
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
+        for i in range(0, len(body), _PIECE):  # a piece inflates to at most ~32 MiB (RLE blocks: 4 bytes -> 128 KiB)
+            out.append(inflate.decompress(body[i : i + _PIECE]))
+            total += len(out[-1])
+            if total > max_size:
+                raise _too_large(max_size, f"inflates past {max_size} bytes")
+            if inflate.eof:
+                break
     except zstandard.ZstdError as err:
         raise InvalidInputError(f"not a zstd frame ({err})", field="body", fix="send Content-Encoding: zstd only with zstd data") from None
+    if not inflate.eof:
+        raise InvalidInputError("the zstd frame is cut short", field="body", fix="send the whole frame")
+    return b"".join(out)
+
+
+_PIECE = 1024
+
+
+def _too_large(max_size: int, what: str) -> BodyTooLarge:
+    return BodyTooLarge(f"the zstd body {what}", field="body", fix=f"send at most {max_size} bytes decompressed, or split the batch")
 
 
 def decompressed_size(body: bytes) -> int | None:
@@ -194,7 +222,7 @@ def _datum_from_pb(d: Any, i: int, sparse_left: list[int]) -> Datum:
         if len(raw) % 4:
             raise InvalidInputError("token bytes are not int32", field=f"data[{i}].model_input[{j}]")
         chunks.append(EncodedTextChunk.model_construct(tokens=np.frombuffer(raw, dtype="<i4").tolist(), type="encoded_text"))
-    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r}]", sparse_left) for k, t in d.loss_fn_inputs.items()}
+    inputs = {k: _tensor_from_pb(t, f"data[{i}].loss_fn_inputs[{k!r:.60}]", sparse_left) for k, t in d.loss_fn_inputs.items()}
     return Datum.model_construct(model_input=ModelInput.model_construct(chunks=chunks), loss_fn_inputs=inputs)
 
 

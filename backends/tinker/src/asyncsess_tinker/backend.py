@@ -543,9 +543,11 @@ def _raise_for(resp: httpx.Response, content: bytes, path: str) -> None:
         body = {"error": str(body)[:500]}
     message = str(body.get("error") or body.get("detail") or resp.reason_phrase)[:2000]
     status = resp.status_code
+    # the field and fix a server names (asyncsess serve's {"error", "field", "fix"}) stay on the typed error
+    field = body["field"][:200] if isinstance(body.get("field"), str) else None
+    fix = body["fix"][:2000] if isinstance(body.get("fix"), str) else None
     if status == 409:
-        field, fix = body.get("field"), body.get("fix")
-        raise ConflictError(message, field=field if isinstance(field, str) else None, fix=fix if isinstance(fix, str) else None)
+        raise ConflictError(message, field=field, fix=fix)
     if status == 410:
         raise SessionGoneError(f"{path}: {message}")
     if status == 429 or status >= 500:
@@ -553,7 +555,7 @@ def _raise_for(resp: httpx.Response, content: bytes, path: str) -> None:
         raise TransientError(f"{path}: HTTP {status}: {message}", retry_after=hint)
     if status in (401, 403):
         raise InvalidInputError(message, field="api_key", fix="pass ?api_key=, api_key=... or set TINKER_API_KEY")
-    raise InvalidInputError(message)
+    raise InvalidInputError(message, field=field, fix=fix)
 
 
 def _save_fields(op: SaveStateOp | SaveWeightsOp) -> dict[str, Any]:

@@ -1,0 +1,122 @@
+"""One sampling session id names one sampler. ``create_sampling_session`` and an ephemeral
+``save_weights_for_sampler`` both number samplers by the session's ``sampling_session_seq_id``: a second sampler
+under a used number replaced the first in the door's registry, listed it twice in its session and left it open on the
+backend for good; a ``create_sampling_session`` re-sent with another body got the first sampler silently. And the SDK
+numbers an ephemeral save's sampler anew each time it retries the request (same ``seq_id``), so a retry after a lost
+answer was a 409, which it retried for five minutes. And a model id, once unloaded, names no model for ops."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.tinker
+
+BASE = "mock/bigram-tiny"
+PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    yield from start_server("mock://")
+
+
+class Wire:
+    def __init__(self, server: Server) -> None:
+        self.http = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=httpx.Timeout(60.0))
+        self.session = self.http.post("/create_session", json={"tags": [], "sdk_version": "t"}).json()["session_id"]
+        made = self.http.post("/create_model", json={"session_id": self.session, "model_seq_id": 0, "base_model": BASE})
+        self.model = made.json()["model_id"]
+        assert "error" not in self.result(made)
+
+    def result(self, resp: httpx.Response) -> Any:
+        assert resp.status_code == 200, resp.text
+        while True:  # a long-poll: 408 means not done yet
+            got = self.http.post("/retrieve_future", json={"request_id": resp.json()["request_id"]})
+            if got.status_code != 408:
+                assert got.status_code == 200, got.text
+                return got.json() if got.headers["content-type"].startswith("application/json") else got.content
+
+    def sampler(self, seq: int, **source: str) -> httpx.Response:
+        return self.http.post("/create_sampling_session", json={"session_id": self.session, "sampling_session_seq_id": seq, **source})
+
+    def ephemeral(self, seq: int, sampler_seq: int) -> httpx.Response:
+        body = {"model_id": self.model, "seq_id": seq, "sampling_session_seq_id": sampler_seq, "kind": "snapshot"}
+        return self.http.post("/save_weights_for_sampler", json=body)
+
+    def sample(self, sampler: str, seq: int) -> Any:
+        body = {"sampling_session_id": sampler, "seq_id": seq, "prompt": PROMPT, "sampling_params": {"max_tokens": 2, "seed": 1}}
+        return self.result(self.http.post("/asample", json=body))
+
+    def step(self, seq: int) -> Any:
+        return self.result(
+            self.http.post("/optim_step", json={"model_id": self.model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}})
+        )
+
+
+def _open_on_backend(server: Server) -> int:
+    return len(server.backend._samplers)  # type: ignore[attr-defined]
+
+
+def test_an_ephemeral_save_under_a_used_sampler_number_is_refused_and_the_model_goes_on(server: Server) -> None:
+    w = Wire(server)
+    first = w.sampler(5, base_model=BASE)
+    assert first.status_code == 200, first.text
+    sid = first.json()["sampling_session_id"]
+    before = _open_on_backend(server)
+    refused = w.ephemeral(1, 5)
+    assert refused.status_code == 409 and refused.json()["field"] == "sampling_session_seq_id", refused.text
+    assert "error" not in w.step(2)  # its turn was used up: the model's next op runs
+    assert server.door.sessions[w.session].samplers == [sid] and _open_on_backend(server) == before
+    assert isinstance(w.sample(sid, 0), bytes)  # the first sampler is still the one under its id
+
+
+def test_create_sampling_session_under_a_number_in_use_is_a_409_and_a_resend_gets_the_same(server: Server) -> None:
+    w = Wire(server)
+    made = w.ephemeral(1, 7)
+    sid = w.result(made)["sampling_session_id"]
+    before = _open_on_backend(server)
+    clash = w.sampler(7, base_model=BASE)
+    assert clash.status_code == 409 and clash.json()["field"] == "sampling_session_seq_id", clash.text
+    assert _open_on_backend(server) == before and server.door.sessions[w.session].samplers == [sid]
+    mine = w.sampler(8, base_model=BASE)
+    again = w.sampler(8, base_model=BASE)  # a re-sent request (the SDK retries after a lost answer)
+    assert again.status_code == 200 and again.json() == mine.json()
+    other = w.sampler(8, base_model="mock/other")
+    assert other.status_code == 409 and other.json()["field"] == "sampling_session_seq_id", other.text
+    assert server.door.samplers[mine.json()["sampling_session_id"]].base_model == BASE
+
+
+def test_a_retried_ephemeral_save_with_a_new_sampler_number_gets_the_first_future(server: Server) -> None:
+    w = Wire(server)
+    before = _open_on_backend(server)
+    first = w.ephemeral(1, 3)
+    retry = w.ephemeral(1, 4)  # the SDK's retry of the same request: the same seq_id, the next sampler number
+    assert retry.status_code == 200 and retry.json()["request_id"] == first.json()["request_id"], retry.text
+    sid = w.result(retry)["sampling_session_id"]
+    assert sid.endswith(":sample:3") and isinstance(w.sample(sid, 0), bytes)
+    assert _open_on_backend(server) == before + 1  # the one save's sampler, no second
+    assert server.door.sessions[w.session].samplers == [sid]
+
+
+def test_an_op_on_an_unloaded_model_is_a_410_before_its_turn(server: Server) -> None:
+    """It was queued, took its seq_id and failed when run as a ``server`` error (``SessionGoneError: session
+    unloaded``); a second unload stopped the backend session again."""
+    w = Wire(server)
+    assert "error" not in w.step(1)
+    calls = server.backend.calls["stop_session"]  # type: ignore[attr-defined]
+    for _ in range(2):
+        gone = w.http.post("/unload_model", json={"model_id": w.model})
+        assert w.result(gone) == {"model_id": w.model, "type": "unload_model"}
+    assert server.backend.calls["stop_session"] == calls + 1  # type: ignore[attr-defined]
+    for resp in (
+        w.http.post("/optim_step", json={"model_id": w.model, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}),
+        w.http.post("/save_weights", json={"model_id": w.model, "seq_id": 2, "path": "after"}),
+    ):
+        assert resp.status_code == 410 and resp.json()["field"] == "model_id" and "unloaded" in resp.json()["error"], resp.text
+    assert w.http.post("/get_info", json={"model_id": w.model}).status_code == 200  # its records stay readable

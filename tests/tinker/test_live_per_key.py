@@ -1,0 +1,106 @@
+"""One API key holds at most ``max_live_per_key`` models plus open samplers on the Tinker door (as the worker caps
+each key): each holds backend memory, and a key creating models without end took all of it from the other keys.
+Past it, creating a model or a sampler is a 400 naming the field, before anything is made; finishing a session or
+unloading a model makes room; other keys are not counted against it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from .conftest import API_KEY, Server, start_server
+
+pytestmark = pytest.mark.tinker
+
+BASE = "mock/bigram-tiny"
+OTHER_KEY = "tml-asyncsess-live-other"
+BURST_KEY = "tml-asyncsess-live-burst"
+CAP = 4
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    yield from start_server("mock://", api_keys={API_KEY, OTHER_KEY, BURST_KEY}, max_live_per_key=CAP)
+
+
+class Key:
+    def __init__(self, server: Server, key: str) -> None:
+        self.http = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": key}, timeout=httpx.Timeout(60.0))
+        self.seqs = iter(range(10**6))
+
+    def session(self) -> str:
+        return str(self.http.post("/create_session", json={"tags": [], "sdk_version": "t"}).json()["session_id"])
+
+    def model(self, session: str) -> httpx.Response:
+        body = {"session_id": session, "model_seq_id": next(self.seqs), "base_model": BASE, "lora_config": {"rank": 4}}
+        resp = self.http.post("/create_model", json=body)
+        if resp.status_code == 200:
+            while (done := self.http.post("/retrieve_future", json={"request_id": resp.json()["request_id"]})).status_code == 408:
+                pass
+            assert done.status_code == 200 and "error" not in done.json(), done.text
+        return resp
+
+    def sampler(self, session: str, seq: int | None = None) -> httpx.Response:
+        seq = next(self.seqs) if seq is None else seq
+        body = {"session_id": session, "sampling_session_seq_id": seq, "base_model": BASE}
+        return self.http.post("/create_sampling_session", json=body)
+
+
+def _backend_objects(server: Server) -> int:
+    mock = server.backend
+    return len(mock._sessions) + len(mock._samplers)  # type: ignore[attr-defined]
+
+
+def test_a_key_past_its_models_and_samplers_is_refused_and_others_are_not(server: Server) -> None:
+    a, b = Key(server, API_KEY), Key(server, OTHER_KEY)
+    first, second = a.session(), a.session()
+    assert a.model(first).status_code == 200 and a.model(first).status_code == 200
+    assert a.sampler(second).status_code == 200 and a.model(second).status_code == 200
+    before = (len(server.door.models), len(server.door.samplers), _backend_objects(server))
+    for resp, field in ((a.model(second), "model_seq_id"), (a.sampler(first), "sampling_session_seq_id")):
+        assert resp.status_code == 400 and resp.json()["field"] == field and "most allowed" in resp.json()["error"], resp.text
+    assert (len(server.door.models), len(server.door.samplers), _backend_objects(server)) == before
+    theirs = b.session()
+    assert all(b.model(theirs).status_code == 200 for _ in range(CAP))  # another key has its own places
+
+    done = a.http.post(f"/sessions/{first}/finish", json={"reason": {"type": "success"}})
+    assert done.status_code == 200  # its two models no longer count
+    assert a.model(second).status_code == 200 and a.sampler(second).status_code == 200
+    assert a.model(second).status_code == 400
+    unloaded = a.http.post("/unload_model", json={"model_id": f"{second}:train:{3}"})
+    assert unloaded.status_code == 200, unloaded.text
+    assert a.model(second).status_code == 200
+
+
+def test_samplers_being_opened_count(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend holds the first samplers being opened (a gate): a count taken of the samplers already open let
+    every request that arrived meanwhile pass the cap."""
+    a = Key(server, BURST_KEY)
+    session = a.session()
+    assert a.model(session).status_code == 200
+    entered, gate, real = threading.Semaphore(0), threading.Event(), server.backend.create_sampler
+    held = iter(range(CAP - 1))
+
+    async def opening(spec: Any) -> str:
+        if next(held, None) is not None:
+            entered.release()
+            await anyio.to_thread.run_sync(gate.wait)
+        return await real(spec)
+
+    monkeypatch.setattr(server.backend, "create_sampler", opening)
+    with ThreadPoolExecutor(CAP - 1) as pool:
+        try:
+            opened = [pool.submit(a.sampler, session, 1000 + i) for i in range(CAP - 1)]
+            for _ in opened:
+                assert entered.acquire(timeout=60), "a sampler never reached the backend"
+            late = a.sampler(session)
+            assert late.status_code == 400 and late.json()["field"] == "sampling_session_seq_id", late.text
+        finally:
+            gate.set()
+        assert [f.result().status_code for f in opened] == [200] * (CAP - 1)
