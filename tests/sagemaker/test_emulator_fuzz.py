@@ -33,7 +33,7 @@ from asyncsess_sagemaker.emulator.app import CONTROL_OPERATIONS
 from asyncsess_sagemaker.service_models import CONTROL, RUNTIME, control_model, operation, runtime_model
 from asyncsess_sagemaker.shape_check import _regex, java_regex
 
-from .helpers import ROLE, ce_datum, clients, hub_arn, new_session, wait_op
+from .helpers import ROLE, SIGNED, ce_datum, clients, hub_arn, new_session, wait_op
 
 pytestmark = pytest.mark.sagemaker
 
@@ -367,7 +367,7 @@ def _is_shape_refusal(response: httpx.Response) -> bool:
 @pytest.mark.parametrize("op_name", CONTROL_OPERATIONS)
 def test_edge_values_of_every_member_are_refused_naming_it_or_taken(world, op_name):
     failures = []
-    with httpx.Client(base_url=world.emu.url, timeout=30.0) as client:
+    with httpx.Client(base_url=world.emu.url, timeout=30.0, auth=SIGNED) as client:
         before = _state(client)
         for case in cases(op_name, _bases(world)[op_name]):
             response = _call(client, op_name, case.body)
@@ -542,7 +542,7 @@ def test_runtime_edge_values_of_every_member_are_refused_naming_it_or_taken(worl
     """As the control-plane test, on the runtime's JSON operations (the chat's are a payload; tested on their own)."""
     failures, taken = [], []
     sm, rt = clients(world.emu.url)
-    with httpx.Client(base_url=world.emu.url, timeout=30.0) as client:
+    with httpx.Client(base_url=world.emu.url, timeout=30.0, auth=SIGNED) as client:
         session, seq = _runtime_session(sm, op_name), 1
         op_ids = _runtime_ops(rt, session)
         for case in _runtime_cases(op_name, session, op_ids, world.package):

@@ -14,7 +14,7 @@ from botocore.exceptions import ClientError
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 
-from .helpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
+from .helpers import OPTIM, ROLE, SIGNED, clients, fb, hub_arn, new_session, wait_op, wait_status
 
 pytestmark = pytest.mark.sagemaker
 
@@ -179,7 +179,10 @@ def test_a_creation_time_filter_that_is_no_time_is_a_validation_exception(sm, em
     for op in ("ListTrainingSessions", "ListModelPackages"):
         body = f'{{"CreationTimeAfter": {when}}}'.encode()
         r = httpx.post(
-            emulator.url, content=body, headers={"x-amz-target": f"SageMaker.{op}", "content-type": "application/x-amz-json-1.1"}
+            emulator.url,
+            content=body,
+            headers={"x-amz-target": f"SageMaker.{op}", "content-type": "application/x-amz-json-1.1"},
+            auth=SIGNED,
         )
         assert r.status_code == 400 and r.json()["__type"] == "ValidationException", (op, r.text)
         assert "CreationTimeAfter" in r.json()["Message"]
@@ -833,7 +836,10 @@ def test_chat_logprobs_and_top_logprobs_plain_and_streamed(sm, rt, emulator):
 
 def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     resp = httpx.post(
-        emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}"
+        emulator.url,
+        headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"},
+        content=b"{}",
+        auth=SIGNED,
     )
     assert resp.status_code == 400 and resp.json()["__type"] == "UnknownOperationException"
     name = _name()
@@ -871,13 +877,18 @@ def test_a_body_that_is_not_a_json_object_is_a_400_on_every_route(sm, emulator, 
         emulator.url,
         content=raw,
         headers={"X-Amz-Target": "SageMaker.DescribeTrainingSession", "Content-Type": "application/x-amz-json-1.1"},
+        auth=SIGNED,
     )
     assert control.status_code == 400 and control.json()["__type"] == "SerializationException", control.text[:200]
     for path in ("operations", "sampling-operations"):
-        r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            f"{emulator.url}/v1/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"}, auth=SIGNED
+        )
         assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
     for path in ("sample", "sample-with-response-stream"):
-        r = httpx.post(f"{emulator.url}/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            f"{emulator.url}/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"}, auth=SIGNED
+        )
         assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
     assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
@@ -1004,7 +1015,9 @@ def test_a_nan_adam_parameter_is_refused_naming_it_and_the_weights_stay_finite(s
     new_session(sm, name)
     adam = ", ".join(f'"{k}": {v}' for k, v in ({"learningRate": "0.001"} | {member: "NaN"}).items())
     raw = f'{{"sequenceNumber": 1, "operationConfig": {{"optimizerStep": {{"adamParamsConfig": {{{adam}}}}}}}}}'
-    r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/operations", content=raw, headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{emulator.url}/v1/training-sessions/{name}/operations", content=raw, headers={"Content-Type": "application/json"}, auth=SIGNED
+    )
     assert r.status_code == 400 and f"adamParamsConfig.{member}'" in r.json()["message"], r.text[:300]
     rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, operationConfig=fb([1, 40, 41]))
     op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, operationConfig=OPTIM)

@@ -2,7 +2,10 @@
 
 - Control plane (awsJson1.1): ``POST /`` with ``X-Amz-Target: SageMaker.<Operation>``.
 - Runtime (rest-json): the paths in the runtime model's ``requestUri`` fields.
-- ``/_emulator/...``: test hooks (fault settings, remote failure, per-session execution log).
+- ``/_emulator/...``: test hooks (fault settings, remote failure, per-session execution log), unsigned.
+
+Every wire request must carry a SigV4 ``Authorization`` header (:mod:`.auth`); its access key's account is the one
+whose sessions, model packages and groups the request sees (:class:`.accounts.Accounts`).
 
 Every request body is checked against the operation's input shape (limits, enums and patterns included);
 with ``check_responses`` every answer is checked against its output shape too.
@@ -31,6 +34,8 @@ from asyncsess.backends import Backend, load_backend
 
 from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS, TRAINING_SESSION_OPERATIONS, operation, runtime_model
 from ..shape_check import ShapeError, check_shape
+from .accounts import Accounts
+from .auth import caller_account
 from .config import EmulatorConfig, FaultConfig
 from .errors import AwsError, control_error_response, runtime_error_response
 from .service import EmulatedService, chat_completion_id, chat_model
@@ -112,21 +117,25 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     """The emulator over ``inner`` (a Backend, or a URL for :func:`asyncsess.backends.base.load_backend`)."""
     config = config or EmulatorConfig()
     backend = load_backend(inner) if isinstance(inner, str) else inner
-    service = EmulatedService(backend, config)
+    accounts = Accounts(backend, config)
     faults = _Faults(config.faults)
+
+    async def caller(request: Request) -> EmulatedService:
+        """The service of the account that signed ``request``."""
+        return accounts.service(caller_account(request, await request.body(), config))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.open()
         async with anyio.create_task_group() as tg:
-            await service.start(tg)
-            app.state.service = service
+            await accounts.start(tg)
+            app.state.accounts = accounts
             try:
                 yield
             finally:
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
-                    await service.shutdown()
+                    await accounts.shutdown()
                     await backend.aclose()
 
     # ------------------------------------------------------------------------ control plane
@@ -138,6 +147,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         prefix, _, op_name = target.partition(".")
         model = control_ops.get(op_name)
         try:
+            service = await caller(request)
             if prefix != "SageMaker" or model is None:
                 raise AwsError("UnknownOperationException", f"Operation {target or '(no X-Amz-Target)'} is not supported by this emulator")
             await faults.before(op_name)
@@ -157,9 +167,12 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
 
     # ------------------------------------------------------------------------------ runtime
 
-    def runtime_route(model: OperationModel, handler: Callable[[Request, dict[str, Any]], Awaitable[Response]]) -> Route:
+    Handler = Callable[[EmulatedService, Request, dict[str, Any]], Awaitable[Response]]
+
+    def runtime_route(model: OperationModel, handler: Handler) -> Route:
         async def endpoint(request: Request) -> Response:
             try:
+                service = await caller(request)
                 await faults.before(model.name)
                 params: dict[str, Any] = dict(request.path_params)
                 if model.input_shape.serialization.get("payload") is None and request.method == "POST":
@@ -170,7 +183,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
                     if model.name == "ExecuteTrainingOperation":
                         service.refused_training_operation(params)
                     raise
-                response = await handler(request, params)
+                response = await handler(service, request, params)
                 if faults.lose_response(model.name):
                     raise AwsError.internal("Injected lost response (the request was applied)")
                 return response
@@ -183,11 +196,9 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         path = model.http["requestUri"]
         return Route(path, endpoint, methods=[model.http["method"]], name=model.name)
 
-    def json_handler(model: OperationModel) -> Callable[[Request, dict[str, Any]], Awaitable[Response]]:
-        method = getattr(service, _snake(model.name))
-
-        async def handle(request: Request, params: dict[str, Any]) -> Response:
-            out = await method(params)
+    def json_handler(model: OperationModel) -> Handler:
+        async def handle(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
+            out = await getattr(service, _snake(model.name))(params)
             if config.check_responses:
                 _check_output(model, out)
             return JSONResponse(out)
@@ -200,7 +211,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     async def chat_request(request: Request) -> tuple[dict[str, Any], str | None]:
         return _json_object(await request.body(), AwsError.validation), request.headers.get(package_header)
 
-    async def sample_handler(request: Request, params: dict[str, Any]) -> Response:
+    async def sample_handler(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
         reply = await service.chat(params["trainingSessionName"], body, package)
         prompt, completion = reply.prompt, reply.completion
@@ -218,7 +229,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             }
         )
 
-    async def stream_handler(request: Request, params: dict[str, Any]) -> Response:
+    async def stream_handler(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
         events = await service.chat_stream(params["trainingSessionName"], body, package)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -236,15 +247,23 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             faults.set(FaultConfig.model_validate(await request.json()))
         return JSONResponse(faults.report())
 
+    def hooked(request: Request) -> EmulatedService:
+        """The service of the account a test hook names (``?account=``; default: ``account_id``)."""
+        account = request.query_params.get("account") or config.account_id
+        if account not in accounts:
+            raise AwsError.not_found(f"Account {account[:64]} has made no call")
+        return accounts.service(account)
+
     async def session_state(request: Request) -> Response:
         try:
-            return JSONResponse(service.session_state(request.path_params["name"]))
+            return JSONResponse(hooked(request).session_state(request.path_params["name"]))
         except AwsError as err:
             return runtime_error_response(err)
 
     async def end_session(request: Request) -> Response:
         payload = await request.json()
         try:
+            service = hooked(request)
             service.fail_session(
                 request.path_params["name"], payload.get("reason", "Failed by the emulator's test hook"), payload.get("status", "Failed")
             )

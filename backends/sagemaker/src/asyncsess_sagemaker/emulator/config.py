@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EmulatorConfig", "FaultConfig"]
+__all__ = ["AccountKey", "EmulatorConfig", "FaultConfig"]
 
 
 class FaultConfig(BaseModel):
@@ -28,6 +28,15 @@ class FaultConfig(BaseModel):
     seed: int = 0
 
 
+class AccountKey(BaseModel):
+    """One access key of :attr:`EmulatorConfig.accounts`: its secret and the account it signs for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    account_id: str = Field(pattern=r"^\d{12}$")
+    secret_access_key: str = Field(min_length=1)
+
+
 class EmulatorConfig(BaseModel):
     """Timings in seconds. The real service publishes none of them; the defaults keep tests quick."""
 
@@ -35,6 +44,12 @@ class EmulatorConfig(BaseModel):
 
     region: str = "us-west-2"
     account_id: str = Field(default="111122223333", pattern=r"^\d{12}$")
+    accounts: dict[str, AccountKey] = Field(
+        default_factory=dict,
+        description="access key id -> its account and secret: only these keys are taken, their signatures verified, and "
+        "each account sees only its own sessions, model packages and groups (empty: any access key is account_id's, and "
+        "the SigV4 header is checked for form only)",
+    )
     startup_s: float = Field(default=0.05, ge=0.0, description="Created -> Scheduled -> Running")
     stop_s: float = Field(default=0.02, ge=0.0, description="Stopping -> Stopped, Deleting -> gone")
     gap_timeout_s: float = Field(default=30.0, gt=0.0, description="Blocked on a missing sequence number -> Failed")
