@@ -19,7 +19,7 @@ from botocore.exceptions import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
-from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError, TransientError
+from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, ServerError, SessionGoneError, TransientError
 
 __all__ = ["AwsCalls", "translate", "error_code", "TRANSIENT_CODES", "field_of"]
 
@@ -72,6 +72,8 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
             if not_found is InvalidInputError:
                 return InvalidInputError(text, operation=operation, request_id=request_id)
             return not_found(text, operation=operation, request_id=request_id)
+        if code == "ResourceInUse":  # a create of a name that exists
+            return ConflictError(text, fix="pick another name", operation=operation, request_id=request_id)
         if code == "ConflictException":
             return SessionGoneError(text, operation=operation, request_id=request_id)
         return ServerError(text, operation=operation, request_id=request_id)
@@ -106,9 +108,38 @@ class AwsCalls:
             raise translate(err, operation, not_found=not_found) from err
 
     async def retried(
-        self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any
+        self,
+        fn: Callable[..., T],
+        *,
+        operation: str,
+        not_found: type[AsyncSessError] = SessionGoneError,
+        replayed: Callable[[ClientError], T | None] | None = None,
+        **kwargs: Any,
     ) -> T:
-        """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``."""
+        """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``.
+
+        A transient failure may come after the service applied the call (a lost reply, a dropped connection), so a
+        retry can be refused for what the first attempt did (``ResourceInUse`` for a create, "does not exist" for a
+        delete). ``replayed(err)``, asked only about such a refusal after a transient failure, returns the reply to
+        stand for the applied call, or None when the refusal is real."""
+        transient = False
+
+        async def attempt_once() -> T:
+            nonlocal transient
+            try:
+                return await self.once(fn, operation=operation, not_found=not_found, **kwargs)
+            except TransientError:
+                transient = True
+                raise
+            except AsyncSessError as err:
+                cause = err.__cause__
+                if transient and replayed is not None and isinstance(cause, ClientError):
+                    reply = replayed(cause)
+                    if reply is not None:
+                        log.debug("%s: a retry found the earlier attempt applied (%s)", operation, error_code(cause))
+                        return reply
+                raise
+
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
             wait=wait_random_exponential(multiplier=self.retry_base_s, max=4.0),
@@ -120,7 +151,7 @@ class AwsCalls:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await self.once(fn, operation=operation, not_found=not_found, **kwargs)
+                    return await attempt_once()
         except TransientError as err:
             err.attempts = retrying.statistics.get("attempt_number", 1)  # type: ignore[attr-defined]
             raise

@@ -1,0 +1,65 @@
+"""The driver when the service applied a control-plane call but its reply was lost (a 500 after the work, a dropped
+connection): the retry is refused for what the first attempt did. A lost ``CreateTrainingSession`` reply made the
+retry's ``ResourceInUse`` a ServerError and left the session it had made Running with no client to stop it; a lost
+``DeleteModelPackage`` reply made the retry's "does not exist" an InvalidInputError for a delete that was done."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+import asyncsess
+from asyncsess.errors import ConflictError
+from asyncsess.types import AdamParams
+
+from .helpers import clients, driver_url, new_session, wait_status
+
+pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
+
+BASE = "mock/bigram-tiny"
+
+
+def _sessions(sm) -> dict[str, str]:
+    rows = sm.list_training_sessions()["TrainingSessionSummaries"]
+    return {r["TrainingSessionArn"].rsplit("/", 1)[1]: r["TrainingSessionStatus"] for r in rows}
+
+
+async def test_a_create_whose_reply_was_lost_goes_on_with_the_one_session_it_made(emulator):
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        assert emulator.injected_faults() == {"lost response": 1}  # the retry was refused: ResourceInUse
+        emulator.set_faults()
+        made = {n: s for n, s in _sessions(sm).items() if n not in before}
+        assert made == {tc.model_id: "Running"}
+        step = await tc.optim_step(AdamParams(learning_rate=0.001))
+        assert step.step == 1
+    assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # the client owned it
+
+
+async def test_a_create_of_a_name_another_session_has_is_a_conflict_that_leaves_that_session_alone(emulator):
+    sm, _ = clients(emulator.url)
+    name = f"taken-{uuid.uuid4().hex[:8]}"
+    new_session(sm, name)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        with pytest.raises(ConflictError) as err:
+            await svc.create_lora_training_client(BASE, rank=4, training_session_name=name)
+        assert "ResourceInUse" in str(err.value)
+    assert _sessions(sm)[name] == "Running"  # not stopped as if it were the client's
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+async def test_a_delete_whose_reply_was_lost_is_done(emulator):
+    sm, _ = clients(emulator.url)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        saved = await tc.save_state("gone")
+        emulator.set_faults(lost_response_rate=1.0, operations=["DeleteModelPackage"])
+        await svc.delete_checkpoint(saved.path)
+        assert emulator.injected_faults() == {"lost response": 1}
+        emulator.set_faults()
+        with pytest.raises(sm.exceptions.ClientError, match="does not exist"):
+            sm.describe_model_package(ModelPackageName=saved.path)
