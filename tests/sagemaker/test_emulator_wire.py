@@ -1195,3 +1195,35 @@ def test_refused_and_hostile_runtime_calls_on_one_session_never_touch_another(sm
     assert emulator.session_state(a)["applied"] == [6]
     for name in (a, b):
         sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", "/", 405), ("POST", "/no-such-route", 404), ("DELETE", "/v1/training-sessions/s/operations", 405)],
+)
+def test_a_path_or_method_no_operation_has_is_an_aws_shaped_4xx(emulator, method, path, status):
+    """They were Starlette's plain-text 404/405, which no AWS client parses as an error code."""
+    r = httpx.request(method, emulator.url + path, auth=SIGNED)
+    assert r.status_code == status and r.headers["x-amzn-ErrorType"].startswith("UnknownOperationException:"), r.text
+    assert path in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/_emulator/faults", b"{not json"),
+        ("/_emulator/faults", b'{"throttle_rate": 5}'),
+        ("/_emulator/sessions/{name}/end", b"[1]"),
+        ("/_emulator/sessions/{name}/end", b'{"status": "Bogus"}'),
+    ],
+)
+def test_a_bad_test_hook_request_is_a_400_and_changes_nothing(sm, emulator, path, body):
+    """Bad JSON or a bad FaultConfig was a 500; an end status outside Failed/Expired set a status no Describe could
+    answer (every later Describe of the session was a 500)."""
+    name = _name()
+    new_session(sm, name)
+    r = httpx.post(emulator.url + path.format(name=name), content=body)
+    assert r.status_code == 400 and r.headers["x-amzn-ErrorType"].startswith("ValidationException:"), r.text
+    assert emulator.injected_faults() == {}
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    sm.stop_training_session(TrainingSessionName=name)

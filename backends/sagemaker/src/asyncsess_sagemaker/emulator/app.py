@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 from botocore.model import OperationModel
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -242,9 +243,18 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
 
     # -------------------------------------------------------------------------------- admin
 
+    async def hook_body(request: Request) -> dict[str, Any]:
+        return _json_object(await request.body(), AwsError.validation)
+
     async def set_faults(request: Request) -> Response:
-        if request.method == "POST":
-            faults.set(FaultConfig.model_validate(await request.json()))
+        try:
+            if request.method == "POST":
+                try:
+                    faults.set(FaultConfig.model_validate(await hook_body(request)))
+                except ValidationError as err:
+                    raise AwsError.validation(str(err)) from None
+        except AwsError as err:
+            return runtime_error_response(err)
         return JSONResponse(faults.report())
 
     def hooked(request: Request) -> EmulatedService:
@@ -261,15 +271,23 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             return runtime_error_response(err)
 
     async def end_session(request: Request) -> Response:
-        payload = await request.json()
         try:
+            payload = await hook_body(request)
+            status, reason = payload.get("status", "Failed"), payload.get("reason", "Failed by the emulator's test hook")
+            if status not in ("Failed", "Expired") or not isinstance(reason, str):
+                raise AwsError.validation("status must be Failed or Expired, and reason a string")
             service = hooked(request)
-            service.fail_session(
-                request.path_params["name"], payload.get("reason", "Failed by the emulator's test hook"), payload.get("status", "Failed")
-            )
+            service.fail_session(request.path_params["name"], reason, status)
         except AwsError as err:
             return runtime_error_response(err)
         return JSONResponse(service.session_state(request.path_params["name"]))
+
+    async def unrouted(request: Request, exc: Exception) -> Response:
+        """A path or method no operation has: AWS's ``UnknownOperationException``, not Starlette's plain text."""
+        status = getattr(exc, "status_code", 404)
+        return runtime_error_response(
+            AwsError("UnknownOperationException", f"No operation is served at {request.method} {request.url.path[:256]}", status=status)
+        )
 
     routes += [
         Route("/", control_plane, methods=["POST"]),
@@ -277,4 +295,4 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         Route("/_emulator/sessions/{name}", session_state, methods=["GET"]),
         Route("/_emulator/sessions/{name}/end", end_session, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: unrouted, 405: unrouted})
