@@ -96,6 +96,17 @@ def test_an_account_never_sees_stops_trains_or_reads_another_s_sessions_and_pack
         b_rt.execute_sampling_operation(trainingSessionName=shared, operationConfig=foreign[1])
     assert _code(err) == ("ResourceNotFoundException", 404)
 
+    a_session = a_sm.describe_training_session(TrainingSessionName=alices)["TrainingSessionDetail"]["TrainingSessionArn"]
+    a_sm.add_tags(ResourceArn=a_session, Tags=[{"Key": "owner", "Value": "alice"}])
+    for call, kwargs in (
+        (b_sm.list_tags, {}),
+        (b_sm.add_tags, {"Tags": [{"Key": "owner", "Value": "bob"}]}),
+        (b_sm.delete_tags, {"TagKeys": ["owner"]}),
+    ):
+        with pytest.raises(b_sm.exceptions.ResourceNotFound):
+            call(ResourceArn=a_session, **kwargs)
+    assert a_sm.list_tags(ResourceArn=a_session)["Tags"] == [{"Key": "owner", "Value": "alice"}]
+
     # Alice's side is as she left it: both sessions Running, her package hers, her op the only one applied
     assert {s["TrainingSessionStatus"] for s in a_sm.list_training_sessions()["TrainingSessionSummaries"]} == {"Running"}
     assert a_sm.describe_model_package(ModelPackageName=a_pkg)["ModelPackageArn"] == a_pkg

@@ -63,7 +63,9 @@ SAMPLES = {
     "DocumentSchemaVersion": "2.4.0",
     "HubContentVersion": "1.0.0",
     "ClientToken": "token-1",  # the runtime's
+    "ResourceArn": f"arn:aws:sagemaker:us-west-2:111122223333:training-session/{SESSION}",
 }
+SESSION_ARN = SAMPLES["ResourceArn"]
 
 
 # A runtime string the service stores as a control-plane member is held to that member's constraints too: a save's
@@ -338,6 +340,9 @@ def _bases(world: World) -> dict[str, dict[str, Any]]:
         "DeleteModelPackage": {"ModelPackageName": world.package.replace("/1", "/99")},
         "ListHubContents": hub,
         "DescribeHubContent": hub | {"HubContentName": world.model.split("/")[-2]},
+        "AddTags": {"ResourceArn": SESSION_ARN, "Tags": [{"Key": "team", "Value": "ml"}]},
+        "ListTags": {"ResourceArn": SESSION_ARN},
+        "DeleteTags": {"ResourceArn": SESSION_ARN, "TagKeys": ["team"]},
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 import time
 import uuid
 
@@ -1227,3 +1228,38 @@ def test_a_bad_test_hook_request_is_a_400_and_changes_nothing(sm, emulator, path
     assert emulator.injected_faults() == {}
     assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_tags_are_added_listed_overwritten_and_deleted_on_sessions_and_groups(sm, emulator):
+    """AddTags, ListTags and DeleteTags were UnknownOperationExceptions. A refused AddTags (past 50 tags, a duplicate
+    or an aws: key) changes nothing; a session being deleted, or an ARN of nothing, is ResourceNotFound."""
+    name = _name()
+    new_session(sm, name)
+    session = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionArn"]
+    group = sm.create_model_package_group(ModelPackageGroupName=_name(), Tags=[{"Key": "team", "Value": "ml"}])["ModelPackageGroupArn"]
+    assert sm.list_tags(ResourceArn=group)["Tags"] == [{"Key": "team", "Value": "ml"}]
+    assert sm.list_tags(ResourceArn=session)["Tags"] == []
+    sm.add_tags(ResourceArn=session, Tags=[{"Key": "a", "Value": "1"}, {"Key": "b", "Value": "2"}])
+    sm.add_tags(ResourceArn=session, Tags=[{"Key": "a", "Value": "3"}])  # overwrites by key
+    assert sm.list_tags(ResourceArn=session)["Tags"] == [{"Key": "a", "Value": "3"}, {"Key": "b", "Value": "2"}]
+    assert (
+        sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["Tags"] == sm.list_tags(ResourceArn=session)["Tags"]
+    )
+    for tags, says in (
+        ([{"Key": f"k{i}", "Value": ""} for i in range(49)], "at most 50"),
+        ([{"Key": "c", "Value": ""}, {"Key": "c", "Value": ""}], "Tags[1].Key"),
+        ([{"Key": "aws:x", "Value": ""}], "Tags[0].Key"),
+    ):
+        with pytest.raises(sm.exceptions.ClientError, match=re.escape(says)):
+            sm.add_tags(ResourceArn=session, Tags=tags)
+    assert len(sm.list_tags(ResourceArn=session)["Tags"]) == 2
+    sm.delete_tags(ResourceArn=session, TagKeys=["a", "never-set"])
+    assert sm.list_tags(ResourceArn=session)["Tags"] == [{"Key": "b", "Value": "2"}]
+    for arn in (session.replace(name, "no-such-session"), session.replace("us-west-2", "eu-west-1")):
+        with pytest.raises(sm.exceptions.ResourceNotFound):
+            sm.list_tags(ResourceArn=arn)
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    sm.delete_training_session(TrainingSessionName=name)
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.add_tags(ResourceArn=session, Tags=[{"Key": "late", "Value": ""}])

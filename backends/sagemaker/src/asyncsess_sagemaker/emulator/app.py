@@ -33,7 +33,15 @@ from starlette.routing import Route
 
 from asyncsess.backends import Backend, load_backend
 
-from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS, TRAINING_SESSION_OPERATIONS, operation, runtime_model
+from ..service_models import (
+    CONTROL,
+    HUB_OPERATIONS,
+    MODEL_REGISTRY_OPERATIONS,
+    TAG_OPERATIONS,
+    TRAINING_SESSION_OPERATIONS,
+    operation,
+    runtime_model,
+)
 from ..shape_check import ShapeError, check_shape
 from .accounts import Accounts
 from .auth import caller_account
@@ -45,7 +53,7 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("asyncsess_sagemaker.emulator")
 
-CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + HUB_OPERATIONS
+CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + HUB_OPERATIONS + TAG_OPERATIONS
 _JSON11 = "application/x-amz-json-1.1"
 
 
