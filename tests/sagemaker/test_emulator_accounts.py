@@ -17,9 +17,11 @@ import httpx
 import pytest
 from botocore.exceptions import ClientError
 
+import asyncsess
+from asyncsess.errors import AuthenticationError
 from asyncsess_sagemaker.emulator import AccountKey, EmulatorConfig, RunningEmulator, running_emulator
 
-from .helpers import OPTIM, SIGNED, SigV4, clients, fb, hub_arn, wait_op, wait_status
+from .helpers import OPTIM, SIGNED, SigV4, clients, driver_url, fb, hub_arn, wait_op, wait_status
 
 pytestmark = pytest.mark.sagemaker
 
@@ -227,3 +229,16 @@ def test_the_default_emulator_takes_any_key_but_no_unsigned_request(sm, emulator
         assert r.status_code == 403 and "Missing Authentication Token" in r.text, r.text
         signed = httpx.post(url, content=b"{}", headers=headers, auth=SIGNED)
         assert signed.status_code in (200, 400), signed.text  # past authentication: served, or refused for its body
+
+
+@pytest.mark.anyio
+async def test_the_driver_with_a_wrong_secret_is_an_authentication_error_and_creates_nothing(two, monkeypatch):
+    """It was a ServerError (an AWS code the driver did not know), as if the service had failed."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ALICE[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-alices-secret")
+    before = _as(two, ALICE)[0].list_training_sessions()["TrainingSessionSummaries"]
+    async with asyncsess.ServiceClient(driver_url(two)) as svc:
+        with pytest.raises(AuthenticationError) as err:
+            await svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+    assert "InvalidSignatureException" in str(err.value) and "credentials" in str(err.value)
+    assert _as(two, ALICE)[0].list_training_sessions()["TrainingSessionSummaries"] == before

@@ -19,7 +19,16 @@ from botocore.exceptions import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
-from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, ServerError, SessionGoneError, TransientError
+from asyncsess.errors import (
+    AsyncSessError,
+    AuthenticationError,
+    ConflictError,
+    InvalidInputError,
+    PermissionDeniedError,
+    ServerError,
+    SessionGoneError,
+    TransientError,
+)
 
 __all__ = ["AwsCalls", "translate", "error_code", "TRANSIENT_CODES", "field_of"]
 
@@ -39,6 +48,22 @@ TRANSIENT_CODES = frozenset(
     }
 )
 DONE = frozenset({"Completed", "Failed", "Skipped"})
+# the request's signature or credentials were refused (AWS's common errors, JSON and query names)
+AUTH_CODES = frozenset(
+    {
+        "MissingAuthenticationTokenException",
+        "MissingAuthenticationToken",
+        "IncompleteSignatureException",
+        "IncompleteSignature",
+        "InvalidSignatureException",
+        "SignatureDoesNotMatch",
+        "UnrecognizedClientException",
+        "InvalidClientTokenId",
+        "ExpiredTokenException",
+        "ExpiredToken",
+    }
+)
+DENIED_CODES = frozenset({"AccessDeniedException", "AccessDenied"})
 
 
 def error_code(err: BaseException) -> str | None:
@@ -72,6 +97,12 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
             if not_found is InvalidInputError:
                 return InvalidInputError(text, operation=operation, request_id=request_id)
             return not_found(text, operation=operation, request_id=request_id)
+        if code in AUTH_CODES:
+            return AuthenticationError(
+                f"{text} (fix: check the AWS credentials, their region and the clock)", operation=operation, request_id=request_id
+            )
+        if code in DENIED_CODES:
+            return PermissionDeniedError(text, operation=operation, request_id=request_id)
         if code == "ResourceInUse":  # a create of a name that exists
             return ConflictError(text, fix="pick another name", operation=operation, request_id=request_id)
         if code == "ConflictException":
