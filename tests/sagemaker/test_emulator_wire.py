@@ -1214,6 +1214,7 @@ def test_a_path_or_method_no_operation_has_is_an_aws_shaped_4xx(emulator, method
     [
         ("/_emulator/faults", b"{not json"),
         ("/_emulator/faults", b'{"throttle_rate": 5}'),
+        ("/_emulator/faults", b'{"latency_s": Infinity}'),
         ("/_emulator/sessions/{name}/end", b"[1]"),
         ("/_emulator/sessions/{name}/end", b'{"status": "Bogus"}'),
     ],

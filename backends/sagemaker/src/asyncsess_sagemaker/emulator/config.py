@@ -18,7 +18,7 @@ class FaultConfig(BaseModel):
     - ``operations``: only these operation names are affected (``None``: every wire operation).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # latency_s=Infinity hung every request
 
     throttle_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     internal_error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
