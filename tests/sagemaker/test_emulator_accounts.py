@@ -76,6 +76,10 @@ def test_an_account_never_sees_stops_trains_or_reads_another_s_sessions_and_pack
             call(TrainingSessionName=alices)
     with pytest.raises(b_rt.exceptions.ResourceNotFoundException):
         b_rt.execute_training_operation(trainingSessionName=alices, sequenceNumber=1, operationConfig=OPTIM)
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    with pytest.raises(b_rt.exceptions.ResourceNotFoundException):
+        b_rt.sample_training_session(trainingSessionName=alices, body=chat, contentType="application/json")
+    assert json.loads(a_rt.sample_training_session(trainingSessionName=alices, body=chat, contentType="application/json")["body"].read())
     with pytest.raises(b_rt.exceptions.ResourceNotFoundException):  # Bob's session of that name has no such op
         b_rt.get_training_operation_result(trainingSessionName=shared, operationId=a_op["operationId"])
 
