@@ -5,8 +5,10 @@ retry's ``ResourceInUse`` a ServerError and left the session it had made Running
 
 from __future__ import annotations
 
+import threading
 import uuid
 
+import anyio
 import pytest
 
 import asyncsess
@@ -63,3 +65,26 @@ async def test_a_delete_whose_reply_was_lost_is_done(emulator):
         emulator.set_faults()
         with pytest.raises(sm.exceptions.ClientError, match="does not exist"):
             sm.describe_model_package(ModelPackageName=saved.path)
+
+
+async def test_a_create_cancelled_while_its_request_is_on_the_wire_leaves_no_session_running(emulator):
+    """The boto3 call runs on in its worker thread after the caller is cancelled; the session it makes is stopped."""
+    sm, _ = clients(emulator.url)
+    sent, names = threading.Event(), []
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        control = svc.backend.control
+        create = control.create_training_session
+
+        def create_and_tell(**request):
+            names.append(request["TrainingSessionName"])
+            sent.set()
+            return create(**request)
+
+        control.create_training_session = create_and_tell
+        emulator.set_faults(latency_s=0.3, operations=["CreateTrainingSession"])  # the request is still on the wire
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc.create_lora_training_client, BASE, 4)
+            await anyio.to_thread.run_sync(sent.wait)
+            tg.cancel_scope.cancel()
+        emulator.set_faults()
+    assert len(names) == 1 and _sessions(sm).get(names[0]) in ("Stopping", "Stopped")
