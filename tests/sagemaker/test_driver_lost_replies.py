@@ -13,13 +13,14 @@ import pytest
 
 import asyncsess
 from asyncsess.errors import ConflictError
-from asyncsess.types import AdamParams
+from asyncsess.types import AdamParams, Datum, ModelInput
 
 from .helpers import clients, driver_url, new_session, wait_status
 
 pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
 
 BASE = "mock/bigram-tiny"
+BATCH = [Datum(model_input=ModelInput.from_ints([1, 40, 41]), loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [1.0] * 3})]
 
 
 def _sessions(sm) -> dict[str, str]:
@@ -88,3 +89,28 @@ async def test_a_create_cancelled_while_its_request_is_on_the_wire_leaves_no_ses
             tg.cancel_scope.cancel()
         emulator.set_faults()
     assert len(names) == 1 and _sessions(sm).get(names[0]) in ("Stopping", "Stopped")
+
+
+async def test_replies_cut_short_are_retried_as_lost_and_every_op_runs_once(emulator):
+    """A 200 whose body could not be read (ResponseParserError) was a ServerError: the op had been applied, yet it
+    failed, poisoning the training client. It is a lost reply now: retried with the same client token."""
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        emulator.set_faults(truncated_response_rate=1.0, operations=["CreateTrainingSession"])
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        assert emulator.injected_faults() == {"truncated response": 1}
+        assert {n for n in _sessions(sm) if n not in before} == {tc.model_id}
+        ops = ["ExecuteTrainingOperation", "GetTrainingOperationResult"]
+        emulator.set_faults(truncated_response_rate=0.5, seed=3, operations=ops)
+        futures = []
+        for _ in range(4):
+            futures.append(tc.forward_backward(BATCH, "cross_entropy"))
+            futures.append(tc.optim_step(AdamParams(learning_rate=0.005)))
+        results = [await f for f in futures]
+        injected = emulator.injected_faults()
+        emulator.set_faults()
+        assert injected.get("truncated response", 0) > 0
+        assert [r.step for r in results[1::2]] == [1, 2, 3, 4]
+        state = emulator.session_state(tc.model_id)
+        assert state["applied"] == list(range(1, 9)) and len(state["operations"]) == 8  # each op made and run once

@@ -17,6 +17,7 @@ from botocore.exceptions import (
     NoRegionError,
     ParamValidationError,
 )
+from botocore.parsers import ResponseParserError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from asyncsess.errors import (
@@ -110,6 +111,8 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
         return ServerError(text, operation=operation, request_id=request_id)
     if isinstance(err, (ConnectionError, HTTPClientError)):
         return TransientError(f"{type(err).__name__}: {err}", operation=operation)
+    if isinstance(err, ResponseParserError):  # a reply broken on the way back: the call may have been applied
+        return TransientError(f"unreadable reply: {str(err)[:200]}", operation=operation, lost_response=True)
     if isinstance(err, (NoCredentialsError, NoRegionError)):
         return InvalidInputError(
             str(err), field="credentials", fix="configure AWS credentials (env, profile= option, or instance role)", operation=operation
@@ -119,6 +122,21 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
     if isinstance(err, BotoCoreError):
         return ServerError(f"{type(err).__name__}: {err}", operation=operation)
     raise err
+
+
+def _check_reply(fn: Callable[..., Any], reply: Any, operation: str) -> None:
+    """A reply of a boto3 client method holds its output shape's required members. botocore reads a rest-json body it
+    cannot parse as ``{}`` (a 200 cut short gave a KeyError on ``operationId``); such a reply is a lost one."""
+    meta: Any = getattr(getattr(fn, "__self__", None), "meta", None)
+    if meta is None or not isinstance(reply, dict):
+        return
+    api = meta.method_to_api_mapping.get(getattr(fn, "__name__", ""))
+    if api is None:
+        return
+    shape = meta.service_model.operation_model(api).output_shape
+    missing = [m for m in (shape.required_members if shape is not None else []) if m not in reply]
+    if missing:
+        raise TransientError(f"unreadable reply: {api} answered without {', '.join(missing)}", operation=operation, lost_response=True)
 
 
 class AwsCalls:
@@ -134,9 +152,11 @@ class AwsCalls:
     async def once(self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any) -> T:
         """One call, errors translated."""
         try:
-            return await anyio.to_thread.run_sync(functools.partial(fn, **kwargs), limiter=self._limiter)
-        except (ClientError, BotoCoreError) as err:
+            reply = await anyio.to_thread.run_sync(functools.partial(fn, **kwargs), limiter=self._limiter)
+        except (ClientError, BotoCoreError, ResponseParserError) as err:  # the last is no BotoCoreError
             raise translate(err, operation, not_found=not_found) from err
+        _check_reply(fn, reply, operation)
+        return reply
 
     async def retried(
         self,

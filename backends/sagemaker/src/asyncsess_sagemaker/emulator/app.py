@@ -104,6 +104,15 @@ class _Faults:
             self.injected["lost response"] += 1
         return lost
 
+    def truncate_response(self, op_name: str, response: Response) -> Response:
+        """``response``, or (at ``truncated_response_rate``) a 200 whose body is cut short."""
+        rate = self.config.truncated_response_rate
+        if not (self.applies(op_name) and rate and self.rng.random() < rate):
+            return response
+        self.injected["truncated response"] += 1
+        body = bytes(response.body)
+        return Response(body[: len(body) // 2], status_code=200, media_type=response.media_type)
+
     def report(self) -> dict[str, Any]:
         return {"config": self.config.model_dump(), "injected": dict(self.injected)}
 
@@ -172,7 +181,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         except Exception as err:
             log.exception("emulator bug in %s", op_name)
             return control_error_response(AwsError.internal(f"Emulator error: {err!r}"))
-        return Response(json.dumps(out), media_type=_JSON11)
+        return faults.truncate_response(op_name, Response(json.dumps(out), media_type=_JSON11))
 
     # ------------------------------------------------------------------------------ runtime
 
@@ -195,7 +204,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
                 response = await handler(service, request, params)
                 if faults.lose_response(model.name):
                     raise AwsError.internal("Injected lost response (the request was applied)")
-                return response
+                return response if isinstance(response, StreamingResponse) else faults.truncate_response(model.name, response)
             except AwsError as err:
                 return runtime_error_response(err)
             except Exception as err:

@@ -14,6 +14,8 @@ class FaultConfig(BaseModel):
     - ``internal_error_rate``: answer ``InternalServerException`` without doing anything.
     - ``lost_response_rate``: do the work, then answer ``InternalServerException`` (a reply lost on the way
       back; the client must retry with the same client token and get the same operation).
+    - ``truncated_response_rate``: do the work, then answer 200 with the reply cut short (a reply broken on the way
+      back: the client cannot read it and must retry with the same client token).
     - ``latency_s``: added to every request.
     - ``operations``: only these operation names are affected (``None``: every wire operation).
     """
@@ -23,6 +25,7 @@ class FaultConfig(BaseModel):
     throttle_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     internal_error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     lost_response_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    truncated_response_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     latency_s: float = Field(default=0.0, ge=0.0)
     operations: list[str] | None = None
     seed: int = 0
