@@ -125,8 +125,9 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
 
 
 def _check_reply(fn: Callable[..., Any], reply: Any, operation: str) -> None:
-    """A reply of a boto3 client method holds its output shape's required members. botocore reads a rest-json body it
-    cannot parse as ``{}`` (a 200 cut short gave a KeyError on ``operationId``); such a reply is a lost one."""
+    """A reply of a boto3 client method holds its output shape's required members (but lists and maps). botocore reads a
+    rest-json body it cannot parse as ``{}`` (a 200 cut short gave a KeyError on ``operationId``); such a reply is a
+    lost one."""
     meta: Any = getattr(getattr(fn, "__self__", None), "meta", None)
     if meta is None or not isinstance(reply, dict):
         return
@@ -134,7 +135,9 @@ def _check_reply(fn: Callable[..., Any], reply: Any, operation: str) -> None:
     if api is None:
         return
     shape = meta.service_model.operation_model(api).output_shape
-    missing = [m for m in (shape.required_members if shape is not None else []) if m not in reply]
+    # a list or map the service leaves out when empty is no sign of a broken reply; a missing operationId is
+    required = [m for m in (shape.required_members if shape is not None else []) if shape.members[m].type_name not in ("list", "map")]
+    missing = [m for m in required if m not in reply]
     if missing:
         raise TransientError(f"unreadable reply: {api} answered without {', '.join(missing)}", operation=operation, lost_response=True)
 
