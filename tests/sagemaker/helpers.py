@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import boto3
+import httpx
+from botocore.auth import SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
+from botocore.credentials import Credentials
 
 from asyncsess_sagemaker.emulator import RunningEmulator
 
@@ -14,14 +19,34 @@ ROLE = "arn:aws:iam::111122223333:role/TrainingSessionRole"
 REGION = "us-west-2"
 
 
-def clients(url: str, *, validate: bool = True) -> tuple[Any, Any]:
+def clients(url: str, *, validate: bool = True, key: str = "testing", secret: str = "testing") -> tuple[Any, Any]:
     """(control plane, runtime) boto3 clients without botocore retries; ``validate=False`` skips client-side checks."""
     cfg = Config(retries={"total_max_attempts": 1}, parameter_validation=validate)
-    session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
+    session = boto3.session.Session(aws_access_key_id=key, aws_secret_access_key=secret, region_name=REGION)
     return (
         session.client("sagemaker", endpoint_url=url, config=cfg),
         session.client("sagemakertrainingsessionruntime", endpoint_url=url, config=cfg),
     )
+
+
+class SigV4(httpx.Auth):
+    """Signs a raw httpx request as botocore signs its own (SigV4, signing name ``sagemaker``), so tests can send
+    bodies boto3 would never serialize. Signed: host, content-type and the x-amz-* headers."""
+
+    requires_request_body = True
+
+    def __init__(self, key: str = "testing", secret: str = "testing", region: str = REGION) -> None:
+        self.signer = SigV4Auth(Credentials(key, secret), "sagemaker", region)
+
+    def auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "content-type" or k.lower().startswith("x-amz")}
+        aws = AWSRequest(method=request.method, url=str(request.url), data=request.content, headers=headers)
+        self.signer.add_auth(aws)
+        request.headers["Authorization"], request.headers["X-Amz-Date"] = aws.headers["Authorization"], aws.headers["X-Amz-Date"]
+        yield request
+
+
+SIGNED = SigV4()
 
 
 def driver_url(emu: RunningEmulator, **extra: str) -> str:

@@ -388,3 +388,30 @@ async def test_a_model_package_of_another_account_or_region_is_refused_naming_th
         assert err.value.field == "path"
         assert len(sm.list_training_sessions()["TrainingSessionSummaries"]) == sessions  # no session was created
         assert tc.current_sequence_number == 0 and emulator.session_state(tc.model_id)["operations"] == {}
+
+
+def test_cli_emulate_takes_accounts_and_refuses_bad_options_by_name(monkeypatch):
+    """A bad option (a negative latency, an account id that is no 12 digits) was a pydantic traceback."""
+    from typer.testing import CliRunner
+
+    import asyncsess_sagemaker.emulator as emulator_pkg
+    from asyncsess_sagemaker.cli import app
+
+    served = []
+    monkeypatch.setattr(emulator_pkg, "serve", lambda backend, host, port, config: served.append(config))
+    ok = CliRunner().invoke(app, ["--account", "AKIDA:sec:ret:111122223333", "--account", "AKIDB:s2:444455556666"])
+    assert ok.exit_code == 0, ok.output
+    keys = served[0].accounts
+    assert (keys["AKIDA"].secret_access_key, keys["AKIDA"].account_id, keys["AKIDB"].account_id) == (
+        "sec:ret",
+        "111122223333",
+        "444455556666",
+    )
+    for args, says in (
+        (["--account", "AKIDA:sec:12345"], "account_id"),
+        (["--account", "AKIDA:s:111122223333", "--account", "AKIDA:t:111122223333"], "once"),
+        (["--latency-ms", "-5"], "latency_s"),
+    ):
+        bad = CliRunner().invoke(app, args)  # a one-command app: its command runs without its name
+        assert bad.exit_code == 2 and says in bad.output, bad.output
+    assert len(served) == 1

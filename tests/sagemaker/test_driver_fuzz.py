@@ -109,3 +109,20 @@ async def test_hostile_names_arns_and_numbers_are_refused_naming_the_field_befor
         await tc.forward_backward(GOOD, "cross_entropy")
         assert (await tc.optim_step(AdamParams(learning_rate=0.01))).step == 1
         assert emulator.session_state(tc.model_id)["applied"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["poll_initial_s=inf", "poll_max_s=1e400", "retry_budget_s=Infinity", "create_timeout_s=nan", "max_pool_connections=1000000000"],
+)
+async def test_an_endless_or_huge_driver_option_is_refused_naming_it_before_any_call(emulator, option):
+    """poll_initial_s=inf slept for good before the first poll, retry_budget_s=inf retried a throttled call for good, and
+    max_pool_connections=10**9 made urllib3 fill a billion-slot queue at the first call."""
+    name, value = option.split("=")
+    sm = clients(emulator.url)[0]
+    sessions = len(sm.list_training_sessions()["TrainingSessionSummaries"])
+    with pytest.raises(InvalidInputError) as err:
+        async with asyncsess.ServiceClient(driver_url(emulator, **{name: value})) as svc:
+            await svc.create_lora_training_client(BASE, rank=4)
+    assert err.value.field == f"sagemaker option {name}", err.value
+    assert len(sm.list_training_sessions()["TrainingSessionSummaries"]) == sessions

@@ -33,7 +33,7 @@ from asyncsess_sagemaker.emulator.app import CONTROL_OPERATIONS
 from asyncsess_sagemaker.service_models import CONTROL, RUNTIME, control_model, operation, runtime_model
 from asyncsess_sagemaker.shape_check import _regex, java_regex
 
-from .helpers import ROLE, ce_datum, clients, hub_arn, new_session, wait_op
+from .helpers import ROLE, SIGNED, ce_datum, clients, hub_arn, new_session, wait_op
 
 pytestmark = pytest.mark.sagemaker
 
@@ -63,7 +63,9 @@ SAMPLES = {
     "DocumentSchemaVersion": "2.4.0",
     "HubContentVersion": "1.0.0",
     "ClientToken": "token-1",  # the runtime's
+    "ResourceArn": f"arn:aws:sagemaker:us-west-2:111122223333:training-session/{SESSION}",
 }
+SESSION_ARN = SAMPLES["ResourceArn"]
 
 
 # A runtime string the service stores as a control-plane member is held to that member's constraints too: a save's
@@ -338,6 +340,9 @@ def _bases(world: World) -> dict[str, dict[str, Any]]:
         "DeleteModelPackage": {"ModelPackageName": world.package.replace("/1", "/99")},
         "ListHubContents": hub,
         "DescribeHubContent": hub | {"HubContentName": world.model.split("/")[-2]},
+        "AddTags": {"ResourceArn": SESSION_ARN, "Tags": [{"Key": "team", "Value": "ml"}]},
+        "ListTags": {"ResourceArn": SESSION_ARN},
+        "DeleteTags": {"ResourceArn": SESSION_ARN, "TagKeys": ["team"]},
     }
 
 
@@ -367,7 +372,7 @@ def _is_shape_refusal(response: httpx.Response) -> bool:
 @pytest.mark.parametrize("op_name", CONTROL_OPERATIONS)
 def test_edge_values_of_every_member_are_refused_naming_it_or_taken(world, op_name):
     failures = []
-    with httpx.Client(base_url=world.emu.url, timeout=30.0) as client:
+    with httpx.Client(base_url=world.emu.url, timeout=30.0, auth=SIGNED) as client:
         before = _state(client)
         for case in cases(op_name, _bases(world)[op_name]):
             response = _call(client, op_name, case.body)
@@ -542,7 +547,7 @@ def test_runtime_edge_values_of_every_member_are_refused_naming_it_or_taken(worl
     """As the control-plane test, on the runtime's JSON operations (the chat's are a payload; tested on their own)."""
     failures, taken = [], []
     sm, rt = clients(world.emu.url)
-    with httpx.Client(base_url=world.emu.url, timeout=30.0) as client:
+    with httpx.Client(base_url=world.emu.url, timeout=30.0, auth=SIGNED) as client:
         session, seq = _runtime_session(sm, op_name), 1
         op_ids = _runtime_ops(rt, session)
         for case in _runtime_cases(op_name, session, op_ids, world.package):

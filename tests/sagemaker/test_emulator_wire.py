@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 import time
 import uuid
 
@@ -14,7 +15,7 @@ from botocore.exceptions import ClientError
 
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 
-from .helpers import OPTIM, ROLE, clients, fb, hub_arn, new_session, wait_op, wait_status
+from .helpers import OPTIM, ROLE, SIGNED, clients, fb, hub_arn, new_session, wait_op, wait_status
 
 pytestmark = pytest.mark.sagemaker
 
@@ -179,7 +180,10 @@ def test_a_creation_time_filter_that_is_no_time_is_a_validation_exception(sm, em
     for op in ("ListTrainingSessions", "ListModelPackages"):
         body = f'{{"CreationTimeAfter": {when}}}'.encode()
         r = httpx.post(
-            emulator.url, content=body, headers={"x-amz-target": f"SageMaker.{op}", "content-type": "application/x-amz-json-1.1"}
+            emulator.url,
+            content=body,
+            headers={"x-amz-target": f"SageMaker.{op}", "content-type": "application/x-amz-json-1.1"},
+            auth=SIGNED,
         )
         assert r.status_code == 400 and r.json()["__type"] == "ValidationException", (op, r.text)
         assert "CreationTimeAfter" in r.json()["Message"]
@@ -833,7 +837,10 @@ def test_chat_logprobs_and_top_logprobs_plain_and_streamed(sm, rt, emulator):
 
 def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     resp = httpx.post(
-        emulator.url, headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"}, content=b"{}"
+        emulator.url,
+        headers={"X-Amz-Target": "SageMaker.CreateTrainingJob", "Content-Type": "application/x-amz-json-1.1"},
+        content=b"{}",
+        auth=SIGNED,
     )
     assert resp.status_code == 400 and resp.json()["__type"] == "UnknownOperationException"
     name = _name()
@@ -871,13 +878,18 @@ def test_a_body_that_is_not_a_json_object_is_a_400_on_every_route(sm, emulator, 
         emulator.url,
         content=raw,
         headers={"X-Amz-Target": "SageMaker.DescribeTrainingSession", "Content-Type": "application/x-amz-json-1.1"},
+        auth=SIGNED,
     )
     assert control.status_code == 400 and control.json()["__type"] == "SerializationException", control.text[:200]
     for path in ("operations", "sampling-operations"):
-        r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            f"{emulator.url}/v1/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"}, auth=SIGNED
+        )
         assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
     for path in ("sample", "sample-with-response-stream"):
-        r = httpx.post(f"{emulator.url}/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            f"{emulator.url}/training-sessions/{name}/{path}", content=raw, headers={"Content-Type": "application/json"}, auth=SIGNED
+        )
         assert r.status_code == 400 and "JSON" in r.json()["message"], (path, r.status_code, r.text[:200])
     assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     sm.stop_training_session(TrainingSessionName=name)
@@ -1004,7 +1016,9 @@ def test_a_nan_adam_parameter_is_refused_naming_it_and_the_weights_stay_finite(s
     new_session(sm, name)
     adam = ", ".join(f'"{k}": {v}' for k, v in ({"learningRate": "0.001"} | {member: "NaN"}).items())
     raw = f'{{"sequenceNumber": 1, "operationConfig": {{"optimizerStep": {{"adamParamsConfig": {{{adam}}}}}}}}}'
-    r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/operations", content=raw, headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"{emulator.url}/v1/training-sessions/{name}/operations", content=raw, headers={"Content-Type": "application/json"}, auth=SIGNED
+    )
     assert r.status_code == 400 and f"adamParamsConfig.{member}'" in r.json()["message"], r.text[:300]
     rt.execute_training_operation(trainingSessionName=name, sequenceNumber=2, operationConfig=fb([1, 40, 41]))
     op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=3, operationConfig=OPTIM)
@@ -1182,3 +1196,71 @@ def test_refused_and_hostile_runtime_calls_on_one_session_never_touch_another(sm
     assert emulator.session_state(a)["applied"] == [6]
     for name in (a, b):
         sm.stop_training_session(TrainingSessionName=name)
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", "/", 405), ("POST", "/no-such-route", 404), ("DELETE", "/v1/training-sessions/s/operations", 405)],
+)
+def test_a_path_or_method_no_operation_has_is_an_aws_shaped_4xx(emulator, method, path, status):
+    """They were Starlette's plain-text 404/405, which no AWS client parses as an error code."""
+    r = httpx.request(method, emulator.url + path, auth=SIGNED)
+    assert r.status_code == status and r.headers["x-amzn-ErrorType"].startswith("UnknownOperationException:"), r.text
+    assert path in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/_emulator/faults", b"{not json"),
+        ("/_emulator/faults", b'{"throttle_rate": 5}'),
+        ("/_emulator/faults", b'{"latency_s": Infinity}'),
+        ("/_emulator/sessions/{name}/end", b"[1]"),
+        ("/_emulator/sessions/{name}/end", b'{"status": "Bogus"}'),
+    ],
+)
+def test_a_bad_test_hook_request_is_a_400_and_changes_nothing(sm, emulator, path, body):
+    """Bad JSON or a bad FaultConfig was a 500; an end status outside Failed/Expired set a status no Describe could
+    answer (every later Describe of the session was a 500)."""
+    name = _name()
+    new_session(sm, name)
+    r = httpx.post(emulator.url + path.format(name=name), content=body)
+    assert r.status_code == 400 and r.headers["x-amzn-ErrorType"].startswith("ValidationException:"), r.text
+    assert emulator.injected_faults() == {}
+    assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_tags_are_added_listed_overwritten_and_deleted_on_sessions_and_groups(sm, emulator):
+    """AddTags, ListTags and DeleteTags were UnknownOperationExceptions. A refused AddTags (past 50 tags, a duplicate
+    or an aws: key) changes nothing; a session being deleted, or an ARN of nothing, is ResourceNotFound."""
+    name = _name()
+    new_session(sm, name)
+    session = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionArn"]
+    group = sm.create_model_package_group(ModelPackageGroupName=_name(), Tags=[{"Key": "team", "Value": "ml"}])["ModelPackageGroupArn"]
+    assert sm.list_tags(ResourceArn=group)["Tags"] == [{"Key": "team", "Value": "ml"}]
+    assert sm.list_tags(ResourceArn=session)["Tags"] == []
+    sm.add_tags(ResourceArn=session, Tags=[{"Key": "a", "Value": "1"}, {"Key": "b", "Value": "2"}])
+    sm.add_tags(ResourceArn=session, Tags=[{"Key": "a", "Value": "3"}])  # overwrites by key
+    assert sm.list_tags(ResourceArn=session)["Tags"] == [{"Key": "a", "Value": "3"}, {"Key": "b", "Value": "2"}]
+    assert (
+        sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["Tags"] == sm.list_tags(ResourceArn=session)["Tags"]
+    )
+    for tags, says in (
+        ([{"Key": f"k{i}", "Value": ""} for i in range(49)], "at most 50"),
+        ([{"Key": "c", "Value": ""}, {"Key": "c", "Value": ""}], "Tags[1].Key"),
+        ([{"Key": "aws:x", "Value": ""}], "Tags[0].Key"),
+    ):
+        with pytest.raises(sm.exceptions.ClientError, match=re.escape(says)):
+            sm.add_tags(ResourceArn=session, Tags=tags)
+    assert len(sm.list_tags(ResourceArn=session)["Tags"]) == 2
+    sm.delete_tags(ResourceArn=session, TagKeys=["a", "never-set"])
+    assert sm.list_tags(ResourceArn=session)["Tags"] == [{"Key": "b", "Value": "2"}]
+    for arn in (session.replace(name, "no-such-session"), session.replace("us-west-2", "eu-west-1")):
+        with pytest.raises(sm.exceptions.ResourceNotFound):
+            sm.list_tags(ResourceArn=arn)
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    sm.delete_training_session(TrainingSessionName=name)
+    with pytest.raises(sm.exceptions.ResourceNotFound):
+        sm.add_tags(ResourceArn=session, Tags=[{"Key": "late", "Value": ""}])

@@ -17,9 +17,19 @@ from botocore.exceptions import (
     NoRegionError,
     ParamValidationError,
 )
+from botocore.parsers import ResponseParserError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
-from asyncsess.errors import AsyncSessError, InvalidInputError, ServerError, SessionGoneError, TransientError
+from asyncsess.errors import (
+    AsyncSessError,
+    AuthenticationError,
+    ConflictError,
+    InvalidInputError,
+    PermissionDeniedError,
+    ServerError,
+    SessionGoneError,
+    TransientError,
+)
 
 __all__ = ["AwsCalls", "translate", "error_code", "TRANSIENT_CODES", "field_of"]
 
@@ -39,6 +49,22 @@ TRANSIENT_CODES = frozenset(
     }
 )
 DONE = frozenset({"Completed", "Failed", "Skipped"})
+# the request's signature or credentials were refused (AWS's common errors, JSON and query names)
+AUTH_CODES = frozenset(
+    {
+        "MissingAuthenticationTokenException",
+        "MissingAuthenticationToken",
+        "IncompleteSignatureException",
+        "IncompleteSignature",
+        "InvalidSignatureException",
+        "SignatureDoesNotMatch",
+        "UnrecognizedClientException",
+        "InvalidClientTokenId",
+        "ExpiredTokenException",
+        "ExpiredToken",
+    }
+)
+DENIED_CODES = frozenset({"AccessDeniedException", "AccessDenied"})
 
 
 def error_code(err: BaseException) -> str | None:
@@ -72,11 +98,21 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
             if not_found is InvalidInputError:
                 return InvalidInputError(text, operation=operation, request_id=request_id)
             return not_found(text, operation=operation, request_id=request_id)
+        if code in AUTH_CODES:
+            return AuthenticationError(
+                f"{text} (fix: check the AWS credentials, their region and the clock)", operation=operation, request_id=request_id
+            )
+        if code in DENIED_CODES:
+            return PermissionDeniedError(text, operation=operation, request_id=request_id)
+        if code == "ResourceInUse":  # a create of a name that exists
+            return ConflictError(text, fix="pick another name", operation=operation, request_id=request_id)
         if code == "ConflictException":
             return SessionGoneError(text, operation=operation, request_id=request_id)
         return ServerError(text, operation=operation, request_id=request_id)
     if isinstance(err, (ConnectionError, HTTPClientError)):
         return TransientError(f"{type(err).__name__}: {err}", operation=operation)
+    if isinstance(err, ResponseParserError):  # a reply broken on the way back: the call may have been applied
+        return TransientError(f"unreadable reply: {str(err)[:200]}", operation=operation, lost_response=True)
     if isinstance(err, (NoCredentialsError, NoRegionError)):
         return InvalidInputError(
             str(err), field="credentials", fix="configure AWS credentials (env, profile= option, or instance role)", operation=operation
@@ -86,6 +122,24 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
     if isinstance(err, BotoCoreError):
         return ServerError(f"{type(err).__name__}: {err}", operation=operation)
     raise err
+
+
+def _check_reply(fn: Callable[..., Any], reply: Any, operation: str) -> None:
+    """A reply of a boto3 client method holds its output shape's required members (but lists and maps). botocore reads a
+    rest-json body it cannot parse as ``{}`` (a 200 cut short gave a KeyError on ``operationId``); such a reply is a
+    lost one."""
+    meta: Any = getattr(getattr(fn, "__self__", None), "meta", None)
+    if meta is None or not isinstance(reply, dict):
+        return
+    api = meta.method_to_api_mapping.get(getattr(fn, "__name__", ""))
+    if api is None:
+        return
+    shape = meta.service_model.operation_model(api).output_shape
+    # a list or map the service leaves out when empty is no sign of a broken reply; a missing operationId is
+    required = [m for m in (shape.required_members if shape is not None else []) if shape.members[m].type_name not in ("list", "map")]
+    missing = [m for m in required if m not in reply]
+    if missing:
+        raise TransientError(f"unreadable reply: {api} answered without {', '.join(missing)}", operation=operation, lost_response=True)
 
 
 class AwsCalls:
@@ -101,14 +155,45 @@ class AwsCalls:
     async def once(self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any) -> T:
         """One call, errors translated."""
         try:
-            return await anyio.to_thread.run_sync(functools.partial(fn, **kwargs), limiter=self._limiter)
-        except (ClientError, BotoCoreError) as err:
+            reply = await anyio.to_thread.run_sync(functools.partial(fn, **kwargs), limiter=self._limiter)
+        except (ClientError, BotoCoreError, ResponseParserError) as err:  # the last is no BotoCoreError
             raise translate(err, operation, not_found=not_found) from err
+        _check_reply(fn, reply, operation)
+        return reply
 
     async def retried(
-        self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any
+        self,
+        fn: Callable[..., T],
+        *,
+        operation: str,
+        not_found: type[AsyncSessError] = SessionGoneError,
+        replayed: Callable[[ClientError], T | None] | None = None,
+        **kwargs: Any,
     ) -> T:
-        """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``."""
+        """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``.
+
+        A transient failure may come after the service applied the call (a lost reply, a dropped connection), so a
+        retry can be refused for what the first attempt did (``ResourceInUse`` for a create, "does not exist" for a
+        delete). ``replayed(err)``, asked only about such a refusal after a transient failure, returns the reply to
+        stand for the applied call, or None when the refusal is real."""
+        transient = False
+
+        async def attempt_once() -> T:
+            nonlocal transient
+            try:
+                return await self.once(fn, operation=operation, not_found=not_found, **kwargs)
+            except TransientError:
+                transient = True
+                raise
+            except AsyncSessError as err:
+                cause = err.__cause__
+                if transient and replayed is not None and isinstance(cause, ClientError):
+                    reply = replayed(cause)
+                    if reply is not None:
+                        log.debug("%s: a retry found the earlier attempt applied (%s)", operation, error_code(cause))
+                        return reply
+                raise
+
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
             wait=wait_random_exponential(multiplier=self.retry_base_s, max=4.0),
@@ -120,7 +205,7 @@ class AwsCalls:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await self.once(fn, operation=operation, not_found=not_found, **kwargs)
+                    return await attempt_once()
         except TransientError as err:
             err.attempts = retrying.statistics.get("attempt_number", 1)  # type: ignore[attr-defined]
             raise

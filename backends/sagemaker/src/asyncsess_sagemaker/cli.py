@@ -21,17 +21,36 @@ def emulate(
     throttle_rate: float = typer.Option(0.0, help="fraction of requests answered with ThrottlingException"),
     idle_timeout_s: float = typer.Option(None, help="sessions without requests for this long become Expired"),
     sample_max_tokens: int = typer.Option(None, help="generate at most this many tokens per sequence (default: maxTokens, >= 512)"),
+    account: list[str] = typer.Option(
+        [],
+        help="ACCESS_KEY:SECRET:ACCOUNT_ID, repeatable: only these keys are taken, signatures verified, each account on its "
+        "own (default: any key, one account)",
+    ),
 ) -> None:
     """Serve the control plane and runtime wire protocols on http://HOST:PORT (use it as boto3's endpoint_url)."""
-    from .emulator import EmulatorConfig, FaultConfig, serve
+    from pydantic import ValidationError
 
-    config = EmulatorConfig(
-        region=region,
-        startup_s=startup_s,
-        result_wait_s=result_wait_s,
-        idle_timeout_s=idle_timeout_s,
-        sample_max_tokens=sample_max_tokens,
-        faults=FaultConfig(latency_s=latency_ms / 1000, throttle_rate=throttle_rate),
-    )
+    from .emulator import AccountKey, EmulatorConfig, FaultConfig, serve
+
+    try:
+        accounts = {}
+        for given in account:
+            key, _, rest = given.partition(":")
+            secret, _, account_id = rest.rpartition(":")
+            if not key or key in accounts:
+                raise typer.BadParameter(f"{given.split(':')[0]!r}: give each access key once, as ACCESS_KEY:SECRET:ACCOUNT_ID")
+            accounts[key] = AccountKey(account_id=account_id, secret_access_key=secret)
+        config = EmulatorConfig(
+            region=region,
+            startup_s=startup_s,
+            result_wait_s=result_wait_s,
+            idle_timeout_s=idle_timeout_s,
+            sample_max_tokens=sample_max_tokens,
+            accounts=accounts,
+            faults=FaultConfig(latency_s=latency_ms / 1000, throttle_rate=throttle_rate),
+        )
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise typer.BadParameter(f"{'.'.join(map(str, e['loc'])) or 'option'}: {e['msg']}") from None
     typer.echo(f"SageMaker emulator on http://{host}:{port} over {backend} (Ctrl-C to stop)")
     serve(backend, host=host, port=port, config=config)

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 import anyio
 import boto3
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from asyncsess.backends import (
     Backend,
@@ -50,6 +51,7 @@ from asyncsess.backends import (
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import (
     AsyncSessError,
+    ConflictError,
     DeadlineExceededError,
     InvalidInputError,
     NotFoundError,
@@ -75,7 +77,7 @@ from asyncsess.types import (
 )
 
 from . import arns
-from .calls import AwsCalls
+from .calls import AwsCalls, error_code
 from .options import SageMakerOptions
 from .service_models import CONTROL, RUNTIME, control_model, operation, runtime_model
 from .shape_check import ShapeError, check_shape
@@ -252,7 +254,7 @@ class SageMakerBackend(Backend):
         return None
 
     async def _describe_hub(self, name: str, version: str | None = None) -> tuple[str, str | None]:
-        kwargs = {"HubName": arns.PUBLIC_HUB, "HubContentType": "Model", "HubContentName": name}
+        kwargs: dict[str, Any] = {"HubName": arns.PUBLIC_HUB, "HubContentType": "Model", "HubContentName": name}
         if version:
             kwargs["HubContentVersion"] = version
         resp = await self._calls.retried(
@@ -337,9 +339,7 @@ class SageMakerBackend(Backend):
                     ModelPackageGroupDescription="Default group for SageMaker training session checkpoints.",
                 )
                 self._group_arn = resp["ModelPackageGroupArn"]
-            except ServerError as err:
-                if "ResourceInUse" not in str(err) and "already exists" not in str(err):
-                    raise
+            except ConflictError:  # ResourceInUse: the group exists
                 resp = await self._calls.retried(
                     self.control.describe_model_package_group, operation="DescribeModelPackageGroup", ModelPackageGroupName=DEFAULT_GROUP
                 )
@@ -431,9 +431,15 @@ class SageMakerBackend(Backend):
         group = per_call.get("model_package_group_arn") or await self._model_package_group()
         self._require_here(group, "model_package_group_arn")
         request = self._create_request(name, hub_arn, rank, alpha, group, per_call)
-        await self._calls.retried(
-            self.control.create_training_session, operation="CreateTrainingSession", not_found=InvalidInputError, **request
+        created = await self._calls.retried(
+            self.control.create_training_session,
+            operation="CreateTrainingSession",
+            not_found=InvalidInputError,
+            replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
+            **request,
         )
+        if "TrainingSessionArn" not in created:  # a retry found the name taken: by the attempt whose reply was lost?
+            await self._check_ours(request)
         sess = _Session(
             name=name,
             base_model=base_model,
@@ -463,6 +469,16 @@ class SageMakerBackend(Backend):
             user_metadata=dict(spec.user_metadata),
             session_options=dict(per_call),
         )
+
+    async def _check_ours(self, request: dict[str, Any]) -> None:
+        """The session a lost Create reply left is this request's (else the name was another's all along: it leaked
+        a Running session when the retry's ``ResourceInUse`` was taken as a failure, and must not be adopted)."""
+        name = request["TrainingSessionName"]
+        detail = await self._describe(name)
+        if not all(_includes(detail.get(k), request[k]) for k in ("RoleArn", "LoraConfig", "ModelConfig", "OutputConfig")):
+            raise InvalidInputError(
+                f"training session {name} already exists", field="training_session_name", fix="pick another name or leave it out"
+            )
 
     async def _base_model_of(self, model_package_arn: str) -> str:
         self._require_package_arn(model_package_arn, "path")
@@ -815,7 +831,11 @@ class SageMakerBackend(Backend):
         """``DeleteModelPackage`` (the record; its S3 artifacts stay where the service wrote them)."""
         self._require_package_arn(path, "path")
         await self._calls.retried(
-            self.control.delete_model_package, operation="DeleteModelPackage", not_found=NotFoundError, ModelPackageName=path
+            self.control.delete_model_package,
+            operation="DeleteModelPackage",
+            not_found=NotFoundError,
+            replayed=_gone_on_retry,  # the attempt whose reply was lost deleted it
+            ModelPackageName=path,
         )
         self._package_kind[path] = None
         for sess in self._sessions.values():
@@ -977,6 +997,24 @@ class SageMakerBackend(Backend):
             resp["body"].close()
         if not done:
             raise TransientError("the stream ended without [DONE]", operation="chat_completion_stream")
+
+
+def _includes(got: Any, sent: Any) -> bool:
+    """Whether a described member holds everything that was sent (the service may add defaults)."""
+    if isinstance(sent, dict):
+        return isinstance(got, dict) and all(_includes(got.get(k), v) for k, v in sent.items())
+    return bool(got == sent)
+
+
+def _gone_on_retry(err: ClientError) -> dict[str, Any] | None:
+    """A delete's retry refused as not found: the attempt whose reply was lost deleted it."""
+    message = str(err.response.get("Error", {}).get("Message", ""))
+    code = error_code(err)
+    return (
+        {}
+        if code in ("ResourceNotFound", "ResourceNotFoundException") or (code == "ValidationException" and "does not exist" in message)
+        else None
+    )
 
 
 def _count(value: Any) -> int | None:

@@ -20,10 +20,12 @@ __all__ = ["SageMakerOptions", "ENDPOINT_ENV", "RUNTIME_ENDPOINT_ENV"]
 
 ENDPOINT_ENV = "SAGEMAKER_TRAINING_SESSION_ENDPOINT"
 RUNTIME_ENDPOINT_ENV = "SAGEMAKER_TRAINING_SESSION_RUNTIME_ENDPOINT"
+MAX_POOL = 4096  # connections per boto3 client (the official SDK uses 512)
 
 
 class SageMakerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # no infinite or NaN number: poll_initial_s=inf slept for good before the first poll, retry_budget_s=inf retried for good
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     region: str
     role_arn: str | None = None
@@ -48,7 +50,9 @@ class SageMakerOptions(BaseModel):
     poll_max_s: float = Field(default=2.0, gt=0, description="the longest wait between result polls (the official SDK's fixed interval)")
     retry_base_s: float = Field(default=0.1, gt=0, description="first backoff of a retried call (full jitter, doubling to 4 s)")
     retry_budget_s: float = Field(default=300.0, gt=0, description="how long one call keeps retrying throttling and 5xx answers")
-    max_pool_connections: int = Field(default=64, ge=1)
+    max_pool_connections: int = Field(
+        default=64, ge=1, le=MAX_POOL, description=f"at most {MAX_POOL} (urllib3 fills a pool's queue up front: 10**9 hung the first call)"
+    )
     pipeline_submissions: bool = Field(
         default=True,
         description="send each training op without waiting for the previous one's acknowledgement (False: one "

@@ -24,6 +24,7 @@ __all__ = [
     "TRAINING_SESSION_OPERATIONS",
     "MODEL_REGISTRY_OPERATIONS",
     "HUB_OPERATIONS",
+    "TAG_OPERATIONS",
 ]
 
 CONTROL = "sagemaker"
@@ -46,6 +47,7 @@ MODEL_REGISTRY_OPERATIONS = (
     "DeleteModelPackage",
 )
 HUB_OPERATIONS = ("ListHubContents", "DescribeHubContent")
+TAG_OPERATIONS = ("AddTags", "ListTags", "DeleteTags")
 
 
 @cache

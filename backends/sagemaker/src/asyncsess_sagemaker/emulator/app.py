@@ -2,7 +2,10 @@
 
 - Control plane (awsJson1.1): ``POST /`` with ``X-Amz-Target: SageMaker.<Operation>``.
 - Runtime (rest-json): the paths in the runtime model's ``requestUri`` fields.
-- ``/_emulator/...``: test hooks (fault settings, remote failure, per-session execution log).
+- ``/_emulator/...``: test hooks (fault settings, remote failure, per-session execution log), unsigned.
+
+Every wire request must carry a SigV4 ``Authorization`` header (:mod:`.auth`); its access key's account is the one
+whose sessions, model packages and groups the request sees (:class:`.accounts.Accounts`).
 
 Every request body is checked against the operation's input shape (limits, enums and patterns included);
 with ``check_responses`` every answer is checked against its output shape too.
@@ -22,6 +25,7 @@ from typing import Any
 
 import anyio
 from botocore.model import OperationModel
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,8 +33,18 @@ from starlette.routing import Route
 
 from asyncsess.backends import Backend, load_backend
 
-from ..service_models import CONTROL, HUB_OPERATIONS, MODEL_REGISTRY_OPERATIONS, TRAINING_SESSION_OPERATIONS, operation, runtime_model
+from ..service_models import (
+    CONTROL,
+    HUB_OPERATIONS,
+    MODEL_REGISTRY_OPERATIONS,
+    TAG_OPERATIONS,
+    TRAINING_SESSION_OPERATIONS,
+    operation,
+    runtime_model,
+)
 from ..shape_check import ShapeError, check_shape
+from .accounts import Accounts
+from .auth import caller_account
 from .config import EmulatorConfig, FaultConfig
 from .errors import AwsError, control_error_response, runtime_error_response
 from .service import EmulatedService, chat_completion_id, chat_model
@@ -39,7 +53,7 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("asyncsess_sagemaker.emulator")
 
-CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + HUB_OPERATIONS
+CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + HUB_OPERATIONS + TAG_OPERATIONS
 _JSON11 = "application/x-amz-json-1.1"
 
 
@@ -90,6 +104,15 @@ class _Faults:
             self.injected["lost response"] += 1
         return lost
 
+    def truncate_response(self, op_name: str, response: Response) -> Response:
+        """``response``, or (at ``truncated_response_rate``) a 200 whose body is cut short."""
+        rate = self.config.truncated_response_rate
+        if not (self.applies(op_name) and rate and self.rng.random() < rate):
+            return response
+        self.injected["truncated response"] += 1
+        body = bytes(response.body)
+        return Response(body[: len(body) // 2], status_code=200, media_type=response.media_type)
+
     def report(self) -> dict[str, Any]:
         return {"config": self.config.model_dump(), "injected": dict(self.injected)}
 
@@ -112,21 +135,25 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     """The emulator over ``inner`` (a Backend, or a URL for :func:`asyncsess.backends.base.load_backend`)."""
     config = config or EmulatorConfig()
     backend = load_backend(inner) if isinstance(inner, str) else inner
-    service = EmulatedService(backend, config)
+    accounts = Accounts(backend, config)
     faults = _Faults(config.faults)
+
+    async def caller(request: Request) -> EmulatedService:
+        """The service of the account that signed ``request``."""
+        return accounts.service(caller_account(request, await request.body(), config))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await backend.open()
         async with anyio.create_task_group() as tg:
-            await service.start(tg)
-            app.state.service = service
+            await accounts.start(tg)
+            app.state.accounts = accounts
             try:
                 yield
             finally:
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
-                    await service.shutdown()
+                    await accounts.shutdown()
                     await backend.aclose()
 
     # ------------------------------------------------------------------------ control plane
@@ -138,6 +165,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         prefix, _, op_name = target.partition(".")
         model = control_ops.get(op_name)
         try:
+            service = await caller(request)
             if prefix != "SageMaker" or model is None:
                 raise AwsError("UnknownOperationException", f"Operation {target or '(no X-Amz-Target)'} is not supported by this emulator")
             await faults.before(op_name)
@@ -153,13 +181,16 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         except Exception as err:
             log.exception("emulator bug in %s", op_name)
             return control_error_response(AwsError.internal(f"Emulator error: {err!r}"))
-        return Response(json.dumps(out), media_type=_JSON11)
+        return faults.truncate_response(op_name, Response(json.dumps(out), media_type=_JSON11))
 
     # ------------------------------------------------------------------------------ runtime
 
-    def runtime_route(model: OperationModel, handler: Callable[[Request, dict[str, Any]], Awaitable[Response]]) -> Route:
+    Handler = Callable[[EmulatedService, Request, dict[str, Any]], Awaitable[Response]]
+
+    def runtime_route(model: OperationModel, handler: Handler) -> Route:
         async def endpoint(request: Request) -> Response:
             try:
+                service = await caller(request)
                 await faults.before(model.name)
                 params: dict[str, Any] = dict(request.path_params)
                 if model.input_shape.serialization.get("payload") is None and request.method == "POST":
@@ -170,10 +201,10 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
                     if model.name == "ExecuteTrainingOperation":
                         service.refused_training_operation(params)
                     raise
-                response = await handler(request, params)
+                response = await handler(service, request, params)
                 if faults.lose_response(model.name):
                     raise AwsError.internal("Injected lost response (the request was applied)")
-                return response
+                return response if isinstance(response, StreamingResponse) else faults.truncate_response(model.name, response)
             except AwsError as err:
                 return runtime_error_response(err)
             except Exception as err:
@@ -183,11 +214,9 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         path = model.http["requestUri"]
         return Route(path, endpoint, methods=[model.http["method"]], name=model.name)
 
-    def json_handler(model: OperationModel) -> Callable[[Request, dict[str, Any]], Awaitable[Response]]:
-        method = getattr(service, _snake(model.name))
-
-        async def handle(request: Request, params: dict[str, Any]) -> Response:
-            out = await method(params)
+    def json_handler(model: OperationModel) -> Handler:
+        async def handle(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
+            out = await getattr(service, _snake(model.name))(params)
             if config.check_responses:
                 _check_output(model, out)
             return JSONResponse(out)
@@ -200,7 +229,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     async def chat_request(request: Request) -> tuple[dict[str, Any], str | None]:
         return _json_object(await request.body(), AwsError.validation), request.headers.get(package_header)
 
-    async def sample_handler(request: Request, params: dict[str, Any]) -> Response:
+    async def sample_handler(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
         reply = await service.chat(params["trainingSessionName"], body, package)
         prompt, completion = reply.prompt, reply.completion
@@ -218,7 +247,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             }
         )
 
-    async def stream_handler(request: Request, params: dict[str, Any]) -> Response:
+    async def stream_handler(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
         events = await service.chat_stream(params["trainingSessionName"], body, package)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -231,26 +260,51 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
 
     # -------------------------------------------------------------------------------- admin
 
+    async def hook_body(request: Request) -> dict[str, Any]:
+        return _json_object(await request.body(), AwsError.validation)
+
     async def set_faults(request: Request) -> Response:
-        if request.method == "POST":
-            faults.set(FaultConfig.model_validate(await request.json()))
+        try:
+            if request.method == "POST":
+                try:
+                    faults.set(FaultConfig.model_validate(await hook_body(request)))
+                except ValidationError as err:
+                    raise AwsError.validation(str(err)) from None
+        except AwsError as err:
+            return runtime_error_response(err)
         return JSONResponse(faults.report())
+
+    def hooked(request: Request) -> EmulatedService:
+        """The service of the account a test hook names (``?account=``; default: ``account_id``)."""
+        account = request.query_params.get("account") or config.account_id
+        if account not in accounts:
+            raise AwsError.not_found(f"Account {account[:64]} has made no call")
+        return accounts.service(account)
 
     async def session_state(request: Request) -> Response:
         try:
-            return JSONResponse(service.session_state(request.path_params["name"]))
+            return JSONResponse(hooked(request).session_state(request.path_params["name"]))
         except AwsError as err:
             return runtime_error_response(err)
 
     async def end_session(request: Request) -> Response:
-        payload = await request.json()
         try:
-            service.fail_session(
-                request.path_params["name"], payload.get("reason", "Failed by the emulator's test hook"), payload.get("status", "Failed")
-            )
+            payload = await hook_body(request)
+            status, reason = payload.get("status", "Failed"), payload.get("reason", "Failed by the emulator's test hook")
+            if status not in ("Failed", "Expired") or not isinstance(reason, str):
+                raise AwsError.validation("status must be Failed or Expired, and reason a string")
+            service = hooked(request)
+            service.fail_session(request.path_params["name"], reason, status)
         except AwsError as err:
             return runtime_error_response(err)
         return JSONResponse(service.session_state(request.path_params["name"]))
+
+    async def unrouted(request: Request, exc: Exception) -> Response:
+        """A path or method no operation has: AWS's ``UnknownOperationException``, not Starlette's plain text."""
+        status = getattr(exc, "status_code", 404)
+        return runtime_error_response(
+            AwsError("UnknownOperationException", f"No operation is served at {request.method} {request.url.path[:256]}", status=status)
+        )
 
     routes += [
         Route("/", control_plane, methods=["POST"]),
@@ -258,4 +312,4 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
         Route("/_emulator/sessions/{name}", session_state, methods=["GET"]),
         Route("/_emulator/sessions/{name}/end", end_session, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: unrouted, 405: unrouted})

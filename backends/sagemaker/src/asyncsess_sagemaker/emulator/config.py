@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EmulatorConfig", "FaultConfig"]
+__all__ = ["AccountKey", "EmulatorConfig", "FaultConfig"]
 
 
 class FaultConfig(BaseModel):
@@ -14,18 +14,30 @@ class FaultConfig(BaseModel):
     - ``internal_error_rate``: answer ``InternalServerException`` without doing anything.
     - ``lost_response_rate``: do the work, then answer ``InternalServerException`` (a reply lost on the way
       back; the client must retry with the same client token and get the same operation).
+    - ``truncated_response_rate``: do the work, then answer 200 with the reply cut short (a reply broken on the way
+      back: the client cannot read it and must retry with the same client token).
     - ``latency_s``: added to every request.
     - ``operations``: only these operation names are affected (``None``: every wire operation).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # latency_s=Infinity hung every request
 
     throttle_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     internal_error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     lost_response_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    truncated_response_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     latency_s: float = Field(default=0.0, ge=0.0)
     operations: list[str] | None = None
     seed: int = 0
+
+
+class AccountKey(BaseModel):
+    """One access key of :attr:`EmulatorConfig.accounts`: its secret and the account it signs for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    account_id: str = Field(pattern=r"^\d{12}$")
+    secret_access_key: str = Field(min_length=1)
 
 
 class EmulatorConfig(BaseModel):
@@ -35,6 +47,12 @@ class EmulatorConfig(BaseModel):
 
     region: str = "us-west-2"
     account_id: str = Field(default="111122223333", pattern=r"^\d{12}$")
+    accounts: dict[str, AccountKey] = Field(
+        default_factory=dict,
+        description="access key id -> its account and secret: only these keys are taken, their signatures verified, and "
+        "each account sees only its own sessions, model packages and groups (empty: any access key is account_id's, and "
+        "the SigV4 header is checked for form only)",
+    )
     startup_s: float = Field(default=0.05, ge=0.0, description="Created -> Scheduled -> Running")
     stop_s: float = Field(default=0.02, ge=0.0, description="Stopping -> Stopped, Deleting -> gone")
     gap_timeout_s: float = Field(default=30.0, gt=0.0, description="Blocked on a missing sequence number -> Failed")

@@ -22,11 +22,12 @@ _RUNTIME_STATUS = {
 class AwsError(Exception):
     """An error the emulated service answers with. ``code`` is the modelled error name."""
 
-    def __init__(self, code: str, message: str, *, server_fault: bool = False) -> None:
+    def __init__(self, code: str, message: str, *, server_fault: bool = False, status: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.server_fault = server_fault
+        self.status = status  # the HTTP status on both planes (authentication errors); None: the plane's own
 
     # Runtime codes (the control plane names some of these differently; see the adapters).
     @classmethod
@@ -61,12 +62,16 @@ _CONTROL_CODES = {"ResourceNotFoundException": "ResourceNotFound", "InternalServ
 def control_error_response(err: AwsError) -> Response:
     code = _CONTROL_CODES.get(err.code, err.code)
     body = json.dumps({"__type": code, "Message": err.message})
-    return Response(body, status_code=500 if err.server_fault else 400, media_type="application/x-amz-json-1.1", headers=_request_id())
+    status = err.status or (500 if err.server_fault else 400)
+    return Response(body, status_code=status, media_type="application/x-amz-json-1.1", headers=_request_id())
 
 
 def runtime_error_response(err: AwsError) -> Response:
     body = json.dumps({"message": err.message})
     headers = {**_request_id(), "x-amzn-ErrorType": f"{err.code}:http://internal.amazon.com/coral/com.amazonaws.sagemaker/"}
     return Response(
-        body, status_code=_RUNTIME_STATUS.get(err.code, 500 if err.server_fault else 400), media_type="application/json", headers=headers
+        body,
+        status_code=err.status or _RUNTIME_STATUS.get(err.code, 500 if err.server_fault else 400),
+        media_type="application/json",
+        headers=headers,
     )

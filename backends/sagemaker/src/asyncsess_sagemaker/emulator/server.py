@@ -40,15 +40,19 @@ class RunningEmulator:
         """How many faults were injected since the last :meth:`set_faults`, by kind."""
         return httpx.get(f"{self.url}/_emulator/faults").json()["injected"]
 
-    def session_state(self, name: str) -> dict[str, Any]:
-        """Status, the sequence numbers the engine applied (in order), and every operation's status."""
-        resp = httpx.get(f"{self.url}/_emulator/sessions/{name}")
+    def session_state(self, name: str, account: str | None = None) -> dict[str, Any]:
+        """Status, the sequence numbers the engine applied (in order), and every operation's status (of the session
+        of ``account``, default :attr:`EmulatorConfig.account_id`)."""
+        resp = httpx.get(f"{self.url}/_emulator/sessions/{name}", params={"account": account} if account else None)
         resp.raise_for_status()
         return resp.json()
 
-    def end_session(self, name: str, status: str = "Failed", reason: str = "Failed by the emulator's test hook") -> None:
-        """Fail or expire a session from the service side."""
-        httpx.post(f"{self.url}/_emulator/sessions/{name}/end", json={"status": status, "reason": reason}).raise_for_status()
+    def end_session(
+        self, name: str, status: str = "Failed", reason: str = "Failed by the emulator's test hook", account: str | None = None
+    ) -> None:
+        """Fail or expire a session (of ``account``, default :attr:`EmulatorConfig.account_id`) from the service side."""
+        params = {"account": account} if account else None
+        httpx.post(f"{self.url}/_emulator/sessions/{name}/end", json={"status": status, "reason": reason}, params=params).raise_for_status()
 
 
 @contextmanager

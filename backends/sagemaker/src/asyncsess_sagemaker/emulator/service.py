@@ -77,6 +77,7 @@ __all__ = ["EmulatedService", "DEFAULT_GROUP", "chat_model", "chat_completion_id
 log = logging.getLogger("asyncsess_sagemaker.emulator")
 
 DEFAULT_GROUP = "sagemaker-default"
+MAX_TAGS = 50  # per resource (the model's TagList maximum)
 HUB_VERSION = "1.0.0"
 
 
@@ -93,6 +94,7 @@ class EmulatedService:
     # ------------------------------------------------------------------------------- lifecycle
 
     async def start(self, tg: TaskGroup) -> None:
+        """Read the inner backend's models into the public hub, then :meth:`attach`."""
         self._tg = tg
         caps = await self.inner.capabilities()
         for m in caps.supported_models:
@@ -105,6 +107,10 @@ class EmulatedService:
                 max_context_length=m.max_context_length,
                 vocab_size=m.vocab_size,
             )
+
+    def attach(self, tg: TaskGroup, hub: dict[str, HubModel]) -> None:
+        """Run in ``tg`` with the public ``hub`` another account's service read (the hub is every account's)."""
+        self._tg, self.hub = tg, hub
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         assert self._tg is not None, "EmulatedService.start() was not called"
@@ -299,11 +305,12 @@ class EmulatedService:
 
     # ------------------------------------------------------------------------- model registry
 
-    def _ensure_group(self, name: str, description: str | None = None) -> ModelPackageGroupRecord:
+    def _ensure_group(self, name: str, description: str | None = None, tags: list[dict[str, str]] | None = None) -> ModelPackageGroupRecord:
         group = self.groups.get(name)
         if group is None:
             region, account = self._arn_account()
-            group = ModelPackageGroupRecord(name=name, arn=arns.model_package_group_arn(region, account, name), description=description)
+            arn = arns.model_package_group_arn(region, account, name)
+            group = ModelPackageGroupRecord(name=name, arn=arn, description=description, tags=list(tags or []))
             self.groups[name] = group
         return group
 
@@ -312,7 +319,7 @@ class EmulatedService:
         name = body["ModelPackageGroupName"]
         if name in self.groups:
             raise AwsError("ResourceInUse", f"Model Package Group already exists: {self.groups[name].arn}")
-        return {"ModelPackageGroupArn": self._ensure_group(name, body.get("ModelPackageGroupDescription")).arn}
+        return {"ModelPackageGroupArn": self._ensure_group(name, body.get("ModelPackageGroupDescription"), body.get("Tags")).arn}
 
     def _group(self, name_or_arn: str) -> ModelPackageGroupRecord:
         group = self.groups.get(arns.name_from_arn(name_or_arn))
@@ -411,6 +418,40 @@ class EmulatedService:
                 sess.latest_checkpoint = max(mine, key=lambda p: (p.created, p.version)).arn if mine else None
         return {}
 
+    # ---------------------------------------------------------------------------------- tags
+
+    def _tags_of(self, arn: str) -> tuple[list[dict[str, str]], Any]:
+        """The tags of the training session or model package group ``arn`` names, and how to replace them. Only this
+        account's, in this region: another's is not found, whether it exists or not."""
+        sess = next((s for s in self.sessions.values() if s.arn == arn and s.status != "Deleting"), None)
+        if sess is not None:
+            return list(sess.request.get("Tags", [])), lambda tags: sess.request.__setitem__("Tags", tags)
+        group = next((g for g in self.groups.values() if g.arn == arn), None)
+        if group is not None:
+            return list(group.tags), lambda tags: setattr(group, "tags", tags)
+        raise AwsError(
+            "ResourceNotFound", f"Resource {arn} not found: tags are kept on this account's training sessions and model package groups"
+        )
+
+    async def add_tags(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Add or overwrite tags (by key), at most 50 on a resource; refused as a whole, changing nothing."""
+        _check_tags(body["Tags"])
+        tags, replace_tags = self._tags_of(body["ResourceArn"])
+        merged = {t["Key"]: t for t in tags} | {t["Key"]: t for t in body["Tags"]}
+        if len(merged) > MAX_TAGS:
+            raise AwsError.validation(f"Tags: the resource would have {len(merged)} tags; a resource has at most {MAX_TAGS}")
+        replace_tags(list(merged.values()))
+        return {"Tags": body["Tags"]}
+
+    async def list_tags(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _page(self._tags_of(body["ResourceArn"])[0], body, "Tags")
+
+    async def delete_tags(self, body: dict[str, Any]) -> dict[str, Any]:
+        _check_tag_keys(body["TagKeys"], "TagKeys[{}]")
+        tags, replace_tags = self._tags_of(body["ResourceArn"])
+        replace_tags([t for t in tags if t["Key"] not in set(body["TagKeys"])])
+        return {}
+
     # ----------------------------------------------------------------------------------- hub
 
     def _hub_info(self, m: HubModel) -> dict[str, Any]:
@@ -472,10 +513,8 @@ class EmulatedService:
 
     def _known_package(self, arn: str) -> ModelPackageRecord:
         pkg = self.packages.get(arn)
-        if pkg is None:
+        if pkg is None:  # another account's is never here: its existence is not told
             raise AwsError.not_found(f"Model package {arn} not found")
-        if arns.account_of(arn) != self.config.account_id:
-            raise AwsError.validation(f"Model package {arn} belongs to another account")
         return pkg
 
     async def execute_training_operation(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -972,13 +1011,17 @@ async def _quietly(awaitable: Any) -> None:
 
 def _check_tags(tags: list[dict[str, str]] | None) -> None:
     """A resource's tags (their shape checked) have distinct keys, none in the ``aws:`` prefix AWS keeps for itself."""
+    _check_tag_keys([tag["Key"] for tag in tags or []], "Tags[{}].Key")
+
+
+def _check_tag_keys(keys: list[str], member: str) -> None:
+    """Tag keys given (``member`` names the i-th) are distinct and none is in the reserved ``aws:`` prefix."""
     seen: set[str] = set()
-    for i, tag in enumerate(tags or []):
-        key = tag["Key"]
+    for i, key in enumerate(keys):
         if key in seen:
-            raise AwsError.validation(f"Tags[{i}].Key: {json.dumps(key)[:64]} is given twice; tag keys must be unique")
+            raise AwsError.validation(f"{member.format(i)}: {json.dumps(key)[:64]} is given twice; tag keys must be unique")
         if key.lower().startswith("aws:"):
-            raise AwsError.validation(f"Tags[{i}].Key: {json.dumps(key)[:64]} uses the prefix aws:, which is reserved for AWS")
+            raise AwsError.validation(f"{member.format(i)}: {json.dumps(key)[:64]} uses the prefix aws:, which is reserved for AWS")
         seen.add(key)
 
 

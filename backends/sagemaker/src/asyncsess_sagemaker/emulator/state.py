@@ -127,6 +127,7 @@ class ModelPackageGroupRecord:
     description: str | None
     created: float = field(default_factory=time.time)
     next_version: int = 1
+    tags: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass

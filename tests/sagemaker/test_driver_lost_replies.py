@@ -1,0 +1,116 @@
+"""The driver when the service applied a control-plane call but its reply was lost (a 500 after the work, a dropped
+connection): the retry is refused for what the first attempt did. A lost ``CreateTrainingSession`` reply made the
+retry's ``ResourceInUse`` a ServerError and left the session it had made Running with no client to stop it; a lost
+``DeleteModelPackage`` reply made the retry's "does not exist" an InvalidInputError for a delete that was done."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import anyio
+import pytest
+
+import asyncsess
+from asyncsess.errors import ConflictError
+from asyncsess.types import AdamParams, Datum, ModelInput
+
+from .helpers import clients, driver_url, new_session, wait_status
+
+pytestmark = [pytest.mark.sagemaker, pytest.mark.anyio]
+
+BASE = "mock/bigram-tiny"
+BATCH = [Datum(model_input=ModelInput.from_ints([1, 40, 41]), loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [1.0] * 3})]
+
+
+def _sessions(sm) -> dict[str, str]:
+    rows = sm.list_training_sessions()["TrainingSessionSummaries"]
+    return {r["TrainingSessionArn"].rsplit("/", 1)[1]: r["TrainingSessionStatus"] for r in rows}
+
+
+async def test_a_create_whose_reply_was_lost_goes_on_with_the_one_session_it_made(emulator):
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        assert emulator.injected_faults() == {"lost response": 1}  # the retry was refused: ResourceInUse
+        emulator.set_faults()
+        made = {n: s for n, s in _sessions(sm).items() if n not in before}
+        assert made == {tc.model_id: "Running"}
+        step = await tc.optim_step(AdamParams(learning_rate=0.001))
+        assert step.step == 1
+    assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # the client owned it
+
+
+async def test_a_create_of_a_name_another_session_has_is_a_conflict_that_leaves_that_session_alone(emulator):
+    sm, _ = clients(emulator.url)
+    name = f"taken-{uuid.uuid4().hex[:8]}"
+    new_session(sm, name)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        with pytest.raises(ConflictError) as err:
+            await svc.create_lora_training_client(BASE, rank=4, training_session_name=name)
+        assert "ResourceInUse" in str(err.value)
+    assert _sessions(sm)[name] == "Running"  # not stopped as if it were the client's
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+async def test_a_delete_whose_reply_was_lost_is_done(emulator):
+    sm, _ = clients(emulator.url)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        saved = await tc.save_state("gone")
+        emulator.set_faults(lost_response_rate=1.0, operations=["DeleteModelPackage"])
+        await svc.delete_checkpoint(saved.path)
+        assert emulator.injected_faults() == {"lost response": 1}
+        emulator.set_faults()
+        with pytest.raises(sm.exceptions.ClientError, match="does not exist"):
+            sm.describe_model_package(ModelPackageName=saved.path)
+
+
+async def test_a_create_cancelled_while_its_request_is_on_the_wire_leaves_no_session_running(emulator):
+    """The boto3 call runs on in its worker thread after the caller is cancelled; the session it makes is stopped."""
+    sm, _ = clients(emulator.url)
+    sent, names = threading.Event(), []
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        control = svc.backend.control
+        create = control.create_training_session
+
+        def create_and_tell(**request):
+            names.append(request["TrainingSessionName"])
+            sent.set()
+            return create(**request)
+
+        control.create_training_session = create_and_tell
+        emulator.set_faults(latency_s=0.3, operations=["CreateTrainingSession"])  # the request is still on the wire
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(svc.create_lora_training_client, BASE, 4)
+            await anyio.to_thread.run_sync(sent.wait)
+            tg.cancel_scope.cancel()
+        emulator.set_faults()
+    assert len(names) == 1 and _sessions(sm).get(names[0]) in ("Stopping", "Stopped")
+
+
+async def test_replies_cut_short_are_retried_as_lost_and_every_op_runs_once(emulator):
+    """A 200 whose body could not be read (ResponseParserError) was a ServerError: the op had been applied, yet it
+    failed, poisoning the training client. It is a lost reply now: retried with the same client token."""
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        emulator.set_faults(truncated_response_rate=1.0, operations=["CreateTrainingSession"])
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        assert emulator.injected_faults() == {"truncated response": 1}
+        assert {n for n in _sessions(sm) if n not in before} == {tc.model_id}
+        ops = ["ExecuteTrainingOperation", "GetTrainingOperationResult"]
+        emulator.set_faults(truncated_response_rate=0.5, seed=3, operations=ops)
+        futures = []
+        for _ in range(4):
+            futures.append(tc.forward_backward(BATCH, "cross_entropy"))
+            futures.append(tc.optim_step(AdamParams(learning_rate=0.005)))
+        results = [await f for f in futures]
+        injected = emulator.injected_faults()
+        emulator.set_faults()
+        assert injected.get("truncated response", 0) > 0
+        assert [r.step for r in results[1::2]] == [1, 2, 3, 4]
+        state = emulator.session_state(tc.model_id)
+        assert state["applied"] == list(range(1, 9)) and len(state["operations"]) == 8  # each op made and run once
