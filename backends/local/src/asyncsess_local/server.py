@@ -101,6 +101,7 @@ def create_app(
         openapi_url="/openapi.json",  # behind the key, like every route (see _Guard)
         default_response_class=_JSON,
     )
+    app.router.route_class = bodies.BodyRoute  # large bodies are decoded off the event loop
     app.state.inflight = Counter()  # requests being served, per tenant (see tenant_of)
     app.add_middleware(
         _Guard,
@@ -128,9 +129,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> Response:
-        where = {404: "path", 405: "method"}.get(err.status_code, "body")
-        fix = "see GET /openapi.json for the routes" if err.status_code in (404, 405) else "send one JSON object, UTF-8 encoded"
-        body = wire.encode_error(InvalidInputError(str(err.detail), field=where, fix=fix))
+        where, fix = _HTTP_FIELDS.get(err.status_code, ("body", bodies.NOT_JSON_FIX))
+        cause = err.__cause__  # FastAPI's "There was an error parsing the body" says what failed no further
+        detail = f"{err.detail} ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else str(err.detail)
+        body = wire.encode_error(InvalidInputError(detail, field=where, fix=fix))
         return _JSON(body, status_code=err.status_code if 400 <= err.status_code < 500 else 400, headers=err.headers)
 
     def api_key(request: Request) -> str:
@@ -275,6 +277,11 @@ def create_app(
     return app
 
 
+_HTTP_FIELDS = {  # what a refusal by status names, and its fix
+    404: ("path", "see GET /openapi.json for the routes"),
+    405: ("method", "see GET /openapi.json for the routes"),
+    415: ("Content-Type", "send Content-Type: application/json"),
+}
 IdPath = Annotated[str, PathParam(max_length=bodies.MAX_ID_CHARS)]
 IdQuery = Annotated[str | None, Query(max_length=bodies.MAX_ID_CHARS)]
 NameQuery = Annotated[str, Query(max_length=256)]
@@ -294,7 +301,7 @@ def _show(value: Any, limit: int = 80) -> str:
 
 
 class _Guard:
-    """ASGI middleware in front of every route: the API key (401), the body size (413), and a last resort
+    """ASGI middleware in front of every route: the API key (401), a compressed body (415), the body size (413), and a last resort
     for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
 
     def __init__(
@@ -337,6 +344,14 @@ class _Guard:
             return await reply(
                 401, InvalidInputError("missing or wrong API key", field="Authorization", fix=fix), {"WWW-Authenticate": "Bearer"}
             )
+        encoding = dict(scope.get("headers") or ()).get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):  # a compressed body was read as if it were plain JSON
+            err = InvalidInputError(
+                f"Content-Encoding {_show(encoding.decode('latin-1'))} is not accepted",
+                field="Content-Encoding",
+                fix="send the body uncompressed, without Content-Encoding",
+            )
+            return await reply(415, err)
         tenant = tenant_of(key)  # what the routes know of the key (and may store)
         scope["asyncsess.key"] = tenant
         if self.inflight[tenant] >= self.max_inflight:
@@ -375,6 +390,11 @@ class _Guard:
 
 # ------------------------------------------------------------------------------------- running
 
+MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers (uvicorn's default parser buffered 96 MB of them)
+# h11: its buffer of a request's head is bounded (past it: a 400 and the connection closed, before any route, the
+# key's check included), and it passes any method on to the routes (a 405 naming it, not the parser's plain 400)
+HTTP_OPTIONS: dict[str, Any] = {"http": "h11", "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+
 
 class _Thread:
     """A uvicorn server on a background thread (for tests, benchmarks and ``local://``-style embedding)."""
@@ -388,7 +408,7 @@ class _Thread:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **HTTP_OPTIONS))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> _Thread:
@@ -484,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.basicConfig(level=logging.INFO)
     app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **HTTP_OPTIONS)
 
 
 if __name__ == "__main__":
