@@ -9,9 +9,11 @@ naming the field, never a 5xx. Run it with ``asyncsess-worker --model tiny-llama
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import os
 import secrets
 import socket
 import sys
@@ -30,7 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncsess.backends import LoadStateOp, SaveWeightsOp
+from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit
@@ -39,7 +41,7 @@ from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
-from .checkpoints import EPHEMERAL
+from .checkpoints import EPHEMERAL, KINDS
 from .embedded import LocalBackend
 from .tenants import Owners, tenant_of
 from .vllm_sampler import VllmOptions
@@ -60,13 +62,15 @@ def create_app(
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
+    max_checkpoints_per_key: int = bodies.MAX_CHECKPOINTS_PER_KEY,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
     samplers one key may hold open at once; ``max_body_seconds``: how long a request's body may take to arrive
     (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
     (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
-    (oldest rollouts dropped past it). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
+    (oldest rollouts dropped past it); ``max_checkpoints_per_key``: durable checkpoints one key may hold on disk
+    (a save past it is refused, void). ``/healthz`` (alive) and ``/readyz`` (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
@@ -164,6 +168,41 @@ def create_app(
         finally:
             opening[key] -= 1
 
+    saving: Counter[str] = Counter()  # durable saves checked and not yet answered, per tenant (they count as held)
+
+    def held_checkpoints(key: str) -> int:
+        """The durable checkpoints ``key``'s sessions, stopped ones included, hold on disk (directories counted,
+        never read), plus its saves under way."""
+        root, held = backend.engine.store.root, saving[key]
+        for object_id in [i for i, k in owners.by_id.items() if k == key]:
+            for kind in KINDS:
+                with contextlib.suppress(OSError):
+                    held += sum(1 for e in os.scandir(root / object_id / kind) if not e.name.startswith("."))
+        return held
+
+    @contextmanager
+    def checkpoint_room(key: str, session_id: str, op: TrainingOp) -> Iterator[None]:
+        """Hold a place among ``key``'s ``max_checkpoints_per_key`` while ``op`` (a durable save that adds a
+        checkpoint) runs; an InvalidInputError when there is none (a save over one of its names adds none)."""
+        if not isinstance(op, (SaveStateOp, SaveWeightsOp)) or op.ephemeral:
+            yield
+            return
+        if op.name and op.overwrite and (backend.engine.store.root / session_id / op.checkpoint_kind / op.name).exists():
+            yield
+            return
+        held = held_checkpoints(key)
+        if held >= max_checkpoints_per_key:
+            raise InvalidInputError(
+                f"this API key holds {held} checkpoints, the most allowed",
+                field="name",
+                fix="save over one you no longer need (its name, overwrite=true), or save sampler weights with ephemeral=true",
+            )
+        saving[key] += 1
+        try:
+            yield
+        finally:
+            saving[key] -= 1
+
     def seq_is_new(session_id: str, seq: int) -> bool:
         """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
         next_seq = backend.next_seq(session_id)
@@ -223,14 +262,16 @@ def create_app(
                 field="seq",
                 fix=f"number ops 1, 2, 3, ... per session; at most {bodies.MAX_SEQ_AHEAD} may wait for earlier ones",
             )
-        if seq_is_new(session_id, op.seq):  # a re-delivery is answered from the sequencer's store
-            try:
-                if isinstance(op, LoadStateOp):
-                    owned_path(key, op.path, "path")
-                op = backend.check_op(session_id, op)
-            except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
-                backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
-        result = await backend.execute_training(session_id, op)
+        with contextlib.ExitStack() as held:
+            if seq_is_new(session_id, op.seq):  # a re-delivery is answered from the sequencer's store
+                try:
+                    if isinstance(op, LoadStateOp):
+                        owned_path(key, op.path, "path")
+                    op = backend.check_op(session_id, op)
+                    held.enter_context(checkpoint_room(key, session_id, op))
+                except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
+                    backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
+            result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
             owners.saved_weights(session_id, result.path, result.step)
         return wire.encode_result(result)
@@ -258,10 +299,13 @@ def create_app(
 
     @app.get("/v1/checkpoints")
     async def checkpoints(session_id: IdQuery = None, key: str = Depends(api_key)) -> Any:
+        """The key's own checkpoints (of one session): only its sessions are read, so another tenant's many
+        checkpoints never slow its listing (it read and filtered every tenant's)."""
         if session_id is not None:
             owners.check(key, session_id)
-        listed = await backend.list_checkpoints(session_id)
-        return [c.model_dump(mode="json") for c in listed if owners.by_id.get(c.checkpoint_id.split("/")[0]) == key]
+        ids = [session_id] if session_id is not None else [i for i, k in owners.by_id.items() if k == key]
+        listed = [c for i in ids for c in await backend.list_checkpoints(i)]
+        return [c.model_dump(mode="json") for c in sorted(listed, key=lambda c: c.time)]
 
     @app.get("/v1/tokenizer")
     async def tokenizer(base_model: NameQuery, key: str = Depends(api_key)) -> Any:
@@ -444,8 +488,6 @@ def _seconds(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """``asyncsess-worker [--model M] [--allow-model M2] [--host 127.0.0.1] [--port 8765] [--api-key K] [--dir D] [--device D] [--dtype T]``."""
-    import os
-
     import uvicorn
 
     p = argparse.ArgumentParser(prog="asyncsess-worker", description=__doc__.splitlines()[0])
