@@ -320,9 +320,10 @@ def invalid_input(errors: Any) -> InvalidInputError:
     """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":  # its loc is ("body", offset): not a field (it was named "[1]")
-        ctx, loc = first.get("ctx") or {}, first.get("loc") or ()
-        at = f" (at character {loc[-1]})" if loc and isinstance(loc[-1], int) else ""
-        return InvalidInputError(f"the body is not JSON: {ctx.get('error', 'decode error')}{at}", field="body", fix=NOT_JSON_FIX)
+        ctx, at = first.get("ctx"), list(first.get("loc") or ())[-1:]
+        reason = ctx.get("error", "decode error") if isinstance(ctx, dict) else "decode error"
+        where = f" (at character {at[0]})" if at and isinstance(at[0], int) else ""
+        return InvalidInputError(f"the body is not JSON: {reason}{where}", field="body", fix=NOT_JSON_FIX)
     where = ""
     loc = list(first.get("loc", ()))
     if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field

@@ -390,12 +390,12 @@ class _Guard:
             )
         encoding = dict(scope.get("headers") or ()).get(b"content-encoding", b"").strip().lower()
         if encoding not in (b"", b"identity"):  # a compressed body was read as if it were plain JSON
-            err = InvalidInputError(
+            compressed = InvalidInputError(
                 f"Content-Encoding {_show(encoding.decode('latin-1'))} is not accepted",
                 field="Content-Encoding",
                 fix="send the body uncompressed, without Content-Encoding",
             )
-            return await reply(415, err)
+            return await reply(415, compressed)
         tenant = tenant_of(key)  # what the routes know of the key (and may store)
         scope["asyncsess.key"] = tenant
         if self.inflight[tenant] >= self.max_inflight:
