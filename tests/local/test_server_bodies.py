@@ -235,3 +235,26 @@ def test_pipelined_requests_are_answered_in_order_and_a_bad_one_fails_alone(work
     answers = _answers(worker, good + bad + new + good, 4)
     assert [a[0] for a in answers] == [200, 400, 200, 200]
     assert json.loads(answers[1][2])["error"]["field"] == "body" and json.loads(answers[2][2])["lora_rank"] == 3
+
+
+def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """A pass's, a sample's and a logprobs call's answer (tens of MB of JSON for large batches) was encoded on
+    the event loop, stalling every tenant as a large body did."""
+    from asyncsess_local import server
+
+    real, on_loop = server._dumps, []
+
+    def recording(content: Any) -> bytes:
+        if isinstance(content, dict) and ({"sequences", "logprobs"} & content.keys() or content.get("type") == "forward_backward"):
+            on_loop.append(threading.current_thread() is worker.thread)
+        return real(content)
+
+    monkeypatch.setattr(server, "_dumps", recording)
+    sid = new_session(c, tiny, MINE)
+    assert c.post(f"/v1/sessions/{sid}/ops", json=_forward(1), headers=MINE).status_code == 200
+    smp = c.post("/v1/samplers", json={"base_model": tiny}, headers=MINE).json()["sampler_id"]
+    r = c.post(f"/v1/samplers/{smp}/sample", json={"prompt": [5, 6], "sampling_params": {"max_tokens": 2}}, headers=MINE)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json" and r.json()["sequences"]
+    r = c.post(f"/v1/samplers/{smp}/logprobs", json={"tokens": [5, 6, 7]}, headers=MINE)
+    assert r.status_code == 200 and len(r.json()["logprobs"]) == 3
+    assert on_loop == [False, False, False]

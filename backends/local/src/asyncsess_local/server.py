@@ -26,13 +26,14 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
+from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit
@@ -274,6 +275,8 @@ def create_app(
             result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
             owners.saved_weights(session_id, result.path, result.step)
+        if isinstance(op, (ForwardOp, ForwardBackwardOp)):  # per-token outputs: megabytes of JSON, off the loop
+            return await _off_loop_json(lambda: wire.encode_result(result))
         return wire.encode_result(result)
 
     @app.post("/v1/samplers")
@@ -290,12 +293,14 @@ def create_app(
     @app.post("/v1/samplers/{sampler_id}/sample")
     async def sample(sampler_id: IdPath, body: bodies.SampleBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
-        return (await backend.sample(sampler_id, body.request())).model_dump(mode="json")
+        out = await backend.sample(sampler_id, body.request())
+        return await _off_loop_json(lambda: out.model_dump(mode="json"))
 
     @app.post("/v1/samplers/{sampler_id}/logprobs")
     async def logprobs(sampler_id: IdPath, body: bodies.LogprobsBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
-        return {"logprobs": await backend.compute_logprobs(sampler_id, body.tokens)}
+        out = await backend.compute_logprobs(sampler_id, body.tokens)
+        return await _off_loop_json(lambda: {"logprobs": out})
 
     @app.get("/v1/checkpoints")
     async def checkpoints(session_id: IdQuery = None, key: str = Depends(api_key)) -> Any:
@@ -331,12 +336,23 @@ IdQuery = Annotated[str | None, Query(max_length=bodies.MAX_ID_CHARS)]
 NameQuery = Annotated[str, Query(max_length=256)]
 
 
-class _JSON(JSONResponse):
+def _dumps(content: Any) -> bytes:
     """JSON with every non-ASCII character escaped (a lone surrogate echoed in an error cannot break the
     encoder); non-finite floats are written as Python's json writes them rather than failing the response."""
+    return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+
+
+class _JSON(JSONResponse):
+    """A JSON response rendered by :func:`_dumps`."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+        return _dumps(content)
+
+
+async def _off_loop_json(make: Callable[[], Any]) -> Response:
+    """``make()`` as a JSON response, built and rendered in a worker thread: an answer of per-token log-probs
+    can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder)."""
+    return Response(await anyio.to_thread.run_sync(lambda: _dumps(make())), media_type="application/json")
 
 
 def _show(value: Any, limit: int = 80) -> str:
