@@ -258,3 +258,21 @@ def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monk
     r = c.post(f"/v1/samplers/{smp}/logprobs", json={"tokens": [5, 6, 7]}, headers=MINE)
     assert r.status_code == 200 and len(r.json()["logprobs"]) == 3
     assert on_loop == [False, False, False]
+
+
+def test_the_tokenizer_is_written_out_once_and_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """Each GET /v1/tokenizer wrote the tokenizer's files to a temporary directory and read them back on the event
+    loop (megabytes for a real model's tokenizer.json)."""
+    from asyncsess_local import server
+
+    real, calls = server._tokenizer_answer, []
+
+    def recording(backend: Any, name: str) -> bytes:
+        calls.append(threading.current_thread() is worker.thread)
+        return real(backend, name)
+
+    monkeypatch.setattr(server, "_tokenizer_answer", recording)
+    first = c.get("/v1/tokenizer", params={"base_model": tiny}, headers=MINE)
+    again = c.get("/v1/tokenizer", params={"base_model": tiny}, headers=THEIRS)
+    assert first.status_code == 200 and "tokenizer.json" in first.json()["files"], first.text
+    assert again.json() == first.json() and calls == [False]

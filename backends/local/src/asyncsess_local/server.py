@@ -312,14 +312,16 @@ def create_app(
         listed = [c for i in ids for c in await backend.list_checkpoints(i)]
         return [c.model_dump(mode="json") for c in sorted(listed, key=lambda c: c.time)]
 
+    tokenizers: dict[str, bytes] = {}  # base model -> the answer of GET /v1/tokenizer, rendered
+
     @app.get("/v1/tokenizer")
     async def tokenizer(base_model: NameQuery, key: str = Depends(api_key)) -> Any:
-        import tempfile
-
-        tok: Any = backend.get_tokenizer(check_base_model(base_model, "base_model"))  # a transformers tokenizer
-        with tempfile.TemporaryDirectory() as tmp:
-            tok.save_pretrained(tmp)
-            return {"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}}
+        """The tokenizer's files, written out once per base model in a worker thread (each call wrote and read
+        megabytes on the event loop)."""
+        name = check_base_model(base_model, "base_model")
+        if name not in tokenizers:
+            tokenizers[name] = await anyio.to_thread.run_sync(_tokenizer_answer, backend, name)
+        return Response(tokenizers[name], media_type="application/json")
 
     app.state.openai_fronts = fronts
     app.include_router(openai_api.router(fronts))
@@ -353,6 +355,16 @@ async def _off_loop_json(make: Callable[[], Any]) -> Response:
     """``make()`` as a JSON response, built and rendered in a worker thread: an answer of per-token log-probs
     can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder)."""
     return Response(await anyio.to_thread.run_sync(lambda: _dumps(make())), media_type="application/json")
+
+
+def _tokenizer_answer(backend: LocalBackend, base_model: str) -> bytes:
+    """``{"files": {name: text}}`` of ``base_model``'s tokenizer, as JSON."""
+    import tempfile
+
+    tok: Any = backend.get_tokenizer(base_model)  # a transformers tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return _dumps({"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}})
 
 
 def _show(value: Any, limit: int = 80) -> str:
