@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .server_helpers import MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+from .server_helpers import KEY, MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
 
 pytestmark = pytest.mark.local
 
@@ -210,5 +210,21 @@ def test_a_keys_durable_checkpoints_are_capped_and_the_other_key_keeps_its_own(t
             mine = c.get("/v1/checkpoints", headers=MINE).json()
             assert sorted(x["checkpoint_id"] for x in mine) == sorted([f"{first}/state/a", f"{sid}/sampler/b"])
             assert [x["checkpoint_id"] for x in c.get("/v1/checkpoints", headers=THEIRS).json()] == [f"{theirs}/state/c"]
+            # a checkpoint is freed by deleting it (no route did): only by its owner, and a save then goes
+            path = next(x["path"] for x in mine if x["checkpoint_id"].endswith("/state/a"))
+            foreign = c.delete("/v1/checkpoints", params={"path": path}, headers=THEIRS)
+            assert foreign.status_code == 400 and "for this API key" in foreign.json()["error"]["message"]
+            assert c.delete("/v1/checkpoints", params={"path": path}, headers=MINE).status_code == 204
+            assert c.post(ops, json=_op("save_state", 6, name="c"), headers=MINE).status_code == 200
+        import anyio
+
+        from asyncsess import ServiceClient
+
+        async def by_client() -> list[str]:  # the http:// client deletes too (it raised UnsupportedError)
+            async with ServiceClient(w.url, api_key=KEY, heartbeat_interval=0) as svc:
+                await svc.delete_checkpoint(path.replace(first, sid).replace("/state/a", "/state/c"))  # the save at seq 6
+                return [x.checkpoint_id for x in await svc.list_checkpoints()]
+
+        assert anyio.run(by_client) == [f"{sid}/sampler/b"]
     finally:
         w.stop()

@@ -42,7 +42,7 @@ from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
-from .checkpoints import EPHEMERAL, KINDS
+from .checkpoints import EPHEMERAL, KINDS, MAX_PATH_CHARS
 from .embedded import LocalBackend
 from .tenants import Owners, tenant_of
 from .vllm_sampler import VllmOptions
@@ -196,7 +196,7 @@ def create_app(
             raise InvalidInputError(
                 f"this API key holds {held} checkpoints, the most allowed",
                 field="name",
-                fix="save over one you no longer need (its name, overwrite=true), or save sampler weights with ephemeral=true",
+                fix="delete one you no longer need (DELETE /v1/checkpoints?path=...), or save over one (overwrite=true)",
             )
         saving[key] += 1
         try:
@@ -312,6 +312,15 @@ def create_app(
         listed = [c for i in ids for c in await backend.list_checkpoints(i)]
         return [c.model_dump(mode="json") for c in sorted(listed, key=lambda c: c.time)]
 
+    @app.delete("/v1/checkpoints", status_code=204)
+    async def delete_checkpoint(path: PathQuery, key: str = Depends(api_key)) -> Response:
+        """Delete one of the key's durable checkpoints (samplers open on it keep their weights)."""
+        if path.startswith(EPHEMERAL):
+            raise InvalidInputError("a snapshot is not stored", field="path", fix="stop the samplers on it: it goes with them")
+        owned_path(key, path, "path")
+        await backend.delete_checkpoint(path)
+        return Response(status_code=204)
+
     tokenizers: dict[str, bytes] = {}  # base model -> the answer of GET /v1/tokenizer, rendered
 
     @app.get("/v1/tokenizer")
@@ -336,6 +345,7 @@ _HTTP_FIELDS = {  # what a refusal by status names, and its fix
 IdPath = Annotated[str, PathParam(max_length=bodies.MAX_ID_CHARS)]
 IdQuery = Annotated[str | None, Query(max_length=bodies.MAX_ID_CHARS)]
 NameQuery = Annotated[str, Query(max_length=256)]
+PathQuery = Annotated[str, Query(min_length=1, max_length=MAX_PATH_CHARS)]
 
 
 def _dumps(content: Any) -> bytes:
