@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from .server_helpers import MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
+from .server_helpers import KEY, MINE, THEIRS, assert_refused, new_sampler, new_session, send, start_worker  # noqa: E402
 
 pytestmark = pytest.mark.local
 
@@ -182,3 +182,49 @@ def test_a_snapshot_path_of_ones_own_does_not_lead_into_the_other_keys_checkpoin
     )
     assert "sampler snapshot" in assert_refused(r, "path")["message"]
     assert new_sampler(c, MINE, model_path=mine["paths"]["ephemeral"])
+
+
+def test_a_keys_durable_checkpoints_are_capped_and_the_other_key_keeps_its_own(tiny, tmp_path):
+    """A key could save checkpoints without limit (disk unbounded: no route deletes one). Past
+    ``max_checkpoints_per_key`` a save is refused (void: its seq passes, the next op runs), a stopped session's
+    checkpoints still count, a save over one of its names and an ephemeral one still go, and the other key saves
+    as before; each key lists only its own."""
+    w = start_worker(tiny, str(tmp_path), max_checkpoints_per_key=2)
+    try:
+        with httpx.Client(base_url=w.url, timeout=120) as c:
+            first = new_session(c, tiny, MINE)
+            ops = f"/v1/sessions/{first}/ops"
+            assert c.post(ops, json=_op("save_state", 1, name="a"), headers=MINE).status_code == 200
+            c.delete(f"/v1/sessions/{first}", headers=MINE)
+            sid = new_session(c, tiny, MINE)
+            ops = f"/v1/sessions/{sid}/ops"
+            assert c.post(ops, json=_op("save_weights", 1, name="b"), headers=MINE).status_code == 200
+            err = assert_refused(c.post(ops, json=_op("save_state", 2, name="c"), headers=MINE), "name")
+            assert err.get("void") is True and "2 checkpoints" in err["message"], err
+            assert c.post(ops, json=_op("save_weights", 3, name="b", overwrite=True), headers=MINE).status_code == 200
+            assert c.post(ops, json=_op("save_weights", 4, ephemeral=True), headers=MINE).status_code == 200
+            assert_refused(c.post(ops, json=_op("save_weights", 5), headers=MINE), "name")  # an unnamed one too
+            theirs = new_session(c, tiny, THEIRS)
+            r = c.post(f"/v1/sessions/{theirs}/ops", json=_op("save_state", 1, name="c"), headers=THEIRS)
+            assert r.status_code == 200, r.text
+            mine = c.get("/v1/checkpoints", headers=MINE).json()
+            assert sorted(x["checkpoint_id"] for x in mine) == sorted([f"{first}/state/a", f"{sid}/sampler/b"])
+            assert [x["checkpoint_id"] for x in c.get("/v1/checkpoints", headers=THEIRS).json()] == [f"{theirs}/state/c"]
+            # a checkpoint is freed by deleting it (no route did): only by its owner, and a save then goes
+            path = next(x["path"] for x in mine if x["checkpoint_id"].endswith("/state/a"))
+            foreign = c.delete("/v1/checkpoints", params={"path": path}, headers=THEIRS)
+            assert foreign.status_code == 400 and "for this API key" in foreign.json()["error"]["message"]
+            assert c.delete("/v1/checkpoints", params={"path": path}, headers=MINE).status_code == 204
+            assert c.post(ops, json=_op("save_state", 6, name="c"), headers=MINE).status_code == 200
+        import anyio
+
+        from asyncsess import ServiceClient
+
+        async def by_client() -> list[str]:  # the http:// client deletes too (it raised UnsupportedError)
+            async with ServiceClient(w.url, api_key=KEY, heartbeat_interval=0) as svc:
+                await svc.delete_checkpoint(path.replace(first, sid).replace("/state/a", "/state/c"))  # the save at seq 6
+                return [x.checkpoint_id for x in await svc.list_checkpoints()]
+
+        assert anyio.run(by_client) == [f"{sid}/sampler/b"]
+    finally:
+        w.stop()

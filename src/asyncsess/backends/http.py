@@ -156,6 +156,9 @@ class HttpBackend(Backend):
         params = {"session_id": session_id} if session_id else {}
         return _adapt(_CHECKPOINTS, await self._call("GET", "/v1/checkpoints", params=params), "a list of checkpoints")
 
+    async def delete_checkpoint(self, path: str) -> None:
+        await self._call("DELETE", "/v1/checkpoints", params={"path": path})
+
     def get_tokenizer(self, base_model: str) -> Tokenizer:
         """The worker's tokenizer files, loaded here with transformers (fetched once per base model)."""
         if base_model not in self._tokenizers:

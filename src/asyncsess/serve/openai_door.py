@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
+from . import json_body
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront
 from .openai_wire import ChatRequest, CompletionRequest, FrontError, model_card, model_not_found, parse_body
@@ -225,14 +226,15 @@ def openai_router(
     async def sample(request: Request, chat: bool) -> Response:
         try:
             key = key_of(request)
-            body = parse_body(await request.body())  # the front reads it again (Starlette keeps it)
+            raw = await request.body()
+            body = await json_body.off_loop(len(raw), parse_body, raw)  # a large body: in a thread
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
                 raise FrontError("give the model to sample: a name from GET /v1/models", "model")
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
-        return await (front._chat_route(request) if chat else front._completions_route(request))
+        return await front.answer(request, body, chat)
 
     r = APIRouter(prefix="/v1")
 

@@ -39,6 +39,7 @@ from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, parse_tool_calls, 
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
+from . import json_body
 from .capture import CapturedCall, CapturedChoice, CaptureStore
 from .openai_wire import (
     ChatRequest,
@@ -64,6 +65,8 @@ from .openai_wire import (
 __all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER"]
 
 T = TypeVar("T")
+R = TypeVar("R", bound=SamplingRequest)
+_UNREAD = object()  # a body not yet decoded
 
 ROLLOUT_HEADER = "x-rollout-id"
 VERSION_HEADER = "x-weight-version"
@@ -259,17 +262,19 @@ class OpenAIFront:
     async def _completions_route(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, self._completion)
 
-    async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any) -> Response:
+    async def answer(self, request: Request, body: Any, chat: bool) -> Response:
+        """A chat (else a completion) request whose body the caller has decoded already (``parse_body``)."""
+        model, handler = (ChatRequest, self._chat) if chat else (CompletionRequest, self._completion)
+        return await self._serve(request, model, handler, body)
+
+    async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any, body: Any = _UNREAD) -> Response:
         self.counts["requests"] += 1
         self.active += 1
         try:
-            body = parse_body(await request.body())
-            if not isinstance(body, dict):
-                raise FrontError("the body must be a JSON object", None, code="invalid_json")
-            try:
-                req = model.model_validate(body)
-            except ValidationError as err:
-                raise validation_error(err) from None
+            raw = await request.body()  # a large body is decoded and validated in a thread (json_body)
+            if body is _UNREAD:
+                body = await json_body.off_loop(len(raw), parse_body, raw)
+            req = await json_body.off_loop(len(raw), _request_of, body, model)
             if req.stream_options is not None and not req.stream:
                 raise FrontError("stream_options is only allowed when stream is true; set stream or drop it", "stream_options")
             rollout = _rollout_id(request, req)
@@ -616,6 +621,16 @@ class OpenAIFront:
 
 class _ClientGone(Exception):
     """The client hung up before its call was answered."""
+
+
+def _request_of(body: Any, model: type[R]) -> R:
+    """The request in a decoded ``body``, or a FrontError naming what is wrong with it."""
+    if not isinstance(body, dict):
+        raise FrontError("the body must be a JSON object", None, code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise validation_error(err) from None
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:

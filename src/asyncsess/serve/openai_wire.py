@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from ..types import MAX_STOP_CHARS, MAX_TOKENS
+from . import json_body
 
 __all__ = [
     "FrontError",
@@ -91,7 +92,7 @@ def parse_body(raw: bytes) -> Any:
     cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a value nested
     more than ``MAX_DEPTH`` levels deep (a tool schema, say): a capture of it could not be read back."""
     try:
-        body = json.loads(raw)
+        body = json_body.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise FrontError(f"the body is not JSON: {err}", None, code="invalid_json") from None
     except RecursionError:

@@ -74,6 +74,7 @@ from ..validation import (
 from . import tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
 from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
+from .json_body import INLINE_BYTES  # forward_backward bodies up to this size (decompressed) are handled on the event loop
 from .promises import Promise, PromiseTable
 
 __all__ = ["TinkerDoor", "tinker_router", "create_app", "ApiError", "api_key_of"]
@@ -93,9 +94,6 @@ RELEASED_FIX = (
     "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
     "open); for weights that stay, save_weights_for_sampler(name) and create_sampling_client(model_path)"
 )
-# forward_backward bodies up to this size (bytes, decompressed) are decoded, checked and answered on the event loop: there
-# ~1 ms of codec costs less than a thread hop, which under load waits up to the GIL switch interval (5 ms) per hop
-INLINE_BYTES = 64 * 1024
 INLINE_SPARSE = 1 << 18  # cells the sparse tensors of a body decoded on the event loop may expand to (else: in a thread)
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or

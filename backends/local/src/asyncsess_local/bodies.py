@@ -16,13 +16,20 @@ ids inside the vocabulary, a prompt inside the context) is checked by the routes
 
 from __future__ import annotations
 
+import email.message
+import json
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, ValidationError
+from starlette.exceptions import HTTPException
 
 from asyncsess.backends import OP_TYPES, SampleRequest, SamplerSpec, TrainingOp, TrainingOpKind, TrainingSessionSpec
 from asyncsess.errors import InvalidInputError
-from asyncsess.serve import body_limit
+from asyncsess.serve import body_limit, json_body
 from asyncsess.types import MAX_SEED, AdamParams, Datum, SamplingParams
 from asyncsess.validation import MAX_TOPK, check_description, check_session_options, check_target_prompt_logprobs, check_ttl_seconds
 
@@ -31,6 +38,7 @@ from .embedded import MAX_LORA_ALPHA, MAX_NUM_SAMPLES
 from .sessions import MAX_LORA_RANK
 
 __all__ = [
+    "BodyRoute",
     "LogprobsBody",
     "OpBody",
     "ForwardBody",
@@ -58,7 +66,9 @@ MAX_NAME_CHARS = 256  # base model names
 MAX_TEXT_CHARS = 1024  # keys, request ids, metadata values
 MAX_SEQ = 2**62
 MAX_LIVE_PER_KEY = 256  # open sessions plus samplers per API key
+MAX_CHECKPOINTS_PER_KEY = 4096  # durable checkpoints one API key may hold on disk
 MAX_INFLIGHT_PER_KEY = 1024  # requests one API key may have in flight (more get a 429)
+NOT_JSON_FIX = "send one JSON object, UTF-8 encoded"
 MAX_SEQ_AHEAD = 1024  # an op may arrive at most this far ahead of the next expected seq (it waits for the gap)
 
 
@@ -309,6 +319,11 @@ _FIXES = {
 def invalid_input(errors: Any) -> InvalidInputError:
     """The first pydantic error as an InvalidInputError naming the field (``a.b[2].c``) and a fix."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":  # its loc is ("body", offset): not a field (it was named "[1]")
+        ctx, at = first.get("ctx"), list(first.get("loc") or ())[-1:]
+        reason = ctx.get("error", "decode error") if isinstance(ctx, dict) else "decode error"
+        where = f" (at character {at[0]})" if at and isinstance(at[0], int) else ""
+        return InvalidInputError(f"the body is not JSON: {reason}{where}", field="body", fix=NOT_JSON_FIX)
     where = ""
     loc = list(first.get("loc", ()))
     if loc and loc[0] in ("body", "query", "path", "header"):  # where in the request, not a field
@@ -331,3 +346,78 @@ def invalid_input(errors: Any) -> InvalidInputError:
         return InvalidInputError(text.removeprefix(f"{cause.field}: ") if cause.field else text, field=where or "body", fix=cause.fix)
     fix = _FIXES.get(str(first.get("type", "")), "see the request schema in GET /openapi.json")
     return InvalidInputError(str(first.get("msg", "invalid")).removeprefix("Value error, "), field=where or "body", fix=fix)
+
+
+class BodyRoute(APIRoute):
+    """A worker route. Its JSON body, over :data:`json_body.INLINE_BYTES`, is decoded and validated in a worker
+    thread (FastAPI does both on the event loop, where a 256 MB body stalls every tenant for seconds); a small one is
+    left to FastAPI, and the answers are FastAPI's either way. A body that is not declared JSON is a 415 naming
+    ``Content-Type`` (it was a 400 saying that the body should be an object), and a query parameter the route does
+    not take is a 400 naming it (``POST /v1/sessions?rank=8`` made a rank-32 session)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+        field = self.body_field
+        takes, todo = set(), [self.dependant]  # the query parameters of the route and of its dependencies
+        while todo:
+            dependant = todo.pop()
+            takes |= {p.alias for p in dependant.query_params}
+            todo += dependant.dependencies
+
+        async def route(request: Request) -> Response:
+            unknown = [name for name in request.query_params if name not in takes]
+            if unknown:
+                fix = "send it in the JSON body" if field is not None else "drop it"
+                raise InvalidInputError(f"{self.path} takes no query parameter {unknown[0]!r:.80}", field=unknown[0][:80], fix=fix)
+            if field is None:
+                return await handle(request)
+            raw = await request.body()
+            content_type = request.headers.get("content-type")
+            if raw and not _is_json(content_type):
+                declared = f"Content-Type {content_type!r:.80}" if content_type else "no Content-Type"
+                raise HTTPException(415, f"the body is not declared as JSON (it has {declared})")
+            if len(raw) <= json_body.INLINE_BYTES:
+                return await handle(request)
+            value, errors = await json_body.off_loop(len(raw), _decode, field, raw)
+            if errors:
+                raise RequestValidationError(errors, body=value)
+            return await handle(_Decoded(request, raw, value))
+
+        return route
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI decodes a body of this ``Content-Type`` as JSON (``application/json`` or ``+json``)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _decode(field: Any, raw: bytes) -> tuple[Any, list[Any]]:
+    """``raw`` decoded and validated as FastAPI would (its errors, its exceptions): (value, errors)."""
+    try:
+        value = json_body.loads(raw)
+    except json.JSONDecodeError as err:
+        error = {"type": "json_invalid", "loc": ("body", err.pos), "msg": "JSON decode error", "input": {}, "ctx": {"error": err.msg}}
+        return None, [error]
+    except Exception as err:  # FastAPI's answer to a body json.loads fails on (bad UTF-8, a 5000-digit number, ...)
+        raise HTTPException(400, "There was an error parsing the body") from err
+    checked, errors = field.validate(value, {}, loc=("body",))
+    return (value, errors) if errors else (checked, [])
+
+
+class _Decoded(Request):
+    """The request, its body already decoded and validated (FastAPI takes a validated model as it is)."""
+
+    def __init__(self, request: Request, raw: bytes, value: Any) -> None:
+        super().__init__(request.scope, request.receive)
+        self._raw, self._value = raw, value
+
+    async def body(self) -> bytes:
+        return self._raw
+
+    async def json(self) -> Any:
+        return self._value

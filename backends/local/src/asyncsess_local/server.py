@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import secrets
 import socket
 import sys
@@ -32,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncsess.backends import LoadStateOp, SaveWeightsOp
+from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit
@@ -42,7 +43,7 @@ from asyncsess.serve.defaults import SESSION_TIMEOUT
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
-from .checkpoints import EPHEMERAL
+from .checkpoints import EPHEMERAL, KINDS, MAX_PATH_CHARS
 from .embedded import LocalBackend
 from .idle import IdleClock
 from .tenants import Owners, tenant_of
@@ -64,6 +65,7 @@ def create_app(
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
+    max_checkpoints_per_key: int = bodies.MAX_CHECKPOINTS_PER_KEY,
     session_timeout: float | None = SESSION_TIMEOUT,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
@@ -71,9 +73,10 @@ def create_app(
     samplers one key may hold open at once; ``max_body_seconds``: how long a request's body may take to arrive
     (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
     (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
-    (oldest rollouts dropped past it); ``session_timeout``: seconds without a request (a heartbeat included) after which a
-    session or sampler is stopped (its client is gone; ``None`` or 0: never). ``/healthz`` (alive) and ``/readyz``
-    (serving) need no key."""
+    (oldest rollouts dropped past it); ``max_checkpoints_per_key``: durable checkpoints one key may hold on disk
+    (a save past it is refused, void); ``session_timeout``: seconds without a request (a heartbeat included) after
+    which a session or sampler is stopped (its client is gone; ``None`` or 0: never). ``/healthz`` (alive) and
+    ``/readyz`` (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
@@ -129,6 +132,7 @@ def create_app(
         openapi_url="/openapi.json",  # behind the key, like every route (see _Guard)
         default_response_class=_JSON,
     )
+    app.router.route_class = bodies.BodyRoute  # large bodies are decoded off the event loop
     app.state.inflight = Counter()  # requests being served, per tenant (see tenant_of)
     app.state.idle, app.state.reap_idle = idle, reap_idle
     app.add_middleware(
@@ -157,9 +161,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> Response:
-        where = {404: "path", 405: "method"}.get(err.status_code, "body")
-        fix = "see GET /openapi.json for the routes" if err.status_code in (404, 405) else "send one JSON object, UTF-8 encoded"
-        body = wire.encode_error(InvalidInputError(str(err.detail), field=where, fix=fix))
+        where, fix = _HTTP_FIELDS.get(err.status_code, ("body", bodies.NOT_JSON_FIX))
+        cause = err.__cause__  # FastAPI's "There was an error parsing the body" says what failed no further
+        detail = f"{err.detail} ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else str(err.detail)
+        body = wire.encode_error(InvalidInputError(detail, field=where, fix=fix))
         return _JSON(body, status_code=err.status_code if 400 <= err.status_code < 500 else 400, headers=err.headers)
 
     def api_key(request: Request) -> str:
@@ -190,6 +195,41 @@ def create_app(
             yield
         finally:
             opening[key] -= 1
+
+    saving: Counter[str] = Counter()  # durable saves checked and not yet answered, per tenant (they count as held)
+
+    def held_checkpoints(key: str) -> int:
+        """The durable checkpoints ``key``'s sessions, stopped ones included, hold on disk (directories counted,
+        never read), plus its saves under way."""
+        root, held = backend.engine.store.root, saving[key]
+        for object_id in [i for i, k in owners.by_id.items() if k == key]:
+            for kind in KINDS:
+                with contextlib.suppress(OSError):
+                    held += sum(1 for e in os.scandir(root / object_id / kind) if not e.name.startswith("."))
+        return held
+
+    @contextmanager
+    def checkpoint_room(key: str, session_id: str, op: TrainingOp) -> Iterator[None]:
+        """Hold a place among ``key``'s ``max_checkpoints_per_key`` while ``op`` (a durable save that adds a
+        checkpoint) runs; an InvalidInputError when there is none (a save over one of its names adds none)."""
+        if not isinstance(op, (SaveStateOp, SaveWeightsOp)) or op.ephemeral:
+            yield
+            return
+        if op.name and op.overwrite and (backend.engine.store.root / session_id / op.checkpoint_kind / op.name).exists():
+            yield
+            return
+        held = held_checkpoints(key)
+        if held >= max_checkpoints_per_key:
+            raise InvalidInputError(
+                f"this API key holds {held} checkpoints, the most allowed",
+                field="name",
+                fix="delete one you no longer need (DELETE /v1/checkpoints?path=...), or save over one (overwrite=true)",
+            )
+        saving[key] += 1
+        try:
+            yield
+        finally:
+            saving[key] -= 1
 
     def seq_is_new(session_id: str, seq: int) -> bool:
         """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
@@ -253,17 +293,21 @@ def create_app(
                 field="seq",
                 fix=f"number ops 1, 2, 3, ... per session; at most {bodies.MAX_SEQ_AHEAD} may wait for earlier ones",
             )
-        if seq_is_new(session_id, op.seq):  # a re-delivery is answered from the sequencer's store
-            try:
-                if isinstance(op, LoadStateOp):
-                    owned_path(key, op.path, "path")
-                op = backend.check_op(session_id, op)
-            except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
-                backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
-        with idle.using(session_id):
+        with contextlib.ExitStack() as held:
+            if seq_is_new(session_id, op.seq):  # a re-delivery is answered from the sequencer's store
+                try:
+                    if isinstance(op, LoadStateOp):
+                        owned_path(key, op.path, "path")
+                    op = backend.check_op(session_id, op)
+                    held.enter_context(checkpoint_room(key, session_id, op))
+                except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
+                    backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
+            held.enter_context(idle.using(session_id))
             result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
             owners.saved_weights(session_id, result.path, result.step)
+        if isinstance(op, (ForwardOp, ForwardBackwardOp)):  # per-token outputs: megabytes of JSON, off the loop
+            return await _off_loop_json(lambda: wire.encode_result(result))
         return wire.encode_result(result)
 
     @app.post("/v1/samplers")
@@ -282,46 +326,89 @@ def create_app(
     async def sample(sampler_id: IdPath, body: bodies.SampleBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
         with idle.using(sampler_id):
-            return (await backend.sample(sampler_id, body.request())).model_dump(mode="json")
+            out = await backend.sample(sampler_id, body.request())
+        return await _off_loop_json(lambda: out.model_dump(mode="json"))
 
     @app.post("/v1/samplers/{sampler_id}/logprobs")
     async def logprobs(sampler_id: IdPath, body: bodies.LogprobsBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
         with idle.using(sampler_id):
-            return {"logprobs": await backend.compute_logprobs(sampler_id, body.tokens)}
+            out = await backend.compute_logprobs(sampler_id, body.tokens)
+        return await _off_loop_json(lambda: {"logprobs": out})
 
     @app.get("/v1/checkpoints")
     async def checkpoints(session_id: IdQuery = None, key: str = Depends(api_key)) -> Any:
+        """The key's own checkpoints (of one session): only its sessions are read, so another tenant's many
+        checkpoints never slow its listing (it read and filtered every tenant's)."""
         if session_id is not None:
             owners.check(key, session_id)
-        listed = await backend.list_checkpoints(session_id)
-        return [c.model_dump(mode="json") for c in listed if owners.by_id.get(c.checkpoint_id.split("/")[0]) == key]
+        ids = [session_id] if session_id is not None else [i for i, k in owners.by_id.items() if k == key]
+        listed = [c for i in ids for c in await backend.list_checkpoints(i)]
+        return [c.model_dump(mode="json") for c in sorted(listed, key=lambda c: c.time)]
+
+    @app.delete("/v1/checkpoints", status_code=204)
+    async def delete_checkpoint(path: PathQuery, key: str = Depends(api_key)) -> Response:
+        """Delete one of the key's durable checkpoints (samplers open on it keep their weights)."""
+        if path.startswith(EPHEMERAL):
+            raise InvalidInputError("a snapshot is not stored", field="path", fix="stop the samplers on it: it goes with them")
+        owned_path(key, path, "path")
+        await backend.delete_checkpoint(path)
+        return Response(status_code=204)
+
+    tokenizers: dict[str, bytes] = {}  # base model -> the answer of GET /v1/tokenizer, rendered
 
     @app.get("/v1/tokenizer")
     async def tokenizer(base_model: NameQuery, key: str = Depends(api_key)) -> Any:
-        import tempfile
-
-        tok: Any = backend.get_tokenizer(check_base_model(base_model, "base_model"))  # a transformers tokenizer
-        with tempfile.TemporaryDirectory() as tmp:
-            tok.save_pretrained(tmp)
-            return {"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}}
+        """The tokenizer's files, written out once per base model in a worker thread (each call wrote and read
+        megabytes on the event loop)."""
+        name = check_base_model(base_model, "base_model")
+        if name not in tokenizers:
+            tokenizers[name] = await anyio.to_thread.run_sync(_tokenizer_answer, backend, name)
+        return Response(tokenizers[name], media_type="application/json")
 
     app.state.openai_fronts = fronts
     app.include_router(openai_api.router(fronts))
     return app
 
 
+_HTTP_FIELDS = {  # what a refusal by status names, and its fix
+    404: ("path", "see GET /openapi.json for the routes"),
+    405: ("method", "see GET /openapi.json for the routes"),
+    415: ("Content-Type", "send Content-Type: application/json"),
+}
 IdPath = Annotated[str, PathParam(max_length=bodies.MAX_ID_CHARS)]
 IdQuery = Annotated[str | None, Query(max_length=bodies.MAX_ID_CHARS)]
 NameQuery = Annotated[str, Query(max_length=256)]
+PathQuery = Annotated[str, Query(min_length=1, max_length=MAX_PATH_CHARS)]
+
+
+def _dumps(content: Any) -> bytes:
+    """JSON with every non-ASCII character escaped (a lone surrogate echoed in an error cannot break the
+    encoder); non-finite floats are written as Python's json writes them rather than failing the response."""
+    return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
 
 
 class _JSON(JSONResponse):
-    """JSON with every non-ASCII character escaped (a lone surrogate echoed in an error cannot break the
-    encoder); non-finite floats are written as Python's json writes them rather than failing the response."""
+    """A JSON response rendered by :func:`_dumps`."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+        return _dumps(content)
+
+
+async def _off_loop_json(make: Callable[[], Any]) -> Response:
+    """``make()`` as a JSON response, built and rendered in a worker thread: an answer of per-token log-probs
+    can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder)."""
+    return Response(await anyio.to_thread.run_sync(lambda: _dumps(make())), media_type="application/json")
+
+
+def _tokenizer_answer(backend: LocalBackend, base_model: str) -> bytes:
+    """``{"files": {name: text}}`` of ``base_model``'s tokenizer, as JSON."""
+    import tempfile
+
+    tok: Any = backend.get_tokenizer(base_model)  # a transformers tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return _dumps({"files": {n: (Path(tmp) / n).read_text() for n in _TOKENIZER_FILES if (Path(tmp) / n).exists()}})
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -330,7 +417,7 @@ def _show(value: Any, limit: int = 80) -> str:
 
 
 class _Guard:
-    """ASGI middleware in front of every route: the API key (401), the body size (413), and a last resort
+    """ASGI middleware in front of every route: the API key (401), a compressed body (415), the body size (413), and a last resort
     for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
 
     def __init__(
@@ -373,6 +460,14 @@ class _Guard:
             return await reply(
                 401, InvalidInputError("missing or wrong API key", field="Authorization", fix=fix), {"WWW-Authenticate": "Bearer"}
             )
+        encoding = dict(scope.get("headers") or ()).get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):  # a compressed body was read as if it were plain JSON
+            compressed = InvalidInputError(
+                f"Content-Encoding {_show(encoding.decode('latin-1'))} is not accepted",
+                field="Content-Encoding",
+                fix="send the body uncompressed, without Content-Encoding",
+            )
+            return await reply(415, compressed)
         tenant = tenant_of(key)  # what the routes know of the key (and may store)
         scope["asyncsess.key"] = tenant
         if self.inflight[tenant] >= self.max_inflight:
@@ -411,6 +506,11 @@ class _Guard:
 
 # ------------------------------------------------------------------------------------- running
 
+MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers (uvicorn's default parser buffered 96 MB of them)
+# h11: its buffer of a request's head is bounded (past it: a 400 and the connection closed, before any route, the
+# key's check included), and it passes any method on to the routes (a 405 naming it, not the parser's plain 400)
+HTTP_OPTIONS: dict[str, Any] = {"http": "h11", "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+
 
 class _Thread:
     """A uvicorn server on a background thread (for tests, benchmarks and ``local://``-style embedding)."""
@@ -424,7 +524,7 @@ class _Thread:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **HTTP_OPTIONS))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> _Thread:
@@ -465,8 +565,6 @@ def _seconds(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     """``asyncsess-worker [--model M] [--allow-model M2] [--host 127.0.0.1] [--port 8765] [--api-key K] [--dir D] [--device D] [--dtype T]``."""
-    import os
-
     import uvicorn
 
     p = argparse.ArgumentParser(prog="asyncsess-worker", description=__doc__.splitlines()[0])
@@ -531,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.basicConfig(level=logging.INFO)
     app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds, session_timeout=args.session_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **HTTP_OPTIONS)
 
 
 if __name__ == "__main__":
