@@ -35,6 +35,8 @@ def gguf_dir(tiny_dir: Path, reference, tmp_path_factory: pytest.TempPathFactory
     specials = {a["id"] for a in spec["added_tokens"]}
     for a in spec["added_tokens"]:
         tokens[a["id"]] = a["content"]
+    tokens.append("<|endoftext|>")  # in the vocabulary, as in SmolLM2's file (else transformers >= 5.2x appends it)
+    specials.add(len(tokens) - 1)
     out = tmp_path_factory.mktemp("gguf")
     w = gguf.GGUFWriter(str(out / "tiny.gguf"), "llama")
     w.add_context_length(512)
@@ -52,6 +54,7 @@ def gguf_dir(tiny_dir: Path, reference, tmp_path_factory: pytest.TempPathFactory
     w.add_bos_token_id(reference.bos_token_id)
     w.add_eos_token_id(reference.eos_token_id)
     w.add_pad_token_id(reference.pad_token_id)
+    w.add_unk_token_id(len(tokens) - 1)
     w.add_chat_template(reference.chat_template)
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
     w.write_header_to_file()
@@ -69,9 +72,10 @@ def test_a_gguf_tokenizer_keeps_the_files_vocabulary_and_special_tokens(gguf_dir
         "bos_token": reference.bos_token_id,
         "eos_token": reference.eos_token_id,
         "pad_token": reference.pad_token_id,
+        "unk_token": len(reference),
     }
     assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|end|>", "<s>", "<pad>")
-    assert len(tok) == len(reference)  # no token the model has no embedding for
+    assert len(tok) == len(reference) + 1  # the file's tokens and none past them (the model has no embedding for those)
     text = "what is 12 plus 3? <FILL_ME> <|end|>"
     assert tok.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
     assert turn_stop_tokens(tok) == [reference.convert_tokens_to_ids("<|end|>")]
