@@ -47,6 +47,8 @@ async def test_what_a_gone_client_left_is_stopped_after_the_ttl_and_a_live_one_i
     now[0] = TTL - 1
     assert await app.state.reap_idle() == []  # nothing is idle for the whole ttl yet
     assert (await c.post(f"/v1/sessions/{live}/heartbeat", headers=THEIRS)).status_code == 204
+    stranger = await c.post(f"/v1/sessions/{dead}/heartbeat", headers=THEIRS)  # another key cannot keep it alive
+    assert stranger.status_code == 404 and stranger.json()["error"]["type"] == "SessionGoneError", stranger.text
     now[0] = TTL + 100
     assert sorted(await app.state.reap_idle()) == sorted([dead, dead_sampler])
     for r in (
