@@ -100,9 +100,39 @@ def _share_of_even_ids(problem: Any, text: str) -> tuple[float, dict[str, float]
     return sum(c.isdigit() for c in text) / max(1, len(text)), {}
 
 
+class _HeldBuilder:
+    """A group builder whose envs wait for ``released``: holds the run's rollouts at a chosen batch."""
+
+    def __init__(self, inner: Any, released: anyio.Event) -> None:
+        self.inner, self.released = inner, released
+
+    async def make_envs(self) -> Any:
+        await self.released.wait()
+        return await self.inner.make_envs()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _HeldFrom:
+    """A dataset whose batches from ``first`` on wait for ``released``, so the kill below lands mid-run however
+    fast the run is (before, a quick run could finish steps 3 and 4 before the kill, and nothing recovered)."""
+
+    def __init__(self, inner: Any, first: int, released: anyio.Event) -> None:
+        self.inner, self.first, self.released = inner, first, released
+
+    def get_batch(self, index: int) -> list[Any]:
+        batch = self.inner.get_batch(index)
+        return batch if index < self.first else [_HeldBuilder(b, self.released) for b in batch]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
 async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_path: Path, monkeypatch) -> None:
-    """kill -9 of the worker after the checkpoint at step 2; a restarted worker (same root) still knows the
-    run's checkpoints as this key's, and the loop reopens from the last one and finishes."""
+    """kill -9 of the worker after the checkpoint at step 2, with the rollouts of step 3 held until a restarted
+    worker (same root) is up; it still knows the run's checkpoints as this key's, and the loop reopens from the
+    last one and finishes."""
     from asyncsess.rl import Problem, RLConfig, problem_datasets, train_rl
     from asyncsess.runs.checkpoints import last_checkpoint
 
@@ -110,6 +140,11 @@ async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_
     problems = [Problem(f"what is {i} plus 1? the answer is", str(i + 1)) for i in range(8)]
     base = RLConfig(base_model=tiny, groups_per_batch=2, group_size=4, max_tokens=6, lora_rank=4, learning_rate=1e-2, max_steps=4)
     base = base.model_copy(update={"save_every": 2, "seed": 3, "max_recoveries": 2, "recovery_wait_s": 120.0})
+    released = anyio.Event()
+
+    def datasets(tokenizer: Any) -> Any:
+        train, test = problem_datasets(problems, [], _share_of_even_ids, base)(tokenizer)
+        return _HeldFrom(train, 3, released), test
 
     crashed = Worker(tiny, tmp_path / "crashed")
     crashed.start()
@@ -119,16 +154,16 @@ async def test_a_killed_worker_is_restarted_and_the_run_recovers(tiny: str, tmp_
             outcome: dict[str, Any] = {}
 
             async def run() -> None:
-                outcome["result"] = await train_rl(
-                    cfg, problem_datasets(problems, [], _share_of_even_ids, cfg), tmp_path / "run-a", progress=False
-                )
+                outcome["result"] = await train_rl(cfg, datasets, tmp_path / "run-a", progress=False)
 
             tg.start_soon(run)
             with anyio.fail_after(600):  # a hang guard only
                 while (rec := last_checkpoint(tmp_path / "run-a")) is None or rec.step < 2:
                     await anyio.sleep(0.05)
+            assert "result" not in outcome  # step 3's rollouts are held: the run cannot have finished
             crashed.signal(signal.SIGKILL)
             crashed.start()  # what a supervisor (asyncsess-worker --supervise, systemd) does
+            released.set()
         result = outcome["result"]
         assert result.steps == 4
         records = read_metrics(tmp_path / "run-a")
