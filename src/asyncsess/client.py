@@ -110,6 +110,7 @@ QUEUE_STATE_LOG_INTERVAL = 60  # seconds between two "sampling is paused" warnin
 DEFAULT_URL = "local://"
 T = TypeVar("T")
 Op = TypeVar("Op", bound=TrainingOp)
+Spec = TypeVar("Spec", TrainingSessionSpec, SamplerSpec)
 
 
 class ServiceClient:
@@ -506,7 +507,7 @@ class ServiceClient:
 
     async def _open_training(self, spec: TrainingSessionSpec) -> TrainingClient:
         self._require_open()
-        info = await self._call("create_training_session", functools.partial(self.backend.create_training_session, spec))
+        info = await self._call("create_training_session", functools.partial(self.backend.create_training_session, _keyed(spec)))
         update: dict[str, Any] = {}
         if spec.user_metadata and not info.user_metadata:
             update["user_metadata"] = dict(spec.user_metadata)
@@ -536,7 +537,7 @@ class ServiceClient:
 
     async def _open_sampler(self, spec: SamplerSpec, base_model: str) -> SamplingClient:
         self._require_open()
-        sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, spec))
+        sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, _keyed(spec)))
         self._samplers.add(sampler_id)
         self._known[sampler_id] = SessionSummary(
             session_id=sampler_id, kind="sampler", status="Running", base_model=base_model, creation_time=time.time()
@@ -698,6 +699,12 @@ def _check_sequences(request: SampleRequest, response: SampleResponse, vocab_siz
         bad = next((t for t in s.tokens if not 0 <= t < top), None)
         if bad is not None:
             raise APIResponseValidationError(f"the backend sampled token id {str(bad)[:30]}, outside the vocabulary [0, {top})")
+
+
+def _keyed(spec: Spec) -> Spec:
+    """``spec`` with the idempotency key of one create: its retries send the same spec, a later create (a pickled
+    sampler reopened included: the key is not kept in the client's spec) gets a new key."""
+    return dataclasses.replace(spec, idempotency_key=spec.idempotency_key or uuid.uuid4().hex)
 
 
 def _on_collect(obj: object, fn: Callable[..., None], *args: Any) -> weakref.finalize:

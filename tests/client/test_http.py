@@ -65,3 +65,38 @@ async def test_an_object_that_is_not_an_op_record_is_refused_before_anything_is_
     finally:
         await b.aclose()
     assert seen == []
+
+
+@pytest.mark.anyio
+async def test_each_create_sends_one_idempotency_key_on_all_its_tries() -> None:
+    """A create whose reply is lost is retried; its tries carry the same ``Idempotency-Key`` (a header, not a body
+    field), so the worker can answer the retry with the session it made; the next create sends another key."""
+    from asyncsess import ServiceClient
+    from asyncsess.types import GetInfoResponse, ServerCapabilities
+
+    sent: list[tuple[str, str | None, dict]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET":
+            return httpx.Response(200, json=ServerCapabilities().model_dump(mode="json"))
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        sent.append((path, request.headers.get("idempotency-key"), json.loads(request.content)))
+        if sum(p == path for p, _, _ in sent) % 2:  # each create's first reply is lost
+            raise httpx.ReadError("the connection dropped after the worker answered", request=request)
+        if path == "/v1/sessions":
+            return httpx.Response(
+                200, json=GetInfoResponse(model_id=f"lora-{len(sent)}", base_model="m", lora_rank=2, lora_alpha=4.0).model_dump(mode="json")
+            )
+        return httpx.Response(200, json={"sampler_id": f"sampler-{len(sent)}"})
+
+    async with ServiceClient("http://worker.invalid", transport=httpx.MockTransport(handler), heartbeat_interval=0) as svc:
+        for _ in range(2):
+            await svc.create_lora_training_client("m", rank=2)
+            await svc.create_sampling_client(base_model="m")
+    for path in ("/v1/sessions", "/v1/samplers"):
+        tries = [(key, body) for p, key, body in sent if p == path]
+        keys = [key for key, _ in tries]
+        assert len(keys) == 4 and keys[0] == keys[1] != keys[2] == keys[3] and all(keys), keys
+        assert all("idempotency_key" not in body for _, body in tries)

@@ -10,6 +10,10 @@ the same ``idempotency_key`` returns the stored result; once an op fails, later 
 with :class:`~asyncsess.errors.PoisonedError`, unless the failure is void (refused before anything ran, its
 ``seq`` used up: :attr:`~asyncsess.errors.AsyncSessError.void`). :class:`asyncsess.backends.sequencer.Sequencer`
 implements this.
+
+Creates (``create_training_session``, ``create_sampler``) carry the spec's ``idempotency_key``, one per logical
+create and the same on every retry of it; a backend that can answers a repeated key with what the first create
+made (the http:// worker does), so a retry after a lost reply makes no second session.
 """
 
 from __future__ import annotations
@@ -196,6 +200,9 @@ class TrainingSessionSpec:
     # SageMaker's per-call options (training_session_name, model_package_group_arn, s3_output_path,
     # kms_key_arn, vpc_config) and Tinker's optimizer; backends that have no use for them record them.
     session_options: dict[str, Any] = field(default_factory=dict)
+    # one per logical create, the same on its retries (the client sets it): a backend that can answers a
+    # retry whose first reply was lost with the same session (http:// sends it as ``Idempotency-Key``)
+    idempotency_key: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +212,7 @@ class SamplerSpec:
     base_model: str | None = None
     model_path: str | None = None
     payload: Any = None  # what Backend.export_sampler returned in another process (see SamplingClient pickling)
+    idempotency_key: str = field(default="", compare=False)  # as TrainingSessionSpec's: one per logical create
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ with its ``field`` and ``fix``.
 The worker on the other end may be buggy, another version or hostile: redirects are not followed (the key
 goes to ``base_url`` only), an answer over ``max_response_bytes`` (decoded) is refused while it streams, and
 an answer that is not what the call expects (not JSON, a wrong shape, another op's result, an undecodable
-``Content-Encoding``) is an :class:`~asyncsess.errors.APIResponseValidationError`. ``Retry-After`` on a 429 or
+``Content-Encoding``) is an :class:`~asyncsess.errors.APIResponseValidationError`. A create sends its spec's
+``idempotency_key`` as ``Idempotency-Key``: the worker answers a retry of it with the session it already made. ``Retry-After`` on a 429 or
 5xx is the retry's hint (read by :func:`~asyncsess.retry.retry_after_seconds`).
 """
 
@@ -117,7 +118,8 @@ class HttpBackend(Backend):
         return _parse(ServerCapabilities, await self._call("GET", "/v1/capabilities"))
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
-        return _parse(GetInfoResponse, await self._call("POST", "/v1/sessions", json=wire.SESSION_SPEC.dump_python(spec, mode="json")))
+        body, headers = wire.create_request(wire.SESSION_SPEC, spec)
+        return _parse(GetInfoResponse, await self._call("POST", "/v1/sessions", json=body, headers=headers))
 
     async def stop_session(self, session_id: str) -> None:
         await self._call("DELETE", f"/v1/sessions/{session_id}")
@@ -136,7 +138,8 @@ class HttpBackend(Backend):
         return result
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
-        body = await self._call("POST", "/v1/samplers", json=wire.SAMPLER_SPEC.dump_python(spec, mode="json"))
+        request, headers = wire.create_request(wire.SAMPLER_SPEC, spec)
+        body = await self._call("POST", "/v1/samplers", json=request, headers=headers)
         sampler_id = body.get("sampler_id") if isinstance(body, dict) else None
         if not isinstance(sampler_id, str) or not sampler_id:
             raise APIResponseValidationError(f"the worker's answer names no sampler_id: {str(body)[:200]!r}")

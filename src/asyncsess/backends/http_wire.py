@@ -25,6 +25,8 @@ __all__ = [
     "SESSION_SPEC",
     "SAMPLER_SPEC",
     "SAMPLE_REQUEST",
+    "IDEMPOTENCY_HEADER",
+    "create_request",
     "STATUS",
     "encode_result",
     "decode_result",
@@ -37,6 +39,16 @@ OP: TypeAdapter[TrainingOp] = TypeAdapter(Annotated[TrainingOp, Field(discrimina
 SESSION_SPEC = TypeAdapter(TrainingSessionSpec)
 SAMPLER_SPEC = TypeAdapter(SamplerSpec)
 SAMPLE_REQUEST = TypeAdapter(SampleRequest)
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""The header of a create (``POST /v1/sessions``, ``POST /v1/samplers``): one key per logical create, the same on
+its retries; the worker answers a repeated key with what the first create made."""
+
+
+def create_request(adapter: TypeAdapter[Any], spec: TrainingSessionSpec | SamplerSpec) -> tuple[dict[str, Any], dict[str, str]]:
+    """The JSON body and headers of a create: the spec's fields, its ``idempotency_key`` as :data:`IDEMPOTENCY_HEADER`."""
+    body: dict[str, Any] = adapter.dump_python(spec, mode="json", exclude={"idempotency_key"})
+    return body, {IDEMPOTENCY_HEADER: spec.idempotency_key} if spec.idempotency_key else {}
+
 
 _RESULTS: dict[str, type] = {
     "forward_backward": ForwardBackwardOutput,
