@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
-from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
@@ -45,6 +45,7 @@ from asyncsess.types import CheckpointResponse
 from . import bodies, openai_api
 from .checkpoints import EPHEMERAL, KINDS, MAX_PATH_CHARS
 from .embedded import LocalBackend
+from .idempotency import IDEMPOTENCY_HEADER, Creates, check_key
 from .idle import IdleClock
 from .tenants import Owners, tenant_of
 from .vllm_sampler import VllmOptions
@@ -81,6 +82,7 @@ def create_app(
     if not keys:
         raise ValueError("the worker needs at least one API key")
     owners = Owners(backend.engine.store.root / ".owners.jsonl")
+    creates = Creates()  # the replies of creates sent with an Idempotency-Key
     ready = threading.Event()
     allowed_extra = set(models)
 
@@ -134,7 +136,7 @@ def create_app(
     )
     app.router.route_class = bodies.BodyRoute  # large bodies are decoded off the event loop
     app.state.inflight = Counter()  # requests being served, per tenant (see tenant_of)
-    app.state.idle, app.state.reap_idle = idle, reap_idle
+    app.state.idle, app.state.reap_idle, app.state.creates = idle, reap_idle, creates
     app.add_middleware(
         _Guard,
         keys=keys,
@@ -148,6 +150,8 @@ def create_app(
     @app.exception_handler(AsyncSessError)
     async def _typed(request: Request, err: AsyncSessError) -> Response:
         status = wire.status_for(err)
+        if isinstance(err, ConflictError) and err.field == IDEMPOTENCY_HEADER:
+            status = 409  # as Stripe answers a reused Idempotency-Key (the worker's other conflicts stay 400s)
         if status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, err)
         elif isinstance(err, InvalidInputError):  # every refusal names a field and a fix
@@ -256,17 +260,24 @@ def create_app(
     async def capabilities(key: str = Depends(api_key)) -> Any:
         return (await backend.capabilities()).model_dump(mode="json")
 
+    def idempotency_key(request: Request) -> str | None:
+        """A create's ``Idempotency-Key`` (a 400 naming it when it is garbage); see :mod:`.idempotency`."""
+        return check_key(request.headers.getlist(IDEMPOTENCY_HEADER))
+
     @app.post("/v1/sessions")
-    async def create_session(body: bodies.SessionBody, key: str = Depends(api_key)) -> Any:
-        spec = body.spec()
-        owned_path(key, spec.from_path, "from_path")
-        if spec.from_path is None or spec.base_model:
-            check_base_model(spec.base_model, "base_model")
-        with room(key, "base_model"):
-            info = await backend.create_training_session(spec)
-            owners.own(info.model_id, key, durable=True)
-            idle.touch(info.model_id)
-        return info.model_dump(mode="json")
+    async def create_session(body: bodies.SessionBody, key: str = Depends(api_key), once_key: str | None = Depends(idempotency_key)) -> Any:
+        async with creates.once(key, once_key, "/v1/sessions", body.model_dump(mode="json")) as once:
+            if once.reply is None:  # not a retry of a create already made
+                spec = body.spec()
+                owned_path(key, spec.from_path, "from_path")
+                if spec.from_path is None or spec.base_model:
+                    check_base_model(spec.base_model, "base_model")
+                with room(key, "base_model"):
+                    info = await backend.create_training_session(spec)
+                    owners.own(info.model_id, key, durable=True)
+                    idle.touch(info.model_id)
+                once.reply = info.model_dump(mode="json")
+        return once.reply
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def stop_session(session_id: IdPath, key: str = Depends(api_key)) -> Response:
@@ -311,16 +322,19 @@ def create_app(
         return wire.encode_result(result)
 
     @app.post("/v1/samplers")
-    async def create_sampler(body: bodies.SamplerBody, key: str = Depends(api_key)) -> Any:
-        spec = body.spec()
-        owned_path(key, spec.model_path, "model_path")
-        if spec.model_path is None:
-            check_base_model(spec.base_model, "base_model")
-        with room(key, "model_path" if spec.model_path else "base_model"):
-            sampler_id = await backend.create_sampler(spec)
-            owners.own(sampler_id, key)
-            idle.touch(sampler_id)
-        return {"sampler_id": sampler_id}
+    async def create_sampler(body: bodies.SamplerBody, key: str = Depends(api_key), once_key: str | None = Depends(idempotency_key)) -> Any:
+        async with creates.once(key, once_key, "/v1/samplers", body.model_dump(mode="json")) as once:
+            if once.reply is None:
+                spec = body.spec()
+                owned_path(key, spec.model_path, "model_path")
+                if spec.model_path is None:
+                    check_base_model(spec.base_model, "base_model")
+                with room(key, "model_path" if spec.model_path else "base_model"):
+                    sampler_id = await backend.create_sampler(spec)
+                    owners.own(sampler_id, key)
+                    idle.touch(sampler_id)
+                once.reply = {"sampler_id": sampler_id}
+        return once.reply
 
     @app.post("/v1/samplers/{sampler_id}/sample")
     async def sample(sampler_id: IdPath, body: bodies.SampleBody, key: str = Depends(api_key)) -> Any:
