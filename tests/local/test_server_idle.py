@@ -98,3 +98,32 @@ def test_the_worker_refuses_a_bad_ttl_before_it_starts(tiny, tmp_path):
     backend = LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="session_timeout"):
         create_app(backend, [KEY], session_timeout=float("nan"))
+
+
+async def test_what_expires_leaves_the_owner_table_and_a_retired_sampler_expires_too(tiny, tmp_path):
+    """A sampler whose snapshot a newer one retired (``retain_snapshots``) is no live sampler: the reaper never saw it,
+    and its owner entry stayed for good when its client never stopped it. Now it expires with the rest, and every
+    expired object leaves the owner table."""
+    from asyncsess_local.embedded import LocalBackend
+    from asyncsess_local.server import create_app
+
+    backend = LocalBackend(model=tiny, device="cpu", checkpoint_dir=str(tmp_path / "ckpt"), retain_snapshots=1)
+    app = create_app(backend, [KEY], session_timeout=TTL)
+    now = [0.0]
+    app.state.idle.clock = lambda: now[0]
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as c:
+            sid = await _new(c, "/v1/sessions", {"base_model": tiny, "rank": 2, "seed": 0}, MINE)
+            samplers = []
+            for seq in (1, 2):
+                op = {"kind": "save_weights", "seq": seq, "idempotency_key": f"w{seq}", "ephemeral": True}
+                r = await c.post(f"/v1/sessions/{sid}/ops", json=op, headers=MINE)
+                assert r.status_code == 200, r.text
+                samplers.append(await _new(c, "/v1/samplers", {"model_path": r.json()["result"]["path"]}, MINE))
+            retired, live = samplers
+            assert retired not in backend.engine.samplers and live in backend.engine.samplers
+            now[0] = TTL
+            assert sorted(await app.state.reap_idle()) == sorted([sid, retired, live])
+            assert app.state.owners.by_id == {} and app.state.owners.weight_steps == {}
+            r = await c.post(f"/v1/samplers/{retired}/sample", json={"prompt": [5, 6], "sampling_params": {"max_tokens": 2}}, headers=MINE)
+            assert r.status_code == 404, r.text

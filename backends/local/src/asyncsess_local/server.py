@@ -81,7 +81,8 @@ def create_app(
     keys = [k.encode("utf-8") for k in api_keys]
     if not keys:
         raise ValueError("the worker needs at least one API key")
-    owners = Owners(backend.engine.store.root / ".owners.jsonl")
+    store = backend.engine.store
+    owners = Owners(store.root / ".owners.jsonl")
     creates = Creates()  # the replies of creates sent with an Idempotency-Key
     ready = threading.Event()
     allowed_extra = set(models)
@@ -94,13 +95,52 @@ def create_app(
     fronts = openai_api.WorkerFronts(backend, owners, base_models, max_capture_tokens=max_capture_tokens)
     idle = IdleClock(session_timeout)
 
+    def checkpoints_of(object_id: str) -> int:
+        """The durable checkpoints ``object_id`` holds on disk (directories counted, never read)."""
+        held = 0
+        for kind in KINDS:
+            with contextlib.suppress(OSError):
+                held += sum(1 for e in os.scandir(store.root / object_id / kind) if not e.name.startswith("."))
+        return held
+
+    def release(object_id: str) -> None:
+        """Forget ``object_id``'s owner once it is stopped and holds nothing its tenant may still name: no checkpoint on
+        disk and no snapshot a sampler uses (the owner table held every id ever made)."""
+        engine = backend.engine
+        if object_id in engine.sessions or object_id in engine.samplers or engine.state.snapshot_adapters(object_id):
+            return
+        if object_id not in owners.durable or checkpoints_of(object_id) == 0:
+            owners.forget(object_id)
+
+    for journaled in list(owners.durable):  # what a restarted worker keeps: the sessions that left checkpoints
+        release(journaled)
+    owners.compact()
+
+    async def stop(object_id: str) -> None:
+        """Stop a session or sampler; forget its owner (and that of the stopped session whose snapshot it sampled)."""
+        ref = backend.engine.samplers.get(object_id)
+        await backend.stop_session(object_id)
+        idle.forget(object_id)
+        release(object_id)
+        if ref is not None and ref.path is not None and ref.path.startswith(EPHEMERAL):
+            with contextlib.suppress(InvalidInputError):
+                release(store.ephemeral_owner(ref.path))
+        owners.drop_steps(sampler_paths())
+
+    def sampler_paths() -> set[str]:
+        """The weights the live samplers sample (their paths)."""
+        return {ref.path for ref in backend.engine.samplers.values() if ref.path is not None}
+
     async def reap_idle() -> list[str]:
-        """Stop the sessions and samplers no request touched for ``session_timeout`` seconds; the ids stopped."""
-        gone = idle.expired([*backend.engine.sessions, *backend.engine.samplers])
+        """Stop the sessions and samplers no request touched for ``session_timeout`` seconds; the ids stopped.
+        The samplers a newer snapshot retired (``retain_snapshots``) and their clients never stopped are among them."""
+        engine = backend.engine
+        samplers = (i for i in owners.by_id if i not in owners.durable)  # retired ones too (live ones: the dict drops repeats)
+        gone = idle.expired(dict.fromkeys([*engine.sessions, *engine.samplers, *samplers]))
         for object_id in gone:
             log.warning("stopping %s: no request for %gs (its client stopped its heartbeat)", object_id, idle.ttl)
             with contextlib.suppress(AsyncSessError):
-                await backend.stop_session(object_id)
+                await stop(object_id)
         return gone
 
     async def reap_forever(ttl: float) -> None:
@@ -136,7 +176,7 @@ def create_app(
     )
     app.router.route_class = bodies.BodyRoute  # large bodies are decoded off the event loop
     app.state.inflight = Counter()  # requests being served, per tenant (see tenant_of)
-    app.state.idle, app.state.reap_idle, app.state.creates = idle, reap_idle, creates
+    app.state.idle, app.state.reap_idle, app.state.owners, app.state.creates = idle, reap_idle, owners, creates
     app.add_middleware(
         _Guard,
         keys=keys,
@@ -205,12 +245,7 @@ def create_app(
     def held_checkpoints(key: str) -> int:
         """The durable checkpoints ``key``'s sessions, stopped ones included, hold on disk (directories counted,
         never read), plus its saves under way."""
-        root, held = backend.engine.store.root, saving[key]
-        for object_id in [i for i, k in owners.by_id.items() if k == key]:
-            for kind in KINDS:
-                with contextlib.suppress(OSError):
-                    held += sum(1 for e in os.scandir(root / object_id / kind) if not e.name.startswith("."))
-        return held
+        return saving[key] + sum(checkpoints_of(i) for i, k in owners.by_id.items() if k == key)
 
     @contextmanager
     def checkpoint_room(key: str, session_id: str, op: TrainingOp) -> Iterator[None]:
@@ -282,8 +317,7 @@ def create_app(
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def stop_session(session_id: IdPath, key: str = Depends(api_key)) -> Response:
         if owners.by_id.get(session_id) == key:
-            await backend.stop_session(session_id)
-            idle.forget(session_id)
+            await stop(session_id)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/heartbeat", status_code=204)
@@ -316,7 +350,7 @@ def create_app(
             held.enter_context(idle.using(session_id))
             result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
-            owners.saved_weights(session_id, result.path, result.step)
+            owners.saved_weights(session_id, result.path, result.step, sampler_paths())
         if isinstance(op, (ForwardOp, ForwardBackwardOp)):  # per-token outputs: megabytes of JSON, off the loop
             return await _off_loop_json(lambda: wire.encode_result(result))
         return wire.encode_result(result)
@@ -367,6 +401,7 @@ def create_app(
             raise InvalidInputError("a snapshot is not stored", field="path", fix="stop the samplers on it: it goes with them")
         owned_path(key, path, "path")
         await backend.delete_checkpoint(path)
+        release(store.owner(path, "path"))  # its session's last checkpoint, the session stopped: nothing left to name
         return Response(status_code=204)
 
     tokenizers: dict[str, bytes] = {}  # base model -> the answer of GET /v1/tokenizer, rendered
