@@ -112,6 +112,7 @@ async def test_a_reply_cut_by_max_output_tokens_is_incomplete(real):
 
 BAD = [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation in 'input'"),
+    ({"conversation": "conv_1"}, "conversation", "stores no responses"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", '"web_search" is not supported'),
     ({"tools": [{**TOOL, "strict": True}]}, "tools.0.strict", "strict_mode=False"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", '"reasoning" is not supported'),

@@ -120,7 +120,8 @@ class ResponsesRequest(OpenAIRequest):
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     store: StrictBool | None = None  # accepted; nothing is stored either way
-    previous_response_id: str | None = None
+    previous_response_id: Any = None  # refused (by _stateless), with the fix
+    conversation: Any = None
     stream_options: _StreamOptions | None = None
 
     @field_validator("input", mode="before")
@@ -134,9 +135,9 @@ class ResponsesRequest(OpenAIRequest):
         fix = "only function tools run here (the agent runs them); declare it as a {'type': 'function', ...} tool"
         return _refuse_kinds(v, "tools", ("function",), None, fix)
 
-    @field_validator("previous_response_id")
+    @field_validator("previous_response_id", "conversation")
     @classmethod
-    def _stateless(cls, v: str | None) -> str | None:
+    def _stateless(cls, v: Any) -> Any:
         raise ValueError("this server stores no responses; send the whole conversation in 'input' (the earlier output items too)")
 
 
