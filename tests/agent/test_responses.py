@@ -152,3 +152,19 @@ async def test_the_official_client_gets_a_bad_request_error_for_previous_respons
         with pytest.raises(openai.BadRequestError) as err:
             await client.responses.create(model="policy", input="hi", previous_response_id="resp_1")
     assert err.value.body["param"] == "previous_response_id"
+
+
+async def test_output_items_come_back_as_the_client_gives_them(real):
+    """The stream helper's final output (``parsed``, ``parsed_arguments``, ``phase``: null) and ``model_dump()`` of
+    the items were 400s (unsupported parameter); null keys in items count as not sent, as the request's own do."""
+    front = OpenAIFront(ScriptedSampler(real, ["Let me compute. " + CALL, "It is 5.", "It is 5."]))
+    async with front.openai_client("r") as client:
+        async with client.responses.stream(model="policy", input=TASK, tools=[TOOL]) as stream:
+            final = await stream.get_final_response()
+        message, call = final.output
+        answer = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+        for sent in (final.output, [o.model_dump() for o in final.output]):
+            items = [{"role": "user", "content": TASK}, *sent, answer]
+            assert (await client.responses.create(model="policy", input=items, tools=[TOOL])).output_text == "It is 5."
+    first, *later = front.captures.calls("r")
+    assert all(build_trajectory("r", [first, c], 1.0).drift == [] for c in later)

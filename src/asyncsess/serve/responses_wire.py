@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError, field_validator
+from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError, field_validator, model_validator
 
 from ..types import MAX_TOKENS
 from .openai_wire import ChatRequest, Choice, FrontError, OpenAIRequest, Text, _Req, content_pieces, validation_error
@@ -27,14 +27,24 @@ __all__ = ["ResponsesRequest", "Origins", "chat_request", "responses_error", "re
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
-class _Part(_Req):
+class _Nullable(_Req):
+    """A part of an input item: a key sent as null is a key not sent, as for the request's own parameters (what the
+    openai client gives back from a reply, ``model_dump()`` or the stream helper's ``parsed``, holds many)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _Part(_Nullable):
     type: Literal["input_text", "output_text"]
     text: Text
     annotations: list[Any] | None = Field(default=None, max_length=0)  # what a reply's output_text carries back
     logprobs: list[Any] | None = Field(default=None, max_length=0)
 
 
-class _MessageItem(_Req):
+class _MessageItem(_Nullable):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[_Part]
@@ -45,7 +55,7 @@ class _MessageItem(_Req):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class _FunctionCallItem(_Req):
+class _FunctionCallItem(_Nullable):
     type: Literal["function_call"]
     call_id: Annotated[Text, Field(min_length=1)]
     name: Text
@@ -54,12 +64,12 @@ class _FunctionCallItem(_Req):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class _OutputPart(_Req):
+class _OutputPart(_Nullable):
     type: Literal["input_text"]
     text: Text
 
 
-class _FunctionCallOutputItem(_Req):
+class _FunctionCallOutputItem(_Nullable):
     type: Literal["function_call_output"]
     call_id: Annotated[Text, Field(min_length=1)]
     output: Text | list[_OutputPart]
