@@ -181,6 +181,7 @@ class Origins:
 
 _CALL_FIELDS = {"id": "call_id", "function.arguments": "arguments", "function.name": "name"}
 _WORDS = [
+    ("the tool calls of an assistant message must have distinct ids", "the function_call items of a turn must have distinct call_ids"),
     ("tool_call_id", "call_id"),
     ("tool messages", "function_call_output items"),
     ("tool message", "function_call_output item"),
