@@ -67,7 +67,8 @@ async def test_a_responses_tool_loop_renders_and_captures_exactly_as_the_chat_lo
 async def test_the_reply_is_a_response_the_client_parses(real):
     front = OpenAIFront(ScriptedSampler(real, ["Let me compute. " + CALL]))
     async with front.openai_client("r") as client:
-        r = await client.responses.create(model="policy", input=TASK, tools=[TOOL], metadata={"k": "v"}, store=False, user="u")
+        tool = {**TOOL, "strict": None, "description": None, "output_schema": None}  # null keys: not sent
+        r = await client.responses.create(model="policy", input=TASK, tools=[tool], metadata={"k": "v"}, store=False, user="u")
     assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed" and r.model == "policy"
     message, fc = r.output
     assert message.type == "message" and message.content[0].type == "output_text" and r.output_text == "Let me compute."

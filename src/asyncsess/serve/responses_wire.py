@@ -93,7 +93,7 @@ _Item = Annotated[
 ]
 
 
-class _FunctionTool(_Req):
+class _FunctionTool(_Nullable):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")  # as the chat route's
     description: Text | None = None
