@@ -75,6 +75,30 @@ async def test_multi_turn_agent_trains_only_what_the_model_sampled(tmp_path):
     assert sum(r["env/all/drift"] for r in steps) * 8 == pytest.approx(drifts)  # the per-episode mean, 8 episodes a step
 
 
+async def test_a_responses_api_agent_is_trained_as_a_chat_agent(tmp_path):
+    """An agent written with ``client.responses.create`` (its output items sent back in ``input``) trains as the chat
+    agent above does: exactly the sampled tokens, with the sampler's log-probs (a reply cut at max_output_tokens
+    drifts: the template closes the turn the model did not)."""
+
+    async def agent(client, task) -> float:
+        items: list = [{"role": "user", "content": task}]
+        for turn in range(2):
+            reply = await client.responses.create(model="policy", input=items, instructions="Count.", max_output_tokens=12)
+            items += [*reply.output, {"role": "user", "content": f"go on {turn}"}]
+        return float(sum(c.isdigit() for c in reply.output_text))
+
+    cfg = AgentRLConfig(url="mock://?max_context=2048", groups_per_batch=1, group_size=2, max_steps=2, max_tokens=12)
+    await train_agent_rl(cfg, agent, ["a", "b"], [], tmp_path, progress=False)
+    lines = read_trajectories(tmp_path / "trajectories.jsonl")
+    assert len(lines) >= 2 * 2
+    for line in lines:
+        assert [c["endpoint"] for c in line["calls"]] == ["responses", "responses"]
+        assert len(line["segments"]) == 1 + len(line["drift"])
+        trained = [t for s in line["segments"] for t, m in zip(s["tokens"], s["mask"]) if m]
+        trained_lps = [lp for s in line["segments"] for lp, m in zip(s["logprobs"], s["mask"]) if m]
+        assert (trained, trained_lps) == sampled(line)
+
+
 async def test_resume_continues_the_run(tmp_path):
     await agent_rl.main([f"run_dir={tmp_path}", "max_steps=4", "save_every=2", "eval_every=0", "n_test=2", "group_size=4"])
     await agent_rl.main([f"run_dir={tmp_path}", "max_steps=6", "save_every=2", "eval_every=0", "n_test=2", "group_size=4"])

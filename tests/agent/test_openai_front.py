@@ -138,8 +138,8 @@ async def test_models_and_stats_routes(sampler):
 
 
 async def test_models_retrieve_and_routes_the_front_does_not_serve(sampler):
-    """``client.models.retrieve`` was a 404, and every path or method the front does not serve (the Responses API,
-    say) answered FastAPI's {"detail": ...}, which the openai client reads without a message, param or code."""
+    """``client.models.retrieve`` was a 404, and every path or method the front does not serve (a stored response,
+    say: nothing is stored) answered FastAPI's {"detail": ...}, which the openai client reads without a message, param or code."""
     front = OpenAIFront(sampler, model_name="agent-policy")
     async with front.openai_client() as client:
         for name in ("agent-policy", "mock/bigram-tiny"):
@@ -154,8 +154,8 @@ async def test_models_retrieve_and_routes_the_front_does_not_serve(sampler):
             await client.models.retrieve("gpt-4o")
         assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
         with pytest.raises(openai.NotFoundError) as info:
-            await client.responses.create(model="agent-policy", input="hi")
-        assert info.value.body["code"] == "not_found" and "/v1/chat/completions" in info.value.message
+            await client.responses.retrieve("resp_1")
+        assert info.value.body["code"] == "not_found" and "POST /v1/responses" in info.value.message
         r = await client._client.get("http://asyncsess-front/v1/chat/completions")
         assert r.status_code == 405 and r.json()["error"]["param"] == "method", r.text
         assert r.headers["allow"] == "POST"  # RFC 9110: a 405 says which methods the path takes

@@ -96,6 +96,23 @@ async def test_a_sampling_session_id_is_a_model_of_its_key_only(server) -> None:
     assert len(app.state.openai_door.captures(KEY_A).calls("mine")) == 1
 
 
+async def test_responses_on_the_door_are_captured_per_key_and_stream(server) -> None:
+    """``POST /v1/responses`` resolves ``model`` and captures as chat does: per key, another key's sampler a 404."""
+    app, http = server
+    sid = await _sampling_session(http, KEY_A)
+    mine = _openai(http, KEY_A, "resp")
+    reply = await mine.responses.create(model=sid, input="Say hi.", max_output_tokens=12)
+    events = [e async for e in await mine.responses.create(model=sid, input="Say hi.", max_output_tokens=12, stream=True)]
+    final = events[-1].response
+    plain, streamed = app.state.openai_door.captures(KEY_A).calls("resp")
+    assert plain.endpoint == streamed.endpoint == "responses" and plain.sampler_id == sid
+    assert reply.usage.output_tokens == len(plain.choices[0].tokens) and final.output_text == streamed.choices[0].text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    with pytest.raises(openai.NotFoundError) as theirs:
+        await _openai(http, KEY_B, "resp").responses.create(model=sid, input="Say hi.")
+    assert theirs.value.body["code"] == "model_not_found" and app.state.openai_door.captures(KEY_B).calls("resp") == []
+
+
 async def test_streaming_chat_matches_its_capture(server) -> None:
     app, http = server
     sid = await _sampling_session(http, KEY_A)
@@ -293,11 +310,11 @@ async def test_a_rollout_id_with_slashes_is_read_back_and_dot_segments_are_refus
 
 
 async def test_an_unknown_route_or_method_is_refused_in_each_doors_shape(server) -> None:
-    """FastAPI's bare {"detail": "Not Found"} was the answer on both doors (the official client's responses.create hits
-    a route serve does not have)."""
+    """FastAPI's bare {"detail": "Not Found"} was the answer on both doors (the official client's responses.retrieve
+    hits a route serve does not have: it stores no responses)."""
     _, http = server
     with pytest.raises(openai.NotFoundError) as err:
-        await _openai(http, KEY_A).responses.create(model=BASE, input="hi")
+        await _openai(http, KEY_A).responses.retrieve("resp_1")
     assert err.value.body["param"] == "path" and err.value.body["code"] == "not_found"
     resp = await http.get("/v1/chat/completions", headers={"X-API-Key": KEY_A})
     error = resp.json()["error"]

@@ -140,6 +140,23 @@ def test_multi_turn_with_tools_and_tool_calls(c, mine, model):
     assert traj.drift == [] and len(traj.segments()) == 1
 
 
+def test_responses_api_tool_loop_on_the_worker(c, mine, model):
+    """``responses.create`` on the worker: the model's own tool call comes back as a ``function_call`` item, the
+    next turn (its output items and a ``function_call_output`` sent back) extends the captured prompt token for token."""
+    tool = {"type": "function", "strict": False, **TOOLS[0]["function"]}
+    rollout = {"X-Rollout-Id": "responses"}
+    first = mine.responses.create(model=model, input=ASK, tools=[tool], temperature=0, max_output_tokens=80, extra_headers=rollout)
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "calc" and json.loads(call.arguments) == {"expr": "2+3"}
+    items = [*ASK, *first.output, {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+    second = mine.responses.create(model=model, input=items, tools=[tool], max_output_tokens=8, extra_headers=rollout)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    calls = captured(c, "responses", take=True)
+    assert [x.endpoint for x in calls] == ["responses", "responses"] and calls[0].choices[0].tool_calls[0]["id"] == call.call_id
+    traj = build_trajectory("responses", calls, 1.0)
+    assert traj.drift == [] and len(traj.segments()) == 1
+
+
 def test_logprobs_and_n_match_compute_logprobs_and_the_stream_equals_the_plain_reply(c, mine, model):
     kwargs = dict(model=model, messages=ASK, n=3, seed=7, max_tokens=12, logprobs=True, top_logprobs=2, temperature=1.0)
     plain = mine.chat.completions.create(**kwargs, extra_headers={"X-Rollout-Id": "plain"})

@@ -37,7 +37,7 @@ class CapturedCall(BaseModel):
 
     rollout_id: str
     call_index: int  # position of the call within its rollout
-    endpoint: Literal["chat.completions", "completions"]
+    endpoint: Literal["chat.completions", "completions", "responses"]
     model: str
     sampler_id: str
     weight_version: int  # which refresh of the weights sampled it (the loop's optimizer step)

@@ -1,6 +1,6 @@
 """The OpenAI door of ``asyncsess serve``: the OpenAI-compatible front over the Tinker door's samplers.
 
-:class:`OpenAIDoor` serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and the capture
+:class:`OpenAIDoor` serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models`` and the capture
 routes (``/v1/asyncsess/rollouts/{id}``) behind the server's API keys (``X-API-Key`` or ``Authorization:
 Bearer``). ``model`` names what to sample, resolved through the :class:`~.tinker_api.TinkerDoor`'s registry:
 
@@ -33,8 +33,9 @@ from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
 from . import json_body
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
-from .openai_front import OpenAIFront
-from .openai_wire import ChatRequest, CompletionRequest, FrontError, model_card, model_not_found, parse_body
+from .openai_front import OpenAIFront, Route
+from .openai_wire import ChatRequest, CompletionRequest, FrontError, OpenAIRequest, model_card, model_not_found, parse_body
+from .responses_wire import ResponsesRequest
 from .tinker_api import TinkerDoor, api_key_of, caller
 
 __all__ = ["OpenAIDoor", "FrontSource", "openai_router", "MAX_OPEN_PATHS"]
@@ -223,7 +224,7 @@ def openai_router(
 
     key_of = key_of or checked_key
 
-    async def sample(request: Request, chat: bool) -> Response:
+    async def sample(request: Request, route: Route) -> Response:
         try:
             key = key_of(request)
             raw = await request.body()
@@ -234,17 +235,21 @@ def openai_router(
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
-        return await front.answer(request, body, chat)
+        return await front.answer(request, body, route)
 
     r = APIRouter(prefix="/v1")
 
     @r.post("/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
-        return await sample(request, True)
+        return await sample(request, "chat")
 
     @r.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await sample(request, False)
+        return await sample(request, "completions")
+
+    @r.post("/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await sample(request, "responses")
 
     @r.get("/models")
     async def models(request: Request) -> Response:
@@ -286,7 +291,7 @@ def openai_router(
     return r
 
 
-def _body_schema(model: type[ChatRequest] | type[CompletionRequest]) -> dict[str, Any]:
+def _body_schema(model: type[OpenAIRequest]) -> dict[str, Any]:
     """The request body's JSON schema for ``/openapi.json`` (the front validates the body itself)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})

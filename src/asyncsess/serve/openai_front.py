@@ -1,6 +1,7 @@
 """An OpenAI-compatible front for any :class:`~asyncsess.client.SamplingClient`, with token-faithful capture.
 
-``OpenAIFront(sampler)`` serves ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``
+``OpenAIFront(sampler)`` serves ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(mapped onto the chat path: :mod:`asyncsess.serve.responses_wire`) and ``GET /v1/models``
 for whatever backend the sampler runs on (mock, local, http, sagemaker, tinker). Use it in-process (no socket):
 ``front.openai_client()`` is an ``openai.AsyncOpenAI`` whose httpx client goes through ``front.transport()``
 (an ``httpx.ASGITransport`` on ``front.app()``); or mount ``front.router()`` into a server.
@@ -26,7 +27,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import anyio
 import httpx
@@ -47,6 +48,7 @@ from .openai_wire import (
     CompletionRequest,
     FrontError,
     Message,
+    OpenAIRequest,
     SamplingRequest,
     chat_chunks,
     chat_message,
@@ -61,11 +63,13 @@ from .openai_wire import (
     usage,
     validation_error,
 )
+from .responses_wire import ResponsesRequest, chat_request, response_events, response_object, responses_error
 
-__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER"]
+__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "Route"]
 
 T = TypeVar("T")
-R = TypeVar("R", bound=SamplingRequest)
+R = TypeVar("R", bound=OpenAIRequest)
+Route = Literal["chat", "completions", "responses"]
 _UNREAD = object()  # a body not yet decoded
 
 ROLLOUT_HEADER = "x-rollout-id"
@@ -77,7 +81,7 @@ _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 _MERGED = 4  # characters Unicode normalization may compose into one (a letter and 3 marks: Greek's ᾧ)
 
 
-def _rollout_id(request: Request, req: SamplingRequest) -> str:
+def _rollout_id(request: Request, req: OpenAIRequest) -> str:
     """The call's rollout id: header ``X-Rollout-Id``, else ``metadata["rollout_id"]``, else ``user``, else
     ``"default"``; one its captures can be read back by, from ``/v1/asyncsess/rollouts/{id}`` (a ``/`` is fine;
     a ``.`` or ``..`` segment is not: HTTP clients resolve it away before sending the URL), else a FrontError
@@ -201,6 +205,7 @@ class OpenAIFront:
         r = APIRouter(prefix=prefix)
         r.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
         r.add_api_route("/v1/completions", self._completions_route, methods=["POST"])
+        r.add_api_route("/v1/responses", self._responses_route, methods=["POST"])
         r.add_api_route("/v1/models", self._models_route, methods=["GET"])
         r.add_api_route("/v1/models/{model:path}", self._model_route, methods=["GET"])
         r.add_api_route("/v1/asyncsess/stats", self._stats_route, methods=["GET"])
@@ -262,12 +267,20 @@ class OpenAIFront:
     async def _completions_route(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, self._completion)
 
-    async def answer(self, request: Request, body: Any, chat: bool) -> Response:
-        """A chat (else a completion) request whose body the caller has decoded already (``parse_body``)."""
-        model, handler = (ChatRequest, self._chat) if chat else (CompletionRequest, self._completion)
+    async def _responses_route(self, request: Request) -> Response:
+        return await self._serve(request, ResponsesRequest, self._responses)
+
+    async def answer(self, request: Request, body: Any, route: Route) -> Response:
+        """A request to ``route`` whose body the caller has decoded already (``parse_body``)."""
+        routes: dict[str, tuple[type[OpenAIRequest], Any]] = {
+            "chat": (ChatRequest, self._chat),
+            "completions": (CompletionRequest, self._completion),
+            "responses": (ResponsesRequest, self._responses),
+        }
+        model, handler = routes[route]
         return await self._serve(request, model, handler, body)
 
-    async def _serve(self, request: Request, model: type[SamplingRequest], handler: Any, body: Any = _UNREAD) -> Response:
+    async def _serve(self, request: Request, model: type[OpenAIRequest], handler: Any, body: Any = _UNREAD) -> Response:
         self.counts["requests"] += 1
         self.active += 1
         try:
@@ -275,7 +288,7 @@ class OpenAIFront:
             if body is _UNREAD:
                 body = await json_body.off_loop(len(raw), parse_body, raw)
             req = await json_body.off_loop(len(raw), _request_of, body, model)
-            if req.stream_options is not None and not req.stream:
+            if getattr(req, "stream_options", None) is not None and not req.stream:
                 raise FrontError("stream_options is only allowed when stream is true; set stream or drop it", "stream_options")
             rollout = _rollout_id(request, req)
             return await handler(req, rollout, request)
@@ -423,7 +436,7 @@ class OpenAIFront:
             self._replies.popitem(last=False)
 
     def _capture(
-        self, rollout: str, index: int, endpoint: Any, req: SamplingRequest, binding: _Binding, prompt: list[int], choices: list[Choice]
+        self, rollout: str, index: int, endpoint: Any, req: OpenAIRequest, binding: _Binding, prompt: list[int], choices: list[Choice]
     ) -> None:
         request = req.model_dump(exclude={"stream", "stream_options"}, exclude_none=True)
         self.captures.add(
@@ -465,7 +478,10 @@ class OpenAIFront:
                 out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
         return out
 
-    async def _chat(self, req: ChatRequest, rollout: str, request: Request) -> Response:
+    async def _chat_choices(
+        self, req: ChatRequest, rollout: str, request: Request, endpoint: str, sent: OpenAIRequest
+    ) -> tuple[_Binding, list[int], list[Choice], ChatRenderer]:
+        """A chat request rendered, sampled, parsed for tool calls and captured (as ``sent``, under ``endpoint``)."""
         binding = self._binding(rollout, req.model)
         if req.parallel_tool_calls is False:
             raise FrontError(
@@ -514,7 +530,11 @@ class OpenAIFront:
             raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
         choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
-        self._capture(rollout, index, "chat.completions", req, binding, prompt, choices)
+        self._capture(rollout, index, endpoint, sent, binding, prompt, choices)
+        return binding, prompt, choices, renderer
+
+    async def _chat(self, req: ChatRequest, rollout: str, request: Request) -> Response:
+        binding, prompt, choices, renderer = await self._chat_choices(req, rollout, request, "chat.completions", req)
         tok = renderer.tokenizer
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         headers = {VERSION_HEADER: str(binding.version)}
@@ -568,6 +588,24 @@ class OpenAIFront:
         served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content, skip_special_tokens=False)
         shown = content if content or not tool_calls else None
         return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ responses
+
+    async def _responses(self, req: ResponsesRequest, rollout: str, request: Request) -> Response:
+        """The Responses API as a chat: the same rendering, sampling, tool-call parsing and capture."""
+        chat, origins = chat_request(req)
+        try:
+            binding, prompt, choices, renderer = await self._chat_choices(chat, rollout, request, "responses", req)
+        except FrontError as err:
+            raise responses_error(err, origins) from None
+        except InvalidInputError as err:  # (a tool the template cannot show, say): its field names the chat request's
+            raise responses_error(FrontError(str(err), err.field), origins) from None
+        body = response_object(f"resp_{uuid.uuid4().hex}", int(time.time()), req, choices[0], usage(prompt, choices))
+        headers = {VERSION_HEADER: str(binding.version)}
+        if req.stream:
+            events = response_events(body, choices[0], renderer.tokenizer)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(body, headers=headers)
 
     # ------------------------------------------------------------------ completions
 

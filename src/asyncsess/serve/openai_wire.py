@@ -33,6 +33,7 @@ __all__ = [
     "model_not_found",
     "no_route",
     "Message",
+    "OpenAIRequest",
     "SamplingRequest",
     "ChatRequest",
     "CompletionRequest",
@@ -77,10 +78,10 @@ def model_not_found(model: str) -> FrontError:
 
 
 def no_route(request: Any, status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """A path (404) or method (405) no OpenAI route serves, in OpenAI's error shape (the Responses API's, say);
+    """A path (404) or method (405) no OpenAI route serves, in OpenAI's error shape (``GET /v1/responses/{id}``, say);
     ``headers``: the router's (a 405's ``Allow``, the methods the path takes)."""
     field, code = ("method", "method_not_allowed") if status == 405 else ("path", "not_found")
-    routes = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+    routes = "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models"
     message = f"{request.method} {request.url.path[:200]}: {detail}; this server serves {routes}"
     return FrontError(message, field, status, code, headers=dict(headers or {})).response()
 
@@ -222,16 +223,13 @@ class _StreamOptions(_Req):
     include_usage: StrictBool = False
 
 
-class SamplingRequest(_Req):
+class OpenAIRequest(_Req):
+    """The parameters every sampling route shares (chat, completions, responses)."""
+
     model: str
-    n: StrictInt = Field(default=1, ge=1)
-    stop: str | list[str] | None = Field(default=None)
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: Finite | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Finite | None = Field(default=None, gt=0.0, le=1.0)
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: StrictBool = False
-    stream_options: _StreamOptions | None = None
     user: Annotated[Text, Field(max_length=256)] | None = None
     metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
         default=None, max_length=16
@@ -242,6 +240,14 @@ class SamplingRequest(_Req):
     def _nulls_are_unset(cls, data: Any) -> Any:
         """OpenAI's parameters are nullable: ``"n": null`` is ``n`` not sent (a null unsupported one asks for nothing)."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class SamplingRequest(OpenAIRequest):
+    n: StrictInt = Field(default=1, ge=1)
+    stop: str | list[str] | None = Field(default=None)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stream_options: _StreamOptions | None = None
 
     @field_validator("stop")
     @classmethod

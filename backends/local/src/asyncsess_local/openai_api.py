@@ -1,7 +1,7 @@
 """The worker's OpenAI-compatible routes: the core front (:mod:`asyncsess.serve.openai_front`) per tenant.
 
 ``POST /v1/chat/completions`` (tools and tool calls, ``n``, log-probs, stop, seed, streaming with usage),
-``POST /v1/completions``, ``GET /v1/models`` and ``GET``/``DELETE /v1/asyncsess/rollouts/{id}`` (the captured
+``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models`` and ``GET``/``DELETE /v1/asyncsess/rollouts/{id}`` (the captured
 tokens of a rollout) are :func:`asyncsess.serve.openai_door.openai_router` over :class:`WorkerFronts`.
 
 A ``model`` is, for the tenant (API key) that names it: one of its samplers, one of its training sessions
