@@ -155,6 +155,7 @@ class ServiceClient:
         self.max_chunk_bytes = max_chunk_bytes
         self._backend: Backend | None = None
         self._opened = False
+        self._opening: anyio.Event | None = None  # set while a first call opens the client (Tinker's style, no `async with`)
         self._loop: asyncio.AbstractEventLoop | None = None  # set on asyncio: op tasks are plain tasks there
         self._owner: object = None  # the event loop (asyncio) or run (trio's token) that opened this client
         self._pid = 0  # the process that opened it
@@ -191,6 +192,20 @@ class ServiceClient:
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         await self.aclose()
         return None
+
+    async def _ensure_open(self) -> None:
+        """Open on the first call when no ``async with`` did (Tinker's ``svc = ServiceClient()`` then awaited factories);
+        concurrent first calls open it once. Such a client stops its sessions at ``close()`` / ``aclose()``."""
+        while not (self._opened or self._closed):
+            if self._opening is not None:
+                await self._opening.wait()
+                continue
+            self._opening = anyio.Event()
+            try:
+                await self.__aenter__()
+            finally:
+                self._opening.set()
+                self._opening = None
 
     async def aclose(self) -> None:
         """Stop every session this client opened, end its tasks (their futures fail with
@@ -235,6 +250,7 @@ class ServiceClient:
         return None
 
     async def get_server_capabilities(self) -> ServerCapabilities:
+        await self._ensure_open()
         return await self._call("capabilities", self.backend.capabilities)
 
     async def list_base_models(self) -> list[str]:
@@ -377,6 +393,7 @@ class ServiceClient:
 
     async def list_checkpoints(self, model_id: str | None = None) -> list[Checkpoint]:
         """Saved checkpoints, of one training session or of all (newest first)."""
+        await self._ensure_open()
         found = await self._call("list_checkpoints", functools.partial(self.backend.list_checkpoints, model_id))
         return sorted(found, key=lambda c: c.time, reverse=True)
 
@@ -453,6 +470,7 @@ class ServiceClient:
     async def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""
         path = check_checkpoint_path(path)
+        await self._ensure_open()
         await self._call("delete_checkpoint", functools.partial(self.backend.delete_checkpoint, path))
 
     def create_rest_client(self) -> RestClient:
@@ -505,6 +523,7 @@ class ServiceClient:
     # ------------------------------------------------------------------ internals
 
     async def _open_training(self, spec: TrainingSessionSpec) -> TrainingClient:
+        await self._ensure_open()
         self._require_open()
         info = await self._call("create_training_session", functools.partial(self.backend.create_training_session, spec))
         update: dict[str, Any] = {}
@@ -535,6 +554,7 @@ class ServiceClient:
         return tc
 
     async def _open_sampler(self, spec: SamplerSpec, base_model: str) -> SamplingClient:
+        await self._ensure_open()
         self._require_open()
         sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, spec))
         self._samplers.add(sampler_id)
