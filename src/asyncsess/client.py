@@ -66,6 +66,8 @@ from .types import (
     AdamParams,
     Checkpoint,
     CheckpointResponse,
+    CheckpointsListResponse,
+    Cursor,
     Datum,
     ForwardBackwardOutput,
     GetInfoResponse,
@@ -78,6 +80,7 @@ from .types import (
     SessionSummary,
     TensorData,
     TrainingRun,
+    TrainingRunsResponse,
 )
 from .validation import (
     MAX_SAMPLES,
@@ -1545,8 +1548,8 @@ class RestClient:
     def __repr__(self) -> str:
         return f"<RestClient {self._svc.url}>"
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[list[TrainingRun]]:
-        """Training sessions this ServiceClient opened, newest first."""
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[TrainingRunsResponse]:
+        """Training sessions this ServiceClient opened, newest first (Tinker's ``.training_runs`` and ``.cursor``)."""
         check_count(limit, "limit", low=1, high=10**6)
         check_count(offset, "offset", high=10**9)
         return self._spawn("list_training_runs", self._runs, limit, offset)
@@ -1554,12 +1557,12 @@ class RestClient:
     def get_training_run(self, training_run_id: str) -> APIFuture[TrainingRun]:
         return self._spawn("get_training_run", self._run, training_run_id)
 
-    def list_checkpoints(self, training_run_id: str) -> APIFuture[list[Checkpoint]]:
-        """Checkpoints of one training run, newest first."""
-        return self._spawn("list_checkpoints", self._svc.list_checkpoints, _check_id(training_run_id))
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
+        """Checkpoints of one training run, newest first (Tinker's ``.checkpoints``)."""
+        return self._spawn("list_checkpoints", self._run_checkpoints, _check_id(training_run_id))
 
-    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[list[Checkpoint]]:
-        """Every checkpoint on the backend, newest first."""
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
+        """Every checkpoint on the backend, newest first (Tinker's ``.checkpoints`` and ``.cursor``)."""
         check_count(limit, "limit", low=1, high=10**6)
         check_count(offset, "offset", high=10**9)
         return self._spawn("list_user_checkpoints", self._all_checkpoints, limit, offset)
@@ -1573,9 +1576,10 @@ class RestClient:
     def _spawn(self, operation: str, fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         return self._svc._spawn(APIFuture(operation), fn, *args)
 
-    async def _runs(self, limit: int, offset: int) -> list[TrainingRun]:
+    async def _runs(self, limit: int, offset: int) -> TrainingRunsResponse:
         rows = [r for r in await self._svc.list_sessions() if r.kind == "training"]
-        return [await self._run(r.session_id) for r in rows[offset : offset + limit]]
+        runs = [await self._run(r.session_id) for r in rows[offset : offset + limit]]
+        return TrainingRunsResponse(training_runs=runs, cursor=Cursor(offset=offset, limit=limit, total_count=len(rows)))
 
     async def _run(self, run_id: str) -> TrainingRun:
         row = await self._svc.describe_session(_check_id(run_id))
@@ -1592,8 +1596,14 @@ class RestClient:
             user_metadata=row.user_metadata or None,
         )
 
-    async def _all_checkpoints(self, limit: int, offset: int) -> list[Checkpoint]:
-        return (await self._svc.list_checkpoints())[offset : offset + limit]
+    async def _run_checkpoints(self, run_id: str) -> CheckpointsListResponse:
+        return CheckpointsListResponse(checkpoints=await self._svc.list_checkpoints(run_id))
+
+    async def _all_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
+        rows = await self._svc.list_checkpoints()
+        return CheckpointsListResponse(
+            checkpoints=rows[offset : offset + limit], cursor=Cursor(offset=offset, limit=limit, total_count=len(rows))
+        )
 
     async def _delete_by_id(self, run_id: str, checkpoint_id: str) -> None:
         for c in await self._svc.list_checkpoints(run_id):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from enum import Enum
 from typing import Annotated, Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +21,7 @@ __all__ = [
     "EncodedTextChunk",
     "ModelInput",
     "TensorData",
+    "TensorDtype",
     "PromptProvenanceSpan",
     "SampledProvenanceSpan",
     "ProvenanceSpan",
@@ -44,6 +46,9 @@ __all__ = [
     "SessionSummary",
     "TrainingSessionSummary",
     "TrainingRun",
+    "Cursor",
+    "CheckpointsListResponse",
+    "TrainingRunsResponse",
     "TokenLogprob",
     "TopkLogprobs",
     "TopkArrays",
@@ -215,8 +220,23 @@ _TENSOR_FIELDS = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_i
 _DATUM_FIELDS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
 
 
+class TensorDtype(str, Enum):
+    """SageMaker's dtype names (Tinker's are the strings themselves). ``int32``, ``float16`` and ``bfloat16`` are taken
+    and widened without loss to ``int64`` and ``float32``, the two dtypes a tensor holds."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT32 = "int32"
+    INT64 = "int64"
+
+
+_WIDER_DTYPE = {"float32": "float32", "float16": "float32", "bfloat16": "float32", "int32": "int64", "int64": "int64"}
+
+
 class TensorData(_Input):
-    """A flat tensor with dtype and shape (row-major).
+    """A flat tensor with dtype and shape (row-major). ``dtype`` defaults to ``float32`` (SageMaker's default) and takes
+    a :class:`TensorDtype` member or its string.
 
     Tinker's sparse CSR form (``data`` holds the listed values, ``sparse_crow_indices`` the ``rows + 1`` row
     pointers, ``sparse_col_indices`` one column per value, ``shape`` the dense ``[rows, cols]``) is accepted and
@@ -225,10 +245,16 @@ class TensorData(_Input):
     """
 
     data: list[float] | list[int]
-    dtype: Literal["int64", "float32"]
+    dtype: Literal["int64", "float32"] = "float32"
     shape: list[int] | None = None
     sparse_crow_indices: list[int] | None = None
     sparse_col_indices: list[int] | None = None
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, v: Any) -> Any:
+        name = v.value if isinstance(v, TensorDtype) else v
+        return _WIDER_DTYPE.get(name, name) if isinstance(name, str) else v
 
     @field_validator("data", "shape", "sparse_crow_indices", "sparse_col_indices", mode="before")
     @classmethod
@@ -848,6 +874,28 @@ class TrainingRun(_Output):
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
     user_metadata: dict[str, str] | None = None
+
+
+class Cursor(_Output):
+    """Tinker's page cursor of a listing: the page's ``offset`` and ``limit``, and how many rows there are in all."""
+
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointsListResponse(_Output):
+    """Tinker's answer to ``RestClient.list_checkpoints`` / ``list_user_checkpoints``: ``.checkpoints``, newest first."""
+
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+class TrainingRunsResponse(_Output):
+    """Tinker's answer to ``RestClient.list_training_runs``: ``.training_runs``, newest first."""
+
+    training_runs: list[TrainingRun]
+    cursor: Cursor
 
 
 class SupportedModel(_Output):
