@@ -1573,6 +1573,24 @@ class RestClient:
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         return self._spawn("delete_checkpoint", self._svc.delete_checkpoint, check_checkpoint_path(tinker_path, "tinker_path"))
 
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
+        """Refused with :class:`UnsupportedError`: a checkpoint's TTL is set when it is saved, not changed later."""
+        raise UnsupportedError(
+            "changing a saved checkpoint's TTL is not offered",
+            field="ttl_seconds",
+            fix="pass ttl_seconds= to save_state / save_weights_for_sampler, or delete the checkpoint (delete_checkpoint_from_tinker_path)",
+        )
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Refused with :class:`UnsupportedError`: asyncsess backends have no other users to publish to."""
+        raise UnsupportedError(
+            _NO_PUBLISHING, field="tinker_path", fix="open the checkpoint by its path (create_sampling_client(model_path=...))"
+        )
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Refused with :class:`UnsupportedError`, as :meth:`publish_checkpoint_from_tinker_path`."""
+        raise UnsupportedError(_NO_PUBLISHING, field="tinker_path", fix="nothing is published: the checkpoint is its owner's only")
+
     def _spawn(self, operation: str, fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         return self._svc._spawn(APIFuture(operation), fn, *args)
 
@@ -1610,6 +1628,9 @@ class RestClient:
             if c.checkpoint_id == checkpoint_id:
                 return await self._svc.delete_checkpoint(c.path)
         raise NotFoundError(f"run {run_id} has no checkpoint {checkpoint_id!r}", field="checkpoint_id", fix="see list_checkpoints(run_id)")
+
+
+_NO_PUBLISHING = "publishing a checkpoint is not offered: asyncsess backends have no other users to publish to"
 
 
 def _check_id(value: Any, field: str = "training_run_id") -> str:

@@ -474,3 +474,15 @@ class RestClient:
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
         return _facade.submit(self._async.delete_checkpoint_from_tinker_path, tinker_path)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> SyncFuture[None]:
+        """Refused with :class:`UnsupportedError`: a checkpoint's TTL is set when it is saved, not changed later."""
+        return _facade.submit(self._async.set_checkpoint_ttl_from_tinker_path, tinker_path, ttl_seconds)
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
+        """Refused with :class:`UnsupportedError`: asyncsess backends have no other users to publish to."""
+        return _facade.submit(self._async.publish_checkpoint_from_tinker_path, tinker_path)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
+        """Refused with :class:`UnsupportedError`, as :meth:`publish_checkpoint_from_tinker_path`."""
+        return _facade.submit(self._async.unpublish_checkpoint_from_tinker_path, tinker_path)

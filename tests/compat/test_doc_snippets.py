@@ -247,3 +247,24 @@ def test_tinker_rest_client_docstring_listings() -> None:
     page = rest_client.list_user_checkpoints(limit=1).result()
     assert len(page.checkpoints) == 1 and page.cursor.limit == 1 and page.cursor.total_count >= 2
     service_client.close()
+
+
+def test_tinker_weights_tutorial_ttl_and_publish_cells_are_refused_typed() -> None:
+    """tinker-cookbook ``tutorials/204_weights.py``'s "Set TTL" and "Publish and unpublish" cells: the RestClient had
+    no such methods (an AttributeError). asyncsess cannot change a saved TTL or publish to other users; each call is an
+    ``UnsupportedError`` (a ``BadRequestError``) naming the field and the fix, and the checkpoint is left as it was."""
+    import asyncsess.sync as tinker  # was: import tinker
+
+    service_client = tinker.ServiceClient("mock://")
+    training_client = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=8)
+    sampler_path = training_client.save_weights_for_sampler("tutorial-sampler", ttl_seconds=3600).result().path
+    rest_client = service_client.create_rest_client()
+    with pytest.raises(tinker.UnsupportedError, match="ttl_seconds.*fix: pass ttl_seconds= to save_state"):
+        rest_client.set_checkpoint_ttl_from_tinker_path(sampler_path, ttl_seconds=7 * 24 * 3600).result()
+    with pytest.raises(tinker.BadRequestError, match="tinker_path: publishing a checkpoint is not offered"):
+        rest_client.publish_checkpoint_from_tinker_path(sampler_path).result()
+    with pytest.raises(tinker.BadRequestError, match="tinker_path: publishing"):
+        rest_client.unpublish_checkpoint_from_tinker_path(sampler_path).result()
+    (listed,) = rest_client.list_checkpoints(training_client.model_id).result().checkpoints
+    assert listed.path == sampler_path and listed.expires_at is not None and not listed.public
+    service_client.close()
