@@ -126,6 +126,7 @@ def _anchors() -> dict[str, dict[str, Any]]:
                     "SaveWeightsResponse",
                     "LoadStateResponse",
                     "ModelPackageInfo",
+                    "ModelPackageDeletion",
                     "TrainingSessionSummary",
                     "TokenLogprob",
                 )

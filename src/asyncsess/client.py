@@ -73,6 +73,7 @@ from .types import (
     GetInfoResponse,
     LoadWeightsResponse,
     ModelInput,
+    ModelPackageDeletion,
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
@@ -466,9 +467,26 @@ class ServiceClient:
         rows = await self.list_model_packages(kind=kind, max_results=scan_limit)
         return rows[0] if rows else None
 
-    async def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
-        """Delete a checkpoint (its record and, on backends that store files, its files)."""
-        await self.delete_checkpoint(model_package_arn)
+    async def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> ModelPackageDeletion:
+        """SageMaker's delete: the checkpoint's record and, on backends that store files, its files. A package already
+        gone is not an error (``model_package_deleted=False``). ``delete_artifacts=True`` where the backend keeps them
+        (``sagemaker://``: the S3 objects) is refused before anything is deleted."""
+        path = check_checkpoint_path(model_package_arn, "model_package_arn")
+        await self._ensure_open()
+        keeps = self.backend.keeps_artifacts
+        if _check_bool(delete_artifacts, "delete_artifacts") and keeps:
+            raise UnsupportedError(
+                "this backend deletes the package's record only; its artifacts stay where the service wrote them",
+                field="delete_artifacts",
+                fix="leave delete_artifacts=False and delete the S3 objects yourself (e.g. aws s3 rm --recursive)",
+            )
+        try:
+            await self.delete_checkpoint(path)
+            deleted = True
+        except NotFoundError:
+            deleted = False
+        reason = "the backend keeps a deleted package's artifacts" if keeps else None
+        return ModelPackageDeletion(model_package_arn=path, model_package_deleted=deleted, artifacts_retained=keeps, retained_reason=reason)
 
     async def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""

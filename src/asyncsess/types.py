@@ -43,6 +43,7 @@ __all__ = [
     "LoadStateResponse",
     "Checkpoint",
     "ModelPackageInfo",
+    "ModelPackageDeletion",
     "SessionSummary",
     "TrainingSessionSummary",
     "TrainingRun",
@@ -831,6 +832,19 @@ class Checkpoint(_Output):
 
 
 ModelPackageInfo = Checkpoint
+
+
+class ModelPackageDeletion(_Output):
+    """SageMaker's answer to ``delete_model_package``: whether this call deleted the package (``False``: it was already
+    gone) and whether its artifacts were kept (``sagemaker://`` keeps the S3 objects; ``mock://`` and ``local://``
+    delete the files with the record)."""
+
+    model_package_arn: str
+    model_package_deleted: bool
+    s3_uri: str | None = None
+    objects_deleted: int = 0
+    artifacts_retained: bool = True
+    retained_reason: str | None = None
 
 
 class SessionSummary(_Output):

@@ -268,3 +268,25 @@ def test_tinker_weights_tutorial_ttl_and_publish_cells_are_refused_typed() -> No
     (listed,) = rest_client.list_checkpoints(training_client.model_id).result().checkpoints
     assert listed.path == sampler_path and listed.expires_at is not None and not listed.public
     service_client.close()
+
+
+def test_sagemaker_delete_model_package_example() -> None:
+    """sagemaker-train 1.27.0, ``ServiceClient.delete_model_package`` docstring: ``result = svc.delete_model_package(
+    ckpt.model_package_arn)`` then ``result.s3_uri``, and with ``delete_artifacts=True`` ``result.objects_deleted``.
+    asyncsess answered ``None`` (an AttributeError), and a package already gone was a NotFoundError where SageMaker
+    answers ``model_package_deleted=False``."""
+    from asyncsess.sync import ServiceClient  # was: from sagemaker.train.training_session import ServiceClient
+
+    svc = ServiceClient("mock://")  # was: ServiceClient(region=..., role_arn=...)
+    tc = svc.create_lora_training_client(base_model=BASE_MODEL, rank=8)
+    ckpt = tc.save_state("keep-weights").result()  # a SaveStateResponse: .model_package_arn, as ModelPackageInfo's
+    other = tc.save_state("drop-both").result()
+    result = svc.delete_model_package(ckpt.model_package_arn)
+    assert (result.model_package_arn, result.model_package_deleted, result.s3_uri) == (ckpt.model_package_arn, True, None)
+    assert not result.artifacts_retained  # mock:// deletes the record and the weights together
+    result = svc.delete_model_package(other.model_package_arn, delete_artifacts=True)
+    assert result.model_package_deleted and result.objects_deleted == 0
+    assert svc.list_checkpoints(tc.model_id) == []
+    again = svc.delete_model_package(ckpt.model_package_arn)  # already gone: not an error
+    assert again.model_package_deleted is False
+    svc.close()
