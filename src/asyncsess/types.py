@@ -219,6 +219,7 @@ MAX_SPAN_INDEX = 2**31 - 1
 
 _TENSOR_FIELDS = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
 _DATUM_FIELDS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
+_WIRE_DATUM_KEYS = (("modelInput", "model_input"), ("lossFnInputs", "loss_fn_inputs"))
 
 
 class TensorDtype(str, Enum):
@@ -448,6 +449,9 @@ class Datum(_Input):
             values = {f: getattr(values, f, None) for f in _DATUM_FIELDS}
         if isinstance(values, dict):
             values = dict(values)
+            for wire, name in _WIRE_DATUM_KEYS:  # SageMaker's wire form, which its SDK takes as a datum too
+                if wire in values and name not in values:
+                    values[name] = values.pop(wire)
             if "prompt" in values and "model_input" not in values:
                 values["model_input"] = values.pop("prompt")
             mi = values.get("model_input")
