@@ -1,7 +1,8 @@
 """Why a row of docs/compatibility.md is not "same": ``"<anchor>:<member>" -> (status, reason)``.
 
 ``<anchor>`` is ``tinker``, ``sagemaker`` or ``*`` (both); ``<member>`` is the row's member text; a key ending
-in ``*`` covers every member that starts with it (so one entry covers a method and its ``_async`` twin).
+in ``*`` covers every member that starts with it (so one entry covers a method and its ``_async`` twin). Status
+``refused``: the name exists and raises ``UnsupportedError`` naming itself and the fix (its rows are never "same").
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ REASONS: dict[str, tuple[str, str]] = {
     "tinker:RestClient.list_training_runs(project_id)": ("missing", NO_SERVICE),
     "tinker:RestClient.get_training_run_by_tinker_path*": ("missing", "a checkpoint path names its run: use `get_training_run(run_id)`"),
     "tinker:RestClient.get_weights_info_by_tinker_path": ("missing", "use `TrainingClient.get_info()` of a client made from the path"),
-    "tinker:RestClient.publish_checkpoint_from_tinker_path*": ("missing", NO_SERVICE),
-    "tinker:RestClient.unpublish_checkpoint_from_tinker_path*": ("missing", NO_SERVICE),
+    "tinker:RestClient.publish_checkpoint_from_tinker_path*": ("refused", NO_SERVICE + "; raises UnsupportedError naming it"),
+    "tinker:RestClient.unpublish_checkpoint_from_tinker_path*": ("refused", NO_SERVICE + "; raises UnsupportedError naming it"),
     "tinker:RestClient.set_checkpoint_ttl_from_tinker_path*": (
-        "missing",
-        "TTLs are recorded at save time (`ttl_seconds=`), not changed later",
+        "refused",
+        "TTLs are recorded at save time (`ttl_seconds=`), not changed later; raises UnsupportedError naming it",
     ),
+    "tinker:RestClient.publish_checkpoint_from_tinker_path_async": ("missing", "deprecated in Tinker 0.38 (the methods return futures)"),
+    "tinker:RestClient.unpublish_checkpoint_from_tinker_path_async": ("missing", "deprecated in Tinker 0.38 (the methods return futures)"),
+    "tinker:RestClient.set_checkpoint_ttl_from_tinker_path_async": ("missing", "deprecated in Tinker 0.38 (the methods return futures)"),
     "tinker:RestClient.whoami": ("missing", NO_SERVICE),
     "tinker:RestClient.delete_checkpoint_async": (
         "missing",

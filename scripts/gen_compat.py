@@ -34,7 +34,7 @@ from asyncsess import client as aclient  # noqa: E402
 from asyncsess import types as atypes  # noqa: E402
 from asyncsess._facade import SyncFuture  # noqa: E402
 
-SAME, IGNORED, DIFFERS, MISSING = "same", "ignored", "differs", "missing"
+SAME, IGNORED, DIFFERS, MISSING, REFUSED = "same", "ignored", "differs", "missing", "refused"
 
 # Parameter names that mean the same thing: at a position where the anchor has one and asyncsess the other,
 # both the positional call and the anchor's keyword work with the anchor's meaning.
@@ -93,6 +93,9 @@ def _anchors() -> dict[str, dict[str, Any]]:
                     "SampledSequence",
                     "Checkpoint",
                     "TrainingRun",
+                    "Cursor",
+                    "CheckpointsListResponse",
+                    "TrainingRunsResponse",
                     "GetInfoResponse",
                     "SaveWeightsResponse",
                     "SaveWeightsForSamplerResponse",
@@ -123,6 +126,7 @@ def _anchors() -> dict[str, dict[str, Any]]:
                     "SaveWeightsResponse",
                     "LoadStateResponse",
                     "ModelPackageInfo",
+                    "ModelPackageDeletion",
                     "TrainingSessionSummary",
                     "TokenLogprob",
                 )
@@ -251,7 +255,9 @@ def _same_default(a: Any, b: Any) -> bool:
 def _row(anchor: str, area: str, key: str, text: str, ours: str, status: str) -> Row:
     row = Row(anchor, area, key, text, ours, status)
     found = _reason(anchor, key)
-    if status != SAME:
+    if found is not None and found[0] == REFUSED:  # present, but it raises UnsupportedError
+        row.status, row.reason = found
+    elif status != SAME:
         if found is not None:
             row.status, row.reason = found
         else:
@@ -381,8 +387,9 @@ def render() -> str:
         "`ServiceClient` URL. Status: **same** (the name exists; a parameter is accepted under the anchor's name, with the",
         "same default, and, where the anchor passes it positionally, at the same position, where asyncsess may name it",
         "with an alias of the same meaning, e.g. Tinker's `data` for SageMaker's `batch`), **ignored** (accepted, with no",
-        "effect, for the reason given), **differs** or **missing** (for the reason given). `_async` twins that pass their",
-        "arguments on are compared with the method they call. Rules a porting user should know follow the tables.",
+        "effect, for the reason given), **differs** or **missing** (for the reason given), **refused** (the name exists and",
+        "raises `UnsupportedError` naming it and the fix). `_async` twins that pass their arguments on are compared with the",
+        "method they call. Rules a porting user should know follow the tables.",
         "",
         "## Summary",
         "",

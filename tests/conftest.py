@@ -18,6 +18,7 @@ _NEEDS = {
     "sagemaker": ("boto3", "asyncsess_sagemaker"),
     "sagemaker/test_official_sdk.py": ("sagemaker.train",),
     "client/test_custom_loss.py": ("torch",),
+    "compat/test_doc_snippets_torch.py": ("torch",),
     "local/test_vllm_sampler.py": ("vllm",),
     "compat/test_bad_input_local.py": ("torch", "asyncsess_local"),
     "agent/test_chat_markup_local.py": ("torch", "asyncsess_local", "transformers", "tokenizers"),

@@ -66,11 +66,14 @@ from .types import (
     AdamParams,
     Checkpoint,
     CheckpointResponse,
+    CheckpointsListResponse,
+    Cursor,
     Datum,
     ForwardBackwardOutput,
     GetInfoResponse,
     LoadWeightsResponse,
     ModelInput,
+    ModelPackageDeletion,
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
@@ -78,6 +81,7 @@ from .types import (
     SessionSummary,
     TensorData,
     TrainingRun,
+    TrainingRunsResponse,
 )
 from .validation import (
     MAX_SAMPLES,
@@ -156,6 +160,7 @@ class ServiceClient:
         self.max_chunk_bytes = max_chunk_bytes
         self._backend: Backend | None = None
         self._opened = False
+        self._opening: anyio.Event | None = None  # set while a first call opens the client (Tinker's style, no `async with`)
         self._loop: asyncio.AbstractEventLoop | None = None  # set on asyncio: op tasks are plain tasks there
         self._owner: object = None  # the event loop (asyncio) or run (trio's token) that opened this client
         self._pid = 0  # the process that opened it
@@ -192,6 +197,20 @@ class ServiceClient:
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         await self.aclose()
         return None
+
+    async def _ensure_open(self) -> None:
+        """Open on the first call when no ``async with`` did (Tinker's ``svc = ServiceClient()`` then awaited factories);
+        concurrent first calls open it once. Such a client stops its sessions at ``close()`` / ``aclose()``."""
+        while not (self._opened or self._closed):
+            if self._opening is not None:
+                await self._opening.wait()
+                continue
+            self._opening = anyio.Event()
+            try:
+                await self.__aenter__()
+            finally:
+                self._opening.set()
+                self._opening = None
 
     async def aclose(self) -> None:
         """Stop every session this client opened, end its tasks (their futures fail with
@@ -236,6 +255,7 @@ class ServiceClient:
         return None
 
     async def get_server_capabilities(self) -> ServerCapabilities:
+        await self._ensure_open()
         return await self._call("capabilities", self.backend.capabilities)
 
     async def list_base_models(self) -> list[str]:
@@ -378,6 +398,7 @@ class ServiceClient:
 
     async def list_checkpoints(self, model_id: str | None = None) -> list[Checkpoint]:
         """Saved checkpoints, of one training session or of all (newest first)."""
+        await self._ensure_open()
         found = await self._call("list_checkpoints", functools.partial(self.backend.list_checkpoints, model_id))
         return sorted(found, key=lambda c: c.time, reverse=True)
 
@@ -447,13 +468,31 @@ class ServiceClient:
         rows = await self.list_model_packages(kind=kind, max_results=scan_limit)
         return rows[0] if rows else None
 
-    async def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
-        """Delete a checkpoint (its record and, on backends that store files, its files)."""
-        await self.delete_checkpoint(model_package_arn)
+    async def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> ModelPackageDeletion:
+        """SageMaker's delete: the checkpoint's record and, on backends that store files, its files. A package already
+        gone is not an error (``model_package_deleted=False``). ``delete_artifacts=True`` where the backend keeps them
+        (``sagemaker://``: the S3 objects) is refused before anything is deleted."""
+        path = check_checkpoint_path(model_package_arn, "model_package_arn")
+        await self._ensure_open()
+        keeps = self.backend.keeps_artifacts
+        if _check_bool(delete_artifacts, "delete_artifacts") and keeps:
+            raise UnsupportedError(
+                "this backend deletes the package's record only; its artifacts stay where the service wrote them",
+                field="delete_artifacts",
+                fix="leave delete_artifacts=False and delete the S3 objects yourself (e.g. aws s3 rm --recursive)",
+            )
+        try:
+            await self.delete_checkpoint(path)
+            deleted = True
+        except NotFoundError:
+            deleted = False
+        reason = "the backend keeps a deleted package's artifacts" if keeps else None
+        return ModelPackageDeletion(model_package_arn=path, model_package_deleted=deleted, artifacts_retained=keeps, retained_reason=reason)
 
     async def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""
         path = check_checkpoint_path(path)
+        await self._ensure_open()
         await self._call("delete_checkpoint", functools.partial(self.backend.delete_checkpoint, path))
 
     def create_rest_client(self) -> RestClient:
@@ -506,6 +545,7 @@ class ServiceClient:
     # ------------------------------------------------------------------ internals
 
     async def _open_training(self, spec: TrainingSessionSpec) -> TrainingClient:
+        await self._ensure_open()
         self._require_open()
         info = await self._call("create_training_session", functools.partial(self.backend.create_training_session, _keyed(spec)))
         update: dict[str, Any] = {}
@@ -536,6 +576,7 @@ class ServiceClient:
         return tc
 
     async def _open_sampler(self, spec: SamplerSpec, base_model: str) -> SamplingClient:
+        await self._ensure_open()
         self._require_open()
         sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, _keyed(spec)))
         self._samplers.add(sampler_id)
@@ -1532,8 +1573,8 @@ class RestClient:
     def __repr__(self) -> str:
         return f"<RestClient {self._svc.url}>"
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[list[TrainingRun]]:
-        """Training sessions this ServiceClient opened, newest first."""
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[TrainingRunsResponse]:
+        """Training sessions this ServiceClient opened, newest first (Tinker's ``.training_runs`` and ``.cursor``)."""
         check_count(limit, "limit", low=1, high=10**6)
         check_count(offset, "offset", high=10**9)
         return self._spawn("list_training_runs", self._runs, limit, offset)
@@ -1541,12 +1582,12 @@ class RestClient:
     def get_training_run(self, training_run_id: str) -> APIFuture[TrainingRun]:
         return self._spawn("get_training_run", self._run, training_run_id)
 
-    def list_checkpoints(self, training_run_id: str) -> APIFuture[list[Checkpoint]]:
-        """Checkpoints of one training run, newest first."""
-        return self._spawn("list_checkpoints", self._svc.list_checkpoints, _check_id(training_run_id))
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
+        """Checkpoints of one training run, newest first (Tinker's ``.checkpoints``)."""
+        return self._spawn("list_checkpoints", self._run_checkpoints, _check_id(training_run_id))
 
-    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[list[Checkpoint]]:
-        """Every checkpoint on the backend, newest first."""
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
+        """Every checkpoint on the backend, newest first (Tinker's ``.checkpoints`` and ``.cursor``)."""
         check_count(limit, "limit", low=1, high=10**6)
         check_count(offset, "offset", high=10**9)
         return self._spawn("list_user_checkpoints", self._all_checkpoints, limit, offset)
@@ -1557,12 +1598,31 @@ class RestClient:
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         return self._spawn("delete_checkpoint", self._svc.delete_checkpoint, check_checkpoint_path(tinker_path, "tinker_path"))
 
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
+        """Refused with :class:`UnsupportedError`: a checkpoint's TTL is set when it is saved, not changed later."""
+        raise UnsupportedError(
+            "changing a saved checkpoint's TTL is not offered",
+            field="ttl_seconds",
+            fix="pass ttl_seconds= to save_state / save_weights_for_sampler, or delete the checkpoint (delete_checkpoint_from_tinker_path)",
+        )
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Refused with :class:`UnsupportedError`: asyncsess backends have no other users to publish to."""
+        raise UnsupportedError(
+            _NO_PUBLISHING, field="tinker_path", fix="open the checkpoint by its path (create_sampling_client(model_path=...))"
+        )
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Refused with :class:`UnsupportedError`, as :meth:`publish_checkpoint_from_tinker_path`."""
+        raise UnsupportedError(_NO_PUBLISHING, field="tinker_path", fix="nothing is published: the checkpoint is its owner's only")
+
     def _spawn(self, operation: str, fn: Callable[..., Awaitable[T]], *args: Any) -> APIFuture[T]:
         return self._svc._spawn(APIFuture(operation), fn, *args)
 
-    async def _runs(self, limit: int, offset: int) -> list[TrainingRun]:
+    async def _runs(self, limit: int, offset: int) -> TrainingRunsResponse:
         rows = [r for r in await self._svc.list_sessions() if r.kind == "training"]
-        return [await self._run(r.session_id) for r in rows[offset : offset + limit]]
+        runs = [await self._run(r.session_id) for r in rows[offset : offset + limit]]
+        return TrainingRunsResponse(training_runs=runs, cursor=Cursor(offset=offset, limit=limit, total_count=len(rows)))
 
     async def _run(self, run_id: str) -> TrainingRun:
         row = await self._svc.describe_session(_check_id(run_id))
@@ -1579,14 +1639,23 @@ class RestClient:
             user_metadata=row.user_metadata or None,
         )
 
-    async def _all_checkpoints(self, limit: int, offset: int) -> list[Checkpoint]:
-        return (await self._svc.list_checkpoints())[offset : offset + limit]
+    async def _run_checkpoints(self, run_id: str) -> CheckpointsListResponse:
+        return CheckpointsListResponse(checkpoints=await self._svc.list_checkpoints(run_id))
+
+    async def _all_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
+        rows = await self._svc.list_checkpoints()
+        return CheckpointsListResponse(
+            checkpoints=rows[offset : offset + limit], cursor=Cursor(offset=offset, limit=limit, total_count=len(rows))
+        )
 
     async def _delete_by_id(self, run_id: str, checkpoint_id: str) -> None:
         for c in await self._svc.list_checkpoints(run_id):
             if c.checkpoint_id == checkpoint_id:
                 return await self._svc.delete_checkpoint(c.path)
         raise NotFoundError(f"run {run_id} has no checkpoint {checkpoint_id!r}", field="checkpoint_id", fix="see list_checkpoints(run_id)")
+
+
+_NO_PUBLISHING = "publishing a checkpoint is not offered: asyncsess backends have no other users to publish to"
 
 
 def _check_id(value: Any, field: str = "training_run_id") -> str:

@@ -22,14 +22,14 @@ from . import client as _client
 from . import types  # noqa: F401 (Tinker's ``from tinker import types``)
 from ._facade import SyncFuture
 from .errors import APIConnectionError, APIError, APIResponseValidationError, APIStatusError, APITimeoutError, ArtifactDeletionError, AsyncSessError, AuthenticationError, BadRequestError, BillingError, ClientClosedError, ConflictError, DeadlineExceededError, FacadeMisuseError, InputValidationError, InternalServerError, InvalidInputError, NonFiniteGradientError, NotFoundError, OperationCancelledError, OperationError, PermissionDeniedError, PoisonedError, RateLimitError, RequestFailedError, ResourceExhaustedError, ResultMismatchError, RetriesExhaustedError, SamplerRefreshError, ServerError, SessionGoneError, TinkerError, TrainingSessionError, TransientError, UnprocessableEntityError, UnsupportedError, WrongEventLoopError, is_retryable  # noqa: F401 (re-exported, as Tinker's top-level errors)
-from .types import AdamParams, Checkpoint, CheckpointResponse, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageInfo, OptimStepResponse, PromptProvenanceSpan, ProvenanceSpan, SampleResponse, SampledProvenanceSpan, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
+from .types import AdamParams, Checkpoint, CheckpointResponse, CheckpointsListResponse, Cursor, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse, LOSS_FUNCTIONS, LoadStateResponse, LoadWeightsResponse, LossFnType, ModelInput, ModelPackageDeletion, ModelPackageInfo, OptimStepResponse, PromptProvenanceSpan, ProvenanceSpan, SampleResponse, SampledProvenanceSpan, SampledSequence, SamplingParams, SaveStateResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse, ServerCapabilities, SessionSummary, SupportedModel, TensorData, TensorDtype, TokenLogprob, TopkArrays, TopkLogprobs, TrainingRun, TrainingRunsResponse, TrainingSessionSummary, Usage  # noqa: F401 (re-exported)
 from .backends import Backend, Tokenizer  # noqa: F401
 from .client import SamplerHandle  # noqa: F401
 from .custom_loss import CustomLossFn  # noqa: F401
 from .retry import RetryEvent, RetryPolicy  # noqa: F401
 from .sampling import QueueState, SamplingStats  # noqa: F401
 
-__all__ = ['APIConnectionError', 'APIError', 'APIResponseValidationError', 'APIStatusError', 'APITimeoutError', 'AdamParams', 'ArtifactDeletionError', 'AsyncSessError', 'AuthenticationError', 'BadRequestError', 'BillingError', 'Checkpoint', 'CheckpointResponse', 'ClientClosedError', 'ConflictError', 'Datum', 'DeadlineExceededError', 'EncodedTextChunk', 'FacadeMisuseError', 'ForwardBackwardOutput', 'GetInfoResponse', 'InputValidationError', 'InternalServerError', 'InvalidInputError', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageInfo', 'NonFiniteGradientError', 'NotFoundError', 'OperationCancelledError', 'OperationError', 'OptimStepResponse', 'PermissionDeniedError', 'PoisonedError', 'PromptProvenanceSpan', 'ProvenanceSpan', 'RateLimitError', 'RequestFailedError', 'ResourceExhaustedError', 'RestClient', 'ResultMismatchError', 'RetriesExhaustedError', 'SampleResponse', 'SampledProvenanceSpan', 'SampledSequence', 'SamplerRefreshError', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServerError', 'ServiceClient', 'SessionGoneError', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TinkerError', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingSessionError', 'TrainingSessionSummary', 'TransientError', 'UnprocessableEntityError', 'UnsupportedError', 'Usage', 'WrongEventLoopError', 'is_retryable', 'types']
+__all__ = ['APIConnectionError', 'APIError', 'APIResponseValidationError', 'APIStatusError', 'APITimeoutError', 'AdamParams', 'ArtifactDeletionError', 'AsyncSessError', 'AuthenticationError', 'BadRequestError', 'BillingError', 'Checkpoint', 'CheckpointResponse', 'CheckpointsListResponse', 'ClientClosedError', 'ConflictError', 'Cursor', 'Datum', 'DeadlineExceededError', 'EncodedTextChunk', 'FacadeMisuseError', 'ForwardBackwardOutput', 'GetInfoResponse', 'InputValidationError', 'InternalServerError', 'InvalidInputError', 'LOSS_FUNCTIONS', 'LoadStateResponse', 'LoadWeightsResponse', 'LossFnType', 'ModelInput', 'ModelPackageDeletion', 'ModelPackageInfo', 'NonFiniteGradientError', 'NotFoundError', 'OperationCancelledError', 'OperationError', 'OptimStepResponse', 'PermissionDeniedError', 'PoisonedError', 'PromptProvenanceSpan', 'ProvenanceSpan', 'RateLimitError', 'RequestFailedError', 'ResourceExhaustedError', 'RestClient', 'ResultMismatchError', 'RetriesExhaustedError', 'SampleResponse', 'SampledProvenanceSpan', 'SampledSequence', 'SamplerRefreshError', 'SamplingClient', 'SamplingParams', 'SaveStateResponse', 'SaveWeightsForSamplerResponse', 'SaveWeightsResponse', 'ServerCapabilities', 'ServerError', 'ServiceClient', 'SessionGoneError', 'SessionSummary', 'SupportedModel', 'SyncFuture', 'TensorData', 'TensorDtype', 'TinkerError', 'TokenLogprob', 'TopkArrays', 'TopkLogprobs', 'TrainingClient', 'TrainingRun', 'TrainingRunsResponse', 'TrainingSessionError', 'TrainingSessionSummary', 'TransientError', 'UnprocessableEntityError', 'UnsupportedError', 'Usage', 'WrongEventLoopError', 'is_retryable', 'types']
 
 
 class ServiceClient:
@@ -164,9 +164,11 @@ class ServiceClient:
         """The newest checkpoint of ``kind`` (``CHECKPOINT`` or ``MODEL``), or None."""
         return _facade.call(self._async.get_latest_model_package, kind, model_package_group_arn=model_package_group_arn, scan_limit=scan_limit)  # type: ignore[no-any-return]
 
-    def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> None:
-        """Delete a checkpoint (its record and, on backends that store files, its files)."""
-        _facade.call(self._async.delete_model_package, model_package_arn, delete_artifacts=delete_artifacts)
+    def delete_model_package(self, model_package_arn: str, *, delete_artifacts: bool = False) -> ModelPackageDeletion:
+        """SageMaker's delete: the checkpoint's record and, on backends that store files, its files. A package already
+        gone is not an error (``model_package_deleted=False``). ``delete_artifacts=True`` where the backend keeps them
+        (``sagemaker://``: the S3 objects) is refused before anything is deleted."""
+        return _facade.call(self._async.delete_model_package, model_package_arn, delete_artifacts=delete_artifacts)  # type: ignore[no-any-return]
 
     def delete_checkpoint(self, path: str) -> None:
         """Delete a saved checkpoint by its path."""
@@ -454,19 +456,19 @@ class RestClient:
             raise AttributeError(name)
         return getattr(self._async, name)
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0) -> SyncFuture[list[TrainingRun]]:
-        """Training sessions this ServiceClient opened, newest first."""
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> SyncFuture[TrainingRunsResponse]:
+        """Training sessions this ServiceClient opened, newest first (Tinker's ``.training_runs`` and ``.cursor``)."""
         return _facade.submit(self._async.list_training_runs, limit, offset)
 
     def get_training_run(self, training_run_id: str) -> SyncFuture[TrainingRun]:
         return _facade.submit(self._async.get_training_run, training_run_id)
 
-    def list_checkpoints(self, training_run_id: str) -> SyncFuture[list[Checkpoint]]:
-        """Checkpoints of one training run, newest first."""
+    def list_checkpoints(self, training_run_id: str) -> SyncFuture[CheckpointsListResponse]:
+        """Checkpoints of one training run, newest first (Tinker's ``.checkpoints``)."""
         return _facade.submit(self._async.list_checkpoints, training_run_id)
 
-    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> SyncFuture[list[Checkpoint]]:
-        """Every checkpoint on the backend, newest first."""
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> SyncFuture[CheckpointsListResponse]:
+        """Every checkpoint on the backend, newest first (Tinker's ``.checkpoints`` and ``.cursor``)."""
         return _facade.submit(self._async.list_user_checkpoints, limit, offset)
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> SyncFuture[None]:
@@ -474,3 +476,15 @@ class RestClient:
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
         return _facade.submit(self._async.delete_checkpoint_from_tinker_path, tinker_path)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> SyncFuture[None]:
+        """Refused with :class:`UnsupportedError`: a checkpoint's TTL is set when it is saved, not changed later."""
+        return _facade.submit(self._async.set_checkpoint_ttl_from_tinker_path, tinker_path, ttl_seconds)
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
+        """Refused with :class:`UnsupportedError`: asyncsess backends have no other users to publish to."""
+        return _facade.submit(self._async.publish_checkpoint_from_tinker_path, tinker_path)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> SyncFuture[None]:
+        """Refused with :class:`UnsupportedError`, as :meth:`publish_checkpoint_from_tinker_path`."""
+        return _facade.submit(self._async.unpublish_checkpoint_from_tinker_path, tinker_path)

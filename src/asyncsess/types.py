@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from enum import Enum
 from typing import Annotated, Any, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +21,7 @@ __all__ = [
     "EncodedTextChunk",
     "ModelInput",
     "TensorData",
+    "TensorDtype",
     "PromptProvenanceSpan",
     "SampledProvenanceSpan",
     "ProvenanceSpan",
@@ -41,9 +43,13 @@ __all__ = [
     "LoadStateResponse",
     "Checkpoint",
     "ModelPackageInfo",
+    "ModelPackageDeletion",
     "SessionSummary",
     "TrainingSessionSummary",
     "TrainingRun",
+    "Cursor",
+    "CheckpointsListResponse",
+    "TrainingRunsResponse",
     "TokenLogprob",
     "TopkLogprobs",
     "TopkArrays",
@@ -213,10 +219,26 @@ MAX_SPAN_INDEX = 2**31 - 1
 
 _TENSOR_FIELDS = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
 _DATUM_FIELDS = ("model_input", "loss_fn_inputs", "model_input_spans", "loss_fn_input_spans")
+_WIRE_DATUM_KEYS = (("modelInput", "model_input"), ("lossFnInputs", "loss_fn_inputs"))
+
+
+class TensorDtype(str, Enum):
+    """SageMaker's dtype names (Tinker's are the strings themselves). ``int32``, ``float16`` and ``bfloat16`` are taken
+    and widened without loss to ``int64`` and ``float32``, the two dtypes a tensor holds."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT32 = "int32"
+    INT64 = "int64"
+
+
+_WIDER_DTYPE = {"float32": "float32", "float16": "float32", "bfloat16": "float32", "int32": "int64", "int64": "int64"}
 
 
 class TensorData(_Input):
-    """A flat tensor with dtype and shape (row-major).
+    """A flat tensor with dtype and shape (row-major). ``dtype`` defaults to ``float32`` (SageMaker's default) and takes
+    a :class:`TensorDtype` member or its string.
 
     Tinker's sparse CSR form (``data`` holds the listed values, ``sparse_crow_indices`` the ``rows + 1`` row
     pointers, ``sparse_col_indices`` one column per value, ``shape`` the dense ``[rows, cols]``) is accepted and
@@ -225,10 +247,16 @@ class TensorData(_Input):
     """
 
     data: list[float] | list[int]
-    dtype: Literal["int64", "float32"]
+    dtype: Literal["int64", "float32"] = "float32"
     shape: list[int] | None = None
     sparse_crow_indices: list[int] | None = None
     sparse_col_indices: list[int] | None = None
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, v: Any) -> Any:
+        name = v.value if isinstance(v, TensorDtype) else v
+        return _WIDER_DTYPE.get(name, name) if isinstance(name, str) else v
 
     @field_validator("data", "shape", "sparse_crow_indices", "sparse_col_indices", mode="before")
     @classmethod
@@ -421,6 +449,9 @@ class Datum(_Input):
             values = {f: getattr(values, f, None) for f in _DATUM_FIELDS}
         if isinstance(values, dict):
             values = dict(values)
+            for wire, name in _WIRE_DATUM_KEYS:  # SageMaker's wire form, which its SDK takes as a datum too
+                if wire in values and name not in values:
+                    values[name] = values.pop(wire)
             if "prompt" in values and "model_input" not in values:
                 values["model_input"] = values.pop("prompt")
             mi = values.get("model_input")
@@ -807,6 +838,19 @@ class Checkpoint(_Output):
 ModelPackageInfo = Checkpoint
 
 
+class ModelPackageDeletion(_Output):
+    """SageMaker's answer to ``delete_model_package``: whether this call deleted the package (``False``: it was already
+    gone) and whether its artifacts were kept (``sagemaker://`` keeps the S3 objects; ``mock://`` and ``local://``
+    delete the files with the record)."""
+
+    model_package_arn: str
+    model_package_deleted: bool
+    s3_uri: str | None = None
+    objects_deleted: int = 0
+    artifacts_retained: bool = True
+    retained_reason: str | None = None
+
+
 class SessionSummary(_Output):
     """One session this client knows of (SageMaker's ``TrainingSessionSummary``)."""
 
@@ -848,6 +892,28 @@ class TrainingRun(_Output):
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
     user_metadata: dict[str, str] | None = None
+
+
+class Cursor(_Output):
+    """Tinker's page cursor of a listing: the page's ``offset`` and ``limit``, and how many rows there are in all."""
+
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointsListResponse(_Output):
+    """Tinker's answer to ``RestClient.list_checkpoints`` / ``list_user_checkpoints``: ``.checkpoints``, newest first."""
+
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+class TrainingRunsResponse(_Output):
+    """Tinker's answer to ``RestClient.list_training_runs``: ``.training_runs``, newest first."""
+
+    training_runs: list[TrainingRun]
+    cursor: Cursor
 
 
 class SupportedModel(_Output):

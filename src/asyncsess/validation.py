@@ -141,11 +141,13 @@ def _coerce_datum(i: int, item: Any, shared_inputs: Mapping[str, TensorData] | N
             raise InvalidInputError(
                 msg,
                 field=f"data[{i}]{where}",
-                fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}",
+                fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}} (or SageMaker's modelInput / lossFnInputs)",
             ) from None
         except TypeError as err:
             raise InvalidInputError(
-                str(err).splitlines()[0], field=f"data[{i}]", fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}}"
+                str(err).splitlines()[0],
+                field=f"data[{i}]",
+                fix="pass a Datum or {'model_input': ..., 'loss_fn_inputs': {...}} (or SageMaker's modelInput / lossFnInputs)",
             ) from None
     elif isinstance(item, str):
         if encode is None:

@@ -102,13 +102,13 @@ async def test_rest_client_lists_runs_and_checkpoints():
         tc = await svc.create_lora_training_client(BASE, rank=4)
         state = await tc.save_state("s1")
         rest = svc.create_rest_client()
-        runs = await rest.list_training_runs()
+        runs = (await rest.list_training_runs()).training_runs
         assert [r.training_run_id for r in runs] == [tc.model_id]
         assert runs[0].last_checkpoint.path == state.path
-        ckpts = await rest.list_checkpoints(tc.model_id)
+        ckpts = (await rest.list_checkpoints(tc.model_id)).checkpoints
         await rest.delete_checkpoint(tc.model_id, ckpts[0].checkpoint_id)
-        assert state.path not in [c.path for c in await rest.list_user_checkpoints()]  # the store is process-wide
-        assert await rest.list_checkpoints(tc.model_id) == []
+        assert state.path not in [c.path for c in (await rest.list_user_checkpoints()).checkpoints]  # the store is process-wide
+        assert (await rest.list_checkpoints(tc.model_id)).checkpoints == []
 
 
 async def test_async_twins_follow_the_anchors():

@@ -415,3 +415,18 @@ def test_cli_emulate_takes_accounts_and_refuses_bad_options_by_name(monkeypatch)
         bad = CliRunner().invoke(app, args)  # a one-command app: its command runs without its name
         assert bad.exit_code == 2 and says in bad.output, bad.output
     assert len(served) == 1
+
+
+async def test_delete_model_package_keeps_the_artifacts_and_refuses_to_delete_them(emulator):
+    """sagemaker-train's ``delete_model_package(arn)`` answers a ``ModelPackageDeletion``: the driver deletes the
+    record only, so ``artifacts_retained`` is True; ``delete_artifacts=True`` (which it cannot honour) was silently
+    ignored and is now refused before anything is deleted; a package already gone answers ``model_package_deleted=False``."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        state = await tc.save_state("s")
+        with pytest.raises(UnsupportedError, match="delete_artifacts"):
+            await svc.delete_model_package(state.model_package_arn, delete_artifacts=True)
+        await tc.load_state(state.path)  # nothing was deleted
+        result = await svc.delete_model_package(state.model_package_arn)
+        assert result.model_package_deleted and result.artifacts_retained and result.retained_reason
+        assert (await svc.delete_model_package(state.model_package_arn)).model_package_deleted is False

@@ -227,3 +227,49 @@ def test_sdk_reads_prompt_logprobs_and_their_top_k(service):
     assert computed[0] is None and len(computed) == 4
     assert result.prompt_logprobs == pytest.approx(computed[1:], abs=1e-5)  # the scored tokens, in order
     assert len(result.topk_prompt_logprobs) >= 3 and all(len(row) <= 2 for row in result.topk_prompt_logprobs)
+
+
+def test_aws_quickstart_wire_dict_datums_on_asyncsess() -> None:
+    """AWS docs, "Python SDK reference" / "Getting started with the training session APIs"
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/training-sessions-sdk.md, "At a glance"): PAIRS of prompt and
+    response, ``tok.encode(..., add_special_tokens=False)``, and loss inputs made with the SDK's
+    ``_serialize_loss_fn_inputs``, which gives the wire form the SDK also takes as a whole datum
+    (``{"modelInput": ..., "lossFnInputs": ...}``). The page's text past ``eos = tok.eos_to...`` was not retrievable
+    offline: the datum is built in that wire form, as the import implies. asyncsess refused the camelCase keys
+    (``data[0].model_input: Field required``); it now takes them as the SDK does."""
+    from sagemaker.train.training_session._utils import _serialize_loss_fn_inputs
+
+    from asyncsess.sync import AdamParams, ServiceClient  # was: from sagemaker.train.training_session import ...
+
+    PAIRS = [("Question: 2+2?\nAnswer:", " 4"), ("Capital of France?", " Paris")]
+    svc = ServiceClient(
+        "mock://",  # was: region="us-west-2",
+        role_arn="arn:aws:iam::111122223333:role/MyRole",
+        model_package_group_arn="arn:aws:sagemaker:us-west-2:111122223333:model-package-group/my-training-session-checkpoints",
+        s3_output_path="s3://amzn-s3-demo-bucket/training-sessions/",
+    )
+    tc = svc.create_lora_training_client(base_model=svc.list_base_models()[0], rank=32, alpha=64)
+    tok = tc.get_tokenizer()
+    batch = []
+    for prompt, response in PAIRS:
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        ids = tok.encode(prompt + response, add_special_tokens=False)
+        prompt_len = len(prompt_ids)
+        eos = tok.eos_token_id
+        ids = ids + [eos]
+        weights = [0.0] * (prompt_len - 1) + [1.0] * (len(ids) - prompt_len)
+        batch.append(
+            {
+                "modelInput": {"chunks": [{"tokens": ids[:-1], "type": "encoded_text"}]},
+                "lossFnInputs": _serialize_loss_fn_inputs({"target_tokens": ids[1:], "weights": weights}),
+            }
+        )
+    losses = []
+    for _ in range(5):
+        fb = tc.forward_backward(batch, loss_fn="cross_entropy")
+        tc.optim_step(AdamParams(learning_rate=0.1)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    assert losses[-1] < losses[0], losses
+    assert tc.save_state("quickstart").result().model_package_arn
+    tc.stop()
+    svc.close()

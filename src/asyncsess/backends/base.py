@@ -255,6 +255,8 @@ class Backend(abc.ABC):
     """A compute backend driver. One instance per ``ServiceClient``."""
 
     scheme: ClassVar[str]
+    #: whether :meth:`delete_checkpoint` leaves the checkpoint's files in place (SageMaker: the S3 artifacts stay)
+    keeps_artifacts: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

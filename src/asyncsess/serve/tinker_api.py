@@ -1339,10 +1339,14 @@ class TinkerDoor:
         }
 
     def list_checkpoints(self, model_id: str) -> dict[str, Any]:
-        """One run's checkpoints (all the caller's: :meth:`user_checkpoints`)."""
-        self.model(model_id)  # the caller's run, or 404
+        """One run's checkpoints (all the caller's: :meth:`user_checkpoints`). A session id of the caller's lists its
+        runs' checkpoints: Tinker's tutorial 204 passes ``model_id.split(":")[0]`` as the run id."""
+        if model_id not in self.models and self.owns(model_id):
+            runs = {m.id for m in self.models.values() if m.session_id == model_id}
+        else:
+            runs = {self.model(model_id).id}  # the caller's run, or 404
         self.forget_expired()
-        cks = [c.rest() for c in self.checkpoints.values() if c.model_id == model_id]
+        cks = [c.rest() for c in self.checkpoints.values() if c.model_id in runs]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:

@@ -165,6 +165,7 @@ class SageMakerBackend(Backend):
     """A driver for the SageMaker training-session control plane and runtime (boto3)."""
 
     scheme: ClassVar[str] = "sagemaker"
+    keeps_artifacts: ClassVar[bool] = True  # DeleteModelPackage removes the record; the S3 artifacts stay
 
     def __init__(self, options: SageMakerOptions) -> None:
         self.options = options
@@ -828,15 +829,21 @@ class SageMakerBackend(Backend):
         return [c for s in self._sessions.values() for c in s.packages]
 
     async def delete_checkpoint(self, path: str) -> None:
-        """``DeleteModelPackage`` (the record; its S3 artifacts stay where the service wrote them)."""
+        """``DeleteModelPackage`` (the record; its S3 artifacts stay where the service wrote them). A package that is
+        not there (SageMaker: a ValidationException saying it "does not exist") is a :class:`NotFoundError`."""
         self._require_package_arn(path, "path")
-        await self._calls.retried(
-            self.control.delete_model_package,
-            operation="DeleteModelPackage",
-            not_found=NotFoundError,
-            replayed=_gone_on_retry,  # the attempt whose reply was lost deleted it
-            ModelPackageName=path,
-        )
+        try:
+            await self._calls.retried(
+                self.control.delete_model_package,
+                operation="DeleteModelPackage",
+                not_found=NotFoundError,
+                replayed=_gone_on_retry,  # the attempt whose reply was lost deleted it
+                ModelPackageName=path,
+            )
+        except InvalidInputError as err:
+            if isinstance(err.__cause__, ClientError) and _gone_on_retry(err.__cause__) is not None:
+                raise NotFoundError(f"no model package {path}", field="path", fix="see list_checkpoints()") from err
+            raise
         self._package_kind[path] = None
         for sess in self._sessions.values():
             sess.packages[:] = [c for c in sess.packages if c.path != path]
