@@ -95,7 +95,10 @@ def check(status: int, body: bytes, where: str) -> None:
 def _openai_route(where: str) -> bool:
     """The OpenAI routes answer in OpenAI's error shape (the key check in front of them in the worker's)."""
     path = where.split(" ")[1] if " " in where else ""
-    return path in ("/v1/chat/completions", "/v1/completions") or re.fullmatch(r"/v1/asyncsess/rollouts/[^/]+", path) is not None
+    return (
+        path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+        or re.fullmatch(r"/v1/asyncsess/rollouts/[^/]+", path) is not None
+    )
 
 
 def assert_clean() -> None:

@@ -65,12 +65,15 @@ def _their_calls(ids: dict[str, str], tiny: str) -> list[tuple[str, str, object]
         ("GET", f"/v1/checkpoints?session_id={sid}", None),
         ("POST", "/v1/chat/completions", {"model": sid, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
         ("POST", "/v1/chat/completions", {"model": smp, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ("POST", "/v1/responses", {"model": sid, "input": "hi", "max_output_tokens": 2}),
+        ("POST", "/v1/responses", {"model": smp, "input": "hi", "max_output_tokens": 2}),
         *[("POST", "/v1/samplers", {"model_path": p}) for p in ids["paths"]],
         *[("POST", "/v1/sessions", {"base_model": tiny, "from_path": p}) for p in ids["paths"]],
         *[("POST", "/v1/sessions", {"base_model": p.removeprefix("local://")}) for p in ids["paths"]],
         *[("POST", "/v1/samplers", {"base_model": p.removeprefix("local://")}) for p in ids["paths"]],
         *[("GET", f"/v1/tokenizer?base_model={p.removeprefix('local://')}", None) for p in ids["paths"]],
         *[("POST", "/v1/chat/completions", {"model": p, "messages": [{"role": "user", "content": "hi"}]}) for p in ids["paths"]],
+        *[("POST", "/v1/responses", {"model": p, "input": "hi"}) for p in ids["paths"]],
     ]
 
 
