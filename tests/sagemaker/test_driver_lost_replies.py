@@ -114,3 +114,39 @@ async def test_replies_cut_short_are_retried_as_lost_and_every_op_runs_once(emul
         assert [r.step for r in results[1::2]] == [1, 2, 3, 4]
         state = emulator.session_state(tc.model_id)
         assert state["applied"] == list(range(1, 9)) and len(state["operations"]) == 8  # each op made and run once
+
+
+@pytest.mark.parametrize("named", [False, True])
+async def test_a_create_retried_by_the_client_after_every_reply_was_lost_makes_one_session(emulator, named):
+    """The driver gives up on a create whose replies were all lost (its retry budget spent); the ServiceClient's retry of
+    that create (same idempotency key) made a second session under a new name, and the first ran on with no owner (a
+    ``training_session_name`` given: the retry's ``ResourceInUse`` was a ConflictError). The retry now names the session
+    the lost attempt made, and its ``ResourceInUse`` adopts it."""
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    retry = asyncsess.RetryPolicy(max_attempts=3, initial_backoff=0.0, jitter=0.0)
+    name = {"training_session_name": f"mine-{uuid.uuid4().hex[:8]}"} if named else {}
+    async with asyncsess.ServiceClient(driver_url(emulator, retry_budget_s="0.001"), retry=retry) as svc:
+        emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
+        tc = await svc.create_lora_training_client(BASE, rank=4, **name)
+        assert tc.model_id == name.get("training_session_name", tc.model_id)
+        assert emulator.injected_faults() == {"lost response": 1}
+        emulator.set_faults()
+        assert {n: s for n, s in _sessions(sm).items() if n not in before} == {tc.model_id: "Running"}
+    assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"
+
+
+async def test_a_sampler_whose_session_create_was_retried_by_the_client_makes_one_session(emulator):
+    """``create_sampling_client`` on a base model makes its own session: the same rule holds for its create."""
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    retry = asyncsess.RetryPolicy(max_attempts=3, initial_backoff=0.0, jitter=0.0)
+    async with asyncsess.ServiceClient(driver_url(emulator, retry_budget_s="0.001"), retry=retry) as svc:
+        emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
+        sampler = await svc.create_sampling_client(base_model=BASE)
+        assert emulator.injected_faults() == {"lost response": 1}
+        emulator.set_faults()
+        made = [n for n in _sessions(sm) if n not in before]
+        assert len(made) == 1 and _sessions(sm)[made[0]] == "Running"
+        assert len(await sampler.compute_logprobs([1, 40, 41])) == 3
+    assert wait_status(sm, made[0], {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # the sampler owned it

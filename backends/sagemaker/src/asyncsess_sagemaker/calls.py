@@ -168,15 +168,17 @@ class AwsCalls:
         operation: str,
         not_found: type[AsyncSessError] = SessionGoneError,
         replayed: Callable[[ClientError], T | None] | None = None,
+        unanswered: bool = False,
         **kwargs: Any,
     ) -> T:
         """Like :meth:`once`, retrying ``TransientError`` with full-jitter backoff for up to ``retry_budget_s``.
 
         A transient failure may come after the service applied the call (a lost reply, a dropped connection), so a
         retry can be refused for what the first attempt did (``ResourceInUse`` for a create, "does not exist" for a
-        delete). ``replayed(err)``, asked only about such a refusal after a transient failure, returns the reply to
+        delete). ``replayed(err)``, asked only about such a refusal after a transient failure (or on the first
+        attempt too when ``unanswered``: an earlier call sent this request and read no answer), returns the reply to
         stand for the applied call, or None when the refusal is real."""
-        transient = False
+        transient = unanswered
 
         async def attempt_once() -> T:
             nonlocal transient

@@ -187,6 +187,8 @@ class SageMakerBackend(Backend):
         self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._group_arn: str | None = options.model_package_group_arn
+        # idempotency key of a create whose CreateTrainingSession reply was never read -> the session name it sent
+        self._unanswered_creates: dict[str, str] = {}
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> SageMakerBackend:
@@ -428,19 +430,32 @@ class SageMakerBackend(Backend):
             raise InvalidInputError("no base model", field="base_model", fix="name a base model (or resume from a model package ARN)")
         hub_arn, hf_id = await self._resolve_base_model(base_model)
         per_call = spec.session_options
-        name = per_call.get("training_session_name") or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
+        key = spec.idempotency_key
+        unanswered = self._unanswered_creates.get(key) if key else None
+        name = per_call.get("training_session_name") or unanswered or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         group = per_call.get("model_package_group_arn") or await self._model_package_group()
         self._require_here(group, "model_package_group_arn")
         request = self._create_request(name, hub_arn, rank, alpha, group, per_call)
-        created = await self._calls.retried(
-            self.control.create_training_session,
-            operation="CreateTrainingSession",
-            not_found=InvalidInputError,
-            replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
-            **request,
-        )
-        if "TrainingSessionArn" not in created:  # a retry found the name taken: by the attempt whose reply was lost?
-            await self._check_ours(request)
+        if key:  # until an answer is read: a retry of this create (same key) names the same session
+            self._unanswered_creates[key] = name
+        try:
+            created = await self._calls.retried(
+                self.control.create_training_session,
+                operation="CreateTrainingSession",
+                not_found=InvalidInputError,
+                replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
+                unanswered=unanswered is not None,
+                **request,
+            )
+            if "TrainingSessionArn" not in created:  # the name was taken: by an attempt whose reply was lost?
+                await self._check_ours(request)
+        except TransientError:  # still no answer (cancelled: none either): the session may exist
+            raise
+        except BaseException as err:
+            if not isinstance(err, anyio.get_cancelled_exc_class()):
+                self._unanswered_creates.pop(key, None)
+            raise
+        self._unanswered_creates.pop(key, None)
         sess = _Session(
             name=name,
             base_model=base_model,
@@ -477,7 +492,7 @@ class SageMakerBackend(Backend):
         name = request["TrainingSessionName"]
         detail = await self._describe(name)
         if not all(_includes(detail.get(k), request[k]) for k in ("RoleArn", "LoraConfig", "ModelConfig", "OutputConfig")):
-            raise InvalidInputError(
+            raise ConflictError(
                 f"training session {name} already exists", field="training_session_name", fix="pick another name or leave it out"
             )
 
@@ -885,7 +900,7 @@ class SageMakerBackend(Backend):
             session, owned = owner, False
         else:  # like the official SDK: a sampler on a checkpoint from elsewhere, or on the base model, gets its own session
             base = spec.base_model or (await self._base_model_of(arn) if arn else "")
-            info = await self.create_training_session(TrainingSessionSpec(base_model=base))
+            info = await self.create_training_session(TrainingSessionSpec(base_model=base, idempotency_key=spec.idempotency_key))
             session, owned = info.model_id, True
         # Every sample names its checkpoint (the service runs it "against" that package), so loading it first is
         # optional: the official SDK's create_sampling_client(model_package_arn=...) does not; its
