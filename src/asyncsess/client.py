@@ -798,6 +798,11 @@ class TrainingClient:
         """The last sequence number assigned (0 before the first op)."""
         return self._next_seq - 1
 
+    @property
+    def training_session_name(self) -> str:
+        """SageMaker's name for :attr:`model_id`: the backing session (on ``sagemaker://``, its TrainingSession name)."""
+        return self.model_id
+
     # ------------------------------------------------------------------ ordered ops
 
     def forward(
@@ -1323,7 +1328,9 @@ class SamplingClient:
         self._handle: SamplerHandle | None = None  # set on an unpickled copy until it is attached
         self._owned: ServiceClient | None = None
         self._last_queue_log = -float(QUEUE_STATE_LOG_INTERVAL)
+        self._session = ""  # the session it runs on (Backend.sampler_session), kept after a stop
         if service is not None:
+            self._session = service.backend.sampler_session(sampler_id)
             self._limiter = service._limiter
             self._finalizer = _on_collect(self, _release_sampler, weakref.ref(service), sampler_id)
 
@@ -1331,6 +1338,18 @@ class SamplingClient:
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.sampler_id}>"
+
+    @property
+    def training_session_name(self) -> str:
+        """The session this sampler runs on (SageMaker: a training client's session, or one the sampler owns); on a
+        backend whose samplers are sessions of their own, :attr:`sampler_id`."""
+        self._require_attached("training_session_name")
+        return self._session
+
+    @property
+    def model_package_arn(self) -> str | None:
+        """SageMaker's name for the checkpoint path this sampler samples (``None``: the base model's weights)."""
+        return self._spec.model_path
 
     async def __aenter__(self) -> SamplingClient:
         if self._handle is not None and self._owned is None:

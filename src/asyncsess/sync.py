@@ -209,6 +209,11 @@ class TrainingClient:
         """The last sequence number assigned (0 before the first op)."""
         return self._async.current_sequence_number
 
+    @property
+    def training_session_name(self) -> str:
+        """SageMaker's name for :attr:`model_id`: the backing session (on ``sagemaker://``, its TrainingSession name)."""
+        return self._async.training_session_name
+
     def forward(self, data: Any = None, loss_fn: str = 'cross_entropy', loss_fn_config: Mapping[str, Any] | None = None, loss_fn_inputs: Mapping[str, Any] | None = None, *, batch: Any = None) -> SyncFuture[ForwardBackwardOutput]:
         """Log-probs and loss without gradients. Argument forms: see :meth:`forward_backward`."""
         return _facade.submit(self._async.forward, data, loss_fn, loss_fn_config, loss_fn_inputs, batch=batch)
@@ -378,6 +383,17 @@ class SamplingClient:
         if name.startswith('_'):
             raise AttributeError(name)
         return getattr(self._async, name)
+
+    @property
+    def training_session_name(self) -> str:
+        """The session this sampler runs on (SageMaker: a training client's session, or one the sampler owns); on a
+        backend whose samplers are sessions of their own, :attr:`sampler_id`."""
+        return self._async.training_session_name
+
+    @property
+    def model_package_arn(self) -> str | None:
+        """SageMaker's name for the checkpoint path this sampler samples (``None``: the base model's weights)."""
+        return self._async.model_package_arn
 
     def get_sampler_handle(self) -> SamplerHandle:
         """A picklable handle; :meth:`from_sampler_handle` reopens it (in any process)."""

@@ -174,3 +174,22 @@ def test_a_client_resumed_from_a_checkpoint_reports_its_lora_rank():
             info = resumed.get_info()
             assert (info.lora_rank, info.lora_alpha) == (8, 16)
             assert svc.create_rest_client().get_training_run(resumed.model_id).result().lora_rank == 8
+
+
+def test_sagemaker_session_and_package_attributes_through_the_sync_facade():
+    """sagemaker-train's ``training_session_name`` (both clients) and ``SamplingClient.model_package_arn`` were an
+    AttributeError; on mock:// a sampler is a session of its own."""
+    import pickle
+
+    from asyncsess import SessionGoneError
+
+    with sync.ServiceClient("mock://") as svc:
+        tc = svc.create_lora_training_client(BASE, rank=4)
+        assert tc.training_session_name == tc.model_id
+        path = tc.save_weights_for_sampler("w").result().path
+        sc = svc.create_sampling_client(model_package_arn=path)
+        assert (sc.model_package_arn, sc.training_session_name) == (path, sc.sampler_id)
+        assert svc.create_sampling_client(base_model=BASE).model_package_arn is None
+        copy = pickle.loads(pickle.dumps(sc._async))  # detached until opened: it names no session yet
+        with pytest.raises(SessionGoneError, match="unpickled"):
+            _ = copy.training_session_name

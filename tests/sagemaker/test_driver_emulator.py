@@ -430,3 +430,24 @@ async def test_delete_model_package_keeps_the_artifacts_and_refuses_to_delete_th
         result = await svc.delete_model_package(state.model_package_arn)
         assert result.model_package_deleted and result.artifacts_retained and result.retained_reason
         assert (await svc.delete_model_package(state.model_package_arn)).model_package_deleted is False
+
+
+async def test_clients_name_their_training_session_and_model_package_as_the_official_sdk_does(emulator):
+    """sagemaker-train's ``TrainingClient.training_session_name`` and ``SamplingClient.training_session_name`` /
+    ``model_package_arn`` were missing (AttributeError): the session a client runs on, and the package a sampler samples."""
+    sm, _ = clients(emulator.url)
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        assert tc.training_session_name == tc.model_id
+        assert sm.describe_training_session(TrainingSessionName=tc.training_session_name)["TrainingSessionDetail"]
+        on_tc = await tc.save_weights_and_get_sampling_client()
+        assert on_tc.training_session_name == tc.training_session_name
+        assert on_tc.model_package_arn is not None and ":model-package/" in on_tc.model_package_arn
+        own = await svc.create_sampling_client(base_model=BASE)
+        assert own.model_package_arn is None
+        name = own.training_session_name
+        assert name != tc.training_session_name and "." not in name  # a session, not the sampler id
+        assert sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+        await own.stop()
+        assert own.training_session_name == name  # kept after the stop, as the SDK's attribute
+        assert wait_status(sm, name, {"Stopped"})["TrainingSessionStatus"] == "Stopped"

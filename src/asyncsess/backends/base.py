@@ -313,6 +313,11 @@ class Backend(abc.ABC):
         """Delete a saved checkpoint. Default: not offered."""
         raise UnsupportedError("this backend cannot delete checkpoints", field="path", fix="delete it where it is stored")
 
+    def sampler_session(self, sampler_id: str) -> str:
+        """The session a sampler runs on (``SamplingClient.training_session_name``). Default: ``sampler_id``, a
+        sampler being a session of its own; ``sagemaker://`` names the TrainingSession it samples on."""
+        return sampler_id
+
     def export_sampler(self, sampler_id: str) -> Any:
         """What another process needs to reopen this sampler (passed back as ``SamplerSpec.payload``).
 

@@ -917,6 +917,10 @@ class SageMakerBackend(Backend):
         self._samplers[sampler_id] = _Sampler(session=session, model_package=arn, owned=owned)
         return sampler_id
 
+    def sampler_session(self, sampler_id: str) -> str:
+        """The training session a sampler samples on: a training client's, or the one it owns."""
+        return self._sampler(sampler_id).session
+
     def _sampler(self, sampler_id: str) -> _Sampler:
         sampler = self._samplers.get(sampler_id)
         if sampler is None:
