@@ -5,16 +5,21 @@ strict tools) were 400s; now every call is served and captured as one rollout, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import httpx
+import openai
 import pytest
-from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig, Runner, function_tool
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig, Runner, function_tool
 from agents.exceptions import ModelBehaviorError
 
 from asyncsess import ServiceClient
+from asyncsess.backends import load_backend
 from asyncsess.rl import AgentRLConfig, train_agent_rl
 from asyncsess.rl.capture import build_trajectory, read_trajectories
 from asyncsess.serve.openai_front import OpenAIFront
+from asyncsess.serve.tinker_api import create_app
 
 from .helpers import ScriptedSampler
 
@@ -83,3 +88,22 @@ async def test_the_agent_loop_trains_a_default_sdk_agent(tmp_path):
         assert call["endpoint"] == "responses" and call["request"]["tools"][0]["strict"] is True
         trained = [t for s in line["segments"] for t, m in zip(s["tokens"], s["mask"]) if m]
         assert trained == call["choices"][0]["tokens"] != []
+
+
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+async def test_a_default_agent_is_served_by_the_serve_door(kind):
+    """``asyncsess serve``'s ``/v1`` (in-process, mock://): the SDK's default requests are served and captured per key."""
+    app = create_app(load_backend("mock://"), {"key"}, poll_timeout=5.0)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve", timeout=30) as http:
+            client = openai.AsyncOpenAI(
+                base_url="http://serve/v1", api_key="key", http_client=http, max_retries=0, default_headers={"X-Rollout-Id": "r"}
+            )
+            model = sdk_model(kind, client)
+            model.model = "mock/bigram-tiny"
+            agent = Agent(name="calc", instructions="Be brief.", tools=[calc], model=model, model_settings=ModelSettings(max_tokens=4))
+            with contextlib.suppress(ModelBehaviorError):  # (a Responses reply cut at max_tokens is incomplete)
+                await Runner.run(agent, "What is 2+3?", run_config=OFFLINE)
+            calls = (await http.get("/v1/asyncsess/rollouts/r", headers={"X-API-Key": "key"})).json()["calls"]
+    [call] = calls
+    assert call["endpoint"] == ("responses" if kind == "responses" else "chat.completions") and call["choices"][0]["tokens"]
