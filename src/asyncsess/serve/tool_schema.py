@@ -5,22 +5,32 @@ have), so a strict tool's arguments may break its schema; :func:`schema_error` s
 (``CapturedChoice.schema_errors``) for a reward to penalise. It checks the keywords OpenAI's strict mode takes:
 ``type``, ``enum``, ``const``, ``properties``, ``required``, ``additionalProperties``, ``items``, ``anyOf``,
 ``oneOf``, ``allOf``, local ``$ref`` (``#/$defs/...``), ``minimum`` / ``maximum`` (and exclusive), ``minLength`` /
-``maxLength``, ``minItems`` / ``maxItems`` and ``pattern``; others (``format``, ``description``) are not checked.
+``maxLength``, ``minItems`` / ``maxItems``; others are not checked: ``format``, and ``pattern`` (a client's regular
+expression could backtrack for minutes on the server's event loop). The check runs on the event loop, so it has a
+budget: a schema that needs more than ``MAX_STEPS`` steps (``anyOf`` over ``$ref`` cycles, say) is not checked.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-__all__ = ["schema_error"]
+__all__ = ["schema_error", "MAX_STEPS"]
 
 _MAX_DEPTH = 256  # schema levels followed (a $ref cycle that consumes no value stops here)
+MAX_STEPS = 100_000  # schema nodes visited per call (about 0.1 s); past it the call is not checked
+
+
+class _OutOfSteps(Exception):
+    pass
 
 
 def schema_error(schema: dict[str, Any], value: Any) -> str | None:
-    """The first way ``value`` breaks ``schema`` (``"arguments.city: expected string, got integer"``), else None."""
-    return _check(schema, value, "arguments", schema, 0)
+    """The first way ``value`` breaks ``schema`` (``"arguments.city: expected string, got integer"``), else None
+    (also when the schema needs more than ``MAX_STEPS`` steps to check)."""
+    try:
+        return _check(schema, value, "arguments", schema, 0, [MAX_STEPS])
+    except _OutOfSteps:
+        return None
 
 
 def _type_of(value: Any) -> str:
@@ -47,10 +57,13 @@ def _resolve(ref: str, root: dict[str, Any]) -> Any:
     return node
 
 
-def _check(schema: Any, value: Any, at: str, root: dict[str, Any], depth: int) -> str | None:
+def _check(schema: Any, value: Any, at: str, root: dict[str, Any], depth: int, steps: list[int]) -> str | None:
+    steps[0] -= 1
+    if steps[0] < 0:
+        raise _OutOfSteps
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return None if schema is not False else f"{at}: not allowed"
-    if isinstance(schema.get("$ref"), str) and (err := _check(_resolve(schema["$ref"], root), value, at, root, depth + 1)):
+    if isinstance(schema.get("$ref"), str) and (err := _check(_resolve(schema["$ref"], root), value, at, root, depth + 1, steps)):
         return err
     kind = _type_of(value)
     types = schema.get("type")
@@ -63,36 +76,29 @@ def _check(schema: Any, value: Any, at: str, root: dict[str, Any], depth: int) -
     if "const" in schema and not _same(value, schema["const"]):
         return f"{at}: expected {_show(schema['const'])}"
     for sub in schema.get("allOf") or []:
-        if err := _check(sub, value, at, root, depth + 1):
+        if err := _check(sub, value, at, root, depth + 1, steps):
             return err
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            passed = sum(_check(sub, value, at, root, depth + 1) is None for sub in options)
+            passed = sum(_check(sub, value, at, root, depth + 1, steps) is None for sub in options)
             if passed == 0 or (key == "oneOf" and passed > 1):
                 return f"{at}: matches {passed} of the {key} schemas"
     if kind == "object":
-        return _check_object(schema, value, at, root, depth)
+        return _check_object(schema, value, at, root, depth, steps)
     if kind == "array":
         for i, item in enumerate(value):
-            if err := _check(schema.get("items"), item, f"{at}.{i}", root, depth + 1):
+            if err := _check(schema.get("items"), item, f"{at}.{i}", root, depth + 1, steps):
                 return err
         return _bounds(len(value), schema, "minItems", "maxItems", at, "items")
     if kind == "string":
-        pattern = schema.get("pattern")
-        if isinstance(pattern, str):
-            try:
-                if re.search(pattern, value) is None:
-                    return f"{at}: does not match the pattern {_show(pattern)}"
-            except re.error:
-                pass  # a pattern Python cannot read: not checked
         return _bounds(len(value), schema, "minLength", "maxLength", at, "characters")
     if kind in ("integer", "number"):
         return _range(value, schema, at)
     return None
 
 
-def _check_object(schema: dict[str, Any], value: dict[str, Any], at: str, root: dict[str, Any], depth: int) -> str | None:
+def _check_object(schema: dict[str, Any], value: dict[str, Any], at: str, root: dict[str, Any], depth: int, steps: list[int]) -> str | None:
     props = schema.get("properties")
     props = props if isinstance(props, dict) else {}
     for name in schema.get("required") or []:
@@ -103,7 +109,7 @@ def _check_object(schema: dict[str, Any], value: dict[str, Any], at: str, root: 
         sub = props.get(name, extra)
         if sub is False:
             return f"{at}: unexpected property {_show(name)}"
-        if err := _check(sub, item, f"{at}.{name}", root, depth + 1):
+        if err := _check(sub, item, f"{at}.{name}", root, depth + 1, steps):
             return err
     return None
 
