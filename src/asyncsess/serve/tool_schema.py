@@ -75,7 +75,7 @@ def _check(schema: Any, value: Any, at: str, root: dict[str, Any], depth: int, s
         return f"{at}: {_show(value)} is not one of {_show(schema['enum'])}"
     if "const" in schema and not _same(value, schema["const"]):
         return f"{at}: expected {_show(schema['const'])}"
-    for sub in schema.get("allOf") or []:
+    for sub in _list(schema.get("allOf")):
         if err := _check(sub, value, at, root, depth + 1, steps):
             return err
     for key in ("anyOf", "oneOf"):
@@ -101,8 +101,8 @@ def _check(schema: Any, value: Any, at: str, root: dict[str, Any], depth: int, s
 def _check_object(schema: dict[str, Any], value: dict[str, Any], at: str, root: dict[str, Any], depth: int, steps: list[int]) -> str | None:
     props = schema.get("properties")
     props = props if isinstance(props, dict) else {}
-    for name in schema.get("required") or []:
-        if name not in value:
+    for name in _list(schema.get("required")):
+        if isinstance(name, str) and name not in value:
             return f"{at}: missing required property {_show(name)}"
     extra = schema.get("additionalProperties", True)
     for name, item in value.items():
@@ -112,6 +112,10 @@ def _check_object(schema: dict[str, Any], value: dict[str, Any], at: str, root: 
         if err := _check(sub, item, f"{at}.{name}", root, depth + 1, steps):
             return err
     return None
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []  # a keyword of the wrong type is not checked
 
 
 def _bounds(n: int, schema: dict[str, Any], low: str, high: str, at: str, what: str) -> str | None:
