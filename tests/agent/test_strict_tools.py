@@ -144,3 +144,19 @@ _SCHEMA = st.recursive(
 def test_any_schema_of_a_client_gives_an_answer_never_an_exception(schema, value):
     """The check runs while a call is served: a schema with keywords of any type (``"allOf": 5``) was a 500."""
     assert schema_error(schema, value) is None or isinstance(schema_error(schema, value), str)
+
+
+async def test_a_strict_call_from_the_chat_stream_helper_goes_back_as_the_client_gives_it(real):
+    """The stream helper parses a strict tool's arguments into ``parsed_arguments``; the message sent back with it was
+    a 400 (only null was taken)."""
+    front = OpenAIFront(ScriptedSampler(real, [GOOD, "It is 5."]))
+    tools = [{"type": "function", "function": STRICT}]
+    messages: list = [{"role": "user", "content": "2+3?"}]
+    async with front.openai_client("r") as client:
+        async with client.chat.completions.stream(model="policy", messages=messages, tools=tools) as stream:
+            final = await stream.get_final_completion()
+        message = final.choices[0].message
+        assert message.tool_calls[0].function.parsed_arguments == {"expr": "2+3"}
+        messages += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+    assert reply.choices[0].message.content == "It is 5."
