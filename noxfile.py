@@ -38,8 +38,8 @@ LOCAL_CORE = [
 ]
 
 
-def _install_core(session: nox.Session, *extra: str) -> None:
-    session.install("-e", ".[serve,test]", "-e", "backends/mock", "pytest>=8", "pytest-xdist>=3.6", "trio>=0.25", *extra)
+def _install_core(session: nox.Session, *extra: str, extras: str = "serve,test") -> None:
+    session.install("-e", f".[{extras}]", "-e", "backends/mock", "pytest>=8", "pytest-xdist>=3.6", "trio>=0.25", *extra)
 
 
 def pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -71,7 +71,7 @@ def tests_all(session: nox.Session, anyio_backend: str) -> None:
 
 
 def _mock_suite(session: nox.Session, anyio_backend: str, everything: bool) -> None:
-    _install_core(session)
+    _install_core(session, extras="serve,test,agents")  # agents: the OpenAI Agents SDK against the front (tests/agent)
     marks = MOCK_ONLY if everything else f"{MOCK_ONLY} and not once"
     pytest(session, "-m", marks, *session.posargs, env={"ASYNCSESS_ANYIO_BACKEND": anyio_backend})
 

@@ -21,6 +21,7 @@ _NEEDS = {
     "compat/test_doc_snippets_torch.py": ("torch",),
     "local/test_vllm_sampler.py": ("vllm",),
     "compat/test_bad_input_local.py": ("torch", "asyncsess_local"),
+    "agent/test_agents_sdk.py": ("agents",),  # openai-agents (the `agents` extra; the mock matrix installs it)
     "agent/test_chat_markup_local.py": ("torch", "asyncsess_local", "transformers", "tokenizers"),
     "compat/test_topk_local.py": ("torch", "asyncsess_local"),
     "compat/test_bad_input_sagemaker.py": ("boto3", "asyncsess_sagemaker"),

@@ -196,7 +196,7 @@ BAD = [
     ({"stop": ["a", "x" * 100_000]}, 400, "stop"),
     ({"stop": "x" * 1000}, 200, None),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages.0.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 400, "tools.0.function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, 200, None),  # sampled unconstrained, checked after
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200, None),
     (
         {

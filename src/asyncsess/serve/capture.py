@@ -28,6 +28,8 @@ class CapturedChoice(BaseModel):
     finish_reason: Literal["stop", "length", "tool_calls"]
     text: str = ""
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # tool-call id -> how its arguments break the schema of its ``strict`` tool (sampling is unconstrained): for a reward
+    schema_errors: dict[str, str] = Field(default_factory=dict)
 
 
 class CapturedCall(BaseModel):

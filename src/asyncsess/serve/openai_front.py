@@ -64,6 +64,7 @@ from .openai_wire import (
     validation_error,
 )
 from .responses_wire import ResponsesRequest, chat_request, response_events, response_object, responses_error
+from .tool_schema import schema_error
 
 __all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "Route"]
 
@@ -450,7 +451,13 @@ class OpenAIFront:
                 prompt_tokens=list(prompt),
                 choices=[
                     CapturedChoice(
-                        index=c.index, tokens=c.tokens, logprobs=c.logprobs, finish_reason=c.finish, text=c.text, tool_calls=c.tool_calls
+                        index=c.index,
+                        tokens=c.tokens,
+                        logprobs=c.logprobs,
+                        finish_reason=c.finish,
+                        text=c.text,
+                        tool_calls=c.tool_calls,
+                        schema_errors=c.schema_errors,
                     )
                     for c in choices
                 ],
@@ -495,9 +502,6 @@ class OpenAIFront:
                     json.loads(c.function.arguments)
                 except (ValueError, RecursionError):  # nested past the parser's recursion limit too
                     raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.{j}.function.arguments") from None
-        for i, t in enumerate(req.tools or []):
-            if t.function.strict:
-                raise FrontError("strict (schema-constrained) tool calls are not supported; leave it unset", f"tools.{i}.function.strict")
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -529,7 +533,8 @@ class OpenAIFront:
                 raise
             raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
-        choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools) for i, s in enumerate(seqs)]
+        strict = {t.function.name: t.function.parameters for t in req.tools or [] if t.function.strict}
+        choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict) for i, s in enumerate(seqs)]
         self._capture(rollout, index, endpoint, sent, binding, prompt, choices)
         return binding, prompt, choices, renderer
 
@@ -565,14 +570,24 @@ class OpenAIFront:
         return JSONResponse(body, headers=headers)
 
     def _chat_choice(
-        self, i: int, seq: SampledSequence, renderer: ChatRenderer, turn_stops: set[int], stops: list[str], parse_tools: bool
+        self,
+        i: int,
+        seq: SampledSequence,
+        renderer: ChatRenderer,
+        turn_stops: set[int],
+        stops: list[str],
+        parse_tools: bool,
+        strict: dict[str, dict[str, Any]],
     ) -> Choice:
+        """A sampled sequence as a reply; ``strict``: the schemas of the strict tools, which their calls' arguments are
+        checked against (sampling is not constrained: a call that breaks its schema is returned, and flagged in the capture)."""
         tokens, lps = list(seq.tokens), [float(x) for x in seq.logprobs or []]
         top = [_top_alternatives(seq, j) for j in range(len(tokens))]
         body = tokens[:-1] if seq.stop_reason == "stop" and tokens and tokens[-1] in turn_stops else tokens
         text = str(renderer.tokenizer.decode(body))  # special tokens kept: rendered back, they tokenize the same
         content, finish = _cut_at_stop(text, stops), "length" if seq.stop_reason == "length" else "stop"
         tool_calls: list[dict[str, Any]] = []
+        schema_errors: dict[str, str] = {}
         if parse_tools and "<tool_call>" in content:
             calls, error = parse_tool_calls(content)
             if error is None and calls:
@@ -582,12 +597,14 @@ class OpenAIFront:
                         {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
                     )
                     self._remember(call_id, text)
+                    if call.name in strict and (err := schema_error(strict[call.name], call.arguments)):
+                        schema_errors[call_id] = err
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
         # the log-probs served cover the reply's text (the whole of it for tool calls), never the end token
         served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content, skip_special_tokens=False)
         shown = content if content or not tool_calls else None
-        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served)  # type: ignore[arg-type]
+        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served, schema_errors)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ responses
 

@@ -3,6 +3,7 @@ encoding of replies, log-probs and server-sent-event streams. Pure data: no samp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -183,7 +184,7 @@ class _ToolDef(_Req):
 class _CallFunction(_Req):
     name: Text
     arguments: Text
-    parsed_arguments: None = None  # what the openai client's stream helper adds (for strict tools only)
+    parsed_arguments: dict[str, Any] | None = None  # what the openai client's stream helper adds (strict tools); not read
 
 
 class _ToolCall(_Req):
@@ -312,6 +313,7 @@ class Choice:
     content: str | None
     tool_calls: list[dict[str, Any]]
     served: int = -1  # the leading tokens the served log-probs cover: the reply's text, not its end token (-1: all)
+    schema_errors: dict[str, str] = dataclasses.field(default_factory=dict)  # tool-call id -> how it breaks its strict schema
 
     def shown(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """(token, log-prob, alternatives) of the tokens the reply shows: OpenAI's log-probs cover the content, not

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError, field_validator, model_validator
 
 from ..types import MAX_TOKENS
 from .openai_wire import ChatRequest, Choice, FrontError, OpenAIRequest, Text, _Req, content_pieces, validation_error
@@ -122,6 +122,37 @@ def _refuse_kinds(v: Any, field: str, kinds: tuple[str, ...], default: str | Non
     return v
 
 
+class _TextFormat(_Nullable):
+    type: Literal["text"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_text(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind is not None and kind != "text":
+            fix = "structured output is not constrained here; ask for JSON in the instructions and parse output_text"
+            raise FrontError(f"text format {json.dumps(kind)[:80]} is not supported: {fix}", "text.format.type", code="invalid_value")
+        return data
+
+
+class _TextConfig(_Nullable):
+    """``text``: plain text only, the default the Agents SDK and the openai client send (``{"format": {"type": "text"}}``)."""
+
+    format: _TextFormat | None = None
+
+
+class _Reasoning(_Nullable):
+    """``reasoning``: no settings (what ``Reasoning()`` dumps to); the policy's reasoning is its own text."""
+
+
+def _no_includes(v: Any) -> Any:
+    if isinstance(v, list) and v:
+        shown = json.dumps(v[0])[:80]
+        fix = "this server returns no reasoning, encrypted content, logprobs or tool results beyond the output items; send []"
+        raise FrontError(f"include {shown} is not supported: {fix}", "include.0", code="invalid_value")
+    return v
+
+
 class ResponsesRequest(OpenAIRequest):
     input: Text | Annotated[list[_Item], Field(min_length=1, max_length=4096)]
     instructions: Text | None = None
@@ -133,6 +164,11 @@ class ResponsesRequest(OpenAIRequest):
     previous_response_id: Any = None  # refused (by _stateless), with the fix
     conversation: Any = None
     stream_options: _StreamOptions | None = None
+    # what the Agents SDK sends by default, accepted in that form only (any other is a 400 naming it)
+    include: Annotated[list[Any], BeforeValidator(_no_includes)] | None = None
+    text: _TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: _Reasoning | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -201,10 +237,6 @@ def responses_error(err: FrontError, origins: Origins) -> FrontError:
 
 def chat_request(req: ResponsesRequest) -> tuple[ChatRequest, Origins]:
     """``req`` as a chat request, and where each of its messages came from."""
-    for i, t in enumerate(req.tools or []):
-        if t.strict:
-            fix = "leave strict false (the Agents SDK: function_tool(strict_mode=False))"
-            raise FrontError(f"strict (schema-constrained) tool calls are not supported; {fix}", f"tools.{i}.strict")
     messages: list[dict[str, Any]] = []
     origins = Origins()
 
@@ -234,7 +266,10 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatRequest, Origins]:
         else:
             add({"role": "tool", "tool_call_id": item.call_id, "content": item.text()}, at, f"{at}.output")
     tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters or {}}}
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters or {}, "strict": t.strict},
+        }
         for t in req.tools or []
     ]
     chat = {
