@@ -134,6 +134,8 @@ SAMPLER = {
     "pickle": _pickle("adapter_model.safetensors"),
     "NaN": _tensors("adapter_model.safetensors", lambda ts: {k: v * float("nan") for k, v in ts.items()}),
     "config linked out of the root": _link_out("adapter_config.json"),
+    "step as string": _meta("step", "3"),  # the step a capture reports as the weights' version
+    "negative step": _meta("step", -1),
 }
 
 

@@ -231,6 +231,32 @@ def test_a_session_id_serves_its_latest_weights_with_their_step(c, worker, mine,
     assert set(worker.backend.engine.samplers) <= samplers  # and its samplers are stopped
 
 
+def test_a_sampler_on_a_durable_save_reports_the_step_it_holds(c, mine, model):
+    """A sampler opened on a durable ``save_weights`` path, however the path is spelled, captures that save's step."""
+    sid = new_session(c, model, MINE)
+    datum = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]}}
+    paths, seq = [], 0
+    for step in (1, 2):
+        for op in (
+            {"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [datum]},
+            {"kind": "optim_step", "adam_params": {"learning_rate": 1e-2}},
+            {"kind": "save_weights", "name": f"durable-{step}", "ephemeral": False},
+        ):
+            seq += 1
+            r = c.post(f"/v1/sessions/{sid}/ops", json={**op, "seq": seq, "idempotency_key": f"d{seq}"}, headers=MINE)
+            assert r.status_code == 200, r.text
+        paths.append(r.json()["result"]["path"])
+    assert all(p.startswith("local:///") for p in paths)
+    for step, path in enumerate(paths, 1):
+        for spelling in (path, path.removeprefix("local://"), path + "/"):  # one directory, three spellings
+            smp = new_sampler(c, MINE, model_path=spelling)
+            mine.chat.completions.create(model=smp, messages=ASK, max_tokens=2, extra_headers={"X-Rollout-Id": f"d-{smp}"})
+            [call] = captured(c, f"d-{smp}", take=True)
+            assert (call.sampler_id, call.weight_version) == (smp, step)
+            c.delete(f"/v1/sessions/{smp}", headers=MINE)
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+
+
 def test_tenants_see_and_capture_only_their_own(c, mine, theirs, model):
     sid, smp = new_session(c, model, MINE), new_sampler(c, MINE, base_model=model)
     mine.chat.completions.create(model=smp, messages=ASK, max_tokens=3, extra_headers={"X-Rollout-Id": "secret"})

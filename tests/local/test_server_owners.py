@@ -67,13 +67,12 @@ async def test_a_thousand_create_and_delete_cycles_leave_the_owner_table_and_its
     assert set(restarted.state.owners.by_id) == {kept} and len(journal.read_text().splitlines()) == 1
 
 
-def test_the_steps_of_replaced_weights_are_dropped_unless_a_sampler_uses_them(tmp_path):
+def test_a_session_keeps_only_its_latest_weights(tmp_path):
     from asyncsess_local.tenants import Owners
 
     owners = Owners(tmp_path / ".owners.jsonl")
     for step in range(1000):
-        owners.saved_weights("s", f"local://ephemeral/s/{step}", step, in_use={"local://ephemeral/s/3"})
-    assert owners.weight_steps == {"local://ephemeral/s/3": 3, "local://ephemeral/s/999": 999}
+        owners.saved_weights("s", f"local://ephemeral/s/{step}")
     assert owners.latest_weights == {"s": "local://ephemeral/s/999"}
     owners.forget("s")
     assert owners.latest_weights == {}

@@ -205,9 +205,9 @@ class CheckpointStore:
             raise _bad(self.uri(path), META, "has no known kind or base_model", field)
         if meta["kind"] == "state":
             check_lora(self.uri(path), META, meta.get("rank"), meta.get("alpha"), meta.get("targets"), field)
-            step = meta.get("step", 0)
-            if type(step) is not int or not 0 <= step < 2**53:
-                raise _bad(self.uri(path), META, f"step {step!r:.40} is not a step count", field)
+        step = meta.get("step", 0)
+        if type(step) is not int or not 0 <= step < 2**53:
+            raise _bad(self.uri(path), META, f"step {step!r:.40} is not a step count", field)
         return meta
 
     def list(self, model_id: str | None = None) -> list[Checkpoint]:

@@ -99,7 +99,8 @@ class WorkerFronts:
                 # the previous weights stay open until the next change, for the calls still running on them
                 await self._stop(self._retired.pop(session_id, None))
                 self._retired[session_id] = current[1]
-        return self._session_samplers[session_id][1], self.owners.weight_steps.get(path, 0)
+        sampler_id = self._session_samplers[session_id][1]
+        return sampler_id, self.backend.engine.samplers[sampler_id].step
 
     async def _base_sampler(self, base_model: str) -> str:
         if base_model not in self._base:
@@ -114,7 +115,7 @@ class WorkerFronts:
             kind = self._own(key, model)
             if kind == "sampler":
                 ref = engine.samplers[model]
-                sampler_id, base, version = model, ref.slot.name, self.owners.weight_steps.get(ref.path or "", 0)
+                sampler_id, base, version = model, ref.slot.name, ref.step
             elif kind == "session":
                 base = engine.sessions[model].base_model
                 sampler_id, version = await self._session_sampler(model)
