@@ -97,6 +97,24 @@ async def test_unknown_scheme_names_the_fix():
             pass
 
 
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [
+        (5, "url"),  # AttributeError from urlsplit
+        ("mock://h:abc", "url"),  # ValueError from urlsplit's port
+        ("mock://h:99999", "url"),
+        ("http://", "url"),  # retried against no host until the op's deadline
+        ("mock://?latency_ms=nan", "url ?latency_ms="),  # ValueError from anyio's sleep at the first call
+        ("mock://?latency_ms=inf", "url ?latency_ms="),  # every call slept forever
+    ],
+)
+async def test_a_url_that_cannot_name_a_backend_is_refused_naming_it(url, field):
+    with pytest.raises(InvalidInputError) as err:
+        async with ServiceClient(url):
+            pass
+    assert err.value.field == field and err.value.fix
+
+
 async def test_url_defaults_to_the_environment_then_local(monkeypatch):
     monkeypatch.setenv("ASYNCSESS_URL", "mock://?latency_ms=1")
     assert ServiceClient().url == "mock://?latency_ms=1"
