@@ -115,6 +115,15 @@ async def test_a_url_that_cannot_name_a_backend_is_refused_naming_it(url, field)
     assert err.value.field == field and err.value.fix
 
 
+@pytest.mark.parametrize("option", [{"latency_ms": float("nan")}, {"slow_ms": float("inf")}, {"jitter_ms": float("nan")}])
+async def test_a_mock_option_given_by_keyword_is_checked_as_the_url_is(option):
+    """A keyword option skipped the URL's check: latency_ms=NaN failed the first call with anyio's ValueError."""
+    with pytest.raises(InvalidInputError) as err:
+        async with ServiceClient("mock://", **option):
+            pass
+    assert err.value.field == f"url ?{next(iter(option))}="
+
+
 async def test_url_defaults_to_the_environment_then_local(monkeypatch):
     monkeypatch.setenv("ASYNCSESS_URL", "mock://?latency_ms=1")
     assert ServiceClient().url == "mock://?latency_ms=1"
