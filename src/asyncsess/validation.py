@@ -607,7 +607,7 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
         return None
     try:
         tensor = _csr_target(target) or TensorData.coerce("target_prompt_logprobs", target)
-    except (TypeError, ValueError, ValidationError) as err:
+    except (TypeError, ValueError, OverflowError, ValidationError) as err:  # 10**400 among floats: float() overflows
         raise InvalidInputError(
             str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]"
         ) from None

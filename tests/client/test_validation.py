@@ -376,3 +376,11 @@ async def test_numpy_counts_are_counts_and_a_float_count_is_not_called_out_of_ra
     with _bad("num_samples") as err:
         sc.sample([1, 2], 2.0)
     assert "not a whole number" in str(err.value)
+
+
+async def test_a_target_prompt_logprobs_id_past_float_range_is_refused_typed(tc):
+    """An id of 10**400 among floats in target_prompt_logprobs raised OverflowError (int too large to convert to float)."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    with _bad("target_prompt_logprobs"):
+        sc.sample([1, 2, 3], 1, {"max_tokens": 2}, target_prompt_logprobs=[0.5, 10**400])
+    assert len((await sc.sample([1, 2, 3], 1, {"max_tokens": 2}, target_prompt_logprobs=[[1, 2], [3, -1]])).sequences) == 1
