@@ -86,6 +86,8 @@ from .types import (
 from .validation import (
     MAX_SAMPLES,
     MAX_TOPK,
+    check_base_model,
+    check_bound,
     check_checkpoint_path,
     check_count,
     check_datums,
@@ -98,6 +100,7 @@ from .validation import (
     check_seed,
     check_session_options,
     check_target_prompt_logprobs,
+    check_timeout,
     check_ttl_seconds,
     check_user_metadata,
     coerce_adam_params,
@@ -128,9 +131,9 @@ class ServiceClient:
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
     sampling pool's bounds), ``heartbeat_interval`` (seconds; 0 disables), ``max_chunk_datums`` /
     ``max_chunk_bytes`` (larger ``forward``/``forward_backward`` batches are split into consecutive ops
-    and merged back), ``backend`` (an already-open :class:`Backend` to use instead of loading one from the
-    URL: a server hosting several doors shares one; its owner opens and closes it); everything else goes to
-    the backend (e.g. ``role_arn`` for SageMaker).
+    and merged back; the four bounds are whole numbers >= 1, checked here), ``backend`` (an already-open
+    :class:`Backend` to use instead of loading one from the URL: a server hosting several doors shares one;
+    its owner opens and closes it); everything else goes to the backend (e.g. ``role_arn`` for SageMaker).
     """
 
     def __init__(
@@ -154,10 +157,13 @@ class ServiceClient:
         self.retries = 0
         self._on_retry = on_retry
         self._options = options
-        self._limiter = SamplingLimiter(max_samples_in_flight, max_sample_bytes)
-        self._heartbeat_interval = heartbeat_interval
-        self.max_chunk_datums = max_chunk_datums
-        self.max_chunk_bytes = max_chunk_bytes
+        self._limiter = SamplingLimiter(
+            check_bound(max_samples_in_flight, "max_samples_in_flight"), check_bound(max_sample_bytes, "max_sample_bytes")
+        )
+        every = check_timeout(heartbeat_interval, "heartbeat_interval", fix="give seconds > 0, or 0 for no heartbeat")
+        self._heartbeat_interval = 0.0 if every is None else every  # None or inf: never
+        self.max_chunk_datums = check_bound(max_chunk_datums, "max_chunk_datums")
+        self.max_chunk_bytes = check_bound(max_chunk_bytes, "max_chunk_bytes")
         self._backend: Backend | None = None
         self._opened = False
         self._opening: anyio.Event | None = None  # set while a first call opens the client (Tinker's style, no `async with`)
@@ -290,10 +296,13 @@ class ServiceClient:
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf")):
             raise InvalidInputError(f"{alpha!r} must be > 0", field="alpha", fix="e.g. alpha=2*rank, or None for the backend default")
         check_seed(seed)
-        mlp, attn, unembed = (True if f is None else f for f in (train_mlp, train_attn, train_unembed))  # SageMaker: None = default
+        mlp, attn, unembed = (  # SageMaker: None = default; "false" was truthy (the worker over http:// refused it)
+            True if f is None else _check_bool(f, name)
+            for f, name in ((train_mlp, "train_mlp"), (train_attn, "train_attn"), (train_unembed, "train_unembed"))
+        )
         if not (mlp or attn or unembed):
             raise InvalidInputError("nothing to train", field="train_mlp/train_attn/train_unembed", fix="leave at least one True")
-        _check_base_model(base_model)
+        check_base_model(base_model)
         options = check_session_options(
             {
                 "training_session_name": training_session_name,
@@ -393,7 +402,7 @@ class ServiceClient:
         if model_path is not None:
             model_path = check_checkpoint_path(model_path, "model_path")
         else:
-            _check_base_model(base_model)
+            check_base_model(base_model)
         return await self._open_sampler(SamplerSpec(base_model=base_model, model_path=model_path), base_model or "")
 
     async def list_checkpoints(self, model_id: str | None = None) -> list[Checkpoint]:
@@ -515,7 +524,7 @@ class ServiceClient:
             raise InvalidInputError("give exactly one of path and model_package_arn", field="path")
         path = check_checkpoint_path(path if path is not None else arn)
         if base_model is not None:
-            _check_base_model(base_model)
+            check_base_model(base_model)
         rank, alpha = options.pop("rank", 32), options.pop("alpha", None)
         check_lora_rank(rank)
         for ignored in ("seed", "train_mlp", "train_attn", "train_unembed"):
@@ -1012,6 +1021,8 @@ class TrainingClient:
         """A sampler on ``model_path`` (SageMaker: ``model_package_arn``), or on the current weights when none is given.
         ``record_stability_info=True`` is refused, as in :meth:`ServiceClient.create_sampling_client`."""
         check_record_stability_info(record_stability_info)
+        if model_path not in (None, "") and model_package_arn not in (None, ""):  # the ARN was silently ignored
+            raise InvalidInputError("give model_path or model_package_arn, not both", field="model_package_arn")
         path = model_path if model_path not in (None, "") else model_package_arn
         if path in (None, ""):
             return await self.save_weights_and_get_sampling_client()
@@ -1282,18 +1293,6 @@ def _check_bool(value: Any, field: str) -> bool:
     return value
 
 
-def _check_base_model(base_model: Any) -> str:
-    if not isinstance(base_model, str) or not base_model.strip() or len(base_model) > 512 or "\x00" in base_model:
-        raise InvalidInputError(
-            f"{base_model!r} is not a model name", field="base_model", fix="e.g. 'Qwen/Qwen3-0.6B' or see list_base_models()"
-        )
-    try:
-        base_model.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInputError("is not valid Unicode", field="base_model", fix="see list_base_models()") from None
-    return base_model
-
-
 def _looks_like_inputs(value: Any) -> bool:
     """A mapping of per-token arrays (SageMaker's ``loss_fn_inputs``), not of scalars (``loss_fn_config``)."""
     if not isinstance(value, Mapping) or not value:
@@ -1429,7 +1428,7 @@ class SamplingClient:
         """
         self._require_attached("sample")
         tokens = coerce_prompt(prompt, self._encode)
-        check_count(num_samples, "num_samples", low=1, high=MAX_SAMPLES)
+        num_samples = check_count(num_samples, "num_samples", low=1, high=MAX_SAMPLES)  # numpy's int as a plain int
         params = coerce_sampling_params(sampling_params)
         _check_bool(include_prompt_logprobs, "include_prompt_logprobs")
         k_prompt = check_count(topk_prompt_logprobs or 0, "topk_prompt_logprobs", high=MAX_TOPK)
@@ -1594,8 +1593,7 @@ class RestClient:
 
     def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[TrainingRunsResponse]:
         """Training sessions this ServiceClient opened, newest first (Tinker's ``.training_runs`` and ``.cursor``)."""
-        check_count(limit, "limit", low=1, high=10**6)
-        check_count(offset, "offset", high=10**9)
+        limit, offset = check_count(limit, "limit", low=1, high=10**6), check_count(offset, "offset", high=10**9)
         return self._spawn("list_training_runs", self._runs, limit, offset)
 
     def get_training_run(self, training_run_id: str) -> APIFuture[TrainingRun]:
@@ -1607,8 +1605,7 @@ class RestClient:
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
         """Every checkpoint on the backend, newest first (Tinker's ``.checkpoints`` and ``.cursor``)."""
-        check_count(limit, "limit", low=1, high=10**6)
-        check_count(offset, "offset", high=10**9)
+        limit, offset = check_count(limit, "limit", low=1, high=10**6), check_count(offset, "offset", high=10**9)
         return self._spawn("list_user_checkpoints", self._all_checkpoints, limit, offset)
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:

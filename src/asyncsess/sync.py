@@ -43,9 +43,9 @@ class ServiceClient:
     :class:`RetryEvent` before each backoff), ``max_samples_in_flight`` / ``max_sample_bytes`` (the
     sampling pool's bounds), ``heartbeat_interval`` (seconds; 0 disables), ``max_chunk_datums`` /
     ``max_chunk_bytes`` (larger ``forward``/``forward_backward`` batches are split into consecutive ops
-    and merged back), ``backend`` (an already-open :class:`Backend` to use instead of loading one from the
-    URL: a server hosting several doors shares one; its owner opens and closes it); everything else goes to
-    the backend (e.g. ``role_arn`` for SageMaker)."""
+    and merged back; the four bounds are whole numbers >= 1, checked here), ``backend`` (an already-open
+    :class:`Backend` to use instead of loading one from the URL: a server hosting several doors shares one;
+    its owner opens and closes it); everything else goes to the backend (e.g. ``role_arn`` for SageMaker)."""
 
     _async: _client.ServiceClient
 

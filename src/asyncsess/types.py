@@ -132,6 +132,11 @@ class ModelInput(_Input):
             if "chunks" in values:
                 raise ValueError("give chunks or prompt, not both")
             return {"chunks": [{"tokens": list(values["prompt"])}]}
+        if isinstance(values, dict) and isinstance(values.get("chunks"), (list, tuple)):
+            for i, chunk in enumerate(values["chunks"]):
+                kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else "encoded_text"
+                if kind != "encoded_text":  # Tinker's image, image_asset_pointer and dmel chunks
+                    raise ValueError(f"chunks[{i}] has type {kind!r:.40}: only token chunks (encoded_text) are supported")
         return values
 
     @classmethod
@@ -157,7 +162,7 @@ class ModelInput(_Input):
                 return cls.from_any(value["prompt"])
             return cls.model_validate(value)
         if hasattr(value, "chunks") and not isinstance(value, (str, bytes)):
-            return cls.model_validate({"chunks": [c if isinstance(c, dict) else {"tokens": list(c.tokens)} for c in value.chunks]})
+            return cls.model_validate({"chunks": [_chunk_dict(c) for c in value.chunks]})
         if getattr(value, "is_meta", False):
             raise TypeError("a tensor on the meta device holds no token ids; pass one on the CPU or a GPU")
         if hasattr(value, "tolist"):
@@ -193,6 +198,15 @@ class ModelInput(_Input):
 
     def append_int(self, token: int) -> ModelInput:
         return self.append(EncodedTextChunk.model_construct(tokens=[int(token)], type="encoded_text"))
+
+
+def _chunk_dict(chunk: Any) -> Any:
+    """Another library's chunk (Tinker's) as a dict: its tokens, or its ``type`` when it has none (an image)."""
+    if isinstance(chunk, dict):
+        return chunk
+    if not hasattr(chunk, "tokens"):
+        return {"type": str(getattr(chunk, "type", type(chunk).__name__))}
+    return {"tokens": list(chunk.tokens)}
 
 
 # Keys whose lists are coerced to a fixed dtype (both anchors' tables).

@@ -6,7 +6,9 @@ A rejected op consumes no sequence number, because these run before one is assig
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "coerce_prompt",
     "coerce_sampling_params",
     "coerce_adam_params",
+    "check_base_model",
     "check_checkpoint_name",
     "check_overwrite",
     "free_name",
@@ -41,6 +44,7 @@ __all__ = [
     "check_user_metadata",
     "check_session_options",
     "check_count",
+    "check_bound",
     "check_target_prompt_logprobs",
     "is_checkpoint_name",
     "all_finite_f32",
@@ -68,7 +72,7 @@ LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
 
 
 def check_loss_fn(loss_fn: str, supported: Sequence[str] | None = None) -> str:
-    if loss_fn == "stable_reinforce":
+    if isinstance(loss_fn, str) and loss_fn == "stable_reinforce":  # a numpy array's == is an array: no truth value
         raise UnsupportedError("Tinker's stable_reinforce is not offered", field="loss_fn", fix=STABLE_REINFORCE_FIX)
     if not isinstance(loss_fn, str) or loss_fn not in LOSS_INPUTS:  # a list or dict raised TypeError (unhashable)
         raise InvalidInputError(
@@ -233,6 +237,12 @@ def check_datums(
             if tensor.dtype != want:
                 raise InvalidInputError(f"dtype is {tensor.dtype}", field=where, fix=f"use {want}")
             shape = tensor.shape or [len(tensor.data)]
+            if math.prod(shape) != len(tensor.data):  # a tensor built with model_construct, or edited after it was checked
+                raise InvalidInputError(
+                    f"shape {shape} holds {math.prod(shape)} values but data has {len(tensor.data)}",
+                    field=where,
+                    fix="give as many values as the shape holds (TensorData(...) checks this when it is built)",
+                )
             if shape != expected:
                 also = f" or [{n}, K] for {loss_fn} on this backend" if multi_target and len(expected) == 1 else ""
                 raise InvalidInputError(
@@ -318,8 +328,8 @@ def coerce_prompt(prompt: Any, encode: Callable[[str], list[int]] | None = None,
             raise InvalidInputError(str(err), field=field, fix="pass ModelInput or list[int]") from None
         except ValidationError as err:
             e = err.errors()[0]
-            where = ".".join(map(str, e["loc"]))
-            raise InvalidInputError(f"{where}: {e['msg']}", field=field, fix="pass ModelInput or list[int]") from None
+            where, msg = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
+            raise InvalidInputError(f"{where}: {msg}" if where else msg, field=field, fix="pass ModelInput or list[int]") from None
     if not tokens:
         raise InvalidInputError("is empty", field=field, fix="give at least one token")
     if not 0 <= min(tokens) <= max(tokens) < 2**63:
@@ -425,6 +435,19 @@ def _check_text(value: Any, field: str, limit: int) -> str:
     return value
 
 
+def check_base_model(base_model: Any, field: str = "base_model") -> str:
+    """A base model's name: 1-512 characters of valid Unicode, not blank, no NUL."""
+    if not isinstance(base_model, str) or not base_model.strip() or len(base_model) > 512 or "\x00" in base_model:
+        raise InvalidInputError(
+            f"{base_model!r:.80} is not a model name", field=field, fix="e.g. 'Qwen/Qwen3-0.6B' or see list_base_models()"
+        )
+    try:
+        base_model.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError("is not valid Unicode", field=field, fix="see list_base_models()") from None
+    return base_model
+
+
 def check_checkpoint_path(path: Any, field: str = "path") -> str:
     """A checkpoint's path as a save result gives it (``scheme://...`` or an ARN), as bounded, clean text."""
     fix = "pass the .path of a save_state/save_weights result"
@@ -469,15 +492,14 @@ def check_ttl_seconds(ttl: Any) -> int | None:
     return ttl
 
 
-def check_timeout(timeout: Any, field: str = "timeout") -> float | None:
-    """A wait's limit in seconds: ``None`` or ``inf`` (no limit, returned as ``None``), else a number >= 0."""
+def check_timeout(timeout: Any, field: str = "timeout", fix: str = "give seconds >= 0, or None to wait without a limit") -> float | None:
+    """A wait's limit in seconds: ``None``, ``inf`` or anything from ``threading.TIMEOUT_MAX`` (~292 years) up (no limit,
+    returned as ``None``: a thread's wait refuses a longer one with ``OverflowError``), else a number >= 0."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
-        raise InvalidInputError(
-            f"{timeout!r:.40} is not a number of seconds >= 0", field=field, fix="give seconds >= 0, or None to wait without a limit"
-        )
-    return None if timeout == math.inf else float(timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:  # != : NaN
+        raise InvalidInputError(f"{timeout!r:.40} is not a number of seconds >= 0", field=field, fix=fix)
+    return None if timeout >= threading.TIMEOUT_MAX else float(timeout)
 
 
 def check_lora_rank(rank: Any, field: str = "rank") -> int:
@@ -564,9 +586,19 @@ def check_session_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def check_count(value: Any, field: str, *, low: int = 0, high: int = 10_000, none_ok: bool = False) -> Any:
     if value is None and none_ok:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy's ints are counts too (pydantic takes them)
+        raise InvalidInputError(f"{value!r:.40} is not a whole number", field=field, fix=f"an int in {low}..{high}")
+    if not low <= int(value) <= high:
         raise InvalidInputError(f"{value!r:.40} is out of range", field=field, fix=f"an int in {low}..{high}")
-    return value
+    return int(value)
+
+
+def check_bound(value: Any, field: str) -> int:
+    """A client's bound (requests or bytes in flight, datums or bytes per chunk): a whole number >= 1. With 0 a sampling
+    pool admitted nothing, and every ``sample`` waited forever."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidInputError(f"{value!r:.40} is not a whole number >= 1", field=field, fix=f"give {field} >= 1, or leave the default")
+    return int(value)
 
 
 def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[int, ...], ...] | None:
@@ -575,7 +607,7 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
         return None
     try:
         tensor = _csr_target(target) or TensorData.coerce("target_prompt_logprobs", target)
-    except (TypeError, ValueError, ValidationError) as err:
+    except (TypeError, ValueError, OverflowError, ValidationError) as err:  # 10**400 among floats: float() overflows
         raise InvalidInputError(
             str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]"
         ) from None
@@ -616,11 +648,19 @@ def check_finite(d: Datum, i: int) -> None:
                     fix="give finite float32 values",
                 )
         else:
-            bad = next((v for v in tensor.data if not 0 <= v < 2**63), None)
+            bad = next((v for v in tensor.data if _not_an_id(v)), None)
             if bad is not None:
                 raise InvalidInputError(
-                    f"id {bad} is not a token id", field=f"data[{i}].loss_fn_inputs[{key!r:.60}]", fix="ids in 0..2**63-1"
+                    f"id {bad!r:.40} is not a token id", field=f"data[{i}].loss_fn_inputs[{key!r:.60}]", fix="whole numbers in 0..2**63-1"
                 )
-    bad = next((t for t in d.model_input.to_ints() if not 0 <= t < 2**63), None)
+    bad = next((t for t in d.model_input.to_ints() if _not_an_id(t)), None)
     if bad is not None:
-        raise InvalidInputError(f"id {bad} is not a token id", field=f"data[{i}].model_input", fix="ids in 0..2**63-1")
+        raise InvalidInputError(f"id {bad!r:.40} is not a token id", field=f"data[{i}].model_input", fix="whole numbers in 0..2**63-1")
+
+
+def _not_an_id(v: Any) -> bool:
+    """Not a whole number in int64's range: a float such as 40.5 in a tensor built with model_construct (or edited
+    after its check) was truncated to 40 by the backend, a bool read as 1."""
+    if type(v) is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+        return True
+    return not 0 <= int(v) < 2**63

@@ -1,6 +1,7 @@
 import pytest
 
-from asyncsess.rl.data import center_advantages, rl_datum
+from asyncsess import InvalidInputError
+from asyncsess.rl.data import center_advantages, rl_datum, sft_datum
 
 pytestmark = pytest.mark.anyio
 
@@ -19,6 +20,14 @@ def test_rl_datum_masks_the_prompt_and_aligns_targets():
     assert d.loss_fn_inputs["target_tokens"].data == [2, 3, 4, 5]
     assert d.loss_fn_inputs["advantages"].data == [0, 0, 0.5, 0.5]
     assert d.loss_fn_inputs["logprobs"].data == [0, 0, -0.1, -0.2]
+
+
+def test_a_datum_builder_refuses_an_empty_prompt():
+    """With no prompt token, rl_datum gave one more log-prob and advantage than targets (and sft_datum one more weight)."""
+    for build in (lambda: rl_datum([], [4, 5], [-0.1, -0.2], 0.5), lambda: sft_datum([], [4, 5])):
+        with pytest.raises(InvalidInputError) as err:
+            build()
+        assert err.value.field == "prompt" and err.value.fix
 
 
 async def test_grpo_example_mean_reward_rises():

@@ -1,5 +1,6 @@
 """Bad input fails before sending, with a typed error naming the field; no sequence number is used."""
 
+import numpy as np
 import pytest
 
 from asyncsess import Datum, InvalidInputError, ModelInput, ServiceClient
@@ -96,6 +97,33 @@ async def test_unknown_scheme_names_the_fix():
             pass
 
 
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [
+        (5, "url"),  # AttributeError from urlsplit
+        ("mock://h:abc", "url"),  # ValueError from urlsplit's port
+        ("mock://h:99999", "url"),
+        ("http://", "url"),  # retried against no host until the op's deadline
+        ("mock://?latency_ms=nan", "url ?latency_ms="),  # ValueError from anyio's sleep at the first call
+        ("mock://?latency_ms=inf", "url ?latency_ms="),  # every call slept forever
+    ],
+)
+async def test_a_url_that_cannot_name_a_backend_is_refused_naming_it(url, field):
+    with pytest.raises(InvalidInputError) as err:
+        async with ServiceClient(url):
+            pass
+    assert err.value.field == field and err.value.fix
+
+
+@pytest.mark.parametrize("option", [{"latency_ms": float("nan")}, {"slow_ms": float("inf")}, {"jitter_ms": float("nan")}])
+async def test_a_mock_option_given_by_keyword_is_checked_as_the_url_is(option):
+    """A keyword option skipped the URL's check: latency_ms=NaN failed the first call with anyio's ValueError."""
+    with pytest.raises(InvalidInputError) as err:
+        async with ServiceClient("mock://", **option):
+            pass
+    assert err.value.field == f"url ?{next(iter(option))}="
+
+
 async def test_url_defaults_to_the_environment_then_local(monkeypatch):
     monkeypatch.setenv("ASYNCSESS_URL", "mock://?latency_ms=1")
     assert ServiceClient().url == "mock://?latency_ms=1"
@@ -177,9 +205,10 @@ async def test_a_bool_in_a_prompt_is_refused_not_read_as_token_1(tc, prompt):
         assert err.value.field == "prompt" and "bool" in str(err.value)
 
 
-@pytest.mark.parametrize("loss_fn", [["cross_entropy"], {"name": "ppo"}, 3, None])
+@pytest.mark.parametrize("loss_fn", [["cross_entropy"], {"name": "ppo"}, 3, None, np.array(["ppo", "dro"])])
 async def test_a_loss_that_is_not_a_name_is_a_typed_error(tc, loss_fn):
-    """A list or dict as loss_fn raised TypeError (unhashable type) from the loss table, not InvalidInputError."""
+    """A list or dict as loss_fn raised TypeError (unhashable type) from the loss table, not InvalidInputError; a numpy
+    array of names, ValueError ('truth value of an array ... is ambiguous')."""
     with _bad("loss_fn"):
         tc.forward_backward([sft_datum([1, 40, 41])], loss_fn)
     assert tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy").seq == 1
@@ -221,3 +250,137 @@ async def test_torch_forms_of_a_datum_are_taken_or_refused_typed_before_numberin
             tc.forward_backward([datum], "cross_entropy")
         assert field in err.value.field and err.value.fix
     assert tc.current_sequence_number == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_samples_in_flight", 0),  # the pool admitted nothing: every sample() waited forever
+        ("max_samples_in_flight", -1),
+        ("max_samples_in_flight", "8"),  # a TypeError at the first sample()
+        ("max_sample_bytes", 0),
+        ("max_chunk_datums", True),
+        ("max_chunk_bytes", 2.5),
+        ("heartbeat_interval", float("nan")),  # NaN > 0 is False: the heartbeat was silently off
+        ("heartbeat_interval", -1.0),
+        ("heartbeat_interval", "10"),  # a TypeError when the client opened
+    ],
+)
+async def test_a_client_bound_out_of_range_is_refused_when_the_client_is_made(field, value):
+    with pytest.raises(InvalidInputError) as err:
+        ServiceClient("mock://", **{field: value})
+    assert err.value.field == field and err.value.fix
+
+
+async def test_client_bounds_in_range_are_taken():
+    import numpy as np
+
+    async with ServiceClient("mock://", max_samples_in_flight=np.int64(1), max_chunk_datums=1, heartbeat_interval=float("inf")) as svc:
+        sc = await svc.create_sampling_client(base_model="m")
+        assert len((await sc.sample([1, 2], 2, {"max_tokens": 2})).sequences) == 2
+        assert svc._limiter.max_in_flight == 1 and svc._heartbeat_interval == 0.0  # inf: no heartbeat, as 0
+
+
+class _ImageChunk:
+    """Tinker's ``ImageChunk``: a chunk with no token ids."""
+
+    type = "image"
+    data = b"\x89PNG"
+    expected_tokens = 4
+
+
+class _ForeignModelInput:
+    """Another library's ``ModelInput`` (Tinker's), read by its ``chunks``."""
+
+    def __init__(self, *chunks: object) -> None:
+        self.chunks = list(chunks)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        _ForeignModelInput(ModelInput.from_ints([1, 40]).chunks[0], _ImageChunk()),
+        {"chunks": [{"type": "encoded_text", "tokens": [1, 40]}, {"type": "image", "data": "iVBO", "format": "png"}]},
+    ],
+    ids=["tinker-object", "json"],
+)
+async def test_an_image_chunk_is_refused_by_name_before_numbering(tc, prompt):
+    """Tinker's ModelInput with an image chunk raised AttributeError ('no attribute tokens') from sample and
+    forward_backward; its JSON form was refused as a missing 'tokens' field."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    before = tc.current_sequence_number
+    datum = {"model_input": prompt, "loss_fn_inputs": {"target_tokens": [40, 41, 42], "weights": [1.0] * 3}}
+    for call, field in [
+        (lambda: sc.sample(prompt, 1, {"max_tokens": 2}), "prompt"),
+        (lambda: sc.compute_logprobs(prompt), "prompt"),
+        (lambda: tc.forward_backward([datum], "cross_entropy"), "data[0]"),
+    ]:
+        with pytest.raises(InvalidInputError) as err:
+            call()
+        assert err.value.field == field and "chunks[1] has type 'image'" in str(err.value)
+    assert tc.current_sequence_number == before
+
+
+async def test_a_tensor_whose_data_does_not_fill_its_shape_is_refused_before_numbering(tc):
+    """The client compared a tensor's shape with the input, not with its data: a tensor edited after it was checked
+    (or built with model_construct) reached the backend, which refused it once numbered, poisoning every later op."""
+    d = Datum(model_input=ModelInput.from_ints([1, 40]), loss_fn_inputs={"target_tokens": [40, 41], "weights": [1.0, 1.0]})
+    d.loss_fn_inputs["weights"].data.append(1.0)
+    with _bad("data[0].loss_fn_inputs['weights']") as err:
+        tc.forward_backward([d], "cross_entropy")
+    assert "shape [2] holds 2 values but data has 3" in str(err.value)
+    d.loss_fn_inputs["weights"].data.pop()
+    d.loss_fn_inputs["target_tokens"].data[0] = 40.5  # was truncated to token 40 and trained on
+    with _bad("data[0].loss_fn_inputs['target_tokens']") as err:
+        tc.forward_backward([d], "cross_entropy")
+    assert "id 40.5 is not a token id" in str(err.value)
+    assert tc.current_sequence_number == 0
+    assert (await tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy")).metrics["loss:sum"] > 0
+
+
+@pytest.mark.parametrize("field", ["train_mlp", "train_attn", "train_unembed"])
+async def test_a_train_flag_that_is_not_a_bool_is_refused_naming_it(field):
+    """train_mlp="false" was taken as truthy on mock:// and local:// (an http:// worker refused it: one rule now)."""
+    async with ServiceClient("mock://") as svc:
+        for value in ("false", 0, 1.0):
+            with pytest.raises(InvalidInputError) as err:
+                await svc.create_lora_training_client("m", rank=4, **{field: value})
+            assert err.value.field == field
+        tc = await svc.create_lora_training_client("m", rank=4, **{field: None})  # SageMaker's None: the default
+        assert tc.get_info().lora_rank == 4
+
+
+async def test_a_training_clients_sampler_refuses_both_spellings_of_its_path(tc):
+    """Given model_path and model_package_arn, the training client's create_sampling_client used the first and dropped
+    the other without a word (the ServiceClient's refused it)."""
+    saved = (await tc.save_weights_for_sampler("w")).path
+    with _bad("model_package_arn"):
+        await tc.create_sampling_client(saved, model_package_arn="arn:aws:sagemaker:us-west-2:1:model-package/x/1")
+    assert (await tc.create_sampling_client(model_package_arn=saved)).model_package_arn == saved
+
+
+async def test_numpy_counts_are_counts_and_a_float_count_is_not_called_out_of_range(tc, monkeypatch):
+    """num_samples=np.int64(2) was refused as 'np.int64(2) is out of range' (pydantic's own fields take numpy ints);
+    it reaches the backend as a plain int (JSON has no numpy ints)."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    backend, seen = sc._svc.backend, []
+    real = backend.sample
+
+    async def spy(sampler_id, request):
+        seen.append((type(request.num_samples), type(request.topk_sample_logprobs)))
+        return await real(sampler_id, request)
+
+    monkeypatch.setattr(backend, "sample", spy)
+    out = await sc.sample([1, 2], np.int64(2), {"max_tokens": 2}, topk_sample_logprobs=np.int32(1))
+    assert len(out.sequences) == 2 and len(out.sequences[0].topk_logprobs[0]) == 1 and seen == [(int, int)]
+    with _bad("num_samples") as err:
+        sc.sample([1, 2], 2.0)
+    assert "not a whole number" in str(err.value)
+
+
+async def test_a_target_prompt_logprobs_id_past_float_range_is_refused_typed(tc):
+    """An id of 10**400 among floats in target_prompt_logprobs raised OverflowError (int too large to convert to float)."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    with _bad("target_prompt_logprobs"):
+        sc.sample([1, 2, 3], 1, {"max_tokens": 2}, target_prompt_logprobs=[0.5, 10**400])
+    assert len((await sc.sample([1, 2, 3], 1, {"max_tokens": 2}, target_prompt_logprobs=[[1, 2], [3, -1]])).sequences) == 1

@@ -272,3 +272,16 @@ def test_a_custom_loss_that_blocks_on_the_facade_fails_typed_and_the_client_goes
             tc.forward_backward_custom([d], loss).result()
         assert err.value.field == "loss_fn" and isinstance(err.value.__cause__, FacadeMisuseError)
         assert tc.forward_backward([d], "cross_entropy").result().loss > 0
+
+
+@pytest.mark.parametrize("timeout", [1e10, 10**400], ids=["1e10", "10**400"])
+def test_a_timeout_longer_than_a_thread_can_wait_is_no_limit(timeout):
+    """result(timeout=1e10) on a pending future raised OverflowError ('timeout value is too large': a thread waits
+    at most threading.TIMEOUT_MAX, ~292 years); 10**400 raised OverflowError from the timeout check itself."""
+    with sync_api.ServiceClient("mock://?latency_ms=50") as svc:
+        tc = svc.create_lora_training_client("mock/bigram-tiny", rank=4)
+        fb = tc.forward([sft_datum([1, 40], [41])])
+        assert not fb.done() and fb.result(timeout=timeout).loss > 0
+        step = tc.optim_step()
+        assert not step.done() and step.exception(timeout=timeout) is None
+        assert anyio.run(tc.forward([sft_datum([1, 40], [41])]).result_async, timeout).loss > 0

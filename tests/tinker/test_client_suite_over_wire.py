@@ -38,6 +38,8 @@ NOT_OVER_WIRE: dict[str, str] = {
     "test_keyboard_interrupt_stops_every_session": "compares the client's ids with MockBackend.open_sessions()",
     "test_garbage_collected_client_warns_and_its_session_is_stopped": "compares the client's ids with MockBackend.open_sessions()",
     "test_a_dropped_client_is_stopped_by_the_heartbeat_without_another_call": "compares the client's ids with MockBackend.open_sessions()",
+    "test_a_url_that_cannot_name_a_backend_is_refused_naming_it": "checks how the client parses mock:// and http:// URLs themselves",
+    "test_a_mock_option_given_by_keyword_is_checked_as_the_url_is": "checks mock://'s own keyword options",
 }
 
 for _name in NOT_OVER_WIRE:  # not collected here (they run on mock:// in tests/client)

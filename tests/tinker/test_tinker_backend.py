@@ -12,8 +12,8 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient
-from asyncsess.backends import ForwardBackwardOp, OptimStepOp, TrainingSessionSpec, load_backend
+from asyncsess import AdamParams, Datum, InvalidInputError, ModelInput, SamplingParams, ServiceClient, UnsupportedError
+from asyncsess.backends import ForwardBackwardOp, ForwardOp, OptimStepOp, TrainingSessionSpec, load_backend
 from asyncsess.errors import AsyncSessError
 from asyncsess.rl.data import center_advantages, rl_datum
 from tests.client.helpers import sft_datum
@@ -197,6 +197,26 @@ async def test_bad_input_is_typed_and_consumes_nothing(mock_server: Server) -> N
     with pytest.raises(AsyncSessError, match="X-API-Key"):
         async with ServiceClient(mock_server.url.replace("http://", "tinker://") + "?api_key=tml-wrong"):
             pass
+
+
+async def test_what_the_wire_cannot_carry_is_refused_before_numbering(mock_server: Server) -> None:
+    """merge_weights=True, a LoRA+ ratio and a token id past int32 were refused only when the op ran: numbered but
+    never sent, the op poisoned the training client for good (and the server waited for its seq_id)."""
+    async with ServiceClient(url_of(mock_server)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        for call, field in [
+            (lambda: tc.save_weights_for_sampler("merged", merge_weights=True), "merge_weights"),
+            (lambda: tc.optim_step(AdamParams(learning_rate=0.1, lora_plus_lr_ratio=4.0)), "adam_params.lora_plus_lr_ratio"),
+        ]:
+            with pytest.raises(UnsupportedError) as err:
+                call()
+            assert err.value.field == field
+        wide = ForwardOp(seq=1, idempotency_key="k", data=(sft_datum([1, 2**31, 41]),), loss_fn="cross_entropy")
+        with pytest.raises(InvalidInputError, match="int32"):
+            svc.backend.precheck(tc.model_id, wide)  # the door's vocabulary catches it first; Tinker's lists none
+        assert tc.current_sequence_number == 0
+        fb, step = tc.forward_backward([sft_datum([1, 40, 41])], "cross_entropy"), tc.optim_step(AdamParams(learning_rate=0.1))
+        assert ((await fb).loss > 0, (await step).metrics is not None, step.seq) == (True, True, 2)
 
 
 async def test_server_dedupes_a_resent_op(mock_server: Server) -> None:

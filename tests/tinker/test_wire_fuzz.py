@@ -526,6 +526,25 @@ PATH_EDGES = ["%00", "%ED%A0%80", "%FF", "..", "..%2F..%2Fetc", "a%2F..%2F..", "
 QUERY_EDGES = ["-1", "0", str(2**63), str(2**64), "1e3", "NaN", "abc", "", "%00", "1.5"]
 
 
+def test_a_base_model_that_is_no_model_name_is_refused_by_every_create(server: Server) -> None:
+    """load_weights' create form (session_id + model_seq_id, as create_training_client_from_state sends it) took any
+    JSON as base_model: 5, a list or a NUL was accepted, then failed when run, echoing a 100,000-character name back;
+    create_model and create_sampling_session took that name and kept it."""
+    w = _open(server, API_KEY)
+    creates = {
+        "load_weights": lambda bad: {"session_id": w.session, "model_seq_id": next(w.seqs), "path": w.state, "base_model": bad},
+        "create_model": lambda bad: {"session_id": w.session, "model_seq_id": next(w.seqs), "base_model": bad, "lora_config": {"rank": 4}},
+        "create_sampling_session": lambda bad: {"session_id": w.session, "sampling_session_seq_id": next(w.seqs), "base_model": bad},
+    }
+    for route, body in creates.items():
+        for bad in [5, ["x"], True, "a\x00b", "\ud800", " ", "x" * 100_000] if route == "load_weights" else ["x" * 100_000]:
+            before = _state(server)
+            resp = w.post(route, body(bad))
+            assert resp.status_code == 400 and resp.json()["field"] == "base_model", (route, repr(bad)[:20], resp.text[:300])
+            assert len(resp.content) < 8192 and _state(server) == before
+    assert w.result(w.post("load_weights", creates["load_weights"](BASE)))["model_id"]
+
+
 def test_rest_routes_with_edge_ids_and_pages(server: Server) -> None:
     """The REST routes take ids in the URL path and pages in the query, which the JSON fuzz does not reach: each edge
     value (NUL, bad UTF-8, climbing paths, 4,000 characters, another run's id) in each path parameter, and each

@@ -19,6 +19,7 @@ made (the http:// worker does), so a retry after a lost reply makes no second se
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NoReturn, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, urlsplit
@@ -354,24 +355,32 @@ def _typed(url: ParsedURL, key: str, default: Any, kind: type) -> Any:
     if key not in url.query:
         return default
     try:
-        return kind(url.query[key])
+        value = kind(url.query[key])
+        if kind is float and not math.isfinite(value):  # ?latency_ms=nan failed in anyio's sleep, =inf slept forever
+            raise ValueError
+        return value
     except ValueError:
         raise InvalidInputError(
-            f"{url.query[key]!r} is not a {kind.__name__}", field=f"url ?{key}=", fix=f"e.g. ?{key}={default}"
+            f"{url.query[key]!r:.60} is not a finite {kind.__name__}", field=f"url ?{key}=", fix=f"e.g. ?{key}={default}"
         ) from None
 
 
 def parse_url(url: str) -> ParsedURL:
+    fix = "use e.g. mock://, local://, http://host:port or sagemaker://region"
+    if not isinstance(url, str):  # urlsplit raised AttributeError ('int' object has no attribute 'decode')
+        raise InvalidInputError(f"got {type(url).__name__}", field="url", fix=fix)
     parts = urlsplit(url)
     if not parts.scheme:
-        raise InvalidInputError(
-            f"{url!r} has no scheme", field="url", fix="use e.g. mock://, local://, http://host:port or sagemaker://region"
-        )
+        raise InvalidInputError(f"{url!r:.200} has no scheme", field="url", fix=fix)
+    try:
+        port = parts.port
+    except ValueError as err:  # a port that is not a number in 0..65535: urlsplit's ValueError
+        raise InvalidInputError(f"{url!r:.200}: {err}", field="url", fix="give a port in 1..65535, e.g. http://127.0.0.1:8000") from None
     return ParsedURL(
         raw=url,
         scheme=parts.scheme.lower(),
         host=parts.hostname or "",
-        port=parts.port,
+        port=port,
         path=parts.path,
         query=dict(parse_qsl(parts.query, keep_blank_values=True)),
     )

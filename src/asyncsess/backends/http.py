@@ -82,6 +82,8 @@ class HttpBackend(Backend):
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> HttpBackend:
+        if not url.host:  # "http://" was retried against no host until the op's deadline
+            raise InvalidInputError(f"{url.raw!r:.200} names no host", field="url", fix="e.g. http://127.0.0.1:8000")
         port = f":{url.port}" if url.port else ""
         return cls(f"{url.scheme}://{url.host}{port}{url.path}", **options)
 

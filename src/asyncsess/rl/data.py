@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import InvalidInputError
 from ..types import Datum, ModelInput, TensorData
 from .types import Trajectory, TrajectoryGroup
 
@@ -73,6 +74,7 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequenc
     their sampler log-probs and ``advantage``. Input position *t* predicts ``target_tokens[t]``."""
     if len(logprobs) != len(completion):
         raise ValueError(f"{len(completion)} completion tokens but {len(logprobs)} log-probs")
+    _check_prompt(prompt)
     full = [*prompt, *completion]
     n = len(full) - 1
     n_prompt = len(prompt) - 1  # positions that predict prompt tokens
@@ -90,6 +92,7 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], logprobs: Sequenc
 
 def sft_datum(prompt: Sequence[int], completion: Sequence[int], weight: float = 1.0) -> Datum:
     """Supervised datum training on ``completion`` only (prompt positions weighted 0)."""
+    _check_prompt(prompt)
     full = [*prompt, *completion]
     n = len(full) - 1
     n_prompt = len(prompt) - 1
@@ -101,6 +104,12 @@ def sft_datum(prompt: Sequence[int], completion: Sequence[int], weight: float = 
             "weights": TensorData.model_construct(data=weights, dtype="float32", shape=[n]),
         },
     )
+
+
+def _check_prompt(prompt: Sequence[int]) -> None:
+    """A datum's first input token is its prompt's: with none, each per-token list came out one longer than the targets."""
+    if len(prompt) == 0:
+        raise InvalidInputError("is empty", field="prompt", fix="start with at least one token (e.g. the tokenizer's bos_token_id)")
 
 
 def datum_tokens(datum: Datum) -> list[int]:

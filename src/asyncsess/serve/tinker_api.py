@@ -55,6 +55,7 @@ from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsRespon
 from ..validation import (
     MAX_SAMPLES,
     MAX_TOPK,
+    check_base_model,
     check_checkpoint_path,
     check_count,
     check_datums,
@@ -637,7 +638,7 @@ class TinkerDoor:
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         session = self._session(_str(body, "session_id"))
         seq = _int(body, "model_seq_id")
-        base_model = _str(body, "base_model")
+        base_model = _base_model(body) or _str(body, "base_model")
         _adam_only(body)
         lora = {"rank": 32} if body.get("lora_config") is None else body["lora_config"]
         if not isinstance(lora, dict) or "rank" not in lora:
@@ -1028,9 +1029,9 @@ class TinkerDoor:
         session = self._session(_str(body, "session_id"))
         model_id = f"{session.id}:train:{_int(body, 'model_seq_id')}"
         meta = _metadata(body)
+        base_model = _base_model(body) or (ck.base_model if ck else "")  # 5 or a 100k-character name failed when run
         promise, fresh = self._once(model_id, body, "load_weights", session.id)
         if fresh:
-            base_model = body.get("base_model") or (ck.base_model if ck else "")
             rank = ck.rank if ck else 32
             trains = dict(self.models[ck.model_id].trains) if ck else dict.fromkeys(_TRAIN_FLAGS, True)
             spec = TrainingSessionSpec(
@@ -1135,7 +1136,7 @@ class TinkerDoor:
         session = self._session(_str(body, "session_id"))
         sid = f"{session.id}:sample:{_int(body, 'sampling_session_seq_id')}"
         path = _str(body, "model_path") if body.get("model_path") is not None else None
-        base_model = _str(body, "base_model") if body.get("base_model") is not None else None
+        base_model = _base_model(body)
         digest = _hash({"model_path": path, "base_model": base_model})
         claimed = self._sampler_ids.get(sid)
         if claimed is not None:  # a re-sent request gets its sampler; the id used for another is a 409
@@ -1486,6 +1487,16 @@ def _opt_text(body: dict[str, Any], key: str) -> str | None:
     if len(text) > MAX_TEXT:
         raise ApiError(400, f"{len(text)} characters", field=key, fix=f"keep it to {MAX_TEXT}")
     return text
+
+
+def _base_model(body: dict[str, Any]) -> str | None:
+    """``base_model``: absent, null or ``""`` (None), else a model name as the client checks it (a 400 naming it)."""
+    if body.get("base_model") in (None, ""):
+        return None
+    try:
+        return check_base_model(body["base_model"])
+    except InvalidInputError as err:
+        raise ApiError.from_error(err) from None
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:

@@ -6,6 +6,7 @@ Each training session and sampler gets its own :class:`Faults` with a generator 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, fields
 from typing import Any
@@ -69,6 +70,8 @@ class MockConfig:
             value = getattr(self, f.name)
             if isinstance(value, str):
                 continue
+            if not math.isfinite(value):  # a keyword option skips the URL's check: NaN failed anyio's sleep, inf slept forever
+                raise InvalidInputError(f"{f.name}={value} is not finite", field=f"url ?{f.name}=", fix="use a finite value >= 0")
             if f.name.endswith("_rate") and not 0.0 <= value <= 1.0:
                 raise InvalidInputError(f"{f.name}={value} is not a probability", field=f"url ?{f.name}=", fix="use a value in [0, 1]")
             if f.name != "seed" and value < 0:

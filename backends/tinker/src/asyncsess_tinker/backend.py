@@ -288,8 +288,29 @@ class TinkerBackend(Backend):
     async def heartbeat(self, session_id: str) -> None:
         await self._post("/api/v1/session_heartbeat", {"session_id": self.session_id, "type": "session_heartbeat"})
 
+    def precheck(self, session_id: str, op: TrainingOp) -> None:
+        """Refuse, before the op takes its number, what Tinker's wire cannot carry: a LoRA+ ratio, merged weights, a
+        token id past int32 (the wire's token type). Refused once numbered, the op was never sent: it poisoned the
+        training client, and the server waited for its ``seq_id``."""
+        match op:
+            case OptimStepOp(adam_params=adam) if adam.lora_plus_lr_ratio is not None:
+                raise UnsupportedError("Tinker's wire has no LoRA+ ratio", field="adam_params.lora_plus_lr_ratio", fix="leave it None")
+            case SaveWeightsOp(merge_weights=True):
+                raise UnsupportedError(
+                    "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
+                )
+            case ForwardOp(data=data) | ForwardBackwardOp(data=data):
+                for d in data:
+                    tokens = d.model_input.to_ints()
+                    if tokens and not 0 <= min(tokens) <= max(tokens) < 2**31:
+                        bad = next(t for t in tokens if not 0 <= t < 2**31)
+                        raise InvalidInputError(
+                            f"token id {bad} does not fit Tinker's wire (int32)", field="model_input", fix="use the model's token ids"
+                        )
+
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:
         op = require_op(op)
+        self.precheck(session_id, op)
         base = {"model_id": session_id, "seq_id": op.seq}
         match op:
             case ForwardOp() | ForwardBackwardOp():
@@ -308,8 +329,6 @@ class TinkerBackend(Backend):
                 fb.usage = Usage(training_tokens=sum(d.model_input.length for d in op.data))
                 return fb
             case OptimStepOp(adam_params=adam):
-                if adam.lora_plus_lr_ratio is not None:
-                    raise UnsupportedError("Tinker's wire has no LoRA+ ratio", field="adam_params.lora_plus_lr_ratio", fix="leave it None")
                 params = adam.model_dump(exclude={"lora_plus_lr_ratio"})
                 out = await self._result(await self._post("/api/v1/optim_step", {**base, "adam_params": params, "type": "optim_step"}))
                 with _reading("optim_step"):
@@ -320,10 +339,6 @@ class TinkerBackend(Backend):
                 out = await self._result(await self._post("/api/v1/save_weights", body))
                 return CheckpointResponse(path=_text(out, "path"), kind="state")
             case SaveWeightsOp():
-                if op.merge_weights:
-                    raise UnsupportedError(
-                        "Tinker's wire saves LoRA sampler weights only", field="merge_weights", fix="use merge_weights=False"
-                    )
                 name = op.name or (f"ephemeral-{op.seq:06d}-{uuid.uuid4().hex[:8]}" if op.ephemeral else f"{op.seq:06d}")
                 body = {**base, **_save_fields(op), "path": name, "type": "save_weights_for_sampler"}
                 out = await self._result(await self._post("/api/v1/save_weights_for_sampler", body))
