@@ -1264,3 +1264,21 @@ def test_tags_are_added_listed_overwritten_and_deleted_on_sessions_and_groups(sm
     sm.delete_training_session(TrainingSessionName=name)
     with pytest.raises(sm.exceptions.ResourceNotFound):
         sm.add_tags(ResourceArn=session, Tags=[{"Key": "late", "Value": ""}])
+
+
+def test_a_session_and_a_group_of_the_longest_names_save_and_load_packages(sm, rt, emulator):
+    """The engine's checkpoint was named "{session}-{group}-{version}": with both names at the model's 63 characters
+    that passed the engine's 128, and a valid saveState failed the op and the session."""
+    session, group = f"{_name()}-{'s' * 50}", f"g{uuid.uuid4().hex}{'g' * 30}"
+    assert len(session) == len(group) == 63
+    _start_in_group(sm, session, sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"])
+    saved = []
+    for seq, config in enumerate([{"saveState": {}}, {"saveWeights": {}}, "load"], start=1):
+        config = {"loadState": {"modelPackageArn": saved[0], "loadOptimizer": True}} if config == "load" else config
+        op = rt.execute_training_operation(trainingSessionName=session, sequenceNumber=seq, operationConfig=config)
+        result = wait_op(rt.get_training_operation_result, session, op["operationId"])
+        assert result["status"] == "Completed", result
+        saved.append(next(iter(result["operationResult"].values())).get("modelPackageArn"))
+    assert sm.describe_training_session(TrainingSessionName=session)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    assert [p["ModelPackageVersion"] for p in sm.list_model_packages(ModelPackageGroupName=group)["ModelPackageSummaryList"]] == [1, 2]
+    sm.stop_training_session(TrainingSessionName=session)

@@ -664,7 +664,9 @@ class EmulatedService:
         version = group.next_version
         group.next_version += 1
         merged = isinstance(top, SaveWeightsOp) and top.merge_weights
-        saved = await self.inner.execute_training(sess.inner_id, replace(top, name=f"{sess.name}-{group.name}-{version}"))
+        # the engine's name for it: unique within the engine session, and at most 74 characters (with the session's
+        # name, a 63-character session saving into a 63-character group passed the engine's 128 and failed the session)
+        saved = await self.inner.execute_training(sess.inner_id, replace(top, name=f"{group.name}-{version}"))
         assert isinstance(saved, CheckpointResponse)
         region, account = self._arn_account()
         arn = arns.model_package_arn(region, account, group.name, version)
