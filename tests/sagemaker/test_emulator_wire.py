@@ -9,10 +9,13 @@ import re
 import time
 import uuid
 
+import anyio
 import httpx
 import pytest
 from botocore.exceptions import ClientError
 
+from asyncsess.backends import SamplerSpec, load_backend
+from asyncsess_mock import MockBackend
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 
 from .helpers import OPTIM, ROLE, SIGNED, clients, fb, hub_arn, new_session, wait_op, wait_status
@@ -1282,3 +1285,42 @@ def test_a_session_and_a_group_of_the_longest_names_save_and_load_packages(sm, r
     assert sm.describe_training_session(TrainingSessionName=session)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
     assert [p["ModelPackageVersion"] for p in sm.list_model_packages(ModelPackageGroupName=group)["ModelPackageSummaryList"]] == [1, 2]
     sm.stop_training_session(TrainingSessionName=session)
+
+
+def test_concurrent_first_samples_on_a_package_make_one_engine_sampler_and_none_outlives_the_session():
+    """Each of several concurrent first samples on a package made an engine sampler and the last one was kept, and a
+    sampler whose making a stop overtook was kept too: the others were never stopped (on local://, an adapter each)."""
+    backend = load_backend("mock://")
+    made: list[str] = []
+    create = backend.create_sampler
+
+    async def slow_create(spec: SamplerSpec) -> str:  # an engine that takes a while to load weights, as local:// does
+        await anyio.sleep(0.5)
+        made.append(await create(spec))
+        return made[-1]
+
+    backend.create_sampler = slow_create  # type: ignore[method-assign]
+    prompt = {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}
+    with running_emulator(backend, EmulatorConfig(startup_s=0.0, stop_s=0.0)) as emu:
+        sm, rt = clients(emu.url)
+        name = _name()
+        new_session(sm, name)
+        arns = []
+        for seq in (1, 2):
+            op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveWeights": {}})
+            arns.append(
+                wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveWeights"]["modelPackageArn"]
+            )
+
+        def logprobs(arn: str) -> str:
+            config = {"computeLogprobs": {"prompt": prompt, "modelPackageArn": arn}}
+            return rt.execute_sampling_operation(trainingSessionName=name, operationConfig=config)["operationId"]
+
+        ops = [logprobs(arns[0]) for _ in range(4)]
+        assert [wait_op(rt.get_sampling_operation_result, name, op)["status"] for op in ops] == ["Completed"] * 4
+        assert len(made) == 1
+        late = logprobs(arns[1])  # its sampler is still being made when the stop comes
+        sm.stop_training_session(TrainingSessionName=name)
+        assert wait_op(rt.get_sampling_operation_result, name, late)["status"] in ("Failed", "Skipped")
+        wait_status(sm, name, {"Stopped"})
+        assert len(made) == 2 and not set(made) & set(MockBackend.open_sessions("sampler"))

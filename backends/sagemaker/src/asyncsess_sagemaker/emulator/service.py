@@ -295,7 +295,7 @@ class EmulatedService:
         if sess.inner_id is None:
             return
         inner_id, sess.inner_id = sess.inner_id, None
-        for sampler in sess.samplers.values():
+        for sampler in list(sess.samplers.values()):  # _sampler adds none once inner_id is None
             await _quietly(self.inner.stop_session(sampler))
         await _quietly(self.inner.stop_session(inner_id))
 
@@ -721,11 +721,21 @@ class EmulatedService:
         return {"operationId": op.id}
 
     async def _sampler(self, sess: SessionRecord, arn: str | None) -> str:
+        """The session's engine sampler on ``arn`` (None: the base model), made once and stopped with the session.
+        (Concurrent first samples on a package each made one and kept the last, and one made while the session ended
+        was kept: the others were never stopped.)"""
         sampler = sess.samplers.get(arn)
-        if sampler is None:
-            spec = SamplerSpec(model_path=self._known_package(arn).inner_path) if arn else SamplerSpec(base_model=sess.model.model_id)
-            sampler = await self.inner.create_sampler(spec)
-            sess.samplers[arn] = sampler
+        if sampler is not None:
+            return sampler
+        async with sess.sampler_lock:
+            sampler = sess.samplers.get(arn)
+            if sampler is None:
+                spec = SamplerSpec(model_path=self._known_package(arn).inner_path) if arn else SamplerSpec(base_model=sess.model.model_id)
+                sampler = await self.inner.create_sampler(spec)
+                if sess.inner_id is None:  # the session ended meanwhile, and _stop_inner released its samplers
+                    await _quietly(self.inner.stop_session(sampler))
+                    raise AwsError.conflict(f"Training session {sess.name} is {sess.status}; it ended while this operation started")
+                sess.samplers[arn] = sampler
         return sampler
 
     def _capped(self, params: SamplingParams) -> SamplingParams:

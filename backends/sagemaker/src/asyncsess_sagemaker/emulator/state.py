@@ -93,6 +93,7 @@ class SessionRecord:
     engine_seq: int = 1  # the number of the next op sent to the inner engine
     sampling_ops: dict[str, OperationRecord] = field(default_factory=dict)
     samplers: dict[str | None, str] = field(default_factory=dict)  # model package ARN (None: base) -> inner sampler id
+    sampler_lock: anyio.Lock = field(default_factory=anyio.Lock)  # one engine sampler per ARN, even for concurrent samples
     latest_checkpoint: str | None = None
     gap_watched: int | None = None  # the missing sequence number whose gap timer runs
     prefill_tokens: int = 0
