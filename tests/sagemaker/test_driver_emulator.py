@@ -245,6 +245,36 @@ async def test_load_state_of_a_package_deleted_elsewhere_is_not_found_not_a_gone
         assert emulator.session_state(tc.model_id)["status"] == "Running"
 
 
+async def test_a_sampler_on_a_package_deleted_or_never_saved_is_not_found_not_a_gone_session(emulator):
+    """The ResourceNotFoundException of a sample, log-prob or chat naming a package the service does not know was a
+    SessionGoneError (a run's recovery took the live session for lost), and DescribeModelPackage's "does not exist"
+    for a sampler's model_path an InvalidInputError naming no field."""
+    sm = clients(emulator.url)[0]
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        sc = await tc.save_weights_and_get_sampling_client()
+        sm.delete_model_package(ModelPackageName=sc.model_package_arn)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        calls = {
+            "model_path": [
+                lambda: sc.sample([1, 40, 41], 1, SamplingParams(max_tokens=2)),
+                lambda: sc.compute_logprobs([1, 40, 41]),
+                lambda: svc.backend.chat_completion(sc.sampler_id, chat),
+            ],
+            "model_package_arn": [lambda: svc.backend.chat_completion(tc.model_id, chat, model_package_arn=sc.model_package_arn)],
+        }
+        for field, made in calls.items():
+            for call in made:
+                with pytest.raises(NotFoundError) as err:
+                    await call()
+                assert err.value.field == field and "not found" in err.value.message
+        with pytest.raises(NotFoundError) as err:
+            await svc.create_sampling_client(model_path=sc.model_package_arn.rsplit("/", 1)[0] + "/999")
+        assert err.value.field == "model_path"
+        assert emulator.session_state(tc.model_id)["status"] == "Running"
+        assert (await tc.forward_backward(BATCH, "cross_entropy")).metrics["loss:sum"] > 0
+
+
 async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emulator):
     async with asyncsess.ServiceClient(driver_url(emulator, retry_budget_s="0.3"), retry=asyncsess.RetryPolicy(max_attempts=1)) as svc:
         tc = await svc.create_lora_training_client(BASE, rank=4)
