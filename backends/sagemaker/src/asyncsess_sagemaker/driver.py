@@ -439,14 +439,8 @@ class SageMakerBackend(Backend):
         if key:  # until an answer is read: a retry of this create (same key) names the same session
             self._unanswered_creates[key] = name
         try:
-            created = await self._calls.retried(
-                self.control.create_training_session,
-                operation="CreateTrainingSession",
-                not_found=InvalidInputError,
-                replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
-                unanswered=unanswered is not None,
-                **request,
-            )
+            made_here = not per_call.get("model_package_group_arn") and self.options.model_package_group_arn is None
+            created = await self._send_create(request, unanswered is not None, default_group=made_here)
             if "TrainingSessionArn" not in created:  # the name was taken: by an attempt whose reply was lost?
                 await self._check_ours(request)
         except TransientError:  # still no answer (cancelled: none either): the session may exist
@@ -485,6 +479,49 @@ class SageMakerBackend(Backend):
             user_metadata=dict(spec.user_metadata),
             session_options=dict(per_call),
         )
+
+    async def _send_create(self, request: dict[str, Any], unanswered: bool, default_group: bool) -> dict[str, Any]:
+        """CreateTrainingSession. Refused for a model package group or base model that is not there (ResourceNotFound):
+        the client's default group, deleted since the client made or found it, is made again and ``request`` (changed
+        to name it) sent once more (every later create failed); another missing group or base model is a NotFoundError
+        naming it (it was an InvalidInputError naming no field)."""
+
+        async def send() -> dict[str, Any]:
+            return await self._calls.retried(
+                self.control.create_training_session,
+                operation="CreateTrainingSession",
+                not_found=InvalidInputError,
+                replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
+                unanswered=unanswered,
+                **request,
+            )
+
+        try:
+            return await send()
+        except InvalidInputError as err:
+            if error_code(err.__cause__) != "ResourceNotFound":
+                raise
+            group = request["ModelPackageGroupArn"]
+            if await self._group_exists(group):
+                fix = "use a model of this region's SageMaker Public Hub (get_server_capabilities() lists them)"
+                raise NotFoundError(err.message, field="base_model", fix=fix) from err
+            if not default_group:
+                fix = "create the group first, or leave model_package_group_arn out for the default group"
+                raise NotFoundError(f"model package group {group} does not exist", field="model_package_group_arn", fix=fix) from err
+        self._group_arn = None
+        request["ModelPackageGroupArn"] = await self._model_package_group()
+        return await send()
+
+    async def _group_exists(self, group_arn: str) -> bool:
+        try:
+            await self._calls.retried(
+                self.control.describe_model_package_group, operation="DescribeModelPackageGroup", ModelPackageGroupName=group_arn
+            )
+        except InvalidInputError as err:
+            if _says_missing(err):
+                return False
+            raise
+        return True
 
     async def _check_ours(self, request: dict[str, Any]) -> None:
         """The session a lost Create reply left is this request's (else the name was another's all along: it leaked
