@@ -33,6 +33,12 @@ def _with_weights(weights: list[float]) -> dict:
     return {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [datum]}}
 
 
+def _with_float_targets(targets: list[float]) -> dict:
+    datum = fb([1, 40, 41])["forwardBackward"]["datumList"][0]
+    datum["lossFnInputs"]["target_tokens"] = {"data": targets, "dtype": "float32"}
+    return {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [datum]}}
+
+
 def _with_sampler_logprobs(loss: str, logprobs: list[float]) -> dict:
     """An RL datum whose sampler log-probs are ``logprobs`` (exp(p − q) overflowed for +50 or −1e30)."""
     datum = fb([1, 40, 41])["forwardBackward"]["datumList"][0]
@@ -324,6 +330,8 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
         (_with_sampler_logprobs("ppo", [-1e30, -1.0]), "sampler log-probs must be in"),
         # a weight of -1e30 made AdamW's g² inf: every later step of those weights was 0
         (_with_weights([-1e30, 1.0]), "weights must be in"),
+        # float32 targets were cast to integers by the engine: 40.5 trained token 40
+        (_with_float_targets([40.5, 41.0]), "token ids"),
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
