@@ -1332,3 +1332,32 @@ def test_concurrent_first_samples_on_a_package_make_one_engine_sampler_and_none_
         assert wait_op(rt.get_sampling_operation_result, name, late)["status"] in ("Failed", "Skipped")
         wait_status(sm, name, {"Stopped"})
         assert len(made) == 2 and not set(made) & set(MockBackend.open_sessions("sampler"))
+
+
+def test_a_session_keeps_a_few_engine_samplers_and_makes_an_evicted_one_again(sm, rt, emulator):
+    """Every package a session sampled kept an engine sampler until the session ended: one per sampler refresh of a
+    run (on local://, an adapter on the device each). Past four, the least recently used one not in use is stopped; a
+    later sample on its package makes it again, on the same weights."""
+    name = _name()
+    new_session(sm, name)
+    before = set(MockBackend.open_sessions("sampler"))
+    prompt = {"chunks": [{"tokens": [1, 40, 41, 42], "type": "encoded_text"}]}
+
+    def logprobs(arn: str) -> list:
+        op = rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"computeLogprobs": {"prompt": prompt, "modelPackageArn": arn}}
+        )
+        return wait_op(rt.get_sampling_operation_result, name, op["operationId"])["operationResult"]["computeLogprobs"]["logprobs"]
+
+    arns, first = [], []
+    for seq in range(1, 19, 3):
+        for i, config in enumerate([fb([1, 40, 41, 42]), OPTIM, {"saveWeights": {}}]):
+            op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq + i, operationConfig=config)
+            result = wait_op(rt.get_training_operation_result, name, op["operationId"])
+        arns.append(result["operationResult"]["saveWeights"]["modelPackageArn"])
+        first.append(logprobs(arns[-1]))
+    assert len(set(MockBackend.open_sessions("sampler")) - before) == 4
+    assert logprobs(arns[0]) == first[0] != first[-1]
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    assert not set(MockBackend.open_sessions("sampler")) - before
