@@ -11,7 +11,7 @@ from asyncsess.backends import ForwardBackwardOp
 from asyncsess.errors import InvalidInputError, NotFoundError, RetriesExhaustedError, SessionGoneError, UnsupportedError
 from asyncsess.rl.data import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
-from asyncsess_sagemaker.emulator import running_emulator
+from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 
 from .helpers import clients, driver_url, wait_status
 
@@ -243,6 +243,61 @@ async def test_load_state_of_a_package_deleted_elsewhere_is_not_found_not_a_gone
             await tc.load_state(state.path)
         assert err.value.field == "path" and "not found" in err.value.message
         assert emulator.session_state(tc.model_id)["status"] == "Running"
+
+
+async def test_a_sampler_on_a_package_deleted_or_never_saved_is_not_found_not_a_gone_session(emulator):
+    """The ResourceNotFoundException of a sample, log-prob or chat naming a package the service does not know was a
+    SessionGoneError (a run's recovery took the live session for lost), and DescribeModelPackage's "does not exist"
+    for a sampler's model_path an InvalidInputError naming no field."""
+    sm = clients(emulator.url)[0]
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        sc = await tc.save_weights_and_get_sampling_client()
+        sm.delete_model_package(ModelPackageName=sc.model_package_arn)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        calls = {
+            "model_path": [
+                lambda: sc.sample([1, 40, 41], 1, SamplingParams(max_tokens=2)),
+                lambda: sc.compute_logprobs([1, 40, 41]),
+                lambda: svc.backend.chat_completion(sc.sampler_id, chat),
+            ],
+            "model_package_arn": [lambda: svc.backend.chat_completion(tc.model_id, chat, model_package_arn=sc.model_package_arn)],
+        }
+        for field, made in calls.items():
+            for call in made:
+                with pytest.raises(NotFoundError) as err:
+                    await call()
+                assert err.value.field == field and "not found" in err.value.message
+        with pytest.raises(NotFoundError) as err:
+            await svc.create_sampling_client(model_path=sc.model_package_arn.rsplit("/", 1)[0] + "/999")
+        assert err.value.field == "model_path"
+        assert emulator.session_state(tc.model_id)["status"] == "Running"
+        assert (await tc.forward_backward(BATCH, "cross_entropy")).metrics["loss:sum"] > 0
+
+
+async def test_a_create_naming_a_group_or_model_that_is_not_there_is_not_found_naming_it():
+    """CreateTrainingSession's ResourceNotFound was an InvalidInputError naming no field, and once the default group
+    was deleted (after the client made or found it) every later create of that client failed so."""
+    with running_emulator("mock://", EmulatorConfig(startup_s=0.0, stop_s=0.0)) as emu:
+        sm = clients(emu.url)[0]
+        async with asyncsess.ServiceClient(driver_url(emu)) as svc:
+            first = await svc.create_lora_training_client(BASE, rank=4)
+            await first.stop()
+            wait_status(sm, first.model_id, {"Stopped"})
+            sm.delete_model_package_group(ModelPackageGroupName="sagemaker-default")
+            tc = await svc.create_lora_training_client(BASE, rank=4)  # the default group is made again
+            state = await tc.save_state("s")
+            assert sm.describe_model_package(ModelPackageName=state.path)["ModelPackageGroupName"] == "sagemaker-default"
+            group = sm.describe_model_package_group(ModelPackageGroupName="sagemaker-default")["ModelPackageGroupArn"]
+            nowhere = "arn:aws:sagemaker:us-west-2:aws:hub-content/SageMakerPublicHub/Model/no-such-model/1.0.0"
+            for field, create in [
+                ("model_package_group_arn", lambda: svc.create_lora_training_client(BASE, rank=4, model_package_group_arn=group + "-gone")),
+                ("base_model", lambda: svc.create_lora_training_client(nowhere, rank=4)),
+            ]:
+                with pytest.raises(NotFoundError) as err:
+                    await create()
+                assert err.value.field == field, err.value
+            assert [s["TrainingSessionStatus"] for s in sm.list_training_sessions()["TrainingSessionSummaries"]] == ["Running", "Stopped"]
 
 
 async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emulator):

@@ -9,10 +9,13 @@ import re
 import time
 import uuid
 
+import anyio
 import httpx
 import pytest
 from botocore.exceptions import ClientError
 
+from asyncsess.backends import SamplerSpec, load_backend
+from asyncsess_mock import MockBackend
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
 
 from .helpers import OPTIM, ROLE, SIGNED, clients, fb, hub_arn, new_session, wait_op, wait_status
@@ -27,6 +30,12 @@ def _name() -> str:
 def _with_weights(weights: list[float]) -> dict:
     datum = fb([1, 40, 41])["forwardBackward"]["datumList"][0]
     datum["lossFnInputs"]["weights"]["data"] = weights
+    return {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [datum]}}
+
+
+def _with_float_targets(targets: list[float]) -> dict:
+    datum = fb([1, 40, 41])["forwardBackward"]["datumList"][0]
+    datum["lossFnInputs"]["target_tokens"] = {"data": targets, "dtype": "float32"}
     return {"forwardBackward": {"lossFnName": "cross_entropy", "datumList": [datum]}}
 
 
@@ -321,6 +330,8 @@ def test_client_token_deduplicates_and_sequence_numbers_are_not_reusable(sm, rt,
         (_with_sampler_logprobs("ppo", [-1e30, -1.0]), "sampler log-probs must be in"),
         # a weight of -1e30 made AdamW's g² inf: every later step of those weights was 0
         (_with_weights([-1e30, 1.0]), "weights must be in"),
+        # float32 targets were cast to integers by the engine: 40.5 trained token 40
+        (_with_float_targets([40.5, 41.0]), "token ids"),
     ],
 )
 def test_bad_training_requests_get_validation_exception(sm, emulator, config, where):
@@ -1264,3 +1275,89 @@ def test_tags_are_added_listed_overwritten_and_deleted_on_sessions_and_groups(sm
     sm.delete_training_session(TrainingSessionName=name)
     with pytest.raises(sm.exceptions.ResourceNotFound):
         sm.add_tags(ResourceArn=session, Tags=[{"Key": "late", "Value": ""}])
+
+
+def test_a_session_and_a_group_of_the_longest_names_save_and_load_packages(sm, rt, emulator):
+    """The engine's checkpoint was named "{session}-{group}-{version}": with both names at the model's 63 characters
+    that passed the engine's 128, and a valid saveState failed the op and the session."""
+    session, group = f"{_name()}-{'s' * 50}", f"g{uuid.uuid4().hex}{'g' * 30}"
+    assert len(session) == len(group) == 63
+    _start_in_group(sm, session, sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"])
+    saved = []
+    for seq, config in enumerate([{"saveState": {}}, {"saveWeights": {}}, "load"], start=1):
+        config = {"loadState": {"modelPackageArn": saved[0], "loadOptimizer": True}} if config == "load" else config
+        op = rt.execute_training_operation(trainingSessionName=session, sequenceNumber=seq, operationConfig=config)
+        result = wait_op(rt.get_training_operation_result, session, op["operationId"])
+        assert result["status"] == "Completed", result
+        saved.append(next(iter(result["operationResult"].values())).get("modelPackageArn"))
+    assert sm.describe_training_session(TrainingSessionName=session)["TrainingSessionDetail"]["TrainingSessionStatus"] == "Running"
+    assert [p["ModelPackageVersion"] for p in sm.list_model_packages(ModelPackageGroupName=group)["ModelPackageSummaryList"]] == [1, 2]
+    sm.stop_training_session(TrainingSessionName=session)
+
+
+def test_concurrent_first_samples_on_a_package_make_one_engine_sampler_and_none_outlives_the_session():
+    """Each of several concurrent first samples on a package made an engine sampler and the last one was kept, and a
+    sampler whose making a stop overtook was kept too: the others were never stopped (on local://, an adapter each)."""
+    backend = load_backend("mock://")
+    made: list[str] = []
+    create = backend.create_sampler
+
+    async def slow_create(spec: SamplerSpec) -> str:  # an engine that takes a while to load weights, as local:// does
+        await anyio.sleep(0.5)
+        made.append(await create(spec))
+        return made[-1]
+
+    backend.create_sampler = slow_create  # type: ignore[method-assign]
+    prompt = {"chunks": [{"tokens": [1, 40, 41], "type": "encoded_text"}]}
+    with running_emulator(backend, EmulatorConfig(startup_s=0.0, stop_s=0.0)) as emu:
+        sm, rt = clients(emu.url)
+        name = _name()
+        new_session(sm, name)
+        arns = []
+        for seq in (1, 2):
+            op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq, operationConfig={"saveWeights": {}})
+            arns.append(
+                wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveWeights"]["modelPackageArn"]
+            )
+
+        def logprobs(arn: str) -> str:
+            config = {"computeLogprobs": {"prompt": prompt, "modelPackageArn": arn}}
+            return rt.execute_sampling_operation(trainingSessionName=name, operationConfig=config)["operationId"]
+
+        ops = [logprobs(arns[0]) for _ in range(4)]
+        assert [wait_op(rt.get_sampling_operation_result, name, op)["status"] for op in ops] == ["Completed"] * 4
+        assert len(made) == 1
+        late = logprobs(arns[1])  # its sampler is still being made when the stop comes
+        sm.stop_training_session(TrainingSessionName=name)
+        assert wait_op(rt.get_sampling_operation_result, name, late)["status"] in ("Failed", "Skipped")
+        wait_status(sm, name, {"Stopped"})
+        assert len(made) == 2 and not set(made) & set(MockBackend.open_sessions("sampler"))
+
+
+def test_a_session_keeps_a_few_engine_samplers_and_makes_an_evicted_one_again(sm, rt, emulator):
+    """Every package a session sampled kept an engine sampler until the session ended: one per sampler refresh of a
+    run (on local://, an adapter on the device each). Past four, the least recently used one not in use is stopped; a
+    later sample on its package makes it again, on the same weights."""
+    name = _name()
+    new_session(sm, name)
+    before = set(MockBackend.open_sessions("sampler"))
+    prompt = {"chunks": [{"tokens": [1, 40, 41, 42], "type": "encoded_text"}]}
+
+    def logprobs(arn: str) -> list:
+        op = rt.execute_sampling_operation(
+            trainingSessionName=name, operationConfig={"computeLogprobs": {"prompt": prompt, "modelPackageArn": arn}}
+        )
+        return wait_op(rt.get_sampling_operation_result, name, op["operationId"])["operationResult"]["computeLogprobs"]["logprobs"]
+
+    arns, first = [], []
+    for seq in range(1, 19, 3):
+        for i, config in enumerate([fb([1, 40, 41, 42]), OPTIM, {"saveWeights": {}}]):
+            op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=seq + i, operationConfig=config)
+            result = wait_op(rt.get_training_operation_result, name, op["operationId"])
+        arns.append(result["operationResult"]["saveWeights"]["modelPackageArn"])
+        first.append(logprobs(arns[-1]))
+    assert len(set(MockBackend.open_sessions("sampler")) - before) == 4
+    assert logprobs(arns[0]) == first[0] != first[-1]
+    sm.stop_training_session(TrainingSessionName=name)
+    wait_status(sm, name, {"Stopped"})
+    assert not set(MockBackend.open_sessions("sampler")) - before

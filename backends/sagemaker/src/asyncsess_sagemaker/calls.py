@@ -67,7 +67,7 @@ AUTH_CODES = frozenset(
 DENIED_CODES = frozenset({"AccessDeniedException", "AccessDenied"})
 
 
-def error_code(err: BaseException) -> str | None:
+def error_code(err: BaseException | None) -> str | None:
     return err.response.get("Error", {}).get("Code") if isinstance(err, ClientError) else None
 
 

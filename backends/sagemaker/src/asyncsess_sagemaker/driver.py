@@ -439,14 +439,8 @@ class SageMakerBackend(Backend):
         if key:  # until an answer is read: a retry of this create (same key) names the same session
             self._unanswered_creates[key] = name
         try:
-            created = await self._calls.retried(
-                self.control.create_training_session,
-                operation="CreateTrainingSession",
-                not_found=InvalidInputError,
-                replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
-                unanswered=unanswered is not None,
-                **request,
-            )
+            made_here = not per_call.get("model_package_group_arn") and self.options.model_package_group_arn is None
+            created = await self._send_create(request, unanswered is not None, default_group=made_here)
             if "TrainingSessionArn" not in created:  # the name was taken: by an attempt whose reply was lost?
                 await self._check_ours(request)
         except TransientError:  # still no answer (cancelled: none either): the session may exist
@@ -486,6 +480,49 @@ class SageMakerBackend(Backend):
             session_options=dict(per_call),
         )
 
+    async def _send_create(self, request: dict[str, Any], unanswered: bool, default_group: bool) -> dict[str, Any]:
+        """CreateTrainingSession. Refused for a model package group or base model that is not there (ResourceNotFound):
+        the client's default group, deleted since the client made or found it, is made again and ``request`` (changed
+        to name it) sent once more (every later create failed); another missing group or base model is a NotFoundError
+        naming it (it was an InvalidInputError naming no field)."""
+
+        async def send() -> dict[str, Any]:
+            return await self._calls.retried(
+                self.control.create_training_session,
+                operation="CreateTrainingSession",
+                not_found=InvalidInputError,
+                replayed=lambda err: {} if error_code(err) == "ResourceInUse" else None,
+                unanswered=unanswered,
+                **request,
+            )
+
+        try:
+            return await send()
+        except InvalidInputError as err:
+            if error_code(err.__cause__) != "ResourceNotFound":
+                raise
+            group = request["ModelPackageGroupArn"]
+            if await self._group_exists(group):
+                fix = "use a model of this region's SageMaker Public Hub (get_server_capabilities() lists them)"
+                raise NotFoundError(err.message, field="base_model", fix=fix) from err
+            if not default_group:
+                fix = "create the group first, or leave model_package_group_arn out for the default group"
+                raise NotFoundError(f"model package group {group} does not exist", field="model_package_group_arn", fix=fix) from err
+        self._group_arn = None
+        request["ModelPackageGroupArn"] = await self._model_package_group()
+        return await send()
+
+    async def _group_exists(self, group_arn: str) -> bool:
+        try:
+            await self._calls.retried(
+                self.control.describe_model_package_group, operation="DescribeModelPackageGroup", ModelPackageGroupName=group_arn
+            )
+        except InvalidInputError as err:
+            if _says_missing(err):
+                return False
+            raise
+        return True
+
     async def _check_ours(self, request: dict[str, Any]) -> None:
         """The session a lost Create reply left is this request's (else the name was another's all along: it leaked
         a Running session when the retry's ``ResourceInUse`` was taken as a failure, and must not be adopted)."""
@@ -496,14 +533,20 @@ class SageMakerBackend(Backend):
                 f"training session {name} already exists", field="training_session_name", fix="pick another name or leave it out"
             )
 
-    async def _base_model_of(self, model_package_arn: str) -> str:
-        self._require_package_arn(model_package_arn, "path")
-        desc = await self._calls.retried(
-            self.control.describe_model_package,
-            operation="DescribeModelPackage",
-            not_found=InvalidInputError,
-            ModelPackageName=model_package_arn,
-        )
+    async def _base_model_of(self, model_package_arn: str, field: str = "path") -> str:
+        """The base model of a model package (``field`` names the argument that gave it)."""
+        self._require_package_arn(model_package_arn, field)
+        try:
+            desc = await self._calls.retried(
+                self.control.describe_model_package,
+                operation="DescribeModelPackage",
+                not_found=InvalidInputError,
+                ModelPackageName=model_package_arn,
+            )
+        except InvalidInputError as err:  # "does not exist" was an InvalidInputError naming no field
+            if _says_missing(err):
+                raise NotFoundError(f"no model package {model_package_arn}", field=field, fix="see list_checkpoints()") from err
+            raise
         containers = (desc.get("InferenceSpecification") or {}).get("Containers") or [{}]
         base = containers[0].get("BaseModel") or {}
         if not base.get("HubContentName"):
@@ -746,14 +789,18 @@ class SageMakerBackend(Backend):
             raise RetriesExhaustedError(
                 f"sequence number {sub.seq} could not be delivered; the session was stopped: {err}", attempts=getattr(err, "attempts", 1)
             ) from err
-        except SessionGoneError as err:
-            await self._check_alive(sess)  # raises when the session is gone
-            if "loadState" in sub.config:  # alive: the package it names is unknown (ResourceNotFoundException), refused
-                raise NotFoundError(
-                    err.message, field="path", fix="load a model package that exists (list_checkpoints)", void=True
-                ) from None
+        except SessionGoneError as err:  # alive, a loadState's unknown package was refused: its number is used up
+            await self._unknown_package(sess, err, sub.config.get("loadState", {}).get("modelPackageArn"), "path", void=True)
             raise
         return resp["operationId"]
+
+    async def _unknown_package(self, sess: _Session, err: SessionGoneError, arn: str | None, field: str, **kw: Any) -> None:
+        """Raise what a "not found" answer (``err``) to a call naming model package ``arn`` means: the session's end when
+        it is gone, else that the service does not know the package, a NotFoundError naming ``field`` (it was a
+        SessionGoneError, and the caller took its live session for gone). Returns when neither applies."""
+        await self._check_alive(sess)  # raises when the session is gone
+        if arn is not None and (error_code(err.__cause__) or "") in ("ResourceNotFound", "ResourceNotFoundException"):
+            raise NotFoundError(err.message, field=field, fix="use a model package that exists (list_checkpoints)", **kw) from None
 
     async def _end_for_gap(self, sess: _Session, why: str) -> None:
         """A number that will never arrive would block the session: stop it rather than leave the gap."""
@@ -856,7 +903,7 @@ class SageMakerBackend(Backend):
                 ModelPackageName=path,
             )
         except InvalidInputError as err:
-            if isinstance(err.__cause__, ClientError) and _gone_on_retry(err.__cause__) is not None:
+            if _says_missing(err):
                 raise NotFoundError(f"no model package {path}", field="path", fix="see list_checkpoints()") from err
             raise
         self._package_kind[path] = None
@@ -871,9 +918,13 @@ class SageMakerBackend(Backend):
         sess = self._sessions.get(session) or _orphan(session)
         if sess.gone is not None:
             raise sess.gone
-        resp = await self._calls.retried(
-            self.runtime.execute_sampling_operation, operation=operation_name, trainingSessionName=session, operationConfig=config
-        )
+        try:
+            resp = await self._calls.retried(
+                self.runtime.execute_sampling_operation, operation=operation_name, trainingSessionName=session, operationConfig=config
+            )
+        except SessionGoneError as err:
+            await self._unknown_package(sess, err, next(iter(config.values())).get("modelPackageArn"), "model_path")
+            raise
         result = await self._calls.poll(
             self.runtime.get_sampling_operation_result,
             operation=operation_name,
@@ -899,7 +950,7 @@ class SageMakerBackend(Backend):
         if owner is not None and self._sessions[owner].gone is None:
             session, owned = owner, False
         else:  # like the official SDK: a sampler on a checkpoint from elsewhere, or on the base model, gets its own session
-            base = spec.base_model or (await self._base_model_of(arn) if arn else "")
+            base = spec.base_model or (await self._base_model_of(arn, "model_path") if arn else "")
             info = await self.create_training_session(TrainingSessionSpec(base_model=base, idempotency_key=spec.idempotency_key))
             session, owned = info.model_id, True
         # Every sample names its checkpoint (the service runs it "against" that package), so loading it first is
@@ -987,19 +1038,31 @@ class SageMakerBackend(Backend):
             kwargs["modelPackageArn"] = package
         return kwargs
 
+    async def _chat_call(self, fn: Any, operation_name: str, session_id: str, body: dict[str, Any], model_package_arn: str | None) -> Any:
+        kwargs = self._chat_args(session_id, body, model_package_arn)
+        try:
+            return await self._calls.retried(fn, operation=operation_name, **kwargs)
+        except SessionGoneError as err:
+            session = kwargs["trainingSessionName"]
+            field = "model_package_arn" if model_package_arn else "model_path"
+            await self._unknown_package(self._sessions.get(session) or _orphan(session), err, kwargs.get("modelPackageArn"), field)
+            raise
+
     async def chat_completion(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> dict[str, Any]:
         """``SampleTrainingSession``: an OpenAI chat-completions body in, the service's JSON answer out."""
-        kwargs = self._chat_args(session_id, body, model_package_arn)
-        resp = await self._calls.retried(self.runtime.sample_training_session, operation="chat_completion", **kwargs)
+        resp = await self._chat_call(self.runtime.sample_training_session, "chat_completion", session_id, body, model_package_arn)
         return json.loads(await anyio.to_thread.run_sync(resp["body"].read))
 
     async def chat_completion_stream(
         self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         """``SampleTrainingSessionWithResponseStream``: yields each SSE chunk; an in-stream error raises ``ServerError``."""
-        kwargs = self._chat_args(session_id, {**body, "stream": True}, model_package_arn)
-        resp = await self._calls.retried(
-            self.runtime.sample_training_session_with_response_stream, operation="chat_completion_stream", **kwargs
+        resp = await self._chat_call(
+            self.runtime.sample_training_session_with_response_stream,
+            "chat_completion_stream",
+            session_id,
+            {**body, "stream": True},
+            model_package_arn,
         )
         lines = resp["body"].iter_lines()
         done = False
@@ -1041,6 +1104,11 @@ def _gone_on_retry(err: ClientError) -> dict[str, Any] | None:
         if code in ("ResourceNotFound", "ResourceNotFoundException") or (code == "ValidationException" and "does not exist" in message)
         else None
     )
+
+
+def _says_missing(err: AsyncSessError) -> bool:
+    """Whether the service refused the call for a resource it does not know (SageMaker's "does not exist")."""
+    return isinstance(err.__cause__, ClientError) and _gone_on_retry(err.__cause__) is not None
 
 
 def _count(value: Any) -> int | None:

@@ -133,6 +133,9 @@ def _check_datums(config: dict[str, Any], path: str, vocab_size: int | None, con
                 raise ShapeError(f"{tpath}.data", "Member must be a flat list of numbers", data)
             if tensor["dtype"] == "int64" and not all(isinstance(v, int) or float(v).is_integer() for v in data):
                 raise ShapeError(f"{tpath}.data", "int64 data must hold integers", data)
+            if key == "target_tokens" and not all(isinstance(v, int) or float(v).is_integer() for v in data):
+                # a float32 1.7 was taken as token 1: the engines cast targets to integers
+                raise ShapeError(f"{tpath}.data", "target_tokens must hold token ids (whole numbers)", data)
             if tensor["dtype"] == "int64" and not all(-(2**63) <= int(v) < 2**63 for v in data):
                 raise ShapeError(f"{tpath}.data", "int64 data must fit in 64 bits", data)
             if tensor["dtype"] == "float32" and not all_finite_f32(data):

@@ -77,6 +77,7 @@ __all__ = ["EmulatedService", "DEFAULT_GROUP", "chat_model", "chat_completion_id
 log = logging.getLogger("asyncsess_sagemaker.emulator")
 
 DEFAULT_GROUP = "sagemaker-default"
+KEPT_SAMPLERS = 4  # engine samplers a session keeps: past this, the least recently used one not in use is stopped
 MAX_TAGS = 50  # per resource (the model's TagList maximum)
 HUB_VERSION = "1.0.0"
 
@@ -295,7 +296,7 @@ class EmulatedService:
         if sess.inner_id is None:
             return
         inner_id, sess.inner_id = sess.inner_id, None
-        for sampler in sess.samplers.values():
+        for sampler in list(sess.samplers.values()):  # _sampler adds none once inner_id is None
             await _quietly(self.inner.stop_session(sampler))
         await _quietly(self.inner.stop_session(inner_id))
 
@@ -664,7 +665,9 @@ class EmulatedService:
         version = group.next_version
         group.next_version += 1
         merged = isinstance(top, SaveWeightsOp) and top.merge_weights
-        saved = await self.inner.execute_training(sess.inner_id, replace(top, name=f"{sess.name}-{group.name}-{version}"))
+        # the engine's name for it: unique within the engine session, and at most 74 characters (with the session's
+        # name, a 63-character session saving into a 63-character group passed the engine's 128 and failed the session)
+        saved = await self.inner.execute_training(sess.inner_id, replace(top, name=f"{group.name}-{version}"))
         assert isinstance(saved, CheckpointResponse)
         region, account = self._arn_account()
         arn = arns.model_package_arn(region, account, group.name, version)
@@ -718,13 +721,36 @@ class EmulatedService:
         self._spawn(self._run_sampling, sess, op)
         return {"operationId": op.id}
 
-    async def _sampler(self, sess: SessionRecord, arn: str | None) -> str:
-        sampler = sess.samplers.get(arn)
-        if sampler is None:
-            spec = SamplerSpec(model_path=self._known_package(arn).inner_path) if arn else SamplerSpec(base_model=sess.model.model_id)
-            sampler = await self.inner.create_sampler(spec)
-            sess.samplers[arn] = sampler
-        return sampler
+    @contextlib.asynccontextmanager
+    async def _sampler(self, sess: SessionRecord, arn: str | None) -> AsyncIterator[str]:
+        """The session's engine sampler on ``arn`` (None: the base model), in use until the block ends. Made once per
+        package (concurrent first samples each made one and kept the last; the others were never stopped), stopped with
+        the session (one made while the session ended was kept), and, past :data:`KEPT_SAMPLERS`, the least recently
+        used one not in use is stopped (every sampler refresh of a run kept one, on local:// an adapter on the device)."""
+        sampler = sess.samplers.pop(arn, None)
+        if sampler is not None:
+            sess.samplers[arn] = sampler  # the most recently used last
+        else:
+            async with sess.sampler_lock:
+                sampler = sess.samplers.get(arn)
+                if sampler is None:
+                    spec = (
+                        SamplerSpec(model_path=self._known_package(arn).inner_path) if arn else SamplerSpec(base_model=sess.model.model_id)
+                    )
+                    sampler = await self.inner.create_sampler(spec)
+                    if sess.inner_id is None:  # the session ended meanwhile, and _stop_inner released its samplers
+                        await _quietly(self.inner.stop_session(sampler))
+                        raise AwsError.conflict(f"Training session {sess.name} is {sess.status}; it ended while this operation started")
+                    sess.samplers[arn] = sampler
+        sess.sampler_uses[sampler] += 1
+        try:
+            yield sampler
+        finally:
+            sess.sampler_uses[sampler] -= 1
+            idle = [(a, s) for a, s in sess.samplers.items() if not sess.sampler_uses[s]]
+            for a, s in idle[: max(0, len(sess.samplers) - KEPT_SAMPLERS)]:
+                del sess.samplers[a], sess.sampler_uses[s]
+                await _quietly(self.inner.stop_session(s))
 
     def _capped(self, params: SamplingParams) -> SamplingParams:
         cap = self.config.sample_max_tokens
@@ -737,32 +763,30 @@ class EmulatedService:
         op.status = "InProgress"
         try:
             arn = body.get("modelPackageArn")
-            if op.kind == "loadWeightsForSampling":
-                await self._sampler(sess, arn)
-                op.finish("Completed", result={})
-                return
-            sampler = await self._sampler(sess, arn if arn is not None else sess.latest_checkpoint)
-            prompt = model_input_from_wire(body["prompt"]).to_ints()
-            if op.kind == "computeLogprobs":
-                values = await self.inner.compute_logprobs(sampler, prompt)
-                op.finish("Completed", result={"logprobs": logprobs_to_wire(values)})
-                return
-            include = bool(body.get("includePromptLogprobs"))
-            request = SampleRequest(
-                prompt=tuple(prompt),
-                num_samples=body["numSamples"],
-                sampling_params=self._capped(sampling_params_from_wire(body["samplingParams"])),
-                include_prompt_logprobs=include,
-                request_id=op.id,
-                topk_prompt_logprobs=int(body.get("topkPromptLogprobs") or 0),
-            )
-            resp = await self.inner.sample(sampler, request)
-            wire = sample_response_to_wire(resp, len(prompt), include)
-            sess.prefill_tokens += len(prompt) * len(resp.sequences)
-            sess.sample_tokens += sum(len(s.tokens) for s in resp.sequences)
-            op.finish("Completed", result=wire)
+            async with self._sampler(sess, arn if arn is not None else sess.latest_checkpoint) as sampler:
+                result = {} if op.kind == "loadWeightsForSampling" else await self._sample(sess, op.kind, body, sampler, op.id)
+            op.finish("Completed", result=result)
         except Exception as err:
             op.finish("Failed", error=_details(err))
+
+    async def _sample(self, sess: SessionRecord, kind: str, body: dict[str, Any], sampler: str, op_id: str) -> dict[str, Any]:
+        """The result of a ``sample`` or ``computeLogprobs`` op run on ``sampler``."""
+        prompt = model_input_from_wire(body["prompt"]).to_ints()
+        if kind == "computeLogprobs":
+            return {"logprobs": logprobs_to_wire(await self.inner.compute_logprobs(sampler, prompt))}
+        include = bool(body.get("includePromptLogprobs"))
+        request = SampleRequest(
+            prompt=tuple(prompt),
+            num_samples=body["numSamples"],
+            sampling_params=self._capped(sampling_params_from_wire(body["samplingParams"])),
+            include_prompt_logprobs=include,
+            request_id=op_id,
+            topk_prompt_logprobs=int(body.get("topkPromptLogprobs") or 0),
+        )
+        resp = await self.inner.sample(sampler, request)
+        sess.prefill_tokens += len(prompt) * len(resp.sequences)
+        sess.sample_tokens += sum(len(s.tokens) for s in resp.sequences)
+        return sample_response_to_wire(resp, len(prompt), include)
 
     async def get_sampling_operation_result(self, body: dict[str, Any]) -> dict[str, Any]:
         sess = self._session(body["trainingSessionName"], runtime=True)
@@ -786,13 +810,13 @@ class EmulatedService:
         except Exception as err:  # the messages are the only input: an unknown role, content the template cannot render
             raise AwsError.validation(f"The messages cannot be rendered as a prompt: {err}") from None
         params, top = _chat_params(request), _chat_logprobs(request)
-        sampler = await self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint)
         sample = SampleRequest(prompt=tuple(prompt), num_samples=1, sampling_params=self._capped(params), topk_sample_logprobs=top or 0)
-        try:
-            resp = await self.inner.sample(sampler, sample)
-            sample.check_extras(resp)
-        except InvalidInputError as err:  # e.g. a prompt longer than the model's context
-            raise AwsError.validation(str(err)) from None
+        async with self._sampler(sess, model_package if model_package is not None else sess.latest_checkpoint) as sampler:
+            try:
+                resp = await self.inner.sample(sampler, sample)
+                sample.check_extras(resp)
+            except InvalidInputError as err:  # e.g. a prompt longer than the model's context
+                raise AwsError.validation(str(err)) from None
         seq = resp.sequences[0]
         sess.prefill_tokens += len(prompt)
         sess.sample_tokens += len(seq.tokens)
