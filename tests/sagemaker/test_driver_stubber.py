@@ -395,3 +395,20 @@ async def test_a_datum_the_wire_rules_refuse_takes_no_wire_number(stubbed, input
     stubs.training(1, "k2", {"optimizerStep": {"adamParamsConfig": ANY}}, {"optimizerStep": {"metrics": {}}})
     assert (await backend.execute_training(info.model_id, OptimStepOp(seq=2, idempotency_key="k2"))).step == 1
     backend._sessions.clear()
+
+
+@pytest.mark.parametrize(
+    ("hint", "wait"),
+    [("2", 2.0), ("²", 0.5), ("nan", 0.5), ("-1", 0.5), ("1e400", 0.5), (None, 0.5), ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0)],
+)
+def test_a_throttles_retry_after_is_read_as_every_client_reads_it(hint, wait):
+    """A hostile or odd ``Retry-After`` on a throttle is a transient error with a sane wait, never a bare ValueError."""
+    from botocore.exceptions import ClientError
+
+    from asyncsess.errors import TransientError
+    from asyncsess_sagemaker.calls import translate
+
+    headers = {} if hint is None else {"retry-after": hint}
+    meta = {"HTTPStatusCode": 400, "HTTPHeaders": headers}
+    err = translate(ClientError({"Error": {"Code": "ThrottlingException", "Message": "slow down"}, "ResponseMetadata": meta}, "X"), "x")
+    assert isinstance(err, TransientError) and err.retry_after == wait

@@ -255,6 +255,23 @@ def _canned(payload: dict | str, status: int = 200) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
 
+@pytest.mark.parametrize("hint", ["²", "nan", "-1", "1e400", "soon", "0x10"])
+async def test_a_hostile_retry_after_is_ignored_and_the_call_retried(hint):
+    """A 503's ``Retry-After`` that is no wait (a superscript digit, NaN, negative, infinite, text) is read as none."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) == 1:
+            return httpx.Response(503, headers={"Retry-After": hint.encode()}, text="busy")
+        return httpx.Response(200, json=_response("Success", _run(stdout="7\n")))
+
+    retry = RetryPolicy(max_attempts=2, initial_backoff=0.01)
+    client = SandboxFusionClient("http://sandbox.invalid", retry=retry, client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    result = await client.run("code")
+    assert (result.status, result.stdout, len(calls)) == ("ok", "7\n", 2)
+
+
 def _response(status: str, run: dict | None, message: str = "") -> dict:
     return {"status": status, "message": message, "compile_result": None, "run_result": run, "executor_pod_name": None, "files": {}}
 

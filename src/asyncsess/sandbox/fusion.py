@@ -17,7 +17,7 @@ import httpx
 from pydantic import BaseModel
 
 from asyncsess.errors import AsyncSessError, TransientError
-from asyncsess.retry import RetryBudget, RetryPolicy, call_with_retry
+from asyncsess.retry import RetryBudget, RetryPolicy, call_with_retry, retry_after_seconds
 from asyncsess.sandbox.base import BaseSandbox, Files
 from asyncsess.sandbox.inputs import check_files, check_limit, encode_text
 from asyncsess.sandbox.results import ExecutionResult, ExecutionStatus
@@ -138,10 +138,9 @@ class SandboxFusionClient(BaseSandbox):
         async def attempt() -> _RunCodeResponse:
             response = await self._client.post(self.url, json=body, timeout=timeout_s)
             if response.status_code == 429 or response.status_code >= 500:
-                retry_after = response.headers.get("Retry-After", "")
                 raise TransientError(
                     f"HTTP {response.status_code}: {response.text[:500]}",
-                    retry_after=float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None,
+                    retry_after=retry_after_seconds(response.headers.get("Retry-After")),
                 )
             response.raise_for_status()
             return _RunCodeResponse.model_validate_json(response.content)

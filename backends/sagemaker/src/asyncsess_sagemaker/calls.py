@@ -30,6 +30,7 @@ from asyncsess.errors import (
     SessionGoneError,
     TransientError,
 )
+from asyncsess.retry import retry_after_seconds
 
 __all__ = ["AwsCalls", "translate", "error_code", "TRANSIENT_CODES", "field_of"]
 
@@ -85,10 +86,9 @@ def translate(err: BaseException, operation: str, *, not_found: type[AsyncSessEr
         status = meta.get("HTTPStatusCode") or 0
         text = f"{code}: {message}"
         if code in TRANSIENT_CODES or status in (429, 500, 502, 503, 504):
-            hint = (meta.get("HTTPHeaders") or {}).get("retry-after")
-            retry_after = (
-                float(hint) if hint and hint.replace(".", "", 1).isdigit() else (0.5 if "hrottl" in code or status == 429 else None)
-            )
+            retry_after = retry_after_seconds((meta.get("HTTPHeaders") or {}).get("retry-after"))
+            if retry_after is None and ("hrottl" in code or status == 429):
+                retry_after = 0.5
             return TransientError(text, retry_after=retry_after, operation=operation, request_id=request_id)
         if code == "ValidationException":
             return InvalidInputError(
