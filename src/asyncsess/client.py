@@ -1431,7 +1431,7 @@ class SamplingClient:
         num_samples = check_count(num_samples, "num_samples", low=1, high=MAX_SAMPLES)  # numpy's int as a plain int
         params = coerce_sampling_params(sampling_params)
         _check_bool(include_prompt_logprobs, "include_prompt_logprobs")
-        k_prompt = check_count(topk_prompt_logprobs or 0, "topk_prompt_logprobs", high=MAX_TOPK)
+        k_prompt = check_count(topk_prompt_logprobs, "topk_prompt_logprobs", high=MAX_TOPK, none_ok=True) or 0  # Tinker's None: 0
         k_sample = check_count(topk_sample_logprobs, "topk_sample_logprobs", high=MAX_TOPK)
         if check_count(prompt_alt_tokens_k, "prompt_alt_tokens_k"):
             raise UnsupportedError("prompt_alt_tokens_k is not offered", field="prompt_alt_tokens_k", fix="leave it 0")

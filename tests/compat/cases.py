@@ -170,6 +170,8 @@ CASES: list[Case] = [
     ("sample-empty-prompt", "sc", lambda sc: sc.sample([], 1), "prompt"),
     ("sample-float-prompt", "sc", lambda sc: sc.sample([1.5, 2.0], 1), "prompt"),
     ("sample-topk-negative", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, topk_prompt_logprobs=-1), "topk_prompt_logprobs"),
+    ("sample-topk-bool", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, topk_prompt_logprobs=False), "topk_prompt_logprobs"),
+    ("sample-topk-empty-string", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, topk_prompt_logprobs=""), "topk_prompt_logprobs"),
     ("sample-topk-huge", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, topk_sample_logprobs=10**9), "topk_sample_logprobs"),
     ("sample-last-n-without-logprobs", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, prompt_logprobs_last_n=2), "prompt_logprobs_last_n"),
     (
