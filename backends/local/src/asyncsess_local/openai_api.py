@@ -28,6 +28,7 @@ from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess.serve.openai_wire import model_not_found
 
 from .embedded import MAX_NUM_SAMPLES, LocalBackend
+from .idle import IdleClock
 from .tenants import Owners
 
 __all__ = ["WorkerFronts", "router"]
@@ -152,10 +153,14 @@ class WorkerFronts:
         return [*sorted(self.base_models()), *own]
 
 
-def router(fronts: WorkerFronts) -> APIRouter:
-    """The OpenAI routes over ``fronts``; the tenant is the one the worker's key check set on the request."""
+def router(fronts: WorkerFronts, idle: IdleClock) -> APIRouter:
+    """The OpenAI routes over ``fronts``; the tenant is the one the worker's key check set on the request. A call on
+    one of the tenant's sessions or samplers keeps it alive in ``idle`` while it runs, as any request on it does."""
 
     def key_of(request: Request) -> str:
         return str(request.scope["asyncsess.key"])
 
-    return openai_router(fronts, key_of=key_of)
+    def hold(key: str | None, model: str) -> contextlib.AbstractContextManager[object]:
+        return idle.using(model) if key is not None and fronts.owners.by_id.get(model) == key else contextlib.nullcontext()
+
+    return openai_router(fronts, key_of=key_of, hold=hold)
