@@ -145,6 +145,6 @@ async def test_what_expires_leaves_the_owner_table_and_a_retired_sampler_expires
             assert retired not in backend.engine.samplers and live in backend.engine.samplers
             now[0] = TTL
             assert sorted(await app.state.reap_idle()) == sorted([sid, retired, live])
-            assert app.state.owners.by_id == {} and app.state.owners.weight_steps == {}
+            assert app.state.owners.by_id == {} and app.state.owners.latest_weights == {}
             r = await c.post(f"/v1/samplers/{retired}/sample", json={"prompt": [5, 6], "sampling_params": {"max_tokens": 2}}, headers=MINE)
             assert r.status_code == 404, r.text

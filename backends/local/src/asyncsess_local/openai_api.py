@@ -22,10 +22,11 @@ from fastapi import APIRouter, Request
 
 from asyncsess.backends import SamplerSpec
 from asyncsess.client import SamplingClient, ServiceClient
+from asyncsess.errors import InvalidInputError
 from asyncsess.serve.capture import CaptureStore
 from asyncsess.serve.openai_door import openai_router
 from asyncsess.serve.openai_front import OpenAIFront
-from asyncsess.serve.openai_wire import model_not_found
+from asyncsess.serve.openai_wire import FrontError, model_not_found
 
 from .embedded import MAX_NUM_SAMPLES, LocalBackend
 from .idle import IdleClock
@@ -47,7 +48,7 @@ class WorkerFronts:
         self._served: dict[tuple[str | None, str], str] = {}  # (tenant, model) -> the sampler its front serves from
         self._captures: dict[str | None, CaptureStore] = {}
         self._base: dict[str, str] = {}  # base model -> the sampler on its base weights (shared by tenants)
-        self._session_samplers: dict[str, tuple[str, str]] = {}  # training session -> (weights path, sampler id)
+        self._session_samplers: dict[str, tuple[tuple[str, int], str]] = {}  # training session -> (its latest_weights, sampler id)
         self._retired: dict[str, str] = {}  # training session -> the sampler on its weights before the latest
         self._lock = anyio.Lock()
 
@@ -90,17 +91,25 @@ class WorkerFronts:
 
     async def _session_sampler(self, session_id: str) -> tuple[str, int]:
         """The sampler on a session's latest ``save_weights`` (made when they change) and their step."""
-        path = self.owners.latest_weights.get(session_id)
-        if path is None:
+        latest = self.owners.latest_weights.get(session_id)
+        if latest is None:
             return await self._base_sampler(self.backend.engine.sessions[session_id].base_model), 0
         current = self._session_samplers.get(session_id)
-        if current is None or current[0] != path:
-            self._session_samplers[session_id] = (path, await self.backend.create_sampler(SamplerSpec(model_path=path)))
+        if current is None or current[0] != latest:
+            try:
+                self._session_samplers[session_id] = (latest, await self.backend.create_sampler(SamplerSpec(model_path=latest[0])))
+            except InvalidInputError as err:  # its tenant deleted that checkpoint: the error named no field of the call
+                raise FrontError(
+                    f"{session_id}'s latest save_weights cannot be opened ({err.message}); save its weights again",
+                    "model",
+                    code="model_not_sampleable",
+                ) from None
             if current is not None:
                 # the previous weights stay open until the next change, for the calls still running on them
                 await self._stop(self._retired.pop(session_id, None))
                 self._retired[session_id] = current[1]
-        return self._session_samplers[session_id][1], self.owners.weight_steps.get(path, 0)
+        sampler_id = self._session_samplers[session_id][1]
+        return sampler_id, self.backend.engine.samplers[sampler_id].step
 
     async def _base_sampler(self, base_model: str) -> str:
         if base_model not in self._base:
@@ -115,7 +124,7 @@ class WorkerFronts:
             kind = self._own(key, model)
             if kind == "sampler":
                 ref = engine.samplers[model]
-                sampler_id, base, version = model, ref.slot.name, self.owners.weight_steps.get(ref.path or "", 0)
+                sampler_id, base, version = model, ref.slot.name, ref.step
             elif kind == "session":
                 base = engine.sessions[model].base_model
                 sampler_id, version = await self._session_sampler(model)

@@ -125,11 +125,6 @@ def create_app(
         if ref is not None and ref.path is not None and ref.path.startswith(EPHEMERAL):
             with contextlib.suppress(InvalidInputError):
                 release(store.ephemeral_owner(ref.path))
-        owners.drop_steps(sampler_paths())
-
-    def sampler_paths() -> set[str]:
-        """The weights the live samplers sample (their paths)."""
-        return {ref.path for ref in backend.engine.samplers.values() if ref.path is not None}
 
     async def reap_idle() -> list[str]:
         """Stop the sessions and samplers no request touched for ``session_timeout`` seconds; the ids stopped.
@@ -350,7 +345,7 @@ def create_app(
             held.enter_context(idle.using(session_id))
             result = await backend.execute_training(session_id, op)
         if isinstance(op, SaveWeightsOp) and isinstance(result, CheckpointResponse):
-            owners.saved_weights(session_id, result.path, result.step, sampler_paths())
+            owners.saved_weights(session_id, result.path)
         if isinstance(op, (ForwardOp, ForwardBackwardOp)):  # per-token outputs: megabytes of JSON, off the loop
             return await _off_loop_json(lambda: wire.encode_result(result))
         return wire.encode_result(result)

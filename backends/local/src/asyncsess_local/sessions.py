@@ -76,6 +76,7 @@ class SamplerRef:
     slot: Slot
     adapter: str
     path: str | None
+    step: int = 0  # the optimizer step of the weights it samples (0: base weights)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class _Snapshot:
     slot: Slot
     adapter: str
     owner: str | None  # the training session it was taken from (ephemeral snapshots)
+    step: int = 0  # the optimizer step its weights were saved at
     refs: int = 0
     lineage: str = ""  # the training session its weights come from (names its vLLM versions)
     peft_dir: Path | None = None  # a PEFT directory on disk holding these weights, if any
@@ -280,7 +282,7 @@ class Sessions:
         path = f"{EPHEMERAL}{sess.model_id}/{op.seq}"
         adapter = f"{sess.model_id}-v{sess.step}-{next(self._names)}"  # versioned: never reused for other weights
         slot.host.copy(sess.adapter, adapter)
-        self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, lineage=sess.model_id)
+        self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, step=sess.step, lineage=sess.model_id)
         self._latest[sess.model_id] = path
         self._drop_unused(sess.model_id)  # older snapshots no sampler uses any more
         self._retain(sess.model_id)
@@ -345,7 +347,10 @@ class Sessions:
                     raise
             else:
                 slot.host.import_peft(adapter, peft_dir, uri)
-            snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir)
+            step = meta.get("step")
+            snap = self._snapshots[path] = _Snapshot(
+                slot, adapter, owner=None, step=step if type(step) is int else 0, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir
+            )
         if spec.base_model and spec.base_model != snap.slot.name and self.slots.get(spec.base_model) is not snap.slot:
             if snap.refs == 0 and snap.owner is None:
                 self._drop_snapshot(path)
@@ -373,7 +378,7 @@ class Sessions:
                 raise
             snap.in_vllm = True
         snap.refs += 1
-        self.samplers[sampler_id] = SamplerRef(snap.slot, snap.adapter, path)
+        self.samplers[sampler_id] = SamplerRef(snap.slot, snap.adapter, path, snap.step)
         return sampler_id
 
     def forget_checkpoint(self, directory: Path) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 from asyncsess.errors import SessionGoneError
@@ -28,8 +27,8 @@ class Owners:
 
     def __init__(self, journal: Path | None = None) -> None:
         self.by_id: dict[str, str] = {}
-        self.latest_weights: dict[str, str] = {}  # training session -> its last save_weights path
-        self.weight_steps: dict[str, int] = {}  # save_weights path -> the optimizer step it holds
+        # training session -> its last save_weights path, and how many it made (a save over one name is new weights)
+        self.latest_weights: dict[str, tuple[str, int]] = {}
         self.durable: set[str] = set()  # the journaled ids
         self._journal = journal
         self._lines = 0  # lines in the journal
@@ -68,18 +67,9 @@ class Owners:
         os.replace(tmp, self._journal)
         self._lines = len(self.durable)
 
-    def saved_weights(self, session_id: str, path: str, step: int, in_use: Iterable[str] = ()) -> None:
-        """A session saved sampler weights: its OpenAI ``model`` now serves them (a capture's weight version: ``step``).
-        The steps of older saves are kept only for the paths ``in_use`` (by samplers): see :meth:`drop_steps`."""
-        self.latest_weights[session_id] = path
-        self.weight_steps[path] = step
-        self.drop_steps(in_use)
-
-    def drop_steps(self, in_use: Iterable[str]) -> None:
-        """Forget the steps of weights that are no session's latest and that no sampler uses (paths ``in_use``)."""
-        keep = {*in_use, *self.latest_weights.values()}
-        for old in [p for p in self.weight_steps if p not in keep]:
-            del self.weight_steps[old]
+    def saved_weights(self, session_id: str, path: str) -> None:
+        """A session saved sampler weights at ``path``: its OpenAI ``model`` serves them from the next call on."""
+        self.latest_weights[session_id] = (path, self.latest_weights.get(session_id, ("", 0))[1] + 1)
 
     def check(self, key: str, object_id: str) -> None:
         if self.by_id.get(object_id) != key:
