@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -289,6 +292,38 @@ def test_a_sampler_on_a_saved_path_captures_the_step_of_its_weights(c, mine, mod
         [call] = captured(c, f"p-{smp}", take=True)
         assert (call.sampler_id, call.weight_version) == (smp, 1)
         c.delete(f"/v1/sessions/{smp}", headers=MINE)
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+
+
+def test_a_sampler_being_opened_for_one_keys_session_holds_up_no_other_keys_call(c, worker, mine, theirs, model, monkeypatch):
+    """One lock over every key's fronts was held while a session's new weights were opened (an engine call, queued
+    behind whatever the engine runs): every other key's call, on any model, waited for it. Calls on that session
+    still wait for the one opening: its weights are opened once."""
+    import anyio
+
+    sid = new_session(c, model, MINE)
+    _train_and_save(c, sid, 1, {})
+    theirs.chat.completions.create(model=model, messages=ASK, max_tokens=2)  # (its sampler is open)
+    real, entered, release = worker.backend.create_sampler, threading.Event(), threading.Event()
+
+    async def held(spec):
+        if spec.model_path is not None:
+            entered.set()
+            await anyio.to_thread.run_sync(release.wait)
+        return await real(spec)
+
+    monkeypatch.setattr(worker.backend, "create_sampler", held)
+    before = set(worker.backend.engine.samplers)
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            opening = [pool.submit(mine.chat.completions.create, model=sid, messages=ASK, max_tokens=2) for _ in range(2)]
+            assert entered.wait(60)
+            other = pool.submit(theirs.chat.completions.create, model=model, messages=ASK, max_tokens=2)
+            answered_meanwhile = not futures.wait([other], timeout=60).not_done  # (a hang guard)
+        finally:
+            release.set()
+        assert answered_meanwhile and other.result().choices and all(f.result().choices for f in opening)
+    assert len(set(worker.backend.engine.samplers) - before) == 1
     c.delete(f"/v1/sessions/{sid}", headers=MINE)
 
 

@@ -50,7 +50,7 @@ class WorkerFronts:
         self._base: dict[str, str] = {}  # base model -> the sampler on its base weights (shared by tenants)
         self._session_samplers: dict[str, tuple[tuple[str, int], str]] = {}  # training session -> (its latest_weights, sampler id)
         self._retired: dict[str, str] = {}  # training session -> the sampler on its weights before the latest
-        self._lock = anyio.Lock()
+        self._opening: dict[tuple[str, str], anyio.Lock] = {}  # (kind, name) a sampler is being opened for: one at a time
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[WorkerFronts]:
@@ -78,11 +78,23 @@ class WorkerFronts:
     async def _forget_stopped(self) -> None:
         """Drop the fronts of stopped samplers and sessions, and the samplers opened for those sessions."""
         for key, model in [k for k in self._fronts if k[1] not in self._base and self._own(*k) is None]:
-            del self._fronts[(key, model)]
+            self._fronts.pop((key, model), None)
             self._served.pop((key, model), None)
         for sid in [s for s in self._session_samplers if s not in self.backend.engine.sessions]:
-            await self._stop(self._session_samplers.pop(sid)[1])
+            await self._stop(self._session_samplers.pop(sid, (None, None))[1])
             await self._stop(self._retired.pop(sid, None))
+
+    @contextlib.asynccontextmanager
+    async def _opening_for(self, what: tuple[str, str]) -> AsyncIterator[None]:
+        """Open ``what``'s sampler (a base model's, a session's weights) once however many calls ask at once; a call
+        on anything else never waits for it (an engine call, queued behind whatever the engine runs)."""
+        lock = self._opening.setdefault(what, anyio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._opening.pop(what, None)
 
     async def _stop(self, sampler_id: str | None) -> None:
         if sampler_id is not None:
@@ -119,41 +131,45 @@ class WorkerFronts:
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
         engine = self.backend.engine
-        async with self._lock:
-            await self._forget_stopped()
-            kind = self._own(key, model)
-            if kind == "sampler":
-                ref = engine.samplers[model]
-                sampler_id, base, version = model, ref.slot.name, ref.step
-            elif kind == "session":
+        await self._forget_stopped()
+        kind = self._own(key, model)
+        if kind == "sampler":
+            ref = engine.samplers[model]
+            sampler_id, base, version = model, ref.slot.name, ref.step
+        elif kind == "session":
+            async with self._opening_for(("session", model)):
+                if self._own(key, model) != "session":  # stopped while another call opened its weights
+                    raise model_not_found(model)
                 base = engine.sessions[model].base_model
                 sampler_id, version = await self._session_sampler(model)
-            elif model in self.base_models():
+        elif model in self.base_models():
+            async with self._opening_for(("base", model)):
                 sampler_id, base, version = await self._base_sampler(model), model, 0
-            else:
-                raise model_not_found(model)
-            ref = engine.samplers[sampler_id]
-            context = ref.slot.sample_context(ref.adapter)
-            front = self._fronts.get((key, model))
-            if front is None or self._served.get((key, model)) != sampler_id:
-                assert self._svc is not None, "WorkerFronts.running() is not active"
-                sampler = SamplingClient(self._svc, sampler_id, base)
-                if front is None:
-                    front = self._fronts[(key, model)] = OpenAIFront(
-                        sampler,
-                        version=version,
-                        model_name=model,
-                        captures=self.captures(key),
-                        max_n=MAX_NUM_SAMPLES,
-                        max_tokens=MAX_COMPLETION_TOKENS,
-                        context_window=context,
-                        sampler_name=model,
-                    )
-                else:  # new weights of the session: the same front and captures
-                    front.publish(sampler, version, sampler_name=model)
-                    front.context_window = context
-                self._served[(key, model)] = sampler_id
-            return front
+        else:
+            raise model_not_found(model)
+        # from here on nothing awaits: no other call changes the fronts meanwhile
+        ref = engine.samplers[sampler_id]
+        context = ref.slot.sample_context(ref.adapter)
+        front = self._fronts.get((key, model))
+        if front is None or self._served.get((key, model)) != sampler_id:
+            assert self._svc is not None, "WorkerFronts.running() is not active"
+            sampler = SamplingClient(self._svc, sampler_id, base)
+            if front is None:
+                front = self._fronts[(key, model)] = OpenAIFront(
+                    sampler,
+                    version=version,
+                    model_name=model,
+                    captures=self.captures(key),
+                    max_n=MAX_NUM_SAMPLES,
+                    max_tokens=MAX_COMPLETION_TOKENS,
+                    context_window=context,
+                    sampler_name=model,
+                )
+            else:  # new weights of the session: the same front and captures
+                front.publish(sampler, version, sampler_name=model)
+                front.context_window = context
+            self._served[(key, model)] = sampler_id
+        return front
 
     async def models(self, key: str | None) -> list[str]:
         """What ``key`` may name: the base models, then its live sessions and samplers."""
