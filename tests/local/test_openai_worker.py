@@ -325,6 +325,8 @@ def test_a_sampler_being_opened_for_one_keys_session_holds_up_no_other_keys_call
         assert answered_meanwhile and other.result().choices and all(f.result().choices for f in opening)
     assert len(set(worker.backend.engine.samplers) - before) == 1
     c.delete(f"/v1/sessions/{sid}", headers=MINE)
+    theirs.chat.completions.create(model=model, messages=ASK, max_tokens=2)
+    assert ("session", sid) not in worker.app.state.openai_fronts._opening  # (what it held goes with the session)
 
 
 def test_tenants_see_and_capture_only_their_own(c, mine, theirs, model):

@@ -83,18 +83,14 @@ class WorkerFronts:
         for sid in [s for s in self._session_samplers if s not in self.backend.engine.sessions]:
             await self._stop(self._session_samplers.pop(sid, (None, None))[1])
             await self._stop(self._retired.pop(sid, None))
+        free = [w for w, lock in self._opening.items() if not (lock.locked() or lock.statistics().tasks_waiting)]
+        for what in [w for w in free if w[0] == "session" and w[1] not in self.backend.engine.sessions]:
+            del self._opening[what]  # (a stopped session's)
 
-    @contextlib.asynccontextmanager
-    async def _opening_for(self, what: tuple[str, str]) -> AsyncIterator[None]:
-        """Open ``what``'s sampler (a base model's, a session's weights) once however many calls ask at once; a call
-        on anything else never waits for it (an engine call, queued behind whatever the engine runs)."""
-        lock = self._opening.setdefault(what, anyio.Lock())
-        try:
-            async with lock:
-                yield
-        finally:
-            if not lock.locked() and not lock.statistics().tasks_waiting:
-                self._opening.pop(what, None)
+    def _opening_for(self, what: tuple[str, str]) -> anyio.Lock:
+        """Held while ``what``'s sampler (a base model's, a session's weights) is opened: once however many calls ask
+        at once, while a call on anything else never waits for it (an engine call, queued behind whatever it runs)."""
+        return self._opening.setdefault(what, anyio.Lock())
 
     async def _stop(self, sampler_id: str | None) -> None:
         if sampler_id is not None:
