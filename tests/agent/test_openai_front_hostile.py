@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import anyio
+import httpx
 import openai
 import pytest
 
 from asyncsess import ServiceClient
 from asyncsess.serve.openai_front import OpenAIFront
+from asyncsess.serve.openai_wire import MAX_TEXT_CHARS
 from asyncsess.types import SampledSequence, SampleResponse
 
 from .helpers import post_scope
@@ -213,12 +215,27 @@ class _CountingSampler:
         return self.tok
 
 
+ARGS = json.dumps({"x": "a" * 900_000})
 TOO_LONG = [
     ("chat", {"messages": [{"role": "user", "content": "a" * 1_000_000}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": "a" * 100_000}] * 40}, "messages"),
     ("chat", {"tools": [_tool("f", {"type": "string", "enum": [str(i) for i in range(100_000)]})]}, "messages"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 1_000_000}}]}, "messages"),
     ("completions", {"prompt": "a" * 1_000_000}, "prompt"),
+    # an assistant turn's text and tool calls were not counted: 256 MB of them were tokenized on the event loop
+    ("chat", {"messages": [*HI, {"role": "assistant", "content": "a" * 1_000_000}, {"role": "user", "content": "go"}]}, "messages"),
+    ("chat", {"messages": [*HI, {"role": "assistant", "content": [{"type": "text", "text": "a" * 500_000}] * 2}, *HI]}, "messages"),
+    (
+        "chat",
+        {
+            "messages": [
+                *HI,
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ARGS}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "4"},
+            ]
+        },
+        "messages",
+    ),
 ]
 
 
@@ -241,6 +258,18 @@ async def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenize
         assert counting.tok.calls == 0
         ok = await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_a_prompt_of_more_ids_than_any_context_is_refused_by_its_length_first(sampler):
+    """A completions prompt of token ids had no cap: a 256 MB body's 85 M ids were validated one by one holding the
+    GIL (about 20 s of every tenant's event loop), then scanned against the vocabulary on the loop, before the context
+    check refused them. Now the count is checked first: past MAX_TEXT_CHARS at validation, past the context before the
+    scan (the ids here are all outside the vocabulary, which the scan would have named)."""
+    front = OpenAIFront(sampler, context_window=64)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as client:  # (openai's own encoding is slow)
+        for ids, says in (([-1] * (MAX_TEXT_CHARS + 1), "more than any context holds"), ([-1] * 100, "the prompt has 100 tokens")):
+            r = await client.post("/v1/completions", json={"model": "policy", "prompt": ids, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and says in r.json()["error"]["message"], r.text
 
 
 async def test_distinct_tool_sets_do_not_grow_the_servers_memory(sampler):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -255,6 +258,101 @@ def test_a_sampler_on_a_durable_save_reports_the_step_it_holds(c, mine, model):
             assert (call.sampler_id, call.weight_version) == (smp, step)
             c.delete(f"/v1/sessions/{smp}", headers=MINE)
     c.delete(f"/v1/sessions/{sid}", headers=MINE)
+
+
+def _train_and_save(c: httpx.Client, sid: str, first_seq: int, save: dict) -> dict:
+    """One cross-entropy step on ``sid`` then a ``save_weights`` with ``save``'s fields; the save's result."""
+    datum = {"model_input": [5, 6, 7], "loss_fn_inputs": {"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]}}
+    ops = (
+        {"kind": "forward_backward", "loss_fn": "cross_entropy", "data": [datum]},
+        {"kind": "optim_step", "adam_params": {"learning_rate": 0.1}},
+        {"kind": "save_weights", **save},
+    )
+    for seq, op in enumerate(ops, first_seq):
+        r = c.post(f"/v1/sessions/{sid}/ops", json={**op, "seq": seq, "idempotency_key": f"t{seq}"}, headers=MINE)
+        assert r.status_code == 200, r.text
+    return r.json()["result"]
+
+
+def test_a_save_over_the_same_name_is_served_by_the_sessions_model(c, worker, mine, model):
+    """A loop that saves its sampler weights under one name (``overwrite``) kept being served the first save's weights
+    through ``model=<session id>`` (the path, its key, never changed), labelled with that save's step."""
+    sid = new_session(c, model, MINE)
+    ask = dict(model=sid, messages=ASK, max_tokens=4, seed=2, extra_headers={"X-Rollout-Id": f"o-{sid}"})
+    for step in (1, 2):
+        saved = _train_and_save(c, sid, 3 * step - 2, {"name": "policy", "overwrite": True})
+        mine.chat.completions.create(**ask)
+    calls = captured(c, f"o-{sid}")
+    assert [x.weight_version for x in calls] == [1, 2]
+    fresh = new_sampler(c, MINE, model_path=saved["path"])  # the weights saved last
+    tokens = calls[-1].prompt_tokens + calls[-1].choices[0].tokens
+    assert calls[-1].choices[0].logprobs == pytest.approx(scored(c, fresh, tokens)[len(calls[-1].prompt_tokens) :], abs=TOLERANCE)
+    c.delete(f"/v1/sessions/{fresh}", headers=MINE)
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+
+
+def test_a_sessions_deleted_latest_weights_are_a_400_naming_model_until_it_saves_again(c, mine, model):
+    """The session's latest ``save_weights``, deleted by its key before any call opened it, made every call on the
+    session a 400 in the worker's shape naming ``model_path``, a field the call never had."""
+    sid = new_session(c, model, MINE)
+    saved = _train_and_save(c, sid, 1, {"name": "gone"})
+    assert c.delete("/v1/checkpoints", params={"path": saved["path"]}, headers=MINE).status_code == 204
+    body = {"model": sid, "messages": ASK, "max_tokens": 2}
+    err = assert_openai_refused(send(c, "POST", "/v1/chat/completions", raw_json(body), MINE), "model")
+    assert "save its weights again" in err["message"]
+    _train_and_save(c, sid, 4, {})
+    assert c.post("/v1/chat/completions", json=body, headers=MINE).status_code == 200
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+
+
+def test_a_sampler_on_a_saved_path_captures_the_step_of_its_weights(c, mine, model):
+    """A capture's weight_version is the optimizer step of the sampled weights; a sampler opened on a durable
+    ``save_weights`` path (or a ``save_state``) captured 0: the step was looked up under another spelling of the path."""
+    sid = new_session(c, model, MINE)
+    saved = _train_and_save(c, sid, 1, {})
+    r = c.post(f"/v1/sessions/{sid}/ops", json={"kind": "save_state", "seq": 4, "idempotency_key": "st4"}, headers=MINE)
+    assert r.status_code == 200, r.text
+    for path in (saved["path"], r.json()["result"]["path"]):
+        smp = new_sampler(c, MINE, model_path=path)
+        mine.chat.completions.create(model=smp, messages=ASK, max_tokens=2, extra_headers={"X-Rollout-Id": f"p-{smp}"})
+        [call] = captured(c, f"p-{smp}", take=True)
+        assert (call.sampler_id, call.weight_version) == (smp, 1)
+        c.delete(f"/v1/sessions/{smp}", headers=MINE)
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+
+
+def test_a_sampler_being_opened_for_one_keys_session_holds_up_no_other_keys_call(c, worker, mine, theirs, model, monkeypatch):
+    """One lock over every key's fronts was held while a session's new weights were opened (an engine call, queued
+    behind whatever the engine runs): every other key's call, on any model, waited for it. Calls on that session
+    still wait for the one opening: its weights are opened once."""
+    import anyio
+
+    sid = new_session(c, model, MINE)
+    _train_and_save(c, sid, 1, {})
+    theirs.chat.completions.create(model=model, messages=ASK, max_tokens=2)  # (its sampler is open)
+    real, entered, release = worker.backend.create_sampler, threading.Event(), threading.Event()
+
+    async def held(spec):
+        if spec.model_path is not None:
+            entered.set()
+            await anyio.to_thread.run_sync(release.wait)
+        return await real(spec)
+
+    monkeypatch.setattr(worker.backend, "create_sampler", held)
+    before = set(worker.backend.engine.samplers)
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            opening = [pool.submit(mine.chat.completions.create, model=sid, messages=ASK, max_tokens=2) for _ in range(2)]
+            assert entered.wait(60)
+            other = pool.submit(theirs.chat.completions.create, model=model, messages=ASK, max_tokens=2)
+            answered_meanwhile = not futures.wait([other], timeout=60).not_done  # (a hang guard)
+        finally:
+            release.set()
+        assert answered_meanwhile and other.result().choices and all(f.result().choices for f in opening)
+    assert len(set(worker.backend.engine.samplers) - before) == 1
+    c.delete(f"/v1/sessions/{sid}", headers=MINE)
+    theirs.chat.completions.create(model=model, messages=ASK, max_tokens=2)
+    assert ("session", sid) not in worker.app.state.openai_fronts._opening  # (what it held goes with the session)
 
 
 def test_tenants_see_and_capture_only_their_own(c, mine, theirs, model):

@@ -276,3 +276,22 @@ def test_the_tokenizer_is_written_out_once_and_off_the_event_loop(worker, c, tin
     again = c.get("/v1/tokenizer", params={"base_model": tiny}, headers=THEIRS)
     assert first.status_code == 200 and "tokenizer.json" in first.json()["files"], first.text
     assert again.json() == first.json() and calls == [False]
+
+
+def test_checkpoints_are_listed_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """GET /v1/checkpoints read every checkpoint's metadata and sized its files on the event loop: a key holding its
+    4,096 allowed checkpoints froze every tenant's requests for 0.7 s per listing, and it may send 1,024 at once."""
+    store, on_loop = worker.backend.engine.store, []
+    real = store.list
+
+    def recording(model_id: str | None = None) -> Any:
+        on_loop.append(threading.current_thread() is worker.thread)
+        return real(model_id)
+
+    monkeypatch.setattr(store, "list", recording)
+    sid = new_session(c, tiny, MINE)
+    save = {"kind": "save_weights", "seq": 1, "idempotency_key": "s1", "name": "listed"}
+    assert c.post(f"/v1/sessions/{sid}/ops", json=save, headers=MINE).status_code == 200
+    r = c.get("/v1/checkpoints", params={"session_id": sid}, headers=MINE)
+    assert r.status_code == 200 and [x["checkpoint_id"] for x in r.json()] == [f"{sid}/sampler/listed"], r.text
+    assert on_loop == [False]

@@ -72,6 +72,27 @@ async def test_an_expired_session_frees_its_keys_place(worker, tiny):
     await _new(c, "/v1/sessions", {"base_model": tiny, "rank": 2, "seed": 0}, MINE)
 
 
+async def test_openai_calls_on_a_sampler_or_session_keep_it_alive(worker, tiny):
+    """An agent that samples a key's sampler or session only through the OpenAI routes (``model`` = its id) is using
+    it: those calls touched no idle clock, so the reaper stopped the sampler the agent was calling every
+    ``session_timeout`` seconds. Another key naming the id keeps nothing alive."""
+    app, c, now = worker
+    smp = await _new(c, "/v1/samplers", {"base_model": tiny}, MINE)
+    sid = await _new(c, "/v1/sessions", {"base_model": tiny, "rank": 2, "seed": 0}, MINE)
+    now[0] = TTL - 1
+    for model in (smp, sid):
+        r = await c.post("/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2}, headers=MINE)
+        assert r.status_code == 200, r.text
+    now[0] = TTL + 100
+    assert await app.state.reap_idle() == []  # each was used TTL - 1 s in
+    now[0] = 2 * TTL - 2
+    for model in (smp, sid):
+        r = await c.post("/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2}, headers=THEIRS)
+        assert r.status_code == 404, r.text
+    now[0] = 2 * TTL
+    assert sorted(await app.state.reap_idle()) == sorted([smp, sid])
+
+
 def test_a_request_in_flight_keeps_its_object_alive_past_the_ttl():
     from asyncsess_local.idle import IdleClock
 

@@ -67,12 +67,16 @@ async def test_a_thousand_create_and_delete_cycles_leave_the_owner_table_and_its
     assert set(restarted.state.owners.by_id) == {kept} and len(journal.read_text().splitlines()) == 1
 
 
-def test_a_session_keeps_only_its_latest_weights(tmp_path):
+def test_a_sessions_saves_are_one_entry_that_tells_each_save_apart_and_goes_with_the_session(tmp_path):
+    """The weights a session's OpenAI ``model`` serves: its latest save, told apart from the one before even when both
+    have one path (a save over one name); one entry per session, whatever the number of saves."""
     from asyncsess_local.tenants import Owners
 
     owners = Owners(tmp_path / ".owners.jsonl")
     for step in range(1000):
         owners.saved_weights("s", f"local://ephemeral/s/{step}")
-    assert owners.latest_weights == {"s": "local://ephemeral/s/999"}
+    before = owners.latest_weights["s"]
+    owners.saved_weights("s", "local://ephemeral/s/999")
+    assert owners.latest_weights == {"s": ("local://ephemeral/s/999", 1001)} and before != owners.latest_weights["s"]
     owners.forget("s")
     assert owners.latest_weights == {}

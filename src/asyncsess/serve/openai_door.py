@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import anyio
@@ -206,10 +207,15 @@ class FrontSource(Protocol):
 
 
 def openai_router(
-    oai: FrontSource, api_keys: set[str] | frozenset[str] | None = None, *, key_of: Callable[[Request], str | None] | None = None
+    oai: FrontSource,
+    api_keys: set[str] | frozenset[str] | None = None,
+    *,
+    key_of: Callable[[Request], str | None] | None = None,
+    hold: Callable[[str | None, str], AbstractContextManager[object]] | None = None,
 ) -> APIRouter:
     """The ``/v1`` routes over ``oai``; with ``api_keys`` every route needs ``X-API-Key`` or a Bearer key.
-    ``key_of``: how a request names its key, instead (a server whose middleware already checked it)."""
+    ``key_of``: how a request names its key, instead (a server whose middleware already checked it); ``hold(key,
+    model)``: entered while a call on a ``model`` the key may use is served (the local worker's idle clock)."""
 
     def checked_key(request: Request) -> str | None:
         key = api_key_of(request, api_keys)
@@ -235,7 +241,8 @@ def openai_router(
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
-        return await front.answer(request, body, route)
+        with hold(key, model) if hold is not None else contextlib.nullcontext():
+            return await front.answer(request, body, route)
 
     r = APIRouter(prefix="/v1")
 

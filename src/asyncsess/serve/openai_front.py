@@ -349,6 +349,11 @@ class OpenAIFront:
                 field,
             )
 
+    def _refuse_full_prompt(self, prompt_len: int, field: str) -> None:
+        """A FrontError naming ``field`` when a prompt of ``prompt_len`` tokens leaves the context no room to sample."""
+        if self.context_window is not None and prompt_len >= self.context_window:
+            raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", field)
+
     def _params(
         self, req: SamplingRequest, binding: _Binding, prompt_len: int, max_tokens: int | None, stop: list[str | int]
     ) -> SamplingParams:
@@ -359,11 +364,8 @@ class OpenAIFront:
             name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise FrontError(f"{name}={max_tokens} is more than the model's context ({self.context_window} tokens)", name)
         if self.context_window is not None:
-            room = self.context_window - prompt_len
-            if room < 1:
-                field = "messages" if isinstance(req, ChatRequest) else "prompt"
-                raise FrontError(f"the prompt has {prompt_len} tokens; the context holds {self.context_window}", field)
-            budget = min(budget, room)
+            self._refuse_full_prompt(prompt_len, "messages" if isinstance(req, ChatRequest) else "prompt")
+            budget = min(budget, self.context_window - prompt_len)
         temperature = binding.temperature if binding.temperature is not None else req.temperature
         if temperature is not None and temperature < _GREEDY_BELOW:
             temperature = 0.0  # the limit of softmax(x / T) as T -> 0; tinier T overflows the logits
@@ -494,6 +496,14 @@ class OpenAIFront:
             raise FrontError(
                 "parallel_tool_calls=false is not supported (a reply may call several tools); leave it unset", "parallel_tool_calls"
             )
+        # every message's text and tool calls: a template that drops old assistant turns could fit more, but not
+        # _MERGED times the context's longest spelling (uncounted, 256 MB of them were parsed and tokenized
+        # on the event loop)
+        shown = [m.text() for m in req.messages]
+        shown += [part for m in req.messages for c in m.tool_calls or [] for part in (c.function.name, c.function.arguments)]
+        for t in req.tools or []:  # as compact as a template could show a tool
+            shown += [t.function.name, t.function.description, json.dumps(t.function.parameters, separators=(",", ":"), ensure_ascii=False)]
+        self._refuse_past_context(binding.sampler, sum(map(len, shown)), "messages", "the messages and tools hold")
         for i, m in enumerate(req.messages):
             if m.name is not None:
                 raise FrontError("message names are not supported (the chat template has no place for them); drop it", f"messages.{i}.name")
@@ -505,10 +515,6 @@ class OpenAIFront:
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
-        shown = [m.text() for m in req.messages if m.role != "assistant"]  # (a template may drop old assistant text)
-        for t in req.tools or []:  # as compact as a template could show a tool
-            shown += [t.function.name, t.function.description, json.dumps(t.function.parameters, separators=(",", ":"), ensure_ascii=False)]
-        self._refuse_past_context(binding.sampler, sum(map(len, shown)), "messages", "the messages and tools hold")
         renderer = self._renderer(binding.sampler)
         tools = [Tool(t.function.name, t.function.description, t.function.parameters, _no_run) for t in req.tools or []]
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
@@ -635,6 +641,7 @@ class OpenAIFront:
         prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
+        self._refuse_full_prompt(len(prompt), "prompt")  # before every id is scanned (on the event loop)
         vocab = len(cast(Any, tok))  # HF: added tokens included
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:

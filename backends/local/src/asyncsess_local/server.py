@@ -411,7 +411,7 @@ def create_app(
         return Response(tokenizers[name], media_type="application/json")
 
     app.state.openai_fronts = fronts
-    app.include_router(openai_api.router(fronts))
+    app.include_router(openai_api.router(fronts, idle))
     return app
 
 

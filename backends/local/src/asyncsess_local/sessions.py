@@ -76,7 +76,7 @@ class SamplerRef:
     slot: Slot
     adapter: str
     path: str | None
-    step: int = 0  # the optimizer step of the weights it samples (0: base weights, or a save that named none)
+    step: int = 0  # the optimizer step of the weights it samples (0: base weights)
 
 
 @dataclass
@@ -84,9 +84,9 @@ class _Snapshot:
     slot: Slot
     adapter: str
     owner: str | None  # the training session it was taken from (ephemeral snapshots)
+    step: int = 0  # the optimizer step its weights were saved at
     refs: int = 0
     lineage: str = ""  # the training session its weights come from (names its vLLM versions)
-    step: int = 0  # the optimizer step these weights were saved at
     peft_dir: Path | None = None  # a PEFT directory on disk holding these weights, if any
     in_vllm: bool = False
 
@@ -282,7 +282,7 @@ class Sessions:
         path = f"{EPHEMERAL}{sess.model_id}/{op.seq}"
         adapter = f"{sess.model_id}-v{sess.step}-{next(self._names)}"  # versioned: never reused for other weights
         slot.host.copy(sess.adapter, adapter)
-        self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, lineage=sess.model_id, step=sess.step)
+        self._snapshots[path] = _Snapshot(slot, adapter, owner=sess.model_id, step=sess.step, lineage=sess.model_id)
         self._latest[sess.model_id] = path
         self._drop_unused(sess.model_id)  # older snapshots no sampler uses any more
         self._retain(sess.model_id)
@@ -347,8 +347,10 @@ class Sessions:
                     raise
             else:
                 slot.host.import_peft(adapter, peft_dir, uri)
-            lineage, step = meta.get("model_id", "ckpt"), int(meta.get("step", 0))  # a step count: CheckpointStore.meta checked it
-            snap = self._snapshots[path] = _Snapshot(slot, adapter, owner=None, lineage=lineage, peft_dir=peft_dir, step=step)
+            step = meta.get("step")
+            snap = self._snapshots[path] = _Snapshot(
+                slot, adapter, owner=None, step=step if type(step) is int else 0, lineage=meta.get("model_id", "ckpt"), peft_dir=peft_dir
+            )
         if spec.base_model and spec.base_model != snap.slot.name and self.slots.get(spec.base_model) is not snap.slot:
             if snap.refs == 0 and snap.owner is None:
                 self._drop_snapshot(path)

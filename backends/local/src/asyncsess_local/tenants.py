@@ -27,7 +27,8 @@ class Owners:
 
     def __init__(self, journal: Path | None = None) -> None:
         self.by_id: dict[str, str] = {}
-        self.latest_weights: dict[str, str] = {}  # training session -> its last save_weights path
+        # training session -> its last save_weights path, and how many it made (a save over one name is new weights)
+        self.latest_weights: dict[str, tuple[str, int]] = {}
         self.durable: set[str] = set()  # the journaled ids
         self._journal = journal
         self._lines = 0  # lines in the journal
@@ -67,8 +68,8 @@ class Owners:
         self._lines = len(self.durable)
 
     def saved_weights(self, session_id: str, path: str) -> None:
-        """A session saved sampler weights: its OpenAI ``model`` now serves them (their step is their sampler's)."""
-        self.latest_weights[session_id] = path
+        """A session saved sampler weights at ``path``: its OpenAI ``model`` serves them from the next call on."""
+        self.latest_weights[session_id] = (path, self.latest_weights.get(session_id, ("", 0))[1] + 1)
 
     def check(self, key: str, object_id: str) -> None:
         if self.by_id.get(object_id) != key:
