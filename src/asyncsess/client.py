@@ -115,6 +115,7 @@ __all__ = ["ServiceClient", "TrainingClient", "SamplingClient", "SamplerHandle",
 log = logging.getLogger("asyncsess")
 QUEUE_STATE_LOG_INTERVAL = 60  # seconds between two "sampling is paused" warnings of one SamplingClient (Tinker's)
 DEFAULT_URL = "local://"
+MIN_HEARTBEAT_INTERVAL = 0.01  # seconds; tests beat every 0.02 s
 T = TypeVar("T")
 Op = TypeVar("Op", bound=TrainingOp)
 Spec = TypeVar("Spec", TrainingSessionSpec, SamplerSpec)
@@ -160,7 +161,10 @@ class ServiceClient:
         self._limiter = SamplingLimiter(
             check_bound(max_samples_in_flight, "max_samples_in_flight"), check_bound(max_sample_bytes, "max_sample_bytes")
         )
-        every = check_timeout(heartbeat_interval, "heartbeat_interval", fix="give seconds > 0, or 0 for no heartbeat")
+        fix = f"give seconds >= {MIN_HEARTBEAT_INTERVAL}, or 0 for no heartbeat"
+        every = check_timeout(heartbeat_interval, "heartbeat_interval", fix=fix)
+        if every is not None and 0 < every < MIN_HEARTBEAT_INTERVAL:  # the loop would never sleep, touching every session
+            raise InvalidInputError(f"{every!r:.40} s is too short a heartbeat", field="heartbeat_interval", fix=fix)
         self._heartbeat_interval = 0.0 if every is None else every  # None or inf: never
         self.max_chunk_datums = check_bound(max_chunk_datums, "max_chunk_datums")
         self.max_chunk_bytes = check_bound(max_chunk_bytes, "max_chunk_bytes")

@@ -264,6 +264,8 @@ async def test_torch_forms_of_a_datum_are_taken_or_refused_typed_before_numberin
         ("heartbeat_interval", float("nan")),  # NaN > 0 is False: the heartbeat was silently off
         ("heartbeat_interval", -1.0),
         ("heartbeat_interval", "10"),  # a TypeError when the client opened
+        ("heartbeat_interval", 1e-9),  # a heartbeat loop that never slept: every session touched without end
+        ("heartbeat_interval", 5e-324),
     ],
 )
 async def test_a_client_bound_out_of_range_is_refused_when_the_client_is_made(field, value):
