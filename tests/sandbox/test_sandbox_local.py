@@ -313,6 +313,24 @@ async def test_code_too_big_for_the_working_directory_is_one_typed_error(make_sa
     assert list(tmp_path.iterdir()) == []
 
 
+async def test_files_that_overfill_the_working_directory_are_typed_errors_not_sandbox_errors(make_sandbox):
+    """The working directory is a tmpfs of workdir_mb MiB and 4096 inodes. Before, files within the byte budget that
+    needed more pages (every file takes whole pages) or more inodes failed the supervisor's set-up: a sandbox_error
+    ("No space left on device") for the caller's own input, on every retry."""
+    sandbox = make_sandbox(workdir_mb=1)  # 256 pages: the code takes one
+    fits = await sandbox.run("import os; print(len(os.listdir('.')))", files={f"f{i}": b"x" for i in range(255)})
+    assert (fits.status, fits.stdout) == ("ok", "256\n"), fits
+    with pytest.raises(InvalidInputError) as caught:
+        await sandbox.run("pass", files={f"f{i}": b"x" for i in range(256)})
+    assert caught.value.field == "files" and "1 MiB" in str(caught.value), caught.value
+    empty = {f"d/f{i}": b"" for i in range(4093)}  # with d, solution.py and the root: 4096 inodes
+    fits = await sandbox.run("import os; print(len(os.listdir('d')))", files=empty)
+    assert (fits.status, fits.stdout) == ("ok", "4093\n"), fits
+    with pytest.raises(InvalidInputError) as caught:
+        await sandbox.run("pass", files={**empty, "one-more": b""})
+    assert caught.value.field == "files" and "4096" in str(caught.value), caught.value
+
+
 def test_uids_of_root_accounts_groups_or_out_of_range_are_refused(make_sandbox):
     """The supervisor kill(-1)s as a run's uid before and after it: uids=range(0, 1) once killed every process on
     the host. Ids that an account or group owns, or that are no uid at all, are refused before anything runs."""

@@ -155,7 +155,8 @@ def _enter_namespaces(cfg, uid, gid):
         pass
     os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
     owner = "" if uid is None else f",uid={uid},gid={gid}"
-    _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
+    options = f"size={cfg['workdir_mb']}m,nr_inodes={cfg['workdir_inodes']},mode=0700{owner}"
+    _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, options.encode())
 
 
 def _hide_files(cfg):
