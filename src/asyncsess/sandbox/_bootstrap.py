@@ -10,7 +10,8 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
    and /dev/shm by empty writable ones of the run's own), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
    size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
-   namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
+   namespaces, is pid 1 of the new PID namespace: in a mount namespace of its own it covers /sys, mounts a /proc
+   of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
    refuses new user namespaces, exotic socket families, io_uring and other kernel surface (seccomp), empties its capability bounding set,
    drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
@@ -169,8 +170,13 @@ def _hide_files(cfg):
 
 
 def _mount_proc():
-    """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only."""
+    """In the program's process, pid 1 of the new PID namespace: a mount namespace of its own below the supervisor's,
+    with a /proc that shows the run's PID namespace only, and /sys (the host's: its cgroup tree, with the other runs'
+    leaves, network interfaces, devices) covered by an empty directory. The supervisor keeps the host's, to read its
+    run's cgroup."""
+    _call("unshare", _CLONE_NEWNS)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    _mount(b"tmpfs", "/sys", b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0555")
     try:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
