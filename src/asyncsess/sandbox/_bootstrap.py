@@ -388,6 +388,10 @@ def _set_limits(cfg):
     _set_limit(resource.RLIMIT_NOFILE, 256)
     _set_limit(resource.RLIMIT_CORE, _CORE_LIMIT)
     _set_limit(resource.RLIMIT_MSGQUEUE, 1 << 20)  # POSIX message queue bytes
+    # Not the host's: where those allow it (``ulimit -r``/``-e``), SCHED_FIFO would spin past cpu.max and starve
+    # every other process on its CPU, and a negative nice would outrank them.
+    _set_limit(resource.RLIMIT_RTPRIO, 0)
+    _set_limit(resource.RLIMIT_NICE, 0)
     cpu = cfg["cpu_s"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
 
