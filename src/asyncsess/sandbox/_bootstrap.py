@@ -170,17 +170,17 @@ def _hide_files(cfg):
 
 
 def _mount_proc():
-    """In the program's process, pid 1 of the new PID namespace: a mount namespace of its own below the supervisor's,
-    with a /proc that shows the run's PID namespace only, and /sys (the host's: its cgroup tree, with the other runs'
-    leaves, network interfaces, devices) covered by an empty directory. The supervisor keeps the host's, to read its
-    run's cgroup."""
-    _call("unshare", _CLONE_NEWNS)
+    """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only (the
+    supervisor's too: its memory watch lists the run's processes there, not the host's), then a mount namespace of
+    its own below the supervisor's with /sys (the host's: its cgroup tree, with the other runs' leaves, network
+    interfaces, devices) covered by an empty directory. The supervisor keeps /sys, to read its run's cgroup."""
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    _mount(b"tmpfs", "/sys", b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0555")
     try:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=2")  # kernels before 5.8
+    _call("unshare", _CLONE_NEWNS)
+    _mount(b"tmpfs", "/sys", b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0555")
 
 
 def _keyctl(*args):
