@@ -460,6 +460,17 @@ async def test_host_secrets_in_files_and_proc_are_unreadable(make_sandbox, monke
 
 
 @root_only
+async def test_sysfs_is_covered_for_the_program(make_sandbox):
+    """/sys is the host's: before, a run listed the host's network interfaces and read the cgroup tree, with the
+    leaves and the memory use of the runs beside it. The program now sees an empty /sys (its own mount namespace,
+    below the supervisor's, which still reads the run's cgroup); ordinary Python does not need it."""
+    assert os.listdir("/sys/class/net")  # the host's, as a run saw it
+    code = "import os\nprint(os.listdir('/sys'), os.path.exists('/sys/fs/cgroup'), os.cpu_count() >= 1)"
+    result = await make_sandbox().run(code)
+    assert (result.status, result.stdout) == ("ok", "[] False True\n"), result
+
+
+@root_only
 async def test_hidden_paths_cover_world_readable_host_files(make_sandbox):
     secret = f"s3cr3t-{uuid.uuid4().hex}"
     project = tempfile.mkdtemp(prefix="project-", dir="/var/lib")  # outside the temp and socket dirs runs cover

@@ -10,6 +10,7 @@ import pwd
 import resource
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -104,7 +105,7 @@ async def test_rlimits_are_set_in_the_program(make_sandbox):
     sandbox = make_sandbox(timeout_s=2.5, memory_mb=300, max_processes=12, workdir_mb=20)
     code = (
         "import resource as r\n"
-        "for name in ('RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_NPROC', 'RLIMIT_FSIZE', 'RLIMIT_CORE'):\n"
+        "for name in ('RLIMIT_CPU', 'RLIMIT_AS', 'RLIMIT_NPROC', 'RLIMIT_FSIZE', 'RLIMIT_CORE', 'RLIMIT_RTPRIO', 'RLIMIT_NICE'):\n"
         "    print(name, *r.getrlimit(getattr(r, name)))\n"
     )
     result = await sandbox.run(code)
@@ -115,8 +116,24 @@ async def test_rlimits_are_set_in_the_program(make_sandbox):
     assert limits["RLIMIT_AS"] == (300 << 20, 300 << 20)
     assert limits["RLIMIT_FSIZE"] == (20 << 20, 20 << 20)
     assert limits["RLIMIT_CORE"] == (1, 1)  # no core for any core_pattern (test_sandbox_escapes)
+    assert limits["RLIMIT_RTPRIO"] == limits["RLIMIT_NICE"] == (0, 0)  # (see the next test)
     if ROOT:  # as a normal user the limit is capped by the user's own hard limit
         assert limits["RLIMIT_NPROC"] == (12, 12)
+
+
+def test_the_program_gets_no_real_time_or_raised_priority_whatever_the_host_allows(monkeypatch):
+    """RLIMIT_RTPRIO and RLIMIT_NICE were the host's: where root's allow them (``ulimit -r``/``-e``, a container
+    started with ``--ulimit rtprio=99``), a program took SCHED_FIFO and spun past cpu.max and every other process on
+    its CPU. The bootstrap sets both to 0. (No process here may raise its hard limits, so the host is stubbed.)"""
+    from asyncsess.sandbox import _bootstrap
+
+    set_to: dict[int, tuple[int, int]] = {}
+    host = {name: getattr(resource, name) for name in dir(resource) if name.startswith("RLIM")}
+    host.update(getrlimit=lambda kind: (resource.RLIM_INFINITY,) * 2, setrlimit=lambda kind, value: set_to.update({kind: value}))
+    monkeypatch.setattr(_bootstrap, "resource", SimpleNamespace(**host))
+    monkeypatch.setattr(_bootstrap, "_libc", SimpleNamespace(mallopt=lambda *args: 1))
+    _bootstrap._set_limits({"memory_mb": 256, "max_processes": 8, "workdir_mb": 16, "cpu_s": 2})
+    assert set_to[resource.RLIMIT_RTPRIO] == set_to[resource.RLIMIT_NICE] == (0, 0), set_to
 
 
 async def test_huge_output_is_capped(make_sandbox):
@@ -311,6 +328,24 @@ async def test_code_too_big_for_the_working_directory_is_one_typed_error(make_sa
         await sandbox.run("pass", files={"data.bin": b"x" * (1 << 20)})
     assert caught.value.field == "files"
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_files_that_overfill_the_working_directory_are_typed_errors_not_sandbox_errors(make_sandbox):
+    """The working directory is a tmpfs of workdir_mb MiB and 4096 inodes. Before, files within the byte budget that
+    needed more pages (every file takes whole pages) or more inodes failed the supervisor's set-up: a sandbox_error
+    ("No space left on device") for the caller's own input, on every retry."""
+    sandbox = make_sandbox(workdir_mb=1)  # 256 pages: the code takes one
+    fits = await sandbox.run("import os; print(len(os.listdir('.')))", files={f"f{i}": b"x" for i in range(255)})
+    assert (fits.status, fits.stdout) == ("ok", "256\n"), fits
+    with pytest.raises(InvalidInputError) as caught:
+        await sandbox.run("pass", files={f"f{i}": b"x" for i in range(256)})
+    assert caught.value.field == "files" and "1 MiB" in str(caught.value), caught.value
+    empty = {f"d/f{i}": b"" for i in range(4093)}  # with d, solution.py and the root: 4096 inodes
+    fits = await sandbox.run("import os; print(len(os.listdir('d')))", files=empty)
+    assert (fits.status, fits.stdout) == ("ok", "4093\n"), fits
+    with pytest.raises(InvalidInputError) as caught:
+        await sandbox.run("pass", files={**empty, "one-more": b""})
+    assert caught.value.field == "files" and "4096" in str(caught.value), caught.value
 
 
 def test_uids_of_root_accounts_groups_or_out_of_range_are_refused(make_sandbox):

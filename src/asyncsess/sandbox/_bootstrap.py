@@ -10,7 +10,8 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
    and /dev/shm by empty writable ones of the run's own), any other host unix socket by /dev/null, /dev/pts a small devpts instance of its own, and the working directory a private
    size-capped tmpfs -- and writes the files back into the tmpfs;
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
-   namespaces, is pid 1 of the new PID namespace: it mounts a /proc of that namespace and forks the program's
+   namespaces, is pid 1 of the new PID namespace: in a mount namespace of its own it covers /sys, mounts a /proc
+   of that namespace and forks the program's
    process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
    refuses new user namespaces, exotic socket families, io_uring and other kernel surface (seccomp), empties its capability bounding set,
    drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
@@ -155,7 +156,8 @@ def _enter_namespaces(cfg, uid, gid):
         pass
     os.makedirs(cfg["workdir"], mode=0o755, exist_ok=True)  # inside a covered directory, if it was in one
     owner = "" if uid is None else f",uid={uid},gid={gid}"
-    _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=0700{owner}".encode())
+    options = f"size={cfg['workdir_mb']}m,nr_inodes={cfg['workdir_inodes']},mode=0700{owner}"
+    _mount(b"tmpfs", cfg["workdir"], b"tmpfs", flags, options.encode())
 
 
 def _hide_files(cfg):
@@ -168,12 +170,17 @@ def _hide_files(cfg):
 
 
 def _mount_proc():
-    """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only."""
+    """In the program's process, pid 1 of the new PID namespace: a /proc that shows that namespace only (the
+    supervisor's too: its memory watch lists the run's processes there, not the host's), then a mount namespace of
+    its own below the supervisor's with /sys (the host's: its cgroup tree, with the other runs' leaves, network
+    interfaces, devices) covered by an empty directory. The supervisor keeps /sys, to read its run's cgroup."""
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     try:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=invisible")
     except OSError:
         _mount(b"proc", "/proc", b"proc", flags, b"hidepid=2")  # kernels before 5.8
+    _call("unshare", _CLONE_NEWNS)
+    _mount(b"tmpfs", "/sys", b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0555")
 
 
 def _keyctl(*args):
@@ -381,6 +388,10 @@ def _set_limits(cfg):
     _set_limit(resource.RLIMIT_NOFILE, 256)
     _set_limit(resource.RLIMIT_CORE, _CORE_LIMIT)
     _set_limit(resource.RLIMIT_MSGQUEUE, 1 << 20)  # POSIX message queue bytes
+    # Not the host's: where those allow it (``ulimit -r``/``-e``), SCHED_FIFO would spin past cpu.max and starve
+    # every other process on its CPU, and a negative nice would outrank them.
+    _set_limit(resource.RLIMIT_RTPRIO, 0)
+    _set_limit(resource.RLIMIT_NICE, 0)
     cpu = cfg["cpu_s"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
 

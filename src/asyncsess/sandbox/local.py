@@ -59,6 +59,7 @@ _STOP_GRACE_S = 5.0  # how long the supervisor gets to kill and reap after SIGTE
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where hosts keep unix sockets and shared scratch files; each is covered by an empty tmpfs in a run's mounts.
 _SOCKET_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run", "/dev/mqueue")
+_WORKDIR_INODES = 4096  # nr_inodes of the run's working directory (a tmpfs), its root included
 
 
 class Isolation(BaseModel):
@@ -193,10 +194,7 @@ class LocalSandbox(BaseSandbox):
         timeout_s = self._timeout_s if timeout_s is None else check_limit("timeout_s", timeout_s)
         memory_mb = self._memory_mb if memory_mb is None else check_limit("memory_mb", memory_mb)
         contents = {CODE_FILE: self._check_code(code), **check_files(files, reserved=CODE_FILE)}
-        if sum(map(len, contents.values())) > self._workdir_mb << 20:
-            raise InvalidInputError(
-                f"code and files exceed the {self._workdir_mb} MiB working directory", field="files", fix="raise workdir_mb"
-            )
+        _check_fits(contents, self._workdir_mb)
         stdin_bytes = encode_text("stdin", stdin)
         namespaces = await self._namespaces_available()
         async with self._limiter.get():
@@ -294,6 +292,7 @@ class LocalSandbox(BaseSandbox):
                 "gid": uid,
                 "namespaces": namespaces,
                 "workdir_mb": self._workdir_mb,
+                "workdir_inodes": _WORKDIR_INODES,
                 "memory_mb": memory_mb,
                 "cpu_s": cpu_s,
                 "max_processes": self._max_processes,
@@ -502,6 +501,27 @@ def _default_python(root: bool) -> str:
         field="python",
         fix="install a system python3 or pass python=<an interpreter readable and executable by all users>",
     )
+
+
+def _check_fits(contents: Mapping[str, bytes], workdir_mb: int) -> None:
+    """InvalidInputError(field="files") unless the code and files fit the run's working directory, a tmpfs of
+    ``workdir_mb`` MiB and ``_WORKDIR_INODES`` inodes: each file takes whole pages, each file and directory an inode."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = sum(-(-len(data) // page) * page for data in contents.values())
+    if size > workdir_mb << 20:
+        raise InvalidInputError(
+            f"code and files take {size} bytes in whole {page}-byte pages, over the {workdir_mb} MiB working directory",
+            field="files",
+            fix="raise workdir_mb or pass fewer, larger files",
+        )
+    directories = {str(parent) for name in contents for parent in PurePosixPath(name).parents}  # "." included
+    inodes = len(contents) + len(directories)
+    if inodes > _WORKDIR_INODES:
+        raise InvalidInputError(
+            f"code and files need {inodes} files and directories, over the working directory's {_WORKDIR_INODES}",
+            field="files",
+            fix="pass fewer files",
+        )
 
 
 def _make_workdir(contents: Mapping[str, bytes]) -> str:
