@@ -272,6 +272,16 @@ async def test_a_hostile_retry_after_is_ignored_and_the_call_retried(hint):
     assert (result.status, result.stdout, len(calls)) == ("ok", "7\n", 2)
 
 
+async def test_output_that_was_not_utf8_comes_back_replaced_not_as_a_sandbox_error():
+    """A server that escapes undecodable output as a lone surrogate (``\\udcff``): the program's verdict stands."""
+    body = json.dumps(_response("Success", _run(stdout="7\udcff\n", stderr="\ud800")))
+    assert "\\udcff" in body
+    client = SandboxFusionClient("http://sandbox.invalid", retry=RetryPolicy.none(), client=_canned(body))
+    result = await client.run("code")
+    assert (result.status, result.stdout, result.stderr) == ("ok", "7\ufffd\ufffd\ufffd\n", "\ufffd\ufffd\ufffd")
+    result.stdout.encode("utf-8")  # no lone surrogate is left
+
+
 def _response(status: str, run: dict | None, message: str = "") -> dict:
     return {"status": status, "message": message, "compile_result": None, "run_result": run, "executor_pod_name": None, "files": {}}
 

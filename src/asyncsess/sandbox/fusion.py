@@ -9,6 +9,7 @@ execution_time, return_code, stdout, stderr}``.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 
@@ -143,15 +144,15 @@ class SandboxFusionClient(BaseSandbox):
                     retry_after=retry_after_seconds(response.headers.get("Retry-After")),
                 )
             response.raise_for_status()
-            return _RunCodeResponse.model_validate_json(response.content)
+            return _RunCodeResponse.model_validate(json.loads(response.content))  # json: takes a lone surrogate escape
 
         return await call_with_retry(self._retry, attempt, operation="sandbox_fusion.run_code", budget=self._retry_budget)
 
     def _cap(self, text: str | None) -> tuple[str, bool]:
-        data = (text or "").encode()
-        if len(data) <= self._max_output_bytes:
-            return text or "", False
-        return data[: self._max_output_bytes].decode(errors="ignore"), True
+        """At most ``max_output_bytes`` of UTF-8 (a lone surrogate, from output that was not UTF-8, as U+FFFD)."""
+        data = (text or "").encode("utf-8", "surrogatepass")
+        cut = len(data) > self._max_output_bytes
+        return data[: self._max_output_bytes].decode("utf-8", "ignore" if cut else "replace"), cut
 
     def _to_result(self, response: _RunCodeResponse, wall_s: float) -> ExecutionResult:
         run = response.run_result
