@@ -602,9 +602,16 @@ def check_bound(value: Any, field: str) -> int:
 
 
 def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[int, ...], ...] | None:
-    """Tinker's ``target_prompt_logprobs``: int ids of shape ``[len(prompt) - 1, K]``, ``-1`` = skip."""
+    """Tinker's ``target_prompt_logprobs``: int ids of shape ``[len(prompt) - 1, K]``, ``-1`` = skip; a one-token
+    prompt has no row to score and is refused."""
     if target is None:
         return None
+    if prompt_len < 2:  # as Tinker's prompt_logprobs_last_n (1..len(prompt) - 1): nothing to score, not a [0, K] answer
+        raise InvalidInputError(
+            f"a prompt of {prompt_len} token(s) has no position to score (position 0 has no preceding context)",
+            field="target_prompt_logprobs",
+            fix="send a prompt of 2 or more tokens, or leave target_prompt_logprobs out",
+        )
     try:
         tensor = _csr_target(target) or TensorData.coerce("target_prompt_logprobs", target)
     except (TypeError, ValueError, OverflowError, ValidationError) as err:  # 10**400 among floats: float() overflows

@@ -191,6 +191,16 @@ def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
         other.holder.close()
 
 
+def test_targets_on_a_one_token_prompt_are_a_400_naming_the_field(service: tinker.ServiceClient) -> None:
+    """A one-token prompt has no position to score; its ``[0, K]`` targets (which the SDK lets through) crashed
+    mock:// with ValueError in the door's sample (an internal error); now a 400 naming the field, as last_n is."""
+    sampler = service.create_sampling_client(base_model=BASE)
+    params, none = types.SamplingParams(max_tokens=1, seed=0), types.TensorData(data=[], dtype="int64", shape=[0, 2])
+    with pytest.raises(tinker.BadRequestError, match="target_prompt_logprobs"):
+        sampler.sample(types.ModelInput.from_ints([5]), 1, params, target_prompt_logprobs=none).result()
+    assert sampler.sample(types.ModelInput.from_ints([5]), 1, params).result().sequences
+
+
 def test_a_target_id_past_int64_is_refused(service: tinker.ServiceClient, server: Server) -> None:
     """Sent raw (the SDK's TensorData cannot hold it), a target id of 2**63 or 10**30 was accepted and the sample
     failed when run with ``OverflowError`` (category ``unknown``); now a 400 naming the field."""
