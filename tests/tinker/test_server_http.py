@@ -7,12 +7,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from asyncio import _get_running_loop as _running_loop
+from typing import Any
 
 import httpx
 import pytest
 
-from asyncsess.serve import tinker_proto
+from asyncsess.serve import json_body, tinker_proto
 from asyncsess.types import Datum, ModelInput
 
 from .conftest import API_KEY, Server, _free_port
@@ -199,3 +202,45 @@ def test_session_text_fields_are_checked_so_search_keeps_working(mock_server: Se
     rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
     found = rest.search_sessions(types.SessionSearchRequest(session_id=sid)).result().sessions
     assert [(s.session_id, s.display_name, s.project_id) for s in found] == [(sid, "clean", "")]
+
+
+def test_a_large_json_body_is_decoded_off_the_event_loop(mock_server: Server, model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door decoded every JSON body with ``json.loads`` on the event loop all keys share: a 120 MB body held
+    other keys' heartbeats for 1.4 s. Now a large one is decoded in a worker thread (held there below, in the
+    decoder itself, until another request has been answered: on the loop, that request could not have been)."""
+    c, sid, _ = model
+    real, release, state = json_body.loads, threading.Event(), threading.Condition()
+    held: list[bool] = []  # per large body decoded: whether it was on an event loop's thread
+    done: list[httpx.Response] = []
+
+    def holding(raw: bytes, *args: Any) -> Any:
+        if len(raw) > json_body.INLINE_BYTES:
+            on_loop = _running_loop() is not None
+            with state:
+                held.append(on_loop)
+                state.notify_all()
+            if not on_loop:  # (on the loop, waiting would freeze the server: the assert below says it instead)
+                release.wait()
+        return real(raw, *args)
+
+    def send_big() -> None:
+        big = json.dumps({"tags": ["big"], "sdk_version": "x"}).encode() + b" " * (json_body.INLINE_BYTES + 1)
+        with httpx.Client(base_url=mock_server.url, headers=H, timeout=60) as own:
+            r = own.post("/api/v1/create_session", content=big, headers={"Content-Type": "application/json"})
+        with state:
+            done.append(r)
+            state.notify_all()
+
+    monkeypatch.setattr(json_body, "loads", holding)
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        with state:
+            assert state.wait_for(lambda: held or done, timeout=60)  # a hang guard
+        assert held == [False], "the large body was decoded on the event loop"
+        assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200  # answered meanwhile
+        assert not done
+    finally:
+        release.set()
+        big.join(60)
+    assert done[0].status_code == 200 and done[0].json()["session_id"], done[0].text

@@ -72,7 +72,7 @@ from ..validation import (
     coerce_sampling_params,
     is_checkpoint_name,
 )
-from . import tinker_proto
+from . import json_body, tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
 from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .json_body import INLINE_BYTES  # forward_backward bodies up to this size (decompressed) are handled on the event loop
@@ -1586,9 +1586,19 @@ def _name(path: Any, default: str) -> str:
 # ----------------------------------------------------------------------------------------- routes
 
 
+def _nan(constant: str) -> float:
+    return math.nan  # NaN, Infinity and -Infinity alike: each is refused by the field's check, none read as a bound
+
+
+def _decode(raw: bytes) -> Any:
+    return json_body.loads(raw, _nan)
+
+
 async def _json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares."""
+    raw = await request.body()
     try:
-        body = json.loads(await request.body(), parse_constant=lambda c: math.nan)
+        body = await json_body.off_loop(len(raw), _decode, raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
     except RecursionError:
