@@ -191,6 +191,17 @@ def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
         other.holder.close()
 
 
+def test_a_target_wider_than_1024_per_position_is_a_400(service: tinker.ServiceClient, server: Server) -> None:
+    """A [1, K] target with K past 1,024 was taken, read cell by cell on the door's event loop (a [1, 6_000_000]
+    one held every other key for 7 s) and sampled; now a 400 naming the field, before the cells are read."""
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    body = {"sampling_session_id": sampler._sampling_session_id, "num_samples": 1, "sampling_params": {"max_tokens": 1}}
+    body |= {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}, "seq_id": 960}
+    wide = {"data": [7] * 1025, "dtype": "int64", "shape": [1, 1025]}
+    resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"target_prompt_logprobs": wide}, headers={"X-API-Key": API_KEY})
+    assert resp.status_code == 400 and resp.json()["field"] == "target_prompt_logprobs", resp.text
+
+
 def test_targets_on_a_one_token_prompt_are_a_400_naming_the_field(service: tinker.ServiceClient) -> None:
     """A one-token prompt has no position to score; its ``[0, K]`` targets (which the SDK lets through) crashed
     mock:// with ValueError in the door's sample (an internal error); now a 400 naming the field, as last_n is."""
