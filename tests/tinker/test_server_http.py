@@ -3,6 +3,7 @@ body names the field, never a 5xx; and the command starts, answers and refuses u
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -244,3 +245,20 @@ def test_a_large_json_body_is_decoded_off_the_event_loop(mock_server: Server, mo
         release.set()
         big.join(60)
     assert done[0].status_code == 200 and done[0].json()["session_id"], done[0].text
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "zstd"])
+def test_a_compressed_json_body_is_a_415_naming_content_encoding_on_both_doors(mock_server: Server, model, coding: str) -> None:
+    """Both doors read a JSON body as plain whatever its Content-Encoding: a gzip body was a 400 "not JSON" naming
+    ``body``, and a plain body labelled ``br`` was taken. Now any coding but identity is a 415 naming the header,
+    as the worker answers (forward_backward's zstd protobuf is unchanged: see test_bad_forward_backward_bodies)."""
+    c, sid, _ = model
+    tinker_body = json.dumps({"session_id": sid}).encode()
+    oai_body = json.dumps({"model": "mock/bigram-tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    for route, raw in (("/api/v1/session_heartbeat", tinker_body), ("/v1/completions", oai_body), ("/v1/chat/completions", oai_body)):
+        sent = gzip.compress(raw) if coding == "gzip" else raw
+        r = c.post(route, content=sent, headers={"Content-Type": "application/json", "Content-Encoding": coding})
+        assert r.status_code == 415, r.text
+        named = r.json()["field"] if route.startswith("/api") else r.json()["error"]["param"]
+        assert named == "Content-Encoding" and coding in r.text
+    assert c.post("/api/v1/session_heartbeat", content=tinker_body, headers={"Content-Encoding": "identity"}).status_code == 200

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["INLINE_BYTES", "loads", "off_loop"]
+__all__ = ["INLINE_BYTES", "coding", "loads", "off_loop"]
 
 T = TypeVar("T")
 
@@ -49,6 +49,13 @@ def loads(raw: bytes, parse_constant: Callable[[str], Any] | None = None) -> Any
         return json.loads(raw, parse_constant=parse_constant)
     decoder = _YIELDING if parse_constant is None else json.JSONDecoder(**_HOOKS, parse_constant=parse_constant)
     return decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
+def coding(headers: Any) -> str | None:
+    """The ``Content-Encoding`` a JSON body was sent with, when it is one the doors cannot read (anything but none or
+    ``identity``: a compressed body would be read as if it were plain JSON); None when the body is plain."""
+    value = str(headers.get("content-encoding") or "").strip()
+    return None if value.lower() in ("", "identity") else value
 
 
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:

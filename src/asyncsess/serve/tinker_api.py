@@ -1596,6 +1596,8 @@ def _decode(raw: bytes) -> Any:
 
 async def _json(request: Request) -> dict[str, Any]:
     """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares."""
+    if (coding := json_body.coding(request.headers)) is not None:
+        raise ApiError(415, f"Content-Encoding {coding!r:.60}", field="Content-Encoding", fix="send the JSON body uncompressed")
     raw = await request.body()
     try:
         body = await json_body.off_loop(len(raw), _decode, raw)
