@@ -606,7 +606,7 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
     prompt has no row to score and is refused."""
     if target is None:
         return None
-    if prompt_len < 2:  # as Tinker's prompt_logprobs_last_n (1..len(prompt) - 1): nothing to score, not a [0, K] answer
+    if prompt_len < 2:  # [0, K] asks for nothing (mock:// and local:// crashed on it); its rows cannot say K for an empty answer
         raise InvalidInputError(
             f"a prompt of {prompt_len} token(s) has no position to score (position 0 has no preceding context)",
             field="target_prompt_logprobs",
