@@ -202,6 +202,21 @@ def test_a_target_wider_than_1024_per_position_is_a_400(service: tinker.ServiceC
     assert resp.status_code == 400 and resp.json()["field"] == "target_prompt_logprobs", resp.text
 
 
+def test_a_prompt_longer_than_the_context_is_a_400_before_it_is_read(service: tinker.ServiceClient, server: Server) -> None:
+    """A prompt past the model's context was taken, hashed and checked token by token on the door's event loop (40M
+    tokens held every other key for 6 s) and then failed when run; now a 400 naming ``prompt`` counted from the list
+    lengths. A prompt that fits but leaves no room still fails when run (see test_official_sdk)."""
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    params = types.SamplingParams(max_tokens=1)
+    with pytest.raises(tinker.BadRequestError, match="prompt"):
+        sampler.sample(types.ModelInput.from_ints([5] * 513), 1, params).result()  # mock://'s context is 512
+    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 970, "num_samples": 1, "sampling_params": {"max_tokens": 1}}
+    chunks = [{"type": "encoded_text", "tokens": []}] * 513 + [{"type": "encoded_text", "tokens": [5]}]
+    resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"prompt": {"chunks": chunks}}, headers={"X-API-Key": API_KEY})
+    assert resp.status_code == 400 and resp.json()["field"] == "prompt", resp.text
+    assert sampler.sample(types.ModelInput.from_ints([5] * 500), 1, params).result().sequences
+
+
 def test_targets_on_a_one_token_prompt_are_a_400_naming_the_field(service: tinker.ServiceClient) -> None:
     """A one-token prompt has no position to score; its ``[0, K]`` targets (which the SDK lets through) crashed
     mock:// with ValueError in the door's sample (an internal error); now a 400 naming the field, as last_n is."""
