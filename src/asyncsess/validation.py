@@ -602,9 +602,23 @@ def check_bound(value: Any, field: str) -> int:
 
 
 def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[int, ...], ...] | None:
-    """Tinker's ``target_prompt_logprobs``: int ids of shape ``[len(prompt) - 1, K]``, ``-1`` = skip."""
+    """Tinker's ``target_prompt_logprobs``: int ids of shape ``[len(prompt) - 1, K]``, ``-1`` = skip; a one-token
+    prompt has no row to score and is refused."""
     if target is None:
         return None
+    if prompt_len < 2:  # [0, K] asks for nothing (mock:// and local:// crashed on it); its rows cannot say K for an empty answer
+        raise InvalidInputError(
+            f"a prompt of {prompt_len} token(s) has no position to score (position 0 has no preceding context)",
+            field="target_prompt_logprobs",
+            fix="send a prompt of 2 or more tokens, or leave target_prompt_logprobs out",
+        )
+    cells = _declared_cells(target, (prompt_len - 1) * MAX_TOPK)
+    if cells > (prompt_len - 1) * MAX_TOPK:  # before the per-cell checks, which a few MB of ids kept busy for seconds
+        raise InvalidInputError(
+            f"{cells} cells for a prompt of {prompt_len} tokens",
+            field="target_prompt_logprobs",
+            fix=f"int64 of shape [{prompt_len - 1}, K] with 1 <= K <= {MAX_TOPK}",
+        )
     try:
         tensor = _csr_target(target) or TensorData.coerce("target_prompt_logprobs", target)
     except (TypeError, ValueError, OverflowError, ValidationError) as err:  # 10**400 among floats: float() overflows
@@ -612,15 +626,30 @@ def check_target_prompt_logprobs(target: Any, prompt_len: int) -> tuple[tuple[in
             str(err).splitlines()[0], field="target_prompt_logprobs", fix="an int64 tensor [len(prompt) - 1, K]"
         ) from None
     shape = tensor.shape or [len(tensor.data)]
-    if tensor.dtype != "int64" or len(shape) != 2 or shape[0] != prompt_len - 1 or shape[1] < 1:
+    if tensor.dtype != "int64" or len(shape) != 2 or shape[0] != prompt_len - 1 or not 1 <= shape[1] <= MAX_TOPK:
         raise InvalidInputError(
-            f"dtype {tensor.dtype}, shape {shape}", field="target_prompt_logprobs", fix=f"int64 of shape [{prompt_len - 1}, K] with K >= 1"
+            f"dtype {tensor.dtype}, shape {shape}",
+            field="target_prompt_logprobs",
+            fix=f"int64 of shape [{prompt_len - 1}, K] with 1 <= K <= {MAX_TOPK}",
         )
     k = shape[1]
     rows = tuple(tuple(int(x) for x in tensor.data[i * k : (i + 1) * k]) for i in range(shape[0]))
     if any(not -1 <= x < 2**63 for row in rows for x in row):  # past int64: an OverflowError when the backend ran it
         raise InvalidInputError("ids must be int64 >= 0, or -1 to skip a cell", field="target_prompt_logprobs")
     return rows
+
+
+def _declared_cells(target: Any, limit: int) -> int:
+    """The most cells ``target`` claims or holds, counted without reading them: its declared shape (a CSR one
+    densifies to it), its ``data``, or its rows' lengths (rows are counted only up to ``limit`` of them)."""
+    shape = target.get("shape") if isinstance(target, dict) else getattr(target, "shape", None)
+    declared = math.prod(shape) if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) else 0
+    data = target.get("data") if isinstance(target, dict) else target
+    if not isinstance(data, (list, tuple)):
+        return declared
+    if len(data) > limit:
+        return len(data)
+    return max(declared, len(data), sum(len(r) for r in data if isinstance(r, (list, tuple))))
 
 
 def _csr_target(target: Any) -> TensorData | None:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from asyncsess import Datum, InvalidInputError, ModelInput, ServiceClient
+from asyncsess.validation import MAX_TOPK
 
 from .helpers import rl_datum, sft_datum
 
@@ -386,3 +387,21 @@ async def test_a_target_prompt_logprobs_id_past_float_range_is_refused_typed(tc)
     with _bad("target_prompt_logprobs"):
         sc.sample([1, 2, 3], 1, {"max_tokens": 2}, target_prompt_logprobs=[0.5, 10**400])
     assert len((await sc.sample([1, 2, 3], 1, {"max_tokens": 2}, target_prompt_logprobs=[[1, 2], [3, -1]])).sequences) == 1
+
+
+async def test_target_prompt_logprobs_past_1024_per_position_are_refused_before_their_cells_are_read(tc):
+    """K had no bound in the core check (the worker's bodies had 1,024): a [1, 6_000_000] target on asyncsess serve
+    was read cell by cell on the event loop (7 s that every key waited), then sampled. Now K > 1,024, in any
+    form (nested rows, flat data with a shape, a CSR shape that would densify), is refused by name."""
+    sc = await tc.save_weights_and_get_sampling_client()
+    wide = MAX_TOPK + 1
+    for target in (
+        [[1] * wide],
+        {"data": [1] * wide, "dtype": "int64", "shape": [1, wide]},
+        {"data": [1], "dtype": "int64", "shape": [1, 2**26], "sparse_crow_indices": [0, 1], "sparse_col_indices": [0]},
+    ):
+        with _bad("target_prompt_logprobs") as err:
+            sc.sample([1, 2], 1, {"max_tokens": 1}, target_prompt_logprobs=target)
+        assert f"K <= {MAX_TOPK}" in str(err.value)
+    got = await sc.sample([1, 2], 1, {"max_tokens": 1}, target_prompt_logprobs=[[1] * MAX_TOPK])
+    assert got.target_prompt_logprobs.shape == [1, MAX_TOPK]

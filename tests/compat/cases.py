@@ -198,6 +198,12 @@ CASES: list[Case] = [
         lambda sc: sc.sample(GOOD_TOKENS, 1, target_prompt_logprobs=[[-2]] * 5),
         "target_prompt_logprobs",
     ),
+    (  # a one-token prompt has no position to score: mock:// crashed on max() of no ids, local:// raised ValueError
+        "sample-target-one-token-prompt",
+        "sc",
+        lambda sc: sc.sample([40], 1, target_prompt_logprobs=TensorData(data=[], dtype="int64", shape=[0, 2])),
+        "target_prompt_logprobs",
+    ),
     ("sample-alt-tokens", "sc", lambda sc: sc.sample(GOOD_TOKENS, 1, prompt_alt_tokens_k=2), "prompt_alt_tokens_k"),
     ("logprobs-empty", "sc", lambda sc: sc.compute_logprobs([]), "prompt"),
     ("logprobs-last-n-too-long", "sc", lambda sc: sc.compute_logprobs(GOOD_TOKENS, prompt_logprobs_last_n=99), "prompt_logprobs_last_n"),

@@ -140,6 +140,9 @@ async def test_bad_sampling_input_is_refused(env):
         await b.compute_logprobs(base, [])
     with pytest.raises(InvalidInputError, match="stop"):
         await b.sample(base, _req([5], 1, max_tokens=2, stop=[10**6]))
+    # targets on a one-token prompt (no rows, past the client's check): was a bare ValueError from max() of nothing
+    with pytest.raises(InvalidInputError, match="target_prompt_logprobs"):
+        await b.sample(base, SampleRequest((5,), 1, SamplingParams(max_tokens=1), target_prompt_logprobs=()))
     await b.stop_session(base)
     with pytest.raises(SessionGoneError):
         await b.sample(base, _req([5], 1, max_tokens=2))

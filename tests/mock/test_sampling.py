@@ -146,6 +146,20 @@ async def test_sampled_logprobs_equal_compute_logprobs():
 
 
 @pytest.mark.anyio
+async def test_targets_on_a_one_token_prompt_are_a_typed_refusal_at_the_backend():
+    """A request built past the client's check (targets with no rows) crashed ``max()`` of no ids (ValueError)."""
+
+    async def body(b, sid):
+        with pytest.raises(InvalidInputError) as err:
+            await b.sample(sid, SampleRequest((40,), 1, SamplingParams(max_tokens=1), target_prompt_logprobs=()))
+        assert err.value.field == "target_prompt_logprobs"
+        got = await b.sample(sid, SampleRequest((40, 41), 1, SamplingParams(max_tokens=1), target_prompt_logprobs=((41, -1),)))
+        assert got.target_prompt_logprobs.shape == [1, 2] and got.target_prompt_logprobs.data[1] == 0.0
+
+    await _with_sampler(body)
+
+
+@pytest.mark.anyio
 async def test_stops():
     async def body(b, sid):
         tok = b.tokenizer

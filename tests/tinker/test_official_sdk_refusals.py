@@ -191,6 +191,42 @@ def test_another_keys_backend_path_is_not_found(shared: Server) -> None:
         other.holder.close()
 
 
+def test_a_target_wider_than_1024_per_position_is_a_400(service: tinker.ServiceClient, server: Server) -> None:
+    """A [1, K] target with K past 1,024 was taken, read cell by cell on the door's event loop (a [1, 6_000_000]
+    one held every other key for 7 s) and sampled; now a 400 naming the field, before the cells are read."""
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    body = {"sampling_session_id": sampler._sampling_session_id, "num_samples": 1, "sampling_params": {"max_tokens": 1}}
+    body |= {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}, "seq_id": 960}
+    wide = {"data": [7] * 1025, "dtype": "int64", "shape": [1, 1025]}
+    resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"target_prompt_logprobs": wide}, headers={"X-API-Key": API_KEY})
+    assert resp.status_code == 400 and resp.json()["field"] == "target_prompt_logprobs", resp.text
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_before_it_is_read(service: tinker.ServiceClient, server: Server) -> None:
+    """A prompt past the model's context was taken, hashed and checked token by token on the door's event loop (40M
+    tokens held every other key for 6 s) and then failed when run; now a 400 naming ``prompt`` counted from the list
+    lengths. A prompt that fits but leaves no room still fails when run (see test_official_sdk)."""
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    params = types.SamplingParams(max_tokens=1)
+    with pytest.raises(tinker.BadRequestError, match="prompt"):
+        sampler.sample(types.ModelInput.from_ints([5] * 513), 1, params).result()  # mock://'s context is 512
+    body = {"sampling_session_id": sampler._sampling_session_id, "seq_id": 970, "num_samples": 1, "sampling_params": {"max_tokens": 1}}
+    chunks = [{"type": "encoded_text", "tokens": []}] * 513 + [{"type": "encoded_text", "tokens": [5]}]
+    resp = httpx.post(f"{server.url}/api/v1/asample", json=body | {"prompt": {"chunks": chunks}}, headers={"X-API-Key": API_KEY})
+    assert resp.status_code == 400 and resp.json()["field"] == "prompt", resp.text
+    assert sampler.sample(types.ModelInput.from_ints([5] * 500), 1, params).result().sequences
+
+
+def test_targets_on_a_one_token_prompt_are_a_400_naming_the_field(service: tinker.ServiceClient) -> None:
+    """A one-token prompt has no position to score; its ``[0, K]`` targets (which the SDK lets through) crashed
+    mock:// with ValueError in the door's sample (an internal error); now a 400 naming the field, as last_n is."""
+    sampler = service.create_sampling_client(base_model=BASE)
+    params, none = types.SamplingParams(max_tokens=1, seed=0), types.TensorData(data=[], dtype="int64", shape=[0, 2])
+    with pytest.raises(tinker.BadRequestError, match="target_prompt_logprobs"):
+        sampler.sample(types.ModelInput.from_ints([5]), 1, params, target_prompt_logprobs=none).result()
+    assert sampler.sample(types.ModelInput.from_ints([5]), 1, params).result().sequences
+
+
 def test_a_target_id_past_int64_is_refused(service: tinker.ServiceClient, server: Server) -> None:
     """Sent raw (the SDK's TensorData cannot hold it), a target id of 2**63 or 10**30 was accepted and the sample
     failed when run with ``OverflowError`` (category ``unknown``); now a 400 naming the field."""

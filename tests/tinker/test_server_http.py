@@ -3,16 +3,20 @@ body names the field, never a 5xx; and the command starts, answers and refuses u
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from asyncio import _get_running_loop as _running_loop
+from typing import Any
 
 import httpx
 import pytest
 
-from asyncsess.serve import tinker_proto
+from asyncsess.serve import json_body, tinker_proto
 from asyncsess.types import Datum, ModelInput
 
 from .conftest import API_KEY, Server, _free_port
@@ -199,3 +203,62 @@ def test_session_text_fields_are_checked_so_search_keeps_working(mock_server: Se
     rest = tinker.RestClient(base_url=mock_server.url, api_key=API_KEY)
     found = rest.search_sessions(types.SessionSearchRequest(session_id=sid)).result().sessions
     assert [(s.session_id, s.display_name, s.project_id) for s in found] == [(sid, "clean", "")]
+
+
+def test_a_large_json_body_is_decoded_off_the_event_loop(mock_server: Server, model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door decoded every JSON body with ``json.loads`` on the event loop all keys share: a 120 MB body held
+    other keys' heartbeats for 1.4 s. Now a large one is decoded in a worker thread (held there below, in the
+    decoder itself, until another request has been answered: on the loop, that request could not have been)."""
+    c, sid, _ = model
+    real, release, state = json_body.loads, threading.Event(), threading.Condition()
+    held: list[bool] = []  # per large body decoded: whether it was on an event loop's thread
+    done: list[httpx.Response] = []
+
+    def holding(raw: bytes, *args: Any) -> Any:
+        if len(raw) > json_body.INLINE_BYTES:
+            on_loop = _running_loop() is not None
+            with state:
+                held.append(on_loop)
+                state.notify_all()
+            if not on_loop:  # (on the loop, waiting would freeze the server: the assert below says it instead)
+                release.wait()
+        return real(raw, *args)
+
+    def send_big() -> None:
+        big = json.dumps({"tags": ["big"], "sdk_version": "x"}).encode() + b" " * (json_body.INLINE_BYTES + 1)
+        with httpx.Client(base_url=mock_server.url, headers=H, timeout=60) as own:
+            r = own.post("/api/v1/create_session", content=big, headers={"Content-Type": "application/json"})
+        with state:
+            done.append(r)
+            state.notify_all()
+
+    monkeypatch.setattr(json_body, "loads", holding)
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        with state:
+            assert state.wait_for(lambda: held or done, timeout=60)  # a hang guard
+        assert held == [False], "the large body was decoded on the event loop"
+        assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200  # answered meanwhile
+        assert not done
+    finally:
+        release.set()
+        big.join(60)
+    assert done[0].status_code == 200 and done[0].json()["session_id"], done[0].text
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "zstd"])
+def test_a_compressed_json_body_is_a_415_naming_content_encoding_on_both_doors(mock_server: Server, model, coding: str) -> None:
+    """Both doors read a JSON body as plain whatever its Content-Encoding: a gzip body was a 400 "not JSON" naming
+    ``body``, and a plain body labelled ``br`` was taken. Now any coding but identity is a 415 naming the header,
+    as the worker answers (forward_backward's zstd protobuf is unchanged: see test_bad_forward_backward_bodies)."""
+    c, sid, _ = model
+    tinker_body = json.dumps({"session_id": sid}).encode()
+    oai_body = json.dumps({"model": "mock/bigram-tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    for route, raw in (("/api/v1/session_heartbeat", tinker_body), ("/v1/completions", oai_body), ("/v1/chat/completions", oai_body)):
+        sent = gzip.compress(raw) if coding == "gzip" else raw
+        r = c.post(route, content=sent, headers={"Content-Type": "application/json", "Content-Encoding": coding})
+        assert r.status_code == 415, r.text
+        named = r.json()["field"] if route.startswith("/api") else r.json()["error"]["param"]
+        assert named == "Content-Encoding" and coding in r.text
+    assert c.post("/api/v1/session_heartbeat", content=tinker_body, headers={"Content-Encoding": "identity"}).status_code == 200

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["INLINE_BYTES", "loads", "off_loop"]
+__all__ = ["INLINE_BYTES", "coding", "loads", "off_loop"]
 
 T = TypeVar("T")
 
@@ -37,15 +37,25 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 # Python-level hooks: each call is a point where another thread (the event loop) may take the GIL
-_YIELDING = json.JSONDecoder(parse_int=_int, parse_float=_float, object_pairs_hook=_object)
+_HOOKS: dict[str, Any] = {"parse_int": _int, "parse_float": _float, "object_pairs_hook": _object}
+_YIELDING = json.JSONDecoder(**_HOOKS)
 
 
-def loads(raw: bytes) -> Any:
-    """``json.loads(raw)``, with the same results and exceptions; over :data:`INLINE_BYTES`, decoded so that the
-    GIL is released between numbers and objects (about 3× slower, in a thread, against seconds of a frozen loop)."""
+def loads(raw: bytes, parse_constant: Callable[[str], Any] | None = None) -> Any:
+    """``json.loads(raw, parse_constant=...)``, with the same results and exceptions; over :data:`INLINE_BYTES`,
+    decoded so that the GIL is released between numbers and objects (about 3× slower, in a thread, against seconds of
+    a frozen loop)."""
     if len(raw) <= INLINE_BYTES:
-        return json.loads(raw)
-    return _YIELDING.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        return json.loads(raw, parse_constant=parse_constant)
+    decoder = _YIELDING if parse_constant is None else json.JSONDecoder(**_HOOKS, parse_constant=parse_constant)
+    return decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
+def coding(headers: Any) -> str | None:
+    """The ``Content-Encoding`` a JSON body was sent with, when it is one the doors cannot read (anything but none or
+    ``identity``: a compressed body would be read as if it were plain JSON); None when the body is plain."""
+    value = str(headers.get("content-encoding") or "").strip()
+    return None if value.lower() in ("", "identity") else value
 
 
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:

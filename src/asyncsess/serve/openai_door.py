@@ -35,7 +35,7 @@ from ..client import SamplingClient, ServiceClient
 from . import json_body
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront, Route
-from .openai_wire import ChatRequest, CompletionRequest, FrontError, OpenAIRequest, model_card, model_not_found, parse_body
+from .openai_wire import ChatRequest, CompletionRequest, FrontError, OpenAIRequest, check_coding, model_card, model_not_found, parse_body
 from .responses_wire import ResponsesRequest
 from .tinker_api import TinkerDoor, api_key_of, caller
 
@@ -233,6 +233,7 @@ def openai_router(
     async def sample(request: Request, route: Route) -> Response:
         try:
             key = key_of(request)
+            check_coding(request.headers)
             raw = await request.body()
             body = await json_body.off_loop(len(raw), parse_body, raw)  # a large body: in a thread
             model = body.get("model") if isinstance(body, dict) else None

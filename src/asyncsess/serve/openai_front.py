@@ -52,6 +52,7 @@ from .openai_wire import (
     SamplingRequest,
     chat_chunks,
     chat_message,
+    check_coding,
     completion_chunks,
     legacy_logprobs,
     lp_entry,
@@ -287,6 +288,7 @@ class OpenAIFront:
         try:
             raw = await request.body()  # a large body is decoded and validated in a thread (json_body)
             if body is _UNREAD:
+                check_coding(request.headers)
                 body = await json_body.off_loop(len(raw), parse_body, raw)
             req = await json_body.off_loop(len(raw), _request_of, body, model)
             if getattr(req, "stream_options", None) is not None and not req.stream:

@@ -87,6 +87,14 @@ def no_route(request: Any, status: int, detail: str, headers: Mapping[str, str] 
     return FrontError(message, field, status, code, headers=dict(headers or {})).response()
 
 
+def check_coding(headers: Any) -> None:
+    """A body sent compressed (a ``Content-Encoding`` but ``identity``) is a 415 naming the header."""
+    if (coding := json_body.coding(headers)) is not None:
+        raise FrontError(
+            f"Content-Encoding {coding!r:.60} is not accepted: send the body uncompressed", "Content-Encoding", 415, "unsupported_encoding"
+        )
+
+
 def parse_body(raw: bytes) -> Any:
     """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
 

@@ -72,7 +72,7 @@ from ..validation import (
     coerce_sampling_params,
     is_checkpoint_name,
 )
-from . import tinker_proto
+from . import json_body, tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
 from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
 from .json_body import INLINE_BYTES  # forward_backward bodies up to this size (decompressed) are handled on the event loop
@@ -88,6 +88,7 @@ MAX_TEXT = 1024  # characters of a display_name or project_id
 MAX_DETAIL = 65536  # characters of a finish detail (the SDK sends an error's text)
 FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSessionFinishReason
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
+MAX_PROMPT_TOKENS = 2**20  # tokens of a prompt when the backend does not say its model's context (the worker's bound)
 SEQ_WINDOW = KEEP_SEQS  # how far past a model's first missing seq_id a request may be (the SDK's: a few chunks at most)
 KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
 EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
@@ -1182,6 +1183,7 @@ class TinkerDoor:
             raise ApiError(400, "this server needs a sampling session", field="sampling_session_id", fix="create_sampling_session first")
         s = self.sampler(str(sid), live=True)
         seq = _int(body, "seq_id")
+        _check_prompt_size(body.get("prompt"), (await self._model_limits(s.base_model)).context or MAX_PROMPT_TOKENS)
         digest = _hash(body)
         earlier = s.ids.get(seq)
         if earlier is not None:
@@ -1569,6 +1571,24 @@ def _page(limit: int, offset: int) -> slice:
     return slice(offset, offset + limit)
 
 
+def _check_prompt_size(prompt: Any, limit: int) -> None:
+    """A prompt of more tokens (or chunks) than ``limit`` is a 400 naming it, counted from the list lengths alone:
+    hashing and checking 40M token ids held the event loop every key shares for 6 s before the backend refused them."""
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if isinstance(prompt, list):
+        count = len(prompt)
+    elif isinstance(chunks, list):
+        count = (
+            len(chunks)
+            if len(chunks) > limit
+            else sum(len(c["tokens"]) for c in chunks if isinstance(c, dict) and isinstance(c.get("tokens"), list))
+        )
+    else:
+        return  # not a prompt: coerce_prompt names what is wrong with it
+    if count > limit:
+        raise ApiError(400, f"{count} tokens, more than the context ({limit})", field="prompt", fix=f"send at most {limit} tokens")
+
+
 def _keep_tail(rows: list[Any] | None, last_n: int) -> list[Any] | None:
     return None if rows is None else [None if i < len(rows) - last_n else v for i, v in enumerate(rows)]
 
@@ -1586,9 +1606,21 @@ def _name(path: Any, default: str) -> str:
 # ----------------------------------------------------------------------------------------- routes
 
 
+def _nan(constant: str) -> float:
+    return math.nan  # NaN, Infinity and -Infinity alike: each is refused by the field's check, none read as a bound
+
+
+def _decode(raw: bytes) -> Any:
+    return json_body.loads(raw, _nan)
+
+
 async def _json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares."""
+    if (coding := json_body.coding(request.headers)) is not None:
+        raise ApiError(415, f"Content-Encoding {coding!r:.60}", field="Content-Encoding", fix="send the JSON body uncompressed")
+    raw = await request.body()
     try:
-        body = json.loads(await request.body(), parse_constant=lambda c: math.nan)
+        body = await json_body.off_loop(len(raw), _decode, raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
     except RecursionError:

@@ -49,7 +49,7 @@ from asyncsess.backends.sample_store import SampleStore
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.errors import InvalidInputError, SessionGoneError
 from asyncsess.types import MAX_SEED, Checkpoint, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
-from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config
+from asyncsess.validation import check_datums, check_loss_fn, check_loss_fn_config, check_target_prompt_logprobs
 
 from .adapters import BASE
 from .completion import Completion
@@ -279,7 +279,8 @@ class LocalBackend(Backend):
                     fix=f"use token ids 0..{ref.slot.vocab_size - 1}",
                 )
         job = SampleJob(prompt=prompt, num_samples=request.num_samples, params=params, max_tokens=max_tokens)
-        if request.target_prompt_logprobs is not None and max(max(r) for r in request.target_prompt_logprobs) >= ref.slot.vocab_size:
+        targets = check_target_prompt_logprobs(request.target_prompt_logprobs, len(prompt))  # a request built past the client
+        if targets is not None and max(max(r) for r in targets) >= ref.slot.vocab_size:
             raise InvalidInputError(f"an id is outside the vocabulary [0, {ref.slot.vocab_size})", field="target_prompt_logprobs")
         answers = self._answers.get(sampler_id)
         if answers is None:  # a new sampler: forget the stores of samplers stopped another way (expiry, session end)

@@ -13,6 +13,7 @@ import numpy as np
 from asyncsess.backends import SampleRequest
 from asyncsess.errors import InvalidInputError
 from asyncsess.types import SampledSequence, SampleResponse, SamplingParams, TensorData, Usage
+from asyncsess.validation import check_target_prompt_logprobs
 
 __all__ = ["MockSampler"]
 
@@ -108,7 +109,7 @@ class MockSampler:
         """Log-probs of the requested ids at prompt positions 1..; 0.0 where the id is -1."""
         if target is None:
             return None
-        ids = np.asarray(target, dtype=np.int64)
+        ids = np.asarray(check_target_prompt_logprobs(target, prompt.size), dtype=np.int64)  # a request built past the client
         v = self.logp.shape[1]
         if ids.max() >= v:
             raise InvalidInputError(f"token id {int(ids.max())} is outside the vocabulary [0, {v})", field="target_prompt_logprobs")
