@@ -104,3 +104,43 @@ def test_samplers_being_opened_count(server: Server, monkeypatch: pytest.MonkeyP
         finally:
             gate.set()
         assert [f.result().status_code for f in opened] == [200] * (CAP - 1)
+
+
+def test_a_keys_sessions_are_bounded_live_and_finished():
+    """A key creating sessions without end: past ``max_sessions_per_key`` unfinished ones a 429 naming the key; past
+    ``max_finished_per_key`` finished ones its oldest without checkpoints are forgotten (404), those with one kept;
+    another key's sessions are neither counted nor forgotten."""
+    from asyncsess.serve.tinker_api import ApiError, TinkerDoor, caller
+    from asyncsess_mock import MockBackend
+
+    async def main() -> None:
+        door = TinkerDoor(MockBackend(), session_timeout=0)
+        door.max_sessions_per_key, door.max_finished_per_key = 3, 4
+        async with door.running():
+            caller.set("b")
+            theirs = door.create_session({}, owner="b")["session_id"]
+            caller.set("a")
+            first = [door.create_session({}, owner="a")["session_id"] for _ in range(3)]
+            with pytest.raises(ApiError) as err:
+                door.create_session({}, owner="a")
+            assert (err.value.status, err.value.field, (err.value.headers or {}).get("Retry-After")) == (429, "X-API-Key", "10")
+            kept = door._register("m-kept", door.sessions[first[0]], "backend-kept", BASE, 4, {})
+            kept.checkpoints.append("tinker://m-kept/weights/w")  # a session that left a checkpoint stays listed
+            made = list(first)
+            for sid in first:
+                await door.finish_session(sid, {})
+            for _ in range(12):
+                made.append(door.create_session({}, owner="a")["session_id"])
+                await door.finish_session(made[-1], {})
+            mine = [s for s in door.sessions.values() if s.owner == "a"]
+            assert first[0] in door.sessions and "m-kept" in door.models
+            assert len(mine) == 5  # the one with a checkpoint and the four newest
+            assert [s.id for s in mine if s.id != first[0]] == made[-4:]  # the newest finished ones
+            with pytest.raises(ApiError) as gone:
+                await door.finish_session(made[1], {})
+            assert gone.value.status == 404
+            assert door.create_session({}, owner="a")["session_id"]  # room again: every earlier one is finished
+            caller.set("b")
+            assert door.sessions[theirs].finished is None and door.owns(theirs)
+
+    anyio.run(main)

@@ -74,7 +74,15 @@ from ..validation import (
 )
 from . import json_body, tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
-from .defaults import MAX_LIVE_PER_KEY, MAX_PENDING, MAX_SAMPLERS, POLL_TIMEOUT, SESSION_TIMEOUT
+from .defaults import (
+    MAX_FINISHED_PER_KEY,
+    MAX_LIVE_PER_KEY,
+    MAX_PENDING,
+    MAX_SAMPLERS,
+    MAX_SESSIONS_PER_KEY,
+    POLL_TIMEOUT,
+    SESSION_TIMEOUT,
+)
 from .json_body import INLINE_BYTES  # forward_backward bodies up to this size (decompressed) are handled on the event loop
 from .promises import Promise, PromiseTable
 
@@ -306,6 +314,8 @@ class TinkerDoor:
         self.backend = backend
         self.max_pending = max_pending  # unfinished requests one key may hold (see _room)
         self.max_live_per_key = max_live_per_key  # models plus open samplers one key may hold (see _live_room)
+        self.max_sessions_per_key = MAX_SESSIONS_PER_KEY  # unfinished sessions one key may hold (see create_session)
+        self.max_finished_per_key = MAX_FINISHED_PER_KEY  # finished ones kept for its listings (see _forget_finished)
         self._opening: dict[str | None, int] = {}  # samplers being opened by create_sampling_session, per key
         self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
@@ -526,11 +536,42 @@ class TinkerDoor:
     # ------------------------------------------------------------------------------- sessions
 
     def create_session(self, body: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
+        """A new session of ``owner``'s. Each key holds at most ``max_sessions_per_key`` unfinished ones (a 429: one
+        abandoned expires after ``session_timeout``); past ``max_finished_per_key`` finished ones, its oldest that
+        left no checkpoint are forgotten (404s from then on, no longer listed), so a key creating and finishing
+        sessions without end no longer grows the door's memory for every key."""
+        tags, meta, name, project = _tags(body), _metadata(body), _opt_text(body, "display_name"), _opt_text(body, "project_id")
+        mine = [s for s in self.sessions.values() if s.owner == owner]
+        live = sum(1 for s in mine if s.finished is None)
+        if live >= self.max_sessions_per_key:
+            raise ApiError(
+                429,
+                f"this API key holds {live} unfinished sessions, the most one key may hold",
+                field="X-API-Key",
+                fix="finish the sessions you no longer use (one no longer heartbeating expires after the session timeout)",
+                headers={"Retry-After": "10"},
+            )
+        self._forget_finished(mine)
         sid = str(uuid.uuid4())
         now = time.time()
-        tags, meta, name, project = _tags(body), _metadata(body), _opt_text(body, "display_name"), _opt_text(body, "project_id")
         self.sessions[sid] = _Session(sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project)
         return {"type": "create_session", "session_id": sid}
+
+    def _forget_finished(self, mine: list[_Session]) -> None:
+        """Forget one key's oldest finished sessions that left no checkpoint, past ``max_finished_per_key - 1`` (room
+        for one more): the session, its models, samplers and futures."""
+        done = [s for s in mine if s.finished is not None and not any(self.models[m].checkpoints for m in s.models)]
+        done.sort(key=lambda s: s.finished["time"] if s.finished else 0.0)
+        for s in done[: max(0, len(done) - self.max_finished_per_key + 1)]:
+            self.promises.forget(s.id, SessionGoneError(f"session {s.id} is finished"))
+            for mid in s.models:
+                self._backend_models.pop(self.models.pop(mid).backend_id, None)
+            for smp in s.samplers:
+                self.samplers.pop(smp, None)
+                self._sampler_ids.pop(smp, None)
+            for key in [k for k in self._creating if k.startswith(s.id + ":")]:
+                del self._creating[key]
+            del self.sessions[s.id]
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
         """``sessions/search``: the caller's sessions, newest first, a page at a time. Without user accounts every
