@@ -134,6 +134,11 @@ def _not_found(what: str, value: str, fix: str) -> ApiError:
     return ApiError(404, f"no {what} {value!r:.200}", field=what, fix=fix)  # not echoing 100k characters back
 
 
+def _key_at_limit(message: str, fix: str, retry_after_s: int) -> ApiError:
+    """A 429 for a key at one of its per-key limits, before anything is taken (the SDK retries it after the wait)."""
+    return ApiError(429, message, field="X-API-Key", fix=fix, headers={"Retry-After": str(retry_after_s)})
+
+
 # ------------------------------------------------------------------------------------------ state
 
 
@@ -455,12 +460,10 @@ class TinkerDoor:
         and queued every other key's requests behind them."""
         owner = self.sessions[session_id].owner
         if self.promises.pending(owner) >= self.max_pending:
-            raise ApiError(
-                429,
+            raise _key_at_limit(
                 f"this key has {self.max_pending} requests unfinished, the most one key may have",
-                field="X-API-Key",
-                fix="retrieve results before sending more (retry after 1 s)",
-                headers={"Retry-After": "1"},
+                "retrieve results before sending more (retry after 1 s)",
+                retry_after_s=1,
             )
 
     def _live_room(self, session_id: str, field: str) -> None:
@@ -544,12 +547,10 @@ class TinkerDoor:
         mine = [s for s in self.sessions.values() if s.owner == owner]
         live = sum(1 for s in mine if s.finished is None)
         if live >= self.max_sessions_per_key:
-            raise ApiError(
-                429,
+            raise _key_at_limit(
                 f"this API key holds {live} unfinished sessions, the most one key may hold",
-                field="X-API-Key",
-                fix="finish the sessions you no longer use (one no longer heartbeating expires after the session timeout)",
-                headers={"Retry-After": "10"},
+                "finish the sessions you no longer use (one no longer heartbeating expires after the session timeout)",
+                retry_after_s=10,
             )
         self._forget_finished(mine)
         sid = str(uuid.uuid4())
