@@ -12,9 +12,10 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: in a mount namespace of its own it covers /sys, mounts a /proc
    of that namespace and forks the program's
-   process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
-   refuses new user namespaces, exotic socket families, io_uring and other kernel surface (seccomp), empties its capability bounding set,
-   drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
+   process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, takes a session keyring
+   of its own, sets no_new_privs, refuses new user namespaces, exotic socket families, io_uring, keyrings and other
+   kernel surface (seccomp), empties its capability bounding set, drops to the sandbox uid, makes itself not
+   dumpable (no core, whatever ``core_pattern`` says), installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
    SysV IPC objects), and writes one JSON line to the status fd:
@@ -54,10 +55,12 @@ _SECCOMP_ARCH = {
 _ENOSYS, _EPERM = 38, 1
 # Refused outright, per architecture: syscall number -> errno. io_uring (setup, enter, register) runs operations the
 # filter never sees (IORING_OP_SOCKET makes an AF_VSOCK socket past the family check); bpf, perf_event_open,
-# userfaultfd and request_key (an upcall to a host helper, as root) are kernel attack surface a grader never needs.
+# userfaultfd and request_key (an upcall to a host helper, as root) are kernel attack surface a grader never needs;
+# so are add_key and keyctl, and keyrings are not namespaced: a key a run made readable by all ("other" permissions)
+# was read by every run at the same time. memfd_secret (447): its pages are in no set size and in no mount.
 _REFUSED = {
-    "x86_64": {425: _ENOSYS, 426: _ENOSYS, 427: _ENOSYS, 321: _EPERM, 298: _EPERM, 323: _EPERM, 249: _EPERM},
-    "aarch64": {425: _ENOSYS, 426: _ENOSYS, 427: _ENOSYS, 280: _EPERM, 241: _EPERM, 282: _EPERM, 218: _EPERM},
+    "x86_64": {**dict.fromkeys((425, 426, 427, 447), _ENOSYS), **dict.fromkeys((321, 298, 323, 249, 248, 250), _EPERM)},
+    "aarch64": {**dict.fromkeys((425, 426, 427, 447), _ENOSYS), **dict.fromkeys((280, 241, 282, 218, 217, 219), _EPERM)},
 }
 # memfd_create, refused (ENOSYS) where no cgroup counts a run's memory: a memfd's pages are in no process's set size
 # and in no mount the memory watch can measure, and a run could hold 256 of workdir_mb each.
@@ -444,12 +447,12 @@ def _program(cfg, source, sync_w):
     """The program's process: confine itself, tell the supervisor it is ready, run the code."""
     try:
         _set_limits(cfg)
+        _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh, empty session keyring, not the host's (before the filter)
         _harden(root=cfg["uid"] is not None, refuse_memfd=cfg["cgroup"] is None)
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])
-            _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh session keyring of its own, not the host's
         # No core dump of this process whatever fs.suid_dumpable says (exec makes a program dumpable again: there
         # RLIMIT_CORE stops the dump); not traceable by other processes of the uid either.
         _call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)
