@@ -1,6 +1,6 @@
 """Round two of hostile programs: kernel interfaces the seccomp filter must refuse (io_uring runs operations it
 never sees; keyrings, shared by every run on the host), and memory a run can hold outside every process's set size
-(tmpfs files, memfds, secret memfds), which the fallback memory watch must count or refuse.
+(tmpfs files, memfds, secret memfds, SysV semaphores), which the fallback memory watch must count, bound or refuse.
 Each ends typed within its limits and leaves nothing behind (the ``make_sandbox`` fixture checks that no process of
 the run's uids is left)."""
 
@@ -124,6 +124,30 @@ async def test_two_runs_at_once_share_nothing_through_keyrings(make_sandbox):
     publisher, reader = results["publisher"], results["reader"]
     assert (publisher.status, publisher.stdout) == ("ok", "add_key Operation not permitted\n"), publisher
     assert (reader.status, reader.stdout) == ("ok", "False\n"), reader
+    await assert_healthy(sandbox)
+
+
+# Semaphores are kernel memory in no set size. A new IPC namespace allows 32,000 sets of 32,000 (64 bytes each).
+HOLD_SEMAPHORES = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+per_set = int(open('/proc/sys/kernel/sem').read().split()[0])  # SEMMSL
+held = 0
+for i in range(100):
+    if libc.semget(0x5E000 + i, per_set, 0o1600) < 0:  # IPC_CREAT
+        break
+    held += per_set
+print(held)
+"""
+
+
+@root_only
+async def test_sysv_semaphores_are_bounded_in_the_runs_ipc_namespace(make_sandbox):
+    """Without a cgroup nothing counted them: a 128 MiB run held 100 sets of 32,000 semaphores (200 MiB of kernel
+    memory; the namespace's defaults allow 64 GiB). Its IPC namespace now allows 64 sets of 250 (1 MiB in all)."""
+    sandbox = make_sandbox(memory_mb=128, cgroups=False)
+    result = await sandbox.run(HOLD_SEMAPHORES)
+    assert result.status == "ok" and 0 < int(result.stdout) <= 16_000, result
     await assert_healthy(sandbox)
 
 

@@ -117,9 +117,17 @@ def _host_socket_paths():
 
 
 def _limit_ipc(memory_mb):
-    """Cap SysV shared memory and message queues in the new IPC namespace (its sysctls are per namespace)."""
+    """Cap SysV shared memory, message queues and semaphores in the new IPC namespace (its sysctls are per namespace).
+    ``kernel/sem`` is SEMMSL SEMMNS SEMOPM SEMMNI: the namespace's default allows 32,000 sets of 32,000 semaphores of
+    64 bytes each, kernel memory that no set size shows; 64 sets of 250 take 1 MiB."""
     pages = max(1, (memory_mb << 20) // os.sysconf("SC_PAGE_SIZE"))
-    for name, value in (("kernel/shmmax", memory_mb << 20), ("kernel/shmall", pages), ("kernel/shmmni", 64), ("kernel/msgmni", 64)):
+    for name, value in (
+        ("kernel/shmmax", memory_mb << 20),
+        ("kernel/shmall", pages),
+        ("kernel/shmmni", 64),
+        ("kernel/msgmni", 64),
+        ("kernel/sem", "250 32000 32 64"),
+    ):
         try:
             with open(f"/proc/sys/{name}", "w") as f:
                 f.write(str(value))
