@@ -11,6 +11,7 @@ import glob
 import math
 import os
 import select
+import shutil
 import socket
 import tempfile
 import uuid
@@ -378,6 +379,36 @@ async def test_no_new_privileges_no_capabilities_and_no_host_pids(make_sandbox):
     # a set-user-ID program cannot raise privileges either
     su = await make_sandbox().run("import subprocess\nprint(subprocess.run(['su', '-c', 'id -u'], capture_output=True, input=b'').stdout)")
     assert "b'0\\n'" not in su.stdout
+
+
+@root_only
+async def test_a_checkout_under_home_or_a_hidden_path_gone_keeps_the_namespaces(make_sandbox, monkeypatch):
+    """The default hides /home, /root and the current directory. Run from a checkout under /home (the usual place),
+    the probe covered /home, then found no mount point for the checkout (ENOENT) and turned the namespaces off for
+    good: the program read world-readable files under /home and the hidden files, and saw the host's /tmp. Likewise a
+    hidden path removed before the first run. Both are out of sight already and skipped."""
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    checkout = tempfile.mkdtemp(prefix="checkout-", dir="/home")
+    gone = tempfile.mkdtemp(prefix="gone-", dir="/var/lib")
+    try:
+        os.chmod(checkout, 0o755)
+        env = os.path.join(checkout, ".env")
+        with open(env, "w") as f:
+            f.write(secret)
+        os.chmod(env, 0o644)
+        monkeypatch.chdir(checkout)
+        sandbox = make_sandbox()
+        report = await sandbox.isolation()
+        assert report.namespaces and {"/home", checkout} <= set(report.hidden_paths), report
+        result = await sandbox.run(f"print(open({env!r}).read())")
+        assert result.status == "runtime_error" and secret not in result.stdout + result.stderr, result
+        removed = make_sandbox(hidden_paths=[gone])
+        os.rmdir(gone)
+        assert (await removed.isolation()).namespaces
+        await assert_healthy(removed)
+    finally:
+        shutil.rmtree(checkout)
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 @root_only

@@ -145,9 +145,14 @@ def _enter_namespaces(cfg, uid, gid):
     args = (ctypes.c_long(_AT_FDCWD), b"/", ctypes.c_long(_AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
     _call("syscall", ctypes.c_long(_SYS_MOUNT_SETATTR), *args)  # every mount read-only (Linux >= 5.12)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    for path in cfg["hidden_paths"]:
-        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
-    covered = list(cfg["hidden_paths"])
+    covered: list[str] = []
+    # A path under one covered before it (sorted: /home before /home/me/repo, the default's current directory there)
+    # has no mount point left, and one removed meanwhile nothing to hide: mounting on either failed with ENOENT, which
+    # turned the namespaces off for good.
+    for path in sorted(cfg["hidden_paths"]):
+        if os.path.isdir(path) and not any(os.path.commonpath([path, c]) == c for c in covered):
+            _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
+            covered.append(path)
     # /run, /var/tmp, ...: empty, root-owned, not writable by the run; /tmp and /dev/shm empty and writable, the
     # run's own (gone with its mount namespace)
     private = f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=1777".encode()
