@@ -210,3 +210,19 @@ async def test_a_code_episode_with_a_check_then_an_answer(sandbox):
     assert not first.episode_done and '"passed": true' in tok.decode(first.next_observation.to_ints())
     last = await envs[0].step(tok.encode(f"```python\n{RIGHT}```", add_special_tokens=False) + [stop[0]])
     assert last.episode_done and last.reward == 1.0 and last.metrics["tool_calls"] == 1.0
+
+
+async def test_an_episode_checks_one_program_however_many_calls_it_makes(sandbox):
+    """Checks run on the tests the final answer is graded on: a reply checking several candidates (up to 16 calls)
+    learnt which one passes and answered with it, a pass among many graded as one. The second call runs nothing."""
+    tok = CharTokenizer()
+    [env] = await code.CodeGroupBuilder(SUM, ChatRenderer(tok), sandbox, group_size=1, timeout_s=5).make_envs()
+    _, stop = await env.initial_observation()
+    calls = "".join(
+        "<tool_call>" + json.dumps({"name": "check_solution", "arguments": {"code": c}}) + "</tool_call>" for c in ("print(0)\n", RIGHT)
+    )
+    first = await env.step(tok.encode(calls, add_special_tokens=False) + [stop[0]])
+    seen = tok.decode(first.next_observation.to_ints())
+    assert '"passed": false' in seen and '"passed": true' not in seen, seen
+    assert "check_solution may be called 1 time(s); give your final program" in seen
+    assert first.metrics == {"check/tests_passed": 0.0, "check/test_count": 2.0}
