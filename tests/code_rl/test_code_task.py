@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -138,6 +139,52 @@ async def test_a_program_cannot_read_its_answers_from_the_problems_file(tmp_path
         got, metrics = await code.grade(problem, reply, hidden, timeout_s=5)
         assert (got, metrics["tests_passed"]) == (0.0, 0.0)
         assert (await code.grade(problem, f"```python\n{RIGHT}```", hidden, timeout_s=5))[0] == 1.0
+    finally:
+        shutil.rmtree(data)
+
+
+def _git(*args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hiding files needs the mount namespace (root)")
+async def test_a_program_cannot_read_its_answers_from_the_git_objects_of_the_problems_repository():
+    """A committed problems file is in its repository's objects too (every version, zlib-compressed). With the file
+    hidden, a program that inflated the loose objects under ``.git`` still printed the expected outputs (reward 1),
+    for a checkout or a worktree of it, whenever the repository was not under a hidden path (the trainer run from
+    elsewhere). ``hidden_files`` now hides the git directory of the repository holding each file."""
+    data = tempfile.mkdtemp(prefix="problems-", dir="/var/lib")  # outside every directory runs get covered
+    try:
+        os.chmod(data, 0o755)
+        repo, worktree = os.path.join(data, "repo"), os.path.join(data, "worktree")
+        os.mkdir(repo)
+        tests = [{"input": t.stdin, "output": t.expected_stdout} for t in SUM.tests]
+        with open(os.path.join(repo, "problems.jsonl"), "w") as f:
+            f.write(json.dumps({"id": "sum", "question": "Print a + b.", "tests": tests}) + "\n")
+        _git("init", "-q", repo)
+        _git("-C", repo, "add", "problems.jsonl")
+        _git("-C", repo, "commit", "-q", "-m", "problems")
+        _git("-C", repo, "worktree", "add", "-q", worktree)
+        cheat = (
+            "import json, os, sys, zlib\n"
+            "data = sys.stdin.read()\n"
+            f"for d, _, names in os.walk({os.path.join(repo, '.git', 'objects')!r}):\n"
+            "    for name in names:\n"
+            "        blob = zlib.decompress(open(os.path.join(d, name), 'rb').read()).split(b'\\0', 1)[1]\n"
+            "        for line in blob.decode(errors='replace').splitlines():\n"
+            "            if line.startswith('{'):\n"
+            "                for t in json.loads(line)['tests']:\n"
+            "                    if t['input'] == data:\n"
+            "                        print(t['output'], end='')\n"
+        )
+        reply = f"```python\n{cheat}```"
+        for path in (os.path.join(repo, "problems.jsonl"), os.path.join(worktree, "problems.jsonl")):
+            problem = code.load(path)[0]
+            sandbox = LocalSandbox(timeout_s=5, memory_mb=256, hidden_files=[path])
+            assert os.path.join(repo, ".git") in (await sandbox.isolation()).hidden_paths
+            got, metrics = await code.grade(problem, reply, sandbox, timeout_s=5)
+            assert (got, metrics["tests_passed"]) == (0.0, 0.0), path
+        assert (await code.grade(problem, f"```python\n{RIGHT}```", sandbox, timeout_s=5))[0] == 1.0
     finally:
         shutil.rmtree(data)
 
