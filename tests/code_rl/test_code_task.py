@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -142,6 +143,52 @@ async def test_a_program_cannot_read_its_answers_from_the_problems_file(tmp_path
         shutil.rmtree(data)
 
 
+def _git(*args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hiding files needs the mount namespace (root)")
+async def test_a_program_cannot_read_its_answers_from_the_git_objects_of_the_problems_repository():
+    """A committed problems file is in its repository's objects too (every version, zlib-compressed). With the file
+    hidden, a program that inflated the loose objects under ``.git`` still printed the expected outputs (reward 1),
+    for a checkout or a worktree of it, whenever the repository was not under a hidden path (the trainer run from
+    elsewhere). ``hidden_files`` now hides the git directory of the repository holding each file."""
+    data = tempfile.mkdtemp(prefix="problems-", dir="/var/lib")  # outside every directory runs get covered
+    try:
+        os.chmod(data, 0o755)
+        repo, worktree = os.path.join(data, "repo"), os.path.join(data, "worktree")
+        os.mkdir(repo)
+        tests = [{"input": t.stdin, "output": t.expected_stdout} for t in SUM.tests]
+        with open(os.path.join(repo, "problems.jsonl"), "w") as f:
+            f.write(json.dumps({"id": "sum", "question": "Print a + b.", "tests": tests}) + "\n")
+        _git("init", "-q", repo)
+        _git("-C", repo, "add", "problems.jsonl")
+        _git("-C", repo, "commit", "-q", "-m", "problems")
+        _git("-C", repo, "worktree", "add", "-q", worktree)
+        cheat = (
+            "import json, os, sys, zlib\n"
+            "data = sys.stdin.read()\n"
+            f"for d, _, names in os.walk({os.path.join(repo, '.git', 'objects')!r}):\n"
+            "    for name in names:\n"
+            "        blob = zlib.decompress(open(os.path.join(d, name), 'rb').read()).split(b'\\0', 1)[1]\n"
+            "        for line in blob.decode(errors='replace').splitlines():\n"
+            "            if line.startswith('{'):\n"
+            "                for t in json.loads(line)['tests']:\n"
+            "                    if t['input'] == data:\n"
+            "                        print(t['output'], end='')\n"
+        )
+        reply = f"```python\n{cheat}```"
+        for path in (os.path.join(repo, "problems.jsonl"), os.path.join(worktree, "problems.jsonl")):
+            problem = code.load(path)[0]
+            sandbox = LocalSandbox(timeout_s=5, memory_mb=256, hidden_files=[path])
+            assert os.path.join(repo, ".git") in (await sandbox.isolation()).hidden_paths
+            got, metrics = await code.grade(problem, reply, sandbox, timeout_s=5)
+            assert (got, metrics["tests_passed"]) == (0.0, 0.0), path
+        assert (await code.grade(problem, f"```python\n{RIGHT}```", sandbox, timeout_s=5))[0] == 1.0
+    finally:
+        shutil.rmtree(data)
+
+
 def test_hidden_files_must_be_existing_files(tmp_path):
     for bad in ("not-a-list.jsonl", [str(tmp_path)], [str(tmp_path / "missing")], ["a\0b"], [5]):
         with pytest.raises(InvalidInputError) as caught:
@@ -210,3 +257,19 @@ async def test_a_code_episode_with_a_check_then_an_answer(sandbox):
     assert not first.episode_done and '"passed": true' in tok.decode(first.next_observation.to_ints())
     last = await envs[0].step(tok.encode(f"```python\n{RIGHT}```", add_special_tokens=False) + [stop[0]])
     assert last.episode_done and last.reward == 1.0 and last.metrics["tool_calls"] == 1.0
+
+
+async def test_an_episode_checks_one_program_however_many_calls_it_makes(sandbox):
+    """Checks run on the tests the final answer is graded on: a reply checking several candidates (up to 16 calls)
+    learnt which one passes and answered with it, a pass among many graded as one. The second call runs nothing."""
+    tok = CharTokenizer()
+    [env] = await code.CodeGroupBuilder(SUM, ChatRenderer(tok), sandbox, group_size=1, timeout_s=5).make_envs()
+    _, stop = await env.initial_observation()
+    calls = "".join(
+        "<tool_call>" + json.dumps({"name": "check_solution", "arguments": {"code": c}}) + "</tool_call>" for c in ("print(0)\n", RIGHT)
+    )
+    first = await env.step(tok.encode(calls, add_special_tokens=False) + [stop[0]])
+    seen = tok.decode(first.next_observation.to_ints())
+    assert '"passed": false' in seen and '"passed": true' not in seen, seen
+    assert "check_solution may be called 1 time(s); give your final program" in seen
+    assert first.metrics == {"check/tests_passed": 0.0, "check/test_count": 2.0}

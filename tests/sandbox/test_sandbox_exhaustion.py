@@ -1,7 +1,8 @@
 """Round two of hostile programs: kernel interfaces the seccomp filter must refuse (io_uring runs operations it
-never sees), and memory a run can hold outside every process's set size (tmpfs files, memfds), which the fallback
-memory watch must count or refuse. Each ends typed within its limits and leaves nothing behind (the
-``make_sandbox`` fixture checks that no process of the run's uids is left)."""
+never sees; keyrings, shared by every run on the host), and memory a run can hold outside every process's set size
+(tmpfs files, memfds, secret memfds, SysV semaphores), which the fallback memory watch must count, bound or refuse.
+Each ends typed within its limits and leaves nothing behind (the ``make_sandbox`` fixture checks that no process of
+the run's uids is left)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ res = struct.unpack_from('i', ring, cqes + (head & struct.unpack_from('I', ring,
 print('vsock', 'made' if res >= 0 else os.strerror(-res))
 """
 
-_NAMES = ("bpf", "perf_event_open", "userfaultfd", "request_key", "io_uring_setup", "io_uring_register")
+_NAMES = "bpf perf_event_open userfaultfd request_key add_key keyctl io_uring_setup io_uring_register memfd_secret".split()
 KERNEL_SURFACE = {
-    "x86_64": dict(zip(_NAMES, (321, 298, 323, 249, 425, 427))),
-    "aarch64": dict(zip(_NAMES, (280, 241, 282, 218, 425, 427))),
+    "x86_64": dict(zip(_NAMES, (321, 298, 323, 249, 248, 250, 425, 427, 447))),
+    "aarch64": dict(zip(_NAMES, (280, 241, 282, 218, 217, 219, 425, 427, 447))),
 }
+NOT_IMPLEMENTED = ("io_uring_setup", "io_uring_register", "memfd_secret")  # ENOSYS; the others EPERM
 CALL_EACH = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -61,15 +63,91 @@ for name, number in CALLS.items():
 @pytest.mark.skipif(os.uname().machine not in KERNEL_SURFACE, reason="the seccomp filter knows x86_64 and aarch64")
 async def test_io_uring_and_other_kernel_surface_are_refused(make_sandbox):
     """Native code, no socket guard: io_uring cannot even be set up (it made an AF_VSOCK socket past the filter's
-    family check); bpf, perf_event_open, userfaultfd and request_key fail with EPERM whatever the host's sysctls."""
+    family check); bpf, perf_event_open, userfaultfd and the keyring calls fail with EPERM whatever the host's
+    sysctls; memfd_secret with ENOSYS (its pages are in no set size and no mount: without a cgroup a 128 MiB run
+    held 384 MiB in secret memfds, mapping 4 MiB at a time under RLIMIT_MEMLOCK)."""
     sandbox = make_sandbox(socket_guard=False)
     uring = await sandbox.run(IO_URING_SOCKET)
     assert (uring.status, uring.stdout) == ("ok", "io_uring_setup Function not implemented\n"), uring
     calls = KERNEL_SURFACE[os.uname().machine]
     result = await sandbox.run(f"CALLS = {calls!r}\n{CALL_EACH}")
     assert result.status == "ok", result
-    refused = {"io_uring_setup": "Function not implemented", "io_uring_register": "Function not implemented"}
-    assert result.stdout.splitlines() == [f"{name} -1 {refused.get(name, 'Operation not permitted')}" for name in calls], result
+    errors = {name: "Function not implemented" if name in NOT_IMPLEMENTED else "Operation not permitted" for name in calls}
+    assert result.stdout.splitlines() == [f"{name} -1 {errors[name]}" for name in calls], result
+    await assert_healthy(sandbox)
+
+
+# Keyrings are not namespaced: a key whose permissions grant "other" view and read (KEYCTL_SETPERM) was listed in
+# /proc/keys and read by every other run at the same time, and /proc/key-users shows each uid's key count to all.
+PUBLISH_KEY = """
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+key = libc.syscall(ctypes.c_long(ADD_KEY), b'user', b'answers', SECRET, ctypes.c_size_t(len(SECRET)), ctypes.c_long(-3))
+if key < 0:
+    print('add_key', os.strerror(ctypes.get_errno()))
+    raise SystemExit
+libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(5), ctypes.c_long(key), ctypes.c_long(0x3F3F3F3F))  # SETPERM: all, to all
+print('published', flush=True)
+time.sleep(3)
+"""
+READ_KEYS = """
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+seen = b''
+for _ in range(40):  # for 2 s: every key /proc/keys lists, read where permitted
+    for line in open('/proc/keys').read().splitlines():
+        data = ctypes.create_string_buffer(256)
+        size = libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(11), ctypes.c_long(int(line.split()[0], 16)), data, ctypes.c_long(256))
+        seen += data.raw[: max(0, size)]
+    if SECRET in seen:
+        break
+    time.sleep(0.05)
+print(SECRET in seen)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in KERNEL_SURFACE, reason="the seccomp filter knows x86_64 and aarch64")
+async def test_two_runs_at_once_share_nothing_through_keyrings(make_sandbox):
+    """A run publishing a key to all (a channel between concurrent runs, e.g. two tests of one program, or two
+    episodes) is refused: add_key and keyctl fail with EPERM, as under Docker's default seccomp profile."""
+    numbers = KERNEL_SURFACE[os.uname().machine]
+    prelude = f"ADD_KEY, KEYCTL, SECRET = {numbers['add_key']}, {numbers['keyctl']}, {os.urandom(8).hex().encode()!r}\n"
+    sandbox = make_sandbox(max_concurrency=2)
+    results = {}
+
+    async def run(name: str, code: str) -> None:
+        results[name] = await sandbox.run(prelude + code)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "publisher", PUBLISH_KEY)
+        tg.start_soon(run, "reader", READ_KEYS)
+    publisher, reader = results["publisher"], results["reader"]
+    assert (publisher.status, publisher.stdout) == ("ok", "add_key Operation not permitted\n"), publisher
+    assert (reader.status, reader.stdout) == ("ok", "False\n"), reader
+    await assert_healthy(sandbox)
+
+
+# Semaphores are kernel memory in no set size. A new IPC namespace allows 32,000 sets of 32,000 (64 bytes each).
+HOLD_SEMAPHORES = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+per_set = int(open('/proc/sys/kernel/sem').read().split()[0])  # SEMMSL
+held = 0
+for i in range(100):
+    if libc.semget(0x5E000 + i, per_set, 0o1600) < 0:  # IPC_CREAT
+        break
+    held += per_set
+print(held)
+"""
+
+
+@root_only
+async def test_sysv_semaphores_are_bounded_in_the_runs_ipc_namespace(make_sandbox):
+    """Without a cgroup nothing counted them: a 128 MiB run held 100 sets of 32,000 semaphores (200 MiB of kernel
+    memory; the namespace's defaults allow 64 GiB). Its IPC namespace now allows 64 sets of 250 (1 MiB in all)."""
+    sandbox = make_sandbox(memory_mb=128, cgroups=False)
+    result = await sandbox.run(HOLD_SEMAPHORES)
+    assert result.status == "ok" and 0 < int(result.stdout) <= 16_000, result
     await assert_healthy(sandbox)
 
 

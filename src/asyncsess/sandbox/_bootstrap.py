@@ -12,9 +12,10 @@ LocalSandbox starts it (as root where it can) with a JSON config in argv[1]. It
 3. becomes a child subreaper and forks a child that joins the run's cgroup (``cgroup_fds``) and, with
    namespaces, is pid 1 of the new PID namespace: in a mount namespace of its own it covers /sys, mounts a /proc
    of that namespace and forks the program's
-   process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, sets no_new_privs,
-   refuses new user namespaces, exotic socket families, io_uring and other kernel surface (seccomp), empties its capability bounding set,
-   drops to the sandbox uid, makes itself not dumpable (no core, whatever ``core_pattern`` says), takes a session keyring of its own, installs the socket guard and runs the code;
+   process (pid 2), reaping orphans until it exits. The program's process sets its rlimits, takes a session keyring
+   of its own, sets no_new_privs, refuses new user namespaces, exotic socket families, io_uring, keyrings and other
+   kernel surface (seccomp), empties its capability bounding set, drops to the sandbox uid, makes itself not
+   dumpable (no core, whatever ``core_pattern`` says), installs the socket guard and runs the code;
 4. waits for it (with ``memory_watch``: killing the run once its processes' memory sums past ``memory_mb``),
    kills and reaps everything the program left behind, clears what the uid keeps in the kernel (keyrings,
    SysV IPC objects), and writes one JSON line to the status fd:
@@ -54,10 +55,12 @@ _SECCOMP_ARCH = {
 _ENOSYS, _EPERM = 38, 1
 # Refused outright, per architecture: syscall number -> errno. io_uring (setup, enter, register) runs operations the
 # filter never sees (IORING_OP_SOCKET makes an AF_VSOCK socket past the family check); bpf, perf_event_open,
-# userfaultfd and request_key (an upcall to a host helper, as root) are kernel attack surface a grader never needs.
+# userfaultfd and request_key (an upcall to a host helper, as root) are kernel attack surface a grader never needs;
+# so are add_key and keyctl, and keyrings are not namespaced: a key a run made readable by all ("other" permissions)
+# was read by every run at the same time. memfd_secret (447): its pages are in no set size and in no mount.
 _REFUSED = {
-    "x86_64": {425: _ENOSYS, 426: _ENOSYS, 427: _ENOSYS, 321: _EPERM, 298: _EPERM, 323: _EPERM, 249: _EPERM},
-    "aarch64": {425: _ENOSYS, 426: _ENOSYS, 427: _ENOSYS, 280: _EPERM, 241: _EPERM, 282: _EPERM, 218: _EPERM},
+    "x86_64": {**dict.fromkeys((425, 426, 427, 447), _ENOSYS), **dict.fromkeys((321, 298, 323, 249, 248, 250), _EPERM)},
+    "aarch64": {**dict.fromkeys((425, 426, 427, 447), _ENOSYS), **dict.fromkeys((280, 241, 282, 218, 217, 219), _EPERM)},
 }
 # memfd_create, refused (ENOSYS) where no cgroup counts a run's memory: a memfd's pages are in no process's set size
 # and in no mount the memory watch can measure, and a run could hold 256 of workdir_mb each.
@@ -114,9 +117,17 @@ def _host_socket_paths():
 
 
 def _limit_ipc(memory_mb):
-    """Cap SysV shared memory and message queues in the new IPC namespace (its sysctls are per namespace)."""
+    """Cap SysV shared memory, message queues and semaphores in the new IPC namespace (its sysctls are per namespace).
+    ``kernel/sem`` is SEMMSL SEMMNS SEMOPM SEMMNI: the namespace's default allows 32,000 sets of 32,000 semaphores of
+    64 bytes each, kernel memory that no set size shows; 64 sets of 250 take 1 MiB."""
     pages = max(1, (memory_mb << 20) // os.sysconf("SC_PAGE_SIZE"))
-    for name, value in (("kernel/shmmax", memory_mb << 20), ("kernel/shmall", pages), ("kernel/shmmni", 64), ("kernel/msgmni", 64)):
+    for name, value in (
+        ("kernel/shmmax", memory_mb << 20),
+        ("kernel/shmall", pages),
+        ("kernel/shmmni", 64),
+        ("kernel/msgmni", 64),
+        ("kernel/sem", "250 32000 32 64"),
+    ):
         try:
             with open(f"/proc/sys/{name}", "w") as f:
                 f.write(str(value))
@@ -134,9 +145,14 @@ def _enter_namespaces(cfg, uid, gid):
     args = (ctypes.c_long(_AT_FDCWD), b"/", ctypes.c_long(_AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
     _call("syscall", ctypes.c_long(_SYS_MOUNT_SETATTR), *args)  # every mount read-only (Linux >= 5.12)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    for path in cfg["hidden_paths"]:
-        _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
-    covered = list(cfg["hidden_paths"])
+    covered: list[str] = []
+    # A path under one covered before it (sorted: /home before /home/me/repo, the default's current directory there)
+    # has no mount point left, and one removed meanwhile nothing to hide: mounting on either failed with ENOENT, which
+    # turned the namespaces off for good.
+    for path in sorted(cfg["hidden_paths"]):
+        if os.path.isdir(path) and not any(os.path.commonpath([path, c]) == c for c in covered):
+            _mount(b"tmpfs", path, b"tmpfs", flags | _MS_RDONLY, b"size=4k,nr_inodes=2,mode=0")
+            covered.append(path)
     # /run, /var/tmp, ...: empty, root-owned, not writable by the run; /tmp and /dev/shm empty and writable, the
     # run's own (gone with its mount namespace)
     private = f"size={cfg['workdir_mb']}m,nr_inodes=4096,mode=1777".encode()
@@ -444,12 +460,12 @@ def _program(cfg, source, sync_w):
     """The program's process: confine itself, tell the supervisor it is ready, run the code."""
     try:
         _set_limits(cfg)
+        _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh, empty session keyring, not the host's (before the filter)
         _harden(root=cfg["uid"] is not None, refuse_memfd=cfg["cgroup"] is None)
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])
-            _keyctl(_KEYCTL_JOIN_SESSION_KEYRING, 0)  # a fresh session keyring of its own, not the host's
         # No core dump of this process whatever fs.suid_dumpable says (exec makes a program dumpable again: there
         # RLIMIT_CORE stops the dump); not traceable by other processes of the uid either.
         _call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)

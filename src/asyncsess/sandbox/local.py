@@ -140,6 +140,8 @@ class LocalSandbox(BaseSandbox):
             self._hidden_paths = _hideable(hidden_paths, needed, strict=True)
         self._socket_dirs = _hideable([*_SOCKET_DIRS, tempfile.gettempdir()], needed[1:], strict=False)
         self._hidden_files = _check_hidden_files(hidden_files)
+        # a committed file is in its repository's objects too, every version of it
+        self._hidden_paths = sorted({*self._hidden_paths, *_hideable(_git_dirs(self._hidden_files), needed, strict=False)})
         self._namespaces = namespaces if self._root or namespaces else False
         self._cgroups = cgroups if self._root or cgroups else False
         self._cgroup_version: int | None = None
@@ -475,6 +477,28 @@ def _check_hidden_files(paths: object) -> list[str]:
             raise InvalidInputError(f"{path!r} is not an existing file", field="hidden_files", fix=fix)
         real.add(os.path.realpath(path))
     return sorted(real)
+
+
+def _git_dirs(files: Sequence[str]) -> list[str]:
+    """The git directory of each repository holding one of ``files``: its ``.git``, or for a worktree (a ``.git`` file
+    naming ``gitdir: <repo>/.git/worktrees/<name>``) the repository's common one, which holds the objects."""
+    found = []
+    for path in files:
+        for parent in Path(path).parents:
+            dotgit = parent / ".git"
+            try:
+                if dotgit.is_dir():
+                    found.append(str(dotgit))
+                elif dotgit.is_file():
+                    gitdir = parent / dotgit.read_text().partition("gitdir:")[2].strip()
+                    common = gitdir / "commondir"
+                    found.append(os.path.realpath(gitdir / common.read_text().strip() if common.is_file() else gitdir))
+                else:
+                    continue
+            except (OSError, UnicodeDecodeError):
+                pass
+            break
+    return found
 
 
 def _usable_by_anyone(executable: str) -> bool:

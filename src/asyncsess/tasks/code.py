@@ -151,13 +151,21 @@ async def grade(
     return correct, {"correct": correct, "format": 1.0, "tests_passed": report.passed / report.total, "sandbox_errors": float(errors)}
 
 
-def check_solution_tool(problem: CodeProblem, sandbox: Sandbox, timeout_s: float | None = None) -> Tool:
-    """``check_solution(code)``: run a program against the problem's tests; metrics ``check/tests_passed``, ``check/test_count``."""
+def check_solution_tool(problem: CodeProblem, sandbox: Sandbox, timeout_s: float | None = None, max_checks: int | None = None) -> Tool:
+    """``check_solution(code)``: run a program against the problem's tests; metrics ``check/tests_passed``, ``check/test_count``.
+    After ``max_checks`` programs (``None``: no limit) a call runs nothing and answers ``{"error": ...}``: the
+    verdicts come from the tests the final answer is graded on, so a model checking many candidates would pick the one
+    that passes them."""
+    checks = 0
 
     async def run(arguments: Mapping[str, Any]) -> tuple[str, dict[str, float]]:
+        nonlocal checks
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return json.dumps({"error": 'check_solution needs {"code": "<python program>"}'}), {}
+        if max_checks is not None and checks >= max_checks:
+            return json.dumps({"error": f"check_solution may be called {max_checks} time(s); give your final program"}), {}
+        checks += 1
         report = await _run_tests(problem, code, sandbox, timeout_s)
         if isinstance(report, InvalidInputError):  # e.g. a lone surrogate the model wrote as a JSON escape
             return json.dumps({"error": f"the program cannot be run: {report}"}), {}
@@ -180,7 +188,8 @@ def check_solution_tool(problem: CodeProblem, sandbox: Sandbox, timeout_s: float
 
 @dataclass
 class CodeGroupBuilder(EnvGroupBuilder):
-    """``group_size`` two-turn (by default) episodes on one problem, sharing a renderer and a sandbox."""
+    """``group_size`` two-turn (by default) episodes on one problem, sharing a renderer and a sandbox; each episode may
+    run ``check_solution`` ``max_checks`` times (calls past that, in one reply or later ones, run nothing)."""
 
     problem: CodeProblem
     renderer: ChatRenderer
@@ -191,17 +200,17 @@ class CodeGroupBuilder(EnvGroupBuilder):
     max_trajectory_tokens: int | None = None
     instructions: str = INSTRUCTIONS
     format_coef: float = 0.1
+    max_checks: int = 1
 
     async def make_envs(self) -> Sequence[Env]:
         async def final(reply: str) -> tuple[float, dict[str, float]]:
             return await grade(self.problem, reply, self.sandbox, self.timeout_s, self.format_coef)
 
-        tool = check_solution_tool(self.problem, self.sandbox, self.timeout_s)
         return [
             ToolEnv(
                 self.renderer,
                 self.problem.messages(self.instructions),
-                [tool],
+                [check_solution_tool(self.problem, self.sandbox, self.timeout_s, self.max_checks)],
                 final,
                 max_turns=self.max_turns,
                 max_trajectory_tokens=self.max_trajectory_tokens,
