@@ -262,3 +262,59 @@ def test_a_compressed_json_body_is_a_415_naming_content_encoding_on_both_doors(m
         named = r.json()["field"] if route.startswith("/api") else r.json()["error"]["param"]
         assert named == "Content-Encoding" and coding in r.text
     assert c.post("/api/v1/session_heartbeat", content=tinker_body, headers={"Content-Encoding": "identity"}).status_code == 200
+
+
+def test_a_body_of_a_million_strings_is_decoded_yielding_to_other_keys(mock_server: Server, model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strings have no hook in the C decoder: a body listing 6 M short strings held the GIL, and so every key's
+    requests, for its whole decode, even in a thread. Such a body is now decoded by the Python scanner, which goes
+    through Python between values: held there at its 1,000th string, it lets another request be answered."""
+    c, sid, _ = model
+    real, release, state = json_body._scanstring, threading.Event(), threading.Condition()
+    strings: list[int] = [0]
+    done: list[httpx.Response] = []
+
+    def holding(s: str, end: int, strict: bool = True) -> Any:
+        strings[0] += 1
+        if strings[0] == 1_000:
+            with state:
+                state.notify_all()
+            release.wait(60)
+        return real(s, end, strict)
+
+    def send_big() -> None:
+        big = json.dumps({"session_id": sid, "pad": ["a"] * (json_body.SCAN_VALUES + 1)}).encode()
+        with httpx.Client(base_url=mock_server.url, headers=H, timeout=60) as own:
+            r = own.post("/api/v1/session_heartbeat", content=big, headers={"Content-Type": "application/json"})
+        with state:
+            done.append(r)
+            state.notify_all()
+
+    monkeypatch.setattr(json_body, "_scanstring", holding)
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        with state:
+            assert state.wait_for(lambda: strings[0] >= 1_000 or done, timeout=60)  # a hang guard
+        assert not done, done[0].text
+        assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200  # answered meanwhile
+        assert not done and strings[0] == 1_000
+    finally:
+        release.set()
+        big.join(60)
+    assert done[0].status_code == 200, done[0].text
+
+
+def test_a_body_of_a_million_arrays_is_a_413_naming_the_body(model) -> None:
+    """``[[],[],...]``: 6 M empty arrays held the event loop ~7 s in a thread (the garbage collector walks the new
+    arrays with the GIL held). A body of more than ``MAX_CONTAINERS`` arrays and objects is now refused before it is
+    decoded, and the key's next request is served."""
+    c, sid, _ = model
+    pad = b",".join([b"[]"] * (json_body.MAX_CONTAINERS + 1))
+    r = c.post(
+        "/api/v1/session_heartbeat",
+        content=b'{"session_id": "%s", "pad": [%s]}' % (sid.encode(), pad),
+        headers={"Content-Type": "application/json"},
+    )
+    _refused(r, 413, "body")
+    assert "arrays and objects" in r.json()["error"]
+    assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200

@@ -4,24 +4,44 @@ A body of up to the servers' 256 MB limit takes seconds to decode and validate; 
 stalls every other tenant's requests. :func:`off_loop` runs such work in a thread when the body is larger
 than :data:`INLINE_BYTES` (a small one is cheaper to decode than a thread hop). A thread alone is not enough:
 ``json.loads`` is one C call that holds the GIL until it returns, so :func:`loads` decodes a large body with
-Python hooks on its numbers and objects, where the interpreter can hand the GIL to the event loop.
+Python hooks on its numbers and objects, where the interpreter can hand the GIL to the event loop. Strings,
+arrays and ``true``/``false``/``null`` have no hook: a body made of millions of them (``["a","a",...]``,
+``[[],[],...]``) is decoded by the pure-Python scanner, which yields between every value, and one of more than
+:data:`MAX_CONTAINERS` arrays and objects is refused (each is a Python container the garbage collector walks,
+with the GIL held, as they pile up).
 """
 
 from __future__ import annotations
 
 import json
+import json.decoder
+import json.scanner
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["INLINE_BYTES", "coding", "loads", "off_loop"]
+__all__ = ["INLINE_BYTES", "MAX_CONTAINERS", "TooManyContainers", "coding", "loads", "off_loop"]
 
 T = TypeVar("T")
 
 # bodies up to this size (bytes) are decoded and checked on the event loop: there ~1 ms of decoding costs less than
 # a thread hop, which under load waits up to the GIL switch interval (5 ms) per hop
 INLINE_BYTES = 64 * 1024
+
+MAX_CONTAINERS = 2**20  # arrays and objects in one body (a 1,024-datum forward_backward op holds ~20,000)
+
+# a large body with more values decoded without a hook than this (a string or a literal 1, an array 16: it costs as
+# much, its garbage collection included) is decoded by the Python scanner: ~1 M of them hold the GIL ~20 ms; a
+# 1,024-datum forward_backward op counts ~250,000 and keeps the C scanner (its numbers and objects yield)
+SCAN_VALUES = 2**20
+_ARRAY_COST = 16
+_SLICE = 2**20  # bytes counted per C call: the GIL may pass to the event loop between two
+_INERT = b"0123456789+-.eE,:]} \t\r\n"  # what numbers, separators, whitespace and closers are made of: never counted
+
+
+class TooManyContainers(ValueError):
+    """A body with more than :data:`MAX_CONTAINERS` arrays and objects."""
 
 
 def _int(text: str) -> int:
@@ -38,16 +58,34 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 # Python-level hooks: each call is a point where another thread (the event loop) may take the GIL
 _HOOKS: dict[str, Any] = {"parse_int": _int, "parse_float": _float, "object_pairs_hook": _object}
-_YIELDING = json.JSONDecoder(**_HOOKS)
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]  # the Python scanner's string reader (C)
+
+
+def _census(raw: bytes) -> tuple[int, int]:
+    """Upper bounds of the arrays and objects in ``raw`` and of the cost of its hook-less values (strings, arrays,
+    literals), counted a slice at a time. Text in strings only raises them."""
+    quotes = arrays = objects = literals = 0
+    for start in range(0, len(raw), _SLICE):
+        rest = raw[start : start + _SLICE].translate(None, _INERT)  # a numeric slice leaves next to nothing
+        quotes, arrays, objects = quotes + rest.count(b'"'), arrays + rest.count(b"["), objects + rest.count(b"{")
+        literals += rest.count(b"l") + rest.count(b"u")  # true, false, null: each has an l or a u
+    return arrays + objects, quotes // 2 + literals + _ARRAY_COST * arrays
 
 
 def loads(raw: bytes, parse_constant: Callable[[str], Any] | None = None) -> Any:
     """``json.loads(raw, parse_constant=...)``, with the same results and exceptions; over :data:`INLINE_BYTES`,
     decoded so that the GIL is released between numbers and objects (about 3× slower, in a thread, against seconds of
-    a frozen loop)."""
+    a frozen loop), or between every value when hook-less values abound (:data:`SCAN_VALUES`), and refused with
+    :class:`TooManyContainers` past :data:`MAX_CONTAINERS` arrays and objects."""
     if len(raw) <= INLINE_BYTES:
         return json.loads(raw, parse_constant=parse_constant)
-    decoder = _YIELDING if parse_constant is None else json.JSONDecoder(**_HOOKS, parse_constant=parse_constant)
+    containers, hookless = _census(raw)
+    if containers > MAX_CONTAINERS:
+        raise TooManyContainers(f"the body holds more than {MAX_CONTAINERS:,} arrays and objects")
+    decoder = json.JSONDecoder(**_HOOKS, parse_constant=parse_constant)
+    if hookless > SCAN_VALUES:
+        decoder.parse_string = _scanstring  # type: ignore[attr-defined]  # (the json module's own attributes)
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
     return decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
 
 

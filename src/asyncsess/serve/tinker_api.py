@@ -1663,6 +1663,8 @@ async def _json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = await json_body.off_loop(len(raw), _decode, raw)
+    except json_body.TooManyContainers as err:
+        raise ApiError(413, str(err), field="body", fix=f"send at most {json_body.MAX_CONTAINERS:,} (split the request)") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
     except RecursionError:

@@ -403,6 +403,8 @@ def _decode(field: Any, raw: bytes) -> tuple[Any, list[Any]]:
     except json.JSONDecodeError as err:
         error = {"type": "json_invalid", "loc": ("body", err.pos), "msg": "JSON decode error", "input": {}, "ctx": {"error": err.msg}}
         return None, [error]
+    except json_body.TooManyContainers as err:
+        raise HTTPException(413, str(err)) from None
     except Exception as err:  # FastAPI's answer to a body json.loads fails on (bad UTF-8, a 5000-digit number, ...)
         raise HTTPException(400, "There was an error parsing the body") from err
     checked, errors = field.validate(value, {}, loc=("body",))
