@@ -318,3 +318,21 @@ def test_a_body_of_a_million_arrays_is_a_413_naming_the_body(model) -> None:
     _refused(r, 413, "body")
     assert "arrays and objects" in r.json()["error"]
     assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "jsonx"])
+def test_a_body_declared_as_another_type_is_a_415_naming_content_type(mock_server: Server, model, content_type: str) -> None:
+    """The door read any body as JSON whatever its Content-Type (a form post made a session). A type that is not
+    JSON is now a 415 naming the header, before anything is made, as FastAPI would not decode it; JSON with
+    parameters, a ``+json`` type and no Content-Type at all (FastAPI reads it as JSON) still work."""
+    c, sid, _ = model
+    body = json.dumps({"tags": [], "user_metadata": {}, "sdk_version": "x"}).encode()
+    before = len(mock_server.door.sessions)
+    r = c.post("/api/v1/create_session", content=body, headers={"Content-Type": content_type})
+    _refused(r, 415, "Content-Type")
+    assert content_type in r.json()["error"] and "application/json" in r.json()["fix"]
+    assert len(mock_server.door.sessions) == before
+    beat = json.dumps({"session_id": sid}).encode()
+    for ok in ("application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd.api+json", None):
+        r = c.post("/api/v1/session_heartbeat", content=beat, headers={"Content-Type": ok} if ok else {})
+        assert r.status_code == 200, (ok, r.text)

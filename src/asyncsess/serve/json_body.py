@@ -13,6 +13,7 @@ with the GIL held, as they pile up).
 
 from __future__ import annotations
 
+import email.message
 import json
 import json.decoder
 import json.scanner
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["INLINE_BYTES", "MAX_CONTAINERS", "TooManyContainers", "coding", "loads", "off_loop"]
+__all__ = ["INLINE_BYTES", "MAX_CONTAINERS", "TooManyContainers", "coding", "foreign_type", "is_json", "loads", "off_loop"]
 
 T = TypeVar("T")
 
@@ -94,6 +95,24 @@ def coding(headers: Any) -> str | None:
     ``identity``: a compressed body would be read as if it were plain JSON); None when the body is plain."""
     value = str(headers.get("content-encoding") or "").strip()
     return None if value.lower() in ("", "identity") else value
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether FastAPI decodes a body of this ``Content-Type`` as JSON (``application/json`` or ``+json``, any
+    parameters)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def foreign_type(headers: Any) -> str | None:
+    """The ``Content-Type`` a body was sent with when it declares something other than JSON (``text/plain``, a form,
+    ...); None when it is JSON or there is none (the doors read an unlabelled body as JSON, as FastAPI does)."""
+    value = str(headers.get("content-type") or "").strip()
+    return None if not value or is_json(value) else value
 
 
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -1657,9 +1657,12 @@ def _decode(raw: bytes) -> Any:
 
 
 async def _json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares."""
+    """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares. One
+    declared as another type (a ``Content-Type`` neither JSON nor absent) or compressed is a 415 naming the header."""
     if (coding := json_body.coding(request.headers)) is not None:
         raise ApiError(415, f"Content-Encoding {coding!r:.60}", field="Content-Encoding", fix="send the JSON body uncompressed")
+    if (declared := json_body.foreign_type(request.headers)) is not None:
+        raise ApiError(415, f"Content-Type {declared!r:.80} is not JSON", field="Content-Type", fix="send Content-Type: application/json")
     raw = await request.body()
     try:
         body = await json_body.off_loop(len(raw), _decode, raw)
