@@ -336,3 +336,28 @@ def test_a_body_declared_as_another_type_is_a_415_naming_content_type(mock_serve
     for ok in ("application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd.api+json", None):
         r = c.post("/api/v1/session_heartbeat", content=beat, headers={"Content-Type": ok} if ok else {})
         assert r.status_code == 200, (ok, r.text)
+
+
+@pytest.mark.parametrize(
+    "cursor, says",
+    [
+        ("abc", "got a string"),
+        ([1], "got an array"),
+        ({}, "last_session_id: expected a session id, got null"),
+        ({"last_session_id": "x"}, "last_created_at: expected an ISO 8601 time with a time zone, got null"),
+        ({"last_session_id": "x", "last_created_at": "yesterday"}, "got 'yesterday'"),
+        ({"last_session_id": "x", "last_created_at": 5}, "got a number"),
+        ({"last_session_id": "x", "last_created_at": "2020-01-01T00:00:00"}, "with a time zone"),
+        ({"last_session_id": "x", "last_created_at": "1" * 100_000}, "with a time zone"),
+    ],
+)
+def test_a_bad_search_cursor_names_the_key_and_the_fix_not_python(model, cursor: Any, says: str) -> None:
+    """A bad cursor's 400 quoted Python's exception: "string indices must be integers", "'last_created_at'" (a
+    KeyError), "Invalid isoformat string: '111...'" with all 100,000 characters. It now says which key is wrong and
+    what it should hold."""
+    c, _, _ = model
+    r = c.post("/api/v1/sessions/search", json={"cursor": cursor})
+    _refused(r, 400, "cursor")
+    error = r.json()["error"]
+    assert says in error and "next_cursor" in r.json()["fix"], error
+    assert not any(python in error for python in ("indices", "isoformat", "'last_")) and len(error) < 300, error

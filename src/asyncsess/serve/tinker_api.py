@@ -264,16 +264,36 @@ def _iso_us(t: float) -> str:
 
 
 def _cursor(cursor: Any) -> tuple[int, str] | None:
-    """A search cursor (``{"last_created_at", "last_session_id"}``) as the (created, id) key it points after."""
+    """A search cursor (``{"last_created_at", "last_session_id"}``) as the (created, id) key it points after; a 400
+    naming ``cursor`` and the key that is wrong otherwise."""
     if cursor is None:
         return None
-    try:
-        when = datetime.fromisoformat(str(cursor["last_created_at"]).replace("Z", "+00:00"))
-        if when.tzinfo is None:
-            raise ValueError("no time zone")
-        return (when - _EPOCH) // timedelta(microseconds=1), str(cursor["last_session_id"])
-    except (TypeError, KeyError, ValueError) as err:
-        raise ApiError(400, f"not a cursor this server returned ({err})", field="cursor", fix="pass next_cursor back unchanged") from None
+    fix = "pass the previous page's next_cursor back unchanged (or none for the first page)"
+    if not isinstance(cursor, dict):
+        raise ApiError(
+            400, f"expected an object with last_created_at and last_session_id, got {_json_type(cursor)}", field="cursor", fix=fix
+        )
+    when, sid = cursor.get("last_created_at"), cursor.get("last_session_id")
+    if not isinstance(sid, str):
+        raise ApiError(400, f"cursor.last_session_id: expected a session id, got {_json_type(sid)}", field="cursor", fix=fix)
+    parsed = None
+    if isinstance(when, str) and len(when) <= 64:
+        with contextlib.suppress(ValueError):
+            parsed = datetime.fromisoformat(when.replace("Z", "+00:00"))
+    if parsed is None or parsed.tzinfo is None:
+        shown = f"{when!r:.80}" if isinstance(when, str) else _json_type(when)
+        raise ApiError(400, f"cursor.last_created_at: expected an ISO 8601 time with a time zone, got {shown}", field="cursor", fix=fix)
+    return (parsed - _EPOCH) // timedelta(microseconds=1), sid
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of ``value``'s type, for a message (``null``, ``a number``, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = ((str, "a string"), ((int, float), "a number"), (list, "an array"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def _status(s: _Session) -> dict[str, Any] | None:
