@@ -1042,7 +1042,8 @@ class TinkerDoor:
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        mine = all(self.owns(self.models[m].session_id) for m in self._backend_owners(path))
+        # a model the door forgot with its finished session (_forget_finished) is nobody's: its snapshots stay 404s
+        mine = all(m in self.models and self.owns(self.models[m].session_id) for m in self._backend_owners(path))
         if path.startswith("tinker://") or path in self._dropped or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         try:
