@@ -361,3 +361,25 @@ def test_a_bad_search_cursor_names_the_key_and_the_fix_not_python(model, cursor:
     error = r.json()["error"]
     assert says in error and "next_cursor" in r.json()["fix"], error
     assert not any(python in error for python in ("indices", "isoformat", "'last_")) and len(error) < 300, error
+
+
+@pytest.mark.parametrize("route", ["asample", "optim_step", "create_model"])
+def test_a_body_nested_deep_enough_to_decode_in_a_thread_is_a_400_not_a_500(mock_server: Server, model, route: str) -> None:
+    """A large body is decoded in a worker thread, whose stack is short: nested ~970 levels it decoded there, then
+    its hash (``json.dumps``) on the event loop, deeper in the stack, passed Python's recursion limit: a 500. A body
+    nesting more than ``MAX_DEPTH`` (64) levels is now a 400 naming ``body``, whatever its size, and nothing is made."""
+    c, sid, model_id = model
+    sampler = c.post(
+        "/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 90, "base_model": "mock/bigram-tiny"}
+    )
+    fields = {
+        "asample": {"sampling_session_id": sampler.json().get("sampling_session_id"), "seq_id": 1, "prompt": {"chunks": []}},
+        "optim_step": {"model_id": model_id, "seq_id": 900, "adam_params": {"learning_rate": 0.01}},
+        "create_model": {"session_id": sid, "model_seq_id": 90, "base_model": "mock/bigram-tiny"},
+    }[route]
+    depth = sys.getrecursionlimit() - 30
+    raw = json.dumps({**fields, "x": None}).encode().replace(b"null", b"[" * depth + b"]" * depth) + b" " * json_body.INLINE_BYTES
+    r = c.post(f"/api/v1/{route}", content=raw, headers={"Content-Type": "application/json"})
+    _refused(r, 400, "body")
+    assert "nests too deeply" in r.json()["error"] and "64" in r.json()["fix"]
+    assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door._creating

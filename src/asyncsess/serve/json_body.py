@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["INLINE_BYTES", "MAX_CONTAINERS", "TooManyContainers", "coding", "foreign_type", "is_json", "loads", "off_loop"]
+__all__ = ["INLINE_BYTES", "MAX_CONTAINERS", "TooManyContainers", "coding", "foreign_type", "is_json", "loads", "nests_past", "off_loop"]
 
 T = TypeVar("T")
 
@@ -88,6 +88,21 @@ def loads(raw: bytes, parse_constant: Callable[[str], Any] | None = None) -> Any
         decoder.parse_string = _scanstring  # type: ignore[attr-defined]  # (the json module's own attributes)
         decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
     return decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
+def nests_past(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) holds arrays or objects more than ``limit`` levels deep. Iterative: a value
+    decoded in a thread's short stack may nest too deep for the event loop's (``json.dumps``, ``repr``: a 500)."""
+    todo = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        if depth >= limit:
+            return True
+        todo.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+    return False
 
 
 def coding(headers: Any) -> str | None:

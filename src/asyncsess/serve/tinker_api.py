@@ -104,6 +104,7 @@ RELEASED_FIX = (
     "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
     "open); for weights that stay, save_weights_for_sampler(name) and create_sampling_client(model_path)"
 )
+MAX_DEPTH = 64  # levels of arrays and objects in a JSON body (the SDK's nest 6): deeper, its hash or repr on the loop overflowed
 INLINE_SPARSE = 1 << 18  # cells the sparse tensors of a body decoded on the event loop may expand to (else: in a thread)
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
@@ -1674,7 +1675,11 @@ def _nan(constant: str) -> float:
 
 
 def _decode(raw: bytes) -> Any:
-    return json_body.loads(raw, _nan)
+    """The JSON body (NaN read as a value each field refuses); a RecursionError past :data:`MAX_DEPTH` levels."""
+    body = json_body.loads(raw, _nan)
+    if json_body.nests_past(body, MAX_DEPTH):
+        raise RecursionError(f"more than {MAX_DEPTH} levels")
+    return body
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -1692,7 +1697,7 @@ async def _json(request: Request) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
     except RecursionError:
-        raise ApiError(400, "body nests too deeply", field="body", fix="send a flat JSON object") from None
+        raise ApiError(400, "body nests too deeply", field="body", fix=f"nest arrays and objects at most {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object", field="body")
     return body
