@@ -383,3 +383,26 @@ def test_a_body_nested_deep_enough_to_decode_in_a_thread_is_a_400_not_a_500(mock
     _refused(r, 400, "body")
     assert "nests too deeply" in r.json()["error"] and "64" in r.json()["fix"]
     assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door._creating
+
+
+@pytest.mark.parametrize(
+    "query, field",
+    [
+        ({"project_ids": ["p"] * 1_025}, "project_ids"),
+        ({"statuses": [{"type": "active"}] * 1_025}, "statuses"),
+        ({"statuses": [{"type": "client_finished", "reasons": ["success"] * 1_025}]}, "statuses"),
+        ({"statuses": [{"type": ["active"]}]}, "statuses"),
+        ({"statuses": [{"type": "client_finished", "reasons": [{"type": "success"}]}]}, "statuses"),
+        ({"user_metadata": {f"k{i}": "v" for i in range(65)}}, "user_metadata"),
+        ({"display_name": "a " * 600}, "display_name"),
+    ],
+)
+def test_search_filters_longer_than_any_session_can_match_are_refused_by_name(model, query: dict, field: str) -> None:
+    """``sessions/search`` compared each listed project id, status query, reason and display_name word with each of
+    the key's sessions on the event loop: a display_name of a million words held every key's requests 30 s over 300
+    sessions. Lists past 1,024 entries, metadata past a session's 64 pairs and a name past its 1,024 characters are
+    now 400s naming the field (a longer one could never match), and the lists are looked up, not scanned."""
+    c, _, _ = model
+    _refused(c.post("/api/v1/sessions/search", json=query), 400, field)
+    ok = {**query, field: {"project_ids": ["p"], "statuses": [{"type": "active"}], "user_metadata": {"k": "v"}, "display_name": "a"}[field]}
+    assert c.post("/api/v1/sessions/search", json=ok).status_code == 200

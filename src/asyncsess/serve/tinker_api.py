@@ -93,6 +93,7 @@ T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 MAX_TEXT = 1024  # characters of a display_name or project_id
+MAX_SEARCH_TERMS = 1024  # project ids, status queries or reasons one sessions/search may list
 MAX_DETAIL = 65536  # characters of a finish detail (the SDK sends an error's text)
 FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSessionFinishReason
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
@@ -306,15 +307,30 @@ def _status(s: _Session) -> dict[str, Any] | None:
     return None  # expired, or finished without a reason Tinker names
 
 
-def _status_matches(query: dict[str, Any], status: dict[str, Any] | None) -> bool:
-    if status is None or query.get("type") != status["type"]:
-        return False
-    reasons = query.get("reasons")
-    return status["type"] != "client_finished" or reasons is None or status["reason"]["type"] in reasons
+def _status_filter(statuses: Any) -> set[tuple[str, str | None]] | None:
+    """A search's ``statuses`` as the (type, reason) pairs they match (reason None: any), so each session costs one
+    lookup; a 400 naming ``statuses`` unless a list of 1 to :data:`MAX_SEARCH_TERMS` queries with text types and
+    reasons (a million queries, or reasons, were each compared with every session on the event loop)."""
+    if statuses is None:
+        return None
+    fix = 'e.g. [{"type": "active"}, {"type": "client_finished", "reasons": ["success"]}]'
+    if not isinstance(statuses, list) or not 0 < len(statuses) <= MAX_SEARCH_TERMS:
+        raise ApiError(400, f"must be a list of 1 to {MAX_SEARCH_TERMS} status queries", field="statuses", fix=fix)
+    keys: set[tuple[str, str | None]] = set()
+    for q in statuses:
+        kind, reasons = (q.get("type"), q.get("reasons")) if isinstance(q, dict) else (None, None)
+        if not isinstance(kind, str) or not (reasons is None or isinstance(reasons, list) and len(reasons) <= MAX_SEARCH_TERMS):
+            raise ApiError(400, f"must be status queries with at most {MAX_SEARCH_TERMS} reasons", field="statuses", fix=fix)
+        if not all(isinstance(r, str) for r in reasons or ()):
+            raise ApiError(400, "reasons must be text", field="statuses", fix=fix)
+        keys |= {(kind, None)} if kind != "client_finished" or reasons is None else {(kind, r) for r in reasons}
+    return keys
 
 
-def _is_status_query(q: Any) -> bool:
-    return isinstance(q, dict) and (q.get("reasons") is None or isinstance(q["reasons"], list))
+def _status_in(keys: set[tuple[str, str | None]], status: dict[str, Any] | None) -> bool:
+    """Whether ``status`` is one :func:`_status_filter` keeps."""
+    reason = status.get("reason", {}).get("type") if status is not None else None
+    return status is not None and ((status["type"], None) in keys or (status["type"], reason) in keys)
 
 
 def _hash(body: Any) -> str:
@@ -602,18 +618,22 @@ class TinkerDoor:
         limit = _int(body, "limit", 50)
         if not 1 <= limit <= 200:
             raise ApiError(400, f"limit={limit}", field="limit", fix="ask for 1 to 200 sessions a page")
-        meta, statuses, projects = body.get("user_metadata"), body.get("statuses"), body.get("project_ids")
+        meta, projects = body.get("user_metadata"), body.get("project_ids")
         meta = {} if meta is None else meta
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
+        _metadata(body)  # at most 64 pairs of clean text, as a session's own
         self.forget_expired()  # each summary counts its checkpoints
-        if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
-            raise ApiError(400, "must be a non-empty list of status queries", field="statuses", fix='e.g. [{"type": "active"}]')
-        if projects is not None and not (isinstance(projects, list) and all(isinstance(p, str) for p in projects)):
-            raise ApiError(400, "must be a list of project ids", field="project_ids")
+        statuses = _status_filter(body.get("statuses"))
+        if projects is not None:
+            if not (isinstance(projects, list) and len(projects) <= MAX_SEARCH_TERMS and all(isinstance(p, str) for p in projects)):
+                raise ApiError(400, f"must be a list of at most {MAX_SEARCH_TERMS} project ids", field="project_ids")
+            projects = set(projects)
         want_id = _str(body, "session_id") if body.get("session_id") is not None else None
         name = _str(body, "display_name") if body.get("display_name") is not None else None
-        words = name.lower().split() if name is not None else None
+        if name is not None and len(name) > MAX_TEXT:  # a session's display_name is at most that: a longer one never matches
+            raise ApiError(400, f"{len(name)} characters", field="display_name", fix=f"keep it to {MAX_TEXT}")
+        words = set(name.lower().split()) if name is not None else None
         after = _cursor(body.get("cursor"))
 
         def matches(s: _Session) -> bool:
@@ -625,7 +645,7 @@ class TinkerDoor:
                 return False
             if projects is not None and s.project_id not in projects:
                 return False
-            return statuses is None or any(_status_matches(q, _status(s)) for q in statuses)
+            return statuses is None or _status_in(statuses, _status(s))
 
         rows = sorted((s for s in self.sessions.values() if s.owner == caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
         if after is not None:
