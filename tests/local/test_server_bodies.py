@@ -121,7 +121,7 @@ def test_a_large_bad_body_gets_the_answer_of_a_small_one_and_consumes_no_seq(wor
     assert c.post(f"/v1/sessions/{sid}/ops", json=_forward(1), headers=MINE).status_code == 200
 
 
-def test_a_body_of_a_million_arrays_is_a_413_naming_the_body_and_consumes_no_seq(worker, c, tiny):
+def test_a_body_of_too_many_arrays_is_a_413_naming_the_body_and_consumes_no_seq(worker, c, tiny):
     """``[[],[],...]``: 6 M empty arrays held the worker's event loop ~7 s, in a thread (the garbage collector walks
     the new arrays with the GIL held). Past ``json_body.MAX_CONTAINERS`` arrays and objects a body is a 413, before
     it is decoded."""

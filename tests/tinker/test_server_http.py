@@ -304,7 +304,7 @@ def test_a_body_of_a_million_strings_is_decoded_yielding_to_other_keys(mock_serv
     assert done[0].status_code == 200, done[0].text
 
 
-def test_a_body_of_a_million_arrays_is_a_413_naming_the_body(model) -> None:
+def test_a_body_of_too_many_arrays_is_a_413_naming_the_body(model) -> None:
     """``[[],[],...]``: 6 M empty arrays held the event loop ~7 s in a thread (the garbage collector walks the new
     arrays with the GIL held). A body of more than ``MAX_CONTAINERS`` arrays and objects is now refused before it is
     decoded, and the key's next request is served."""

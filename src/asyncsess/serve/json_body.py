@@ -30,7 +30,7 @@ T = TypeVar("T")
 # a thread hop, which under load waits up to the GIL switch interval (5 ms) per hop
 INLINE_BYTES = 64 * 1024
 
-MAX_CONTAINERS = 2**20  # arrays and objects in one body (a 1,024-datum forward_backward op holds ~20,000)
+MAX_CONTAINERS = 2**18  # arrays and objects in one body (a 1,024-datum forward_backward op holds ~20,000; 2**18 cost ~30 ms of GC)
 
 # a large body with more values decoded without a hook than this (a string or a literal 1, an array 16: it costs as
 # much, its garbage collection included) is decoded by the Python scanner: ~1 M of them hold the GIL ~20 ms; a
