@@ -318,6 +318,8 @@ def test_a_body_of_too_many_arrays_is_a_413_naming_the_body(model) -> None:
     _refused(r, 413, "body")
     assert "arrays and objects" in r.json()["error"]
     assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
+    text = "[{" * json_body.MAX_CONTAINERS  # brackets in text are no arrays: refused only as many made
+    assert c.post("/api/v1/session_heartbeat", json={"session_id": sid, "pad": text}).status_code == 200
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "jsonx"])

@@ -14,6 +14,7 @@ with the GIL held, as they pile up).
 from __future__ import annotations
 
 import email.message
+import itertools
 import json
 import json.decoder
 import json.scanner
@@ -81,13 +82,31 @@ def loads(raw: bytes, parse_constant: Callable[[str], Any] | None = None) -> Any
     if len(raw) <= INLINE_BYTES:
         return json.loads(raw, parse_constant=parse_constant)
     containers, hookless = _census(raw)
-    if containers > MAX_CONTAINERS:
-        raise TooManyContainers(f"the body holds more than {MAX_CONTAINERS:,} arrays and objects")
     decoder = json.JSONDecoder(**_HOOKS, parse_constant=parse_constant)
-    if hookless > SCAN_VALUES:
-        decoder.parse_string = _scanstring  # type: ignore[attr-defined]  # (the json module's own attributes)
-        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    if containers > MAX_CONTAINERS or hookless > SCAN_VALUES:
+        _python_scanner(decoder)
     return decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
+def _python_scanner(decoder: json.JSONDecoder) -> None:
+    """Make ``decoder`` decode with the pure-Python scanner, which runs Python between every two values, counting the
+    arrays and objects it makes: :class:`TooManyContainers` past :data:`MAX_CONTAINERS` (brackets in text, which
+    :func:`_census` counts too, are not refused)."""
+    made = itertools.count(1)
+
+    def counted(make: Callable[..., Any]) -> Callable[..., Any]:
+        def container(*args: Any) -> Any:
+            if next(made) > MAX_CONTAINERS:
+                raise TooManyContainers(f"the body holds more than {MAX_CONTAINERS:,} arrays and objects")
+            return make(*args)
+
+        return container
+
+    # (the json module's own attributes, which typeshed does not declare)
+    decoder.parse_string = _scanstring  # type: ignore[attr-defined]
+    decoder.parse_array = counted(decoder.parse_array)  # type: ignore[attr-defined]
+    decoder.object_pairs_hook = counted(_object)
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
 
 
 def nests_past(value: Any, limit: int) -> bool:
