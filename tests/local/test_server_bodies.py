@@ -121,6 +121,17 @@ def test_a_large_bad_body_gets_the_answer_of_a_small_one_and_consumes_no_seq(wor
     assert c.post(f"/v1/sessions/{sid}/ops", json=_forward(1), headers=MINE).status_code == 200
 
 
+def test_a_body_of_too_many_arrays_is_a_413_naming_the_body_and_consumes_no_seq(worker, c, tiny):
+    """``[[],[],...]``: 6 M empty arrays held the worker's event loop ~7 s, in a thread (the garbage collector walks
+    the new arrays with the GIL held). Past ``json_body.MAX_CONTAINERS`` arrays and objects a body is a 413, before
+    it is decoded."""
+    sid = new_session(c, tiny, MINE)
+    pad = b",".join([b"[]"] * (json_body.MAX_CONTAINERS + 1))
+    err = assert_refused(_post(c, f"/v1/sessions/{sid}/ops", b'{"pad": [%s]}' % pad, MINE), "body", status=413)
+    assert "arrays and objects" in err["message"] and "split" in err["fix"], err
+    assert worker.backend.next_seq(sid) == 1
+
+
 def test_a_body_that_is_not_json_says_so_with_where(c, tiny):
     err = assert_refused(_post(c, "/v1/sessions", b'{"rank" 2}', MINE), "body")
     assert "not JSON" in err["message"] and "(at character 8)" in err["message"], err

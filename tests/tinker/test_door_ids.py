@@ -120,3 +120,20 @@ def test_an_op_on_an_unloaded_model_is_a_410_before_its_turn(server: Server) -> 
     ):
         assert resp.status_code == 410 and resp.json()["field"] == "model_id" and "unloaded" in resp.json()["error"], resp.text
     assert w.http.post("/get_info", json={"model_id": w.model}).status_code == 200  # its records stay readable
+
+
+def test_a_snapshot_path_of_a_forgotten_session_is_a_404_not_a_500(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key's finished sessions past ``max_finished_per_key`` are forgotten with their models, but the backend path
+    of an ephemeral snapshot (``mock://mock-train-<n>/sampler_weights/ephemeral-<seq>``: predictable) still named the
+    forgotten model: naming it in ``create_sampling_session`` or ``load_weights`` was a KeyError, a 500. It is now the
+    404 of a path never issued."""
+    w = Wire(server)
+    assert w.result(w.ephemeral(1, 0))["sampling_session_id"]
+    [path] = [p for p, m in server.door._backend_paths.items() if m == w.model]
+    assert w.http.post(f"/sessions/{w.session}/finish", json={}).status_code == 200
+    monkeypatch.setattr(server.door, "max_finished_per_key", 1)
+    other = Wire(server)  # its create_session forgets the finished session
+    assert w.session not in server.door.sessions
+    load = {"session_id": other.session, "model_seq_id": 1, "path": path, "optimizer": False}
+    for resp, field in ((other.sampler(0, model_path=path), "model_path"), (other.http.post("/load_weights", json=load), "path")):
+        assert resp.status_code == 404 and resp.json()["field"] == field, resp.text

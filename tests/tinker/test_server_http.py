@@ -262,3 +262,149 @@ def test_a_compressed_json_body_is_a_415_naming_content_encoding_on_both_doors(m
         named = r.json()["field"] if route.startswith("/api") else r.json()["error"]["param"]
         assert named == "Content-Encoding" and coding in r.text
     assert c.post("/api/v1/session_heartbeat", content=tinker_body, headers={"Content-Encoding": "identity"}).status_code == 200
+
+
+def test_a_body_of_a_million_strings_is_decoded_yielding_to_other_keys(mock_server: Server, model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strings have no hook in the C decoder: a body listing 6 M short strings held the GIL, and so every key's
+    requests, for its whole decode, even in a thread. Such a body is now decoded by the Python scanner, which goes
+    through Python between values: held there at its 1,000th string, it lets another request be answered."""
+    c, sid, _ = model
+    real, release, state = json_body._scanstring, threading.Event(), threading.Condition()
+    strings: list[int] = [0]
+    done: list[httpx.Response] = []
+
+    def holding(s: str, end: int, strict: bool = True) -> Any:
+        strings[0] += 1
+        if strings[0] == 1_000:
+            with state:
+                state.notify_all()
+            release.wait(60)
+        return real(s, end, strict)
+
+    def send_big() -> None:
+        big = json.dumps({"session_id": sid, "pad": ["a"] * (json_body.SCAN_VALUES + 1)}).encode()
+        with httpx.Client(base_url=mock_server.url, headers=H, timeout=60) as own:
+            r = own.post("/api/v1/session_heartbeat", content=big, headers={"Content-Type": "application/json"})
+        with state:
+            done.append(r)
+            state.notify_all()
+
+    monkeypatch.setattr(json_body, "_scanstring", holding)
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        with state:
+            assert state.wait_for(lambda: strings[0] >= 1_000 or done, timeout=60)  # a hang guard
+        assert not done, done[0].text
+        assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200  # answered meanwhile
+        assert not done and strings[0] == 1_000
+    finally:
+        release.set()
+        big.join(60)
+    assert done[0].status_code == 200, done[0].text
+
+
+def test_a_body_of_too_many_arrays_is_a_413_naming_the_body(model) -> None:
+    """``[[],[],...]``: 6 M empty arrays held the event loop ~7 s in a thread (the garbage collector walks the new
+    arrays with the GIL held). A body of more than ``MAX_CONTAINERS`` arrays and objects is now refused before it is
+    decoded, and the key's next request is served."""
+    c, sid, _ = model
+    pad = b",".join([b"[]"] * (json_body.MAX_CONTAINERS + 1))
+    r = c.post(
+        "/api/v1/session_heartbeat",
+        content=b'{"session_id": "%s", "pad": [%s]}' % (sid.encode(), pad),
+        headers={"Content-Type": "application/json"},
+    )
+    _refused(r, 413, "body")
+    assert "arrays and objects" in r.json()["error"]
+    assert c.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
+    text = "[{" * json_body.MAX_CONTAINERS  # brackets in text are no arrays: refused only as many made
+    assert c.post("/api/v1/session_heartbeat", json={"session_id": sid, "pad": text}).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "jsonx"])
+def test_a_body_declared_as_another_type_is_a_415_naming_content_type(mock_server: Server, model, content_type: str) -> None:
+    """The door read any body as JSON whatever its Content-Type (a form post made a session). A type that is not
+    JSON is now a 415 naming the header, before anything is made, as FastAPI would not decode it; JSON with
+    parameters, a ``+json`` type and no Content-Type at all (FastAPI reads it as JSON) still work."""
+    c, sid, _ = model
+    body = json.dumps({"tags": [], "user_metadata": {}, "sdk_version": "x"}).encode()
+    before = len(mock_server.door.sessions)
+    r = c.post("/api/v1/create_session", content=body, headers={"Content-Type": content_type})
+    _refused(r, 415, "Content-Type")
+    assert content_type in r.json()["error"] and "application/json" in r.json()["fix"]
+    assert len(mock_server.door.sessions) == before
+    beat = json.dumps({"session_id": sid}).encode()
+    for ok in ("application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd.api+json", None):
+        r = c.post("/api/v1/session_heartbeat", content=beat, headers={"Content-Type": ok} if ok else {})
+        assert r.status_code == 200, (ok, r.text)
+
+
+@pytest.mark.parametrize(
+    "cursor, says",
+    [
+        ("abc", "got a string"),
+        ([1], "got an array"),
+        ({}, "last_session_id: expected a session id, got null"),
+        ({"last_session_id": "x"}, "last_created_at: expected an ISO 8601 time with a time zone, got null"),
+        ({"last_session_id": "x", "last_created_at": "yesterday"}, "got 'yesterday'"),
+        ({"last_session_id": "x", "last_created_at": 5}, "got a number"),
+        ({"last_session_id": "x", "last_created_at": "2020-01-01T00:00:00"}, "with a time zone"),
+        ({"last_session_id": "x", "last_created_at": "1" * 100_000}, "with a time zone"),
+    ],
+)
+def test_a_bad_search_cursor_names_the_key_and_the_fix_not_python(model, cursor: Any, says: str) -> None:
+    """A bad cursor's 400 quoted Python's exception: "string indices must be integers", "'last_created_at'" (a
+    KeyError), "Invalid isoformat string: '111...'" with all 100,000 characters. It now says which key is wrong and
+    what it should hold."""
+    c, _, _ = model
+    r = c.post("/api/v1/sessions/search", json={"cursor": cursor})
+    _refused(r, 400, "cursor")
+    error = r.json()["error"]
+    assert says in error and "next_cursor" in r.json()["fix"], error
+    assert not any(python in error for python in ("indices", "isoformat", "'last_")) and len(error) < 300, error
+
+
+@pytest.mark.parametrize("route", ["asample", "optim_step", "create_model"])
+def test_a_body_nested_deep_enough_to_decode_in_a_thread_is_a_400_not_a_500(mock_server: Server, model, route: str) -> None:
+    """A large body is decoded in a worker thread, whose stack is short: nested ~970 levels it decoded there, then
+    its hash (``json.dumps``) on the event loop, deeper in the stack, passed Python's recursion limit: a 500. A body
+    nesting more than ``MAX_DEPTH`` (64) levels is now a 400 naming ``body``, whatever its size, and nothing is made."""
+    c, sid, model_id = model
+    sampler = c.post(
+        "/api/v1/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 90, "base_model": "mock/bigram-tiny"}
+    )
+    fields = {
+        "asample": {"sampling_session_id": sampler.json().get("sampling_session_id"), "seq_id": 1, "prompt": {"chunks": []}},
+        "optim_step": {"model_id": model_id, "seq_id": 900, "adam_params": {"learning_rate": 0.01}},
+        "create_model": {"session_id": sid, "model_seq_id": 90, "base_model": "mock/bigram-tiny"},
+    }[route]
+    depth = sys.getrecursionlimit() - 30
+    raw = json.dumps({**fields, "x": None}).encode().replace(b"null", b"[" * depth + b"]" * depth) + b" " * json_body.INLINE_BYTES
+    r = c.post(f"/api/v1/{route}", content=raw, headers={"Content-Type": "application/json"})
+    _refused(r, 400, "body")
+    assert "nests too deeply" in r.json()["error"] and "64" in r.json()["fix"]
+    assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door._creating
+
+
+@pytest.mark.parametrize(
+    "query, field",
+    [
+        ({"project_ids": ["p"] * 1_025}, "project_ids"),
+        ({"statuses": [{"type": "active"}] * 1_025}, "statuses"),
+        ({"statuses": [{"type": "client_finished", "reasons": ["success"] * 1_025}]}, "statuses"),
+        ({"statuses": [{"type": ["active"]}]}, "statuses"),
+        ({"statuses": [{"type": "client_finished", "reasons": [{"type": "success"}]}]}, "statuses"),
+        ({"user_metadata": {f"k{i}": "v" for i in range(65)}}, "user_metadata"),
+        ({"display_name": "a " * 600}, "display_name"),
+    ],
+)
+def test_search_filters_longer_than_any_session_can_match_are_refused_by_name(model, query: dict, field: str) -> None:
+    """``sessions/search`` compared each listed project id, status query, reason and display_name word with each of
+    the key's sessions on the event loop: a display_name of a million words held every key's requests 30 s over 300
+    sessions. Lists past 1,024 entries, metadata past a session's 64 pairs and a name past its 1,024 characters are
+    now 400s naming the field (a longer one could never match), and the lists are looked up, not scanned."""
+    c, _, _ = model
+    _refused(c.post("/api/v1/sessions/search", json=query), 400, field)
+    ok = {**query, field: {"project_ids": ["p"], "statuses": [{"type": "active"}], "user_metadata": {"k": "v"}, "display_name": "a"}[field]}
+    assert c.post("/api/v1/sessions/search", json=ok).status_code == 200

@@ -93,6 +93,7 @@ T = TypeVar("T")
 PROTO = "application/x-protobuf"
 DEFAULT_LORA_ALPHA = 32.0  # the SDK cannot send alpha; SkyRL uses 32 too
 MAX_TEXT = 1024  # characters of a display_name or project_id
+MAX_SEARCH_TERMS = 1024  # project ids, status queries or reasons one sessions/search may list
 MAX_DETAIL = 65536  # characters of a finish detail (the SDK sends an error's text)
 FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSessionFinishReason
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
@@ -104,6 +105,7 @@ RELEASED_FIX = (
     "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
     "open); for weights that stay, save_weights_for_sampler(name) and create_sampling_client(model_path)"
 )
+MAX_DEPTH = 64  # levels of arrays and objects in a JSON body (the SDK's nest 6): deeper, its hash or repr on the loop overflowed
 INLINE_SPARSE = 1 << 18  # cells the sparse tensors of a body decoded on the event loop may expand to (else: in a thread)
 # The API key of the request being served (set by the routes' auth; None on a server without keys). Sessions
 # belong to the key that created them: another key's session, model, sampler, checkpoint (unless published) or
@@ -264,16 +266,36 @@ def _iso_us(t: float) -> str:
 
 
 def _cursor(cursor: Any) -> tuple[int, str] | None:
-    """A search cursor (``{"last_created_at", "last_session_id"}``) as the (created, id) key it points after."""
+    """A search cursor (``{"last_created_at", "last_session_id"}``) as the (created, id) key it points after; a 400
+    naming ``cursor`` and the key that is wrong otherwise."""
     if cursor is None:
         return None
-    try:
-        when = datetime.fromisoformat(str(cursor["last_created_at"]).replace("Z", "+00:00"))
-        if when.tzinfo is None:
-            raise ValueError("no time zone")
-        return (when - _EPOCH) // timedelta(microseconds=1), str(cursor["last_session_id"])
-    except (TypeError, KeyError, ValueError) as err:
-        raise ApiError(400, f"not a cursor this server returned ({err})", field="cursor", fix="pass next_cursor back unchanged") from None
+    fix = "pass the previous page's next_cursor back unchanged (or none for the first page)"
+    if not isinstance(cursor, dict):
+        raise ApiError(
+            400, f"expected an object with last_created_at and last_session_id, got {_json_type(cursor)}", field="cursor", fix=fix
+        )
+    when, sid = cursor.get("last_created_at"), cursor.get("last_session_id")
+    if not isinstance(sid, str):
+        raise ApiError(400, f"cursor.last_session_id: expected a session id, got {_json_type(sid)}", field="cursor", fix=fix)
+    parsed = None
+    if isinstance(when, str) and len(when) <= 64:
+        with contextlib.suppress(ValueError):
+            parsed = datetime.fromisoformat(when.replace("Z", "+00:00"))
+    if parsed is None or parsed.tzinfo is None:
+        shown = f"{when!r:.80}" if isinstance(when, str) else _json_type(when)
+        raise ApiError(400, f"cursor.last_created_at: expected an ISO 8601 time with a time zone, got {shown}", field="cursor", fix=fix)
+    return (parsed - _EPOCH) // timedelta(microseconds=1), sid
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of ``value``'s type, for a message (``null``, ``a number``, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = ((str, "a string"), ((int, float), "a number"), (list, "an array"), (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def _status(s: _Session) -> dict[str, Any] | None:
@@ -285,15 +307,30 @@ def _status(s: _Session) -> dict[str, Any] | None:
     return None  # expired, or finished without a reason Tinker names
 
 
-def _status_matches(query: dict[str, Any], status: dict[str, Any] | None) -> bool:
-    if status is None or query.get("type") != status["type"]:
-        return False
-    reasons = query.get("reasons")
-    return status["type"] != "client_finished" or reasons is None or status["reason"]["type"] in reasons
+def _status_filter(statuses: Any) -> set[tuple[str, str | None]] | None:
+    """A search's ``statuses`` as the (type, reason) pairs they match (reason None: any), so each session costs one
+    lookup; a 400 naming ``statuses`` unless a list of 1 to :data:`MAX_SEARCH_TERMS` queries with text types and
+    reasons (a million queries, or reasons, were each compared with every session on the event loop)."""
+    if statuses is None:
+        return None
+    fix = 'e.g. [{"type": "active"}, {"type": "client_finished", "reasons": ["success"]}]'
+    if not isinstance(statuses, list) or not 0 < len(statuses) <= MAX_SEARCH_TERMS:
+        raise ApiError(400, f"must be a list of 1 to {MAX_SEARCH_TERMS} status queries", field="statuses", fix=fix)
+    keys: set[tuple[str, str | None]] = set()
+    for q in statuses:
+        kind, reasons = (q.get("type"), q.get("reasons")) if isinstance(q, dict) else (None, None)
+        if not isinstance(kind, str) or not (reasons is None or isinstance(reasons, list) and len(reasons) <= MAX_SEARCH_TERMS):
+            raise ApiError(400, f"must be status queries with at most {MAX_SEARCH_TERMS} reasons", field="statuses", fix=fix)
+        if not all(isinstance(r, str) for r in reasons or ()):
+            raise ApiError(400, "reasons must be text", field="statuses", fix=fix)
+        keys |= {(kind, None)} if kind != "client_finished" or reasons is None else {(kind, r) for r in reasons}
+    return keys
 
 
-def _is_status_query(q: Any) -> bool:
-    return isinstance(q, dict) and (q.get("reasons") is None or isinstance(q["reasons"], list))
+def _status_in(keys: set[tuple[str, str | None]], status: dict[str, Any] | None) -> bool:
+    """Whether ``status`` is one :func:`_status_filter` keeps."""
+    reason = status.get("reason", {}).get("type") if status is not None else None
+    return status is not None and ((status["type"], None) in keys or (status["type"], reason) in keys)
 
 
 def _hash(body: Any) -> str:
@@ -581,18 +618,22 @@ class TinkerDoor:
         limit = _int(body, "limit", 50)
         if not 1 <= limit <= 200:
             raise ApiError(400, f"limit={limit}", field="limit", fix="ask for 1 to 200 sessions a page")
-        meta, statuses, projects = body.get("user_metadata"), body.get("statuses"), body.get("project_ids")
+        meta, projects = body.get("user_metadata"), body.get("project_ids")
         meta = {} if meta is None else meta
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise ApiError(400, "must be an object of strings", field="user_metadata")
+        _metadata(body)  # at most 64 pairs of clean text, as a session's own
         self.forget_expired()  # each summary counts its checkpoints
-        if statuses is not None and not (isinstance(statuses, list) and statuses and all(_is_status_query(q) for q in statuses)):
-            raise ApiError(400, "must be a non-empty list of status queries", field="statuses", fix='e.g. [{"type": "active"}]')
-        if projects is not None and not (isinstance(projects, list) and all(isinstance(p, str) for p in projects)):
-            raise ApiError(400, "must be a list of project ids", field="project_ids")
+        statuses = _status_filter(body.get("statuses"))
+        if projects is not None:
+            if not (isinstance(projects, list) and len(projects) <= MAX_SEARCH_TERMS and all(isinstance(p, str) for p in projects)):
+                raise ApiError(400, f"must be a list of at most {MAX_SEARCH_TERMS} project ids", field="project_ids")
+            projects = set(projects)
         want_id = _str(body, "session_id") if body.get("session_id") is not None else None
         name = _str(body, "display_name") if body.get("display_name") is not None else None
-        words = name.lower().split() if name is not None else None
+        if name is not None and len(name) > MAX_TEXT:  # a session's display_name is at most that: a longer one never matches
+            raise ApiError(400, f"{len(name)} characters", field="display_name", fix=f"keep it to {MAX_TEXT}")
+        words = set(name.lower().split()) if name is not None else None
         after = _cursor(body.get("cursor"))
 
         def matches(s: _Session) -> bool:
@@ -604,7 +645,7 @@ class TinkerDoor:
                 return False
             if projects is not None and s.project_id not in projects:
                 return False
-            return statuses is None or any(_status_matches(q, _status(s)) for q in statuses)
+            return statuses is None or _status_in(statuses, _status(s))
 
         rows = sorted((s for s in self.sessions.values() if s.owner == caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
         if after is not None:
@@ -1022,7 +1063,8 @@ class TinkerDoor:
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        mine = all(self.owns(self.models[m].session_id) for m in self._backend_owners(path))
+        # a model the door forgot with its finished session (_forget_finished) is nobody's: its snapshots stay 404s
+        mine = all(m in self.models and self.owns(self.models[m].session_id) for m in self._backend_owners(path))
         if path.startswith("tinker://") or path in self._dropped or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         try:
@@ -1653,20 +1695,29 @@ def _nan(constant: str) -> float:
 
 
 def _decode(raw: bytes) -> Any:
-    return json_body.loads(raw, _nan)
+    """The JSON body (NaN read as a value each field refuses); a RecursionError past :data:`MAX_DEPTH` levels."""
+    body = json_body.loads(raw, _nan)
+    if json_body.nests_past(body, MAX_DEPTH):
+        raise RecursionError(f"more than {MAX_DEPTH} levels")
+    return body
 
 
 async def _json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares."""
+    """The body as a JSON object; a large one is decoded in a worker thread, not on the loop every key shares. One
+    declared as another type (a ``Content-Type`` neither JSON nor absent) or compressed is a 415 naming the header."""
     if (coding := json_body.coding(request.headers)) is not None:
         raise ApiError(415, f"Content-Encoding {coding!r:.60}", field="Content-Encoding", fix="send the JSON body uncompressed")
+    if (declared := json_body.foreign_type(request.headers)) is not None:
+        raise ApiError(415, f"Content-Type {declared!r:.80} is not JSON", field="Content-Type", fix="send Content-Type: application/json")
     raw = await request.body()
     try:
         body = await json_body.off_loop(len(raw), _decode, raw)
+    except json_body.TooManyContainers as err:
+        raise ApiError(413, str(err), field="body", fix=f"send at most {json_body.MAX_CONTAINERS:,} (split the request)") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON ({err})", field="body") from None
     except RecursionError:
-        raise ApiError(400, "body nests too deeply", field="body", fix="send a flat JSON object") from None
+        raise ApiError(400, "body nests too deeply", field="body", fix=f"nest arrays and objects at most {MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object", field="body")
     return body

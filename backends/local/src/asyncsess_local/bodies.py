@@ -16,7 +16,6 @@ ids inside the vocabulary, a prompt inside the context) is checked by the routes
 
 from __future__ import annotations
 
-import email.message
 import json
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
@@ -373,7 +372,7 @@ class BodyRoute(APIRoute):
                 return await handle(request)
             raw = await request.body()
             content_type = request.headers.get("content-type")
-            if raw and not _is_json(content_type):
+            if raw and not json_body.is_json(content_type):
                 declared = f"Content-Type {content_type!r:.80}" if content_type else "no Content-Type"
                 raise HTTPException(415, f"the body is not declared as JSON (it has {declared})")
             if len(raw) <= json_body.INLINE_BYTES:
@@ -386,16 +385,6 @@ class BodyRoute(APIRoute):
         return route
 
 
-def _is_json(content_type: str | None) -> bool:
-    """Whether FastAPI decodes a body of this ``Content-Type`` as JSON (``application/json`` or ``+json``)."""
-    if not content_type:
-        return False
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
-
-
 def _decode(field: Any, raw: bytes) -> tuple[Any, list[Any]]:
     """``raw`` decoded and validated as FastAPI would (its errors, its exceptions): (value, errors)."""
     try:
@@ -403,6 +392,8 @@ def _decode(field: Any, raw: bytes) -> tuple[Any, list[Any]]:
     except json.JSONDecodeError as err:
         error = {"type": "json_invalid", "loc": ("body", err.pos), "msg": "JSON decode error", "input": {}, "ctx": {"error": err.msg}}
         return None, [error]
+    except json_body.TooManyContainers as err:
+        raise HTTPException(413, str(err)) from None
     except Exception as err:  # FastAPI's answer to a body json.loads fails on (bad UTF-8, a 5000-digit number, ...)
         raise HTTPException(400, "There was an error parsing the body") from err
     checked, errors = field.validate(value, {}, loc=("body",))

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
 from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, RateLimitError, ServerError
-from asyncsess.serve import body_limit
+from asyncsess.serve import body_limit, json_body
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
 from asyncsess.serve.defaults import SESSION_TIMEOUT
@@ -418,6 +418,7 @@ def create_app(
 _HTTP_FIELDS = {  # what a refusal by status names, and its fix
     404: ("path", "see GET /openapi.json for the routes"),
     405: ("method", "see GET /openapi.json for the routes"),
+    413: ("body", f"send at most {json_body.MAX_CONTAINERS:,} arrays and objects (split the request)"),
     415: ("Content-Type", "send Content-Type: application/json"),
 }
 IdPath = Annotated[str, PathParam(max_length=bodies.MAX_ID_CHARS)]
