@@ -17,6 +17,9 @@ from botocore.exceptions import ClientError
 from asyncsess.backends import SamplerSpec, load_backend
 from asyncsess_mock import MockBackend
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
+from asyncsess_sagemaker.emulator.app import CONTROL_OPERATIONS
+from asyncsess_sagemaker.emulator.listing import APPLIED
+from asyncsess_sagemaker.service_models import control_model
 
 from .helpers import OPTIM, ROLE, SIGNED, clients, fb, hub_arn, new_session, wait_op, wait_status
 
@@ -180,6 +183,84 @@ def test_model_registry_lists_filter_and_sort_as_documented(sm, rt, emulator):
     assert packages(CreationTimeBefore=after - ms) == []
     assert packages(NameContains="no-such-name") == [] and packages(NameContains=prefix) == arns
     sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_every_list_filter_of_the_model_is_applied_or_refused_naming_it(sm, rt, emulator):
+    """ListModelPackages ignored ModelPackageType (without a group it listed every group's versions, where the
+    documented default is Unversioned) and ModelApprovalStatus (Approved listed packages nobody approved), and
+    ListModelPackageGroups ignored CrossAccountFilterOption (CrossAccount listed this account's own groups)."""
+    group = f"lf{uuid.uuid4().hex[:8]}"
+    _start_in_group(sm, name := _name(), sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"])
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+    arn = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+
+    def packages(**kw: object) -> list[str]:
+        return [p["ModelPackageArn"] for p in sm.list_model_packages(MaxResults=100, **kw)["ModelPackageSummaryList"]]
+
+    assert packages() == [] == packages(ModelPackageType="Unversioned")
+    assert arn in packages(ModelPackageType="Versioned") and arn in packages(ModelPackageType="Both")
+    assert packages(ModelPackageGroupName=group) == [arn] == packages(ModelPackageGroupName=group, ModelPackageType="Versioned")
+    assert packages(ModelPackageGroupName=group, ModelPackageType="Unversioned") == []
+    with pytest.raises(ClientError) as err:
+        sm.list_model_packages(ModelPackageGroupName=group, ModelApprovalStatus="Approved")
+    assert _code(err) == ("ValidationException", 400) and "'ModelApprovalStatus'" in str(err.value)
+
+    def groups(**kw: object) -> list[str]:
+        return [g["ModelPackageGroupName"] for g in sm.list_model_package_groups(NameContains=group, **kw)["ModelPackageGroupSummaryList"]]
+
+    assert groups() == [group] == groups(CrossAccountFilterOption="SameAccount")
+    assert groups(CrossAccountFilterOption="CrossAccount") == []  # the emulator shares no group across accounts
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_list_member_the_emulator_does_not_apply_is_refused_naming_it(emulator):
+    """Each List* operation the emulator serves applies every member the service model gives its input, or refuses
+    the member with a ValidationException naming it: a member a later botocore adds is refused until it is applied."""
+    control = control_model()
+    served = [op for op in CONTROL_OPERATIONS if op.startswith("List")]
+    assert set(served) == set(APPLIED)
+    sent = 0
+    for op_name in served:
+        for member in set(control.operation_model(op_name).input_shape.members) - APPLIED[op_name]:
+            shape = control.operation_model(op_name).input_shape.members[member]
+            value = shape.enum[0] if shape.enum else "x"
+            base = {"HubName": "SageMakerPublicHub", "HubContentType": "Model"} if op_name == "ListHubContents" else {}
+            r = httpx.post(
+                emulator.url,
+                content=json.dumps(base | {member: value}),
+                headers={"x-amz-target": f"SageMaker.{op_name}", "content-type": "application/x-amz-json-1.1"},
+                auth=SIGNED,
+            )
+            assert r.status_code == 400 and r.json()["__type"] == "ValidationException", (op_name, member, r.text)
+            assert f"'{member}'" in r.json()["Message"] and "failed to satisfy" not in r.json()["Message"]
+            sent += 1
+    assert sent == 1  # ModelApprovalStatus: the emulator keeps no approval status
+
+
+def test_list_hub_contents_applies_its_schema_version_time_window_and_sort():
+    """ListHubContents ignored MaxSchemaVersion, CreationTimeAfter/Before, SortBy and SortOrder: every model was
+    listed, in the hub's order."""
+
+    class TwoModels(MockBackend):
+        async def capabilities(self):  # type: ignore[no-untyped-def]
+            caps = await super().capabilities()
+            other = caps.supported_models[0].model_copy(update={"model_name": "mock/another-tiny"})
+            return caps.model_copy(update={"supported_models": [*caps.supported_models, other]})
+
+    with running_emulator(TwoModels(), EmulatorConfig(check_responses=True)) as emu:
+        sm, _ = clients(emu.url)
+
+        def hub(**kw: object) -> list[str]:
+            rows = sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model", **kw)["HubContentSummaries"]
+            return [r["HubContentName"] for r in rows]
+
+        assert hub() == ["mock-bigram-tiny", "mock-another-tiny"]  # one creation time: the hub's order
+        assert hub(SortBy="HubContentName") == ["mock-another-tiny", "mock-bigram-tiny"]
+        assert hub(SortBy="HubContentName", SortOrder="Descending") == ["mock-bigram-tiny", "mock-another-tiny"]
+        assert hub(MaxSchemaVersion="2.4.0") == hub() and hub(MaxSchemaVersion="2.3.99") == []
+        epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+        assert hub(CreationTimeAfter=epoch + datetime.timedelta(seconds=1)) == []
+        assert hub(CreationTimeBefore=epoch + datetime.timedelta(seconds=1)) == hub()
 
 
 @pytest.mark.parametrize("when", ['"not-a-date"', "NaN", "1e400"])
@@ -1058,7 +1139,10 @@ def test_a_save_description_the_model_package_cannot_hold_is_refused_naming_it(s
     op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=4, operationConfig={kind: {"description": "fine: é, 10%"}})
     arn = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"][kind]["modelPackageArn"]
     assert sm.describe_model_package(ModelPackageName=arn)["ModelPackageDescription"] == "fine: é, 10%"
-    assert arn in {p["ModelPackageArn"] for p in sm.list_model_packages(SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]}
+    assert arn in {
+        p["ModelPackageArn"]
+        for p in sm.list_model_packages(ModelPackageType="Both", SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]
+    }
     sm.stop_training_session(TrainingSessionName=name)
 
 

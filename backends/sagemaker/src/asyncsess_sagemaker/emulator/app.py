@@ -47,6 +47,7 @@ from .accounts import Accounts
 from .auth import caller_account
 from .config import EmulatorConfig, FaultConfig
 from .errors import AwsError, control_error_response, runtime_error_response
+from .listing import check_applied
 from .service import EmulatedService, chat_completion_id, chat_model
 
 __all__ = ["create_app"]
@@ -171,6 +172,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             await faults.before(op_name)
             body = _json_object(await request.body(), lambda message: AwsError("SerializationException", message))
             _validate(model, body)
+            check_applied(op_name, body)
             out = await getattr(service, _snake(op_name))(body)
             if config.check_responses:
                 _check_output(model, out)
