@@ -187,8 +187,8 @@ class SageMakerBackend(Backend):
         self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._group_arn: str | None = options.model_package_group_arn
-        # idempotency key of a create whose CreateTrainingSession reply was never read -> the session name it sent
-        self._unanswered_creates: dict[str, str] = {}
+        # idempotency key of a create whose CreateTrainingSession reply was never read -> the request it sent
+        self._unanswered_creates: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> SageMakerBackend:
@@ -219,6 +219,8 @@ class SageMakerBackend(Backend):
             for name, sess in list(self._sessions.items()):
                 if sess.gone is None:
                     await self._stop_quietly(name)
+            for request in list(self._unanswered_creates.values()):
+                await self._stop_unclaimed(request)
         for client in (self._control, self._runtime):
             if client is not None:
                 client.close()
@@ -431,13 +433,14 @@ class SageMakerBackend(Backend):
         hub_arn, hf_id = await self._resolve_base_model(base_model)
         per_call = spec.session_options
         key = spec.idempotency_key
-        unanswered = self._unanswered_creates.get(key) if key else None
+        sent = self._unanswered_creates.get(key) if key else None
+        unanswered = sent["TrainingSessionName"] if sent else None
         name = per_call.get("training_session_name") or unanswered or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         group = per_call.get("model_package_group_arn") or await self._model_package_group()
         self._require_here(group, "model_package_group_arn")
         request = self._create_request(name, hub_arn, rank, alpha, group, per_call)
         if key:  # until an answer is read: a retry of this create (same key) names the same session
-            self._unanswered_creates[key] = name
+            self._unanswered_creates[key] = request
         try:
             made_here = not per_call.get("model_package_group_arn") and self.options.model_package_group_arn is None
             created = await self._send_create(request, unanswered is not None, default_group=made_here)
@@ -532,6 +535,16 @@ class SageMakerBackend(Backend):
             raise ConflictError(
                 f"training session {name} already exists", field="training_session_name", fix="pick another name or leave it out"
             )
+
+    async def _stop_unclaimed(self, request: dict[str, Any]) -> None:
+        """Stop the session a create the client gave up on may have made (every reply lost, or its attempts cut off):
+        it ran with no owner until the service's idle timeout. Only when Describe shows this request's session."""
+        try:
+            await self._check_ours(request)
+        except AsyncSessError as err:  # not there (it never was made), or another's: nothing of ours to stop
+            log.debug("create of %s left nothing to stop: %r", request["TrainingSessionName"], err)
+            return
+        await self._stop_quietly(request["TrainingSessionName"])
 
     async def _base_model_of(self, model_package_arn: str, field: str = "path") -> str:
         """The base model of a model package (``field`` names the argument that gave it)."""
