@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Iterator
 
 import anyio
 import pytest
 
 import asyncsess
-from asyncsess.errors import ConflictError, RetriesExhaustedError
+from asyncsess.errors import ConflictError, RetriesExhaustedError, TransientError
 from asyncsess.types import AdamParams, Datum, ModelInput
 
 from .helpers import clients, driver_url, new_session, wait_status
@@ -176,3 +177,29 @@ async def test_a_create_the_client_gave_up_on_is_stopped_when_the_client_closes(
     assert wait_status(sm, next(iter(made)), {"Stopped"})["TrainingSessionStatus"] == "Stopped"
     assert _sessions(sm)[taken] == "Running"
     sm.stop_training_session(TrainingSessionName=taken)
+
+
+async def test_a_chat_reply_cut_short_is_retried_as_lost_and_a_broken_stream_is_a_transient_error(emulator):
+    """A SampleTrainingSession answer cut short (a 200 whose JSON ends early) raised a bare JSONDecodeError and was not
+    retried; a stream chunk cut short did too. The first is a lost reply now, retried (the chat runs again); the second,
+    whose earlier chunks the caller already has, a TransientError."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        emulator.set_faults(truncated_response_rate=0.5, seed=1, operations=["SampleTrainingSession"])  # cut, then whole
+        answer = await svc.backend.chat_completion(tc.model_id, body)
+        assert emulator.injected_faults() == {"truncated response": 1}
+        emulator.set_faults()
+        assert answer["choices"][0]["message"]["role"] == "assistant"
+
+        class CutShort:
+            def iter_lines(self) -> Iterator[bytes]:
+                yield b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choi'
+
+            def close(self) -> None:
+                pass
+
+        svc.backend.runtime.sample_training_session_with_response_stream = lambda **kw: {"body": CutShort()}
+        with pytest.raises(TransientError) as err:
+            [c async for c in svc.backend.chat_completion_stream(tc.model_id, body)]
+        assert err.value.lost_response and "the stream broke" in str(err.value)

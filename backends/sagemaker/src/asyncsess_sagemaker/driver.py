@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 import anyio
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from asyncsess.backends import (
     Backend,
@@ -1062,9 +1062,18 @@ class SageMakerBackend(Backend):
             raise
 
     async def chat_completion(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> dict[str, Any]:
-        """``SampleTrainingSession``: an OpenAI chat-completions body in, the service's JSON answer out."""
-        resp = await self._chat_call(self.runtime.sample_training_session, "chat_completion", session_id, body, model_package_arn)
-        return json.loads(await anyio.to_thread.run_sync(resp["body"].read))
+        """``SampleTrainingSession``: an OpenAI chat-completions body in, the service's JSON answer out. An answer that
+        cannot be read whole (cut short, not JSON) is a lost reply, retried as one (it was a bare JSONDecodeError); the
+        chat runs again, as a retried sample does."""
+
+        def answered(**kwargs: Any) -> Any:  # the call and the read of its body, in one attempt
+            raw = self.runtime.sample_training_session(**kwargs)["body"].read()
+            try:
+                return json.loads(raw)
+            except ValueError as err:  # bad UTF-8 too
+                raise TransientError(f"unreadable chat reply: {err}", operation="chat_completion", lost_response=True) from None
+
+        return await self._chat_call(answered, "chat_completion", session_id, body, model_package_arn)
 
     async def chat_completion_stream(
         self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None
@@ -1095,6 +1104,8 @@ class SageMakerBackend(Backend):
                 if "error" in chunk:
                     raise ServerError(f"the stream failed: {chunk['error']}", operation="chat_completion_stream")
                 yield chunk
+        except (BotoCoreError, ValueError) as err:  # the connection broke, or a chunk came cut short: not a bare error
+            raise TransientError(f"the stream broke: {err!r:.200}", operation="chat_completion_stream", lost_response=True) from err
         finally:
             resp["body"].close()
         if not done:
