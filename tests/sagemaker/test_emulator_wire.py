@@ -942,6 +942,28 @@ def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     assert detail["TrainingSessionStatus"] == "Expired" and detail["ErrorDetails"] == "idle" and "EndTime" in detail
 
 
+@pytest.mark.parametrize("content_type", [None, "application/json", "text/plain", "application/x-amz-json-1.0"])
+def test_a_control_plane_request_of_another_content_type_is_refused_and_does_nothing(sm, emulator, content_type):
+    """The JSON 1.1 protocol's requests are application/x-amz-json-1.1; any other Content-Type (none, JSON 1.0, plain
+    JSON) was served, so a client the service refuses passed against the emulator."""
+    name = _name()
+    body = {
+        "TrainingSessionName": name,
+        "LoraConfig": {"Rank": 8, "Alpha": 16},
+        "RoleArn": ROLE,
+        "ModelConfig": {"BaseModelArn": hub_arn(sm)},
+        "OutputConfig": {"S3Location": {"Path": "s3://bucket/out"}},
+    }
+    headers = {"X-Amz-Target": "SageMaker.CreateTrainingSession"} | ({"Content-Type": content_type} if content_type else {})
+    resp = httpx.post(emulator.url, headers=headers, content=json.dumps(body), auth=SIGNED)
+    assert resp.status_code == 400 and resp.json()["__type"] == "UnknownOperationException", resp.text[:200]
+    assert "Content-Type" in resp.json()["Message"]
+    assert name not in {s["TrainingSessionArn"].rsplit("/", 1)[1] for s in sm.list_training_sessions()["TrainingSessionSummaries"]}
+    headers["Content-Type"] = "application/x-amz-json-1.1; charset=utf-8"
+    assert httpx.post(emulator.url, headers=headers, content=json.dumps(body), auth=SIGNED).status_code == 200
+    sm.stop_training_session(TrainingSessionName=name)
+
+
 def test_sample_max_tokens_caps_generation_below_the_wire_minimum():
     with running_emulator("mock://", EmulatorConfig(check_responses=True, startup_s=0.0, sample_max_tokens=5)) as capped:
         sm, rt = clients(capped.url)

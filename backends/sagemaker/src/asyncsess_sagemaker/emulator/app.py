@@ -169,6 +169,10 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             service = await caller(request)
             if prefix != "SageMaker" or model is None:
                 raise AwsError("UnknownOperationException", f"Operation {target or '(no X-Amz-Target)'} is not supported by this emulator")
+            content_type = request.headers.get("content-type", "")
+            if content_type.partition(";")[0].strip().lower() != _JSON11:  # the protocol's only media type, as AWS routes it
+                shown = json.dumps(content_type)[:64] if content_type else "(none)"
+                raise AwsError("UnknownOperationException", f"Content-Type {shown} is not the AWS JSON 1.1 protocol's: send {_JSON11}")
             await faults.before(op_name)
             body = _json_object(await request.body(), lambda message: AwsError("SerializationException", message))
             _validate(model, body)
