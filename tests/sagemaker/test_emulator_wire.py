@@ -851,6 +851,12 @@ def test_chat_messages_are_read_as_openai_reads_them(sm, rt, emulator):
         ({"stop": [5]}, "stop"),  # was taken as a stop token id
         ({"stop": ""}, "stop"),
         ({"stop": 3}, "stop"),
+        # taken, as they change nothing, but of the wrong type (they were taken all the same)
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": 5}, "stream_options"),
+        ({"user": 5}, "user"),
+        ({"metadata": [1]}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata"),
     ],
 )
 def test_a_chat_sampling_parameter_of_the_wrong_type_or_out_of_range_is_a_validation_exception(sm, rt, emulator, change, field):
@@ -874,6 +880,7 @@ def test_chat_sampling_parameters_within_range_are_taken(sm, rt, emulator):
         {"max_completion_tokens": 3},
         {"max_tokens": None, "n": 1, "temperature": 2, "top_p": 1, "seed": 0, "stop": ["\n"]},
         {"top_k": 5, "seed": -(2**63), "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": None, "logprobs": False},
+        {"stream": False, "stream_options": {"include_usage": True}, "user": "u-1", "metadata": {"run": "7"}},
     ):
         answer = json.loads(
             rt.sample_training_session(

@@ -922,6 +922,13 @@ _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (
 # metadata change nothing here; stream is the operation's (the stream always ends with the usage)
 _CHAT_TAKEN = {"messages", "model", "user", "metadata", "stream", "stream_options", "stop", "logprobs", *_CHAT_NUMBERS}
 _CHAT_NO_OPS = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}  # what clients send by default
+# taken members that change nothing are still of OpenAI's types (a "yes" stream or a numeric user was taken)
+_CHAT_KINDS: dict[str, tuple[type, str]] = {
+    "stream": (bool, "true or false"),
+    "stream_options": (dict, "an object"),
+    "user": (str, "a string"),
+    "metadata": (dict, "an object of strings"),
+}
 
 
 def chat_model(request: dict[str, Any]) -> str:
@@ -963,6 +970,11 @@ def _chat_params(request: dict[str, Any]) -> SamplingParams:
         if value is not None and name not in _CHAT_TAKEN and (name not in _CHAT_NO_OPS or value != _CHAT_NO_OPS[name]):
             shown = f"{name}: {json.dumps(value)[:64]}" if name in _CHAT_NO_OPS else name[:64]
             raise AwsError.validation(f"{shown} is not supported by this endpoint: leave it out")
+    for name, (kind, what) in _CHAT_KINDS.items():
+        value = request.get(name)
+        strings = not isinstance(value, dict) or name != "metadata" or all(isinstance(v, str) for v in value.values())
+        if value is not None and not (isinstance(value, kind) and strings):
+            raise AwsError.validation(f"{name} must be {what}, not {json.dumps(value)[:64]}")
     for name, (integer, low, high) in _CHAT_NUMBERS.items():
         value = request.get(name)
         if value is None:
