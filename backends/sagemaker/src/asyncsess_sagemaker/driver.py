@@ -805,6 +805,9 @@ class SageMakerBackend(Backend):
         except SessionGoneError as err:  # alive, a loadState's unknown package was refused: its number is used up
             await self._unknown_package(sess, err, sub.config.get("loadState", {}).get("modelPackageArn"), "path", void=True)
             raise
+        except AsyncSessError as err:  # refused before any work (credentials, permissions, ...): the number never arrived
+            await self._end_for_gap(sess, f"sequence number {sub.seq} was refused: {err}")
+            raise
         return resp["operationId"]
 
     async def _unknown_package(self, sess: _Session, err: SessionGoneError, arn: str | None, field: str, **kw: Any) -> None:
