@@ -8,6 +8,8 @@ import math
 import re
 import time
 import uuid
+from asyncio import _get_running_loop as _running_loop
+from typing import Any
 
 import anyio
 import httpx
@@ -15,8 +17,10 @@ import pytest
 from botocore.exceptions import ClientError
 
 from asyncsess.backends import SamplerSpec, load_backend
+from asyncsess.serve.json_body import INLINE_BYTES
 from asyncsess_mock import MockBackend
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
+from asyncsess_sagemaker.emulator import app as emulator_app
 from asyncsess_sagemaker.emulator.app import CONTROL_OPERATIONS
 from asyncsess_sagemaker.emulator.listing import APPLIED
 from asyncsess_sagemaker.service_models import control_model
@@ -968,6 +972,37 @@ def test_a_control_plane_request_of_another_content_type_is_refused_and_does_not
     assert name not in {s["TrainingSessionArn"].rsplit("/", 1)[1] for s in sm.list_training_sessions()["TrainingSessionSummaries"]}
     headers["Content-Type"] = "application/x-amz-json-1.1; charset=utf-8"
     assert httpx.post(emulator.url, headers=headers, content=json.dumps(body), auth=SIGNED).status_code == 200
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_large_body_is_decoded_and_checked_off_the_event_loop(sm, emulator, monkeypatch):
+    """Every body was decoded and checked against its shape on the event loop every account shares: a 12 MB
+    ExecuteTrainingOperation held other callers' requests for over a second. A large one is now decoded and checked
+    in a worker thread; a small one stays on the loop (cheaper than a thread hop)."""
+    seen: list[tuple[str, int, bool]] = []  # (what, body bytes, on an event loop's thread)
+
+    def watched(name: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            size = len(args[0]) if name == "decode" else len(json.dumps(args[1]))
+            seen.append((name, size, _running_loop() is not None))
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(emulator_app, "loads", watched("decode", emulator_app.loads))
+    monkeypatch.setattr(emulator_app, "_check_input", watched("check", emulator_app._check_input))
+    name = _name()
+    new_session(sm, name)
+    seen.clear()
+    big = fb(list(range(1, 60)) * 2000)  # past the model's context: refused after both
+    for config in (fb([1, 40, 41]), big):
+        body = json.dumps({"sequenceNumber": 1, "operationConfig": config})
+        r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/operations", content=body, auth=SIGNED)
+        assert r.status_code == (200 if config is not big else 400), r.text[:200]
+    small, large = seen[:2], seen[2:]
+    assert [(what, on_loop) for what, _, on_loop in small] == [("decode", True), ("check", True)]
+    assert [(what, on_loop) for what, _, on_loop in large] == [("decode", False), ("check", False)]
+    assert all(size > INLINE_BYTES for _, size, _ in large)
     sm.stop_training_session(TrainingSessionName=name)
 
 
