@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError
 
 import asyncsess
 from asyncsess.backends import ForwardBackwardOp
@@ -323,18 +323,22 @@ async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emula
 
 
 @pytest.mark.parametrize(
-    ("code", "error"), [("AccessDeniedException", PermissionDeniedError), ("ExpiredTokenException", AuthenticationError)]
+    ("code", "error"),
+    [("AccessDeniedException", PermissionDeniedError), ("ExpiredTokenException", AuthenticationError), (None, InvalidInputError)],
 )
 async def test_an_op_refused_for_its_credentials_stops_the_session_instead_of_leaving_a_gap(emulator, code, error):
     """An ExecuteTrainingOperation refused before any work (permissions, expired credentials) never took its number,
     yet the session ran on with that gap (Running, every later op Poisoned) until the client closed; it is stopped
-    now, as for a number whose delivery was never known."""
+    now, as for a number whose delivery was never known. Credentials botocore could not find (None here) were taken for
+    the service's refusal, whose number is used up: the next op blocked the session on that gap."""
     async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
         tc = await svc.create_lora_training_client(BASE, rank=4)
         send = svc.backend.runtime.execute_training_operation
 
         def refuse(**request: Any) -> Any:
             svc.backend.runtime.execute_training_operation = send
+            if code is None:
+                raise NoCredentialsError()
             raise ClientError(
                 {"Error": {"Code": code, "Message": "no"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "ExecuteTrainingOperation"
             )

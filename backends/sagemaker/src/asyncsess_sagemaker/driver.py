@@ -793,6 +793,9 @@ class SageMakerBackend(Backend):
                 operationConfig=sub.config,
             )
         except InvalidInputError as err:  # refused: no operation was made, and its number is used up (no gap)
+            if not isinstance(err.__cause__, ClientError):  # refused here (no credentials, ...): the number never left
+                await self._end_for_gap(sess, f"sequence number {sub.seq} could not be sent: {err}")
+                raise
             err.void = True
             sub.refused = True
             sess.steps -= "optimizerStep" in sub.config
