@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
+from botocore.exceptions import ClientError, NoCredentialsError
 
 import asyncsess
 from asyncsess.backends import ForwardBackwardOp
-from asyncsess.errors import InvalidInputError, NotFoundError, RetriesExhaustedError, SessionGoneError, UnsupportedError
+from asyncsess.errors import (
+    AuthenticationError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    RetriesExhaustedError,
+    SessionGoneError,
+    UnsupportedError,
+)
 from asyncsess.rl.data import rl_datum
 from asyncsess.types import AdamParams, Datum, ModelInput, SamplingParams
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
@@ -307,6 +318,34 @@ async def test_undeliverable_op_stops_the_session_instead_of_leaving_a_gap(emula
         with pytest.raises(RetriesExhaustedError):
             await tc.forward_backward(BATCH, "cross_entropy")
         emulator.set_faults()
+        sm, _ = clients(emulator.url)
+        assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [("AccessDeniedException", PermissionDeniedError), ("ExpiredTokenException", AuthenticationError), (None, InvalidInputError)],
+)
+async def test_an_op_refused_for_its_credentials_stops_the_session_instead_of_leaving_a_gap(emulator, code, error):
+    """An ExecuteTrainingOperation refused before any work (permissions, expired credentials) never took its number,
+    yet the session ran on with that gap (Running, every later op Poisoned) until the client closed; it is stopped
+    now, as for a number whose delivery was never known. Credentials botocore could not find (None here) were taken for
+    the service's refusal, whose number is used up: the next op blocked the session on that gap."""
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        send = svc.backend.runtime.execute_training_operation
+
+        def refuse(**request: Any) -> Any:
+            svc.backend.runtime.execute_training_operation = send
+            if code is None:
+                raise NoCredentialsError()
+            raise ClientError(
+                {"Error": {"Code": code, "Message": "no"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "ExecuteTrainingOperation"
+            )
+
+        svc.backend.runtime.execute_training_operation = refuse
+        with pytest.raises(error):
+            await tc.forward_backward(BATCH, "cross_entropy")
         sm, _ = clients(emulator.url)
         assert wait_status(sm, tc.model_id, {"Stopped"})["TrainingSessionStatus"] == "Stopped"
 

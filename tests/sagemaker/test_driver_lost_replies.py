@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Iterator
 
 import anyio
 import pytest
 
 import asyncsess
-from asyncsess.errors import ConflictError
+from asyncsess.errors import ConflictError, RetriesExhaustedError, TransientError
 from asyncsess.types import AdamParams, Datum, ModelInput
 
 from .helpers import clients, driver_url, new_session, wait_status
@@ -150,3 +151,55 @@ async def test_a_sampler_whose_session_create_was_retried_by_the_client_makes_on
         assert len(made) == 1 and _sessions(sm)[made[0]] == "Running"
         assert len(await sampler.compute_logprobs([1, 40, 41])) == 3
     assert wait_status(sm, made[0], {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # the sampler owned it
+
+
+@pytest.mark.parametrize("named", [False, True])
+async def test_a_create_the_client_gave_up_on_is_stopped_when_the_client_closes(emulator, named):
+    """Every reply lost and no retry left: the create failed, and the session it had made ran on with no owner until
+    the service's idle timeout. Closing the client now stops it (CreateTrainingSession has no client token to make a
+    later create find it); a name that was another session's all along is left alone."""
+    sm, _ = clients(emulator.url)
+    before = _sessions(sm)
+    taken = f"taken-{uuid.uuid4().hex[:8]}"
+    new_session(sm, taken)
+    name = {"training_session_name": f"mine-{uuid.uuid4().hex[:8]}"} if named else {}
+    async with asyncsess.ServiceClient(driver_url(emulator, retry_budget_s="0.001"), retry=asyncsess.RetryPolicy(max_attempts=1)) as svc:
+        emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
+        with pytest.raises(RetriesExhaustedError):
+            await svc.create_lora_training_client(BASE, rank=4, **name)
+        emulator.set_faults(throttle_rate=1.0, operations=["CreateTrainingSession"])
+        with pytest.raises(RetriesExhaustedError):  # never answered, and the name was another session's all along
+            await svc.create_lora_training_client(BASE, rank=4, training_session_name=taken)
+        emulator.set_faults()
+        made = {n: s for n, s in _sessions(sm).items() if n not in before and n != taken}
+        assert len(made) == 1 and set(made.values()) <= {"Created", "Scheduled", "Running"}
+        assert list(made) == [name.get("training_session_name", *made)]
+    assert wait_status(sm, next(iter(made)), {"Stopped"})["TrainingSessionStatus"] == "Stopped"
+    assert _sessions(sm)[taken] == "Running"
+    sm.stop_training_session(TrainingSessionName=taken)
+
+
+async def test_a_chat_reply_cut_short_is_retried_as_lost_and_a_broken_stream_is_a_transient_error(emulator):
+    """A SampleTrainingSession answer cut short (a 200 whose JSON ends early) raised a bare JSONDecodeError and was not
+    retried; a stream chunk cut short did too. The first is a lost reply now, retried (the chat runs again); the second,
+    whose earlier chunks the caller already has, a TransientError."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with asyncsess.ServiceClient(driver_url(emulator)) as svc:
+        tc = await svc.create_lora_training_client(BASE, rank=4)
+        emulator.set_faults(truncated_response_rate=0.5, seed=1, operations=["SampleTrainingSession"])  # cut, then whole
+        answer = await svc.backend.chat_completion(tc.model_id, body)
+        assert emulator.injected_faults() == {"truncated response": 1}
+        emulator.set_faults()
+        assert answer["choices"][0]["message"]["role"] == "assistant"
+
+        class CutShort:
+            def iter_lines(self) -> Iterator[bytes]:
+                yield b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choi'
+
+            def close(self) -> None:
+                pass
+
+        svc.backend.runtime.sample_training_session_with_response_stream = lambda **kw: {"body": CutShort()}
+        with pytest.raises(TransientError) as err:
+            [c async for c in svc.backend.chat_completion_stream(tc.model_id, body)]
+        assert err.value.lost_response and "the stream broke" in str(err.value)

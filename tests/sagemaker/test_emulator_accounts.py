@@ -69,6 +69,10 @@ def test_an_account_never_sees_stops_trains_or_reads_another_s_sessions_and_pack
 
     listed = b_sm.list_training_sessions()["TrainingSessionSummaries"]
     assert [s["TrainingSessionArn"] for s in listed] == [f"arn:aws:sagemaker:us-west-2:{BOB[2]}:training-session/{shared}"]
+    alices_token = a_sm.list_training_sessions(MaxResults=1)["NextToken"]  # a token is its caller's (it paged Bob's list)
+    with pytest.raises(ClientError, match="another account") as err:
+        b_sm.list_training_sessions(MaxResults=1, NextToken=alices_token)
+    assert _code(err) == ("ValidationException", 400)
     mine = b_sm.describe_training_session(TrainingSessionName=shared)["TrainingSessionDetail"]
     assert mine["OutputConfig"]["S3Location"]["Path"] == "s3://bob-bucket/out" and "LastReceivedSequenceNumber" not in mine
     for call in (b_sm.describe_training_session, b_sm.stop_training_session, b_sm.delete_training_session):
@@ -83,7 +87,7 @@ def test_an_account_never_sees_stops_trains_or_reads_another_s_sessions_and_pack
     with pytest.raises(b_rt.exceptions.ResourceNotFoundException):  # Bob's session of that name has no such op
         b_rt.get_training_operation_result(trainingSessionName=shared, operationId=a_op["operationId"])
 
-    assert b_sm.list_model_packages()["ModelPackageSummaryList"] == []
+    assert b_sm.list_model_packages(ModelPackageType="Both")["ModelPackageSummaryList"] == []
     assert [g["ModelPackageGroupArn"] for g in b_sm.list_model_package_groups()["ModelPackageGroupSummaryList"]] == [
         f"arn:aws:sagemaker:us-west-2:{BOB[2]}:model-package-group/sagemaker-default"
     ]

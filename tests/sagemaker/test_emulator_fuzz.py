@@ -357,7 +357,7 @@ def _state(client: httpx.Client) -> list[Any]:
     reads = [
         ("ListTrainingSessions", {"MaxResults": 100}),
         ("ListModelPackageGroups", {"MaxResults": 100}),
-        ("ListModelPackages", {"MaxResults": 100}),
+        ("ListModelPackages", {"MaxResults": 100, "ModelPackageType": "Both"}),
         ("DescribeTrainingSession", {"TrainingSessionName": SESSION}),
     ]
     answers = [_call(client, op, body) for op, body in reads]

@@ -8,6 +8,8 @@ import math
 import re
 import time
 import uuid
+from asyncio import _get_running_loop as _running_loop
+from typing import Any
 
 import anyio
 import httpx
@@ -15,8 +17,13 @@ import pytest
 from botocore.exceptions import ClientError
 
 from asyncsess.backends import SamplerSpec, load_backend
+from asyncsess.serve.json_body import INLINE_BYTES
 from asyncsess_mock import MockBackend
 from asyncsess_sagemaker.emulator import EmulatorConfig, running_emulator
+from asyncsess_sagemaker.emulator import app as emulator_app
+from asyncsess_sagemaker.emulator.app import CONTROL_OPERATIONS
+from asyncsess_sagemaker.emulator.listing import APPLIED
+from asyncsess_sagemaker.service_models import control_model
 
 from .helpers import OPTIM, ROLE, SIGNED, clients, fb, hub_arn, new_session, wait_op, wait_status
 
@@ -180,6 +187,84 @@ def test_model_registry_lists_filter_and_sort_as_documented(sm, rt, emulator):
     assert packages(CreationTimeBefore=after - ms) == []
     assert packages(NameContains="no-such-name") == [] and packages(NameContains=prefix) == arns
     sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_every_list_filter_of_the_model_is_applied_or_refused_naming_it(sm, rt, emulator):
+    """ListModelPackages ignored ModelPackageType (without a group it listed every group's versions, where the
+    documented default is Unversioned) and ModelApprovalStatus (Approved listed packages nobody approved), and
+    ListModelPackageGroups ignored CrossAccountFilterOption (CrossAccount listed this account's own groups)."""
+    group = f"lf{uuid.uuid4().hex[:8]}"
+    _start_in_group(sm, name := _name(), sm.create_model_package_group(ModelPackageGroupName=group)["ModelPackageGroupArn"])
+    op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=1, operationConfig={"saveState": {}})
+    arn = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"]["saveState"]["modelPackageArn"]
+
+    def packages(**kw: object) -> list[str]:
+        return [p["ModelPackageArn"] for p in sm.list_model_packages(MaxResults=100, **kw)["ModelPackageSummaryList"]]
+
+    assert packages() == [] == packages(ModelPackageType="Unversioned")
+    assert arn in packages(ModelPackageType="Versioned") and arn in packages(ModelPackageType="Both")
+    assert packages(ModelPackageGroupName=group) == [arn] == packages(ModelPackageGroupName=group, ModelPackageType="Versioned")
+    assert packages(ModelPackageGroupName=group, ModelPackageType="Unversioned") == []
+    with pytest.raises(ClientError) as err:
+        sm.list_model_packages(ModelPackageGroupName=group, ModelApprovalStatus="Approved")
+    assert _code(err) == ("ValidationException", 400) and "'ModelApprovalStatus'" in str(err.value)
+
+    def groups(**kw: object) -> list[str]:
+        return [g["ModelPackageGroupName"] for g in sm.list_model_package_groups(NameContains=group, **kw)["ModelPackageGroupSummaryList"]]
+
+    assert groups() == [group] == groups(CrossAccountFilterOption="SameAccount")
+    assert groups(CrossAccountFilterOption="CrossAccount") == []  # the emulator shares no group across accounts
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_list_member_the_emulator_does_not_apply_is_refused_naming_it(emulator):
+    """Each List* operation the emulator serves applies every member the service model gives its input, or refuses
+    the member with a ValidationException naming it: a member a later botocore adds is refused until it is applied."""
+    control = control_model()
+    served = [op for op in CONTROL_OPERATIONS if op.startswith("List")]
+    assert set(served) == set(APPLIED)
+    sent = 0
+    for op_name in served:
+        for member in set(control.operation_model(op_name).input_shape.members) - APPLIED[op_name]:
+            shape = control.operation_model(op_name).input_shape.members[member]
+            value = shape.enum[0] if shape.enum else "x"
+            base = {"HubName": "SageMakerPublicHub", "HubContentType": "Model"} if op_name == "ListHubContents" else {}
+            r = httpx.post(
+                emulator.url,
+                content=json.dumps(base | {member: value}),
+                headers={"x-amz-target": f"SageMaker.{op_name}", "content-type": "application/x-amz-json-1.1"},
+                auth=SIGNED,
+            )
+            assert r.status_code == 400 and r.json()["__type"] == "ValidationException", (op_name, member, r.text)
+            assert f"'{member}'" in r.json()["Message"] and "failed to satisfy" not in r.json()["Message"]
+            sent += 1
+    assert sent == 1  # ModelApprovalStatus: the emulator keeps no approval status
+
+
+def test_list_hub_contents_applies_its_schema_version_time_window_and_sort():
+    """ListHubContents ignored MaxSchemaVersion, CreationTimeAfter/Before, SortBy and SortOrder: every model was
+    listed, in the hub's order."""
+
+    class TwoModels(MockBackend):
+        async def capabilities(self):  # type: ignore[no-untyped-def]
+            caps = await super().capabilities()
+            other = caps.supported_models[0].model_copy(update={"model_name": "mock/another-tiny"})
+            return caps.model_copy(update={"supported_models": [*caps.supported_models, other]})
+
+    with running_emulator(TwoModels(), EmulatorConfig(check_responses=True)) as emu:
+        sm, _ = clients(emu.url)
+
+        def hub(**kw: object) -> list[str]:
+            rows = sm.list_hub_contents(HubName="SageMakerPublicHub", HubContentType="Model", **kw)["HubContentSummaries"]
+            return [r["HubContentName"] for r in rows]
+
+        assert hub() == ["mock-bigram-tiny", "mock-another-tiny"]  # one creation time: the hub's order
+        assert hub(SortBy="HubContentName") == ["mock-another-tiny", "mock-bigram-tiny"]
+        assert hub(SortBy="HubContentName", SortOrder="Descending") == ["mock-bigram-tiny", "mock-another-tiny"]
+        assert hub(MaxSchemaVersion="2.4.0") == hub() and hub(MaxSchemaVersion="2.3.99") == []
+        epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+        assert hub(CreationTimeAfter=epoch + datetime.timedelta(seconds=1)) == []
+        assert hub(CreationTimeBefore=epoch + datetime.timedelta(seconds=1)) == hub()
 
 
 @pytest.mark.parametrize("when", ['"not-a-date"', "NaN", "1e400"])
@@ -770,6 +855,12 @@ def test_chat_messages_are_read_as_openai_reads_them(sm, rt, emulator):
         ({"stop": [5]}, "stop"),  # was taken as a stop token id
         ({"stop": ""}, "stop"),
         ({"stop": 3}, "stop"),
+        # taken, as they change nothing, but of the wrong type (they were taken all the same)
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": 5}, "stream_options"),
+        ({"user": 5}, "user"),
+        ({"metadata": [1]}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata"),
     ],
 )
 def test_a_chat_sampling_parameter_of_the_wrong_type_or_out_of_range_is_a_validation_exception(sm, rt, emulator, change, field):
@@ -793,6 +884,7 @@ def test_chat_sampling_parameters_within_range_are_taken(sm, rt, emulator):
         {"max_completion_tokens": 3},
         {"max_tokens": None, "n": 1, "temperature": 2, "top_p": 1, "seed": 0, "stop": ["\n"]},
         {"top_k": 5, "seed": -(2**63), "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": None, "logprobs": False},
+        {"stream": False, "stream_options": {"include_usage": True}, "user": "u-1", "metadata": {"run": "7"}},
     ):
         answer = json.loads(
             rt.sample_training_session(
@@ -859,6 +951,59 @@ def test_unknown_control_plane_operation_and_remote_failure_hook(sm, emulator):
     emulator.end_session(name, status="Expired", reason="idle")
     detail = sm.describe_training_session(TrainingSessionName=name)["TrainingSessionDetail"]
     assert detail["TrainingSessionStatus"] == "Expired" and detail["ErrorDetails"] == "idle" and "EndTime" in detail
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json", "text/plain", "application/x-amz-json-1.0"])
+def test_a_control_plane_request_of_another_content_type_is_refused_and_does_nothing(sm, emulator, content_type):
+    """The JSON 1.1 protocol's requests are application/x-amz-json-1.1; any other Content-Type (none, JSON 1.0, plain
+    JSON) was served, so a client the service refuses passed against the emulator."""
+    name = _name()
+    body = {
+        "TrainingSessionName": name,
+        "LoraConfig": {"Rank": 8, "Alpha": 16},
+        "RoleArn": ROLE,
+        "ModelConfig": {"BaseModelArn": hub_arn(sm)},
+        "OutputConfig": {"S3Location": {"Path": "s3://bucket/out"}},
+    }
+    headers = {"X-Amz-Target": "SageMaker.CreateTrainingSession"} | ({"Content-Type": content_type} if content_type else {})
+    resp = httpx.post(emulator.url, headers=headers, content=json.dumps(body), auth=SIGNED)
+    assert resp.status_code == 400 and resp.json()["__type"] == "UnknownOperationException", resp.text[:200]
+    assert "Content-Type" in resp.json()["Message"]
+    assert name not in {s["TrainingSessionArn"].rsplit("/", 1)[1] for s in sm.list_training_sessions()["TrainingSessionSummaries"]}
+    headers["Content-Type"] = "application/x-amz-json-1.1; charset=utf-8"
+    assert httpx.post(emulator.url, headers=headers, content=json.dumps(body), auth=SIGNED).status_code == 200
+    sm.stop_training_session(TrainingSessionName=name)
+
+
+def test_a_large_body_is_decoded_and_checked_off_the_event_loop(sm, emulator, monkeypatch):
+    """Every body was decoded and checked against its shape on the event loop every account shares: a 12 MB
+    ExecuteTrainingOperation held other callers' requests for over a second. A large one is now decoded and checked
+    in a worker thread; a small one stays on the loop (cheaper than a thread hop)."""
+    seen: list[tuple[str, int, bool]] = []  # (what, body bytes, on an event loop's thread)
+
+    def watched(name: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            size = len(args[0]) if name == "decode" else len(json.dumps(args[1]))
+            seen.append((name, size, _running_loop() is not None))
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(emulator_app, "loads", watched("decode", emulator_app.loads))
+    monkeypatch.setattr(emulator_app, "_check_input", watched("check", emulator_app._check_input))
+    name = _name()
+    new_session(sm, name)
+    seen.clear()
+    big = fb(list(range(1, 60)) * 2000)  # past the model's context: refused after both
+    for config in (fb([1, 40, 41]), big):
+        body = json.dumps({"sequenceNumber": 1, "operationConfig": config})
+        r = httpx.post(f"{emulator.url}/v1/training-sessions/{name}/operations", content=body, auth=SIGNED)
+        assert r.status_code == (200 if config is not big else 400), r.text[:200]
+    small, large = seen[:2], seen[2:]
+    assert [(what, on_loop) for what, _, on_loop in small] == [("decode", True), ("check", True)]
+    assert [(what, on_loop) for what, _, on_loop in large] == [("decode", False), ("check", False)]
+    assert all(size > INLINE_BYTES for _, size, _ in large)
+    sm.stop_training_session(TrainingSessionName=name)
 
 
 def test_sample_max_tokens_caps_generation_below_the_wire_minimum():
@@ -1058,7 +1203,10 @@ def test_a_save_description_the_model_package_cannot_hold_is_refused_naming_it(s
     op = rt.execute_training_operation(trainingSessionName=name, sequenceNumber=4, operationConfig={kind: {"description": "fine: é, 10%"}})
     arn = wait_op(rt.get_training_operation_result, name, op["operationId"])["operationResult"][kind]["modelPackageArn"]
     assert sm.describe_model_package(ModelPackageName=arn)["ModelPackageDescription"] == "fine: é, 10%"
-    assert arn in {p["ModelPackageArn"] for p in sm.list_model_packages(SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]}
+    assert arn in {
+        p["ModelPackageArn"]
+        for p in sm.list_model_packages(ModelPackageType="Both", SortOrder="Descending", MaxResults=5)["ModelPackageSummaryList"]
+    }
     sm.stop_training_session(TrainingSessionName=name)
 
 

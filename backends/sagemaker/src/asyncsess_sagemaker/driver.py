@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 import anyio
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from asyncsess.backends import (
     Backend,
@@ -187,8 +187,8 @@ class SageMakerBackend(Backend):
         self._hub_limits: dict[str, tuple[int | None, int | None]] = {}  # hub content ARN -> (vocab size, context length)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._group_arn: str | None = options.model_package_group_arn
-        # idempotency key of a create whose CreateTrainingSession reply was never read -> the session name it sent
-        self._unanswered_creates: dict[str, str] = {}
+        # idempotency key of a create whose CreateTrainingSession reply was never read -> the request it sent
+        self._unanswered_creates: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> SageMakerBackend:
@@ -219,6 +219,8 @@ class SageMakerBackend(Backend):
             for name, sess in list(self._sessions.items()):
                 if sess.gone is None:
                     await self._stop_quietly(name)
+            for request in list(self._unanswered_creates.values()):
+                await self._stop_unclaimed(request)
         for client in (self._control, self._runtime):
             if client is not None:
                 client.close()
@@ -431,13 +433,14 @@ class SageMakerBackend(Backend):
         hub_arn, hf_id = await self._resolve_base_model(base_model)
         per_call = spec.session_options
         key = spec.idempotency_key
-        unanswered = self._unanswered_creates.get(key) if key else None
+        sent = self._unanswered_creates.get(key) if key else None
+        unanswered = sent["TrainingSessionName"] if sent else None
         name = per_call.get("training_session_name") or unanswered or f"{self.options.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         group = per_call.get("model_package_group_arn") or await self._model_package_group()
         self._require_here(group, "model_package_group_arn")
         request = self._create_request(name, hub_arn, rank, alpha, group, per_call)
         if key:  # until an answer is read: a retry of this create (same key) names the same session
-            self._unanswered_creates[key] = name
+            self._unanswered_creates[key] = request
         try:
             made_here = not per_call.get("model_package_group_arn") and self.options.model_package_group_arn is None
             created = await self._send_create(request, unanswered is not None, default_group=made_here)
@@ -532,6 +535,16 @@ class SageMakerBackend(Backend):
             raise ConflictError(
                 f"training session {name} already exists", field="training_session_name", fix="pick another name or leave it out"
             )
+
+    async def _stop_unclaimed(self, request: dict[str, Any]) -> None:
+        """Stop the session a create the client gave up on may have made (every reply lost, or its attempts cut off):
+        it ran with no owner until the service's idle timeout. Only when Describe shows this request's session."""
+        try:
+            await self._check_ours(request)
+        except AsyncSessError as err:  # not there (it never was made), or another's: nothing of ours to stop
+            log.debug("create of %s left nothing to stop: %r", request["TrainingSessionName"], err)
+            return
+        await self._stop_quietly(request["TrainingSessionName"])
 
     async def _base_model_of(self, model_package_arn: str, field: str = "path") -> str:
         """The base model of a model package (``field`` names the argument that gave it)."""
@@ -780,6 +793,9 @@ class SageMakerBackend(Backend):
                 operationConfig=sub.config,
             )
         except InvalidInputError as err:  # refused: no operation was made, and its number is used up (no gap)
+            if not isinstance(err.__cause__, ClientError):  # refused here (no credentials, ...): the number never left
+                await self._end_for_gap(sess, f"sequence number {sub.seq} could not be sent: {err}")
+                raise
             err.void = True
             sub.refused = True
             sess.steps -= "optimizerStep" in sub.config
@@ -791,6 +807,9 @@ class SageMakerBackend(Backend):
             ) from err
         except SessionGoneError as err:  # alive, a loadState's unknown package was refused: its number is used up
             await self._unknown_package(sess, err, sub.config.get("loadState", {}).get("modelPackageArn"), "path", void=True)
+            raise
+        except AsyncSessError as err:  # refused before any work (credentials, permissions, ...): the number never arrived
+            await self._end_for_gap(sess, f"sequence number {sub.seq} was refused: {err}")
             raise
         return resp["operationId"]
 
@@ -1049,9 +1068,18 @@ class SageMakerBackend(Backend):
             raise
 
     async def chat_completion(self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None) -> dict[str, Any]:
-        """``SampleTrainingSession``: an OpenAI chat-completions body in, the service's JSON answer out."""
-        resp = await self._chat_call(self.runtime.sample_training_session, "chat_completion", session_id, body, model_package_arn)
-        return json.loads(await anyio.to_thread.run_sync(resp["body"].read))
+        """``SampleTrainingSession``: an OpenAI chat-completions body in, the service's JSON answer out. An answer that
+        cannot be read whole (cut short, not JSON) is a lost reply, retried as one (it was a bare JSONDecodeError); the
+        chat runs again, as a retried sample does."""
+
+        def answered(**kwargs: Any) -> Any:  # the call and the read of its body, in one attempt
+            raw = self.runtime.sample_training_session(**kwargs)["body"].read()
+            try:
+                return json.loads(raw)
+            except ValueError as err:  # bad UTF-8 too
+                raise TransientError(f"unreadable chat reply: {err}", operation="chat_completion", lost_response=True) from None
+
+        return await self._chat_call(answered, "chat_completion", session_id, body, model_package_arn)
 
     async def chat_completion_stream(
         self, session_id: str, body: dict[str, Any], model_package_arn: str | None = None
@@ -1082,6 +1110,8 @@ class SageMakerBackend(Backend):
                 if "error" in chunk:
                     raise ServerError(f"the stream failed: {chunk['error']}", operation="chat_completion_stream")
                 yield chunk
+        except (BotoCoreError, ValueError) as err:  # the connection broke, or a chunk came cut short: not a bare error
+            raise TransientError(f"the stream broke: {err!r:.200}", operation="chat_completion_stream", lost_response=True) from err
         finally:
             resp["body"].close()
         if not done:

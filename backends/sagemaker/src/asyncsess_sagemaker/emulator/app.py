@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from asyncsess.backends import Backend, load_backend
+from asyncsess.serve.json_body import loads, off_loop
 
 from ..service_models import (
     CONTROL,
@@ -47,6 +48,7 @@ from .accounts import Accounts
 from .auth import caller_account
 from .config import EmulatorConfig, FaultConfig
 from .errors import AwsError, control_error_response, runtime_error_response
+from .listing import check_applied
 from .service import EmulatedService, chat_completion_id, chat_model
 
 __all__ = ["create_app"]
@@ -57,11 +59,16 @@ CONTROL_OPERATIONS = TRAINING_SESSION_OPERATIONS + MODEL_REGISTRY_OPERATIONS + H
 _JSON11 = "application/x-amz-json-1.1"
 
 
-def _json_object(raw: bytes, error: Callable[[str], AwsError]) -> dict[str, Any]:
+async def _json_object(raw: bytes, error: Callable[[str], AwsError]) -> dict[str, Any]:
     """A request body as a JSON object (empty: ``{}``); not JSON (bad UTF-8, nested past the recursion
-    limit included) or not an object is ``error(message)``, a 400, never the 500 of an emulator bug."""
+    limit included) or not an object is ``error(message)``, a 400, never the 500 of an emulator bug. A large body is
+    decoded in a worker thread (on the event loop 12 MB stalled every other caller for over a second)."""
+    return await off_loop(len(raw), _decoded, raw, error)
+
+
+def _decoded(raw: bytes, error: Callable[[str], AwsError]) -> dict[str, Any]:
     try:
-        body = json.loads(raw or b"{}")
+        body = loads(raw or b"{}")
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise error("The request body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -117,7 +124,13 @@ class _Faults:
         return {"config": self.config.model_dump(), "injected": dict(self.injected)}
 
 
-def _validate(model: OperationModel, params: dict[str, Any]) -> None:
+async def _validate(model: OperationModel, params: dict[str, Any], size: int) -> None:
+    """``params`` checked against the operation's input shape (in a worker thread when the body was ``size`` bytes
+    past :data:`INLINE_BYTES`)."""
+    await off_loop(size, _check_input, model, params)
+
+
+def _check_input(model: OperationModel, params: dict[str, Any]) -> None:
     try:
         check_shape(params, model.input_shape)
     except ShapeError as err:
@@ -168,9 +181,15 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
             service = await caller(request)
             if prefix != "SageMaker" or model is None:
                 raise AwsError("UnknownOperationException", f"Operation {target or '(no X-Amz-Target)'} is not supported by this emulator")
+            content_type = request.headers.get("content-type", "")
+            if content_type.partition(";")[0].strip().lower() != _JSON11:  # the protocol's only media type, as AWS routes it
+                shown = json.dumps(content_type)[:64] if content_type else "(none)"
+                raise AwsError("UnknownOperationException", f"Content-Type {shown} is not the AWS JSON 1.1 protocol's: send {_JSON11}")
             await faults.before(op_name)
-            body = _json_object(await request.body(), lambda message: AwsError("SerializationException", message))
-            _validate(model, body)
+            raw = await request.body()
+            body = await _json_object(raw, lambda message: AwsError("SerializationException", message))
+            await _validate(model, body, len(raw))
+            check_applied(op_name, body)
             out = await getattr(service, _snake(op_name))(body)
             if config.check_responses:
                 _check_output(model, out)
@@ -193,10 +212,12 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
                 service = await caller(request)
                 await faults.before(model.name)
                 params: dict[str, Any] = dict(request.path_params)
+                raw = b""
                 if model.input_shape.serialization.get("payload") is None and request.method == "POST":
-                    params.update(_json_object(await request.body(), AwsError.validation))
+                    raw = await request.body()
+                    params.update(await _json_object(raw, AwsError.validation))
                 try:
-                    _validate(model, params)
+                    await _validate(model, params, len(raw))
                 except AwsError:
                     if model.name == "ExecuteTrainingOperation":
                         service.refused_training_operation(params)
@@ -227,7 +248,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     package_header = runtime.shape_for("SampleTrainingSessionInput").members["modelPackageArn"].serialization["name"]
 
     async def chat_request(request: Request) -> tuple[dict[str, Any], str | None]:
-        return _json_object(await request.body(), AwsError.validation), request.headers.get(package_header)
+        return await _json_object(await request.body(), AwsError.validation), request.headers.get(package_header)
 
     async def sample_handler(service: EmulatedService, request: Request, params: dict[str, Any]) -> Response:
         body, package = await chat_request(request)
@@ -261,7 +282,7 @@ def create_app(inner: Backend | str = "mock://", config: EmulatorConfig | None =
     # -------------------------------------------------------------------------------- admin
 
     async def hook_body(request: Request) -> dict[str, Any]:
-        return _json_object(await request.body(), AwsError.validation)
+        return await _json_object(await request.body(), AwsError.validation)
 
     async def set_faults(request: Request) -> Response:
         try:

@@ -11,7 +11,6 @@ number all the same: its turn passes without running anything, so the ops after 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -60,6 +59,7 @@ from ..wire import (
 )
 from .config import EmulatorConfig
 from .errors import AwsError
+from .listing import filtered, page, schema_version
 from .state import (
     ACCEPTS_WORK,
     DELETABLE,
@@ -253,7 +253,7 @@ class EmulatedService:
                     "LastModifiedTime": sess.last_modified,
                 }
             )
-        return _page(rows, body, "TrainingSessionSummaries")
+        return page(rows, body, "TrainingSessionSummaries", self.config.account_id)
 
     async def stop_training_session(self, body: dict[str, Any]) -> dict[str, Any]:
         sess = self._session(body["TrainingSessionName"], runtime=False)
@@ -342,6 +342,9 @@ class EmulatedService:
         return out
 
     async def list_model_package_groups(self, body: dict[str, Any]) -> dict[str, Any]:
+        """This account's groups; ``CrossAccountFilterOption=CrossAccount`` lists those other accounts shared with it
+        (none: the emulator shares nothing)."""
+        shared = body.get("CrossAccountFilterOption") == "CrossAccount"
         rows = [
             {
                 "ModelPackageGroupName": g.name,
@@ -349,9 +352,11 @@ class EmulatedService:
                 "CreationTime": g.created,
                 "ModelPackageGroupStatus": "Completed",
             }
-            for g in self.groups.values()
+            for g in ([] if shared else self.groups.values())
         ]
-        return _page(_filtered(rows, body, "ModelPackageGroupName"), body, "ModelPackageGroupSummaryList")
+        sort_keys = {"Name": "ModelPackageGroupName", "CreationTime": "CreationTime"}
+        listed = filtered(rows, body, "ModelPackageGroupName", sort_keys)
+        return page(listed, body, "ModelPackageGroupSummaryList", self.config.account_id)
 
     async def delete_model_package_group(self, body: dict[str, Any]) -> dict[str, Any]:
         g = self._group(body["ModelPackageGroupName"])
@@ -392,10 +397,14 @@ class EmulatedService:
         return out
 
     async def list_model_packages(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The versioned packages (every one the emulator registers) of a group, or of every group with
+        ``ModelPackageType`` ``Versioned`` or ``Both``; the documented default without a group is ``Unversioned``, of
+        which there are none (it listed every group's)."""
         group = body.get("ModelPackageGroupName")
         wanted = self._group(group).name if group else None
+        kind = body.get("ModelPackageType") or ("Versioned" if group else "Unversioned")
         rows = []
-        for p in self.packages.values():
+        for p in self.packages.values() if kind != "Unversioned" else ():
             if wanted is not None and p.group != wanted:
                 continue
             row: dict[str, Any] = {
@@ -409,7 +418,8 @@ class EmulatedService:
             if p.description:
                 row["ModelPackageDescription"] = p.description
             rows.append(row)
-        return _page(_filtered(rows, body, "ModelPackageName"), body, "ModelPackageSummaryList")
+        listed = filtered(rows, body, "ModelPackageName", {"Name": "ModelPackageName", "CreationTime": "CreationTime"})
+        return page(listed, body, "ModelPackageSummaryList", self.config.account_id)
 
     async def delete_model_package(self, body: dict[str, Any]) -> dict[str, Any]:
         arn = self.packages.pop(self._package(body["ModelPackageName"]).arn).arn
@@ -445,7 +455,7 @@ class EmulatedService:
         return {"Tags": body["Tags"]}
 
     async def list_tags(self, body: dict[str, Any]) -> dict[str, Any]:
-        return _page(self._tags_of(body["ResourceArn"])[0], body, "Tags")
+        return page(self._tags_of(body["ResourceArn"])[0], body, "Tags", self.config.account_id)
 
     async def delete_tags(self, body: dict[str, Any]) -> dict[str, Any]:
         _check_tag_keys(body["TagKeys"], "TagKeys[{}]")
@@ -478,8 +488,10 @@ class EmulatedService:
     async def list_hub_contents(self, body: dict[str, Any]) -> dict[str, Any]:
         if not self._is_public_hub(body["HubName"]) or body["HubContentType"] != "Model":
             return {"HubContentSummaries": []}
-        rows = [self._hub_info(m) for m in self.hub.values() if not body.get("NameContains") or body["NameContains"] in m.hub_name]
-        return _page(rows, body, "HubContentSummaries")
+        ceiling = schema_version(body.get("MaxSchemaVersion") or "9999.9999.9999")
+        rows = [r for r in map(self._hub_info, self.hub.values()) if schema_version(r["DocumentSchemaVersion"]) <= ceiling]
+        sort_keys = {key: key for key in ("HubContentName", "CreationTime", "HubContentStatus")}
+        return page(filtered(rows, body, "HubContentName", sort_keys), body, "HubContentSummaries", self.config.account_id)
 
     async def describe_hub_content(self, body: dict[str, Any]) -> dict[str, Any]:
         m = self.hub.get(body["HubContentName"])
@@ -910,6 +922,13 @@ _CHAT_NUMBERS = {  # name -> (integer?, low, high), as OpenAI's API takes them (
 # metadata change nothing here; stream is the operation's (the stream always ends with the usage)
 _CHAT_TAKEN = {"messages", "model", "user", "metadata", "stream", "stream_options", "stop", "logprobs", *_CHAT_NUMBERS}
 _CHAT_NO_OPS = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}  # what clients send by default
+# taken members that change nothing are still of OpenAI's types (a "yes" stream or a numeric user was taken)
+_CHAT_KINDS: dict[str, tuple[type, str]] = {
+    "stream": (bool, "true or false"),
+    "stream_options": (dict, "an object"),
+    "user": (str, "a string"),
+    "metadata": (dict, "an object of strings"),
+}
 
 
 def chat_model(request: dict[str, Any]) -> str:
@@ -951,6 +970,11 @@ def _chat_params(request: dict[str, Any]) -> SamplingParams:
         if value is not None and name not in _CHAT_TAKEN and (name not in _CHAT_NO_OPS or value != _CHAT_NO_OPS[name]):
             shown = f"{name}: {json.dumps(value)[:64]}" if name in _CHAT_NO_OPS else name[:64]
             raise AwsError.validation(f"{shown} is not supported by this endpoint: leave it out")
+    for name, (kind, what) in _CHAT_KINDS.items():
+        value = request.get(name)
+        strings = not isinstance(value, dict) or name != "metadata" or all(isinstance(v, str) for v in value.values())
+        if value is not None and not (isinstance(value, kind) and strings):
+            raise AwsError.validation(f"{name} must be {what}, not {json.dumps(value)[:64]}")
     for name, (integer, low, high) in _CHAT_NUMBERS.items():
         value = request.get(name)
         if value is None:
@@ -1047,55 +1071,3 @@ def _check_tag_keys(keys: list[str], member: str) -> None:
         if key.lower().startswith("aws:"):
             raise AwsError.validation(f"{member.format(i)}: {json.dumps(key)[:64]} uses the prefix aws:, which is reserved for AWS")
         seen.add(key)
-
-
-def _filtered(rows: list[dict[str, Any]], body: dict[str, Any], name_key: str) -> list[dict[str, Any]]:
-    """The rows NameContains, CreationTimeAfter and CreationTimeBefore keep, sorted by SortBy (``Name`` or, the
-    default, ``CreationTime``) in SortOrder (default ``Ascending``), as the model registry's List operations document."""
-    name, after, before = body.get("NameContains"), body.get("CreationTimeAfter"), body.get("CreationTimeBefore")
-    kept = [
-        r
-        for r in rows
-        if (not name or name in r[name_key])
-        and (after is None or r["CreationTime"] > epoch_seconds(after))
-        and (before is None or r["CreationTime"] < epoch_seconds(before))
-    ]
-    by_name = body.get("SortBy") == "Name"
-    kept.sort(
-        key=lambda r: (r[name_key], r.get("ModelPackageVersion", 0)) if by_name else (r["CreationTime"], r.get("ModelPackageVersion", 0))
-    )
-    if body.get("SortOrder") == "Descending":
-        kept.reverse()
-    return kept
-
-
-def _page(rows: list[dict[str, Any]], body: dict[str, Any], key: str) -> dict[str, Any]:
-    """One page of a List* answer. ``NextToken`` names the list (``key``), a digest of the request's filters and sort
-    order (every member but ``NextToken`` and ``MaxResults``), and the offset of the next row, as an earlier page of
-    this operation with these filters returned it; any other token is a ValidationException, as AWS answers ("abc" was
-    a 500, "-1" a slice from the end, a token of another List operation was read as an offset into this one, and one
-    issued for other filters paged through rows it never counted)."""
-    filters = _filters_digest(body)
-    token = body.get("NextToken") or f"{key}:{filters}:0"
-    listed, given, offset = token.split(":", 2) if isinstance(token, str) and token.count(":") == 2 else ("", "", "")
-    if listed != key or not (offset.isascii() and offset.isdigit() and len(offset) < 19):
-        raise AwsError.validation(
-            f"NextToken {json.dumps(token)[:64]} is not a pagination token this operation returned: pass NextToken back unchanged"
-        )
-    if given != filters:
-        raise AwsError.validation(
-            f"NextToken {json.dumps(token)[:64]} was returned for other request parameters: "
-            "repeat the filters and sort order of the call that returned it, or start again without NextToken"
-        )
-    start = int(offset)
-    size = body.get("MaxResults") or 100
-    out: dict[str, Any] = {key: rows[start : start + size]}
-    if start + size < len(rows):
-        out["NextToken"] = f"{key}:{filters}:{start + size}"
-    return out
-
-
-def _filters_digest(body: dict[str, Any]) -> str:
-    """A short digest of a List* request's members other than ``NextToken`` and ``MaxResults`` (a page size may change)."""
-    kept = {k: v for k, v in body.items() if k not in ("NextToken", "MaxResults") and v is not None}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
