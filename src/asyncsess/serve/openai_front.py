@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, parse_tool_calls, special_texts
+from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, forced_tool_call, parse_tool_calls, special_texts
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
@@ -48,6 +48,7 @@ from .openai_wire import (
     CompletionRequest,
     FrontError,
     Message,
+    NamedToolChoice,
     OpenAIRequest,
     SamplingRequest,
     chat_chunks,
@@ -462,6 +463,7 @@ class OpenAIFront:
                         text=c.text,
                         tool_calls=c.tool_calls,
                         schema_errors=c.schema_errors,
+                        tool_choice_error=c.tool_choice_error,
                     )
                     for c in choices
                 ],
@@ -514,6 +516,7 @@ class OpenAIFront:
                     json.loads(c.function.arguments)
                 except (ValueError, RecursionError):  # nested past the parser's recursion limit too
                     raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.{j}.function.arguments") from None
+        forced, names = _forced(req)
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -522,7 +525,7 @@ class OpenAIFront:
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
         messages = self._chat_messages(req)
         try:
-            prompt = renderer.tokens(messages, tools)
+            prompt = renderer.tokens(messages, tools, prefill=forced)
         except InvalidInputError as err:  # its field indexes the rendered conversation, not the request's messages
             raise FrontError(str(err), "messages") from None
         except Exception as err:  # the template rejected the conversation
@@ -542,7 +545,9 @@ class OpenAIFront:
             raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
         strict = {t.function.name: t.function.parameters for t in req.tools or [] if t.function.strict}
-        choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict) for i, s in enumerate(seqs)]
+        choices = [
+            self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict, forced, names) for i, s in enumerate(seqs)
+        ]
         self._capture(rollout, index, endpoint, sent, binding, prompt, choices)
         return binding, prompt, choices, renderer
 
@@ -586,18 +591,30 @@ class OpenAIFront:
         stops: list[str],
         parse_tools: bool,
         strict: dict[str, dict[str, Any]],
+        forced: str = "",
+        names: frozenset[str] | None = None,
     ) -> Choice:
         """A sampled sequence as a reply; ``strict``: the schemas of the strict tools, which their calls' arguments are
-        checked against (sampling is not constrained: a call that breaks its schema is returned, and flagged in the capture)."""
+        checked against (sampling is not constrained: a call that breaks its schema is returned, and flagged in the capture).
+
+        ``forced``: the tool-call opening ``tool_choice`` put in the prompt, which the reply continues; ``names``: the
+        tools it may call then. A reply that is no call, or calls another tool, is returned as the model wrote it and
+        flagged in the capture (``tool_choice_error``), as a strict tool's bad arguments are."""
         tokens, lps = list(seq.tokens), [float(x) for x in seq.logprobs or []]
         top = [_top_alternatives(seq, j) for j in range(len(tokens))]
         body = tokens[:-1] if seq.stop_reason == "stop" and tokens and tokens[-1] in turn_stops else tokens
-        text = str(renderer.tokenizer.decode(body))  # special tokens kept: rendered back, they tokenize the same
-        content, finish = _cut_at_stop(text, stops), "length" if seq.stop_reason == "length" else "stop"
+        sampled = str(renderer.tokenizer.decode(body))  # special tokens kept: rendered back, they tokenize the same
+        text = forced + sampled
+        content, finish = forced + _cut_at_stop(sampled, stops), "length" if seq.stop_reason == "length" else "stop"
         tool_calls: list[dict[str, Any]] = []
         schema_errors: dict[str, str] = {}
+        unmet: str | None = None
         if parse_tools and "<tool_call>" in content:
             calls, error = parse_tool_calls(content)
+            if forced and (error is not None or not calls):
+                unmet = f"the reply is not a tool call: {error or 'no call'}"
+            elif names is not None and (other := next((c.name for c in calls if c.name not in names), None)) is not None:
+                unmet = f"the reply calls {other[:64]!r}, which tool_choice does not allow"
             if error is None and calls:
                 for call in calls:
                     call_id = f"call_{uuid.uuid4().hex[:24]}"
@@ -609,10 +626,11 @@ class OpenAIFront:
                         schema_errors[call_id] = err
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
-        # the log-probs served cover the reply's text (the whole of it for tool calls), never the end token
-        served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content, skip_special_tokens=False)
+        # the log-probs served cover the reply's sampled text (the whole of it for tool calls), never the end token
+        served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content[len(forced) :], skip_special_tokens=False)
         shown = content if content or not tool_calls else None
-        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served, schema_errors)  # type: ignore[arg-type]
+        forced = "" if tool_calls else forced  # (content, where it shows, starts with it)
+        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served, schema_errors, forced, unmet)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ responses
 
@@ -681,6 +699,26 @@ class OpenAIFront:
             "usage": usage(prompt, choices),
         }
         return JSONResponse(body, headers=headers)
+
+
+def _forced(req: ChatRequest) -> tuple[str, frozenset[str] | None]:
+    """The tool-call opening ``tool_choice`` forces the reply to start with ("" for auto / none) and the tools the
+    reply may call then; a FrontError naming ``tool_choice`` when it asks for a call no tool in ``tools`` can answer."""
+    choice, tools = req.tool_choice, {t.function.name for t in req.tools or []}
+    if choice in (None, "auto", "none"):
+        return "", None
+    if not tools:
+        raise FrontError(f"tool_choice {_choice_name(choice)} needs tools; declare the functions in tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in tools:
+            raise FrontError(f"tool_choice names {name!r}, which is not in tools; name one of {sorted(tools)[:16]}", "tool_choice")
+        return forced_tool_call(name), frozenset([name])
+    return forced_tool_call(), frozenset(tools)
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 class _ClientGone(Exception):

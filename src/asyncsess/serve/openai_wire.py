@@ -16,10 +16,12 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -37,6 +39,9 @@ __all__ = [
     "OpenAIRequest",
     "SamplingRequest",
     "ChatRequest",
+    "NamedToolChoice",
+    "ToolMode",
+    "tool_choice_kind",
     "CompletionRequest",
     "Choice",
     "validation_error",
@@ -47,6 +52,7 @@ __all__ = [
     "legacy_logprobs",
     "chat_chunks",
     "content_pieces",
+    "reply_pieces",
     "served_tokens",
     "completion_chunks",
 ]
@@ -189,6 +195,29 @@ class _ToolDef(_Req):
     function: _Function
 
 
+class _NamedFunction(_Req):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Req):
+    """``tool_choice`` naming the one function the reply must call (chat's form)."""
+
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+ToolMode = Literal["auto", "none", "required"]
+
+
+def tool_choice_kind(v: Any) -> str:
+    """The branch of a ``tool_choice`` union: a named function (an object) or a mode (anything else); bracketed, as pydantic
+    names union branches, so an error names ``tool_choice`` (and its key), not the branch."""
+    return "[function]" if isinstance(v, (dict, BaseModel)) else "[mode]"
+
+
+ToolChoice = Annotated[Annotated[ToolMode, Tag("[mode]")] | Annotated[NamedToolChoice, Tag("[function]")], Discriminator(tool_choice_kind)]
+
+
 class _CallFunction(_Req):
     name: Text
     arguments: Text
@@ -275,7 +304,7 @@ class SamplingRequest(OpenAIRequest):
 class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1, max_length=4096)
     tools: list[_ToolDef] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt = Field(default=0, ge=0, le=20)
@@ -324,6 +353,8 @@ class Choice:
     tool_calls: list[dict[str, Any]]
     served: int = -1  # the leading tokens the served log-probs cover: the reply's text, not its end token (-1: all)
     schema_errors: dict[str, str] = dataclasses.field(default_factory=dict)  # tool-call id -> how it breaks its strict schema
+    forced: str = ""  # the text tool_choice put before the sampled tokens (prompt-side), at the start of content or text
+    tool_choice_error: str | None = None  # how the reply fails the tool call tool_choice forced
 
     def shown(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """(token, log-prob, alternatives) of the tokens the reply shows: OpenAI's log-probs cover the content, not
@@ -446,6 +477,11 @@ def content_pieces(tok: Any, tokens: list[int], content: str, skip_special_token
     return pieces
 
 
+def reply_pieces(tok: Any, c: Choice) -> list[str]:
+    """A chat reply's per-token content deltas after the text ``tool_choice`` forced (which streams first, alone)."""
+    return content_pieces(tok, [t for t, _, _ in c.shown()], (c.content or "")[len(c.forced) :], skip_special_tokens=False)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -472,7 +508,9 @@ async def chat_chunks(
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
-            pieces = content_pieces(tok, [t for t, _, _ in c.shown()], c.content or "", skip_special_tokens=False)  # as the content
+            if c.forced:  # the tool-call opening tool_choice forced: prompt-side, so no log-probs
+                yield chunk(c.index, {"content": c.forced}, lps=[])
+            pieces = reply_pieces(tok, c)
             for k, piece in enumerate(pieces):
                 yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
         yield chunk(c.index, {}, c.finish)
