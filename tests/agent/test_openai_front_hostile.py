@@ -312,3 +312,58 @@ async def test_schemas_with_ref_cycles_and_parallel_tool_calls_are_served(sample
             model="policy", messages=HI, max_tokens=2, tools=[_tool("f", cyclic)], parallel_tool_calls=True
         )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+class _Decodes:
+    """A tokenizer that counts ``decode`` calls."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def decode(self, *args, **kwargs):
+        self.calls += 1
+        return self.real.decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_log_prob_entries_decode_each_token_once_and_long_choices_let_other_calls_run(sampler, route, stream):
+    """Every log-prob entry and each of its 20 alternatives decoded its token afresh, twice (text and bytes), all on the
+    event loop: one call with n=64 × 2,000 tokens held every other tenant's calls for 45 s (55 s streamed). Entries
+    now decode each token id once per reply, a long reply's JSON is made in a worker thread, and the loop runs other
+    calls between choices and every few stream chunks."""
+    counting = _CountingSampler(sampler)
+    counting.tok = _Decodes(sampler.get_tokenizer())
+    front = OpenAIFront(counting)
+    ticks, seen = 0, []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    chat_choice = front._chat_choice
+    front._chat_choice = lambda *a, **k: seen.append(ticks) or chat_choice(*a, **k)  # type: ignore[method-assign]
+    kwargs = {"model": "policy", "n": 8, "max_tokens": 40, "seed": 3, "temperature": 2.0, "stream": stream}
+    async with front.openai_client("r") as client, anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)  # (renders the template once)
+        counting.tok.calls, ticks = 0, 0
+        if route == "chat":
+            reply = await client.chat.completions.create(**kwargs, messages=HI, logprobs=True, top_logprobs=20)
+        else:
+            reply = await client.completions.create(**kwargs, prompt="Q: 2+2=", logprobs=20)
+        if stream:
+            [c async for c in reply]
+        tg.cancel_scope.cancel()
+    entries = sum(len(c.tokens) for c in front.captures.calls("r")[-1].choices)
+    assert entries > 100 and counting.tok.calls < entries * 10  # (was over entries * 42: 2 per entry and alternative)
+    if route == "chat":
+        assert len(seen) == 9 and len(set(seen[1:])) == 8  # the loop ran between the choices

@@ -25,11 +25,12 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import anyio
+import anyio.lowlevel
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,16 +52,17 @@ from .openai_wire import (
     NamedToolChoice,
     OpenAIRequest,
     SamplingRequest,
+    TokenText,
     chat_chunks,
     chat_message,
     check_coding,
     completion_chunks,
     legacy_logprobs,
-    lp_entry,
     model_card,
     model_not_found,
     no_route,
     parse_body,
+    reply_json,
     served_tokens,
     usage,
     validation_error,
@@ -545,9 +547,10 @@ class OpenAIFront:
             raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
         strict = {t.function.name: t.function.parameters for t in req.tools or [] if t.function.strict}
-        choices = [
-            self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict, forced, names) for i, s in enumerate(seqs)
-        ]
+        choices = []
+        for i, s in enumerate(seqs):  # each decoded, cut and parsed apart: 64 long choices held the event loop for seconds
+            await anyio.lowlevel.checkpoint()
+            choices.append(self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict, forced, names))
         self._capture(rollout, index, endpoint, sent, binding, prompt, choices)
         return binding, prompt, choices, renderer
 
@@ -563,24 +566,30 @@ class OpenAIFront:
                 cid, created, req.model, fingerprint, choices, tok, req.logprobs, usage(prompt, choices) if include_usage else None
             )
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        body = {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": fingerprint,
-            "choices": [
+
+        def body() -> bytes:
+            texts = TokenText(tok)
+            return reply_json(
                 {
-                    "index": c.index,
-                    "message": chat_message(c),
-                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in c.shown()]} if req.logprobs else None,
-                    "finish_reason": c.finish,
+                    "id": cid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": req.model,
+                    "system_fingerprint": fingerprint,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "message": chat_message(c),
+                            "logprobs": {"content": [texts.entry(t, lp, top) for t, lp, top in c.shown()]} if req.logprobs else None,
+                            "finish_reason": c.finish,
+                        }
+                        for c in choices
+                    ],
+                    "usage": usage(prompt, choices),
                 }
-                for c in choices
-            ],
-            "usage": usage(prompt, choices),
-        }
-        return JSONResponse(body, headers=headers)
+            )
+
+        return await _json_reply(body, _reply_size(choices, req.top_logprobs if req.logprobs else None), headers)
 
     def _chat_choice(
         self,
@@ -672,6 +681,7 @@ class OpenAIFront:
         eos = getattr(tok, "eos_token_id", None)
         choices = []
         for i, s in enumerate(seqs):
+            await anyio.lowlevel.checkpoint()  # (as for chat: other calls run between long choices)
             tokens = list(s.tokens)
             reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
             text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
@@ -686,19 +696,37 @@ class OpenAIFront:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = completion_chunks(cid, created, req.model, choices, tok, want_lp, usage(prompt, choices) if include_usage else None)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        body = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": f"asyncsess-w{binding.version}",
-            "choices": [
-                {"index": c.index, "text": c.content, "logprobs": legacy_logprobs(tok, c) if want_lp else None, "finish_reason": c.finish}
-                for c in choices
-            ],
-            "usage": usage(prompt, choices),
-        }
-        return JSONResponse(body, headers=headers)
+
+        def body() -> bytes:
+            texts = TokenText(tok)
+            lps = [legacy_logprobs(tok, c, texts) if want_lp else None for c in choices]
+            return reply_json(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "system_fingerprint": f"asyncsess-w{binding.version}",
+                    "choices": [
+                        {"index": c.index, "text": c.content, "logprobs": lp, "finish_reason": c.finish} for c, lp in zip(choices, lps)
+                    ],
+                    "usage": usage(prompt, choices),
+                }
+            )
+
+        return await _json_reply(body, _reply_size(choices, req.logprobs), headers)
+
+
+def _reply_size(choices: Sequence[Choice], top: int | None) -> int:
+    """About the bytes of a reply's JSON: its text, and an entry per served token and alternative (``top`` None: no
+    log-probs)."""
+    text = sum(len(c.content or "") + len(c.text) for c in choices)
+    return text + (0 if top is None else 100 * (1 + top) * sum(len(c.tokens) for c in choices))
+
+
+async def _json_reply(build: Callable[[], bytes], size: int, headers: dict[str, str]) -> Response:
+    """The JSON reply ``build`` makes, made in a worker thread when it is large (``size`` bytes)."""
+    return Response(await json_body.off_loop(size, build), media_type="application/json", headers=headers)
 
 
 def _forced(req: ChatRequest) -> tuple[str, frozenset[str] | None]:
