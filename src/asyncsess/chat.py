@@ -380,7 +380,10 @@ class ChatRenderer:
     def _prefill_tokens(self, msgs: list[dict[str, str]], schemas: list[dict[str, Any]], head: list[int], prefill: str) -> list[int]:
         """``prefill``'s tokens at the start of the assistant turn after ``head``: the shortest run of the turn's
         rendered tokens that decodes to it; else (a template that changes the turn's content) it tokenized alone."""
-        whole = self._render([*msgs, {"role": "assistant", "content": prefill, VERBATIM: "1"}], schemas, False)
+        try:
+            whole = self._render([*msgs, {"role": "assistant", "content": prefill, VERBATIM: "1"}], schemas, False)
+        except Exception:  # a template that refuses a conversation ending with the assistant
+            whole = []
         rest = whole[len(head) :] if whole[: len(head)] == head else []
         for k in range(1, len(rest) + 1):
             if str(self.tokenizer.decode(rest[:k])) == prefill:

@@ -156,3 +156,20 @@ async def test_a_tool_choice_no_tool_answers_is_a_400_naming_it_before_a_call_in
     async with front.openai_client() as client:
         with pytest.raises(openai.BadRequestError):  # the official client's form of it
             await client.chat.completions.create(model="policy", messages=TASK, tool_choice="required")
+
+
+async def test_a_template_that_refuses_a_trailing_assistant_turn_gets_the_opening_tokenized_alone(real):
+    """The opening is tokenized as the template renders the assistant turn in context; a template that raises on a
+    conversation ending with the assistant (it renders only prompts) made the call a 400 naming ``messages``."""
+    tok = real.get_tokenizer()
+    renderer = ChatRenderer(tok)
+    render = renderer._render
+
+    def prompts_only(messages, tools, add_generation_prompt):
+        if messages[-1]["role"] == "assistant":
+            raise ValueError("this template renders prompts only")
+        return render(messages, tools, add_generation_prompt)
+
+    renderer._render = prompts_only  # type: ignore[method-assign]
+    opening = tok.encode(forced_tool_call("calc"), add_special_tokens=False)
+    assert renderer.tokens(TASK, _tools(), prefill=forced_tool_call("calc")) == renderer.tokens(TASK, _tools()) + opening
