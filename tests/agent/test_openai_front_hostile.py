@@ -216,6 +216,7 @@ class _CountingSampler:
 
 
 ARGS = json.dumps({"x": "a" * 900_000})
+CALLS = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(1000)]
 TOO_LONG = [
     ("chat", {"messages": [{"role": "user", "content": "a" * 1_000_000}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": "a" * 100_000}] * 40}, "messages"),
@@ -234,6 +235,12 @@ TOO_LONG = [
                 {"role": "tool", "tool_call_id": "c", "content": "4"},
             ]
         },
+        "messages",
+    ),
+    # 3 characters of name and arguments a call were counted, of the 50 the front writes per call (175,000 calls fit)
+    (
+        "chat",
+        {"messages": [*HI, {"role": "assistant", "tool_calls": CALLS}, *({"role": "tool", "tool_call_id": c["id"]} for c in CALLS)]},
         "messages",
     ),
 ]
