@@ -554,7 +554,7 @@ class OpenAIFront:
         strict = {t.function.name: t.function.parameters for t in req.tools or [] if t.function.strict}
         choices = []
         for i, s in enumerate(seqs):  # each decoded, cut and parsed apart: 64 long choices held the event loop for seconds
-            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # (not a cancel point: the call has its index, it is captured)
             choices.append(self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict, forced, names))
         self._capture(rollout, index, endpoint, sent, binding, prompt, choices)
         return binding, prompt, choices, renderer
@@ -686,7 +686,7 @@ class OpenAIFront:
         eos = getattr(tok, "eos_token_id", None)
         choices = []
         for i, s in enumerate(seqs):
-            await anyio.lowlevel.checkpoint()  # (as for chat: other calls run between long choices)
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # (as for chat: other calls run between long choices)
             tokens = list(s.tokens)
             reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
             text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
