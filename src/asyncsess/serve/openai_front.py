@@ -82,6 +82,7 @@ VERSION_HEADER = "x-weight-version"
 DEFAULT_ROLLOUT = "default"
 MAX_ROLLOUT_ID_CHARS = 256
 _MAX_REMEMBERED_REPLIES = 100_000
+_MAX_REMEMBERED_CHARS = 32_000_000  # and their text: 100,000 long replies (n=64 forced calls) held GBs per front
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
 _CALL_CHARS = len('<tool_call>{"name": "", "arguments": }</tool_call>\n')  # what the front writes around a call
 _MERGED = 4  # characters Unicode normalization may compose into one (a letter and 3 marks: Greek's ᾧ)
@@ -161,6 +162,7 @@ class OpenAIFront:
         self._bindings: dict[str, _Binding] = {}
         self._renderers: dict[str, ChatRenderer] = {}
         self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
+        self._replies_chars = 0
         self._string_stops: set[str] = set()  # samplers that refused stop token ids
         self._token_chars: dict[str, int | None] = {}  # base model -> the most characters one token spells
         self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
@@ -440,9 +442,12 @@ class OpenAIFront:
         return seqs
 
     def _remember(self, call_id: str, text: str) -> None:
+        """Keep ``text`` as the reply behind ``call_id``; the oldest are forgotten past ``_MAX_REMEMBERED_REPLIES`` or
+        ``_MAX_REMEMBERED_CHARS`` (a forgotten one, sent back, renders from the message's fields)."""
         self._replies[call_id] = text
-        while len(self._replies) > _MAX_REMEMBERED_REPLIES:
-            self._replies.popitem(last=False)
+        self._replies_chars += len(text)
+        while len(self._replies) > _MAX_REMEMBERED_REPLIES or self._replies_chars > _MAX_REMEMBERED_CHARS:
+            self._replies_chars -= len(self._replies.popitem(last=False)[1])
 
     def _capture(
         self, rollout: str, index: int, endpoint: Any, req: OpenAIRequest, binding: _Binding, prompt: list[int], choices: list[Choice]
