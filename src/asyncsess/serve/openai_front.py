@@ -746,17 +746,13 @@ def _forced(req: ChatRequest) -> tuple[str, frozenset[str] | None]:
     if choice in (None, "auto", "none"):
         return "", None
     if not tools:
-        raise FrontError(f"tool_choice {_choice_name(choice)} needs tools; declare the functions in tools", "tool_choice")
+        raise FrontError("tool_choice 'required' or a named function needs tools; declare the functions in tools", "tool_choice")
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in tools:
             raise FrontError(f"tool_choice names {name!r}, which is not in tools; name one of {sorted(tools)[:16]}", "tool_choice")
         return forced_tool_call(name), frozenset([name])
     return forced_tool_call(), frozenset(tools)
-
-
-def _choice_name(choice: Any) -> str:
-    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 class _ClientGone(Exception):
