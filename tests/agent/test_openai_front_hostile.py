@@ -359,4 +359,4 @@ async def test_log_prob_entries_decode_each_token_once_and_long_choices_let_othe
     entries = sum(len(c.tokens) for c in front.captures.calls("r")[-1].choices)
     assert entries > 100 and counting.tok.decodes < entries * 10  # (was over entries * 42: 2 per entry and alternative)
     if route == "chat":
-        assert len(seen) == 9 and len(set(seen[1:])) == 8  # the loop ran between the choices
+        assert len(seen) == 9 and seen[-1] - seen[1] >= 4  # the loop ran other tasks between the choices (trio: most)
