@@ -37,6 +37,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "parse_tool_calls",
+    "forced_tool_call",
     "ChatRenderer",
 ]
 
@@ -337,6 +338,16 @@ def parse_tool_calls(text: str, limit: int | None = None) -> tuple[list[ToolCall
     return calls, None
 
 
+def forced_tool_call(name: str | None = None) -> str:
+    """The opening of a Hermes tool call that forces the reply to be one: of any tool (``name`` None) up to the
+    tool's name, or of tool ``name`` up to its arguments. It ends where a byte-level BPE splits the text anyway
+    (before the name's first letter, before the space that leads ``{``), so the reply written back renders to the
+    same tokens (``"arguments": `` with its space would not: the model's `` {`` would tokenize with that space)."""
+    if name is None:
+        return _OPEN + '{"name": "'
+    return _OPEN + '{"name": ' + json.dumps(name) + ', "arguments":'
+
+
 _MAX_TOOL_SETS = 256  # tool sets a renderer remembers whether its template shows
 
 
@@ -351,15 +362,33 @@ class ChatRenderer:
         )
         self._native_tools: OrderedDict[str, bool] = OrderedDict()  # tool set digest -> the template shows them
 
-    def tokens(self, messages: Sequence[Message], tools: Sequence[Tool] = (), add_generation_prompt: bool = True) -> list[int]:
-        """The conversation's tokens as the model sees it (with the prompt for the next assistant turn)."""
+    def tokens(
+        self, messages: Sequence[Message], tools: Sequence[Tool] = (), add_generation_prompt: bool = True, prefill: str = ""
+    ) -> list[int]:
+        """The conversation's tokens as the model sees it (with the prompt for the next assistant turn); ``prefill``:
+        text the next assistant turn starts with, tokenized as the template renders that turn in context (so a reply
+        that continues it renders back to the same tokens)."""
         schemas = [t.schema() for t in tools]
         check_tools(special_texts(self.tokenizer), schemas)
         msgs = self._portable(messages)
         if schemas and not self._shows_tools(schemas):
             msgs = _with_tool_prompt(msgs, schemas)
             schemas = []
-        return self._render(msgs, schemas, add_generation_prompt)
+        head = self._render(msgs, schemas, add_generation_prompt)
+        return head + self._prefill_tokens(msgs, schemas, head, prefill) if prefill else head
+
+    def _prefill_tokens(self, msgs: list[dict[str, str]], schemas: list[dict[str, Any]], head: list[int], prefill: str) -> list[int]:
+        """``prefill``'s tokens at the start of the assistant turn after ``head``: the shortest run of the turn's
+        rendered tokens that decodes to it; else (a template that changes the turn's content) it tokenized alone."""
+        try:
+            whole = self._render([*msgs, {"role": "assistant", "content": prefill, VERBATIM: "1"}], schemas, False)
+        except Exception:  # a template that refuses a conversation ending with the assistant
+            whole = []
+        rest = whole[len(head) :] if whole[: len(head)] == head else []
+        for k in range(1, len(rest) + 1):
+            if str(self.tokenizer.decode(rest[:k])) == prefill:
+                return rest[:k]
+        return [int(t) for t in self.tokenizer.encode(prefill, add_special_tokens=False)]
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)

@@ -107,3 +107,22 @@ async def test_a_default_agent_is_served_by_the_serve_door(kind):
             calls = (await http.get("/v1/asyncsess/rollouts/r", headers={"X-API-Key": "key"})).json()["calls"]
     [call] = calls
     assert call["endpoint"] == ("responses" if kind == "responses" else "chat.completions") and call["choices"][0]["tokens"]
+
+
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+@pytest.mark.parametrize(
+    ("tool_choice", "rest"), [("required", CALL[len('<tool_call>{"name": "') :]), ("calc", ' {"expr": "2+3"}}</tool_call>')]
+)
+async def test_an_agent_forcing_its_tool_gets_the_call_and_a_final_output(real, kind, tool_choice, rest):
+    """``ModelSettings(tool_choice="required")`` or a tool's name (400s before): the first reply is forced to open a call,
+    the model writes the rest; the SDK runs the tool, then (its ``reset_tool_choice``) asks freely for the final output."""
+    front = OpenAIFront(ScriptedSampler(real, [rest, "It is 5."]))
+    async with front.openai_client("sdk") as client:
+        settings = ModelSettings(tool_choice=tool_choice)
+        agent = Agent(name="calc", instructions="Be brief.", tools=[calc], model=sdk_model(kind, client), model_settings=settings)
+        result = await Runner.run(agent, "What is 2+3?", run_config=OFFLINE)
+    assert result.final_output == "It is 5."
+    assert [item.output for item in result.new_items if item.type == "tool_call_output_item"] == ["5"]
+    first, second = front.captures.calls("sdk")
+    assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].tool_choice_error is None
+    assert build_trajectory("sdk", [first, second], reward=1.0).drift == []

@@ -295,3 +295,22 @@ async def test_a_tool_schema_nested_too_deeply_is_refused_before_it_is_captured(
         for method in ("GET", "DELETE"):
             got = await client._client.request(method, "http://asyncsess-front/v1/asyncsess/rollouts/deep")
             assert got.status_code == 200 and [c["call_index"] for c in got.json()["calls"]] == [0], got.text
+
+
+async def test_remembered_replies_are_bounded_by_their_text_too(real, monkeypatch):
+    """The exact text behind each tool-call id was kept for the last 100,000 ids, however long: forced calls with
+    n=64 and long replies held GBs per front. Past a bound on their characters the oldest are forgotten; one sent
+    back then renders from the message's fields (here: reformatted JSON, so drift), the newer ones exactly."""
+    from asyncsess.serve import openai_front
+
+    monkeypatch.setattr(openai_front, "_MAX_REMEMBERED_CHARS", len(CALL) + 10)
+    compact = '<tool_call>{"name":"calc","arguments":{"expr":"2+3"}}</tool_call>'
+    front = OpenAIFront(ScriptedSampler(real, [compact, compact, "5", "5"]))
+    async with front.openai_client("r") as client:
+        old, new = [(await client.chat.completions.create(model="policy", messages=TASK, tools=[CALC])).choices[0].message for _ in "ab"]
+        for message in (old, new):
+            answer = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}
+            await client.chat.completions.create(model="policy", messages=[*TASK, message, answer], tools=[CALC])
+    first, second, after_old, after_new = front.captures.calls("r")
+    assert [d.reason for d in build_trajectory("r", [first, after_old], 1.0).drift] == ["completion_retokenized"]
+    assert build_trajectory("r", [second, after_new], 1.0).drift == []

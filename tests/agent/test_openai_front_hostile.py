@@ -183,10 +183,14 @@ async def test_a_prompt_the_sampler_refuses_is_still_named_prompt_by_completions
 
 
 class _Counted:
-    """A tokenizer that counts the calls that tokenize text."""
+    """A tokenizer that counts the calls that tokenize text (``calls``) and those that decode tokens (``decodes``)."""
 
     def __init__(self, real) -> None:
-        self.real, self.calls = real, 0
+        self.real, self.calls, self.decodes = real, 0, 0
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.real.decode(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -216,6 +220,7 @@ class _CountingSampler:
 
 
 ARGS = json.dumps({"x": "a" * 900_000})
+CALLS = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(1000)]
 TOO_LONG = [
     ("chat", {"messages": [{"role": "user", "content": "a" * 1_000_000}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": "a" * 100_000}] * 40}, "messages"),
@@ -234,6 +239,12 @@ TOO_LONG = [
                 {"role": "tool", "tool_call_id": "c", "content": "4"},
             ]
         },
+        "messages",
+    ),
+    # 3 characters of name and arguments a call were counted, of the 50 the front writes per call (175,000 calls fit)
+    (
+        "chat",
+        {"messages": [*HI, {"role": "assistant", "tool_calls": CALLS}, *({"role": "tool", "tool_call_id": c["id"]} for c in CALLS)]},
         "messages",
     ),
 ]
@@ -312,3 +323,40 @@ async def test_schemas_with_ref_cycles_and_parallel_tool_calls_are_served(sample
             model="policy", messages=HI, max_tokens=2, tools=[_tool("f", cyclic)], parallel_tool_calls=True
         )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_log_prob_entries_decode_each_token_once_and_long_choices_let_other_calls_run(sampler, route, stream):
+    """Every log-prob entry and each of its 20 alternatives decoded its token afresh, twice (text and bytes), all on the
+    event loop: one call with n=64 × 2,000 tokens held every other tenant's calls for 45 s (55 s streamed). Entries
+    now decode each token id once per reply, a long reply's JSON is made in a worker thread, and the loop runs other
+    calls between choices and every few stream chunks."""
+    counting = _CountingSampler(sampler)
+    front = OpenAIFront(counting)
+    ticks, seen = 0, []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    chat_choice = front._chat_choice
+    front._chat_choice = lambda *a, **k: seen.append(ticks) or chat_choice(*a, **k)  # type: ignore[method-assign]
+    kwargs = {"model": "policy", "n": 8, "max_tokens": 40, "seed": 3, "temperature": 2.0, "stream": stream}
+    async with front.openai_client("r") as client, anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await client.chat.completions.create(model="policy", messages=HI, max_tokens=2)  # (renders the template once)
+        counting.tok.decodes, ticks = 0, 0
+        if route == "chat":
+            reply = await client.chat.completions.create(**kwargs, messages=HI, logprobs=True, top_logprobs=20)
+        else:
+            reply = await client.completions.create(**kwargs, prompt="Q: 2+2=", logprobs=20)
+        if stream:
+            [c async for c in reply]
+        tg.cancel_scope.cancel()
+    entries = sum(len(c.tokens) for c in front.captures.calls("r")[-1].choices)
+    assert entries > 100 and counting.tok.decodes < entries * 10  # (was over entries * 42: 2 per entry and alternative)
+    if route == "chat":
+        assert len(seen) == 9 and seen[-1] - seen[1] >= 4  # the loop ran other tasks between the choices (trio: most)

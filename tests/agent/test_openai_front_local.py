@@ -126,3 +126,25 @@ async def test_completion_text_offsets_are_where_each_token_starts_in_the_text(s
     assert plain.choices[0].text == reply and expected[3] == 1  # the three tokens of '日' start at 0, '本' at 1
     assert plain.choices[0].logprobs.text_offset == expected
     assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == expected
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "calc"}}])
+async def test_a_forced_tool_call_renders_back_to_the_same_bpe_tokens(sampler, choice):
+    """``tool_choice`` forces the reply's opening into the prompt, tokenized as the template renders that turn in
+    context: the reply sent back (opening and sampled text, rendered as one string by a byte-level BPE) extends the
+    captured prompt and reply token for token, so only the sampled tokens are trained."""
+    from .helpers import CALC
+
+    rest = ' {"expr": "2+3"}}</tool_call>' if isinstance(choice, dict) else 'calc", "arguments": {"expr": "2+3"}}</tool_call>'
+    front = OpenAIFront(ScriptedSampler(sampler, [rest, "It is 5."]))
+    async with front.openai_client("t") as client:
+        first = await client.chat.completions.create(model="policy", messages=HI, tools=[CALC], tool_choice=choice)
+        [call] = first.choices[0].message.tool_calls
+        answer = {"role": "tool", "tool_call_id": call.id, "content": "5"}
+        await client.chat.completions.create(model="policy", messages=[*HI, first.choices[0].message, answer], tools=[CALC])
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "calc"
+    calls = front.captures.calls("t")
+    traj = build_trajectory("t", calls, 1.0)
+    assert traj.drift == []
+    trained = [t for s in traj.segments() for t, m in zip(s["tokens"], s["mask"]) if m]
+    assert trained == [t for c in calls for t in c.choices[0].tokens]

@@ -133,8 +133,10 @@ BAD = [
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format.type", "structured output"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "unsupported parameter"),
     ({"truncation": "auto"}, "truncation", "invalid value"),
-    ({"tool_choice": "required"}, "tool_choice", "invalid value"),
-    ({"tool_choice": {"type": "function", "name": "calc"}}, "tool_choice", "invalid value"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": {"type": "function", "name": "calc"}}, "tool_choice", "needs tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "absent"}}, "tool_choice", "not in tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice.type", "invalid value"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", "obfuscation"),
 ]

@@ -30,6 +30,8 @@ class CapturedChoice(BaseModel):
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     # tool-call id -> how its arguments break the schema of its ``strict`` tool (sampling is unconstrained): for a reward
     schema_errors: dict[str, str] = Field(default_factory=dict)
+    # how the reply fails the call ``tool_choice`` ("required" or a named function) forced: not a call, another tool
+    tool_choice_error: str | None = None
 
 
 class CapturedCall(BaseModel):

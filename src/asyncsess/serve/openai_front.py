@@ -25,18 +25,19 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import anyio
+import anyio.lowlevel
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, parse_tool_calls, special_texts
+from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, forced_tool_call, parse_tool_calls, special_texts
 from ..client import SamplingClient
 from ..errors import AsyncSessError, InvalidInputError, RateLimitError, RetriesExhaustedError
 from ..types import SampledSequence, SamplingParams
@@ -48,18 +49,20 @@ from .openai_wire import (
     CompletionRequest,
     FrontError,
     Message,
+    NamedToolChoice,
     OpenAIRequest,
     SamplingRequest,
+    TokenText,
     chat_chunks,
     chat_message,
     check_coding,
     completion_chunks,
     legacy_logprobs,
-    lp_entry,
     model_card,
     model_not_found,
     no_route,
     parse_body,
+    reply_json,
     served_tokens,
     usage,
     validation_error,
@@ -79,7 +82,9 @@ VERSION_HEADER = "x-weight-version"
 DEFAULT_ROLLOUT = "default"
 MAX_ROLLOUT_ID_CHARS = 256
 _MAX_REMEMBERED_REPLIES = 100_000
+_MAX_REMEMBERED_CHARS = 32_000_000  # and their text: 100,000 long replies (n=64 forced calls) held GBs per front
 _GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
+_CALL_CHARS = len('<tool_call>{"name": "", "arguments": }</tool_call>\n')  # what the front writes around a call
 _MERGED = 4  # characters Unicode normalization may compose into one (a letter and 3 marks: Greek's ᾧ)
 
 
@@ -157,6 +162,7 @@ class OpenAIFront:
         self._bindings: dict[str, _Binding] = {}
         self._renderers: dict[str, ChatRenderer] = {}
         self._replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the exact reply text
+        self._replies_chars = 0
         self._string_stops: set[str] = set()  # samplers that refused stop token ids
         self._token_chars: dict[str, int | None] = {}  # base model -> the most characters one token spells
         self.counts = {"requests": 0, "errors": 0, "sampled_tokens": 0}
@@ -436,9 +442,12 @@ class OpenAIFront:
         return seqs
 
     def _remember(self, call_id: str, text: str) -> None:
+        """Keep ``text`` as the reply behind ``call_id``; the oldest are forgotten past ``_MAX_REMEMBERED_REPLIES`` or
+        ``_MAX_REMEMBERED_CHARS`` (a forgotten one, sent back, renders from the message's fields)."""
         self._replies[call_id] = text
-        while len(self._replies) > _MAX_REMEMBERED_REPLIES:
-            self._replies.popitem(last=False)
+        self._replies_chars += len(text)
+        while len(self._replies) > _MAX_REMEMBERED_REPLIES or self._replies_chars > _MAX_REMEMBERED_CHARS:
+            self._replies_chars -= len(self._replies.popitem(last=False)[1])
 
     def _capture(
         self, rollout: str, index: int, endpoint: Any, req: OpenAIRequest, binding: _Binding, prompt: list[int], choices: list[Choice]
@@ -462,6 +471,7 @@ class OpenAIFront:
                         text=c.text,
                         tool_calls=c.tool_calls,
                         schema_errors=c.schema_errors,
+                        tool_choice_error=c.tool_choice_error,
                     )
                     for c in choices
                 ],
@@ -502,10 +512,14 @@ class OpenAIFront:
         # _MERGED times the context's longest spelling (uncounted, 256 MB of them were parsed and tokenized
         # on the event loop)
         shown = [m.text() for m in req.messages]
-        shown += [part for m in req.messages for c in m.tool_calls or [] for part in (c.function.name, c.function.arguments)]
+        # a call as the front writes it (<tool_call>{"name": ..., "arguments": ...}</tool_call>): 3 characters of name and
+        # arguments made 50 of prompt, so 175,000 calls fit a count of what the client sent, and took seconds to tokenize
+        calls = [c.function for m in req.messages for c in m.tool_calls or []]
+        shown += [part for f in calls for part in (f.name, f.arguments)]
         for t in req.tools or []:  # as compact as a template could show a tool
             shown += [t.function.name, t.function.description, json.dumps(t.function.parameters, separators=(",", ":"), ensure_ascii=False)]
-        self._refuse_past_context(binding.sampler, sum(map(len, shown)), "messages", "the messages and tools hold")
+        chars = sum(map(len, shown)) + _CALL_CHARS * len(calls)
+        self._refuse_past_context(binding.sampler, chars, "messages", "the messages and tools hold")
         for i, m in enumerate(req.messages):
             if m.name is not None:
                 raise FrontError("message names are not supported (the chat template has no place for them); drop it", f"messages.{i}.name")
@@ -514,6 +528,7 @@ class OpenAIFront:
                     json.loads(c.function.arguments)
                 except (ValueError, RecursionError):  # nested past the parser's recursion limit too
                     raise FrontError("the tool-call arguments are not JSON", f"messages.{i}.tool_calls.{j}.function.arguments") from None
+        forced, names = _forced(req)
         topk = _topk(req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise FrontError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -522,7 +537,7 @@ class OpenAIFront:
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
         messages = self._chat_messages(req)
         try:
-            prompt = renderer.tokens(messages, tools)
+            prompt = renderer.tokens(messages, tools, prefill=forced)
         except InvalidInputError as err:  # its field indexes the rendered conversation, not the request's messages
             raise FrontError(str(err), "messages") from None
         except Exception as err:  # the template rejected the conversation
@@ -542,7 +557,10 @@ class OpenAIFront:
             raise FrontError(f"the messages (with the tools) rendered to a prompt the sampler refused: {err}", "messages") from None
         parse_tools = bool(tools) and req.tool_choice != "none"
         strict = {t.function.name: t.function.parameters for t in req.tools or [] if t.function.strict}
-        choices = [self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict) for i, s in enumerate(seqs)]
+        choices = []
+        for i, s in enumerate(seqs):  # each decoded, cut and parsed apart: 64 long choices held the event loop for seconds
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # (not a cancel point: the call has its index, it is captured)
+            choices.append(self._chat_choice(i, s, renderer, set(renderer.stop), stops, parse_tools, strict, forced, names))
         self._capture(rollout, index, endpoint, sent, binding, prompt, choices)
         return binding, prompt, choices, renderer
 
@@ -558,24 +576,30 @@ class OpenAIFront:
                 cid, created, req.model, fingerprint, choices, tok, req.logprobs, usage(prompt, choices) if include_usage else None
             )
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        body = {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": fingerprint,
-            "choices": [
+
+        def body() -> bytes:
+            texts = TokenText(tok)
+            return reply_json(
                 {
-                    "index": c.index,
-                    "message": chat_message(c),
-                    "logprobs": {"content": [lp_entry(tok, t, lp, top) for t, lp, top in c.shown()]} if req.logprobs else None,
-                    "finish_reason": c.finish,
+                    "id": cid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": req.model,
+                    "system_fingerprint": fingerprint,
+                    "choices": [
+                        {
+                            "index": c.index,
+                            "message": chat_message(c),
+                            "logprobs": {"content": [texts.entry(t, lp, top) for t, lp, top in c.shown()]} if req.logprobs else None,
+                            "finish_reason": c.finish,
+                        }
+                        for c in choices
+                    ],
+                    "usage": usage(prompt, choices),
                 }
-                for c in choices
-            ],
-            "usage": usage(prompt, choices),
-        }
-        return JSONResponse(body, headers=headers)
+            )
+
+        return await _json_reply(body, _reply_size(choices, req.top_logprobs if req.logprobs else None), headers)
 
     def _chat_choice(
         self,
@@ -586,18 +610,30 @@ class OpenAIFront:
         stops: list[str],
         parse_tools: bool,
         strict: dict[str, dict[str, Any]],
+        forced: str = "",
+        names: frozenset[str] | None = None,
     ) -> Choice:
         """A sampled sequence as a reply; ``strict``: the schemas of the strict tools, which their calls' arguments are
-        checked against (sampling is not constrained: a call that breaks its schema is returned, and flagged in the capture)."""
+        checked against (sampling is not constrained: a call that breaks its schema is returned, and flagged in the capture).
+
+        ``forced``: the tool-call opening ``tool_choice`` put in the prompt, which the reply continues; ``names``: the
+        tools it may call then. A reply that is no call, or calls another tool, is returned as the model wrote it and
+        flagged in the capture (``tool_choice_error``), as a strict tool's bad arguments are."""
         tokens, lps = list(seq.tokens), [float(x) for x in seq.logprobs or []]
         top = [_top_alternatives(seq, j) for j in range(len(tokens))]
         body = tokens[:-1] if seq.stop_reason == "stop" and tokens and tokens[-1] in turn_stops else tokens
-        text = str(renderer.tokenizer.decode(body))  # special tokens kept: rendered back, they tokenize the same
-        content, finish = _cut_at_stop(text, stops), "length" if seq.stop_reason == "length" else "stop"
+        sampled = str(renderer.tokenizer.decode(body))  # special tokens kept: rendered back, they tokenize the same
+        text = forced + sampled
+        content, finish = forced + _cut_at_stop(sampled, stops), "length" if seq.stop_reason == "length" else "stop"
         tool_calls: list[dict[str, Any]] = []
         schema_errors: dict[str, str] = {}
+        unmet: str | None = None
         if parse_tools and "<tool_call>" in content:
             calls, error = parse_tool_calls(content)
+            if forced and (error is not None or not calls):
+                unmet = f"the reply is not a tool call: {error or 'no call'}"
+            elif names is not None and (other := next((c.name for c in calls if c.name not in names), None)) is not None:
+                unmet = f"the reply calls {other[:64]!r}, which tool_choice does not allow"
             if error is None and calls:
                 for call in calls:
                     call_id = f"call_{uuid.uuid4().hex[:24]}"
@@ -609,10 +645,11 @@ class OpenAIFront:
                         schema_errors[call_id] = err
                 content = content[: content.index("<tool_call>")].strip()
                 finish = "tool_calls"
-        # the log-probs served cover the reply's text (the whole of it for tool calls), never the end token
-        served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content, skip_special_tokens=False)
+        # the log-probs served cover the reply's sampled text (the whole of it for tool calls), never the end token
+        served = len(body) if tool_calls else served_tokens(renderer.tokenizer, body, content[len(forced) :], skip_special_tokens=False)
         shown = content if content or not tool_calls else None
-        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served, schema_errors)  # type: ignore[arg-type]
+        forced = "" if tool_calls else forced  # (content, where it shows, starts with it)
+        return Choice(i, tokens, lps, top, finish, text, shown, tool_calls, served, schema_errors, forced, unmet)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ responses
 
@@ -654,6 +691,7 @@ class OpenAIFront:
         eos = getattr(tok, "eos_token_id", None)
         choices = []
         for i, s in enumerate(seqs):
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # (as for chat: other calls run between long choices)
             tokens = list(s.tokens)
             reply = tokens[:-1] if s.stop_reason == "stop" and tokens and tokens[-1] == eos else tokens
             text = _cut_at_stop(tok.decode(reply, skip_special_tokens=True), stops)
@@ -668,19 +706,53 @@ class OpenAIFront:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = completion_chunks(cid, created, req.model, choices, tok, want_lp, usage(prompt, choices) if include_usage else None)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        body = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": f"asyncsess-w{binding.version}",
-            "choices": [
-                {"index": c.index, "text": c.content, "logprobs": legacy_logprobs(tok, c) if want_lp else None, "finish_reason": c.finish}
-                for c in choices
-            ],
-            "usage": usage(prompt, choices),
-        }
-        return JSONResponse(body, headers=headers)
+
+        def body() -> bytes:
+            texts = TokenText(tok)
+            lps = [legacy_logprobs(tok, c, texts) if want_lp else None for c in choices]
+            return reply_json(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "system_fingerprint": f"asyncsess-w{binding.version}",
+                    "choices": [
+                        {"index": c.index, "text": c.content, "logprobs": lp, "finish_reason": c.finish} for c, lp in zip(choices, lps)
+                    ],
+                    "usage": usage(prompt, choices),
+                }
+            )
+
+        return await _json_reply(body, _reply_size(choices, req.logprobs), headers)
+
+
+def _reply_size(choices: Sequence[Choice], top: int | None) -> int:
+    """About the bytes of a reply's JSON: its text, and an entry per served token and alternative (``top`` None: no
+    log-probs)."""
+    text = sum(len(c.content or "") + len(c.text) for c in choices)
+    return text + (0 if top is None else 100 * (1 + top) * sum(len(c.tokens) for c in choices))
+
+
+async def _json_reply(build: Callable[[], bytes], size: int, headers: dict[str, str]) -> Response:
+    """The JSON reply ``build`` makes, made in a worker thread when it is large (``size`` bytes)."""
+    return Response(await json_body.off_loop(size, build), media_type="application/json", headers=headers)
+
+
+def _forced(req: ChatRequest) -> tuple[str, frozenset[str] | None]:
+    """The tool-call opening ``tool_choice`` forces the reply to start with ("" for auto / none) and the tools the
+    reply may call then; a FrontError naming ``tool_choice`` when it asks for a call no tool in ``tools`` can answer."""
+    choice, tools = req.tool_choice, {t.function.name for t in req.tools or []}
+    if choice in (None, "auto", "none"):
+        return "", None
+    if not tools:
+        raise FrontError("tool_choice 'required' or a named function needs tools; declare the functions in tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in tools:
+            raise FrontError(f"tool_choice names {name!r}, which is not in tools; name one of {sorted(tools)[:16]}", "tool_choice")
+        return forced_tool_call(name), frozenset([name])
+    return forced_tool_call(), frozenset(tools)
 
 
 class _ClientGone(Exception):
@@ -789,12 +861,13 @@ def _answers_in_call_order(messages: Sequence[Message]) -> list[Message]:
             )
         out.append(m)
         calls = [c.id for c in m.tool_calls or []] if m.role == "assistant" else []
-        if len(set(calls)) != len(calls):
+        ids = set(calls)  # (a list scanned per answer: 4,095 answers to 100,000 calls held the event loop 6 s)
+        if len(ids) != len(calls):
             raise FrontError("the tool calls of an assistant message must have distinct ids", f"messages.{at}.tool_calls")
         answers: dict[str, Message] = {}
         while calls and i < len(messages) and messages[i].role == "tool":
             call_id = messages[i].tool_call_id
-            if call_id not in calls or call_id in answers:
+            if call_id not in ids or call_id in answers:
                 what = "answers a tool call already answered" if call_id in answers else f"answers no tool call of messages.{at}"
                 raise FrontError(f"tool_call_id {call_id!r} {what}: answer each call once, by its id", f"messages.{i}.tool_call_id")
             answers[call_id] = messages[i]

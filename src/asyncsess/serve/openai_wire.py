@@ -11,15 +11,19 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import anyio
+import anyio.lowlevel
 from fastapi.responses import JSONResponse
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -37,16 +41,22 @@ __all__ = [
     "OpenAIRequest",
     "SamplingRequest",
     "ChatRequest",
+    "NamedToolChoice",
+    "ToolMode",
+    "tool_choice_kind",
     "CompletionRequest",
     "Choice",
     "validation_error",
     "usage",
     "chat_message",
     "lp_entry",
+    "TokenText",
+    "reply_json",
     "token_bytes",
     "legacy_logprobs",
     "chat_chunks",
     "content_pieces",
+    "reply_pieces",
     "served_tokens",
     "completion_chunks",
 ]
@@ -189,6 +199,29 @@ class _ToolDef(_Req):
     function: _Function
 
 
+class _NamedFunction(_Req):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Req):
+    """``tool_choice`` naming the one function the reply must call (chat's form)."""
+
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+ToolMode = Literal["auto", "none", "required"]
+
+
+def tool_choice_kind(v: Any) -> str:
+    """The branch of a ``tool_choice`` union: a named function (an object) or a mode (anything else); bracketed, as pydantic
+    names union branches, so an error names ``tool_choice`` (and its key), not the branch."""
+    return "[function]" if isinstance(v, (dict, BaseModel)) else "[mode]"
+
+
+ToolChoice = Annotated[Annotated[ToolMode, Tag("[mode]")] | Annotated[NamedToolChoice, Tag("[function]")], Discriminator(tool_choice_kind)]
+
+
 class _CallFunction(_Req):
     name: Text
     arguments: Text
@@ -275,7 +308,7 @@ class SamplingRequest(OpenAIRequest):
 class ChatRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1, max_length=4096)
     tools: list[_ToolDef] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt = Field(default=0, ge=0, le=20)
@@ -324,6 +357,8 @@ class Choice:
     tool_calls: list[dict[str, Any]]
     served: int = -1  # the leading tokens the served log-probs cover: the reply's text, not its end token (-1: all)
     schema_errors: dict[str, str] = dataclasses.field(default_factory=dict)  # tool-call id -> how it breaks its strict schema
+    forced: str = ""  # the text tool_choice put before the sampled tokens (prompt-side), at the start of content or text
+    tool_choice_error: str | None = None  # how the reply fails the tool call tool_choice forced
 
     def shown(self) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """(token, log-prob, alternatives) of the tokens the reply shows: OpenAI's log-probs cover the content, not
@@ -385,16 +420,49 @@ def token_bytes(tok: Any, t: int) -> bytes:
     return piece.encode("utf-8", "replace")
 
 
+class TokenText:
+    """Each token's text and UTF-8 bytes, as log-prob entries show them, decoded once per token id: a reply of n × L
+    tokens with 20 alternatives each decoded the same few ids millions of times (seconds on the event loop)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self._seen: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, t: int) -> tuple[str, list[int]]:
+        got = self._seen.get(t)
+        if got is None:
+            got = self._seen[t] = (_piece(self.tok, t), list(token_bytes(self.tok, t)))
+        return got
+
+    def entry(self, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+        """Token ``t``'s log-prob entry (OpenAI's shape), with its alternatives ``top``."""
+        piece, raw = self(t)
+        alternatives = []
+        for a, b in top:
+            other, other_raw = self(a)
+            alternatives.append({"token": other, "logprob": b, "bytes": other_raw})
+        return {"token": piece, "logprob": lp, "bytes": raw, "top_logprobs": alternatives}
+
+
 def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[str, Any]:
-    return {
-        "token": _piece(tok, t),
-        "logprob": lp,
-        "bytes": list(token_bytes(tok, t)),
-        "top_logprobs": [{"token": _piece(tok, a), "logprob": b, "bytes": list(token_bytes(tok, a))} for a, b in top],
-    }
+    """One log-prob entry; for a reply's many, one :class:`TokenText`'s ``entry``."""
+    return TokenText(tok).entry(t, lp, top)
 
 
-def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
+def reply_json(body: dict[str, Any]) -> bytes:
+    """``body`` (a reply with ``choices``) as JSON, as ``JSONResponse`` writes it, one choice at a time: ``json.dumps``
+    holds the GIL until it returns, so a reply of 64 choices with top log-probs stalled every other call for seconds
+    (from a worker thread too)."""
+
+    def dumps(obj: Any) -> str:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    rest = dumps({k: v for k, v in body.items() if k != "choices"})
+    choices = ",".join(dumps(c) for c in body.get("choices", []))
+    return (rest[:-1] + ("," if len(rest) > 2 else "") + '"choices":[' + choices + "]}").encode("utf-8")
+
+
+def legacy_logprobs(tok: Any, c: Choice, texts: TokenText | None = None) -> dict[str, Any]:
     """A completion's log-probs in the legacy shape; ``text_offset`` is where each token's text starts in the reply
     (from the streamed deltas: a token that holds part of a character decodes alone to U+FFFD, one character)."""
     shown = c.shown()
@@ -403,9 +471,10 @@ def legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
     for delta in content_pieces(tok, tokens, c.content or "")[: len(tokens)]:
         offsets.append(at)
         at += len(delta)
-    top = [{_piece(tok, a): b for a, b in alts} for _, _, alts in shown] if any(alts for _, _, alts in shown) else None
+    texts = texts or TokenText(tok)
+    top = [{texts(a)[0]: b for a, b in alts} for _, _, alts in shown] if any(alts for _, _, alts in shown) else None
     return {
-        "tokens": [_piece(tok, t) for t in tokens],
+        "tokens": [texts(t)[0] for t in tokens],
         "token_logprobs": [lp for _, lp, _ in shown],
         "top_logprobs": top,
         "text_offset": offsets,
@@ -446,6 +515,22 @@ def content_pieces(tok: Any, tokens: list[int], content: str, skip_special_token
     return pieces
 
 
+def reply_pieces(tok: Any, c: Choice) -> list[str]:
+    """A chat reply's per-token content deltas after the text ``tool_choice`` forced (which streams first, alone)."""
+    return content_pieces(tok, [t for t, _, _ in c.shown()], (c.content or "")[len(c.forced) :], skip_special_tokens=False)
+
+
+_PACE = 32  # stream chunks between checkpoints
+
+
+async def _paced(sent: int) -> int:
+    """``sent + 1``, after letting the event loop run every ``_PACE`` chunks: a server's ``send`` need not suspend, so a
+    stream of 64 choices × thousands of tokens ran to its end before any other call got the loop."""
+    if sent % _PACE == _PACE - 1:
+        await anyio.lowlevel.checkpoint()
+    return sent + 1
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -464,16 +549,21 @@ async def chat_chunks(
         obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": fingerprint}
         return _sse({**obj, "choices": [choice], **extra})
 
+    texts = TokenText(tok)
+    sent = 0
     for c in choices:
-        entries = [lp_entry(tok, t, lp, top) for t, lp, top in c.shown()]
+        entries = [texts.entry(t, lp, top) for t, lp, top in c.shown()] if logprobs else []
         yield chunk(c.index, {"role": "assistant", "content": "" if c.content is not None else None})
         if c.tool_calls:  # content is None when the reply is only tool calls, as in the plain reply
             yield chunk(c.index, {"content": c.content} if c.content else {}, lps=entries)
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
             yield chunk(c.index, {"tool_calls": calls})
         else:
-            pieces = content_pieces(tok, [t for t, _, _ in c.shown()], c.content or "", skip_special_tokens=False)  # as the content
+            if c.forced:  # the tool-call opening tool_choice forced: prompt-side, so no log-probs
+                yield chunk(c.index, {"content": c.forced}, lps=[])
+            pieces = reply_pieces(tok, c)
             for k, piece in enumerate(pieces):
+                sent = await _paced(sent)
                 yield chunk(c.index, {"content": piece}, lps=entries[k : k + 1] if k < len(entries) else [])
         yield chunk(c.index, {}, c.finish)
     if usage is not None:
@@ -489,10 +579,13 @@ async def completion_chunks(
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]})
 
+    texts = TokenText(tok)
+    sent = 0
     for c in choices:
         pieces = content_pieces(tok, [t for t, _, _ in c.shown()], c.content or "")
-        legacy = legacy_logprobs(tok, c) if logprobs else None
+        legacy = legacy_logprobs(tok, c, texts) if logprobs else None
         for k, piece in enumerate(pieces):
+            sent = await _paced(sent)
             lp = None
             if legacy is not None and k < len(legacy["tokens"]):
                 top = legacy["top_logprobs"][k : k + 1] if legacy["top_logprobs"] else None

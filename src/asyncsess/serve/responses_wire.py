@@ -20,7 +20,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError, field_validator, model_validator
 
 from ..types import MAX_TOKENS
-from .openai_wire import ChatRequest, Choice, FrontError, OpenAIRequest, Text, _Req, content_pieces, validation_error
+from .openai_wire import (
+    ChatRequest,
+    Choice,
+    FrontError,
+    OpenAIRequest,
+    Text,
+    ToolMode,
+    _Req,
+    reply_pieces,
+    tool_choice_kind,
+    validation_error,
+)
 
 __all__ = ["ResponsesRequest", "Origins", "chat_request", "responses_error", "response_object", "response_events"]
 
@@ -101,6 +112,18 @@ class _FunctionTool(_Nullable):
     strict: StrictBool | None = None
 
 
+class _NamedToolChoice(_Req):
+    """``tool_choice`` naming the one function the reply must call (the Responses API's form)."""
+
+    type: Literal["function"]
+    name: str = Field(max_length=64)
+
+
+_ToolChoice = Annotated[
+    Annotated[ToolMode, Tag("[mode]")] | Annotated[_NamedToolChoice, Tag("[function]")], Discriminator(tool_choice_kind)
+]
+
+
 class _StreamOptions(_Req):
     include_obfuscation: StrictBool = True
 
@@ -157,7 +180,7 @@ class ResponsesRequest(OpenAIRequest):
     input: Text | Annotated[list[_Item], Field(min_length=1, max_length=4096)]
     instructions: Text | None = None
     tools: list[_FunctionTool] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: _ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     store: StrictBool | None = None  # accepted; nothing is stored either way
@@ -276,7 +299,7 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatRequest, Origins]:
         "model": req.model,
         "messages": messages,
         "tools": tools or None,
-        "tool_choice": req.tool_choice,
+        "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
@@ -288,6 +311,11 @@ def chat_request(req: ResponsesRequest) -> tuple[ChatRequest, Origins]:
         return ChatRequest.model_validate(chat), origins
     except ValidationError as err:
         raise responses_error(validation_error(err), origins) from None
+
+
+def _chat_tool_choice(choice: str | _NamedToolChoice | None) -> Any:
+    """``tool_choice`` in the chat request's form (a named function nests its name under ``function``)."""
+    return {"type": "function", "function": {"name": choice.name}} if isinstance(choice, _NamedToolChoice) else choice
 
 
 def _output_items(c: Choice) -> list[dict[str, Any]]:
@@ -330,7 +358,7 @@ def response_object(rid: str, created: int, req: ResponsesRequest, c: Choice, us
         "store": False,
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "tool_choice": req.tool_choice or "auto",
+        "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, _NamedToolChoice) else req.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
@@ -366,8 +394,7 @@ async def response_events(response: dict[str, Any], c: Choice, tok: Any) -> Asyn
             text = item["content"][0]["text"]
             empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             yield event("response.content_part.added", **ids, content_index=0, part=empty)
-            tokens = [t for t, _, _ in c.shown()]
-            pieces = [text] if c.tool_calls else content_pieces(tok, tokens, text, skip_special_tokens=False)
+            pieces = [text] if c.tool_calls else [c.forced] * bool(c.forced) + reply_pieces(tok, c)
             for piece in pieces:
                 yield event("response.output_text.delta", **ids, content_index=0, delta=piece, logprobs=[])
             yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])

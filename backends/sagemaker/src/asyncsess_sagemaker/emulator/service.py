@@ -41,7 +41,7 @@ from asyncsess.backends import (
 from asyncsess.backends.sequencer import Sequencer
 from asyncsess.chat import chat_tokens
 from asyncsess.errors import AsyncSessError, InvalidInputError, PoisonedError, SessionGoneError
-from asyncsess.serve.openai_wire import Message, content_pieces, lp_entry, validation_error
+from asyncsess.serve.openai_wire import Message, TokenText, content_pieces, validation_error
 from asyncsess.types import MAX_SEED, CheckpointResponse, ForwardBackwardOutput, OptimStepResponse, SamplingParams
 
 from .. import arns
@@ -837,7 +837,8 @@ class EmulatedService:
             if seq.logprobs is None:
                 raise AwsError.validation("logprobs: the model behind this session returns no log-probs; leave it out")
             rows = seq.topk_logprobs or [None] * len(seq.tokens)
-            logprobs = [lp_entry(tok, t, lp, row or []) for t, lp, row in zip(seq.tokens, seq.logprobs, rows)]
+            texts = TokenText(tok)  # (each token id decoded once for the reply's entries)
+            logprobs = [texts.entry(t, lp, row or []) for t, lp, row in zip(seq.tokens, seq.logprobs, rows)]
         return ChatReply(prompt, list(seq.tokens), "stop" if seq.stop_reason == "stop" else "length", tok, logprobs)
 
     async def chat_stream(self, name: str, request: dict[str, Any], model_package: str | None) -> AsyncIterator[bytes]:
