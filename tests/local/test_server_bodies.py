@@ -147,6 +147,21 @@ def test_a_body_not_declared_json_is_a_415_naming_content_type(c, tiny, content_
     assert _post(c, "/v1/sessions", body, MINE, "application/json; charset=utf-8").status_code == 200
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_an_openai_body_declared_as_another_type_is_a_415_naming_content_type(c, content_type):
+    """The OpenAI routes read any body as JSON; one declared as text or a form is now refused, while an unlabelled
+    body (what FastAPI also reads as JSON) and ``application/json; charset=utf-8`` reach the request checks."""
+    body = json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    r = c.post("/v1/chat/completions", content=body, headers={**MINE, "content-type": content_type})
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["param"] == "Content-Type" and "application/json" in err["message"], err
+    for fine in (None, "application/json; charset=utf-8", "application/vnd.api+json"):
+        headers = {**MINE, **({"content-type": fine} if fine else {})}
+        r = c.post("/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code != 415 and r.status_code < 500, (fine, r.status_code, r.text)
+
+
 BOMB = gzip.compress(b"0" * (64 << 20), compresslevel=1)
 
 

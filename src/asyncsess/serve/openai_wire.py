@@ -98,10 +98,15 @@ def no_route(request: Any, status: int, detail: str, headers: Mapping[str, str] 
 
 
 def check_coding(headers: Any) -> None:
-    """A body sent compressed (a ``Content-Encoding`` but ``identity``) is a 415 naming the header."""
+    """A body sent compressed (a ``Content-Encoding`` but ``identity``), or declared as something other than JSON
+    (``text/plain``, a form; none is read as JSON, as FastAPI does), is a 415 naming the header."""
     if (coding := json_body.coding(headers)) is not None:
         raise FrontError(
             f"Content-Encoding {coding!r:.60} is not accepted: send the body uncompressed", "Content-Encoding", 415, "unsupported_encoding"
+        )
+    if (declared := json_body.foreign_type(headers)) is not None:
+        raise FrontError(
+            f"Content-Type {declared!r:.80} is not JSON: send Content-Type: application/json", "Content-Type", 415, "unsupported_media_type"
         )
 
 
