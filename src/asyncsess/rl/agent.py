@@ -31,7 +31,7 @@ from ..client import SamplingClient
 from .capture import AgentTrajectory, build_trajectory
 from .problem_env import ProblemDataset
 from .train import RLConfig, RLResult, train_rl
-from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup
+from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup, check_reward
 
 __all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
 
@@ -79,7 +79,7 @@ class _AgentRunner:
         self.front.bind(rid, sampler, version, temperature, seed=seed)
         try:
             async with self.front.openai_client(rid) as client:
-                reward = float(await self.agent(client, task))
+                reward, _ = check_reward(await self.agent(client, task), {}, f"the agent {getattr(self.agent, '__qualname__', 'agent')}")
         finally:
             self.front.unbind(rid)
             calls = self.front.captures.pop(rid)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..chat import chat_tokens, turn_stop_tokens
+from ..errors import InvalidInputError
 from ..types import ModelInput
-from .types import Action, Env, EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
+from .types import Action, Env, EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition, check_reward
 
 __all__ = [
     "Problem",
@@ -80,8 +81,12 @@ class ProblemEnv(Env):
         return self.renderer.observation(self.problem), list(self.renderer.stop)
 
     async def step(self, action: Action) -> StepResult:
-        reward, metrics = self.grader(self.problem, self.renderer.reply(action))
-        return StepResult(float(reward), True, metrics=dict(metrics))
+        graded = self.grader(self.problem, self.renderer.reply(action))
+        source = f"the grader {getattr(self.grader, '__qualname__', type(self.grader).__qualname__)}"
+        if not isinstance(graded, tuple) or len(graded) != 2:
+            raise InvalidInputError(f"{source} returned {graded!r:.60}", field="grader", fix="return (reward, metrics), e.g. (1.0, {})")
+        reward, metrics = check_reward(*graded, source)
+        return StepResult(reward, True, metrics=metrics)
 
 
 class ProblemGroupBuilder(EnvGroupBuilder):

@@ -20,7 +20,7 @@ from anyio.abc import TaskGroup
 
 from ..client import SamplingClient
 from ..types import ModelInput, SamplingParams
-from .types import STOP_REASONS, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition
+from .types import STOP_REASONS, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition, check_reward
 
 if TYPE_CHECKING:
     from .types import Env, EnvGroupBuilder, RLDataset, StopCondition, TokenCompleter
@@ -111,7 +111,8 @@ async def _play(env: Env, policy: TokenCompleter, ob: ModelInput, stop: StopCond
     while True:
         ac, first = first or await policy(ob, stop), None
         result = await env.step(ac.tokens)
-        transitions.append(Transition(ob, ac, float(result.reward), result.episode_done, dict(result.metrics)))
+        reward, metrics = check_reward(result.reward, result.metrics, f"{type(env).__qualname__}.step()")
+        transitions.append(Transition(ob, ac, reward, result.episode_done, metrics))
         if result.episode_done:
             reason = "max_tokens" if ac.stop_reason == "length" else result.stop_reason or "completed"
             return Trajectory(transitions, reason)
@@ -140,12 +141,30 @@ async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sam
     async def one(i: int) -> None:
         trajectories[i] = await _play(envs[i], policy, starts[i][0], starts[i][1], firsts[i])
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(envs)):
-            tg.start_soon(one, i)
+    await run_all(one, len(envs))
     done = [t for t in trajectories if t is not None]
-    group = await builder.compute_group_rewards(done, envs)
-    return TrajectoryGroup(done, [float(r) for r, _ in group], [dict(m) for _, m in group], sampler_step)
+    source = f"{type(builder).__qualname__}.compute_group_rewards()"
+    group = [check_reward(r, m, source) for r, m in await builder.compute_group_rewards(done, envs)]
+    return TrajectoryGroup(done, [r for r, _ in group], [m for _, m in group], sampler_step)
+
+
+async def run_all(fn: Callable[[int], Awaitable[None]], n: int) -> None:
+    """``fn(0)`` .. ``fn(n - 1)`` concurrently; the first to fail cancels the rest and its error is raised as
+    itself (an env's or grader's own exception, not an ExceptionGroup around it)."""
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def one(i: int) -> None:
+            try:
+                await fn(i)
+            except Exception as err:
+                errors.append(err)
+                tg.cancel_scope.cancel()
+
+        for i in range(n):
+            tg.start_soon(one, i)
+    if errors:
+        raise errors[0]
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:

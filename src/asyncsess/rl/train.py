@@ -56,7 +56,7 @@ from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_tr
 from .datasets import DrawnBatches, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
 from .refresh import RefreshProbe, default_tolerance, probe_tokens
-from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics
+from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics, run_all
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, TrajectoryGroup
 
 __all__ = ["RLConfig", "RLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_rl"]
@@ -295,9 +295,7 @@ class _Loop:
                 async with limit:
                     groups[i] = await self.play(self.test[i], sampler, version, None)
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(self.test)):
-                    tg.start_soon(one, i)
+            await run_all(one, len(self.test))
         finally:
             self.samplers.release(sampler)
         return {f"test/{k}": v for k, v in rollout_metrics([g for g in groups if g is not None]).items()}

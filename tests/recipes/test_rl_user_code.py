@@ -1,0 +1,116 @@
+"""The RL loop's boundary with user code on mock://: graders, envs and datasets that return what a run cannot
+train on stop it with a typed error naming the culprit and the field; their own exceptions come out as themselves."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from asyncsess.errors import InvalidInputError
+from asyncsess.rl import EnvGroupBuilder, Problem, RLConfig, StepResult, problem_datasets, train_rl
+from asyncsess.rl.types import Env
+from asyncsess.runs.metrics import read_metrics
+from asyncsess.types import ModelInput
+
+pytestmark = pytest.mark.anyio
+PROBLEMS = [Problem(f"Code {i}:", "0") for i in range(4)]
+CFG = RLConfig(url="mock://", groups_per_batch=2, group_size=2, max_tokens=4, learning_rate=0.3, lora_rank=4, max_steps=2)
+
+
+def grader_returning(value):
+    def grade(problem, reply):
+        return value
+
+    return grade
+
+
+async def train(grader, run_dir, test=()):
+    return await train_rl(CFG, problem_datasets(PROBLEMS, list(test), grader, CFG), run_dir, progress=False)
+
+
+@pytest.mark.parametrize(
+    "returned, field",
+    [
+        ((math.nan, {}), "reward"),  # was an error about the datums' advantages, after the batch was built
+        ((math.inf, {}), "reward"),  # was a silently skipped batch (inf - inf), logged as null
+        ((1e308, {}), "reward"),  # the group's mean overflowed to inf
+        ((None, {}), "reward"),  # was a TypeError inside an ExceptionGroup
+        (("1.0", {}), "reward"),  # was trained on as 1.0
+        ((np.array([1.0, 2.0]), {}), "reward"),
+        ((0.5, {"x": math.nan}), "metrics"),  # was logged as null, hiding the other episodes' values
+        ((0.5, {"x": "yes"}), "metrics"),  # was a TypeError when the step's metrics were averaged
+        ((0.5, None), "metrics"),
+        (0.5, "grader"),  # not a (reward, metrics) pair
+    ],
+)
+async def test_a_grader_that_returns_no_number_stops_the_run_naming_it(tmp_path, returned, field):
+    with pytest.raises(InvalidInputError) as err:
+        await train(grader_returning(returned), tmp_path)
+    assert err.value.field == field and "grader_returning" in str(err.value) and err.value.fix
+    assert read_metrics(tmp_path) == []  # no step was trained or logged
+
+
+async def test_numpy_and_bool_rewards_are_numbers(tmp_path):
+    result = await train(grader_returning((np.float32(0.25), {"correct": True, "n": np.int64(3)})), tmp_path)
+    assert result.steps == 2 and read_metrics(tmp_path)[0]["env/all/n"] == 3.0
+
+
+class GraderError(Exception):
+    pass
+
+
+def raising(problem, reply):
+    raise GraderError("cannot grade")
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+async def test_a_grader_that_raises_stops_the_run_with_its_own_error(tmp_path, held_out):
+    """In a training group or a held-out evaluation: the grader's exception as itself, not an ExceptionGroup."""
+    with pytest.raises(GraderError, match="cannot grade"):
+        await train(raising, tmp_path, PROBLEMS[:3] if held_out else ())
+
+
+class NaNEnv(Env):
+    async def initial_observation(self):
+        return ModelInput.from_ints([1, 2, 3]), []
+
+    async def step(self, action):
+        return StepResult(math.nan, True)
+
+
+class Builder(EnvGroupBuilder):
+    def __init__(self, env: type[Env], group_reward: object = 0.0) -> None:
+        self.env, self.group_reward = env, group_reward
+
+    async def make_envs(self):
+        return [self.env() for _ in range(CFG.group_size)]
+
+    async def compute_group_rewards(self, trajectories, envs):
+        return [(self.group_reward, {}) for _ in trajectories]
+
+
+class OneEnv(NaNEnv):
+    async def step(self, action):
+        return StepResult(1.0, True)
+
+
+class Batches:
+    def __init__(self, builder: EnvGroupBuilder) -> None:
+        self.builder = builder
+
+    def get_batch(self, index):
+        return [self.builder] * CFG.groups_per_batch
+
+    def __len__(self):
+        return 1
+
+
+@pytest.mark.parametrize(
+    ("builder", "culprit"), [(Builder(NaNEnv), "NaNEnv.step()"), (Builder(OneEnv, None), "Builder.compute_group_rewards()")]
+)
+async def test_an_env_or_group_reward_that_is_not_a_number_names_the_class(tmp_path, builder, culprit):
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(CFG, lambda tok: (Batches(builder), []), tmp_path, progress=False)
+    assert err.value.field == "reward" and culprit in str(err.value)
