@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncsess.errors import InvalidInputError
-from asyncsess.rl import EnvGroupBuilder, Problem, RLConfig, StepResult, problem_datasets, train_rl
+from asyncsess.rl import EnvGroupBuilder, Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, StepResult, problem_datasets, train_rl
 from asyncsess.rl.types import Env
 from asyncsess.runs.metrics import read_metrics
 from asyncsess.types import ModelInput
@@ -114,3 +114,65 @@ async def test_an_env_or_group_reward_that_is_not_a_number_names_the_class(tmp_p
     with pytest.raises(InvalidInputError) as err:
         await train_rl(CFG, lambda tok: (Batches(builder), []), tmp_path, progress=False)
     assert err.value.field == "reward" and culprit in str(err.value)
+
+
+class Finite:
+    """A cookbook-style dataset: batch ``i`` is a slice of the problems, so it ends."""
+
+    def __init__(self, tokenizer, mistake: str) -> None:
+        self.renderer, self.mistake = PromptRenderer(tokenizer), mistake
+
+    def get_batch(self, index):
+        if self.mistake == "problems":  # the items, not builders
+            return PROBLEMS[:2]
+        if self.mistake == "none":
+            return None
+        if self.mistake == "raises" and index >= len(self):
+            raise IndexError("batch index out of range")
+        return [ProblemGroupBuilder(self.renderer, p, grader_returning((0.0, {})), 2) for p in PROBLEMS[2 * index : 2 * index + 2]]
+
+    def __len__(self):
+        return 2
+
+
+@pytest.mark.parametrize(
+    ("mistake", "steps", "message"),
+    [
+        ("problems", 0, "gave a Problem"),  # was an AttributeError ('Problem' object has no attribute 'make_envs')
+        ("none", 0, "gave a NoneType"),  # was a TypeError
+        ("slices", 2, "past the end of a finite dataset"),  # was an IndexError at step 2
+        ("raises", 2, "raised IndexError"),
+    ],
+)
+async def test_a_batch_that_is_not_groups_per_batch_builders_names_the_dataset(tmp_path, mistake, steps, message):
+    cfg = CFG.model_copy(update={"max_steps": 4, "save_every": 1})
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(cfg, lambda tok: (Finite(tok, mistake), []), tmp_path, progress=False)
+    assert err.value.field == "get_batch" and f"Finite.get_batch({steps})" in str(err.value) and message in str(err.value)
+    assert len(read_metrics(tmp_path)) == steps  # the steps before it trained and logged
+    assert err.value.fix
+
+
+async def test_an_empty_problem_list_is_refused_before_the_run(tmp_path):
+    with pytest.raises(InvalidInputError) as err:
+        problem_datasets([], PROBLEMS, grader_returning((0.0, {})), CFG)
+    assert err.value.field == "train"
+
+
+class ProblemStream:
+    """A stateful dataset that yields the problems themselves, not group builders."""
+
+    def next_batch(self):
+        return PROBLEMS[:2]
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+async def test_a_stream_of_problems_is_refused_naming_next_batch(tmp_path):
+    with pytest.raises(InvalidInputError) as err:  # was an AttributeError ('Problem' object has no attribute 'make_envs')
+        await train_rl(CFG, lambda tok: (ProblemStream(), []), tmp_path, progress=False)
+    assert err.value.field == "next_batch" and "ProblemStream.next_batch() at batch 0 gave a Problem" in str(err.value)

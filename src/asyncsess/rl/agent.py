@@ -28,6 +28,7 @@ from pydantic import Field
 
 from ..backends.base import Tokenizer
 from ..client import SamplingClient
+from ..errors import InvalidInputError
 from .capture import AgentTrajectory, build_trajectory
 from .problem_env import ProblemDataset
 from .train import RLConfig, RLResult, train_rl
@@ -130,7 +131,7 @@ async def train_agent_rl(
     """GRPO on ``agent``: ``groups_per_batch`` tasks per step, ``group_size`` rollouts each; ``test_tasks`` are
     played once each, greedily, before the first step, every ``eval_every`` steps and after the last."""
     if not tasks:
-        raise ValueError("no tasks")
+        raise InvalidInputError("no tasks", field="tasks", fix="pass at least one training task")
     runner: list[_AgentRunner] = []
 
     def make_datasets(tokenizer: Tokenizer) -> tuple[RLDataset, Sequence[EnvGroupBuilder]]:

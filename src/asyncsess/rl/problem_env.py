@@ -104,7 +104,7 @@ class ProblemDataset:
 
     def __init__(self, problems: Sequence[Any], groups_per_batch: int, make_builder: Callable[[Any], EnvGroupBuilder], seed: int = 0):
         if not problems:
-            raise ValueError("no problems")
+            raise InvalidInputError("no problems", field="problems", fix="pass at least one training problem")
         self.problems, self.groups_per_batch, self.make_builder, self.seed = list(problems), groups_per_batch, make_builder, seed
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
@@ -127,7 +127,10 @@ def problem_datasets(
     train: Sequence[Problem], test: Sequence[Problem], grader: Grader, config: BatchShape
 ) -> Callable[[Any], tuple[RLDataset, list[EnvGroupBuilder]]]:
     """``make_datasets(tokenizer)`` for :func:`asyncsess.rl.train.train_rl`: ``train`` in batches of
-    ``groups_per_batch`` groups of ``group_size``, and one greedy episode per ``test`` problem."""
+    ``groups_per_batch`` groups of ``group_size``, and one greedy episode per ``test`` problem. An empty ``train``
+    is refused here, before a run starts."""
+    if not train:
+        raise InvalidInputError("no training problems", field="train", fix="pass at least one training problem")
 
     def make(tokenizer: Any) -> tuple[RLDataset, list[EnvGroupBuilder]]:
         renderer = PromptRenderer(tokenizer)

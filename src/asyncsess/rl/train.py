@@ -53,7 +53,7 @@ from ..runs.schedule import LRSchedule, decayed_lr
 from ..types import MAX_LEARNING_RATE, AdamParams, Datum, ForwardBackwardOutput, TensorData
 from ..validation import check_loss_fn, check_loss_fn_config
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
-from .datasets import DrawnBatches, run_dataset
+from .datasets import CheckedBatches, DrawnBatches, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
 from .refresh import RefreshProbe, default_tolerance, probe_tokens
 from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics, run_all
@@ -197,6 +197,8 @@ async def train_rl(
                 tc = await open_training_client(svc, cfg, record)
                 train, test = make_datasets(tc.get_tokenizer())
                 data = run_dataset(train, cfg.groups_per_batch, record.extra if record else None)  # checked, restored
+                if isinstance(data, CheckedBatches):  # its first batch, before a sampling or training op
+                    data.get_batch(resumed[0] // cfg.groups_per_batch)
                 window = cfg.context_window
                 if window is None:
                     caps = await svc.get_server_capabilities()
