@@ -21,7 +21,7 @@ import anyio
 from pydantic import ConfigDict, Field
 
 from asyncsess import AdamParams, ServiceClient
-from asyncsess.runs.checkpoints import RecoveryConfig, parse_overrides, prepare_run_dir, run_recovering, save_checkpoint
+from asyncsess.runs.checkpoints import CheckpointRecord, RecoveryConfig, open_run_dir, parse_overrides, run_recovering, save_checkpoint
 from asyncsess.runs.metrics import MetricsLogger
 from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
 from asyncsess.types import MAX_LEARNING_RATE
@@ -76,7 +76,10 @@ async def main(args: list[str]) -> dict[str, Any]:
     cfg = SFTConfig.model_validate(opts)
 
     async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> dict[str, Any]:
-        path, record = prepare_run_dir(run_dir, cfg, mode)
+        with open_run_dir(run_dir, cfg, mode) as (path, record):  # held while it runs: a second run on it is refused
+            return await train(path, record, recovered)
+
+    async def train(path: Path, record: CheckpointRecord | None, recovered: dict[str, float]) -> dict[str, Any]:
         start = record.step if record else 0
         async with ServiceClient(cfg.url) as svc:
             if record is not None and record.state_path:

@@ -5,12 +5,13 @@ line and the field, before a session is opened or a line is appended."""
 import json
 import os
 
+import anyio
 import pytest
 
 from asyncsess import ServiceClient
 from asyncsess.errors import InvalidInputError
 from asyncsess.rl import Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, ShuffledDataset, problem_datasets, train_rl
-from asyncsess.runs.checkpoints import last_checkpoint, prepare_run_dir, read_checkpoints, save_checkpoint
+from asyncsess.runs.checkpoints import last_checkpoint, open_run_dir, prepare_run_dir, read_checkpoints, save_checkpoint
 from asyncsess.runs.metrics import MetricsLogger, read_metrics
 
 from .helpers import digit_share
@@ -274,3 +275,33 @@ async def test_a_tampered_dataset_state_is_refused_before_a_step(tmp_path, chang
         await train_rl(cfg.model_copy(update={"max_steps": 4}), shuffled(cfg), path, progress=False)
     assert err.value.field == field
     assert max(r["step"] for r in read_metrics(path)) < 2 and last_checkpoint(path).step == 2  # no step trained or saved
+
+
+async def test_a_second_run_on_a_directory_in_use_is_refused_before_it_writes(tmp_path):
+    """Two loops started on one directory appended interleaved checkpoint records (two sessions' 'step-000001'),
+    and one's metrics went to a file the other had replaced. Now the second is refused; the first runs whole."""
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=5", "max_steps": 3, "save_every": 1})
+    outcomes: list[object] = []
+
+    async def one():
+        try:
+            outcomes.append(await train_rl(cfg, datasets(cfg), tmp_path, progress=False))
+        except InvalidInputError as err:
+            outcomes.append(err)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one)
+        tg.start_soon(one)
+    refused = [o for o in outcomes if isinstance(o, InvalidInputError)]
+    assert len(refused) == 1 and refused[0].field == "run_dir" and "in use" in str(refused[0])
+    assert [r.name for r in read_checkpoints(tmp_path)] == ["step-000001", "step-000002", "final-000003"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+
+
+async def test_a_directory_is_free_again_when_its_run_ends(tmp_path):
+    with open_run_dir(tmp_path, BASE) as (path, record_):
+        assert path == tmp_path and record_ is None
+        with pytest.raises(InvalidInputError, match="in use"):
+            with open_run_dir(tmp_path, BASE):
+                pass
+    assert (await train_rl(BASE, datasets(BASE), tmp_path, progress=False)).steps == 2

@@ -42,8 +42,8 @@ from ..runs.checkpoints import (
     MAX_STEP,
     CheckpointRecord,
     RecoveryConfig,
+    open_run_dir,
     open_training_client,
-    prepare_run_dir,
     run_recovering,
     save_checkpoint,
 )
@@ -189,7 +189,10 @@ async def train_rl(
     cfg = config
 
     async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> RLResult:
-        path, record = prepare_run_dir(run_dir, cfg, mode)
+        with open_run_dir(run_dir, cfg, mode) as (path, record):  # held until the run ends: a second run on it is refused
+            return await run(path, record, recovered)
+
+    async def run(path: Path, record: CheckpointRecord | None, recovered: dict[str, float]) -> RLResult:
         start = record.step if record else 0
         resumed = _resume_point(path, record, cfg.groups_per_batch)  # checked before a session is opened
         with MetricsLogger(path, resume_step=start) as log:  # a run resumed before its first checkpoint rewrites step 0 on

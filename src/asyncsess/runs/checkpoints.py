@@ -12,7 +12,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -31,6 +32,7 @@ __all__ = [
     "CONFIG_FILE",
     "CheckpointRecord",
     "parse_overrides",
+    "open_run_dir",
     "prepare_run_dir",
     "save_checkpoint",
     "last_checkpoint",
@@ -42,6 +44,10 @@ __all__ = [
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+try:
+    import fcntl
+except ImportError:  # Windows: run directories are not locked
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("asyncsess.runs.checkpoints")
 T = TypeVar("T")
@@ -91,19 +97,60 @@ def prepare_run_dir(
     An existing directory is resumed (its config must match), emptied (``overwrite``; only a run's directory,
     one that holds ``config.json``) or refused (``raise``). A config whose ``url`` no installed backend serves
     is refused first, leaving the directory as it was; so is a ``checkpoints.jsonl`` or ``config.json`` that
-    does not hold what a run writes there.
+    does not hold what a run writes there. A loop holds the directory while it runs: :func:`open_run_dir`.
     """
+    path, cfg = _checked(run_dir, config, if_exists)
+    with _usable(path):
+        return _prepare(path, cfg, if_exists)
+
+
+@contextmanager
+def open_run_dir(
+    run_dir: str | Path, config: BaseModel, if_exists: Literal["resume", "overwrite", "raise"] = "resume"
+) -> Iterator[tuple[Path, CheckpointRecord | None]]:
+    """:func:`prepare_run_dir`, holding the directory (an exclusive ``flock`` on it) until the block ends, so
+    that a second run on it, in this process or another, is refused (``InvalidInputError`` naming ``run_dir``)
+    before it reads or writes anything, instead of interleaving its records with the first's. The lock goes
+    with the process: a killed run leaves none behind. (Where ``fcntl`` is missing, Windows, nothing is locked.)"""
+    path, cfg = _checked(run_dir, config, if_exists)
+    with _usable(path):
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InvalidInputError(
+                    f"{path} is in use by another run (in this process or another)",
+                    field="run_dir",
+                    fix="wait for that run to end (or stop it), or pick another run directory",
+                ) from None
+        with _usable(path):
+            prepared = _prepare(path, cfg, if_exists)
+        yield prepared
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _checked(run_dir: str | Path, config: BaseModel, if_exists: str) -> tuple[Path, dict[str, Any]]:
+    """The run directory's path and the config as JSON data, once the arguments are checked."""
     if if_exists not in ("resume", "overwrite", "raise"):
         raise InvalidInputError(f"{if_exists!r:.40} is not a choice", field="if_exists", fix="pass 'resume', 'overwrite' or 'raise'")
     if isinstance(url := getattr(config, "url", None), str):
         check_url(url)
     path = Path(run_dir)
-    cfg = json.loads(config.model_dump_json())
     if path.exists() and not path.is_dir():
         raise InvalidInputError(f"{path} is a file, not a directory", field="run_dir", fix="pass a directory path (new or a run's)")
+    return path, json.loads(config.model_dump_json())
+
+
+@contextmanager
+def _usable(path: Path) -> Iterator[None]:
+    """An OSError in the block (a parent that is a file, no permission, a read-only or full disk) as a typed error."""
     try:
-        return _prepare(path, cfg, if_exists)
-    except OSError as err:  # a parent that is a file, no permission, a read-only or full disk
+        yield
+    except OSError as err:
         raise InvalidInputError(
             f"{path} cannot be used as a run directory ({err.strerror or err})",
             field="run_dir",

@@ -20,7 +20,7 @@ from ..chat import Message
 from ..client import SamplingClient, TrainingClient
 from ..custom_loss import CustomLossFn
 from ..rl.data import datum_tokens
-from ..runs.checkpoints import prepare_run_dir, save_checkpoint
+from ..runs.checkpoints import open_run_dir, save_checkpoint
 from ..runs.metrics import MetricsLogger
 from ..types import AdamParams, Datum
 from .sft import conversation_datum
@@ -187,9 +187,13 @@ def _loss(cfg: PreferenceConfig, ref: Sequence[float], labels: Sequence[bool]) -
 async def train_preference(cfg: PreferenceConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train with DPO or KTO, log ``metrics.jsonl`` (the loss's metrics, ``test/accuracy`` before and after)
     and save a final checkpoint in ``run_dir``; return the summary."""
+    with open_run_dir(run_dir, cfg, if_exists="overwrite") as (path, _):
+        return await _train_preference(cfg, path)
+
+
+async def _train_preference(cfg: PreferenceConfig, path: Path) -> dict[str, Any]:
     from ..client import ServiceClient
 
-    path, _ = prepare_run_dir(run_dir, cfg, if_exists="overwrite")
     adam = cfg.adam.model_copy(update={"learning_rate": cfg.learning_rate})
     async with ServiceClient(cfg.url) as svc:
         tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
