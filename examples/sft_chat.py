@@ -21,7 +21,15 @@ import anyio
 from pydantic import ConfigDict, Field
 
 from asyncsess import AdamParams, ServiceClient
-from asyncsess.runs.checkpoints import CheckpointRecord, RecoveryConfig, open_run_dir, parse_overrides, run_recovering, save_checkpoint
+from asyncsess.runs.checkpoints import (
+    CheckpointRecord,
+    RecoveryConfig,
+    open_run_dir,
+    parse_overrides,
+    reopen_training_client,
+    run_recovering,
+    save_checkpoint,
+)
 from asyncsess.runs.metrics import MetricsLogger
 from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
 from asyncsess.types import MAX_LEARNING_RATE
@@ -82,8 +90,8 @@ async def main(args: list[str]) -> dict[str, Any]:
     async def train(path: Path, record: CheckpointRecord | None, recovered: dict[str, float]) -> dict[str, Any]:
         start = record.step if record else 0
         async with ServiceClient(cfg.url) as svc:
-            if record is not None and record.state_path:
-                tc = await svc.create_training_client_from_state_with_optimizer(record.state_path)
+            if record is not None:
+                tc = await reopen_training_client(svc, record)
             else:
                 tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
             tok = tc.get_tokenizer()

@@ -305,3 +305,25 @@ async def test_a_directory_is_free_again_when_its_run_ends(tmp_path):
             with open_run_dir(tmp_path, BASE):
                 pass
     assert (await train_rl(BASE, datasets(BASE), tmp_path, progress=False)).steps == 2
+
+
+async def test_a_checkpoint_the_backend_no_longer_has_is_named_and_the_run_resumes_once_cut_back(tmp_path):
+    """Its files deleted (another process's mock:// store, a cleaned-up bucket): was the backend's error naming
+    ``from_path``, with a fix about paths the user never passed."""
+    cfg = BASE.model_copy(update={"max_steps": 3, "save_every": 1})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    file = tmp_path / "checkpoints.jsonl"
+    lines = file.read_text().splitlines()
+    gone = json.loads(lines[-1]) | {"state_path": "mock://mock-train-gone-1/weights/final-000003"}
+    file.write_text("\n".join([*lines[:-1], json.dumps(gone)]) + "\n")
+    more = cfg.model_copy(update={"max_steps": 4})
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(more, datasets(more), tmp_path, progress=False)
+    assert (
+        err.value.field == "checkpoints.jsonl.state_path"
+        and "'final-000003'" in str(err.value)
+        and "cut checkpoints.jsonl" in err.value.fix
+    )
+    file.write_text("\n".join(lines[:-1]) + "\n")  # the fix: back to step-000002
+    assert (await train_rl(more, datasets(more), tmp_path, progress=False)).steps == 4
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]

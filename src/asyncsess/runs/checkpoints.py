@@ -37,6 +37,7 @@ __all__ = [
     "save_checkpoint",
     "last_checkpoint",
     "read_checkpoints",
+    "reopen_training_client",
     "RecoveryConfig",
     "run_recovering",
     "wait_for_backend",
@@ -282,12 +283,28 @@ async def open_training_client(svc: ServiceClient, cfg: Any, record: CheckpointR
     """Resume exactly from ``record`` (weights and optimizer), or start a LoRA client from ``cfg``'s
     ``base_model``, ``lora_rank``, ``lora_alpha``, ``seed`` and ``train_unembed``."""
     if record is not None:
-        if record.state_path is None:
-            raise InvalidInputError("the last checkpoint record has no state_path", field="checkpoints.jsonl", fix="start a new run")
-        return await svc.create_training_client_from_state_with_optimizer(record.state_path)
+        return await reopen_training_client(svc, record)
     return await svc.create_lora_training_client(
         cfg.base_model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, train_unembed=cfg.train_unembed
     )
+
+
+async def reopen_training_client(svc: ServiceClient, record: CheckpointRecord) -> TrainingClient:
+    """The session saved at ``record`` (weights and optimizer). A checkpoint the backend cannot open (its files
+    deleted or cut short, a path of another backend) is an :class:`InvalidInputError` naming the record of
+    ``checkpoints.jsonl`` and the fix, with the backend's error as its cause."""
+    if record.state_path is None:
+        raise InvalidInputError("the last checkpoint record has no state_path", field="checkpoints.jsonl", fix="start a new run")
+    try:
+        return await svc.create_training_client_from_state_with_optimizer(record.state_path)
+    except InvalidInputError as err:  # NotFoundError included
+        why = err.message.removesuffix(f" (fix: {err.fix})") if err.fix else err.message
+        raise InvalidInputError(
+            f"the checkpoint {record.name!r:.80} (step {record.step}) cannot be opened: {why}",
+            field=f"{CHECKPOINTS_FILE}.state_path",
+            fix=f"restore its files, or cut {CHECKPOINTS_FILE} back to the last record whose checkpoint the backend still has "
+            "(that run resumes from there), or start a new run directory",
+        ) from err
 
 
 class RecoveryConfig(BaseModel):
