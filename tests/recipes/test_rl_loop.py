@@ -155,6 +155,22 @@ def test_the_optimizer_settings_live_in_the_config():
             RLConfig(**bad)
 
 
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"group_size": 1001}, "group_size"),  # was refused as num_samples by the first training sample, after the evaluation
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"context_window": 2**80}, "context_window"),
+        ({"max_staleness": 10**12}, "max_staleness"),  # was a tight loop starting 8e12 groups (the run never answered)
+        ({"groups_per_batch": 10**9}, "groups_per_batch"),
+    ],
+)
+def test_sizes_a_run_cannot_take_are_refused_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        RLConfig(**bad)
+    RLConfig(group_size=1000, max_staleness=8191, groups_per_batch=8)  # the limits themselves are taken
+
+
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 async def test_the_learning_rate_decays_to_zero_over_the_steps(tmp_path, schedule):
     cfg = BASE.model_copy(update={"max_steps": 6, "lr_schedule": schedule, "remove_constant_reward_groups": False})

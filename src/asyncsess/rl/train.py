@@ -50,8 +50,8 @@ from ..runs.checkpoints import (
 from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
 from ..runs.schedule import LRSchedule, decayed_lr
-from ..types import MAX_LEARNING_RATE, AdamParams, Datum, ForwardBackwardOutput, TensorData
-from ..validation import check_loss_fn, check_loss_fn_config
+from ..types import MAX_LEARNING_RATE, MAX_TOKENS, AdamParams, Datum, ForwardBackwardOutput, TensorData
+from ..validation import MAX_SAMPLES, check_loss_fn, check_loss_fn_config
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
 from .datasets import CheckedBatches, DrawnBatches, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
@@ -69,6 +69,9 @@ MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenComplete
 PlayGroup = Callable[[EnvGroupBuilder, SamplingClient, float, int], Awaitable[TrajectoryGroup]]
 
 
+# groups started and not yet trained, groups_per_batch × (max_staleness + 1): past it a run is a config typo (each
+# is a task, and all are played to the end before the final checkpoint)
+MAX_GROUPS_AHEAD = 65_536
 # held-out episodes played at once: well under the client's sampling bound (256 requests), so that a large
 # evaluation neither pauses the pool (and logs it) nor crowds out the rollouts in flight
 EVAL_EPISODES_IN_FLIGHT = 128
@@ -99,10 +102,12 @@ class RLConfig(RecoveryConfig):
     grad_clip_norm: float = Field(default=0.0, ge=0.0)
     # the batch: groups_per_batch problems × group_size episodes
     groups_per_batch: int = Field(default=8, ge=1)
-    group_size: int = Field(default=8, ge=1)
-    max_tokens: int = Field(default=16, ge=1)
+    group_size: int = Field(default=8, ge=1, le=MAX_SAMPLES)  # sampled in one request of n = group_size
+    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    context_window: int | None = Field(default=None, ge=2)  # caps prompt + max_tokens; default: the base model's, where the backend says
+    context_window: int | None = Field(
+        default=None, ge=2, le=MAX_TOKENS
+    )  # caps prompt + max_tokens; default: the base model's, where the backend says
     # the loss
     loss_fn: str = "ppo"
     loss_fn_config: dict[str, float] | None = None
@@ -144,6 +149,11 @@ class RLConfig(RecoveryConfig):
             raise ValueError(err.message) from None
         if self.num_minibatches > self.groups_per_batch:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) exceeds groups_per_batch ({self.groups_per_batch})")
+        if (ahead := self.groups_per_batch * (self.max_staleness + 1)) > MAX_GROUPS_AHEAD:
+            raise ValueError(
+                f"groups_per_batch × (max_staleness + 1) = {ahead} groups would be played ahead of the trainer (and all of them "
+                f"at the end of a run), more than {MAX_GROUPS_AHEAD}: lower max_staleness or groups_per_batch"
+            )
         return self
 
     def adam(self, done: float = 0.0) -> AdamParams:
