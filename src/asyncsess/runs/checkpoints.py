@@ -37,6 +37,7 @@ __all__ = [
     "save_checkpoint",
     "last_checkpoint",
     "read_checkpoints",
+    "read_run_config",
     "reopen_training_client",
     "RecoveryConfig",
     "run_recovering",
@@ -165,7 +166,7 @@ def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path
     if path.exists() and any(path.iterdir()):
         if if_exists == "raise":
             raise InvalidInputError(f"{path} is not empty", field="run_dir", fix="pick a new directory, or resume/overwrite it")
-        old = _read_config(path)
+        old = read_run_config(path)
         if old is None and any((path / name).exists() for name in (CHECKPOINTS_FILE, METRICS_FILE)):
             raise InvalidInputError(
                 f"{path} holds run files but no {CONFIG_FILE}", field="run_dir", fix="use a new run directory (or restore its config.json)"
@@ -191,7 +192,7 @@ def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path
     return path, record
 
 
-def _read_config(path: Path) -> dict[str, Any] | None:
+def read_run_config(path: Path) -> dict[str, Any] | None:
     """The ``config.json`` of the run in ``path`` (``None`` if it has none); a typed error if it is not one."""
     file = path / CONFIG_FILE
     if not file.exists() and not file.is_symlink():
