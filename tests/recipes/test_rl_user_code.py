@@ -176,3 +176,28 @@ async def test_a_stream_of_problems_is_refused_naming_next_batch(tmp_path):
     with pytest.raises(InvalidInputError) as err:  # was an AttributeError ('Problem' object has no attribute 'make_envs')
         await train_rl(CFG, lambda tok: (ProblemStream(), []), tmp_path, progress=False)
     assert err.value.field == "next_batch" and "ProblemStream.next_batch() at batch 0 gave a Problem" in str(err.value)
+
+
+def returning(kind: str):
+    """make_datasets returning ``kind`` of held-out set (or of result)."""
+
+    def make(tokenizer):
+        train, test = problem_datasets(PROBLEMS, PROBLEMS[:2], grader_returning((0.0, {})), CFG)(tokenizer)
+        return {"none": (train, None), "dataset": (train, train), "triple": (train, test, None), "problems": (train, PROBLEMS)}[kind]
+
+    return make
+
+
+async def test_no_held_out_set_may_be_none_as_in_the_cookbook(tmp_path):
+    result = await train_rl(CFG, returning("none"), tmp_path, progress=False)  # was a TypeError: 'NoneType' is not iterable
+    assert result.steps == 2 and result.before == {}
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("dataset", "a ProblemDataset (a dataset of batches)"), ("triple", "not a pair"), ("problems", "gave a Problem")],
+)
+async def test_a_held_out_set_that_is_not_builders_names_make_datasets(tmp_path, kind, says):
+    with pytest.raises(InvalidInputError) as err:  # were a TypeError, a ValueError (unpacking) and an AttributeError
+        await train_rl(CFG, returning(kind), tmp_path, progress=False)
+    assert err.value.field == "make_datasets" and says in str(err.value)

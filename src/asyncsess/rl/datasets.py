@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InvalidInputError
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset
 
-__all__ = ["ShuffledDataset", "CheckedBatches", "DrawnBatches", "run_dataset"]
+__all__ = ["ShuffledDataset", "CheckedBatches", "DrawnBatches", "made_datasets", "run_dataset"]
 
 T = TypeVar("T")
 _FIX_JSON = "return dicts, lists, str, int, float, bool and None (random.getstate() as lists, numpy values via int() or .tolist())"
@@ -125,13 +125,16 @@ def _load(dataset: StatefulDataset, state: dict[str, Any], what: str) -> str:
     return now
 
 
-def _check_batch(batch: object, source: str, per_batch: int, field: str) -> list[EnvGroupBuilder]:
-    """``batch`` as a list if it holds ``per_batch`` group builders; else an InvalidInputError naming ``source``."""
-    fix = "return a list of groups_per_batch EnvGroupBuilders (things with make_envs()), e.g. ProblemGroupBuilder"
+_BATCH_FIX = "return a list of groups_per_batch EnvGroupBuilders (things with make_envs()), e.g. ProblemGroupBuilder"
+
+
+def _check_batch(batch: object, source: str, per_batch: int | None, field: str, fix: str = _BATCH_FIX) -> list[EnvGroupBuilder]:
+    """``batch`` as a list if it holds ``per_batch`` (``None``: any number of) group builders; else an
+    InvalidInputError naming ``source``."""
     if not isinstance(batch, Iterable) or isinstance(batch, (str, bytes, Mapping)):
         raise InvalidInputError(f"{source} gave a {type(batch).__name__}, not a list of builders", field=field, fix=fix)
     items: list[Any] = list(batch)
-    if len(items) != per_batch:
+    if per_batch is not None and len(items) != per_batch:
         raise InvalidInputError(f"{source} gave {len(items)} builders, the run takes {per_batch}", field=field, fix=fix)
     wrong = next((b for b in items if not callable(getattr(b, "make_envs", None))), None)
     if wrong is not None:
@@ -237,6 +240,25 @@ class DrawnBatches:
     def __len__(self) -> int:
         """The batches drawn so far."""
         return self.first + len(self.kept)
+
+
+def made_datasets(made: object) -> tuple[RLDataset | StatefulDataset, list[EnvGroupBuilder]]:
+    """What ``make_datasets`` returned, checked: a pair of the training dataset and the held-out group builders (a
+    list; ``None`` for none, as tinker-cookbook's dataset builders return). Anything else is an InvalidInputError
+    naming ``make_datasets``, raised before any request."""
+    fix = "return (training dataset, a list of held-out EnvGroupBuilders, or [] / None for none)"
+    if not isinstance(made, tuple) or len(made) != 2:
+        raise InvalidInputError(f"make_datasets returned {made!r:.80}, not a pair", field="make_datasets", fix=fix)
+    train, test = made
+    if test is None:
+        return train, []
+    if callable(getattr(test, "get_batch", None)):
+        raise InvalidInputError(
+            f"make_datasets returned a {_type_name(test)} (a dataset of batches) as the held-out set",
+            field="make_datasets",
+            fix="return its builders as a list: [b for i in range(len(ds)) for b in ds.get_batch(i)]",
+        )
+    return train, _check_batch(test, "make_datasets' held-out set", None, "make_datasets", fix)
 
 
 def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, saved: dict[str, Any] | None) -> CheckedBatches | DrawnBatches:

@@ -53,7 +53,7 @@ from ..runs.schedule import LRSchedule, decayed_lr
 from ..types import MAX_LEARNING_RATE, MAX_TOKENS, AdamParams, Datum, ForwardBackwardOutput, TensorData
 from ..validation import MAX_SAMPLES, check_loss_fn, check_loss_fn_config
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
-from .datasets import CheckedBatches, DrawnBatches, run_dataset
+from .datasets import CheckedBatches, DrawnBatches, made_datasets, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
 from .refresh import RefreshProbe, default_tolerance, probe_tokens
 from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics, run_all
@@ -61,8 +61,8 @@ from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, 
 
 __all__ = ["RLConfig", "RLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_rl"]
 
-# (tokenizer) -> (training dataset, held-out group builders: one episode each)
-MakeDatasets = Callable[[Tokenizer], tuple[RLDataset | StatefulDataset, Sequence[EnvGroupBuilder]]]
+# (tokenizer) -> (training dataset, held-out group builders: one episode each; None for none)
+MakeDatasets = Callable[[Tokenizer], tuple[RLDataset | StatefulDataset, Sequence[EnvGroupBuilder] | None]]
 # (sampler, max_tokens, temperature, context_window) -> the policy that plays episodes
 MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenCompleter]
 # (builder, sampler, temperature, sampler_step) -> the played group; default: the envs played by the completer
@@ -208,7 +208,7 @@ async def train_rl(
         with MetricsLogger(path, resume_step=start) as log:  # a run resumed before its first checkpoint rewrites step 0 on
             async with ServiceClient(cfg.url) as svc:
                 tc = await open_training_client(svc, cfg, record)
-                train, test = make_datasets(tc.get_tokenizer())
+                train, test = made_datasets(make_datasets(tc.get_tokenizer()))
                 data = run_dataset(train, cfg.groups_per_batch, record.extra if record else None)  # checked, restored
                 if isinstance(data, CheckedBatches):  # its first batch, before a sampling or training op
                     data.get_batch(resumed[0] // cfg.groups_per_batch)
@@ -217,7 +217,7 @@ async def train_rl(
                     caps = await svc.get_server_capabilities()
                     window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
                 reference = await svc.create_sampling_client(base_model=tc.base_model) if cfg.kl_penalty_coef else None
-                loop = _Loop(cfg, tc, data, list(test), window, path, log, make_completer, play_group, reference)
+                loop = _Loop(cfg, tc, data, test, window, path, log, make_completer, play_group, reference)
                 loop.pending_metrics = dict(recovered)
                 return await loop.run(start, record, resumed, progress)
 
