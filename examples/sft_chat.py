@@ -21,6 +21,7 @@ import anyio
 from pydantic import ConfigDict, Field
 
 from asyncsess import AdamParams, ServiceClient
+from asyncsess.errors import InvalidInputError
 from asyncsess.runs.checkpoints import (
     CheckpointRecord,
     RecoveryConfig,
@@ -100,6 +101,12 @@ async def main(args: list[str]) -> dict[str, Any]:
             train = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[:cut]]
             test = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[cut:]]
             plan = batches(len(train), cfg)
+            if not plan:  # a run of 0 steps would look like a finished one
+                raise InvalidInputError(
+                    f"{len(train)} training conversations (the last 10% held out) are fewer than one batch of {cfg.batch_size}",
+                    field="batch_size",
+                    fix="lower batch_size or add conversations",
+                )
             end = min(len(plan), cfg.max_steps) if cfg.max_steps is not None else len(plan)
             before = await nll(tc, test)
             evals = {start: before}  # step -> test/nll of the weights before that step

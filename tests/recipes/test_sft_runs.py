@@ -35,6 +35,30 @@ def test_conversation_datum_trains_on_assistant_tokens_only():
         conversation_datum(TOK, CONV[:2])
 
 
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"train_on": "last"}, "train_on"),  # a typo trained on every assistant message
+        ({"max_length": 1}, "max_length"),  # an empty datum, refused only by forward_backward
+        ({"max_length": 0}, "max_length"),
+        ({"messages": "2+2? 4"}, "messages"),  # an AttributeError
+        ({"messages": ["2+2?", "4"]}, "messages"),
+    ],
+)
+def test_conversation_datum_refuses_what_it_cannot_train_naming_the_argument(args, field):
+    with pytest.raises(InvalidInputError) as err:
+        conversation_datum(TOK, **{"messages": CONV, **args})
+    assert err.value.field == field and err.value.fix
+
+
+async def test_sft_chat_refuses_data_shorter_than_one_batch(tmp_path):
+    from examples import sft_chat
+
+    with pytest.raises(InvalidInputError) as err:  # was a run of 0 steps that looked finished
+        await sft_chat.main(["batch_size=64", f"run_dir={tmp_path}"])
+    assert err.value.field == "batch_size" and "fewer than one batch of 64" in str(err.value)
+
+
 def test_assistant_spans_and_turn_stops():
     tokens, spans = assistant_spans(TOK, CONV)
     assert [TOK.decode(tokens[a:b]) for a, b in spans] == ["4<|end|>", "6<|end|>"]
