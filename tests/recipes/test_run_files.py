@@ -4,6 +4,7 @@ line and the field, before a session is opened or a line is appended."""
 
 import json
 import os
+from pathlib import Path
 
 import anyio
 import pytest
@@ -327,3 +328,31 @@ async def test_a_checkpoint_the_backend_no_longer_has_is_named_and_the_run_resum
     file.write_text("\n".join(lines[:-1]) + "\n")  # the fix: back to step-000002
     assert (await train_rl(more, datasets(more), tmp_path, progress=False)).steps == 4
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+
+
+class Killed(BaseException):
+    """The process dying mid-write."""
+
+
+async def test_a_kill_while_a_resumed_run_rewrites_a_pending_file_leaves_the_recorded_one_whole(tmp_path, monkeypatch):
+    """Rerunning a finished run takes its final checkpoint again at the same step, rewriting the pending-<step>.json
+    its record names. Killed mid-write, that file was left torn, and the run could no longer resume."""
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=1", "max_steps": 2, "max_staleness": 2})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    record_ = last_checkpoint(tmp_path)
+    assert record_ is not None and record_.extra.get("pending_file") == "pending-000002.json"
+    saved = (tmp_path / "pending-000002.json").read_text()
+    write_text = Path.write_text
+
+    def dies_halfway(self, text, *args, **kwargs):
+        if "pending-" in self.name:
+            write_text(self, text[: len(text) // 2], *args, **kwargs)
+            raise Killed
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", dies_halfway)
+    with pytest.raises(Killed):
+        await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    monkeypatch.undo()
+    assert (tmp_path / "pending-000002.json").read_text() == saved
+    assert (await train_rl(cfg, datasets(cfg), tmp_path, progress=False)).steps == 2

@@ -47,6 +47,7 @@ from ..runs.checkpoints import (
     run_recovering,
     save_checkpoint,
 )
+from ..runs.jsonl import write_whole
 from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
 from ..runs.schedule import LRSchedule, decayed_lr
@@ -514,6 +515,6 @@ class _Loop:
         if finished:
             extra["pending_file"] = f"pending-{step:06d}.json"
             groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]
-            (self.path / extra["pending_file"]).write_text(json.dumps(groups))
+            write_whole(self.path / extra["pending_file"], json.dumps(groups))  # a resumed run may rewrite a recorded one
         name = f"{'final' if final else 'step'}-{step:06d}"
         return await save_checkpoint(self.tc, self.path, name, step, kind="both" if final else "state", final=final, extra=extra)

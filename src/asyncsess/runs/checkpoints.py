@@ -24,7 +24,7 @@ from ..backends.registry import check_url
 from ..client import ServiceClient, TrainingClient
 from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
 from ..retry import RetryPolicy
-from .jsonl import JsonlLine, open_for_append, read_jsonl, refuse
+from .jsonl import JsonlLine, open_for_append, read_jsonl, refuse, write_whole
 from .metrics import METRICS_FILE, read_metrics
 
 __all__ = [
@@ -186,9 +186,7 @@ def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path
                 )
             record = last_checkpoint(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, path / CONFIG_FILE)  # whole or not at all: a kill never leaves half a config
+    write_whole(path / CONFIG_FILE, json.dumps(cfg, indent=2) + "\n")  # a kill never leaves half a config
     return path, record
 
 

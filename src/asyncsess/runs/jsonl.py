@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from ..errors import InvalidInputError
 
-__all__ = ["JsonlLine", "open_for_append", "read_jsonl", "refuse"]
+__all__ = ["JsonlLine", "open_for_append", "read_jsonl", "refuse", "write_whole"]
 
 log = logging.getLogger("asyncsess.runs")
 MAX_FILE_BYTES = 1 << 30  # a run's JSONL files hold a line per step; a bigger one is not a run's
@@ -122,3 +122,11 @@ def open_for_append(path: Path, check: Callable[[int, dict[str, Any]], object], 
             with path.open("ab") as f:
                 f.write(b"\n")
     return path.open("a", encoding="utf-8")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file beside it, then renamed over it): a process killed
+    mid-write leaves the old file, never part of the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

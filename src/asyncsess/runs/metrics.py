@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .jsonl import open_for_append, read_jsonl, refuse
+from .jsonl import open_for_append, read_jsonl, refuse, write_whole
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
 
@@ -40,9 +39,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] < resume_step]
-            tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)  # a kill here leaves the old lines or the kept ones, never a part
+            write_whole(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # the old lines or the kept ones, never a part
         self._file = open_for_append(self.path, lambda n, r: _check(self.path, n, r), _FIX)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
