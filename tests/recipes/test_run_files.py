@@ -356,3 +356,27 @@ async def test_a_kill_while_a_resumed_run_rewrites_a_pending_file_leaves_the_rec
     monkeypatch.undo()
     assert (tmp_path / "pending-000002.json").read_text() == saved
     assert (await train_rl(cfg, datasets(cfg), tmp_path, progress=False)).steps == 2
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda g, t: t.update(reward="x"),  # was a TypeError mid-step
+        lambda g, t: t["ac"].update(tokens=["a"] * len(t["ac"]["tokens"])),  # was trained on (or a backend error)
+        lambda g, t: t["ac"].update(logprobs=t["ac"]["logprobs"][:-1]),
+        lambda g, t: t["ac"]["logprobs"].__setitem__(0, 1e400),  # inf in JSON
+        lambda g, t: g.update(version=10**6),  # from weights the run never had
+        lambda g, t: g.update(index=-5),
+        lambda g, t: g["group"].update(trajectories=[]),
+    ],
+)
+async def test_a_pending_file_that_a_run_cannot_have_written_is_refused_before_a_session(tmp_path, tamper):
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=1", "max_staleness": 2})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    file = tmp_path / "pending-000002.json"
+    groups = json.loads(file.read_text())
+    tamper(groups[0], groups[0]["group"]["trajectories"][0]["transitions"][0] if groups[0]["group"]["trajectories"] else None)
+    file.write_text(json.dumps(groups))
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(cfg.model_copy(update={"max_steps": 3}), datasets(cfg), tmp_path, progress=False)
+    assert err.value.field == "checkpoints.jsonl.extra.pending_file" and "pending-000002.json" in str(err.value)

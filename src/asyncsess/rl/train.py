@@ -258,6 +258,8 @@ def _resume_point(path: Path, record: CheckpointRecord | None, groups_per_batch:
         if not all(type(f["index"]) is int and type(f["version"]) is int and isinstance(f["group"], dict) for f in saved):
             raise ValueError("a group's index, version or group has the wrong type")
         groups = [(f["index"], f["version"], TrajectoryGroup.from_dict(f["group"])) for f in saved]
+        if not all(0 <= i < cursor and 0 <= v <= record.step for i, v, _ in groups) or len({i for i, _, _ in groups}) != len(groups):
+            raise ValueError(f"a group's index is not one below the cursor ({cursor}) or its version is past the step ({record.step})")
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as err:
         raise InvalidInputError(f"{where}: {name}: {str(err)[:120]}", field="checkpoints.jsonl.extra.pending_file", fix=fix) from None
     return cursor, groups

@@ -218,6 +218,25 @@ class TrajectoryGroup:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrajectoryGroup:
+        """The group :meth:`to_dict` saved; a ValueError (or KeyError / TypeError) for data it cannot have written:
+        rewards and metrics that are not finite numbers, token ids that are not ints, log-probs not one per token."""
+        group = cls._from_dict(d)
+        for traj in group.trajectories:
+            for t in traj.transitions:
+                check_reward(t.reward, t.metrics, "a saved transition")
+                lps = t.ac.logprobs
+                if not all(type(x) is int for x in t.ac.tokens) or len(lps) != len(t.ac.tokens):
+                    raise ValueError("a saved action's tokens are not ints with one log-prob each")
+                if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in lps):
+                    raise ValueError("a saved action's log-probs are not finite numbers")
+        if not len(group.group_rewards) == len(group.group_metrics) == len(group.trajectories):
+            raise ValueError("a saved group has not one group reward per trajectory")
+        for r, m in zip(group.group_rewards, group.group_metrics):
+            check_reward(r, m, "a saved group reward")
+        return group
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> TrajectoryGroup:
         trajectories = [
             Trajectory(
                 [
