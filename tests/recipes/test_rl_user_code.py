@@ -201,3 +201,50 @@ async def test_a_held_out_set_that_is_not_builders_names_make_datasets(tmp_path,
     with pytest.raises(InvalidInputError) as err:  # were a TypeError, a ValueError (unpacking) and an AttributeError
         await train_rl(CFG, returning(kind), tmp_path, progress=False)
     assert err.value.field == "make_datasets" and says in str(err.value)
+
+
+class Gym(Env):
+    """An env written to another protocol (``mistake`` says how)."""
+
+    def __init__(self, mistake: str) -> None:
+        self.mistake = mistake
+
+    async def initial_observation(self):
+        if self.mistake == "tokens":
+            return [1, 2, 3], []
+        if self.mistake == "no stop":
+            return ModelInput.from_ints([1, 2, 3])
+        return ModelInput.from_ints([1, 2, 3]), []
+
+    async def step(self, action):
+        if self.mistake == "tuple":
+            return 1.0, True
+        if self.mistake == "next tokens":
+            return StepResult(0.0, False, [1, 2, 3, 4], [])  # type: ignore[arg-type]
+        return StepResult(0.0, self.mistake != "never done", ModelInput.from_ints([1, 2, 3]), [])
+
+
+class GymBuilder(EnvGroupBuilder):
+    def __init__(self, mistake: str) -> None:
+        self.mistake = mistake
+
+    async def make_envs(self):
+        return None if self.mistake == "no envs" else [Gym(self.mistake) for _ in range(CFG.group_size)]
+
+
+@pytest.mark.parametrize(
+    ("mistake", "field"),
+    [
+        ("tokens", "observation"),  # was an AttributeError ('list' object has no attribute 'to_ints')
+        ("no stop", "observation"),  # a TypeError
+        ("tuple", "step"),  # gym's (reward, done): an AttributeError
+        ("next tokens", "observation"),
+        ("no envs", "make_envs"),  # a TypeError
+        ("never done", "episode_done"),  # sampled forever: the run never ended
+    ],
+)
+async def test_an_env_of_another_protocol_is_refused_naming_it(tmp_path, monkeypatch, mistake, field):
+    monkeypatch.setattr("asyncsess.rl.rollouts.MAX_TURNS", 5)
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(CFG, lambda tok: (Batches(GymBuilder(mistake)), []), tmp_path, progress=False)
+    assert err.value.field == field and ("Gym" in str(err.value)) and err.value.fix

@@ -19,8 +19,9 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..client import SamplingClient
+from ..errors import InvalidInputError
 from ..types import ModelInput, SamplingParams
-from .types import STOP_REASONS, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition, check_reward
+from .types import STOP_REASONS, StepResult, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition, check_reward
 
 if TYPE_CHECKING:
     from .types import Env, EnvGroupBuilder, RLDataset, StopCondition, TokenCompleter
@@ -106,30 +107,61 @@ class ScriptedCompleter:
         return TokensWithLogprobs(tokens, [float(x or 0.0) for x in logprobs[len(prompt) :]], reason)
 
 
+# turns one episode may take: an env that never sets episode_done would otherwise sample forever
+MAX_TURNS = 10_000
+_ENV_FIX = "see asyncsess.rl.types.Env: initial_observation() -> (ModelInput, stop), step(action) -> StepResult"
+
+
 async def _play(env: Env, policy: TokenCompleter, ob: ModelInput, stop: StopCondition, first: TokensWithLogprobs | None) -> Trajectory:
-    transitions = []
-    while True:
+    transitions: list[Transition] = []
+    name = type(env).__qualname__
+    while len(transitions) < MAX_TURNS:
         ac, first = first or await policy(ob, stop), None
         result = await env.step(ac.tokens)
-        reward, metrics = check_reward(result.reward, result.metrics, f"{type(env).__qualname__}.step()")
+        if not isinstance(result, StepResult):
+            raise InvalidInputError(f"{name}.step() returned {result!r:.60}, not a StepResult", field="step", fix=_ENV_FIX)
+        reward, metrics = check_reward(result.reward, result.metrics, f"{name}.step()")
         transitions.append(Transition(ob, ac, reward, result.episode_done, metrics))
         if result.episode_done:
             reason = "max_tokens" if ac.stop_reason == "length" else result.stop_reason or "completed"
             return Trajectory(transitions, reason)
-        ob, stop = result.next_observation, result.next_stop_condition
+        ob, stop = _observation(result.next_observation, result.next_stop_condition, f"{name}.step()'s next_observation")
+    raise InvalidInputError(f"{name} played {MAX_TURNS} turns without episode_done", field="episode_done", fix="end each episode")
+
+
+def _observation(ob: object, stop: object, source: str) -> tuple[ModelInput, StopCondition]:
+    """An env's observation and stop condition, checked (a ModelInput: ``ModelInput.from_ints(tokens)``)."""
+    if not isinstance(ob, ModelInput):
+        raise InvalidInputError(
+            f"{source} is {ob!r:.60}, not a ModelInput", field="observation", fix=f"wrap tokens: ModelInput.from_ints(tokens); {_ENV_FIX}"
+        )
+    return ob, stop  # type: ignore[return-value]
+
+
+async def _start(env: Env) -> tuple[ModelInput, StopCondition]:
+    started = await env.initial_observation()
+    source = f"{type(env).__qualname__}.initial_observation()"
+    if not isinstance(started, tuple) or len(started) != 2:
+        raise InvalidInputError(f"{source} returned {started!r:.60}, not (observation, stop)", field="observation", fix=_ENV_FIX)
+    return _observation(*started, source)
 
 
 async def do_rollout(env: Env, policy: TokenCompleter) -> Trajectory:
     """Play one episode to its end."""
-    ob, stop = await env.initial_observation()
+    ob, stop = await _start(env)
     return await _play(env, policy, ob, stop, None)
 
 
 async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sampler_step: int = 0) -> TrajectoryGroup:
     """Play every env of a group concurrently, then add the group rewards. Where all envs start from the same
     observation and the policy has ``complete_group``, their first actions are sampled in one request."""
-    envs = list(await builder.make_envs())
-    starts = [await env.initial_observation() for env in envs]
+    made = await builder.make_envs()
+    if not isinstance(made, Sequence) or not all(callable(getattr(e, "step", None)) for e in made):
+        raise InvalidInputError(
+            f"{type(builder).__qualname__}.make_envs() returned {made!r:.60}, not a list of Envs", field="make_envs", fix=_ENV_FIX
+        )
+    envs = list(made)
+    starts = [await _start(env) for env in envs]
     firsts: Sequence[TokensWithLogprobs | None] = [None] * len(envs)
     complete_group = getattr(policy, "complete_group", None)
     if len(envs) > 1 and complete_group is not None:
