@@ -380,3 +380,28 @@ async def test_a_pending_file_that_a_run_cannot_have_written_is_refused_before_a
     with pytest.raises(InvalidInputError) as err:
         await train_rl(cfg.model_copy(update={"max_steps": 3}), datasets(cfg), tmp_path, progress=False)
     assert err.value.field == "checkpoints.jsonl.extra.pending_file" and "pending-000002.json" in str(err.value)
+
+
+async def test_resuming_over_another_index_addressed_dataset_is_refused(tmp_path):
+    """A run over 8 problems, resumed over 12 (or over another dataset class): was trained on silently."""
+    cfg = BASE.model_copy(update={"max_steps": 2, "save_every": 1})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    assert last_checkpoint(tmp_path).extra["data"] == {"type": "ProblemDataset", "batches": 4}
+    more = cfg.model_copy(update={"max_steps": 3})
+    bigger = problem_datasets([*PROBLEMS, *PROBLEMS[:4]], [], digit_share, more)
+
+    class Renamed:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_batch(self, index):
+            return self.inner.get_batch(index)
+
+        def __len__(self):
+            return len(self.inner)
+
+    for make in (bigger, lambda tok: (Renamed(datasets(more)(tok)[0]), [])):
+        with pytest.raises(InvalidInputError) as err:
+            await train_rl(more, make, tmp_path, progress=False)
+        assert err.value.field == "make_datasets" and "ProblemDataset" in str(err.value)
+    assert (await train_rl(more, datasets(more), tmp_path, progress=False)).steps == 3  # the same one resumes

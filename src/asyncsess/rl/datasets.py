@@ -167,6 +167,15 @@ class CheckedBatches:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of the dataset (``extra["data"]``), so that a resume over another one is refused:
+        its class and its ``len()`` (``None`` where that fails)."""
+        try:
+            batches = len(self.dataset)
+        except Exception:
+            batches = None
+        return {"type": _type_name(self.dataset), "batches": batches if type(batches) is int else None}
+
 
 class DrawnBatches:
     """A :class:`~asyncsess.rl.types.StatefulDataset` addressed by batch index (an :class:`RLDataset`): batch ``i`` is
@@ -287,4 +296,11 @@ def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, sav
             field="make_datasets",
             fix="give it get_batch(index) and __len__(), or next_batch(), state_dict() and load_state_dict()",
         )
-    return CheckedBatches(dataset, groups_per_batch)
+    checked = CheckedBatches(dataset, groups_per_batch)
+    if "data" in extra and extra["data"] != checked.identity():
+        raise InvalidInputError(
+            f"the checkpoint was written over {str(extra['data'])[:80]}, make_datasets returned {checked.identity()}",
+            field="make_datasets",
+            fix="resume with the same dataset (class and number of batches), or start a new run directory",
+        )
+    return checked

@@ -270,7 +270,7 @@ class _Loop:
         self,
         cfg: RLConfig,
         tc: TrainingClient,
-        train: RLDataset,
+        train: CheckedBatches | DrawnBatches,
         test: list[EnvGroupBuilder],
         window: int | None,
         path: Path,
@@ -514,6 +514,8 @@ class _Loop:
         extra: dict[str, Any] = {"cursor": cursor}
         if isinstance(self.train, DrawnBatches):
             extra["dataset"] = self.train.state(min((f.index for f in finished), default=cursor))
+        else:
+            extra["data"] = self.train.identity()
         if finished:
             extra["pending_file"] = f"pending-{step:06d}.json"
             groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]
