@@ -31,7 +31,7 @@ from ..client import SamplingClient
 from ..errors import InvalidInputError
 from .capture import AgentTrajectory, build_trajectory
 from .problem_env import ProblemDataset
-from .train import RLConfig, RLResult, train_rl
+from .train import LearningRate, LoraAlpha, LoraRank, MaxTokens, RLConfig, RLResult, Steps, train_rl
 from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup, check_reward
 
 __all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
@@ -43,12 +43,12 @@ Agent = Callable[[Any, Any], Awaitable[float]]
 class AgentRLConfig(RLConfig):
     """RL settings (defaults for long agent turns), plus the model name the agent's requests use and the front's ``n`` bound."""
 
-    lora_rank: int = 32
-    lora_alpha: float | None = 64.0
-    learning_rate: float = 4e-5
-    max_tokens: int = Field(default=512, ge=1)
+    lora_rank: LoraRank = 32
+    lora_alpha: LoraAlpha = 64.0
+    learning_rate: LearningRate = 4e-5
+    max_tokens: MaxTokens = 512
     loss_fn: str = "cispo"
-    max_steps: int = Field(default=50, ge=0)
+    max_steps: Steps = 50
     model_name: str = Field(default="policy", min_length=1, max_length=256)
     max_n: int = Field(default=64, ge=1, le=1000)
 

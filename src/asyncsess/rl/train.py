@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -60,7 +60,19 @@ from .refresh import RefreshProbe, default_tolerance, probe_tokens
 from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics, run_all
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, TrajectoryGroup
 
-__all__ = ["RLConfig", "RLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_rl"]
+__all__ = [
+    "LearningRate",
+    "LoraAlpha",
+    "LoraRank",
+    "MaxTokens",
+    "Steps",
+    "RLConfig",
+    "RLResult",
+    "MakeCompleter",
+    "MakeDatasets",
+    "PlayGroup",
+    "train_rl",
+]
 
 # (tokenizer) -> (training dataset, held-out group builders: one episode each; None for none)
 MakeDatasets = Callable[[Tokenizer], tuple[RLDataset | StatefulDataset, Sequence[EnvGroupBuilder] | None]]
@@ -78,6 +90,15 @@ MAX_GROUPS_AHEAD = 65_536
 EVAL_EPISODES_IN_FLIGHT = 128
 
 
+# the ranges of the settings a config built on RLConfig may give new defaults (AgentRLConfig does): a subclass that
+# redeclares a field replaces its Field, so it must redeclare it with these types to keep the checks
+LoraRank = Annotated[int, Field(ge=1)]
+LoraAlpha = Annotated[float | None, Field(gt=0.0)]
+LearningRate = Annotated[float, Field(ge=0.0, le=MAX_LEARNING_RATE)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+Steps = Annotated[int, Field(ge=0)]
+
+
 class RLConfig(RecoveryConfig):
     """Settings of an RL run (written to ``config.json``); a lost session is recovered (:class:`RecoveryConfig`).
 
@@ -88,12 +109,12 @@ class RLConfig(RecoveryConfig):
 
     url: str = "mock://"
     base_model: str = "mock/bigram-tiny"
-    lora_rank: int = Field(default=16, ge=1)
-    lora_alpha: float | None = Field(default=32.0, gt=0.0)
+    lora_rank: LoraRank = 16
+    lora_alpha: LoraAlpha = 32.0
     train_unembed: bool = False
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
     # the optimizer: AdamW, one step per batch
-    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE)
+    learning_rate: LearningRate = 1e-4
     # decays to 0 over the run, whichever limit ends it first: steps done / max_steps or training time / max_minutes
     lr_schedule: LRSchedule = "constant"
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
@@ -104,7 +125,7 @@ class RLConfig(RecoveryConfig):
     # the batch: groups_per_batch problems × group_size episodes
     groups_per_batch: int = Field(default=8, ge=1)
     group_size: int = Field(default=8, ge=1, le=MAX_SAMPLES)  # sampled in one request of n = group_size
-    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS)
+    max_tokens: MaxTokens = 16
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     context_window: int | None = Field(
         default=None, ge=2, le=MAX_TOKENS
@@ -124,7 +145,7 @@ class RLConfig(RecoveryConfig):
     is_mask_low: float = Field(default=0.5, ge=0.0, le=1.0)
     is_mask_high: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     # the run
-    max_steps: int = Field(default=100, ge=0)
+    max_steps: Steps = 100
     max_minutes: float | None = Field(default=None, gt=0.0)
     eval_every: int = Field(default=0, ge=0)
     save_every: int = Field(default=0, ge=0)
