@@ -157,6 +157,13 @@ def test_a_run_dir_that_cannot_be_made_is_a_typed_error(tmp_path, where):
     assert err.value.field == "run_dir"
 
 
+def test_an_empty_run_dir_is_refused_not_taken_as_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `run_dir=` on a recipe's command line wrote config.json and the run files here
+    with pytest.raises(InvalidInputError) as err:
+        prepare_run_dir("", BASE)
+    assert err.value.field == "run_dir" and os.listdir(tmp_path) == []
+
+
 def test_a_misspelt_if_exists_is_refused_not_taken_as_resume(tmp_path):
     with pytest.raises(InvalidInputError) as err:
         prepare_run_dir(tmp_path / "run", BASE, if_exists="overwite")  # type: ignore[arg-type]

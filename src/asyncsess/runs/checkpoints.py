@@ -141,6 +141,8 @@ def _checked(run_dir: str | Path, config: BaseModel, if_exists: str) -> tuple[Pa
         raise InvalidInputError(f"{if_exists!r:.40} is not a choice", field="if_exists", fix="pass 'resume', 'overwrite' or 'raise'")
     if isinstance(url := getattr(config, "url", None), str):
         check_url(url)
+    if str(run_dir).strip() == "":  # Path("") is the working directory: run files would land among the user's
+        raise InvalidInputError("is empty", field="run_dir", fix="name a directory, e.g. runs/my_run")
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise InvalidInputError(f"{path} is a file, not a directory", field="run_dir", fix="pass a directory path (new or a run's)")
