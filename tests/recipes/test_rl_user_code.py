@@ -10,7 +10,7 @@ import pytest
 
 from asyncsess.errors import InvalidInputError
 from asyncsess.rl import EnvGroupBuilder, Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, StepResult, problem_datasets, train_rl
-from asyncsess.rl.types import Env
+from asyncsess.rl.types import Env, TokensWithLogprobs
 from asyncsess.runs.metrics import read_metrics
 from asyncsess.types import ModelInput
 
@@ -248,3 +248,34 @@ async def test_an_env_of_another_protocol_is_refused_naming_it(tmp_path, monkeyp
     with pytest.raises(InvalidInputError) as err:
         await train_rl(CFG, lambda tok: (Batches(GymBuilder(mistake)), []), tmp_path, progress=False)
     assert err.value.field == field and ("Gym" in str(err.value)) and err.value.fix
+
+
+class Completer:
+    """A ``make_completer`` policy that answers ``reply``."""
+
+    def __init__(self, reply) -> None:
+        self.reply = reply
+
+    async def __call__(self, model_input, stop):
+        return self.reply
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        ([5], [-1.0]),  # a tuple: an AttributeError
+        TokensWithLogprobs([5, 6], None, "stop"),  # type: ignore[arg-type]
+        TokensWithLogprobs([5, 6], [-1.0], "stop"),  # a ValueError once its datum was built
+        TokensWithLogprobs([5, 6], [-1.0, math.nan], "stop"),  # refused by forward_backward, naming the datum
+        TokensWithLogprobs([5.0, 6.0], [-1.0, -1.0], "stop"),  # type: ignore[list-item]
+    ],
+)
+async def test_a_completer_whose_action_is_not_tokens_with_logprobs_is_refused_naming_it(tmp_path, reply):
+    def varied(problem, text):
+        return float(len(text)), {}
+
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(
+            CFG, problem_datasets(PROBLEMS, [], varied, CFG), tmp_path, progress=False, make_completer=lambda *a: Completer(reply)
+        )
+    assert err.value.field == "make_completer" and "Completer returned" in str(err.value)

@@ -9,6 +9,7 @@ the policy has a seed, so a run at a fixed seed is reproducible.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -116,7 +117,7 @@ async def _play(env: Env, policy: TokenCompleter, ob: ModelInput, stop: StopCond
     transitions: list[Transition] = []
     name = type(env).__qualname__
     while len(transitions) < MAX_TURNS:
-        ac, first = first or await policy(ob, stop), None
+        ac, first = first or _action(await policy(ob, stop), policy), None
         result = await env.step(ac.tokens)
         if not isinstance(result, StepResult):
             raise InvalidInputError(f"{name}.step() returned {result!r:.60}, not a StepResult", field="step", fix=_ENV_FIX)
@@ -127,6 +128,25 @@ async def _play(env: Env, policy: TokenCompleter, ob: ModelInput, stop: StopCond
             return Trajectory(transitions, reason)
         ob, stop = _observation(result.next_observation, result.next_stop_condition, f"{name}.step()'s next_observation")
     raise InvalidInputError(f"{name} played {MAX_TURNS} turns without episode_done", field="episode_done", fix="end each episode")
+
+
+def _action(ac: object, policy: object) -> TokensWithLogprobs:
+    """A policy's (a ``make_completer``'s) action, checked: int tokens, each with a finite log-prob."""
+    name = type(policy).__qualname__
+    if (
+        not isinstance(ac, TokensWithLogprobs)
+        or not isinstance(ac.tokens, list)
+        or not isinstance(ac.logprobs, list)
+        or len(ac.tokens) != len(ac.logprobs)
+        or not all(type(t) is int for t in ac.tokens)
+    ):
+        fix = "return TokensWithLogprobs(tokens: list[int], logprobs: list[float], one per token, stop_reason)"
+        raise InvalidInputError(f"{name} returned {ac!r:.80}", field="make_completer", fix=fix)
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in ac.logprobs):
+        raise InvalidInputError(
+            f"{name} returned a log-prob that is not a finite number", field="make_completer", fix="return the sampler's log-probs"
+        )
+    return ac
 
 
 def _observation(ob: object, stop: object, source: str) -> tuple[ModelInput, StopCondition]:
