@@ -187,7 +187,13 @@ async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sam
     if len(envs) > 1 and complete_group is not None:
         first, stop = starts[0][0], list(starts[0][1])
         if all((ob is first or ob.to_ints() == first.to_ints()) and list(s) == stop for ob, s in starts[1:]):
-            firsts = await complete_group(starts[0][0], starts[0][1], len(envs))
+            firsts = [_action(a, policy) for a in await complete_group(starts[0][0], starts[0][1], len(envs))]
+            if len(firsts) != len(envs):
+                raise InvalidInputError(
+                    f"{type(policy).__qualname__}.complete_group gave {len(firsts)} actions for {len(envs)} envs",
+                    field="make_completer",
+                    fix="return n actions",
+                )
     trajectories: list[Trajectory | None] = [None] * len(envs)
 
     async def one(i: int) -> None:
