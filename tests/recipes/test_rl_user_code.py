@@ -279,3 +279,21 @@ async def test_a_completer_whose_action_is_not_tokens_with_logprobs_is_refused_n
             CFG, problem_datasets(PROBLEMS, [], varied, CFG), tmp_path, progress=False, make_completer=lambda *a: Completer(reply)
         )
     assert err.value.field == "make_completer" and "Completer returned" in str(err.value)
+
+
+class GroupCompleter(Completer):
+    async def complete_group(self, model_input, stop, n):
+        return self.reply
+
+
+@pytest.mark.parametrize("reply", [[TokensWithLogprobs([5], [-1.0], "stop")], [([5], [-1.0])] * CFG.group_size])
+async def test_a_completers_group_actions_are_checked_too(tmp_path, reply):
+    with pytest.raises(InvalidInputError) as err:  # one action for two envs: the second env got none (an IndexError)
+        await train_rl(
+            CFG,
+            problem_datasets(PROBLEMS, [], grader_returning((0.0, {})), CFG),
+            tmp_path,
+            progress=False,
+            make_completer=lambda *a: GroupCompleter(reply),
+        )
+    assert err.value.field == "make_completer" and "GroupCompleter" in str(err.value)
