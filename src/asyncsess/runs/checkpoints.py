@@ -117,20 +117,30 @@ def open_run_dir(
     path, cfg = _checked(run_dir, config, if_exists)
     with _usable(path):
         path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY)
-    try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise InvalidInputError(
-                    f"{path} is in use by another run (in this process or another)",
-                    field="run_dir",
-                    fix="wait for that run to end (or stop it), or pick another run directory",
-                ) from None
+    with _locked(path):
         with _usable(path):
             prepared = _prepare(path, cfg, if_exists)
         yield prepared
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the directory ``path`` for the block (nothing where ``fcntl`` is missing)."""
+    if fcntl is None:
+        yield
+        return
+    with _usable(path):
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidInputError(
+                f"{path} is in use by another run (in this process or another)",
+                field="run_dir",
+                fix="wait for that run to end (or stop it), or pick another run directory",
+            ) from None
+        yield
     finally:
         os.close(fd)  # and with it the lock
 
