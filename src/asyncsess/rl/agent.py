@@ -29,7 +29,7 @@ from pydantic import Field
 from ..backends.base import Tokenizer
 from ..client import SamplingClient
 from ..errors import InvalidInputError
-from .capture import AgentTrajectory, build_trajectory
+from .capture import AgentTrajectory, build_trajectory, trajectories_file
 from .problem_env import ProblemDataset
 from .train import LearningRate, LoraAlpha, LoraRank, MaxTokens, RLConfig, RLResult, Steps, train_rl
 from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup, check_reward
@@ -69,7 +69,7 @@ class _AgentRunner:
 
         self.cfg, self.agent = cfg, agent
         self.front = OpenAIFront(model_name=cfg.model_name, max_n=cfg.max_n, max_tokens=cfg.max_tokens, context_window=cfg.context_window)
-        self.jsonl = path / "trajectories.jsonl"
+        self.jsonl = trajectories_file(path / "trajectories.jsonl")
 
     async def rollout(self, task: Any, sampler: SamplingClient, temperature: float, version: int, index: int = 0) -> AgentTrajectory:
         rid = f"rollout-{uuid.uuid4().hex}"
