@@ -68,6 +68,9 @@ def test_assistant_spans_and_turn_stops():
 def test_learning_rate_schedules():
     assert learning_rate(1.0, 0, 10) == 1.0 and learning_rate(1.0, 5, 10) == 0.5 and learning_rate(1.0, 10, 10) == 0.0
     assert learning_rate(1.0, 5, 10, "cosine") == pytest.approx(0.5) and learning_rate(2.0, 7, 10, "constant") == 2.0
+    with pytest.raises(InvalidInputError) as err:  # was a constant rate
+        learning_rate(1.0, 5, 10, "Linear")  # type: ignore[arg-type]
+    assert err.value.field == "schedule"
 
 
 async def test_submit_ahead_keeps_the_next_step_queued_before_reading_results():
