@@ -1,7 +1,9 @@
 """Chat datums, SFT pipelining and schedules, metrics.jsonl and checkpoints.jsonl."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 
 from asyncsess import AdamParams, InvalidInputError, ServiceClient
@@ -104,6 +106,24 @@ def test_metrics_logger_writes_lines_and_drops_rewritten_steps_on_resume(tmp_pat
     with MetricsLogger(tmp_path, resume_step=2) as log:
         log.log(2, {"x": 1})
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_metrics_logger_writes_what_a_resume_reads_back(tmp_path):
+    """numpy values were a TypeError; a NaN inside a list was written as NaN, and read_metrics then refused the
+    line, so the run could not resume; a "step" among the metrics replaced the line's step."""
+    with MetricsLogger(tmp_path) as log:
+        log.log(0, {"a": np.float32(0.5), "n": np.int64(3), "ok": np.bool_(True), "hist": np.array([1.0, np.nan]), "d": {"x": [math.inf]}})
+        with pytest.raises(InvalidInputError) as err:
+            log.log(1, {"obj": object()})
+        assert err.value.field == "metrics"
+        with pytest.raises(InvalidInputError) as err:
+            log.log(1, {"step": 2.0})
+        assert err.value.field == "metrics.step"
+        log.log(1, {"step": 1, "b": 1.0})
+    assert read_metrics(tmp_path) == [
+        {"step": 0, "a": 0.5, "n": 3, "ok": True, "hist": [1.0, None], "d": {"x": [None]}},
+        {"step": 1, "b": 1.0},
+    ]
 
 
 async def test_checkpoint_records_and_resume_point(tmp_path):

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ..errors import InvalidInputError
 from .jsonl import open_for_append, read_jsonl, refuse, write_whole
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
@@ -20,10 +23,24 @@ __all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
 METRICS_FILE = "metrics.jsonl"
 
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/Infinity
-    return value
+def _clean(value: Any, key: str) -> Any:
+    """``value`` as JSON data a run reads back: numpy scalars and arrays as Python numbers and lists, NaN and
+    infinities (at any depth) as null (JSON has none, and a line holding them is refused on reading)."""
+    if isinstance(value, np.ndarray | np.generic):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_clean(v, key) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: _clean(v, f"{key}.{k}") for k, v in value.items()}
+    raise InvalidInputError(
+        f"metric {key!r:.60} is of type {type(value).__name__}, not JSON data",
+        field="metrics",
+        fix="log numbers, strings, lists and str-keyed dicts",
+    )
 
 
 class MetricsLogger:
@@ -43,8 +60,12 @@ class MetricsLogger:
         self._file = open_for_append(self.path, lambda n, r: _check(self.path, n, r), _FIX)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        record = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        if "step" in metrics and metrics["step"] != step:  # it would replace the line's step, which a resume reads
+            raise InvalidInputError(
+                f"metrics hold step {metrics['step']!r:.40}, logged as step {step}", field="metrics.step", fix="leave step out of metrics"
+            )
+        record = {"step": int(step), **{k: _clean(v, k) for k, v in metrics.items() if k != "step"}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
