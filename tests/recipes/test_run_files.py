@@ -3,10 +3,12 @@ attacker leaves it: a torn last line is recovered from, anything else is a typed
 line and the field, before a session is opened or a line is appended."""
 
 import json
+import math
 import os
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 
 from asyncsess import ServiceClient
@@ -412,3 +414,16 @@ async def test_resuming_over_another_index_addressed_dataset_is_refused(tmp_path
             await train_rl(more, make, tmp_path, progress=False)
         assert err.value.field == "make_datasets" and "ProblemDataset" in str(err.value)
     assert (await train_rl(more, datasets(more), tmp_path, progress=False)).steps == 3  # the same one resumes
+
+
+async def test_a_checkpoints_extra_is_json_data_checked_before_the_save(tmp_path):
+    """numpy values in extra were a PydanticSerializationError after the state was saved (a record never written)."""
+    path, _ = prepare_run_dir(tmp_path / "run", BASE)
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        await save_checkpoint(tc, path, "s1", 1, extra={"loss": np.float32(0.5), "seen": np.arange(2), "bad": [math.nan]})
+        calls = svc.backend.calls["execute_training"]  # saves are training ops
+        with pytest.raises(InvalidInputError) as err:
+            await save_checkpoint(tc, path, "s2", 2, extra={"obj": object()})
+        assert err.value.field == "extra" and svc.backend.calls["execute_training"] == calls  # refused before saving
+    assert [r.extra for r in read_checkpoints(path)] == [{"loss": 0.5, "seen": [0, 1], "bad": [None]}]

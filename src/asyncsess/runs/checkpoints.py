@@ -24,7 +24,7 @@ from ..backends.registry import check_url
 from ..client import ServiceClient, TrainingClient
 from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
 from ..retry import RetryPolicy
-from .jsonl import JsonlLine, open_for_append, read_jsonl, refuse, write_whole
+from .jsonl import JsonlLine, json_data, open_for_append, read_jsonl, refuse, write_whole
 from .metrics import METRICS_FILE, read_metrics
 
 __all__ = [
@@ -244,6 +244,7 @@ async def save_checkpoint(
     A ``checkpoints.jsonl`` with a line that is not a record is refused first (nothing is saved)."""
     file = Path(run_dir) / CHECKPOINTS_FILE
     read_checkpoints(run_dir)  # never bury a bad line under new ones
+    extra = json_data(dict(extra or {}), "extra", "extra")  # numpy values as numbers; anything else refused before saving
     state = tc.save_state(name) if kind in ("state", "both") else None
     sampler = tc.save_weights_for_sampler(name) if kind in ("sampler", "both") else None
     record = CheckpointRecord(
@@ -252,7 +253,7 @@ async def save_checkpoint(
         final=final,
         state_path=(await state).path if state else None,
         sampler_path=(await sampler).path if sampler else None,
-        extra=dict(extra or {}),
+        extra=extra,
     )
     with open_for_append(file, lambda n, r: _record(file, n, r), _FIX) as f:
         f.write(record.model_dump_json() + "\n")

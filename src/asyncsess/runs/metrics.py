@@ -8,39 +8,16 @@ Namespaces follow tinker-cookbook: ``env/all/reward/total``, ``env/all/<metric>`
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import InvalidInputError
-from .jsonl import open_for_append, read_jsonl, refuse, write_whole
+from .jsonl import json_data, open_for_append, read_jsonl, refuse, write_whole
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def _clean(value: Any, key: str) -> Any:
-    """``value`` as JSON data a run reads back: numpy scalars and arrays as Python numbers and lists, NaN and
-    infinities (at any depth) as null (JSON has none, and a line holding them is refused on reading)."""
-    if isinstance(value, np.ndarray | np.generic):
-        value = value.tolist()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (str, int)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_clean(v, key) for v in value]
-    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-        return {k: _clean(v, f"{key}.{k}") for k, v in value.items()}
-    raise InvalidInputError(
-        f"metric {key!r:.60} is of type {type(value).__name__}, not JSON data",
-        field="metrics",
-        fix="log numbers, strings, lists and str-keyed dicts",
-    )
 
 
 class MetricsLogger:
@@ -64,7 +41,7 @@ class MetricsLogger:
             raise InvalidInputError(
                 f"metrics hold step {metrics['step']!r:.40}, logged as step {step}", field="metrics.step", fix="leave step out of metrics"
             )
-        record = {"step": int(step), **{k: _clean(v, k) for k, v in metrics.items() if k != "step"}}
+        record = {"step": int(step), **{k: json_data(v, k, "metrics") for k, v in metrics.items() if k != "step"}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
