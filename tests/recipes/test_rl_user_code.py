@@ -91,6 +91,22 @@ class Builder(EnvGroupBuilder):
         return [(self.group_reward, {}) for _ in trajectories]
 
 
+class ShortGroupRewards(EnvGroupBuilder):
+    """Group rewards for one trajectory of two: the other was dropped from the group silently."""
+
+    async def make_envs(self):
+        return [OneEnv() for _ in range(CFG.group_size)]
+
+    async def compute_group_rewards(self, trajectories, envs):
+        return [(0.0, {})]
+
+
+async def test_group_rewards_not_one_per_trajectory_are_refused(tmp_path):
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(CFG, lambda tok: (Batches(ShortGroupRewards()), []), tmp_path, progress=False)
+    assert err.value.field == "compute_group_rewards" and "ShortGroupRewards" in str(err.value)
+
+
 class OneEnv(NaNEnv):
     async def step(self, action):
         return StepResult(1.0, True)

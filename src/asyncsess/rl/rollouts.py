@@ -202,7 +202,14 @@ async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sam
     await run_all(one, len(envs))
     done = [t for t in trajectories if t is not None]
     source = f"{type(builder).__qualname__}.compute_group_rewards()"
-    group = [check_reward(r, m, source) for r, m in await builder.compute_group_rewards(done, envs)]
+    rewards = await builder.compute_group_rewards(done, envs)
+    if not isinstance(rewards, Sequence) or len(rewards) != len(done) or not all(isinstance(p, tuple) and len(p) == 2 for p in rewards):
+        raise InvalidInputError(  # a short list dropped trajectories from the group without a word
+            f"{source} returned {rewards!r:.60} for {len(done)} trajectories",
+            field="compute_group_rewards",
+            fix="return one (reward, metrics) pair per trajectory",
+        )
+    group = [check_reward(r, m, source) for r, m in rewards]
     return TrajectoryGroup(done, [r for r, _ in group], [m for _, m in group], sampler_step)
 
 
