@@ -21,7 +21,16 @@ import anyio
 from pydantic import ConfigDict, Field
 
 from asyncsess import AdamParams, ServiceClient
-from asyncsess.runs.checkpoints import RecoveryConfig, parse_overrides, prepare_run_dir, run_recovering, save_checkpoint
+from asyncsess.errors import InvalidInputError
+from asyncsess.runs.checkpoints import (
+    CheckpointRecord,
+    RecoveryConfig,
+    open_run_dir,
+    parse_overrides,
+    reopen_training_client,
+    run_recovering,
+    save_checkpoint,
+)
 from asyncsess.runs.metrics import MetricsLogger
 from asyncsess.supervised.sft import SubmitAhead, conversation_datum, learning_rate, mean_nll, nll
 from asyncsess.types import MAX_LEARNING_RATE
@@ -76,11 +85,14 @@ async def main(args: list[str]) -> dict[str, Any]:
     cfg = SFTConfig.model_validate(opts)
 
     async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> dict[str, Any]:
-        path, record = prepare_run_dir(run_dir, cfg, mode)
+        with open_run_dir(run_dir, cfg, mode) as (path, record):  # held while it runs: a second run on it is refused
+            return await train(path, record, recovered)
+
+    async def train(path: Path, record: CheckpointRecord | None, recovered: dict[str, float]) -> dict[str, Any]:
         start = record.step if record else 0
         async with ServiceClient(cfg.url) as svc:
-            if record is not None and record.state_path:
-                tc = await svc.create_training_client_from_state_with_optimizer(record.state_path)
+            if record is not None:
+                tc = await reopen_training_client(svc, record)
             else:
                 tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
             tok = tc.get_tokenizer()
@@ -89,6 +101,12 @@ async def main(args: list[str]) -> dict[str, Any]:
             train = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[:cut]]
             test = [conversation_datum(tok, m, max_length=cfg.max_length) for m in convs[cut:]]
             plan = batches(len(train), cfg)
+            if not plan:  # a run of 0 steps would look like a finished one
+                raise InvalidInputError(
+                    f"{len(train)} training conversations (the last 10% held out) are fewer than one batch of {cfg.batch_size}",
+                    field="batch_size",
+                    fix="lower batch_size or add conversations",
+                )
             end = min(len(plan), cfg.max_steps) if cfg.max_steps is not None else len(plan)
             before = await nll(tc, test)
             evals = {start: before}  # step -> test/nll of the weights before that step

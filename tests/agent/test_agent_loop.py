@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from asyncsess.errors import InvalidInputError
 from asyncsess.rl import AgentRLConfig, train_agent_rl
 from asyncsess.rl.capture import read_trajectories
 from asyncsess.runs.metrics import read_metrics
@@ -130,3 +131,36 @@ async def test_an_agent_error_stops_the_run_with_that_error(tmp_path):
     cfg = AgentRLConfig(url="mock://", groups_per_batch=1, group_size=2, max_steps=2)
     with pytest.raises(RuntimeError, match="agent bug"):
         await train_agent_rl(cfg, broken, ["t"], [], tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("reward", [None, "1.0", float("nan")])
+async def test_an_agent_whose_reward_is_not_a_number_stops_the_run_naming_it(tmp_path, reward):
+    """None was a TypeError, "1.0" was trained on as 1.0, NaN failed later as the datums' advantages."""
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}], max_tokens=4)
+        return reward
+
+    cfg = AgentRLConfig(url="mock://?max_context=2048", groups_per_batch=1, group_size=2, max_steps=1, max_tokens=4)
+    with pytest.raises(InvalidInputError) as err:
+        await train_agent_rl(cfg, agent, ["a"], [], tmp_path, progress=False)
+    assert err.value.field == "reward" and "the agent" in str(err.value)
+
+
+async def test_a_killed_runs_torn_trajectory_line_is_cut_before_the_resumed_run_appends(tmp_path):
+    """The resumed run appended its first record to the torn line, and read_trajectories then failed on the whole
+    file with a JSONDecodeError."""
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}], max_tokens=4)
+        return float(len(task))
+
+    cfg = AgentRLConfig(url="mock://?max_context=2048", groups_per_batch=1, group_size=2, max_steps=1, max_tokens=4, save_every=1)
+    await train_agent_rl(cfg, agent, ["a", "bb"], [], tmp_path, progress=False)
+    whole = read_trajectories(tmp_path / "trajectories.jsonl")
+    with open(tmp_path / "trajectories.jsonl", "a") as f:
+        f.write('{"rollout_id": "rollout-to')  # SIGKILL mid-write
+    assert read_trajectories(tmp_path / "trajectories.jsonl") == whole  # the torn line left out
+    await train_agent_rl(cfg.model_copy(update={"max_steps": 2}), agent, ["a", "bb"], [], tmp_path, progress=False)
+    lines = read_trajectories(tmp_path / "trajectories.jsonl")
+    assert lines[: len(whole)] == whole and len(lines) > len(whole) and "rollout-to" not in (tmp_path / "trajectories.jsonl").read_text()

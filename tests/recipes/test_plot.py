@@ -1,6 +1,7 @@
 """``asyncsess plot RUN_DIR`` writes valid PNG curves of a recorded run (needs matplotlib)."""
 
 import anyio
+import pytest
 from matplotlib.image import imread
 from typer.testing import CliRunner
 
@@ -33,3 +34,12 @@ def test_plot_writes_pngs_of_a_recorded_run(tmp_path):
 def test_plot_refuses_a_missing_directory(tmp_path):
     result = CliRunner().invoke(app, ["plot", str(tmp_path / "nope")])
     assert result.exit_code != 0
+
+
+@pytest.mark.parametrize("metrics", [None, '{"step": "x"}\n'])
+def test_plot_of_a_run_without_readable_metrics_is_an_error_line_not_a_traceback(tmp_path, metrics):
+    if metrics is not None:
+        (tmp_path / "metrics.jsonl").write_text(metrics)
+    result = CliRunner().invoke(app, ["plot", str(tmp_path)])
+    assert result.exit_code == 2 and "error: " in result.output and "metrics.jsonl" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

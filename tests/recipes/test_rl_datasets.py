@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -275,8 +276,15 @@ def test_drawn_batches_keep_what_is_still_needed(tmp_path):
     before the batch of group ``first``, and restoring it draws the same batches again."""
     from asyncsess.rl.datasets import DrawnBatches
 
+    @dataclass(frozen=True)
+    class Named:  # a group builder that compares by its problem
+        question: str
+
+        async def make_envs(self) -> list:
+            return []
+
     def stream() -> ShuffleBufferStream:
-        return ShuffleBufferStream(PROBLEMS, 2, lambda p: p.question, 3, tmp_path / "log")  # type: ignore[arg-type,return-value]
+        return ShuffleBufferStream(PROBLEMS, 2, lambda p: Named(p.question), 3, tmp_path / "log")  # type: ignore[arg-type,return-value]
 
     data = DrawnBatches(stream(), 2)
     needed = [0]

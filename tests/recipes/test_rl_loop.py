@@ -155,6 +155,35 @@ def test_the_optimizer_settings_live_in_the_config():
             RLConfig(**bad)
 
 
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"group_size": 1001}, "group_size"),  # was refused as num_samples by the first training sample, after the evaluation
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"context_window": 2**80}, "context_window"),
+        ({"max_staleness": 10**12}, "max_staleness"),  # was a tight loop starting 8e12 groups (the run never answered)
+        ({"groups_per_batch": 10**9}, "groups_per_batch"),
+    ],
+)
+def test_sizes_a_run_cannot_take_are_refused_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        RLConfig(**bad)
+    RLConfig(group_size=1000, max_staleness=8191, groups_per_batch=8)  # the limits themselves are taken
+
+
+def test_configs_built_on_rlconfig_keep_its_ranges():
+    """AgentRLConfig redeclared lora_rank, lora_alpha, learning_rate, max_tokens (the agent recipe's config inherits
+    it) without their ranges: learning_rate=-1 or 1e9 and lora_rank=0 were taken."""
+    from asyncsess.rl.agent import AgentRLConfig
+
+    for config in (AgentRLConfig,):
+        for name, field in RLConfig.model_fields.items():
+            assert config.model_fields[name].metadata == field.metadata, (config.__name__, name)
+        for bad in ({"learning_rate": -1.0}, {"learning_rate": 1e9}, {"lora_rank": 0}, {"lora_alpha": -1.0}, {"max_tokens": 2**40}):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                config(**bad)
+
+
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 async def test_the_learning_rate_decays_to_zero_over_the_steps(tmp_path, schedule):
     cfg = BASE.model_copy(update={"max_steps": 6, "lr_schedule": schedule, "remove_constant_reward_groups": False})

@@ -3,14 +3,18 @@ attacker leaves it: a torn last line is recovered from, anything else is a typed
 line and the field, before a session is opened or a line is appended."""
 
 import json
+import math
 import os
+from pathlib import Path
 
+import anyio
+import numpy as np
 import pytest
 
 from asyncsess import ServiceClient
 from asyncsess.errors import InvalidInputError
 from asyncsess.rl import Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, ShuffledDataset, problem_datasets, train_rl
-from asyncsess.runs.checkpoints import last_checkpoint, prepare_run_dir, read_checkpoints, save_checkpoint
+from asyncsess.runs.checkpoints import last_checkpoint, open_run_dir, prepare_run_dir, read_checkpoints, save_checkpoint
 from asyncsess.runs.metrics import MetricsLogger, read_metrics
 
 from .helpers import digit_share
@@ -155,6 +159,13 @@ def test_a_run_dir_that_cannot_be_made_is_a_typed_error(tmp_path, where):
     assert err.value.field == "run_dir"
 
 
+def test_an_empty_run_dir_is_refused_not_taken_as_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `run_dir=` on a recipe's command line wrote config.json and the run files here
+    with pytest.raises(InvalidInputError) as err:
+        prepare_run_dir("", BASE)
+    assert err.value.field == "run_dir" and os.listdir(tmp_path) == []
+
+
 def test_a_misspelt_if_exists_is_refused_not_taken_as_resume(tmp_path):
     with pytest.raises(InvalidInputError) as err:
         prepare_run_dir(tmp_path / "run", BASE, if_exists="overwite")  # type: ignore[arg-type]
@@ -274,3 +285,145 @@ async def test_a_tampered_dataset_state_is_refused_before_a_step(tmp_path, chang
         await train_rl(cfg.model_copy(update={"max_steps": 4}), shuffled(cfg), path, progress=False)
     assert err.value.field == field
     assert max(r["step"] for r in read_metrics(path)) < 2 and last_checkpoint(path).step == 2  # no step trained or saved
+
+
+async def test_a_second_run_on_a_directory_in_use_is_refused_before_it_writes(tmp_path):
+    """Two loops started on one directory appended interleaved checkpoint records (two sessions' 'step-000001'),
+    and one's metrics went to a file the other had replaced. Now the second is refused; the first runs whole."""
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=5", "max_steps": 3, "save_every": 1})
+    outcomes: list[object] = []
+
+    async def one():
+        try:
+            outcomes.append(await train_rl(cfg, datasets(cfg), tmp_path, progress=False))
+        except InvalidInputError as err:
+            outcomes.append(err)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one)
+        tg.start_soon(one)
+    refused = [o for o in outcomes if isinstance(o, InvalidInputError)]
+    assert len(refused) == 1 and refused[0].field == "run_dir" and "in use" in str(refused[0])
+    assert [r.name for r in read_checkpoints(tmp_path)] == ["step-000001", "step-000002", "final-000003"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+
+
+async def test_a_directory_is_free_again_when_its_run_ends(tmp_path):
+    with open_run_dir(tmp_path, BASE) as (path, record_):
+        assert path == tmp_path and record_ is None
+        with pytest.raises(InvalidInputError, match="in use"):
+            with open_run_dir(tmp_path, BASE):
+                pass
+    assert (await train_rl(BASE, datasets(BASE), tmp_path, progress=False)).steps == 2
+
+
+async def test_a_checkpoint_the_backend_no_longer_has_is_named_and_the_run_resumes_once_cut_back(tmp_path):
+    """Its files deleted (another process's mock:// store, a cleaned-up bucket): was the backend's error naming
+    ``from_path``, with a fix about paths the user never passed."""
+    cfg = BASE.model_copy(update={"max_steps": 3, "save_every": 1})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    file = tmp_path / "checkpoints.jsonl"
+    lines = file.read_text().splitlines()
+    gone = json.loads(lines[-1]) | {"state_path": "mock://mock-train-gone-1/weights/final-000003"}
+    file.write_text("\n".join([*lines[:-1], json.dumps(gone)]) + "\n")
+    more = cfg.model_copy(update={"max_steps": 4})
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(more, datasets(more), tmp_path, progress=False)
+    assert (
+        err.value.field == "checkpoints.jsonl.state_path"
+        and "'final-000003'" in str(err.value)
+        and "cut checkpoints.jsonl" in err.value.fix
+    )
+    file.write_text("\n".join(lines[:-1]) + "\n")  # the fix: back to step-000002
+    assert (await train_rl(more, datasets(more), tmp_path, progress=False)).steps == 4
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+
+
+class Killed(BaseException):
+    """The process dying mid-write."""
+
+
+async def test_a_kill_while_a_resumed_run_rewrites_a_pending_file_leaves_the_recorded_one_whole(tmp_path, monkeypatch):
+    """Rerunning a finished run takes its final checkpoint again at the same step, rewriting the pending-<step>.json
+    its record names. Killed mid-write, that file was left torn, and the run could no longer resume."""
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=1", "max_steps": 2, "max_staleness": 2})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    record_ = last_checkpoint(tmp_path)
+    assert record_ is not None and record_.extra.get("pending_file") == "pending-000002.json"
+    saved = (tmp_path / "pending-000002.json").read_text()
+    write_text = Path.write_text
+
+    def dies_halfway(self, text, *args, **kwargs):
+        if "pending-" in self.name:
+            write_text(self, text[: len(text) // 2], *args, **kwargs)
+            raise Killed
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", dies_halfway)
+    with pytest.raises(Killed):
+        await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    monkeypatch.undo()
+    assert (tmp_path / "pending-000002.json").read_text() == saved
+    assert (await train_rl(cfg, datasets(cfg), tmp_path, progress=False)).steps == 2
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda g, t: t.update(reward="x"),  # was a TypeError mid-step
+        lambda g, t: t["ac"].update(tokens=["a"] * len(t["ac"]["tokens"])),  # was trained on (or a backend error)
+        lambda g, t: t["ac"].update(logprobs=t["ac"]["logprobs"][:-1]),
+        lambda g, t: t["ac"]["logprobs"].__setitem__(0, 1e400),  # inf in JSON
+        lambda g, t: g.update(version=10**6),  # from weights the run never had
+        lambda g, t: g.update(index=-5),
+        lambda g, t: g["group"].update(trajectories=[]),
+    ],
+)
+async def test_a_pending_file_that_a_run_cannot_have_written_is_refused_before_a_session(tmp_path, tamper):
+    cfg = BASE.model_copy(update={"url": "mock://?latency_ms=1", "max_staleness": 2})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    file = tmp_path / "pending-000002.json"
+    groups = json.loads(file.read_text())
+    tamper(groups[0], groups[0]["group"]["trajectories"][0]["transitions"][0] if groups[0]["group"]["trajectories"] else None)
+    file.write_text(json.dumps(groups))
+    with pytest.raises(InvalidInputError) as err:
+        await train_rl(cfg.model_copy(update={"max_steps": 3}), datasets(cfg), tmp_path, progress=False)
+    assert err.value.field == "checkpoints.jsonl.extra.pending_file" and "pending-000002.json" in str(err.value)
+
+
+async def test_resuming_over_another_index_addressed_dataset_is_refused(tmp_path):
+    """A run over 8 problems, resumed over 12 (or over another dataset class): was trained on silently."""
+    cfg = BASE.model_copy(update={"max_steps": 2, "save_every": 1})
+    await train_rl(cfg, datasets(cfg), tmp_path, progress=False)
+    assert last_checkpoint(tmp_path).extra["data"] == {"type": "ProblemDataset", "batches": 4}
+    more = cfg.model_copy(update={"max_steps": 3})
+    bigger = problem_datasets([*PROBLEMS, *PROBLEMS[:4]], [], digit_share, more)
+
+    class Renamed:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_batch(self, index):
+            return self.inner.get_batch(index)
+
+        def __len__(self):
+            return len(self.inner)
+
+    for make in (bigger, lambda tok: (Renamed(datasets(more)(tok)[0]), [])):
+        with pytest.raises(InvalidInputError) as err:
+            await train_rl(more, make, tmp_path, progress=False)
+        assert err.value.field == "make_datasets" and "ProblemDataset" in str(err.value)
+    assert (await train_rl(more, datasets(more), tmp_path, progress=False)).steps == 3  # the same one resumes
+
+
+async def test_a_checkpoints_extra_is_json_data_checked_before_the_save(tmp_path):
+    """numpy values in extra were a PydanticSerializationError after the state was saved (a record never written)."""
+    path, _ = prepare_run_dir(tmp_path / "run", BASE)
+    async with ServiceClient("mock://") as svc:
+        tc = await svc.create_lora_training_client("m", rank=4)
+        await save_checkpoint(tc, path, "s1", 1, extra={"loss": np.float32(0.5), "seen": np.arange(2), "bad": [math.nan]})
+        calls = svc.backend.calls["execute_training"]  # saves are training ops
+        with pytest.raises(InvalidInputError) as err:
+            await save_checkpoint(tc, path, "s2", 2, extra={"obj": object()})
+        assert err.value.field == "extra" and svc.backend.calls["execute_training"] == calls  # refused before saving
+    assert [r.extra for r in read_checkpoints(path)] == [{"loss": 0.5, "seen": [0, 1], "bad": [None]}]

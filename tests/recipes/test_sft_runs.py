@@ -1,7 +1,9 @@
 """Chat datums, SFT pipelining and schedules, metrics.jsonl and checkpoints.jsonl."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 
 from asyncsess import AdamParams, InvalidInputError, ServiceClient
@@ -35,6 +37,30 @@ def test_conversation_datum_trains_on_assistant_tokens_only():
         conversation_datum(TOK, CONV[:2])
 
 
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"train_on": "last"}, "train_on"),  # a typo trained on every assistant message
+        ({"max_length": 1}, "max_length"),  # an empty datum, refused only by forward_backward
+        ({"max_length": 0}, "max_length"),
+        ({"messages": "2+2? 4"}, "messages"),  # an AttributeError
+        ({"messages": ["2+2?", "4"]}, "messages"),
+    ],
+)
+def test_conversation_datum_refuses_what_it_cannot_train_naming_the_argument(args, field):
+    with pytest.raises(InvalidInputError) as err:
+        conversation_datum(TOK, **{"messages": CONV, **args})
+    assert err.value.field == field and err.value.fix
+
+
+async def test_sft_chat_refuses_data_shorter_than_one_batch(tmp_path):
+    from examples import sft_chat
+
+    with pytest.raises(InvalidInputError) as err:  # was a run of 0 steps that looked finished
+        await sft_chat.main(["batch_size=64", f"run_dir={tmp_path}"])
+    assert err.value.field == "batch_size" and "fewer than one batch of 64" in str(err.value)
+
+
 def test_assistant_spans_and_turn_stops():
     tokens, spans = assistant_spans(TOK, CONV)
     assert [TOK.decode(tokens[a:b]) for a, b in spans] == ["4<|end|>", "6<|end|>"]
@@ -44,6 +70,9 @@ def test_assistant_spans_and_turn_stops():
 def test_learning_rate_schedules():
     assert learning_rate(1.0, 0, 10) == 1.0 and learning_rate(1.0, 5, 10) == 0.5 and learning_rate(1.0, 10, 10) == 0.0
     assert learning_rate(1.0, 5, 10, "cosine") == pytest.approx(0.5) and learning_rate(2.0, 7, 10, "constant") == 2.0
+    with pytest.raises(InvalidInputError) as err:  # was a constant rate
+        learning_rate(1.0, 5, 10, "Linear")  # type: ignore[arg-type]
+    assert err.value.field == "schedule"
 
 
 async def test_submit_ahead_keeps_the_next_step_queued_before_reading_results():
@@ -77,6 +106,24 @@ def test_metrics_logger_writes_lines_and_drops_rewritten_steps_on_resume(tmp_pat
     with MetricsLogger(tmp_path, resume_step=2) as log:
         log.log(2, {"x": 1})
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_metrics_logger_writes_what_a_resume_reads_back(tmp_path):
+    """numpy values were a TypeError; a NaN inside a list was written as NaN, and read_metrics then refused the
+    line, so the run could not resume; a "step" among the metrics replaced the line's step."""
+    with MetricsLogger(tmp_path) as log:
+        log.log(0, {"a": np.float32(0.5), "n": np.int64(3), "ok": np.bool_(True), "hist": np.array([1.0, np.nan]), "d": {"x": [math.inf]}})
+        with pytest.raises(InvalidInputError) as err:
+            log.log(1, {"obj": object()})
+        assert err.value.field == "metrics"
+        with pytest.raises(InvalidInputError) as err:
+            log.log(1, {"step": 2.0})
+        assert err.value.field == "metrics.step"
+        log.log(1, {"step": 1, "b": 1.0})
+    assert read_metrics(tmp_path) == [
+        {"step": 0, "a": 0.5, "n": 3, "ok": True, "hist": [1.0, None], "d": {"x": [None]}},
+        {"step": 1, "b": 1.0},
+    ]
 
 
 async def test_checkpoint_records_and_resume_point(tmp_path):

@@ -63,7 +63,11 @@ def plot(
     """Write PNG curves (reward, accuracy, loss, sampler-vs-trainer KL, tokens/s) of a recorded run."""
     from ..runs.plot import log_to_mlflow, plot_run
 
-    paths = plot_run(run_dir, out)
+    try:
+        paths = plot_run(run_dir, out)
+    except (AsyncSessError, FileNotFoundError) as err:  # no metrics.jsonl, or a line that is not a record
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     for p in paths:
         typer.echo(str(p))
     if mlflow_uri:

@@ -28,10 +28,11 @@ from pydantic import Field
 
 from ..backends.base import Tokenizer
 from ..client import SamplingClient
-from .capture import AgentTrajectory, build_trajectory
+from ..errors import InvalidInputError
+from .capture import AgentTrajectory, build_trajectory, trajectories_file
 from .problem_env import ProblemDataset
-from .train import RLConfig, RLResult, train_rl
-from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup
+from .train import LearningRate, LoraAlpha, LoraRank, MaxTokens, RLConfig, RLResult, Steps, train_rl
+from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup, check_reward
 
 __all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
 
@@ -42,12 +43,12 @@ Agent = Callable[[Any, Any], Awaitable[float]]
 class AgentRLConfig(RLConfig):
     """RL settings (defaults for long agent turns), plus the model name the agent's requests use and the front's ``n`` bound."""
 
-    lora_rank: int = 32
-    lora_alpha: float | None = 64.0
-    learning_rate: float = 4e-5
-    max_tokens: int = Field(default=512, ge=1)
+    lora_rank: LoraRank = 32
+    lora_alpha: LoraAlpha = 64.0
+    learning_rate: LearningRate = 4e-5
+    max_tokens: MaxTokens = 512
     loss_fn: str = "cispo"
-    max_steps: int = Field(default=50, ge=0)
+    max_steps: Steps = 50
     model_name: str = Field(default="policy", min_length=1, max_length=256)
     max_n: int = Field(default=64, ge=1, le=1000)
 
@@ -68,7 +69,7 @@ class _AgentRunner:
 
         self.cfg, self.agent = cfg, agent
         self.front = OpenAIFront(model_name=cfg.model_name, max_n=cfg.max_n, max_tokens=cfg.max_tokens, context_window=cfg.context_window)
-        self.jsonl = path / "trajectories.jsonl"
+        self.jsonl = trajectories_file(path / "trajectories.jsonl")
 
     async def rollout(self, task: Any, sampler: SamplingClient, temperature: float, version: int, index: int = 0) -> AgentTrajectory:
         rid = f"rollout-{uuid.uuid4().hex}"
@@ -79,7 +80,7 @@ class _AgentRunner:
         self.front.bind(rid, sampler, version, temperature, seed=seed)
         try:
             async with self.front.openai_client(rid) as client:
-                reward = float(await self.agent(client, task))
+                reward, _ = check_reward(await self.agent(client, task), {}, f"the agent {getattr(self.agent, '__qualname__', 'agent')}")
         finally:
             self.front.unbind(rid)
             calls = self.front.captures.pop(rid)
@@ -130,7 +131,7 @@ async def train_agent_rl(
     """GRPO on ``agent``: ``groups_per_batch`` tasks per step, ``group_size`` rollouts each; ``test_tasks`` are
     played once each, greedily, before the first step, every ``eval_every`` steps and after the last."""
     if not tasks:
-        raise ValueError("no tasks")
+        raise InvalidInputError("no tasks", field="tasks", fix="pass at least one training task")
     runner: list[_AgentRunner] = []
 
     def make_datasets(tokenizer: Tokenizer) -> tuple[RLDataset, Sequence[EnvGroupBuilder]]:

@@ -17,19 +17,19 @@ tokens are observation tokens of the new segment, never trained on as the model'
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from ..runs.jsonl import open_for_append, read_jsonl
 from ..serve.capture import CapturedCall
 from ..types import Datum, ModelInput
 from .data import trajectory_datums
 from .types import TokensWithLogprobs, Trajectory, Transition
 
-__all__ = ["Drift", "AgentTrajectory", "build_trajectory", "read_trajectories"]
+__all__ = ["Drift", "AgentTrajectory", "build_trajectory", "read_trajectories", "trajectories_file"]
 
 DriftReason = Literal["completion_retokenized", "prompt_changed"]
 
@@ -151,6 +151,24 @@ def _extends(prompt: Sequence[int], before: Sequence[int]) -> bool:
 
 
 def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
-    """The trajectory records of a ``trajectories.jsonl`` written by the agent loop (for offline SFT / DPO)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The trajectory records of a ``trajectories.jsonl`` written by the agent loop (for offline SFT / DPO): a torn
+    last line (a killed run's) is left out, any other line that is not a JSON object is an InvalidInputError naming
+    it (:mod:`asyncsess.runs.jsonl`)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no {path}")
+    return [r for _, r in read_jsonl(path, _any_record, _FIX)]
+
+
+def _any_record(line: int, record: dict[str, Any]) -> None:
+    """Every JSON object is a trajectory record here."""
+
+
+_FIX = "cut trajectories.jsonl back to its last good line"
+
+
+def trajectories_file(path: Path) -> Path:
+    """``path`` (a run's ``trajectories.jsonl``) ready for appending: a torn last line left by a killed run is cut
+    off first, so the next record does not land on the same line."""
+    open_for_append(path, _any_record, _FIX).close()
+    return path

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InvalidInputError
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset
 
-__all__ = ["ShuffledDataset", "DrawnBatches", "run_dataset"]
+__all__ = ["ShuffledDataset", "CheckedBatches", "DrawnBatches", "made_datasets", "run_dataset"]
 
 T = TypeVar("T")
 _FIX_JSON = "return dicts, lists, str, int, float, bool and None (random.getstate() as lists, numpy values via int() or .tolist())"
@@ -125,6 +125,58 @@ def _load(dataset: StatefulDataset, state: dict[str, Any], what: str) -> str:
     return now
 
 
+_BATCH_FIX = "return a list of groups_per_batch EnvGroupBuilders (things with make_envs()), e.g. ProblemGroupBuilder"
+
+
+def _check_batch(batch: object, source: str, per_batch: int | None, field: str, fix: str = _BATCH_FIX) -> list[EnvGroupBuilder]:
+    """``batch`` as a list if it holds ``per_batch`` (``None``: any number of) group builders; else an
+    InvalidInputError naming ``source``."""
+    if not isinstance(batch, Iterable) or isinstance(batch, (str, bytes, Mapping)):
+        raise InvalidInputError(f"{source} gave a {type(batch).__name__}, not a list of builders", field=field, fix=fix)
+    items: list[Any] = list(batch)
+    if per_batch is not None and len(items) != per_batch:
+        raise InvalidInputError(f"{source} gave {len(items)} builders, the run takes {per_batch}", field=field, fix=fix)
+    wrong = next((b for b in items if not callable(getattr(b, "make_envs", None))), None)
+    if wrong is not None:
+        raise InvalidInputError(f"{source} gave a {type(wrong).__qualname__} ({wrong!r:.60}), not a group builder", field=field, fix=fix)
+    return items
+
+
+class CheckedBatches:
+    """An :class:`RLDataset` whose batches are checked as the loop takes them: ``groups_per_batch`` group builders
+    each. The loop asks for batch after batch, past ``len()`` (which it does not read), so a finite dataset in the
+    cookbook's style (a slice per index) ends the run with an InvalidInputError naming it, not an IndexError."""
+
+    def __init__(self, dataset: RLDataset, groups_per_batch: int) -> None:
+        self.dataset, self.per_batch = dataset, groups_per_batch
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        source = f"{_type_name(self.dataset)}.get_batch({index})"
+        try:
+            batch = self.dataset.get_batch(index)
+        except IndexError as err:
+            raise InvalidInputError(
+                f"{source} raised IndexError ({str(err)[:80]}): the run takes batches 0, 1, 2, ... for max_steps steps",
+                field="get_batch",
+                fix="make get_batch endless (e.g. index % len(self) with a new shuffle per epoch, as ProblemDataset does) or lower max_steps",
+            ) from err
+        if isinstance(batch, Sequence) and len(batch) < self.per_batch:
+            source += " (past the end of a finite dataset? the run takes batches for max_steps steps: make get_batch endless)"
+        return _check_batch(batch, source, self.per_batch, "get_batch")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of the dataset (``extra["data"]``), so that a resume over another one is refused:
+        its class and its ``len()`` (``None`` where that fails)."""
+        try:
+            batches = len(self.dataset)
+        except Exception:
+            batches = None
+        return {"type": _type_name(self.dataset), "batches": batches if type(batches) is int else None}
+
+
 class DrawnBatches:
     """A :class:`~asyncsess.rl.types.StatefulDataset` addressed by batch index (an :class:`RLDataset`): batch ``i`` is
     the ``i``-th ``next_batch()``. It keeps each drawn batch still needed, with the dataset's state before it,
@@ -177,18 +229,12 @@ class DrawnBatches:
         number = self.first + len(self.kept)
         name = _type_name(self.dataset)
         try:
-            batch = list(self.dataset.next_batch())
+            drawn = self.dataset.next_batch()
         except StopIteration as err:
             raise InvalidInputError(
                 f"{name} ran out at batch {number}", field="next_batch", fix="make next_batch() endless (start a new epoch)"
             ) from err
-        if len(batch) != self.per_batch:
-            raise InvalidInputError(
-                f"{name}.next_batch() gave {len(batch)} builders at batch {number}, the run takes {self.per_batch}",
-                field="next_batch",
-                fix="return groups_per_batch builders per batch",
-            )
-        self.kept.append((self._state, batch))
+        self.kept.append((self._state, _check_batch(drawn, f"{name}.next_batch() at batch {number}", self.per_batch, "next_batch")))
         self._state = _dump(self.dataset)
 
     def state(self, first_needed: int) -> dict[str, Any]:
@@ -205,8 +251,27 @@ class DrawnBatches:
         return self.first + len(self.kept)
 
 
-def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, saved: dict[str, Any] | None) -> RLDataset | DrawnBatches:
-    """The dataset the loop addresses by index: an :class:`RLDataset` as it is, a :class:`StatefulDataset` as
+def made_datasets(made: object) -> tuple[RLDataset | StatefulDataset, list[EnvGroupBuilder]]:
+    """What ``make_datasets`` returned, checked: a pair of the training dataset and the held-out group builders (a
+    list; ``None`` for none, as tinker-cookbook's dataset builders return). Anything else is an InvalidInputError
+    naming ``make_datasets``, raised before any request."""
+    fix = "return (training dataset, a list of held-out EnvGroupBuilders, or [] / None for none)"
+    if not isinstance(made, tuple) or len(made) != 2:
+        raise InvalidInputError(f"make_datasets returned {made!r:.80}, not a pair", field="make_datasets", fix=fix)
+    train, test = made
+    if test is None:
+        return train, []
+    if callable(getattr(test, "get_batch", None)):
+        raise InvalidInputError(
+            f"make_datasets returned a {_type_name(test)} (a dataset of batches) as the held-out set",
+            field="make_datasets",
+            fix="return its builders as a list: [b for i in range(len(ds)) for b in ds.get_batch(i)]",
+        )
+    return train, _check_batch(test, "make_datasets' held-out set", None, "make_datasets", fix)
+
+
+def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, saved: dict[str, Any] | None) -> CheckedBatches | DrawnBatches:
+    """The dataset the loop addresses by index: an :class:`RLDataset` as :class:`CheckedBatches`, a :class:`StatefulDataset` as
     :class:`DrawnBatches` restored to ``saved`` (a checkpoint's ``extra``, ``None`` for a new run)."""
     extra = saved or {}
     if isinstance(dataset, StatefulDataset):
@@ -231,4 +296,11 @@ def run_dataset(dataset: RLDataset | StatefulDataset, groups_per_batch: int, sav
             field="make_datasets",
             fix="give it get_batch(index) and __len__(), or next_batch(), state_dict() and load_state_dict()",
         )
-    return dataset
+    checked = CheckedBatches(dataset, groups_per_batch)
+    if "data" in extra and extra["data"] != checked.identity():
+        raise InvalidInputError(
+            f"the checkpoint was written over {str(extra['data'])[:80]}, make_datasets returned {checked.identity()}",
+            field="make_datasets",
+            fix="resume with the same dataset (class and number of batches), or start a new run directory",
+        )
+    return checked

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..chat import chat_tokens, turn_stop_tokens
+from ..errors import InvalidInputError
 from ..types import ModelInput
-from .types import Action, Env, EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition
+from .types import Action, Env, EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition, check_reward
 
 __all__ = [
     "Problem",
@@ -80,8 +81,12 @@ class ProblemEnv(Env):
         return self.renderer.observation(self.problem), list(self.renderer.stop)
 
     async def step(self, action: Action) -> StepResult:
-        reward, metrics = self.grader(self.problem, self.renderer.reply(action))
-        return StepResult(float(reward), True, metrics=dict(metrics))
+        graded = self.grader(self.problem, self.renderer.reply(action))
+        source = f"the grader {getattr(self.grader, '__qualname__', type(self.grader).__qualname__)}"
+        if not isinstance(graded, tuple) or len(graded) != 2:
+            raise InvalidInputError(f"{source} returned {graded!r:.60}", field="grader", fix="return (reward, metrics), e.g. (1.0, {})")
+        reward, metrics = check_reward(*graded, source)
+        return StepResult(reward, True, metrics=metrics)
 
 
 class ProblemGroupBuilder(EnvGroupBuilder):
@@ -99,7 +104,7 @@ class ProblemDataset:
 
     def __init__(self, problems: Sequence[Any], groups_per_batch: int, make_builder: Callable[[Any], EnvGroupBuilder], seed: int = 0):
         if not problems:
-            raise ValueError("no problems")
+            raise InvalidInputError("no problems", field="problems", fix="pass at least one training problem")
         self.problems, self.groups_per_batch, self.make_builder, self.seed = list(problems), groups_per_batch, make_builder, seed
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
@@ -122,7 +127,10 @@ def problem_datasets(
     train: Sequence[Problem], test: Sequence[Problem], grader: Grader, config: BatchShape
 ) -> Callable[[Any], tuple[RLDataset, list[EnvGroupBuilder]]]:
     """``make_datasets(tokenizer)`` for :func:`asyncsess.rl.train.train_rl`: ``train`` in batches of
-    ``groups_per_batch`` groups of ``group_size``, and one greedy episode per ``test`` problem."""
+    ``groups_per_batch`` groups of ``group_size``, and one greedy episode per ``test`` problem. An empty ``train``
+    is refused here, before a run starts."""
+    if not train:
+        raise InvalidInputError("no training problems", field="train", fix="pass at least one training problem")
 
     def make(tokenizer: Any) -> tuple[RLDataset, list[EnvGroupBuilder]]:
         renderer = PromptRenderer(tokenizer)

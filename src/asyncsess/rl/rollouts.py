@@ -9,6 +9,7 @@ the policy has a seed, so a run at a fixed seed is reproducible.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -19,8 +20,9 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..client import SamplingClient
+from ..errors import InvalidInputError
 from ..types import ModelInput, SamplingParams
-from .types import STOP_REASONS, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition
+from .types import STOP_REASONS, StepResult, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition, check_reward
 
 if TYPE_CHECKING:
     from .types import Env, EnvGroupBuilder, RLDataset, StopCondition, TokenCompleter
@@ -106,46 +108,128 @@ class ScriptedCompleter:
         return TokensWithLogprobs(tokens, [float(x or 0.0) for x in logprobs[len(prompt) :]], reason)
 
 
+# turns one episode may take: an env that never sets episode_done would otherwise sample forever
+MAX_TURNS = 10_000
+_ENV_FIX = "see asyncsess.rl.types.Env: initial_observation() -> (ModelInput, stop), step(action) -> StepResult"
+
+
 async def _play(env: Env, policy: TokenCompleter, ob: ModelInput, stop: StopCondition, first: TokensWithLogprobs | None) -> Trajectory:
-    transitions = []
-    while True:
-        ac, first = first or await policy(ob, stop), None
+    transitions: list[Transition] = []
+    name = type(env).__qualname__
+    while len(transitions) < MAX_TURNS:
+        ac, first = first or _action(await policy(ob, stop), policy), None
         result = await env.step(ac.tokens)
-        transitions.append(Transition(ob, ac, float(result.reward), result.episode_done, dict(result.metrics)))
+        if not isinstance(result, StepResult):
+            raise InvalidInputError(f"{name}.step() returned {result!r:.60}, not a StepResult", field="step", fix=_ENV_FIX)
+        reward, metrics = check_reward(result.reward, result.metrics, f"{name}.step()")
+        transitions.append(Transition(ob, ac, reward, result.episode_done, metrics))
         if result.episode_done:
             reason = "max_tokens" if ac.stop_reason == "length" else result.stop_reason or "completed"
             return Trajectory(transitions, reason)
-        ob, stop = result.next_observation, result.next_stop_condition
+        ob, stop = _observation(result.next_observation, result.next_stop_condition, f"{name}.step()'s next_observation")
+    raise InvalidInputError(f"{name} played {MAX_TURNS} turns without episode_done", field="episode_done", fix="end each episode")
+
+
+def _action(ac: object, policy: object) -> TokensWithLogprobs:
+    """A policy's (a ``make_completer``'s) action, checked: int tokens, each with a finite log-prob."""
+    name = type(policy).__qualname__
+    if (
+        not isinstance(ac, TokensWithLogprobs)
+        or not isinstance(ac.tokens, list)
+        or not isinstance(ac.logprobs, list)
+        or len(ac.tokens) != len(ac.logprobs)
+        or not all(type(t) is int for t in ac.tokens)
+    ):
+        fix = "return TokensWithLogprobs(tokens: list[int], logprobs: list[float], one per token, stop_reason)"
+        raise InvalidInputError(f"{name} returned {ac!r:.80}", field="make_completer", fix=fix)
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in ac.logprobs):
+        raise InvalidInputError(
+            f"{name} returned a log-prob that is not a finite number", field="make_completer", fix="return the sampler's log-probs"
+        )
+    return ac
+
+
+def _observation(ob: object, stop: object, source: str) -> tuple[ModelInput, StopCondition]:
+    """An env's observation and stop condition, checked (a ModelInput: ``ModelInput.from_ints(tokens)``)."""
+    if not isinstance(ob, ModelInput):
+        raise InvalidInputError(
+            f"{source} is {ob!r:.60}, not a ModelInput", field="observation", fix=f"wrap tokens: ModelInput.from_ints(tokens); {_ENV_FIX}"
+        )
+    return ob, stop  # type: ignore[return-value]
+
+
+async def _start(env: Env) -> tuple[ModelInput, StopCondition]:
+    started = await env.initial_observation()
+    source = f"{type(env).__qualname__}.initial_observation()"
+    if not isinstance(started, tuple) or len(started) != 2:
+        raise InvalidInputError(f"{source} returned {started!r:.60}, not (observation, stop)", field="observation", fix=_ENV_FIX)
+    return _observation(*started, source)
 
 
 async def do_rollout(env: Env, policy: TokenCompleter) -> Trajectory:
     """Play one episode to its end."""
-    ob, stop = await env.initial_observation()
+    ob, stop = await _start(env)
     return await _play(env, policy, ob, stop, None)
 
 
 async def do_group_rollout(builder: EnvGroupBuilder, policy: TokenCompleter, sampler_step: int = 0) -> TrajectoryGroup:
     """Play every env of a group concurrently, then add the group rewards. Where all envs start from the same
     observation and the policy has ``complete_group``, their first actions are sampled in one request."""
-    envs = list(await builder.make_envs())
-    starts = [await env.initial_observation() for env in envs]
+    made = await builder.make_envs()
+    if not isinstance(made, Sequence) or not all(callable(getattr(e, "step", None)) for e in made):
+        raise InvalidInputError(
+            f"{type(builder).__qualname__}.make_envs() returned {made!r:.60}, not a list of Envs", field="make_envs", fix=_ENV_FIX
+        )
+    envs = list(made)
+    starts = [await _start(env) for env in envs]
     firsts: Sequence[TokensWithLogprobs | None] = [None] * len(envs)
     complete_group = getattr(policy, "complete_group", None)
     if len(envs) > 1 and complete_group is not None:
         first, stop = starts[0][0], list(starts[0][1])
         if all((ob is first or ob.to_ints() == first.to_ints()) and list(s) == stop for ob, s in starts[1:]):
-            firsts = await complete_group(starts[0][0], starts[0][1], len(envs))
+            firsts = [_action(a, policy) for a in await complete_group(starts[0][0], starts[0][1], len(envs))]
+            if len(firsts) != len(envs):
+                raise InvalidInputError(
+                    f"{type(policy).__qualname__}.complete_group gave {len(firsts)} actions for {len(envs)} envs",
+                    field="make_completer",
+                    fix="return n actions",
+                )
     trajectories: list[Trajectory | None] = [None] * len(envs)
 
     async def one(i: int) -> None:
         trajectories[i] = await _play(envs[i], policy, starts[i][0], starts[i][1], firsts[i])
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(envs)):
-            tg.start_soon(one, i)
+    await run_all(one, len(envs))
     done = [t for t in trajectories if t is not None]
-    group = await builder.compute_group_rewards(done, envs)
-    return TrajectoryGroup(done, [float(r) for r, _ in group], [dict(m) for _, m in group], sampler_step)
+    source = f"{type(builder).__qualname__}.compute_group_rewards()"
+    rewards = await builder.compute_group_rewards(done, envs)
+    if not isinstance(rewards, Sequence) or len(rewards) != len(done) or not all(isinstance(p, tuple) and len(p) == 2 for p in rewards):
+        raise InvalidInputError(  # a short list dropped trajectories from the group without a word
+            f"{source} returned {rewards!r:.60} for {len(done)} trajectories",
+            field="compute_group_rewards",
+            fix="return one (reward, metrics) pair per trajectory",
+        )
+    group = [check_reward(r, m, source) for r, m in rewards]
+    return TrajectoryGroup(done, [r for r, _ in group], [m for _, m in group], sampler_step)
+
+
+async def run_all(fn: Callable[[int], Awaitable[None]], n: int) -> None:
+    """``fn(0)`` .. ``fn(n - 1)`` concurrently; the first to fail cancels the rest and its error is raised as
+    itself (an env's or grader's own exception, not an ExceptionGroup around it)."""
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def one(i: int) -> None:
+            try:
+                await fn(i)
+            except Exception as err:
+                errors.append(err)
+                tg.cancel_scope.cancel()
+
+        for i in range(n):
+            tg.start_soon(one, i)
+    if errors:
+        raise errors[0]
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -42,36 +42,61 @@ from ..runs.checkpoints import (
     MAX_STEP,
     CheckpointRecord,
     RecoveryConfig,
+    open_run_dir,
     open_training_client,
-    prepare_run_dir,
     run_recovering,
     save_checkpoint,
 )
+from ..runs.jsonl import write_whole
 from ..runs.metrics import MetricsLogger, read_metrics
 from ..runs.progress import progress_bar
 from ..runs.schedule import LRSchedule, decayed_lr
-from ..types import MAX_LEARNING_RATE, AdamParams, Datum, ForwardBackwardOutput, TensorData
-from ..validation import check_loss_fn, check_loss_fn_config
+from ..types import MAX_LEARNING_RATE, MAX_TOKENS, AdamParams, Datum, ForwardBackwardOutput, TensorData
+from ..validation import MAX_SAMPLES, check_loss_fn, check_loss_fn_config
 from .data import datum_tokens, group_datums, is_constant, kl_penalty, sample_train_kl
-from .datasets import DrawnBatches, run_dataset
+from .datasets import CheckedBatches, DrawnBatches, made_datasets, run_dataset
 from .off_policy import Correction, OffPolicyMode, correct_batch, off_policy_metrics
 from .refresh import RefreshProbe, default_tolerance, probe_tokens
-from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics
+from .rollouts import FinishedGroup, RolloutScheduler, SamplerCompleter, SamplerPool, do_group_rollout, rollout_metrics, run_all
 from .types import EnvGroupBuilder, RLDataset, StatefulDataset, TokenCompleter, TrajectoryGroup
 
-__all__ = ["RLConfig", "RLResult", "MakeCompleter", "MakeDatasets", "PlayGroup", "train_rl"]
+__all__ = [
+    "LearningRate",
+    "LoraAlpha",
+    "LoraRank",
+    "MaxTokens",
+    "Steps",
+    "RLConfig",
+    "RLResult",
+    "MakeCompleter",
+    "MakeDatasets",
+    "PlayGroup",
+    "train_rl",
+]
 
-# (tokenizer) -> (training dataset, held-out group builders: one episode each)
-MakeDatasets = Callable[[Tokenizer], tuple[RLDataset | StatefulDataset, Sequence[EnvGroupBuilder]]]
+# (tokenizer) -> (training dataset, held-out group builders: one episode each; None for none)
+MakeDatasets = Callable[[Tokenizer], tuple[RLDataset | StatefulDataset, Sequence[EnvGroupBuilder] | None]]
 # (sampler, max_tokens, temperature, context_window) -> the policy that plays episodes
 MakeCompleter = Callable[[SamplingClient, int, float, int | None], TokenCompleter]
 # (builder, sampler, temperature, sampler_step) -> the played group; default: the envs played by the completer
 PlayGroup = Callable[[EnvGroupBuilder, SamplingClient, float, int], Awaitable[TrajectoryGroup]]
 
 
+# groups started and not yet trained, groups_per_batch × (max_staleness + 1): past it a run is a config typo (each
+# is a task, and all are played to the end before the final checkpoint)
+MAX_GROUPS_AHEAD = 65_536
 # held-out episodes played at once: well under the client's sampling bound (256 requests), so that a large
 # evaluation neither pauses the pool (and logs it) nor crowds out the rollouts in flight
 EVAL_EPISODES_IN_FLIGHT = 128
+
+
+# the ranges of the settings a config built on RLConfig may give new defaults (AgentRLConfig does): a subclass that
+# redeclares a field replaces its Field, so it must redeclare it with these types to keep the checks
+LoraRank = Annotated[int, Field(ge=1)]
+LoraAlpha = Annotated[float | None, Field(gt=0.0)]
+LearningRate = Annotated[float, Field(ge=0.0, le=MAX_LEARNING_RATE)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+Steps = Annotated[int, Field(ge=0)]
 
 
 class RLConfig(RecoveryConfig):
@@ -84,12 +109,12 @@ class RLConfig(RecoveryConfig):
 
     url: str = "mock://"
     base_model: str = "mock/bigram-tiny"
-    lora_rank: int = Field(default=16, ge=1)
-    lora_alpha: float | None = Field(default=32.0, gt=0.0)
+    lora_rank: LoraRank = 16
+    lora_alpha: LoraAlpha = 32.0
     train_unembed: bool = False
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
     # the optimizer: AdamW, one step per batch
-    learning_rate: float = Field(default=1e-4, ge=0.0, le=MAX_LEARNING_RATE)
+    learning_rate: LearningRate = 1e-4
     # decays to 0 over the run, whichever limit ends it first: steps done / max_steps or training time / max_minutes
     lr_schedule: LRSchedule = "constant"
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
@@ -99,10 +124,12 @@ class RLConfig(RecoveryConfig):
     grad_clip_norm: float = Field(default=0.0, ge=0.0)
     # the batch: groups_per_batch problems × group_size episodes
     groups_per_batch: int = Field(default=8, ge=1)
-    group_size: int = Field(default=8, ge=1)
-    max_tokens: int = Field(default=16, ge=1)
+    group_size: int = Field(default=8, ge=1, le=MAX_SAMPLES)  # sampled in one request of n = group_size
+    max_tokens: MaxTokens = 16
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    context_window: int | None = Field(default=None, ge=2)  # caps prompt + max_tokens; default: the base model's, where the backend says
+    context_window: int | None = Field(
+        default=None, ge=2, le=MAX_TOKENS
+    )  # caps prompt + max_tokens; default: the base model's, where the backend says
     # the loss
     loss_fn: str = "ppo"
     loss_fn_config: dict[str, float] | None = None
@@ -118,7 +145,7 @@ class RLConfig(RecoveryConfig):
     is_mask_low: float = Field(default=0.5, ge=0.0, le=1.0)
     is_mask_high: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     # the run
-    max_steps: int = Field(default=100, ge=0)
+    max_steps: Steps = 100
     max_minutes: float | None = Field(default=None, gt=0.0)
     eval_every: int = Field(default=0, ge=0)
     save_every: int = Field(default=0, ge=0)
@@ -144,6 +171,11 @@ class RLConfig(RecoveryConfig):
             raise ValueError(err.message) from None
         if self.num_minibatches > self.groups_per_batch:
             raise ValueError(f"num_minibatches ({self.num_minibatches}) exceeds groups_per_batch ({self.groups_per_batch})")
+        if (ahead := self.groups_per_batch * (self.max_staleness + 1)) > MAX_GROUPS_AHEAD:
+            raise ValueError(
+                f"groups_per_batch × (max_staleness + 1) = {ahead} groups would be played ahead of the trainer (and all of them "
+                f"at the end of a run), more than {MAX_GROUPS_AHEAD}: lower max_staleness or groups_per_batch"
+            )
         return self
 
     def adam(self, done: float = 0.0) -> AdamParams:
@@ -189,20 +221,25 @@ async def train_rl(
     cfg = config
 
     async def attempt(mode: Literal["resume", "overwrite", "raise"], recovered: dict[str, float]) -> RLResult:
-        path, record = prepare_run_dir(run_dir, cfg, mode)
+        with open_run_dir(run_dir, cfg, mode) as (path, record):  # held until the run ends: a second run on it is refused
+            return await run(path, record, recovered)
+
+    async def run(path: Path, record: CheckpointRecord | None, recovered: dict[str, float]) -> RLResult:
         start = record.step if record else 0
         resumed = _resume_point(path, record, cfg.groups_per_batch)  # checked before a session is opened
         with MetricsLogger(path, resume_step=start) as log:  # a run resumed before its first checkpoint rewrites step 0 on
             async with ServiceClient(cfg.url) as svc:
                 tc = await open_training_client(svc, cfg, record)
-                train, test = make_datasets(tc.get_tokenizer())
+                train, test = made_datasets(make_datasets(tc.get_tokenizer()))
                 data = run_dataset(train, cfg.groups_per_batch, record.extra if record else None)  # checked, restored
+                if isinstance(data, CheckedBatches):  # its first batch, before a sampling or training op
+                    data.get_batch(resumed[0] // cfg.groups_per_batch)
                 window = cfg.context_window
                 if window is None:
                     caps = await svc.get_server_capabilities()
                     window = next((m.max_context_length for m in caps.supported_models if m.model_name == tc.base_model), None)
                 reference = await svc.create_sampling_client(base_model=tc.base_model) if cfg.kl_penalty_coef else None
-                loop = _Loop(cfg, tc, data, list(test), window, path, log, make_completer, play_group, reference)
+                loop = _Loop(cfg, tc, data, test, window, path, log, make_completer, play_group, reference)
                 loop.pending_metrics = dict(recovered)
                 return await loop.run(start, record, resumed, progress)
 
@@ -242,6 +279,8 @@ def _resume_point(path: Path, record: CheckpointRecord | None, groups_per_batch:
         if not all(type(f["index"]) is int and type(f["version"]) is int and isinstance(f["group"], dict) for f in saved):
             raise ValueError("a group's index, version or group has the wrong type")
         groups = [(f["index"], f["version"], TrajectoryGroup.from_dict(f["group"])) for f in saved]
+        if not all(0 <= i < cursor and 0 <= v <= record.step for i, v, _ in groups) or len({i for i, _, _ in groups}) != len(groups):
+            raise ValueError(f"a group's index is not one below the cursor ({cursor}) or its version is past the step ({record.step})")
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as err:
         raise InvalidInputError(f"{where}: {name}: {str(err)[:120]}", field="checkpoints.jsonl.extra.pending_file", fix=fix) from None
     return cursor, groups
@@ -252,7 +291,7 @@ class _Loop:
         self,
         cfg: RLConfig,
         tc: TrainingClient,
-        train: RLDataset,
+        train: CheckedBatches | DrawnBatches,
         test: list[EnvGroupBuilder],
         window: int | None,
         path: Path,
@@ -295,9 +334,7 @@ class _Loop:
                 async with limit:
                     groups[i] = await self.play(self.test[i], sampler, version, None)
 
-            async with anyio.create_task_group() as tg:
-                for i in range(len(self.test)):
-                    tg.start_soon(one, i)
+            await run_all(one, len(self.test))
         finally:
             self.samplers.release(sampler)
         return {f"test/{k}": v for k, v in rollout_metrics([g for g in groups if g is not None]).items()}
@@ -498,9 +535,11 @@ class _Loop:
         extra: dict[str, Any] = {"cursor": cursor}
         if isinstance(self.train, DrawnBatches):
             extra["dataset"] = self.train.state(min((f.index for f in finished), default=cursor))
+        else:
+            extra["data"] = self.train.identity()
         if finished:
             extra["pending_file"] = f"pending-{step:06d}.json"
             groups = [{"index": f.index, "version": f.version, "group": f.group.to_dict()} for f in finished if f.group is not None]
-            (self.path / extra["pending_file"]).write_text(json.dumps(groups))
+            write_whole(self.path / extra["pending_file"], json.dumps(groups))  # a resumed run may rewrite a recorded one
         name = f"{'final' if final else 'step'}-{step:06d}"
         return await save_checkpoint(self.tc, self.path, name, step, kind="both" if final else "state", final=final, extra=extra)

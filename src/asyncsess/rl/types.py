@@ -13,10 +13,13 @@ episodes with tools are :class:`asyncsess.rl.tool_env.ToolEnv`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import InvalidInputError
 from ..types import ModelInput
 
 __all__ = [
@@ -24,7 +27,9 @@ __all__ = [
     "Observation",
     "StopCondition",
     "STOP_REASONS",
+    "MAX_REWARD",
     "StepResult",
+    "check_reward",
     "Env",
     "EnvGroupBuilder",
     "RLDataset",
@@ -43,6 +48,36 @@ StopCondition = list[str] | list[int]
 # Why an episode ended (logged as ``stop/<reason>``): the env ended it normally, the model used up its
 # turns, the last action hit ``max_tokens``, it could not be parsed, or the conversation outgrew the context.
 STOP_REASONS = ("completed", "max_turns", "max_tokens", "parse_error", "context_overflow")
+
+
+# the largest |reward| (and |metric|) a run takes: centred advantages (up to twice it) stay within float32
+MAX_REWARD = 1e30
+_REWARD_FIX = "return a finite float (score a reply you cannot grade as 0.0; leave a metric out where it does not apply)"
+
+
+def check_reward(reward: object, metrics: Mapping[str, object], source: str) -> tuple[float, dict[str, float]]:
+    """``reward`` and ``metrics`` as a run takes them: real numbers (numpy's included, a bool as 0/1) of at most
+    :data:`MAX_REWARD` in magnitude. Anything else (None, a string, NaN, inf, an array) is an
+    :class:`InvalidInputError` naming ``source`` (the env, grader or agent that returned it) and the field, so a
+    broken reward function stops the run at once, not later as NaN advantages or as a string read as a number."""
+    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+        raise InvalidInputError(f"{source} returned metrics {metrics!r:.60}", field="metrics", fix="return a dict of str to float")
+    value = _number(reward, "reward", source)
+    return value, {k: _number(v, f"metrics[{k!r:.40}]", source) for k, v in metrics.items()}
+
+
+def _number(value: object, name: str, source: str) -> float:
+    try:
+        number = float(value) if isinstance(value, numbers.Real) else math.nan
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not (math.isfinite(number) and abs(number) <= MAX_REWARD):
+        raise InvalidInputError(
+            f"{source} returned {name} = {value!r:.60} (a {type(value).__name__}), not a finite number within ±{MAX_REWARD:g}",
+            field=name.partition("[")[0],
+            fix=_REWARD_FIX,
+        )
+    return number
 
 
 @dataclass
@@ -183,6 +218,25 @@ class TrajectoryGroup:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrajectoryGroup:
+        """The group :meth:`to_dict` saved; a ValueError (or KeyError / TypeError) for data it cannot have written:
+        rewards and metrics that are not finite numbers, token ids that are not ints, log-probs not one per token."""
+        group = cls._from_dict(d)
+        for traj in group.trajectories:
+            for t in traj.transitions:
+                check_reward(t.reward, t.metrics, "a saved transition")
+                lps = t.ac.logprobs
+                if not all(type(x) is int for x in t.ac.tokens) or len(lps) != len(t.ac.tokens):
+                    raise ValueError("a saved action's tokens are not ints with one log-prob each")
+                if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in lps):
+                    raise ValueError("a saved action's log-probs are not finite numbers")
+        if not len(group.group_rewards) == len(group.group_metrics) == len(group.trajectories):
+            raise ValueError("a saved group has not one group reward per trajectory")
+        for r, m in zip(group.group_rewards, group.group_metrics):
+            check_reward(r, m, "a saved group reward")
+        return group
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> TrajectoryGroup:
         trajectories = [
             Trajectory(
                 [

@@ -12,7 +12,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -23,7 +24,7 @@ from ..backends.registry import check_url
 from ..client import ServiceClient, TrainingClient
 from ..errors import DeadlineExceededError, InvalidInputError, PoisonedError, RetriesExhaustedError, SessionGoneError
 from ..retry import RetryPolicy
-from .jsonl import JsonlLine, open_for_append, read_jsonl, refuse
+from .jsonl import JsonlLine, json_data, open_for_append, read_jsonl, refuse, write_whole
 from .metrics import METRICS_FILE, read_metrics
 
 __all__ = [
@@ -31,10 +32,13 @@ __all__ = [
     "CONFIG_FILE",
     "CheckpointRecord",
     "parse_overrides",
+    "open_run_dir",
     "prepare_run_dir",
     "save_checkpoint",
     "last_checkpoint",
     "read_checkpoints",
+    "read_run_config",
+    "reopen_training_client",
     "RecoveryConfig",
     "run_recovering",
     "wait_for_backend",
@@ -42,6 +46,10 @@ __all__ = [
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+try:
+    import fcntl
+except ImportError:  # Windows: run directories are not locked
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("asyncsess.runs.checkpoints")
 T = TypeVar("T")
@@ -91,19 +99,72 @@ def prepare_run_dir(
     An existing directory is resumed (its config must match), emptied (``overwrite``; only a run's directory,
     one that holds ``config.json``) or refused (``raise``). A config whose ``url`` no installed backend serves
     is refused first, leaving the directory as it was; so is a ``checkpoints.jsonl`` or ``config.json`` that
-    does not hold what a run writes there.
+    does not hold what a run writes there. A loop holds the directory while it runs: :func:`open_run_dir`.
     """
+    path, cfg = _checked(run_dir, config, if_exists)
+    with _usable(path):
+        return _prepare(path, cfg, if_exists)
+
+
+@contextmanager
+def open_run_dir(
+    run_dir: str | Path, config: BaseModel, if_exists: Literal["resume", "overwrite", "raise"] = "resume"
+) -> Iterator[tuple[Path, CheckpointRecord | None]]:
+    """:func:`prepare_run_dir`, holding the directory (an exclusive ``flock`` on it) until the block ends, so
+    that a second run on it, in this process or another, is refused (``InvalidInputError`` naming ``run_dir``)
+    before it reads or writes anything, instead of interleaving its records with the first's. The lock goes
+    with the process: a killed run leaves none behind. (Where ``fcntl`` is missing, Windows, nothing is locked.)"""
+    path, cfg = _checked(run_dir, config, if_exists)
+    with _usable(path):
+        path.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        with _usable(path):
+            prepared = _prepare(path, cfg, if_exists)
+        yield prepared
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the directory ``path`` for the block (nothing where ``fcntl`` is missing)."""
+    if fcntl is None:
+        yield
+        return
+    with _usable(path):
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidInputError(
+                f"{path} is in use by another run (in this process or another)",
+                field="run_dir",
+                fix="wait for that run to end (or stop it), or pick another run directory",
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _checked(run_dir: str | Path, config: BaseModel, if_exists: str) -> tuple[Path, dict[str, Any]]:
+    """The run directory's path and the config as JSON data, once the arguments are checked."""
     if if_exists not in ("resume", "overwrite", "raise"):
         raise InvalidInputError(f"{if_exists!r:.40} is not a choice", field="if_exists", fix="pass 'resume', 'overwrite' or 'raise'")
     if isinstance(url := getattr(config, "url", None), str):
         check_url(url)
+    if str(run_dir).strip() == "":  # Path("") is the working directory: run files would land among the user's
+        raise InvalidInputError("is empty", field="run_dir", fix="name a directory, e.g. runs/my_run")
     path = Path(run_dir)
-    cfg = json.loads(config.model_dump_json())
     if path.exists() and not path.is_dir():
         raise InvalidInputError(f"{path} is a file, not a directory", field="run_dir", fix="pass a directory path (new or a run's)")
+    return path, json.loads(config.model_dump_json())
+
+
+@contextmanager
+def _usable(path: Path) -> Iterator[None]:
+    """An OSError in the block (a parent that is a file, no permission, a read-only or full disk) as a typed error."""
     try:
-        return _prepare(path, cfg, if_exists)
-    except OSError as err:  # a parent that is a file, no permission, a read-only or full disk
+        yield
+    except OSError as err:
         raise InvalidInputError(
             f"{path} cannot be used as a run directory ({err.strerror or err})",
             field="run_dir",
@@ -117,7 +178,7 @@ def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path
     if path.exists() and any(path.iterdir()):
         if if_exists == "raise":
             raise InvalidInputError(f"{path} is not empty", field="run_dir", fix="pick a new directory, or resume/overwrite it")
-        old = _read_config(path)
+        old = read_run_config(path)
         if old is None and any((path / name).exists() for name in (CHECKPOINTS_FILE, METRICS_FILE)):
             raise InvalidInputError(
                 f"{path} holds run files but no {CONFIG_FILE}", field="run_dir", fix="use a new run directory (or restore its config.json)"
@@ -137,13 +198,11 @@ def _prepare(path: Path, cfg: dict[str, Any], if_exists: IfExists) -> tuple[Path
                 )
             record = last_checkpoint(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, path / CONFIG_FILE)  # whole or not at all: a kill never leaves half a config
+    write_whole(path / CONFIG_FILE, json.dumps(cfg, indent=2) + "\n")  # a kill never leaves half a config
     return path, record
 
 
-def _read_config(path: Path) -> dict[str, Any] | None:
+def read_run_config(path: Path) -> dict[str, Any] | None:
     """The ``config.json`` of the run in ``path`` (``None`` if it has none); a typed error if it is not one."""
     file = path / CONFIG_FILE
     if not file.exists() and not file.is_symlink():
@@ -185,6 +244,7 @@ async def save_checkpoint(
     A ``checkpoints.jsonl`` with a line that is not a record is refused first (nothing is saved)."""
     file = Path(run_dir) / CHECKPOINTS_FILE
     read_checkpoints(run_dir)  # never bury a bad line under new ones
+    extra = json_data(dict(extra or {}), "extra", "extra")  # numpy values as numbers; anything else refused before saving
     state = tc.save_state(name) if kind in ("state", "both") else None
     sampler = tc.save_weights_for_sampler(name) if kind in ("sampler", "both") else None
     record = CheckpointRecord(
@@ -193,7 +253,7 @@ async def save_checkpoint(
         final=final,
         state_path=(await state).path if state else None,
         sampler_path=(await sampler).path if sampler else None,
-        extra=dict(extra or {}),
+        extra=extra,
     )
     with open_for_append(file, lambda n, r: _record(file, n, r), _FIX) as f:
         f.write(record.model_dump_json() + "\n")
@@ -235,12 +295,28 @@ async def open_training_client(svc: ServiceClient, cfg: Any, record: CheckpointR
     """Resume exactly from ``record`` (weights and optimizer), or start a LoRA client from ``cfg``'s
     ``base_model``, ``lora_rank``, ``lora_alpha``, ``seed`` and ``train_unembed``."""
     if record is not None:
-        if record.state_path is None:
-            raise InvalidInputError("the last checkpoint record has no state_path", field="checkpoints.jsonl", fix="start a new run")
-        return await svc.create_training_client_from_state_with_optimizer(record.state_path)
+        return await reopen_training_client(svc, record)
     return await svc.create_lora_training_client(
         cfg.base_model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, train_unembed=cfg.train_unembed
     )
+
+
+async def reopen_training_client(svc: ServiceClient, record: CheckpointRecord) -> TrainingClient:
+    """The session saved at ``record`` (weights and optimizer). A checkpoint the backend cannot open (its files
+    deleted or cut short, a path of another backend) is an :class:`InvalidInputError` naming the record of
+    ``checkpoints.jsonl`` and the fix, with the backend's error as its cause."""
+    if record.state_path is None:
+        raise InvalidInputError("the last checkpoint record has no state_path", field="checkpoints.jsonl", fix="start a new run")
+    try:
+        return await svc.create_training_client_from_state_with_optimizer(record.state_path)
+    except InvalidInputError as err:  # NotFoundError included
+        why = err.message.removesuffix(f" (fix: {err.fix})") if err.fix else err.message
+        raise InvalidInputError(
+            f"the checkpoint {record.name!r:.80} (step {record.step}) cannot be opened: {why}",
+            field=f"{CHECKPOINTS_FILE}.state_path",
+            fix=f"restore its files, or cut {CHECKPOINTS_FILE} back to the last record whose checkpoint the backend still has "
+            "(that run resumes from there), or start a new run directory",
+        ) from err
 
 
 class RecoveryConfig(BaseModel):

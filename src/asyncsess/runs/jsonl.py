@@ -13,13 +13,15 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from ..errors import InvalidInputError
 
-__all__ = ["JsonlLine", "open_for_append", "read_jsonl", "refuse"]
+__all__ = ["JsonlLine", "json_data", "open_for_append", "read_jsonl", "refuse", "write_whole"]
 
 log = logging.getLogger("asyncsess.runs")
 MAX_FILE_BYTES = 1 << 30  # a run's JSONL files hold a line per step; a bigger one is not a run's
@@ -122,3 +124,30 @@ def open_for_append(path: Path, check: Callable[[int, dict[str, Any]], object], 
             with path.open("ab") as f:
                 f.write(b"\n")
     return path.open("a", encoding="utf-8")
+
+
+def json_data(value: Any, key: str, field: str) -> Any:
+    """``value`` as JSON data a run reads back: numpy scalars and arrays as Python numbers and lists, NaN and
+    infinities (at any depth) as null (JSON has none, and a line holding them is refused on reading). Anything
+    else that is not JSON data is an InvalidInputError naming ``field`` and ``key``."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_data(v, key, field) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: json_data(v, f"{key}.{k}", field) for k, v in value.items()}
+    raise InvalidInputError(
+        f"{key!r:.60} is of type {type(value).__name__}, not JSON data", field=field, fix="use numbers, strings, lists and str-keyed dicts"
+    )
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file beside it, then renamed over it): a process killed
+    mid-write leaves the old file, never part of the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -8,23 +8,16 @@ Namespaces follow tinker-cookbook: ``env/all/reward/total``, ``env/all/<metric>`
 from __future__ import annotations
 
 import json
-import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .jsonl import open_for_append, read_jsonl, refuse
+from ..errors import InvalidInputError
+from .jsonl import json_data, open_for_append, read_jsonl, refuse, write_whole
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/Infinity
-    return value
 
 
 class MetricsLogger:
@@ -40,14 +33,16 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] < resume_step]
-            tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)  # a kill here leaves the old lines or the kept ones, never a part
+            write_whole(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # the old lines or the kept ones, never a part
         self._file = open_for_append(self.path, lambda n, r: _check(self.path, n, r), _FIX)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        record = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        if "step" in metrics and metrics["step"] != step:  # it would replace the line's step, which a resume reads
+            raise InvalidInputError(
+                f"metrics hold step {metrics['step']!r:.40}, logged as step {step}", field="metrics.step", fix="leave step out of metrics"
+            )
+        record = {"step": int(step), **{k: json_data(v, k, "metrics") for k, v in metrics.items() if k != "step"}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

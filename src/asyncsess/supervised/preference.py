@@ -19,10 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..chat import Message
 from ..client import SamplingClient, TrainingClient
 from ..custom_loss import CustomLossFn
+from ..errors import InvalidInputError
 from ..rl.data import datum_tokens
-from ..runs.checkpoints import prepare_run_dir, save_checkpoint
+from ..runs.checkpoints import open_run_dir, read_run_config, save_checkpoint
 from ..runs.metrics import MetricsLogger
-from ..types import AdamParams, Datum
+from ..types import MAX_LEARNING_RATE, AdamParams, Datum
 from .sft import conversation_datum
 
 __all__ = [
@@ -145,14 +146,14 @@ class PreferenceConfig(BaseModel):
     url: str = "mock://"
     base_model: str = "mock/bigram-tiny"
     lora_rank: int = Field(32, ge=1)
-    learning_rate: float = Field(1e-5, gt=0)
+    learning_rate: float = Field(1e-5, gt=0, le=MAX_LEARNING_RATE)
     adam: AdamParams = AdamParams(beta1=0.9, beta2=0.95, eps=1e-8)  # learning_rate above overrides adam's
     beta: float = Field(0.1, gt=0)
     batch_size: int = Field(8, ge=1, description="datums per step (a DPO pair is two)")
     lambda_desirable: float = Field(1.0, ge=0)  # KTO only
     lambda_undesirable: float = Field(1.0, ge=0)  # KTO only
     num_epochs: int = Field(1, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
     @model_validator(mode="after")
     def _pairs_stay_whole(self) -> PreferenceConfig:
@@ -167,9 +168,52 @@ _METRICS = {
 }
 
 
-def _examples(cfg: PreferenceConfig, tokenizer: Any) -> tuple[list[Datum], list[bool], int]:
+_KEYS: dict[str, dict[str, type]] = {
+    "dpo": {"prompt": list, "chosen": str, "rejected": str},
+    "kto": {"prompt": list, "completion": str, "label": bool},
+}
+
+
+def _rows(cfg: PreferenceConfig) -> list[dict[str, Any]]:
+    """The rows of ``cfg.data``, each checked (JSON, the method's keys and their types), and enough of them for one
+    training batch after the held-out quarter; an InvalidInputError naming ``data`` (file:line, key) or ``batch_size``."""
+    keys = _KEYS[cfg.method]
+    example = "{" + ", ".join(f'"{k}": ...' for k in keys) + "} per line"
+    try:
+        lines = Path(cfg.data).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidInputError(f"{cfg.data} cannot be read ({err})", field="data", fix=f"pass a JSONL file of {example}") from None
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise InvalidInputError(f"{cfg.data}:{n} is not JSON ({err})", field="data", fix=f"use {example}") from None
+        if not isinstance(row, dict):
+            raise InvalidInputError(f"{cfg.data}:{n} holds a JSON {type(row).__name__}", field="data", fix=f"use {example}")
+        for key, kind in keys.items():
+            if key not in row:
+                raise InvalidInputError(f"{cfg.data}:{n} has no {key!r}", field=f"data.{key}", fix=f"use {example}")
+            if not isinstance(row[key], kind) or (kind is list and not all(isinstance(m, dict) for m in row[key])):
+                want = "a list of chat messages" if kind is list else f"a {kind.__name__}"
+                raise InvalidInputError(f"{cfg.data}:{n}: {key} is {row[key]!r:.60}, not {want}", field=f"data.{key}", fix=f"use {example}")
+        rows.append(row)
+    per_row = 2 if cfg.method == "dpo" else 1  # datums
+    train = (len(rows) - max(1, len(rows) // 4)) * per_row
+    if train < cfg.batch_size:
+        raise InvalidInputError(
+            f"{cfg.data} holds {len(rows)} rows: {max(train, 0)} training datums once the last quarter is held out, "
+            f"fewer than one batch of {cfg.batch_size} (the run would train nothing)",
+            field="batch_size",
+            fix="lower batch_size or add rows",
+        )
+    return rows
+
+
+def _examples(cfg: PreferenceConfig, rows: list[dict[str, Any]], tokenizer: Any) -> tuple[list[Datum], list[bool], int]:
     """The datums, their labels, and where the held-out part starts."""
-    rows = [json.loads(line) for line in Path(cfg.data).read_text().splitlines() if line.strip()]
     held_out = max(1, len(rows) // 4)
     if cfg.method == "dpo":
         data = [completion_datum(tokenizer, r["prompt"], r[key]) for r in rows for key in ("chosen", "rejected")]
@@ -186,14 +230,26 @@ def _loss(cfg: PreferenceConfig, ref: Sequence[float], labels: Sequence[bool]) -
 
 async def train_preference(cfg: PreferenceConfig, run_dir: str | Path) -> dict[str, Any]:
     """Train with DPO or KTO, log ``metrics.jsonl`` (the loss's metrics, ``test/accuracy`` before and after)
-    and save a final checkpoint in ``run_dir``; return the summary."""
+    and save a final checkpoint in ``run_dir``; return the summary. ``run_dir`` is emptied first (a preference run
+    does not resume); the data is checked before that, and a directory of another recipe's run is refused."""
+    rows = _rows(cfg)  # before the run directory is emptied
+    if Path(run_dir).is_dir() and (old := read_run_config(Path(run_dir))) is not None and old.get("method") not in _KEYS:
+        raise InvalidInputError(
+            f"{run_dir} holds a run of another recipe (its config.json names no DPO/KTO method); a preference run empties its directory",
+            field="run_dir",
+            fix="pick a new run directory (or delete that run yourself)",
+        )
+    with open_run_dir(run_dir, cfg, if_exists="overwrite") as (path, _):
+        return await _train_preference(cfg, rows, path)
+
+
+async def _train_preference(cfg: PreferenceConfig, rows: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     from ..client import ServiceClient
 
-    path, _ = prepare_run_dir(run_dir, cfg, if_exists="overwrite")
     adam = cfg.adam.model_copy(update={"learning_rate": cfg.learning_rate})
     async with ServiceClient(cfg.url) as svc:
         tc = await svc.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed)
-        data, labels, cut = _examples(cfg, tc.get_tokenizer())
+        data, labels, cut = _examples(cfg, rows, tc.get_tokenizer())
         ref = await reference_sums(await tc.save_weights_and_get_sampling_client(), data)
         starts = [i for _ in range(cfg.num_epochs) for i in range(0, cut - cfg.batch_size + 1, cfg.batch_size)]
         with MetricsLogger(path) as log:

@@ -4,7 +4,7 @@ submit-ahead pipelining, and the held-out NLL evaluator."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from ..chat import Message, assistant_spans
@@ -23,7 +23,21 @@ def conversation_datum(
     tokenizer: Any, messages: Sequence[Message], train_on: TrainOn = "all_assistant_messages", max_length: int | None = None
 ) -> Datum:
     """A ``cross_entropy`` datum of the rendered conversation with weight 1 on the assistant tokens
-    (content and end-of-turn, not the role header) and 0 elsewhere; truncated to ``max_length`` tokens."""
+    (content and end-of-turn, not the role header) and 0 elsewhere; truncated to ``max_length`` tokens.
+    A ``train_on`` that is not one of the two choices, a ``max_length`` under 2 and ``messages`` that are not a
+    list of message dicts are InvalidInputErrors naming the argument."""
+    if train_on not in ("all_assistant_messages", "last_assistant_message"):
+        raise InvalidInputError(
+            f"{train_on!r:.60} is not a choice", field="train_on", fix="pass 'all_assistant_messages' or 'last_assistant_message'"
+        )
+    if max_length is not None and (type(max_length) is not int or max_length < 2):
+        raise InvalidInputError(
+            f"max_length={max_length!r:.40}", field="max_length", fix="an int >= 2 (one input and one target token), or None"
+        )
+    if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
+        raise InvalidInputError(
+            f"{messages!r:.60} is not a list of messages", field="messages", fix='pass [{"role": "user", "content": "..."}, ...]'
+        )
     tokens, spans = assistant_spans(tokenizer, messages)
     if not spans:
         raise InvalidInputError("no assistant message to train on", field="messages", fix="add a message with role 'assistant'")
