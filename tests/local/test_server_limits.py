@@ -641,11 +641,46 @@ def test_a_seq_and_key_resent_with_another_op_is_refused_and_a_true_retry_answer
         {"kind": "optim_step", "seq": 1, "idempotency_key": "k", "adam_params": {"learning_rate": 1e-3}},
         {"kind": "save_state", "seq": 1, "idempotency_key": "k", "name": "x"},
     ):
-        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", other, MINE), "idempotency_key")
-        assert "another op" in err["message"], err
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", other, MINE), "idempotency_key", status=409)
+        assert "another op" in err["message"] and err["type"] == "ConflictError", err
     again = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
     assert again.status_code == 200 and again.json() == r.json()
     assert worker.backend.next_seq(sid) == 2 and not worker.backend.engine.store.list(sid)  # nothing else ran
+
+
+def test_conflicts_with_the_workers_state_are_409s_the_client_raises_as_conflict_errors(c, worker, tiny, ids):
+    """A seq reused under another key and a request_id reused for another sample were 400s, as if the body were
+    malformed; they are 409 ConflictErrors (as a reused Idempotency-Key was), which the client raises as such."""
+    import anyio
+
+    from asyncsess.backends import SampleRequest
+    from asyncsess.backends.http import HttpBackend
+    from asyncsess.errors import ConflictError, is_retryable
+    from asyncsess.types import SamplingParams
+
+    sid = new_session(c, tiny, MINE)
+    first = {"kind": "optim_step", "seq": 1, "idempotency_key": "k1", "adam_params": {}}
+    assert c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE).status_code == 200
+    err = assert_refused(c.post(f"/v1/sessions/{sid}/ops", json={**first, "idempotency_key": "k2"}, headers=MINE), "seq", status=409)
+    assert err["type"] == "ConflictError", err
+    sample = {"prompt": [5, 6], "sampling_params": {"max_tokens": 2, "seed": 1}, "request_id": "r-1"}
+    assert c.post(f"/v1/samplers/{ids['smp']}/sample", json=sample, headers=MINE).status_code == 200
+    other = {**sample, "prompt": [5, 7]}
+    err = assert_refused(c.post(f"/v1/samplers/{ids['smp']}/sample", json=other, headers=MINE), "request_id", status=409)
+    assert err["type"] == "ConflictError", err
+
+    async def resent() -> BaseException:
+        backend = HttpBackend(worker.url, api_key=KEY)
+        try:
+            await backend.sample(ids["smp"], SampleRequest((5, 7), 1, SamplingParams(max_tokens=2, seed=1), request_id="r-1"))
+        except BaseException as exc:
+            return exc
+        finally:
+            await backend.aclose()
+        raise AssertionError("the reused request_id was answered")
+
+    got = anyio.run(resent)
+    assert isinstance(got, ConflictError) and got.field == "request_id" and not is_retryable(got), got
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
-from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
@@ -184,9 +184,7 @@ def create_app(
 
     @app.exception_handler(AsyncSessError)
     async def _typed(request: Request, err: AsyncSessError) -> Response:
-        status = wire.status_for(err)
-        if isinstance(err, ConflictError) and err.field == IDEMPOTENCY_HEADER:
-            status = 409  # as Stripe answers a reused Idempotency-Key (the worker's other conflicts stay 400s)
+        status = wire.status_for(err)  # a ConflictError is a 409 (a taken name, a reused seq, request_id or Idempotency-Key)
         if status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, err)
         elif isinstance(err, InvalidInputError):  # every refusal names a field and a fix
