@@ -46,7 +46,7 @@ adam = st.builds(
     beta1=st.floats(0.0, 0.999),
     beta2=st.floats(0.0, 0.999),
     eps=st.floats(1e-30, 1.0),
-    weight_decay=st.floats(0.0, 1.0),
+    weight_decay=st.floats(0.0, 0.1),  # learning_rate × weight_decay ≤ 1
     grad_clip_norm=st.floats(0.0, 1e30),
 )
 
