@@ -356,6 +356,17 @@ def test_a_load_state_path_the_session_cannot_load_is_refused_before_anything_ru
     assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
 
 
+def test_a_state_of_another_lora_alpha_is_refused_before_anything_runs(c, worker, tiny, ids):
+    """A rank-2 state loaded into a rank-2 session of another alpha was accepted: the same weights scaled by
+    alpha / rank made another model (a forward's loss 27 where the saved session's was 6.4). It is refused, void."""
+    r = c.post("/v1/sessions", json={"base_model": tiny, "rank": 2, "alpha": 100.0, "seed": 0}, headers=MINE)
+    sid = r.json()["model_id"]
+    err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(worker, sid, kind="load_state", path=ids["state"]), MINE), "path")
+    assert "alpha 4" in err["message"] and "alpha 100" in err["message"] and err["void"] is True, err
+    r = c.post(f"/v1/sessions/{sid}/ops", json=_op(worker, sid, adam_params={"learning_rate": 1e-3}), headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
+
+
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-5, 1e-4])
 def test_tiny_temperatures_decode_greedily_without_nan(c, ids, temperature):
     body = {"prompt": [5, 6, 7], "num_samples": 3, "sampling_params": {"max_tokens": 4, "temperature": temperature, "stop": []}}
