@@ -23,6 +23,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -427,7 +428,49 @@ PathQuery = Annotated[str, Query(min_length=1, max_length=MAX_PATH_CHARS)]
 def _dumps(content: Any) -> bytes:
     """JSON with every non-ASCII character escaped (a lone surrogate echoed in an error cannot break the
     encoder); non-finite floats are written as Python's json writes them rather than failing the response."""
-    return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+    return _text(content).encode("ascii")
+
+
+def _text(content: Any) -> str:
+    return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":"))
+
+
+RENDER_SLICE = 16_384
+"""Numbers one ``json.dumps`` call renders in a large answer (see :func:`_render`)."""
+
+
+def _render(content: Any) -> bytes:
+    """:func:`_dumps`'s bytes, a slice of each long list of numbers at a time. ``json.dumps`` is one C call that holds
+    the GIL: a forward's (512, 8192) log-probs held it 2 s, every tenant's event loop stalled behind a thread."""
+    out: list[str] = []
+    todo: list[Any] = [content]  # values to render, and text already rendered (a str in a _Raw)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, _Raw):
+            out.append(value.text)
+        elif isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            parts: list[Any] = [_Raw("{")]
+            for i, (k, v) in enumerate(value.items()):
+                parts += [_Raw(("," if i else "") + _text(k) + ":"), v]
+            todo += reversed([*parts, _Raw("}")])
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], (dict, list, tuple)):
+            parts = [_Raw("[")]
+            for i, v in enumerate(value):
+                parts += [_Raw(","), v] if i else [v]
+            todo += reversed([*parts, _Raw("]")])
+        elif isinstance(value, (list, tuple)) and len(value) > RENDER_SLICE:
+            rows = [_text(list(value[i : i + RENDER_SLICE]))[1:-1] for i in range(0, len(value), RENDER_SLICE)]
+            out.append("[" + ",".join(rows) + "]")
+        else:
+            out.append(_text(value))
+    return "".join(out).encode("ascii")
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """Rendered JSON text on :func:`_render`'s stack."""
+
+    text: str
 
 
 class _JSON(JSONResponse):
@@ -439,8 +482,9 @@ class _JSON(JSONResponse):
 
 async def _off_loop_json(make: Callable[[], Any]) -> Response:
     """``make()`` as a JSON response, built and rendered in a worker thread: an answer of per-token log-probs
-    can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder)."""
-    return Response(await anyio.to_thread.run_sync(lambda: _dumps(make())), media_type="application/json")
+    can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder),
+    and it is rendered in slices (:func:`_render`) so that the thread hands the GIL back to the loop between them."""
+    return Response(await anyio.to_thread.run_sync(lambda: _render(make())), media_type="application/json")
 
 
 def _tokenizer_answer(backend: LocalBackend, base_model: str) -> bytes:
