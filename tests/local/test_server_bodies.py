@@ -260,7 +260,7 @@ def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monk
     assert on_loop == [False, False, False]
 
 
-N, K = 48, 1024  # a pass of (N, K) targets: 49,152 log-probs
+N, K = 48, 1024  # a pass of (N, K) targets: 49,152 log-probs, 98,352 values to check
 WIDE = {
     "model_input": [5] * N,
     "loss_fn_inputs": {
@@ -268,6 +268,23 @@ WIDE = {
         "weights": {"data": [0.0] * (N * K), "dtype": "float32", "shape": [N, K]},
     },
 }
+
+
+def test_a_large_pass_is_checked_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """A pass's datums were checked on the event loop when it arrived and again at its turn: (512, 8192) targets
+    took 1.4 s each time, every tenant stalled. An op past INLINE_VALUES is checked in a worker thread both times."""
+    from asyncsess_local import embedded
+
+    real, on_loop = embedded._checked_pass, []
+
+    def recording(op: Any, slot: Any) -> Any:
+        on_loop.append(threading.current_thread() is worker.thread)
+        return real(op, slot)
+
+    monkeypatch.setattr(embedded, "_checked_pass", recording)
+    sid = new_session(c, tiny, MINE)
+    assert _post(c, f"/v1/sessions/{sid}/ops", json.dumps({**_forward(1), "data": [WIDE]}).encode(), MINE).status_code == 200
+    assert on_loop == [False, False]  # on arrival, and at its turn
 
 
 def test_a_large_answer_is_rendered_a_slice_at_a_time_and_reads_the_same(worker, c, tiny, monkeypatch):

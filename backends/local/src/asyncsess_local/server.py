@@ -337,7 +337,7 @@ def create_app(
                 try:
                     if isinstance(op, LoadStateOp):
                         owned_path(key, op.path, "path")
-                    op = backend.check_op(session_id, op)
+                    op = await backend.checked(session_id, op)  # a large pass is checked off the event loop
                     held.enter_context(checkpoint_room(key, session_id, op))
                 except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
                     backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
