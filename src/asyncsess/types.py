@@ -632,9 +632,10 @@ class AdamParams(_Input):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip).
 
     Every number must be a finite number (a bool or text is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in
-    ``[MIN_ADAM_EPS, 1]``, ``weight_decay`` in ``[0, 1]`` with ``learning_rate · weight_decay ≤ 1``, ``lora_plus_lr_ratio``
-    in ``[1, 1000]``. Decoupled decay multiplies each weight by ``1 − learning_rate · weight_decay`` per step: past 1 it
-    flips their sign, past 2 it grows them each step until they overflow to inf and the session's weights are NaN.
+    ``[MIN_ADAM_EPS, 1]``, ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``, and
+    ``learning_rate · lora_plus_lr_ratio · weight_decay ≤ 1``. Decoupled decay multiplies each weight by ``1 − learning_rate ·
+    weight_decay`` per step (LoRA B's by ``1 − learning_rate · lora_plus_lr_ratio · weight_decay``): past 1 it flips their
+    sign, past 2 it grows them each step until they overflow to inf and the session's weights are NaN.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -663,14 +664,18 @@ class AdamParams(_Input):
             )
         return v
 
-    @field_validator("weight_decay")
+    @field_validator("weight_decay", "lora_plus_lr_ratio")
     @classmethod
-    def _decay_shrinks(cls, v: float, info: ValidationInfo) -> float:
-        lr = info.data.get("learning_rate")
-        if isinstance(lr, (int, float)) and lr * v > 1.0:
+    def _decay_shrinks(cls, v: float | None, info: ValidationInfo) -> float | None:
+        """Decoupled decay multiplies a weight by ``1 − lr × weight_decay`` per step, LoRA B's by ``1 − lr × ratio ×
+        weight_decay``: the factor must stay in [0, 1] (past 1 it flips their sign, past 2 it grows them to inf)."""
+        lr, decay = info.data.get("learning_rate"), info.data.get("weight_decay", v)
+        scale = v if info.field_name == "lora_plus_lr_ratio" else 1.0
+        if isinstance(lr, (int, float)) and isinstance(decay, (int, float)) and isinstance(scale, (int, float)) and lr * scale * decay > 1:
+            names = "learning_rate × lora_plus_lr_ratio × weight_decay" if scale != 1.0 else "learning_rate × weight_decay"
             raise ValueError(
-                f"learning_rate × weight_decay is {lr * v:.3g}; it must be at most 1 (decoupled decay multiplies each weight by "
-                "1 − learning_rate × weight_decay per step: past 1 it flips their sign, past 2 it grows them to inf)"
+                f"{names} is {lr * scale * decay:.3g}; it must be at most 1 (decoupled decay multiplies each weight by 1 − "
+                "that product per step: past 1 it flips their sign, past 2 it grows them to inf)"
             )
         return v
 

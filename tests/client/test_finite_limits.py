@@ -52,6 +52,7 @@ def test_sampling_params_edges_that_stay_valid():
         {"weight_decay": 2.0},
         {"learning_rate": 10.0, "weight_decay": 0.2},  # each weight times 1 - 2 = -1 per step
         {"learning_rate": 3.0, "weight_decay": 1.0},  # times -2: inf within ~20 steps
+        {"learning_rate": 0.01, "lora_plus_lr_ratio": 1000.0, "weight_decay": 0.5},  # LoRA B's times -4: NaN at step 21
         {"grad_clip_norm": INF},
         {"lora_plus_lr_ratio": INF},
     ],

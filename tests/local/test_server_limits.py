@@ -157,6 +157,7 @@ OP_CASES = [
     ({"adam_params": {"eps": INF}}, "adam_params.eps"),
     ({"adam_params": {"eps": 1e-46}}, "adam_params.eps"),  # 0 in float32: the weights went NaN
     ({"adam_params": {"learning_rate": 3.0, "weight_decay": 1.0}}, "adam_params.weight_decay"),  # grew the weights to inf
+    ({"adam_params": {"learning_rate": 0.01, "lora_plus_lr_ratio": 1000.0, "weight_decay": 0.5}}, "adam_params.lora_plus_lr_ratio"),
     ({"adam_params": {"weight_decay": NAN}}, "adam_params.weight_decay"),
     ({"adam_params": {"grad_clip_norm": INF}}, "adam_params.grad_clip_norm"),
     ({"adam_params": {"beta1": 1.0}}, "adam_params.beta1"),
