@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Annotated, Any, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import InputValidationError
 
@@ -623,13 +623,19 @@ class SamplingParams(_Input):
 
 
 MAX_LEARNING_RATE = 10.0
+MIN_ADAM_EPS = 1.1754943508222875e-38
+"""float32's smallest normal number: the optimizer state is float32, where a smaller eps is 0 (or a subnormal, which a
+GPU kernel may flush to 0), and a parameter with a zero gradient (every LoRA A before B has moved) got 0 / 0 = NaN."""
 
 
 class AdamParams(_Input):
     """AdamW settings for one ``optim_step``. Defaults follow Tinker (β2 0.95, eps 1e-12, no decay, no clip).
 
-    Every number must be a finite number (a bool or text is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in ``(0, 1]``,
-    ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``.
+    Every number must be a finite number (a bool or text is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in
+    ``[MIN_ADAM_EPS, 1]``, ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``, and
+    ``learning_rate · lora_plus_lr_ratio · weight_decay ≤ 1``. Decoupled decay multiplies each weight by ``1 − learning_rate ·
+    weight_decay`` per step (LoRA B's by ``1 − learning_rate · lora_plus_lr_ratio · weight_decay``): past 1 it flips their
+    sign, past 2 it grows them each step until they overflow to inf and the session's weights are NaN.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -648,6 +654,30 @@ class AdamParams(_Input):
     @classmethod
     def _clip_none(cls, v: Any) -> Any:
         return 0.0 if v is None else v  # SageMaker spells "off" as None
+
+    @field_validator("eps")
+    @classmethod
+    def _eps_in_float32(cls, v: float) -> float:
+        if v < MIN_ADAM_EPS:
+            raise ValueError(
+                f"{v:.3g} is below 1.18e-38, float32's smallest normal number (the optimizer's state is float32); use e.g. 1e-12"
+            )
+        return v
+
+    @field_validator("weight_decay", "lora_plus_lr_ratio")
+    @classmethod
+    def _decay_shrinks(cls, v: float | None, info: ValidationInfo) -> float | None:
+        """Decoupled decay multiplies a weight by ``1 − lr × weight_decay`` per step, LoRA B's by ``1 − lr × ratio ×
+        weight_decay``: the factor must stay in [0, 1] (past 1 it flips their sign, past 2 it grows them to inf)."""
+        lr, decay = info.data.get("learning_rate"), info.data.get("weight_decay", v)
+        scale = v if info.field_name == "lora_plus_lr_ratio" else 1.0
+        if isinstance(lr, (int, float)) and isinstance(decay, (int, float)) and isinstance(scale, (int, float)) and lr * scale * decay > 1:
+            names = "learning_rate × lora_plus_lr_ratio × weight_decay" if scale != 1.0 else "learning_rate × weight_decay"
+            raise ValueError(
+                f"{names} is {lr * scale * decay:.3g}; it must be at most 1 (decoupled decay multiplies each weight by 1 − "
+                "that product per step: past 1 it flips their sign, past 2 it grows them to inf)"
+            )
+        return v
 
 
 # -------------------------------------------------------------------------------------- outputs

@@ -46,8 +46,13 @@ def test_sampling_params_edges_that_stay_valid():
         {"learning_rate": 1e39},
         {"eps": 0.0},
         {"eps": INF},
+        {"eps": 1e-46},  # 0 in float32: a zero gradient's update was 0 / 0, the weights NaN
+        {"eps": 1e-40},  # a float32 subnormal (a GPU kernel may flush it to 0)
         {"weight_decay": NAN},
         {"weight_decay": 2.0},
+        {"learning_rate": 10.0, "weight_decay": 0.2},  # each weight times 1 - 2 = -1 per step
+        {"learning_rate": 3.0, "weight_decay": 1.0},  # times -2: inf within ~20 steps
+        {"learning_rate": 0.01, "lora_plus_lr_ratio": 1000.0, "weight_decay": 0.5},  # LoRA B's times -4: NaN at step 21
         {"grad_clip_norm": INF},
         {"lora_plus_lr_ratio": INF},
     ],

@@ -46,7 +46,7 @@ adam = st.builds(
     beta1=st.floats(0.0, 0.999),
     beta2=st.floats(0.0, 0.999),
     eps=st.floats(1e-30, 1.0),
-    weight_decay=st.floats(0.0, 1.0),
+    weight_decay=st.floats(0.0, 0.1),  # learning_rate × weight_decay ≤ 1
     grad_clip_norm=st.floats(0.0, 1e30),
 )
 
@@ -212,3 +212,16 @@ def test_errors_carry_openai_param_and_code_and_still_decode_to_their_class() ->
         assert {"message", "type", "param", "code"} <= set(info) and (info["param"], info["code"]) == (param, code)
         back = wire.decode_error(body, wire.status_for(err))
         assert type(back) is type(err) and str(back) == str(err) and getattr(back, "field", None) == param
+
+
+def test_a_conflict_is_a_409_that_decodes_to_a_conflict_error_never_retried() -> None:
+    """A taken checkpoint name, a reused seq or request_id conflicts with the server's state: the worker answered them
+    400 (only a reused Idempotency-Key was a 409). Now every ConflictError is a 409, rebuilt as itself, void kept."""
+    from asyncsess import errors
+
+    err = errors.ConflictError("a checkpoint named 'a' already exists", field="overwrite", fix="pass overwrite=True")
+    err.void = True
+    assert wire.status_for(err) == 409 and wire.status_for(InvalidInputError("bad", field="seq")) == 400
+    back = wire.decode_error(json.loads(json.dumps(wire.encode_error(err))), 409)
+    assert type(back) is errors.ConflictError and back.field == "overwrite" and back.void
+    assert not errors.is_retryable(back)

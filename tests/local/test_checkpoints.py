@@ -262,6 +262,47 @@ async def test_an_unnamed_save_never_clashes_with_a_name_the_user_chose(backend_
         await b.aclose()
 
 
+async def test_a_save_whose_name_an_op_queued_before_it_takes_is_void_and_poisons_nothing(backend_factory, tiny):
+    """Two saves of one name sent together both pass the check on arrival (neither has run yet); the second then
+    found the name taken when it ran, and that failure poisoned the session: every later op was a PoisonedError.
+    It is void (nothing was written), and the session goes on."""
+    import threading
+
+    import anyio
+    from anyio import wait_all_tasks_blocked
+
+    b = backend_factory()
+    try:
+        await b.open()
+        a = await b.create_training_session(TrainingSessionSpec(base_model=tiny, rank=4, seed=3))
+        ops = Ops()
+        first, second = ops("save_state", name="same"), ops("save_state", name="same")
+        gate = threading.Event()
+        b.engine.call_soon(gate.wait)  # the engine thread waits: both saves are checked and queued before either runs
+        got: dict[int, object] = {}
+
+        async def run(op):
+            try:
+                got[op.seq] = await b.execute_training(a.model_id, op)
+            except Exception as err:
+                got[op.seq] = err
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, first)
+            tg.start_soon(run, second)
+            await wait_all_tasks_blocked()
+            gate.set()
+        assert _path(got[1].path).name == "same", got  # type: ignore[attr-defined]
+        err = got[2]
+        assert isinstance(err, ConflictError) and err.void and err.field == "overwrite", err
+        step = await b.execute_training(a.model_id, ops("optim_step", adam_params=AdamParams(learning_rate=1e-3)))
+        assert step.step == 1  # not poisoned
+        assert [c.checkpoint_id.split("/")[-1] for c in await b.list_checkpoints(a.model_id)] == ["same"]
+    finally:
+        gate.set()
+        await b.aclose()
+
+
 async def test_a_sampler_on_a_rewritten_or_deleted_path_loads_what_is_there(backend_factory, tiny):
     """Samplers opened on a checkpoint path shared one cached snapshot: after the path was saved over
     (``overwrite=True``), or deleted and saved again, a new sampler on it still sampled the old weights while an

@@ -139,7 +139,7 @@ def test_auth_and_ownership(worker, tiny):
 
 
 def test_a_taken_name_is_refused_voiding_its_seq_and_ephemeral_saves_stay_off_disk(worker, tiny):
-    """Over HTTP: a save under a taken name is a 400 naming ``overwrite`` that uses up its seq (void); overwrite=True
+    """Over HTTP: a save under a taken name is a 409 naming ``overwrite`` that uses up its seq (void); overwrite=True
     replaces it. An ephemeral save (a sampler refresh), merged or not, is an in-memory snapshot: never listed, no
     directory; an ephemeral save_state is refused (it is always durable)."""
     h = {"Authorization": f"Bearer {KEY}"}
@@ -153,7 +153,7 @@ def test_a_taken_name_is_refused_voiding_its_seq_and_ephemeral_saves_stay_off_di
         assert saved.status_code == 200, saved.text
         path = saved.json()["result"]["path"]
         r = op(2, "save_state", name="a")
-        assert r.status_code == 400 and r.json()["error"]["type"] == "ConflictError" and r.json()["error"]["field"] == "overwrite", r.text
+        assert r.status_code == 409 and r.json()["error"]["type"] == "ConflictError" and r.json()["error"]["field"] == "overwrite", r.text
         assert "overwrite=True" in r.json()["error"]["fix"] and r.json()["error"]["void"] is True  # seq 2 is used up
         assert op(2, "save_state", name="a").json() == r.json()  # a re-delivery gets the same refusal
         r = op(3, "save_weights", ephemeral=True, merge_weights=True)

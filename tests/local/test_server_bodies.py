@@ -268,14 +268,14 @@ def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monk
     the event loop, stalling every tenant as a large body did."""
     from asyncsess_local import server
 
-    real, on_loop = server._dumps, []
+    real, on_loop = server._render, []
 
     def recording(content: Any) -> bytes:
         if isinstance(content, dict) and ({"sequences", "logprobs"} & content.keys() or content.get("type") == "forward_backward"):
             on_loop.append(threading.current_thread() is worker.thread)
         return real(content)
 
-    monkeypatch.setattr(server, "_dumps", recording)
+    monkeypatch.setattr(server, "_render", recording)
     sid = new_session(c, tiny, MINE)
     assert c.post(f"/v1/sessions/{sid}/ops", json=_forward(1), headers=MINE).status_code == 200
     smp = c.post("/v1/samplers", json={"base_model": tiny}, headers=MINE).json()["sampler_id"]
@@ -284,6 +284,58 @@ def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monk
     r = c.post(f"/v1/samplers/{smp}/logprobs", json={"tokens": [5, 6, 7]}, headers=MINE)
     assert r.status_code == 200 and len(r.json()["logprobs"]) == 3
     assert on_loop == [False, False, False]
+
+
+N, K = 48, 1024  # a pass of (N, K) targets: 49,152 log-probs, 98,352 values to check
+WIDE = {
+    "model_input": [5] * N,
+    "loss_fn_inputs": {
+        "target_tokens": {"data": [7] * (N * K), "dtype": "int64", "shape": [N, K]},
+        "weights": {"data": [0.0] * (N * K), "dtype": "float32", "shape": [N, K]},
+    },
+}
+
+
+def test_a_large_pass_is_checked_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """A pass's datums were checked on the event loop when it arrived and again at its turn: (512, 8192) targets
+    took 1.4 s each time, every tenant stalled. An op past INLINE_VALUES is checked in a worker thread both times."""
+    from asyncsess_local import embedded
+
+    real, on_loop = embedded._checked_pass, []
+
+    def recording(op: Any, slot: Any) -> Any:
+        on_loop.append(threading.current_thread() is worker.thread)
+        return real(op, slot)
+
+    monkeypatch.setattr(embedded, "_checked_pass", recording)
+    sid = new_session(c, tiny, MINE)
+    assert _post(c, f"/v1/sessions/{sid}/ops", json.dumps({**_forward(1), "data": [WIDE]}).encode(), MINE).status_code == 200
+    assert on_loop == [False, False]  # on arrival, and at its turn
+
+
+def test_a_large_answer_is_rendered_a_slice_at_a_time_and_reads_the_same(worker, c, tiny, monkeypatch):
+    """Rendering in a thread did not free the event loop: json.dumps is one C call holding the GIL, and a forward's
+    (512, 8192) log-probs held it 2 s. No call renders more than RENDER_SLICE numbers now, and the bytes are the same."""
+    from asyncsess_local import server
+
+    n, k = N, K  # three slices
+    sid = new_session(c, tiny, MINE)
+    raw = json.dumps({**_forward(1), "data": [WIDE]}).encode()  # encoded before json.dumps is watched
+    real, numbers = json.dumps, []
+
+    def counting(value: Any, **kw: Any) -> str:
+        text = real(value, **kw)
+        numbers.append(text.count(",") + 1)
+        return text
+
+    monkeypatch.setattr(server.json, "dumps", counting)
+    r = _post(c, f"/v1/sessions/{sid}/ops", raw, MINE)
+    monkeypatch.undo()
+    assert r.status_code == 200, r.text[:300]
+    logprobs = r.json()["result"]["loss_fn_outputs"][0]["logprobs"]
+    assert logprobs["shape"] == [n, k] and len(logprobs["data"]) == n * k
+    assert server._render(r.json()) == server._dumps(r.json()) == r.content
+    assert numbers and max(numbers) <= server.RENDER_SLICE, max(numbers)
 
 
 def test_the_tokenizer_is_written_out_once_and_off_the_event_loop(worker, c, tiny, monkeypatch):

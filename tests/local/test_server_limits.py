@@ -155,6 +155,9 @@ OP_CASES = [
     ({"adam_params": {"learning_rate": -1e-9}}, "adam_params.learning_rate"),
     ({"adam_params": {"eps": 0}}, "adam_params.eps"),
     ({"adam_params": {"eps": INF}}, "adam_params.eps"),
+    ({"adam_params": {"eps": 1e-46}}, "adam_params.eps"),  # 0 in float32: the weights went NaN
+    ({"adam_params": {"learning_rate": 3.0, "weight_decay": 1.0}}, "adam_params.weight_decay"),  # grew the weights to inf
+    ({"adam_params": {"learning_rate": 0.01, "lora_plus_lr_ratio": 1000.0, "weight_decay": 0.5}}, "adam_params.lora_plus_lr_ratio"),
     ({"adam_params": {"weight_decay": NAN}}, "adam_params.weight_decay"),
     ({"adam_params": {"grad_clip_norm": INF}}, "adam_params.grad_clip_norm"),
     ({"adam_params": {"beta1": 1.0}}, "adam_params.beta1"),
@@ -350,6 +353,17 @@ def test_a_load_state_path_the_session_cannot_load_is_refused_before_anything_ru
         assert err["void"] is True and err["seq"] == seq, err
     weights = r.json()["result"]["path"]
     assert_refused(send(c, "POST", "/v1/sessions", {"base_model": tiny, "from_path": weights}, MINE), "from_path")  # was named 'path'
+    r = c.post(f"/v1/sessions/{sid}/ops", json=_op(worker, sid, adam_params={"learning_rate": 1e-3}), headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
+
+
+def test_a_state_of_another_lora_alpha_is_refused_before_anything_runs(c, worker, tiny, ids):
+    """A rank-2 state loaded into a rank-2 session of another alpha was accepted: the same weights scaled by
+    alpha / rank made another model (a forward's loss 27 where the saved session's was 6.4). It is refused, void."""
+    r = c.post("/v1/sessions", json={"base_model": tiny, "rank": 2, "alpha": 100.0, "seed": 0}, headers=MINE)
+    sid = r.json()["model_id"]
+    err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", _op(worker, sid, kind="load_state", path=ids["state"]), MINE), "path")
+    assert "alpha 4" in err["message"] and "alpha 100" in err["message"] and err["void"] is True, err
     r = c.post(f"/v1/sessions/{sid}/ops", json=_op(worker, sid, adam_params={"learning_rate": 1e-3}), headers=MINE)
     assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text
 
@@ -641,11 +655,46 @@ def test_a_seq_and_key_resent_with_another_op_is_refused_and_a_true_retry_answer
         {"kind": "optim_step", "seq": 1, "idempotency_key": "k", "adam_params": {"learning_rate": 1e-3}},
         {"kind": "save_state", "seq": 1, "idempotency_key": "k", "name": "x"},
     ):
-        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", other, MINE), "idempotency_key")
-        assert "another op" in err["message"], err
+        err = assert_refused(send(c, "POST", f"/v1/sessions/{sid}/ops", other, MINE), "idempotency_key", status=409)
+        assert "another op" in err["message"] and err["type"] == "ConflictError", err
     again = c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE)
     assert again.status_code == 200 and again.json() == r.json()
     assert worker.backend.next_seq(sid) == 2 and not worker.backend.engine.store.list(sid)  # nothing else ran
+
+
+def test_conflicts_with_the_workers_state_are_409s_the_client_raises_as_conflict_errors(c, worker, tiny, ids):
+    """A seq reused under another key and a request_id reused for another sample were 400s, as if the body were
+    malformed; they are 409 ConflictErrors (as a reused Idempotency-Key was), which the client raises as such."""
+    import anyio
+
+    from asyncsess.backends import SampleRequest
+    from asyncsess.backends.http import HttpBackend
+    from asyncsess.errors import ConflictError, is_retryable
+    from asyncsess.types import SamplingParams
+
+    sid = new_session(c, tiny, MINE)
+    first = {"kind": "optim_step", "seq": 1, "idempotency_key": "k1", "adam_params": {}}
+    assert c.post(f"/v1/sessions/{sid}/ops", json=first, headers=MINE).status_code == 200
+    err = assert_refused(c.post(f"/v1/sessions/{sid}/ops", json={**first, "idempotency_key": "k2"}, headers=MINE), "seq", status=409)
+    assert err["type"] == "ConflictError", err
+    sample = {"prompt": [5, 6], "sampling_params": {"max_tokens": 2, "seed": 1}, "request_id": "r-1"}
+    assert c.post(f"/v1/samplers/{ids['smp']}/sample", json=sample, headers=MINE).status_code == 200
+    other = {**sample, "prompt": [5, 7]}
+    err = assert_refused(c.post(f"/v1/samplers/{ids['smp']}/sample", json=other, headers=MINE), "request_id", status=409)
+    assert err["type"] == "ConflictError", err
+
+    async def resent() -> BaseException:
+        backend = HttpBackend(worker.url, api_key=KEY)
+        try:
+            await backend.sample(ids["smp"], SampleRequest((5, 7), 1, SamplingParams(max_tokens=2, seed=1), request_id="r-1"))
+        except BaseException as exc:
+            return exc
+        finally:
+            await backend.aclose()
+        raise AssertionError("the reused request_id was answered")
+
+    got = anyio.run(resent)
+    assert isinstance(got, ConflictError) and got.field == "request_id" and not is_retryable(got), got
 
 
 @pytest.mark.parametrize(

@@ -234,6 +234,27 @@ async def test_adam_params_are_applied(backend_factory, tiny):
         await b.aclose()
 
 
+async def test_the_smallest_adam_eps_allowed_keeps_the_weights_finite(backend_factory, tiny):
+    """eps=1e-46 was accepted and is 0 in the float32 optimizer: every LoRA A (zero gradient while B is 0) got 0 / 0
+    and the session's weights were NaN for good. The smallest eps now allowed steps a real and a zero gradient finitely."""
+    from asyncsess.types import MIN_ADAM_EPS
+
+    b = backend_factory()
+    try:
+        await b.open()
+        d = sft_datum(b.get_tokenizer(tiny).encode(TEXT))
+        info = await _session(b, tiny)
+        ops = Ops()
+        for _ in range(2):  # step 1: A's gradient is exactly 0 (B = 0); step 2: both move
+            await b.execute_training(info.model_id, ops("forward_backward", data=(d,), loss_fn="cross_entropy"))
+            await b.execute_training(info.model_id, ops("optim_step", adam_params=AdamParams(learning_rate=1e-3, eps=MIN_ADAM_EPS)))
+        assert all(bool(p.isfinite().all()) for p in b.engine.sessions[info.model_id].params.values())
+        out = await b.execute_training(info.model_id, ops("forward", data=(d,), loss_fn="cross_entropy"))
+        assert out.metrics["loss:sum"] == out.metrics["loss:sum"]  # not NaN
+    finally:
+        await b.aclose()
+
+
 async def test_bad_input_is_refused_void_and_the_next_op_runs(backend_factory, tiny):
     """Refused at its turn before anything ran: the seq is used up (void) and the session is not poisoned."""
     b = backend_factory()

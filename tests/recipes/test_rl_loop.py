@@ -147,7 +147,9 @@ def test_the_optimizer_settings_live_in_the_config():
     for bad in (
         {"adam_beta1": 1.0},
         {"adam_eps": 0.0},
+        {"adam_eps": 1e-46},  # 0 in the float32 optimizer: refused at the start, not at the first optim_step
         {"weight_decay": -0.1},
+        {"weight_decay": 0.5, "learning_rate": 4.0},
         {"num_minibatches": 9, "groups_per_batch": 8},
         {"lr_schedule": "exp"},
     ):

@@ -3,8 +3,8 @@
 The API key comes from the ``api_key`` option or ``$ASYNCSESS_API_KEY``. Errors come back as the
 worker's typed errors; dropped connections and timeouts become :class:`TransientError` (the client's
 retry policy resends, and the worker's sequencer applies each op once). A refusal (4xx: 400 bad input,
-401 key, 404 unknown or another key's object, 413 body too large) is raised as the worker's typed error,
-with its ``field`` and ``fix``.
+401 key, 404 unknown or another key's object, 409 a conflict with the worker's state, 413 body too large) is
+raised as the worker's typed error, with its ``field`` and ``fix``, and never retried.
 
 The worker on the other end may be buggy, another version or hostile: redirects are not followed (the key
 goes to ``base_url`` only), an answer over ``max_response_bytes`` (decoded) is refused while it streams, and

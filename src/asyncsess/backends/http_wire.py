@@ -66,9 +66,12 @@ RESULT_OF_OP: dict[str, str] = {
 }
 """The result ``type`` that answers each op ``kind``: any other is the answer to another request."""
 
-# error class -> HTTP status; bad input is always a 4xx, never a 5xx
+# error class -> HTTP status (the most specific class wins); bad input is always a 4xx, never a 5xx. A conflict
+# with the server's state (a taken checkpoint name, a reused seq, request_id or Idempotency-Key) is a 409, its
+# typed body a ConflictError that no client retries; malformed input stays a 400
 STATUS: dict[type[errors.AsyncSessError], int] = {
     errors.InvalidInputError: 400,
+    errors.ConflictError: 409,
     errors.SessionGoneError: 404,
     errors.PoisonedError: 424,
     errors.TransientError: 503,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..backends.base import Tokenizer
 from ..client import SamplingClient, ServiceClient, TrainingClient
@@ -176,6 +176,12 @@ class RLConfig(RecoveryConfig):
                 f"groups_per_batch × (max_staleness + 1) = {ahead} groups would be played ahead of the trainer (and all of them "
                 f"at the end of a run), more than {MAX_GROUPS_AHEAD}: lower max_staleness or groups_per_batch"
             )
+        try:
+            self.adam()  # the first step's settings (a schedule only lowers the rate): AdamParams' own bounds, at the start
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            field = {"eps": "adam_eps", "beta1": "adam_beta1", "beta2": "adam_beta2"}.get(str(first["loc"][0]), str(first["loc"][0]))
+            raise ValueError(f"{field}: {first['msg'].removeprefix('Value error, ')}") from None
         return self
 
     def adam(self, done: float = 0.0) -> AdamParams:

@@ -253,7 +253,7 @@ class CheckpointStore:
         return self._save(sess, op, fill)
 
     def check_state(self, path: Path, sess: TrainSession, field: str = "path") -> dict[str, Any]:
-        """The metadata of a ``save_state`` directory that ``sess`` can load (its base model, LoRA rank and targets);
+        """The metadata of a ``save_state`` directory that ``sess`` can load (its base model, LoRA rank, alpha and targets);
         anything else is an InvalidInputError naming ``field``."""
         meta = self.meta(path, field)
         if meta.get("kind") != "state":
@@ -264,11 +264,13 @@ class CheckpointStore:
                 field=field,
                 fix="load it into a session on its base model (or create one with from_path)",
             )
-        if (int(meta["rank"]), list(meta["targets"])) != (sess.rank, sess.targets):
+        saved = (int(meta["rank"]), float(meta["alpha"]), list(meta["targets"]))
+        if saved != (sess.rank, sess.alpha, sess.targets):  # another alpha scales the same weights into another model
             raise InvalidInputError(
-                "the checkpoint's LoRA rank or targets differ from this session's",
+                f"the checkpoint's LoRA (rank {saved[0]}, alpha {saved[1]:g}) or its targets differ from this session's "
+                f"(rank {sess.rank}, alpha {sess.alpha:g})",
                 field=field,
-                fix="load it into a session created with its rank and train_* options (or with from_path)",
+                fix="load it into a session created with its rank, alpha and train_* options (or with from_path)",
             )
         return meta
 

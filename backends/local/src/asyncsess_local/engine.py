@@ -12,7 +12,8 @@ the event loop never blocks on torch. Each time the thread wakes it takes everyt
   running out of device memory in a (forward-)backward pass: the pass is retried with half the token
   budget (gradients put back, cache emptied) until every datum is alone in its micro-batch, and only
   then fails with :class:`ResourceExhaustedError`; the session stays usable and the lowered budget stays;
-  and except an ``optim_step`` skipped for a NaN/inf gradient (:class:`NonFiniteGradientError`).
+  except an ``optim_step`` skipped for a NaN/inf gradient (:class:`NonFiniteGradientError`); and except a save
+  or load refused when it runs (a name that a save queued before it took; a load path gone): void, nothing written.
 
 State (base models, sessions, sampler snapshots: :class:`~.sessions.Sessions`) is touched only on this
 thread; checkpoints are written and read by :class:`~.checkpoints.CheckpointStore`.
@@ -330,6 +331,12 @@ class Engine:
             group[0].done.set_error(err)
             return
         except BaseException as err:
+            if isinstance(err, InvalidInputError) and isinstance(group[0].op, (SaveStateOp, SaveWeightsOp, LoadStateOp)):
+                # checked when it was queued, refused now (a save's name taken by an op queued before it, a load's path
+                # gone): saves and loads check before they write or load anything, so the op is void, nothing poisoned
+                err.void = True
+                group[0].done.set_error(err)  # a barrier runs alone
+                return
             sess.failed = self._api_error(err)
             group[0].done.set_error(sess.failed)
             for w in group[1:]:

@@ -23,6 +23,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
-from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit, json_body
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
@@ -184,9 +185,7 @@ def create_app(
 
     @app.exception_handler(AsyncSessError)
     async def _typed(request: Request, err: AsyncSessError) -> Response:
-        status = wire.status_for(err)
-        if isinstance(err, ConflictError) and err.field == IDEMPOTENCY_HEADER:
-            status = 409  # as Stripe answers a reused Idempotency-Key (the worker's other conflicts stay 400s)
+        status = wire.status_for(err)  # a ConflictError is a 409 (a taken name, a reused seq, request_id or Idempotency-Key)
         if status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, err)
         elif isinstance(err, InvalidInputError):  # every refusal names a field and a fix
@@ -338,7 +337,7 @@ def create_app(
                 try:
                     if isinstance(op, LoadStateOp):
                         owned_path(key, op.path, "path")
-                    op = backend.check_op(session_id, op)
+                    op = await backend.checked(session_id, op)  # a large pass is checked off the event loop
                     held.enter_context(checkpoint_room(key, session_id, op))
                 except InvalidInputError as err:  # refused before anything ran: the op's seq is void, the later ops run
                     backend.refuse(session_id, op, err)  # raises, unless the seq is taken: then the sequencer answers
@@ -430,7 +429,49 @@ PathQuery = Annotated[str, Query(min_length=1, max_length=MAX_PATH_CHARS)]
 def _dumps(content: Any) -> bytes:
     """JSON with every non-ASCII character escaped (a lone surrogate echoed in an error cannot break the
     encoder); non-finite floats are written as Python's json writes them rather than failing the response."""
-    return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+    return _text(content).encode("ascii")
+
+
+def _text(content: Any) -> str:
+    return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":"))
+
+
+RENDER_SLICE = 16_384
+"""Numbers one ``json.dumps`` call renders in a large answer (see :func:`_render`)."""
+
+
+def _render(content: Any) -> bytes:
+    """:func:`_dumps`'s bytes, a slice of each long list of numbers at a time. ``json.dumps`` is one C call that holds
+    the GIL: a forward's (512, 8192) log-probs held it 2 s, every tenant's event loop stalled behind a thread."""
+    out: list[str] = []
+    todo: list[Any] = [content]  # values to render, and text already rendered (a str in a _Raw)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, _Raw):
+            out.append(value.text)
+        elif isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            parts: list[Any] = [_Raw("{")]
+            for i, (k, v) in enumerate(value.items()):
+                parts += [_Raw(("," if i else "") + _text(k) + ":"), v]
+            todo += reversed([*parts, _Raw("}")])
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], (dict, list, tuple)):
+            parts = [_Raw("[")]
+            for i, v in enumerate(value):
+                parts += [_Raw(","), v] if i else [v]
+            todo += reversed([*parts, _Raw("]")])
+        elif isinstance(value, (list, tuple)) and len(value) > RENDER_SLICE:
+            rows = [_text(list(value[i : i + RENDER_SLICE]))[1:-1] for i in range(0, len(value), RENDER_SLICE)]
+            out.append("[" + ",".join(rows) + "]")
+        else:
+            out.append(_text(value))
+    return "".join(out).encode("ascii")
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """Rendered JSON text on :func:`_render`'s stack."""
+
+    text: str
 
 
 class _JSON(JSONResponse):
@@ -442,8 +483,9 @@ class _JSON(JSONResponse):
 
 async def _off_loop_json(make: Callable[[], Any]) -> Response:
     """``make()`` as a JSON response, built and rendered in a worker thread: an answer of per-token log-probs
-    can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder)."""
-    return Response(await anyio.to_thread.run_sync(lambda: _dumps(make())), media_type="application/json")
+    can be tens of MB of text, seconds of every tenant's event loop (FastAPI also walked it with its encoder),
+    and it is rendered in slices (:func:`_render`) so that the thread hands the GIL back to the loop between them."""
+    return Response(await anyio.to_thread.run_sync(lambda: _render(make())), media_type="application/json")
 
 
 def _tokenizer_answer(backend: LocalBackend, base_model: str) -> bytes:
