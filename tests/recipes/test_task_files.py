@@ -1,13 +1,13 @@
-"""A user's own problem files for the task loaders (``asyncsess.tasks.rows``, ``gsm8k.load``): what is not a problem
-is an InvalidInputError naming the file, the line, the key and the fix when the data is loaded (a bare
-JSONDecodeError, KeyError, TypeError, ... before, or no problems at all)."""
+"""A user's own problem files for the task loaders (``asyncsess.tasks.rows``, ``gsm8k.load``) and the arithmetic
+generator's arguments: what is not a problem is an InvalidInputError naming the file, the line, the key and the fix
+when the data is loaded (a bare JSONDecodeError, KeyError, TypeError, ... before, or no problems at all)."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncsess.errors import InvalidInputError
-from asyncsess.tasks import gsm8k, rows
+from asyncsess.tasks import arithmetic, gsm8k, rows
 
 GOOD = b'{"question": "Q?", "answer": "work\\n#### 42"}\n'
 BAD_FILES = [  # (what the file holds, the line named, the field named, words of the message)
@@ -56,3 +56,12 @@ def test_limit_is_a_positive_count(tmp_path):
         with pytest.raises(InvalidInputError) as err:
             gsm8k.load(path=path, limit=limit)
         assert err.value.field == "limit"
+
+
+@pytest.mark.parametrize(("ops", "n"), [("*", 1), ("+*", 1), ("++", 1), ("", 1), ("+", -1)])
+def test_arithmetic_takes_only_the_ops_it_can_answer(ops, n):
+    """``ops="*"`` made "What is 3 * 4?" with the answer -1 (every op but "+" was computed as "-"), and "++" counted
+    each op twice (asking for 10,001 of its 10,000 problems drew for ever)."""
+    with pytest.raises(InvalidInputError) as err:
+        arithmetic.make_problems(n, seed=0, ops=ops)
+    assert err.value.field == ("n" if ops == "+" else "ops")
