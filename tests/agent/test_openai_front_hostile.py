@@ -182,6 +182,39 @@ async def test_a_prompt_the_sampler_refuses_is_still_named_prompt_by_completions
     assert err.value.param == "prompt"
 
 
+CALL = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+NO_CONTENT = [  # each was a 200 that sampled from an empty turn
+    ([{"role": "user"}], "messages.0.content", "missing_required_parameter"),
+    ([{"role": "user", "content": None}], "messages.0.content", "invalid_value"),
+    ([{"role": "user", "content": []}], "messages.0.content", "empty_array"),
+    ([{"role": "system", "content": None}, *HI], "messages.0.content", "invalid_value"),
+    ([{"role": "developer"}, *HI], "messages.0.content", "missing_required_parameter"),
+    ([*HI, {"role": "assistant"}, *HI], "messages.1.content", "invalid_value"),
+    ([*HI, {"role": "assistant", "content": "", "tool_calls": []}, *HI], "messages.1.tool_calls", "empty_array"),
+    ([*HI, CALL, {"role": "tool", "tool_call_id": "c1"}], "messages.2.content", "missing_required_parameter"),
+    ([*HI, CALL, {"role": "tool", "tool_call_id": "c1", "content": None}], "messages.2.content", "invalid_value"),
+]
+SERVED = [  # what OpenAI serves: empty text, and an assistant message that is only tool calls
+    [{"role": "user", "content": ""}],
+    [{"role": "system", "content": [{"type": "text", "text": ""}]}, *HI],
+    [*HI, CALL, {"role": "tool", "tool_call_id": "c1", "content": ""}],
+    [*HI, {**CALL, "content": None}, {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "4"}]}],
+]
+
+
+async def test_a_message_without_content_is_a_400_naming_it_as_openai_answers(sampler):
+    front = OpenAIFront(sampler)
+    async with front.openai_client("h") as client:
+        for messages, param, code in NO_CONTENT:
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            assert (err.value.param, err.value.code) == (param, code), (messages, err.value.body)
+        for messages in SERVED:
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            assert reply.choices[0].finish_reason in ("stop", "length"), messages
+    assert len(front.captures.calls("h")) == len(SERVED)  # the refused ones were never sampled
+
+
 class _Counted:
     """A tokenizer that counts the calls that tokenize text (``calls``) and those that decode tokens (``decodes``)."""
 
@@ -244,7 +277,13 @@ TOO_LONG = [
     # 3 characters of name and arguments a call were counted, of the 50 the front writes per call (175,000 calls fit)
     (
         "chat",
-        {"messages": [*HI, {"role": "assistant", "tool_calls": CALLS}, *({"role": "tool", "tool_call_id": c["id"]} for c in CALLS)]},
+        {
+            "messages": [
+                *HI,
+                {"role": "assistant", "tool_calls": CALLS},
+                *({"role": "tool", "tool_call_id": c["id"], "content": "4"} for c in CALLS),
+            ]
+        },
         "messages",
     ),
 ]

@@ -59,6 +59,40 @@ def test_deepcoder_rows_keep_stdin_stdout_problems(tmp_path):
     assert code.load(path, limit=1) == problems[:1]
 
 
+BAD_ROWS = [  # a row of neither format, or a broken one: a bare KeyError, TypeError, ... or silently fewer tests
+    ({"id": 1, "text": "x"}, "question"),
+    ({"question": "q", "tests": [3]}, "tests.0"),
+    ({"question": "q", "tests": [{"input": "1"}]}, "tests.0.output"),
+    ({"question": "q", "tests": [{"input": 1, "output": "1"}]}, "tests.0.input"),
+    ({"question": "q", "tests": []}, "tests"),  # was left out without a word
+    ({"question": "q", "tests": [{"input": "1", "output": "1"}], "solution": 3}, "solution"),
+    ({"problem": "p", "tests": "[{"}, "tests"),
+    ({"problem": "p", "tests": 5}, "tests"),
+    ({"problem": "p", "tests": [{"input": "1", "testtype": "stdin"}]}, "tests.0.output"),
+    ({"problem": "p", "tests": {"inputs": ["1", "2"], "outputs": ["2"]}}, "tests.outputs"),  # zip dropped a test
+]
+
+
+@pytest.mark.parametrize(("row", "field"), BAD_ROWS, ids=[f for _, f in BAD_ROWS])
+def test_a_bad_problems_file_names_its_line_and_key(tmp_path, row, field):
+    path = tmp_path / "p.jsonl"
+    good = {"question": "q", "tests": [{"input": "1", "output": "1"}]}
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n")
+    with pytest.raises(InvalidInputError) as err:
+        code.load(path)
+    assert err.value.field == f"p.jsonl.{field}" and f"{path}:3:" in str(err.value) and err.value.fix == code.FIX, str(err.value)
+
+
+def test_a_problems_file_with_no_stdin_problem_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    for text, words in [("", "holds no rows"), (json.dumps({"problem": "p", "tests": {"inputs": [], "fn_name": "f"}}), "no problem")]:
+        path.write_text(text)
+        with pytest.raises(InvalidInputError, match=words):  # was [], a run with nothing to train on
+            code.load(path)
+    with pytest.raises(InvalidInputError, match="is a directory"):
+        code.load(tmp_path)
+
+
 def test_extract_code_takes_the_last_block():
     assert code.extract_code("no code") is None
     assert code.extract_code("```python\nprint(1)\n```") == "print(1)\n"

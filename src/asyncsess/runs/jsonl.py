@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 
-__all__ = ["JsonlLine", "json_data", "open_for_append", "read_jsonl", "refuse", "write_whole"]
+__all__ = ["JsonlLine", "json_data", "open_for_append", "parse_line", "read_jsonl", "refuse", "write_whole"]
 
 log = logging.getLogger("asyncsess.runs")
 MAX_FILE_BYTES = 1 << 30  # a run's JSONL files hold a line per step; a bigger one is not a run's
@@ -57,7 +57,9 @@ def _has_surrogate(value: Any) -> bool:
     return isinstance(value, list) and any(_has_surrogate(v) for v in value)
 
 
-def _parse(path: Path, number: int, raw: bytes, fix: str) -> dict[str, Any]:
+def parse_line(path: Path, number: int, raw: bytes, fix: str) -> dict[str, Any]:
+    """Line ``number`` of ``path`` as a JSON object: not UTF-8, not JSON (or too deep, or a too long int), not an
+    object, a NaN or a lone surrogate is an InvalidInputError naming the file and the line (see :func:`refuse`)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -91,13 +93,13 @@ def _scan(path: Path, check: Callable[[int, dict[str, Any]], object], fix: str) 
     out: list[JsonlLine] = []
     for i, raw in enumerate(lines, start=1):
         if raw.strip():
-            record = _parse(path, i, raw, fix)
+            record = parse_line(path, i, raw, fix)
             check(i, record)
             out.append((i, record))
     if not tail.strip(b" \t\r"):
         return out, None, bool(tail)
     try:  # an unterminated last line: a whole record whose "\n" was not written, or a torn one
-        record = _parse(path, len(lines) + 1, tail, fix)
+        record = parse_line(path, len(lines) + 1, tail, fix)
         check(len(lines) + 1, record)
     except InvalidInputError as err:
         log.warning("%s: dropping its torn last line (a process killed while writing it?): %s", path, err)

@@ -28,6 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..types import MAX_STOP_CHARS, MAX_TOKENS
 from . import json_body
@@ -258,12 +259,35 @@ class Message(_Req):
     annotations: list[Any] | None = Field(default=None, max_length=0)
     parsed: None = None  # the stream helper's (and parse()'s) ParsedChatCompletionMessage
 
+    @model_validator(mode="after")
+    def _has_content(self) -> Message:
+        """OpenAI's rules: ``content`` is required, a string (``""`` too) or a non-empty array of parts, except in an
+        assistant message with tool calls; ``tool_calls``, when sent, is a non-empty array."""
+        if self.tool_calls == []:
+            raise _refused("tool_calls", "empty_array", "an empty array; send at least one tool call, or leave tool_calls out")
+        if self.content == []:
+            raise _refused("content", "empty_array", 'an empty array; send at least one content part, or a string ("" too)')
+        if self.content is not None or (self.role == "assistant" and self.tool_calls):
+            return self
+        if self.role == "assistant":
+            raise _refused("content", "content_required", "an assistant message needs content, tool_calls or both")
+        if "content" not in self.model_fields_set:
+            raise _refused("content", "missing", "")
+        raise _refused("content", "content_required", f"a {self.role} message needs a string or an array of content parts, got null")
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+def _refused(field: str, kind: str, message: str) -> ValidationError:
+    """A validation error of ``field`` (as pydantic raises for a field, so its param names it): ``kind`` "missing" is
+    a missing required parameter, "empty_array" OpenAI's ``empty_array`` code, any other an invalid value."""
+    error = kind if kind == "missing" else PydanticCustomError(kind, message)
+    return ValidationError.from_exception_data("Message", [InitErrorDetails(type=error, loc=(field,), input=None)])
 
 
 class _StreamOptions(_Req):
@@ -347,7 +371,8 @@ def validation_error(err: ValidationError) -> FrontError:
         )
     if e["type"] == "missing":
         return FrontError(f"missing required parameter {param!r}", param, code="missing_required_parameter")
-    return FrontError(f"invalid value for {param!r}: {e['msg']}", param, code="invalid_value")
+    code = "empty_array" if e["type"] == "empty_array" else "invalid_value"
+    return FrontError(f"invalid value for {param!r}: {e['msg']}", param, code=code)
 
 
 @dataclass

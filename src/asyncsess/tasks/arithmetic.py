@@ -13,12 +13,14 @@ from __future__ import annotations
 import random
 import re
 
+from ..errors import InvalidInputError
 from ..rl.problem_env import Problem
 from .numbers import canonical
 
 __all__ = ["QUESTION", "make_problems", "split", "grade"]
 
 QUESTION = "What is {a} {op} {b}? Reply with only the number."
+OPS = "+-"  # the operations the problems use (their answers are computed for these only)
 _INT = re.compile(r"-?[0-9]+")
 
 
@@ -31,10 +33,15 @@ def _operand(rng: random.Random) -> int:
 
 
 def make_problems(n: int, seed: int, ops: str = "+-", exclude: frozenset[str] = frozenset()) -> list[Problem]:
-    """``n`` distinct problems (questions not in ``exclude``), drawn with ``random.Random(seed)``."""
+    """``n`` distinct problems (questions not in ``exclude``), drawn with ``random.Random(seed)``; ``ops``: some of
+    ``+`` and ``-``, each once."""
+    if not ops or set(ops) - set(OPS) or len(set(ops)) != len(ops):
+        raise InvalidInputError(f"{ops!r:.40} is not some of {OPS!r}, each once", field="ops", fix='pass "+", "-" or "+-"')
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidInputError(f"{n!r:.40} problems", field="n", fix="pass a number of problems ≥ 0")
     space = 100 * 100 * len(ops) - len(exclude)
     if n > space:
-        raise ValueError(f"only {space} distinct problems with ops={ops!r}")
+        raise InvalidInputError(f"only {space} distinct problems with ops={ops!r}", field="n", fix=f"ask for at most {space}")
     rng = random.Random(seed)
     seen = set(exclude)
     out: list[Problem] = []

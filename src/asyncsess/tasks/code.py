@@ -29,7 +29,9 @@ from ..chat import ChatRenderer, Tool
 from ..errors import InvalidInputError
 from ..rl.tool_env import ToolEnv
 from ..rl.types import Env, EnvGroupBuilder
+from ..runs.jsonl import refuse
 from ..sandbox import Sandbox, TestCase, TestReport
+from .rows import RowError, check_limit, load_rows, need
 
 __all__ = [
     "CodeProblem",
@@ -62,40 +64,71 @@ class CodeProblem:
         return [{"role": "system", "content": instructions}, {"role": "user", "content": self.question}]
 
 
+FIX = (
+    'use one problem per line: {"question": "...", "tests": [{"input": "...", "output": "..."}]} '
+    '(or DeepCoder\'s {"problem": "...", "tests": [...]}, see asyncsess.tasks.code)'
+)
+
+
+def _test(t: Any, at: str) -> TestCase:
+    return TestCase(stdin=need(t, "input", str, "a string", at), expected_stdout=need(t, "output", str, "a string", at))
+
+
 def _stdio_tests(raw: Any) -> list[TestCase] | None:
     """Tests of a DeepCoder-style row as TestCases, or ``None`` when they are not stdin/stdout tests."""
     if isinstance(raw, str):
-        raw = json.loads(raw)
+        try:
+            raw = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            raise RowError("tests", f"tests is a string but not JSON ({str(err)[:80]})") from None
     if isinstance(raw, dict):  # TACO
         if "fn_name" in raw:
             return None
-        return [TestCase(stdin=str(i), expected_stdout=str(o)) for i, o in zip(raw.get("inputs", []), raw.get("outputs", []))]
+        inputs = need(raw, "inputs", list, "a list", "tests")
+        outputs = need(raw, "outputs", list, "a list", "tests")
+        if len(inputs) != len(outputs):
+            raise RowError("tests.outputs", f"tests holds {len(inputs)} inputs and {len(outputs)} outputs; give one output per input")
+        return [TestCase(stdin=str(i), expected_stdout=str(o)) for i, o in zip(inputs, outputs)]
+    if not isinstance(raw, list):
+        raise RowError("tests", f"tests is {raw!r:.60}, not a list of tests (or its JSON string, or a TACO dict)")
     out = []
-    for t in raw:
+    for k, t in enumerate(raw):
+        if not isinstance(t, dict):
+            raise RowError(f"tests.{k}", f"tests.{k} is {t!r:.60}, not a test object")
         kind = t.get("testtype", t.get("type", "stdin"))
         if kind not in ("stdin", "stdin_stdout") or not isinstance(t.get("input"), str):
             return None
-        out.append(TestCase(stdin=t["input"], expected_stdout=str(t["output"])))
+        out.append(TestCase(stdin=t["input"], expected_stdout=str(need(t, "output", object, "an output", f"tests.{k}"))))
     return out
 
 
 def parse_row(row: Mapping[str, Any], index: int = 0) -> CodeProblem | None:
-    """One JSONL row of either format, or ``None`` for a problem without stdin/stdout tests."""
+    """One JSONL row of either format, or ``None`` for a problem without stdin/stdout tests; a row of neither format,
+    or a broken one, is a :class:`~asyncsess.tasks.rows.RowError` naming its key."""
+    row = dict(row)
     if "question" in row:
-        tests = [TestCase(stdin=t["input"], expected_stdout=t["output"]) for t in row["tests"]]
-        question, solution = row["question"], row.get("solution")
+        question = need(row, "question", str, "a string")
+        tests = [_test(t, f"tests.{k}") for k, t in enumerate(need(row, "tests", list, "a list of {input, output} tests"))]
+        solution = need(row, "solution", str, "a string (a reference program)") if row.get("solution") is not None else None
+        if not tests:
+            raise RowError("tests", "tests is empty: a problem needs at least one test")
+    elif "problem" in row:
+        question, solution = need(row, "problem", str, "a string"), None
+        tests = _stdio_tests(need(row, "tests", (list, str, dict), "a list of tests (or its JSON string, or a TACO dict)")) or []
     else:
-        tests = _stdio_tests(row["tests"]) or []
-        question, solution = row["problem"], None
+        raise RowError("question", 'the row has neither "question" (bundled format) nor "problem" (DeepCoder)')
     if not tests:
         return None
     return CodeProblem(str(row.get("id", index)), question.strip(), tuple(tests), solution)
 
 
 def load(path: str | Path, limit: int | None = None) -> list[CodeProblem]:
-    """Problems from a JSONL file of either format (see the module docstring)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    problems = [p for i, row in enumerate(rows) if (p := parse_row(row, i)) is not None]
+    """Problems from a JSONL file of either format (see the module docstring). A file that is not one problem per line,
+    or whose problems have no stdin/stdout tests, is an InvalidInputError naming the file, the line and the key."""
+    check_limit(limit)
+    problems = load_rows(path, parse_row, FIX)
+    if not problems:
+        raise refuse(Path(path), None, None, "holds no problem with stdin/stdout tests (functional ones are skipped)", FIX)
     return problems[:limit] if limit is not None else problems
 
 

@@ -7,13 +7,14 @@ when online, through ``datasets`` (``openai/gsm8k``, config ``main``). Reward 1 
 
 from __future__ import annotations
 
-import json
 import re
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 from ..rl.problem_env import Problem
 from .numbers import DECIMAL, canonical
+from .rows import RowError, check_limit, load_rows, need
 
 __all__ = ["INSTRUCTION", "load", "final_answer", "grade"]
 
@@ -36,24 +37,30 @@ def final_answer(text: str) -> str | None:
     return canonical(value)
 
 
-def _row(row: dict[str, str]) -> Problem:
-    answer = final_answer(row["answer"])
+FIX = 'use one JSON object per line: {"question": "...", "answer": "... #### 42"} (the dataset\'s own rows)'
+
+
+def _row(row: dict[str, Any], index: int = 0) -> Problem:
+    question = need(row, "question", str, "a string")
+    reference = need(row, "answer", str, "a string (the worked solution, ending with '#### <number>')")
+    answer = final_answer(reference)
     if answer is None:
-        raise ValueError(f"no '#### <number>' in the reference answer: {row['answer'][-80:]!r}")
-    return Problem(row["question"].strip() + INSTRUCTION, answer)
+        raise RowError("answer", f"no '#### <number>' in the reference answer: {reference[-80:]!r}")
+    return Problem(question.strip() + INSTRUCTION, answer)
 
 
 def load(split: str = "train", path: str | Path | None = None, limit: int | None = None) -> list[Problem]:
-    """Problems from ``path`` (JSONL) or from the ``datasets`` hub copy of GSM8K (needs network)."""
+    """Problems from ``path`` (JSONL) or from the ``datasets`` hub copy of GSM8K (needs network). A file that is not
+    one such row per line is an InvalidInputError naming the file, the line and the key (:mod:`.rows`)."""
+    check_limit(limit)
     if path is not None:
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        problems = load_rows(path, _row, FIX)
     else:
         try:
             import datasets  # type: ignore[import-not-found]
         except ImportError:
             raise ImportError("reading GSM8K from the hub needs `pip install datasets`; or pass a local JSONL path") from None
-        rows = list(datasets.load_dataset("openai/gsm8k", "main", split=split))
-    problems = [_row(r) for r in rows]
+        problems = [_row(r) for r in datasets.load_dataset("openai/gsm8k", "main", split=split)]
     return problems[:limit] if limit is not None else problems
 
 
