@@ -1762,8 +1762,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         ctype = request.headers.get("content-type", "")
-        if PROTO not in ctype:
-            raise ApiError(415, f"content-type {ctype!r}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
+        if json_body.media_type(ctype) != PROTO:  # parsed: "text/plain; x=application/x-protobuf" is not protobuf
+            raise ApiError(415, f"content-type {ctype!r:.80}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
         return await door.forward_backward(await request.body(), request.headers.get("content-encoding"))
 
     @guarded.post("/optim_step")
