@@ -137,3 +137,22 @@ def test_a_snapshot_path_of_a_forgotten_session_is_a_404_not_a_500(server: Serve
     load = {"session_id": other.session, "model_seq_id": 1, "path": path, "optimizer": False}
     for resp, field in ((other.sampler(0, model_path=path), "model_path"), (other.http.post("/load_weights", json=load), "path")):
         assert resp.status_code == 404 and resp.json()["field"] == field, resp.text
+
+
+def test_a_samplers_resend_records_are_bounded_by_count(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampler forgot its re-send record of ``seq_id`` n only at ``n + 1024``, so scattered ``seq_id`` s (1, 10**6,
+    2*10**6, ...) grew it without end. It now keeps the ``keep_seqs`` most recently received, and a re-sent recent one
+    (the SDK's retry, same ``seq_id`` and body) still gets its first request id."""
+    monkeypatch.setattr(server.door, "keep_seqs", 4)
+    w = Wire(server)
+    sid = w.sampler(0, base_model=BASE).json()["sampling_session_id"]
+
+    def send(seq: int) -> str:
+        body = {"sampling_session_id": sid, "seq_id": seq, "prompt": PROMPT, "sampling_params": {"max_tokens": 2, "seed": 1}}
+        resp = w.http.post("/asample", json=body)
+        assert isinstance(w.result(resp), bytes)  # a sample result (protobuf)
+        return str(resp.json()["request_id"])
+
+    first = [send(1 + k * 10**6) for k in range(12)]
+    assert len(server.door.samplers[sid].ids) == 4
+    assert send(11 * 10**6 + 1) == first[-1]  # a retry of the newest: the same request, not a second sample

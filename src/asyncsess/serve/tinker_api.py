@@ -367,6 +367,7 @@ class TinkerDoor:
         # queue goes on without it, rather than failing every later request (False: fail them, for tests of the turns)
         self.skip_gaps = True
         self.seq_window = SEQ_WINDOW
+        self.keep_seqs = KEEP_SEQS  # a sampler's re-send records: the last this many seq_ids received (the SDK re-sends recent ones)
         self.session_timeout = session_timeout  # 0: sessions never expire
         self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
@@ -1301,7 +1302,9 @@ class TinkerDoor:
         self._room(s.session_id)
         promise = self._promise("sample", s.id)
         s.ids[seq] = (digest, promise)
-        s.ids.pop(seq - KEEP_SEQS, None)
+        s.ids.pop(seq - self.keep_seqs, None)
+        while len(s.ids) > self.keep_seqs:  # scattered seq_ids (1, 10**6, ...) too: the one received longest ago goes
+            del s.ids[next(iter(s.ids))]
         request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
 
         s.busy += 1  # not closed while this sample runs
