@@ -372,6 +372,7 @@ class TinkerDoor:
         self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
         self.sessions: dict[str, _Session] = {}
+        self._owned: dict[str | None, dict[str, _Session]] = {}  # API key -> its sessions, oldest first (a call walks its own)
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
@@ -509,9 +510,10 @@ class TinkerDoor:
         (in sessions not finished or expired; those being created count): each holds backend memory, and one key
         could take all of it from the others. Checked and counted with no await between, so a burst cannot pass it."""
         owner = self.sessions[session_id].owner
-        live = {s.id for s in self.sessions.values() if s.owner == owner and s.finished is None}
-        held = sum(1 for m in self.models.values() if m.session_id in live and not m.unloaded)
-        held += sum(1 for s in self.samplers.values() if s.session_id in live and s.backend_id is not None)
+        mine = [s for s in self.owned(owner) if s.finished is None]
+        live = {s.id for s in mine}
+        held = sum(1 for s in mine for m in s.models if not self.models[m].unloaded)
+        held += sum(1 for s in mine for x in s.samplers if self.samplers[x].backend_id is not None)
         held += sum(1 for k, (_, p) in self._creating.items() if not p.done.is_set() and k.split(":", 1)[0] in live)
         held += self._opening.get(owner, 0)
         if held >= self.max_live_per_key:
@@ -525,6 +527,10 @@ class TinkerDoor:
     def _promise(self, kind: str, prefix: str) -> Promise:
         """A new promise of the session ``prefix`` starts with, counted against its key's share of kept results."""
         return self.promises.new(kind, prefix, owner=self.sessions[prefix.split(":", 1)[0]].owner)
+
+    def owned(self, owner: str | None) -> list[_Session]:
+        """``owner``'s sessions, oldest first: what a per-key call walks (never every key's)."""
+        return list(self._owned.get(owner, {}).values())
 
     def owns(self, session_id: str) -> bool:
         """Whether the calling key created session ``session_id``."""
@@ -582,7 +588,7 @@ class TinkerDoor:
         left no checkpoint are forgotten (404s from then on, no longer listed), so a key creating and finishing
         sessions without end no longer grows the door's memory for every key."""
         tags, meta, name, project = _tags(body), _metadata(body), _opt_text(body, "display_name"), _opt_text(body, "project_id")
-        mine = [s for s in self.sessions.values() if s.owner == owner]
+        mine = self.owned(owner)
         live = sum(1 for s in mine if s.finished is None)
         if live >= self.max_sessions_per_key:
             raise _key_at_limit(
@@ -593,7 +599,9 @@ class TinkerDoor:
         self._forget_finished(mine)
         sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = _Session(sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project)
+        self.sessions[sid] = self._owned.setdefault(owner, {})[sid] = _Session(
+            sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project
+        )
         return {"type": "create_session", "session_id": sid}
 
     def _forget_finished(self, mine: list[_Session]) -> None:
@@ -610,7 +618,7 @@ class TinkerDoor:
                 self._sampler_ids.pop(smp, None)
             for key in [k for k in self._creating if k.startswith(s.id + ":")]:
                 del self._creating[key]
-            del self.sessions[s.id]
+            del self.sessions[s.id], self._owned[s.owner][s.id]
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
         """``sessions/search``: the caller's sessions, newest first, a page at a time. Without user accounts every
@@ -648,7 +656,7 @@ class TinkerDoor:
                 return False
             return statuses is None or _status_in(statuses, _status(s))
 
-        rows = sorted((s for s in self.sessions.values() if s.owner == caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
+        rows = sorted(self.owned(caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
         if after is not None:
             rows = [s for s in rows if (_us(s.created), s.id) < after]
         rows = [s for s in rows if matches(s)]
@@ -1812,7 +1820,7 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.get("/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
         page = _page(limit, offset)
-        return {"sessions": [s for s in door.sessions if door.owns(s)][page]}
+        return {"sessions": [s.id for s in door.owned(caller.get())][page]}
 
     @guarded.api_route("/get_server_capabilities", methods=["GET", "POST"])
     async def capabilities() -> dict[str, Any]:
