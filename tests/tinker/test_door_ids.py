@@ -156,3 +156,32 @@ def test_a_samplers_resend_records_are_bounded_by_count(server: Server, monkeypa
     first = [send(1 + k * 10**6) for k in range(12)]
     assert len(server.door.samplers[sid].ids) == 4
     assert send(11 * 10**6 + 1) == first[-1]  # a retry of the newest: the same request, not a second sample
+
+
+def test_the_records_of_gone_backend_paths_are_bounded_per_key(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door remembers the backend paths of deleted checkpoints and of forgotten sessions' snapshots (so neither
+    reaches the backend), but never trimmed either: a key saving, deleting and finishing without end grew both for
+    good. Each now keeps a key's newest ``max_*_paths_per_key`` (the recent ones stay 404s), and a forgotten session's
+    snapshots are deleted on the backend too, so an older path names nothing there: a 4xx, never a sample."""
+    door, backend = server.door, server.backend
+    for name, cap in (("max_finished_per_key", 1), ("max_forgotten_paths_per_key", 2), ("max_deleted_paths_per_key", 2)):
+        monkeypatch.setattr(door, name, cap, raising=False)
+    snapshots: list[str] = []
+    for _ in range(4):
+        w = Wire(server)  # its create_session forgets the previous finished session
+        assert w.result(w.ephemeral(1, 0))["sampling_session_id"]
+        snapshots += [p for p, m in door._backend_paths.items() if m == w.model]
+        assert "path" in w.result(w.http.post("/save_weights", json={"model_id": w.model, "seq_id": 2, "path": "c"}))
+        assert w.http.delete(f"/training_runs/{w.model}/checkpoints/weights/c").status_code < 300
+        assert w.http.post(f"/sessions/{w.session}/finish", json={}).status_code == 200
+    other = Wire(server)  # forgets the fourth
+    assert len(snapshots) == 4 and not [p for p, m in door._backend_paths.items() if m not in door.models]
+    assert len(door._dropped) <= 2 and len(door._forgotten) <= 2
+    assert not set(snapshots) & set(backend._checkpoints)  # type: ignore[attr-defined]
+    opened = len(backend._samplers)  # type: ignore[attr-defined]
+    for seq, path in enumerate(snapshots, start=10):
+        resp = other.sampler(seq, model_path=path)
+        assert resp.status_code in (400, 404) and resp.json()["field"] == "model_path", resp.text
+        if path in snapshots[-2:]:  # still remembered: the 404 of a path never issued
+            assert resp.status_code == 404, resp.text
+    assert len(backend._samplers) == opened  # type: ignore[attr-defined]

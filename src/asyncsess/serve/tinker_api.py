@@ -75,7 +75,9 @@ from ..validation import (
 from . import json_body, tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
 from .defaults import (
+    MAX_DELETED_PATHS_PER_KEY,
     MAX_FINISHED_PER_KEY,
+    MAX_FORGOTTEN_PATHS_PER_KEY,
     MAX_LIVE_PER_KEY,
     MAX_PENDING,
     MAX_SAMPLERS,
@@ -83,6 +85,7 @@ from .defaults import (
     POLL_TIMEOUT,
     SESSION_TIMEOUT,
 )
+from .gone_paths import GonePaths
 from .json_body import INLINE_BYTES  # forward_backward bodies up to this size (decompressed) are handled on the event loop
 from .promises import Promise, PromiseTable
 
@@ -182,6 +185,7 @@ class _Model:
     backend_seq: int = 1
     last_request: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+    snapshots: set[str] = field(default_factory=set)  # backend paths of its ephemeral snapshots still in _backend_paths
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
     trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
     unloaded: bool = False  # unload_model stopped it: its ops are 410s
@@ -358,6 +362,8 @@ class TinkerDoor:
         self.max_live_per_key = max_live_per_key  # models plus open samplers one key may hold (see _live_room)
         self.max_sessions_per_key = MAX_SESSIONS_PER_KEY  # unfinished sessions one key may hold (see create_session)
         self.max_finished_per_key = MAX_FINISHED_PER_KEY  # finished ones kept for its listings (see _forget_finished)
+        self.max_deleted_paths_per_key = MAX_DELETED_PATHS_PER_KEY  # its deleted checkpoints' backend paths kept as 404s
+        self.max_forgotten_paths_per_key = MAX_FORGOTTEN_PATHS_PER_KEY  # its forgotten sessions' snapshot paths kept as 404s
         self._opening: dict[str | None, int] = {}  # samplers being opened by create_sampling_session, per key
         self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
@@ -379,7 +385,8 @@ class TinkerDoor:
         # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
         self._backend_models: dict[str, str] = {}
         self._backend_paths: dict[str, str] = {}
-        self._dropped: set[str] = set()  # backend paths of checkpoints deleted or expired: 404s, as never-issued paths
+        self._dropped = GonePaths()  # backend paths of checkpoints deleted or expired: 404s, as never-issued paths
+        self._forgotten = GonePaths()  # backend paths of snapshots of forgotten sessions (_forget_finished): 404s too
         self._deleting: dict[str, anyio.Event] = {}  # tinker path -> set once its old checkpoint's backend delete is done
         self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
@@ -612,7 +619,13 @@ class TinkerDoor:
         for s in done[: max(0, len(done) - self.max_finished_per_key + 1)]:
             self.promises.forget(s.id, SessionGoneError(f"session {s.id} is finished"))
             for mid in s.models:
-                self._backend_models.pop(self.models.pop(mid).backend_id, None)
+                m = self.models.pop(mid)
+                self._backend_models.pop(m.backend_id, None)
+                for path in m.snapshots:  # nobody's now: a 404 while remembered, and deleted on the backend
+                    self._backend_paths.pop(path, None)
+                    self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
+                    if self._tg is not None:
+                        self._tg.start_soon(_quietly, self.backend.delete_checkpoint(path))
             for smp in s.samplers:
                 self.samplers.pop(smp, None)
                 self._sampler_ids.pop(smp, None)
@@ -1055,6 +1068,7 @@ class TinkerDoor:
                     ck = self._record(m, resp, op, "sampler_weights", "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
+                m.snapshots.add(resp.path)
                 m.names.discard(f"sampler_weights/{name}")  # never listed: its seq_id keeps it unique
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step, ephemeral=True)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
@@ -1074,7 +1088,7 @@ class TinkerDoor:
             return ck.backend_path, ck
         # a model the door forgot with its finished session (_forget_finished) is nobody's: its snapshots stay 404s
         mine = all(m in self.models and self.owns(self.models[m].session_id) for m in self._backend_owners(path))
-        if path.startswith("tinker://") or path in self._dropped or not mine:
+        if path.startswith("tinker://") or path in self._dropped or path in self._forgotten or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         try:
             return check_checkpoint_path(path, field), None  # a backend's path: scheme://... or an ARN, at most 4096 characters
@@ -1192,7 +1206,9 @@ class TinkerDoor:
                 del self.samplers[s.id]
                 session.samplers.remove(s.id)
                 if s.backend_path is not None:
-                    self._backend_paths.pop(s.backend_path, None)
+                    mid = self._backend_paths.pop(s.backend_path, None)
+                    if mid in self.models:
+                        self.models[mid].snapshots.discard(s.backend_path)
                 self._released[s.id] = (
                     f"sampler {s.id} was released: its session opened {self.max_samplers} samplers used more recently, "
                     "and its snapshot weights (from save_weights_and_get_sampling_client) went with it"
@@ -1374,7 +1390,8 @@ class TinkerDoor:
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
         self.models[ck.model_id].names.discard(ck.checkpoint_id)
         self._backend_paths.pop(ck.backend_path, None)
-        self._dropped.add(ck.backend_path)
+        owner = self.sessions[self.models[ck.model_id].session_id].owner
+        self._dropped.add(ck.backend_path, owner, self.max_deleted_paths_per_key)  # and deleted on the backend (below)
         done = self._deleting[ck.tinker_path] = anyio.Event()
 
         async def delete() -> None:
