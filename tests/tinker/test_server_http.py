@@ -397,7 +397,7 @@ def test_a_body_nested_deep_enough_to_decode_in_a_thread_is_a_400_not_a_500(mock
     r = c.post(f"/api/v1/{route}", content=raw, headers={"Content-Type": "application/json"})
     _refused(r, 400, "body")
     assert "nests too deeply" in r.json()["error"] and "64" in r.json()["fix"]
-    assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door._creating
+    assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door.sessions[sid].creating
 
 
 @pytest.mark.parametrize(

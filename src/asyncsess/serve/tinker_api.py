@@ -160,6 +160,7 @@ class _Session:
     owner: str | None = None  # the API key that created it (None: a server without keys)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
+    creating: dict[str, tuple[str, Promise]] = field(default_factory=dict)  # model id -> (body hash, its create's promise)
     seen: float = field(default_factory=time.monotonic)  # the last heartbeat or request naming this session
 
     @property
@@ -388,7 +389,6 @@ class TinkerDoor:
         self._dropped = GonePaths()  # backend paths of checkpoints deleted or expired: 404s, as never-issued paths
         self._forgotten = GonePaths()  # backend paths of snapshots of forgotten sessions (_forget_finished): 404s too
         self._deleting: dict[str, anyio.Event] = {}  # tinker path -> set once its old checkpoint's backend delete is done
-        self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
@@ -465,8 +465,7 @@ class TinkerDoor:
         s.finished = {"reason": EXPIRED, "detail": f"no heartbeat for {self.session_timeout:g} s", "time": time.time()}
         await self._release(s, "session expired")
         self.promises.forget(s.id, SessionGoneError(f"session {s.id} expired"))
-        for key in [k for k in self._creating if k.startswith(s.id + ":")]:
-            del self._creating[key]
+        s.creating.clear()
         for mid in s.models:
             self.models[mid].thunks.clear()
             self.models[mid].submitted.clear()
@@ -518,10 +517,9 @@ class TinkerDoor:
         could take all of it from the others. Checked and counted with no await between, so a burst cannot pass it."""
         owner = self.sessions[session_id].owner
         mine = [s for s in self.owned(owner) if s.finished is None]
-        live = {s.id for s in mine}
         held = sum(1 for s in mine for m in s.models if not self.models[m].unloaded)
         held += sum(1 for s in mine for x in s.samplers if self.samplers[x].backend_id is not None)
-        held += sum(1 for k, (_, p) in self._creating.items() if not p.done.is_set() and k.split(":", 1)[0] in live)
+        held += sum(1 for s in mine for _, p in s.creating.values() if not p.done.is_set())
         held += self._opening.get(owner, 0)
         if held >= self.max_live_per_key:
             raise ApiError(
@@ -629,8 +627,6 @@ class TinkerDoor:
             for smp in s.samplers:
                 self.samplers.pop(smp, None)
                 self._sampler_ids.pop(smp, None)
-            for key in [k for k in self._creating if k.startswith(s.id + ":")]:
-                del self._creating[key]
             del self.sessions[s.id], self._owned[s.owner][s.id]
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -730,7 +726,8 @@ class TinkerDoor:
     def _once(self, key: str, body: Any, kind: str, prefix: str) -> tuple[Promise, bool]:
         """The promise for a create request (created now, or the earlier one for a re-sent body)."""
         digest = _hash(body)
-        earlier = self._creating.get(key)
+        creating = self.sessions[prefix].creating
+        earlier = creating.get(key)
         if earlier is not None:
             if earlier[0] != digest:
                 raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
@@ -738,7 +735,7 @@ class TinkerDoor:
         self._room(prefix)
         self._live_room(prefix, "model_seq_id")
         p = self._promise(kind, prefix)
-        self._creating[key] = (digest, p)
+        creating[key] = (digest, p)
         return p, True
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
