@@ -137,3 +137,51 @@ def test_a_snapshot_path_of_a_forgotten_session_is_a_404_not_a_500(server: Serve
     load = {"session_id": other.session, "model_seq_id": 1, "path": path, "optimizer": False}
     for resp, field in ((other.sampler(0, model_path=path), "model_path"), (other.http.post("/load_weights", json=load), "path")):
         assert resp.status_code == 404 and resp.json()["field"] == field, resp.text
+
+
+def test_a_samplers_resend_records_are_bounded_by_count(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampler forgot its re-send record of ``seq_id`` n only at ``n + 1024``, so scattered ``seq_id`` s (1, 10**6,
+    2*10**6, ...) grew it without end. It now keeps the ``keep_seqs`` most recently received, and a re-sent recent one
+    (the SDK's retry, same ``seq_id`` and body) still gets its first request id."""
+    monkeypatch.setattr(server.door, "keep_seqs", 4)
+    w = Wire(server)
+    sid = w.sampler(0, base_model=BASE).json()["sampling_session_id"]
+
+    def send(seq: int) -> str:
+        body = {"sampling_session_id": sid, "seq_id": seq, "prompt": PROMPT, "sampling_params": {"max_tokens": 2, "seed": 1}}
+        resp = w.http.post("/asample", json=body)
+        assert isinstance(w.result(resp), bytes)  # a sample result (protobuf)
+        return str(resp.json()["request_id"])
+
+    first = [send(1 + k * 10**6) for k in range(12)]
+    assert len(server.door.samplers[sid].ids) == 4
+    assert send(11 * 10**6 + 1) == first[-1]  # a retry of the newest: the same request, not a second sample
+
+
+def test_the_records_of_gone_backend_paths_are_bounded_per_key(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door remembers the backend paths of deleted checkpoints and of forgotten sessions' snapshots (so neither
+    reaches the backend), but never trimmed either: a key saving, deleting and finishing without end grew both for
+    good. Each now keeps a key's newest ``max_*_paths_per_key`` (the recent ones stay 404s), and a forgotten session's
+    snapshots are deleted on the backend too, so an older path names nothing there: a 4xx, never a sample."""
+    door, backend = server.door, server.backend
+    for name, cap in (("max_finished_per_key", 1), ("max_forgotten_paths_per_key", 2), ("max_deleted_paths_per_key", 2)):
+        monkeypatch.setattr(door, name, cap, raising=False)
+    snapshots: list[str] = []
+    for _ in range(4):
+        w = Wire(server)  # its create_session forgets the previous finished session
+        assert w.result(w.ephemeral(1, 0))["sampling_session_id"]
+        snapshots += [p for p, m in door._backend_paths.items() if m == w.model]
+        assert "path" in w.result(w.http.post("/save_weights", json={"model_id": w.model, "seq_id": 2, "path": "c"}))
+        assert w.http.delete(f"/training_runs/{w.model}/checkpoints/weights/c").status_code < 300
+        assert w.http.post(f"/sessions/{w.session}/finish", json={}).status_code == 200
+    other = Wire(server)  # forgets the fourth
+    assert len(snapshots) == 4 and not [p for p, m in door._backend_paths.items() if m not in door.models]
+    assert len(door._dropped) <= 2 and len(door._forgotten) <= 2
+    assert not set(snapshots) & set(backend._checkpoints)  # type: ignore[attr-defined]
+    opened = len(backend._samplers)  # type: ignore[attr-defined]
+    for seq, path in enumerate(snapshots, start=10):
+        resp = other.sampler(seq, model_path=path)
+        assert resp.status_code in (400, 404) and resp.json()["field"] == "model_path", resp.text
+        if path in snapshots[-2:]:  # still remembered: the 404 of a path never issued
+            assert resp.status_code == 404, resp.text
+    assert len(backend._samplers) == opened  # type: ignore[attr-defined]

@@ -144,3 +144,45 @@ def test_a_keys_sessions_are_bounded_live_and_finished():
             assert door.sessions[theirs].finished is None and door.owns(theirs)
 
     anyio.run(main)
+
+
+def test_a_keys_session_calls_walk_only_its_own_sessions():
+    """``sessions/search``, ``create_session`` and the live count (and ``GET /sessions``) compared every key's sessions with
+    the caller on each call, so one key holding many made every other key's calls slower. The door now keeps each
+    key's sessions (and their models being created) apart: another key's calls walk none of them (neither table of
+    every key's is read), and the answers are as before."""
+    from asyncsess.serve.tinker_api import TinkerDoor, caller
+    from asyncsess_mock import MockBackend
+
+    class Counted(dict[str, Any]):
+        walks = 0
+
+        def values(self) -> Any:
+            Counted.walks += 1
+            return super().values()
+
+        def items(self) -> Any:
+            Counted.walks += 1
+            return super().items()
+
+        def __iter__(self) -> Any:
+            Counted.walks += 1
+            return super().__iter__()
+
+    async def main() -> None:
+        door = TinkerDoor(MockBackend(), session_timeout=0)
+        async with door.running():
+            door.sessions, door._creating = Counted(), Counted()  # type: ignore[attr-defined]  # _creating: every key's model creates
+            caller.set("crowd")
+            for _ in range(50):
+                crowd = door.create_session({}, owner="crowd")["session_id"]
+            door.create_model({"session_id": crowd, "model_seq_id": 0, "base_model": BASE})
+            caller.set("me")
+            mine = [door.create_session({"display_name": f"run {i}"}, owner="me")["session_id"] for i in range(3)]
+            door._live_room(mine[0], "model_seq_id")
+            found = door.search_sessions({"display_name": "run"})
+            assert [s["session_id"] for s in found["sessions"]] == mine[::-1]
+            assert Counted.walks == 0
+            assert [s.id for s in door.owned("me")] == mine and len(door.owned("crowd")) == 50
+
+    anyio.run(main)

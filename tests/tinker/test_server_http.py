@@ -322,6 +322,19 @@ def test_a_body_of_too_many_arrays_is_a_413_naming_the_body(model) -> None:
     assert c.post("/api/v1/session_heartbeat", json={"session_id": sid, "pad": text}).status_code == 200
 
 
+@pytest.mark.parametrize("content_type", ["text/plain; x=application/x-protobuf", "application/x-protobufx", "text/application/x-protobuf"])
+def test_forward_backward_reads_its_content_type_as_a_media_type(model, content_type: str) -> None:
+    """The protobuf check was a substring test: ``text/plain; x=application/x-protobuf`` passed it. The header is now
+    parsed, so only ``application/x-protobuf`` (any case, any parameters) is taken; the rest are 415s."""
+    c, _, model_id = model
+    good = Datum(model_input=ModelInput.from_ints([1, 40]), loss_fn_inputs={"target_tokens": [40, 41], "weights": [1.0, 1.0]})
+    raw = tinker_proto.encode_forward_backward(model_id, 1, [good], "cross_entropy")
+    _refused(c.post("/api/v1/forward_backward", content=raw, headers={"Content-Type": content_type}), 415, "Content-Type")
+    unknown = tinker_proto.encode_forward_backward("no-such-model", 1, [good], "cross_entropy")
+    for ok in ("Application/X-Protobuf", "application/x-protobuf; charset=binary"):  # parsed, so past the 415 to the model check
+        _refused(c.post("/api/v1/forward_backward", content=unknown, headers={"Content-Type": ok}), 404, "model_id")
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "jsonx"])
 def test_a_body_declared_as_another_type_is_a_415_naming_content_type(mock_server: Server, model, content_type: str) -> None:
     """The door read any body as JSON whatever its Content-Type (a form post made a session). A type that is not
@@ -384,7 +397,7 @@ def test_a_body_nested_deep_enough_to_decode_in_a_thread_is_a_400_not_a_500(mock
     r = c.post(f"/api/v1/{route}", content=raw, headers={"Content-Type": "application/json"})
     _refused(r, 400, "body")
     assert "nests too deeply" in r.json()["error"] and "64" in r.json()["fix"]
-    assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door._creating
+    assert f"{sid}:train:90" not in mock_server.door.models and f"{sid}:train:90" not in mock_server.door.sessions[sid].creating
 
 
 @pytest.mark.parametrize(

@@ -131,15 +131,21 @@ def coding(headers: Any) -> str | None:
     return None if value.lower() in ("", "identity") else value
 
 
+def media_type(content_type: str | None) -> str:
+    """The ``type/subtype`` a ``Content-Type`` header names, lower case, parameters dropped (``""`` when absent;
+    ``text/plain`` when malformed, as :mod:`email` reads it)."""
+    if not content_type:
+        return ""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    return message.get_content_type()
+
+
 def is_json(content_type: str | None) -> bool:
     """Whether FastAPI decodes a body of this ``Content-Type`` as JSON (``application/json`` or ``+json``, any
     parameters)."""
-    if not content_type:
-        return False
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+    main, _, subtype = media_type(content_type).partition("/")
+    return main == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def foreign_type(headers: Any) -> str | None:

@@ -75,7 +75,9 @@ from ..validation import (
 from . import json_body, tinker_proto
 from .body_limit import MAX_BODY_BYTES, MAX_BODY_SECONDS, BodyLimit
 from .defaults import (
+    MAX_DELETED_PATHS_PER_KEY,
     MAX_FINISHED_PER_KEY,
+    MAX_FORGOTTEN_PATHS_PER_KEY,
     MAX_LIVE_PER_KEY,
     MAX_PENDING,
     MAX_SAMPLERS,
@@ -83,6 +85,7 @@ from .defaults import (
     POLL_TIMEOUT,
     SESSION_TIMEOUT,
 )
+from .gone_paths import GonePaths
 from .json_body import INLINE_BYTES  # forward_backward bodies up to this size (decompressed) are handled on the event loop
 from .promises import Promise, PromiseTable
 
@@ -157,6 +160,7 @@ class _Session:
     owner: str | None = None  # the API key that created it (None: a server without keys)
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
+    creating: dict[str, tuple[str, Promise]] = field(default_factory=dict)  # model id -> (body hash, its create's promise)
     seen: float = field(default_factory=time.monotonic)  # the last heartbeat or request naming this session
 
     @property
@@ -182,6 +186,7 @@ class _Model:
     backend_seq: int = 1
     last_request: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+    snapshots: set[str] = field(default_factory=set)  # backend paths of its ephemeral snapshots still in _backend_paths
     names: set[str] = field(default_factory=set)  # checkpoint ids ("weights/<name>") of its accepted saves, not deleted
     trains: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_TRAIN_FLAGS, True))  # its LoRA's train_* flags
     unloaded: bool = False  # unload_model stopped it: its ops are 410s
@@ -358,6 +363,8 @@ class TinkerDoor:
         self.max_live_per_key = max_live_per_key  # models plus open samplers one key may hold (see _live_room)
         self.max_sessions_per_key = MAX_SESSIONS_PER_KEY  # unfinished sessions one key may hold (see create_session)
         self.max_finished_per_key = MAX_FINISHED_PER_KEY  # finished ones kept for its listings (see _forget_finished)
+        self.max_deleted_paths_per_key = MAX_DELETED_PATHS_PER_KEY  # its deleted checkpoints' backend paths kept as 404s
+        self.max_forgotten_paths_per_key = MAX_FORGOTTEN_PATHS_PER_KEY  # its forgotten sessions' snapshot paths kept as 404s
         self._opening: dict[str | None, int] = {}  # samplers being opened by create_sampling_session, per key
         self.max_body_bytes = max_body_bytes  # what a zstd forward_backward body may inflate to (as an uncompressed one may be)
         self.max_samplers = max_samplers  # samplers a session keeps open on the backend (see _bound)
@@ -367,19 +374,21 @@ class TinkerDoor:
         # queue goes on without it, rather than failing every later request (False: fail them, for tests of the turns)
         self.skip_gaps = True
         self.seq_window = SEQ_WINDOW
+        self.keep_seqs = KEEP_SEQS  # a sampler's re-send records: the last this many seq_ids received (the SDK re-sends recent ones)
         self.session_timeout = session_timeout  # 0: sessions never expire
         self.inline_bytes = INLINE_BYTES
         self.promises = PromiseTable()
         self.sessions: dict[str, _Session] = {}
+        self._owned: dict[str | None, dict[str, _Session]] = {}  # API key -> its sessions, oldest first (a call walks its own)
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
         # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
         self._backend_models: dict[str, str] = {}
         self._backend_paths: dict[str, str] = {}
-        self._dropped: set[str] = set()  # backend paths of checkpoints deleted or expired: 404s, as never-issued paths
+        self._dropped = GonePaths()  # backend paths of checkpoints deleted or expired: 404s, as never-issued paths
+        self._forgotten = GonePaths()  # backend paths of snapshots of forgotten sessions (_forget_finished): 404s too
         self._deleting: dict[str, anyio.Event] = {}  # tinker path -> set once its old checkpoint's backend delete is done
-        self._creating: dict[str, tuple[str, Promise]] = {}  # model id / sampling session id -> (body hash, promise)
         self._tg: TaskGroup | None = None
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
@@ -456,8 +465,7 @@ class TinkerDoor:
         s.finished = {"reason": EXPIRED, "detail": f"no heartbeat for {self.session_timeout:g} s", "time": time.time()}
         await self._release(s, "session expired")
         self.promises.forget(s.id, SessionGoneError(f"session {s.id} expired"))
-        for key in [k for k in self._creating if k.startswith(s.id + ":")]:
-            del self._creating[key]
+        s.creating.clear()
         for mid in s.models:
             self.models[mid].thunks.clear()
             self.models[mid].submitted.clear()
@@ -508,10 +516,10 @@ class TinkerDoor:
         (in sessions not finished or expired; those being created count): each holds backend memory, and one key
         could take all of it from the others. Checked and counted with no await between, so a burst cannot pass it."""
         owner = self.sessions[session_id].owner
-        live = {s.id for s in self.sessions.values() if s.owner == owner and s.finished is None}
-        held = sum(1 for m in self.models.values() if m.session_id in live and not m.unloaded)
-        held += sum(1 for s in self.samplers.values() if s.session_id in live and s.backend_id is not None)
-        held += sum(1 for k, (_, p) in self._creating.items() if not p.done.is_set() and k.split(":", 1)[0] in live)
+        mine = [s for s in self.owned(owner) if s.finished is None]
+        held = sum(1 for s in mine for m in s.models if not self.models[m].unloaded)
+        held += sum(1 for s in mine for x in s.samplers if self.samplers[x].backend_id is not None)
+        held += sum(1 for s in mine for _, p in s.creating.values() if not p.done.is_set())
         held += self._opening.get(owner, 0)
         if held >= self.max_live_per_key:
             raise ApiError(
@@ -524,6 +532,10 @@ class TinkerDoor:
     def _promise(self, kind: str, prefix: str) -> Promise:
         """A new promise of the session ``prefix`` starts with, counted against its key's share of kept results."""
         return self.promises.new(kind, prefix, owner=self.sessions[prefix.split(":", 1)[0]].owner)
+
+    def owned(self, owner: str | None) -> list[_Session]:
+        """``owner``'s sessions, oldest first: what a per-key call walks (never every key's)."""
+        return list(self._owned.get(owner, {}).values())
 
     def owns(self, session_id: str) -> bool:
         """Whether the calling key created session ``session_id``."""
@@ -581,7 +593,7 @@ class TinkerDoor:
         left no checkpoint are forgotten (404s from then on, no longer listed), so a key creating and finishing
         sessions without end no longer grows the door's memory for every key."""
         tags, meta, name, project = _tags(body), _metadata(body), _opt_text(body, "display_name"), _opt_text(body, "project_id")
-        mine = [s for s in self.sessions.values() if s.owner == owner]
+        mine = self.owned(owner)
         live = sum(1 for s in mine if s.finished is None)
         if live >= self.max_sessions_per_key:
             raise _key_at_limit(
@@ -592,7 +604,9 @@ class TinkerDoor:
         self._forget_finished(mine)
         sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = _Session(sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project)
+        self.sessions[sid] = self._owned.setdefault(owner, {})[sid] = _Session(
+            sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project
+        )
         return {"type": "create_session", "session_id": sid}
 
     def _forget_finished(self, mine: list[_Session]) -> None:
@@ -603,13 +617,17 @@ class TinkerDoor:
         for s in done[: max(0, len(done) - self.max_finished_per_key + 1)]:
             self.promises.forget(s.id, SessionGoneError(f"session {s.id} is finished"))
             for mid in s.models:
-                self._backend_models.pop(self.models.pop(mid).backend_id, None)
+                m = self.models.pop(mid)
+                self._backend_models.pop(m.backend_id, None)
+                for path in m.snapshots:  # nobody's now: a 404 while remembered, and deleted on the backend
+                    self._backend_paths.pop(path, None)
+                    self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
+                    if self._tg is not None:
+                        self._tg.start_soon(_quietly, self.backend.delete_checkpoint(path))
             for smp in s.samplers:
                 self.samplers.pop(smp, None)
                 self._sampler_ids.pop(smp, None)
-            for key in [k for k in self._creating if k.startswith(s.id + ":")]:
-                del self._creating[key]
-            del self.sessions[s.id]
+            del self.sessions[s.id], self._owned[s.owner][s.id]
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
         """``sessions/search``: the caller's sessions, newest first, a page at a time. Without user accounts every
@@ -647,7 +665,7 @@ class TinkerDoor:
                 return False
             return statuses is None or _status_in(statuses, _status(s))
 
-        rows = sorted((s for s in self.sessions.values() if s.owner == caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
+        rows = sorted(self.owned(caller.get()), key=lambda s: (_us(s.created), s.id), reverse=True)
         if after is not None:
             rows = [s for s in rows if (_us(s.created), s.id) < after]
         rows = [s for s in rows if matches(s)]
@@ -708,7 +726,8 @@ class TinkerDoor:
     def _once(self, key: str, body: Any, kind: str, prefix: str) -> tuple[Promise, bool]:
         """The promise for a create request (created now, or the earlier one for a re-sent body)."""
         digest = _hash(body)
-        earlier = self._creating.get(key)
+        creating = self.sessions[prefix].creating
+        earlier = creating.get(key)
         if earlier is not None:
             if earlier[0] != digest:
                 raise ApiError(409, f"{key} was already created with another request", field="model_seq_id", fix="use a fresh id")
@@ -716,7 +735,7 @@ class TinkerDoor:
         self._room(prefix)
         self._live_room(prefix, "model_seq_id")
         p = self._promise(kind, prefix)
-        self._creating[key] = (digest, p)
+        creating[key] = (digest, p)
         return p, True
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -1046,6 +1065,7 @@ class TinkerDoor:
                     ck = self._record(m, resp, op, "sampler_weights", "sampler")
                     return lambda p: p.resolve(json={"path": ck.tinker_path, "type": "save_weights_for_sampler"})
                 self._backend_paths[resp.path] = m.id  # ephemeral: no tinker:// path, but still this model's
+                m.snapshots.add(resp.path)
                 m.names.discard(f"sampler_weights/{name}")  # never listed: its seq_id keeps it unique
                 await self._open_sampler(sid, self.sessions[m.session_id], m.base_model, None, resp.path, resp.step, ephemeral=True)
                 return lambda p: p.resolve(json={"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
@@ -1065,7 +1085,7 @@ class TinkerDoor:
             return ck.backend_path, ck
         # a model the door forgot with its finished session (_forget_finished) is nobody's: its snapshots stay 404s
         mine = all(m in self.models and self.owns(self.models[m].session_id) for m in self._backend_owners(path))
-        if path.startswith("tinker://") or path in self._dropped or not mine:
+        if path.startswith("tinker://") or path in self._dropped or path in self._forgotten or not mine:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         try:
             return check_checkpoint_path(path, field), None  # a backend's path: scheme://... or an ARN, at most 4096 characters
@@ -1183,7 +1203,9 @@ class TinkerDoor:
                 del self.samplers[s.id]
                 session.samplers.remove(s.id)
                 if s.backend_path is not None:
-                    self._backend_paths.pop(s.backend_path, None)
+                    mid = self._backend_paths.pop(s.backend_path, None)
+                    if mid in self.models:
+                        self.models[mid].snapshots.discard(s.backend_path)
                 self._released[s.id] = (
                     f"sampler {s.id} was released: its session opened {self.max_samplers} samplers used more recently, "
                     "and its snapshot weights (from save_weights_and_get_sampling_client) went with it"
@@ -1301,7 +1323,9 @@ class TinkerDoor:
         self._room(s.session_id)
         promise = self._promise("sample", s.id)
         s.ids[seq] = (digest, promise)
-        s.ids.pop(seq - KEEP_SEQS, None)
+        s.ids.pop(seq - self.keep_seqs, None)
+        while len(s.ids) > self.keep_seqs:  # scattered seq_ids (1, 10**6, ...) too: the one received longest ago goes
+            del s.ids[next(iter(s.ids))]
         request = SampleRequest(tuple(prompt), n, params, want_prompt, promise.request_id, k_prompt, k_sample, target)
 
         s.busy += 1  # not closed while this sample runs
@@ -1363,7 +1387,8 @@ class TinkerDoor:
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
         self.models[ck.model_id].names.discard(ck.checkpoint_id)
         self._backend_paths.pop(ck.backend_path, None)
-        self._dropped.add(ck.backend_path)
+        owner = self.sessions[self.models[ck.model_id].session_id].owner
+        self._dropped.add(ck.backend_path, owner, self.max_deleted_paths_per_key)  # and deleted on the backend (below)
         done = self._deleting[ck.tinker_path] = anyio.Event()
 
         async def delete() -> None:
@@ -1762,8 +1787,8 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         ctype = request.headers.get("content-type", "")
-        if PROTO not in ctype:
-            raise ApiError(415, f"content-type {ctype!r}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
+        if json_body.media_type(ctype) != PROTO:  # parsed: "text/plain; x=application/x-protobuf" is not protobuf
+            raise ApiError(415, f"content-type {ctype!r:.80}", field="Content-Type", fix=f"send {PROTO} as the tinker SDK does")
         return await door.forward_backward(await request.body(), request.headers.get("content-encoding"))
 
     @guarded.post("/optim_step")
@@ -1809,7 +1834,7 @@ def tinker_router(door: TinkerDoor, api_keys: set[str] | frozenset[str] | None =
     @guarded.get("/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
         page = _page(limit, offset)
-        return {"sessions": [s for s in door.sessions if door.owns(s)][page]}
+        return {"sessions": [s.id for s in door.owned(caller.get())][page]}
 
     @guarded.api_route("/get_server_capabilities", methods=["GET", "POST"])
     async def capabilities() -> dict[str, Any]:
