@@ -189,9 +189,10 @@ class OpenAIDoor:
     async def models(self, key: str | None) -> list[str]:
         """What ``key`` may name as ``model``: base models, its sampling sessions, its sampler weights."""
         self.door.forget_expired()
-        own = {sid for sid, s in self.door.sessions.items() if s.owner == key}
-        samplers = [sid for sid, s in self.door.samplers.items() if s.session_id in own]
-        paths = [p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and self.door.models[c.model_id].session_id in own]
+        own = self.door.owned(key)  # the key's own sessions, never every key's
+        samplers = [sid for s in own for sid in s.samplers if sid in self.door.samplers]
+        models = {m for s in own for m in s.models}
+        paths = [p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and c.model_id in models]
         return [*sorted(await self._base_models()), *samplers, *paths]
 
 
