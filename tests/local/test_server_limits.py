@@ -533,6 +533,12 @@ def test_a_slow_loris_body_gets_a_408_and_frees_its_keys_slot(tmp_path):
         w.stop()
 
 
+def test_logprobs_refusals_name_the_routes_field_tokens(c, ids):
+    """The sampler's checks named ``prompt``, a field ``/v1/samplers/{id}/logprobs`` does not take."""
+    for tokens in ([1, 10**6], [1] * 5000):
+        assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/logprobs", {"tokens": tokens}, MINE), "tokens")
+
+
 def test_the_server_is_healthy_after_all_this(c, tiny):
     assert_healthy(c, tiny)
 

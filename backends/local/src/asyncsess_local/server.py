@@ -375,7 +375,7 @@ def create_app(
     async def logprobs(sampler_id: IdPath, body: bodies.LogprobsBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
         with idle.using(sampler_id):
-            out = await backend.compute_logprobs(sampler_id, body.tokens)
+            out = await backend.compute_logprobs(sampler_id, body.tokens, field="tokens")
         return await _off_loop_json(lambda: {"logprobs": out})
 
     @app.get("/v1/checkpoints")
