@@ -4,7 +4,8 @@ Layout: ``<root>/<model_id>/<kind>/<name>/`` with kind ``state`` (adapter + opti
 resuming), ``sampler`` (a PEFT adapter directory) or ``merged`` (a full transformers model directory
 plus its adapter). Every directory holds ``asyncsess.json`` (what it is). A save is written into a hidden
 scratch directory (``.<name>.*``, never listed) and renamed into place, so a name only ever holds a whole
-checkpoint; a name that holds one is refused unless the save says ``overwrite``. The URI of a directory is
+checkpoint; a name that holds one is refused unless the save says ``overwrite``. A write that fails for the disk
+(any ``OSError``: ENOSPC, EDQUOT, EFBIG) removes the scratch copy and is a void :class:`InsufficientStorageError`. The URI of a directory is
 ``local://`` + its absolute path; paths that resolve outside the root are refused, so a worker never
 reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/<model_id>/<seq>``
 names an in-memory sampler snapshot that has no directory (see :mod:`.sessions`): it is never read as a
@@ -27,6 +28,7 @@ worker can refuse another tenant's path before it learns whether that path exist
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp
-from asyncsess.errors import InvalidInputError
+from asyncsess.errors import InsufficientStorageError, InvalidInputError
 from asyncsess.types import Checkpoint, CheckpointResponse
 from asyncsess.validation import check_overwrite, free_name
 
@@ -180,14 +182,20 @@ class CheckpointStore:
     def write(self, final: Path, meta: dict[str, Any], fill: Callable[[Path], None]) -> str:
         """``fill`` a scratch directory next to ``final``, then swap it in whole: a save that fails (or a crash)
         leaves the older checkpoint of that name as it was, never a half-written one under the name."""
-        final.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        scratch: Path | None = None
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
             fill(scratch)
             (scratch / META).write_text(json.dumps({**meta, "time": time.time()}, indent=2))
             _swap_in(scratch, final)
+        except Exception as err:
+            if _disk_failure(err):
+                raise _storage_error(final.name, err) from err
+            raise
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         return self.uri(final)
 
     def meta(self, path: Path, field: str = "path") -> dict[str, Any]:
@@ -336,6 +344,22 @@ def _swap_in(scratch: Path, final: Path) -> None:
         raise
     finally:
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def _disk_failure(err: BaseException) -> bool:
+    """Whether writing a checkpoint failed for the disk: an OSError (ENOSPC, EDQUOT, EFBIG, ...), or safetensors'
+    own error wrapping one (its Rust writer raises ``SafetensorError: ... IoError``)."""
+    return isinstance(err, OSError) or (type(err).__name__ == "SafetensorError" and "IoError" in str(err))
+
+
+def _storage_error(name: str, err: BaseException) -> InsufficientStorageError:
+    """The void answer to a save that failed for the disk (nothing is left under ``name``)."""
+    code = errno.errorcode.get(getattr(err, "errno", None) or 0, type(err).__name__)
+    return InsufficientStorageError(
+        f"checkpoint {name!r} was not saved: writing it failed ({code}: {str(err)[:120]}); nothing was kept under the name",
+        void=True,
+        fix="free space on the worker's disk (delete checkpoints you no longer need: DELETE /v1/checkpoints?path=...), then save again",
+    )
 
 
 def _write_merged(slot: Slot, adapter_dir: Path, out: Path, dtype: torch.dtype) -> None:
