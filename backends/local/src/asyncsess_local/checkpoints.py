@@ -28,6 +28,7 @@ worker can refuse another tenant's path before it learns whether that path exist
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from .sessions import Slot
     from .trainer import TrainSession
 
-__all__ = ["CheckpointStore", "EPHEMERAL", "KINDS", "MAX_LORA_RANK", "adapter_config", "read_tensors"]
+__all__ = ["CheckpointStore", "EPHEMERAL", "KINDS", "MAX_LORA_RANK", "adapter_config", "read_tensors", "save_bytes", "tree_bytes"]
 
 KINDS = {"state": "training", "sampler": "sampler", "merged": "merged"}
 EPHEMERAL = "local://ephemeral/"
@@ -344,6 +345,37 @@ def _swap_in(scratch: Path, final: Path) -> None:
         raise
     finally:
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``, links not followed and hidden entries (a save being written, an older one
+    being replaced) skipped; 0 when there is nothing."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                total += tree_bytes(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def save_bytes(slot: Slot, sess: TrainSession, op: SaveStateOp | SaveWeightsOp, dtype: torch.dtype) -> int:
+    """About the bytes a durable save of ``sess`` writes: its adapter; a ``save_state`` adds AdamW's two float32
+    moments per parameter; a merged ``save_weights`` adds a full copy of the base model in ``dtype``."""
+    adapter = sum(p.numel() * p.element_size() for p in sess.params.values())
+    if isinstance(op, SaveStateOp):
+        return adapter + sum(p.numel() * 8 for p in sess.params.values())
+    if not op.merge_weights:
+        return adapter
+    base = slot.host.peft.get_base_model()
+    return adapter + sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n) * dtype.itemsize
 
 
 def _disk_failure(err: BaseException) -> bool:
