@@ -1113,9 +1113,23 @@ class TrainingClient:
         return fields
 
     def _remember(self, kind: str, fields: dict[str, Any], fut: APIFuture[T]) -> APIFuture[T]:
-        """Note a name once its save is numbered, so a second save of it is refused before numbering."""
-        if fields["name"] is not None:
-            self._saved_names.add((kind, fields["name"]))
+        """Note a name once its save is numbered, so a second save of it is refused before numbering; a save that
+        fails void (refused at its turn, over a quota, its write failed for the disk) wrote nothing: the name is free
+        again, unless an earlier save holds it."""
+        if fields["name"] is None:
+            return fut
+        name = (kind, fields["name"])
+        added = name not in self._saved_names
+        self._saved_names.add(name)
+
+        def settled(f: APIFuture[T]) -> None:
+            error = None if f.cancelled() else f.exception()
+            if error is None:
+                self._saved_names.add(name)
+            elif added and not poisons(error):
+                self._saved_names.discard(name)
+
+        fut.add_done_callback(settled)
         return fut
 
     def _coerce_rl_datums(self, data: Any) -> tuple[Datum, ...]:

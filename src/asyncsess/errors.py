@@ -57,6 +57,7 @@ __all__ = [
     "ClientClosedError",
     "WrongEventLoopError",
     "ResourceExhaustedError",
+    "InsufficientStorageError",
     "SamplerRefreshError",
 ]
 
@@ -374,6 +375,19 @@ class ResourceExhaustedError(ServerError):
     def __init__(self, message: str, *, budget: int | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.budget = budget
+
+
+class InsufficientStorageError(ResourceExhaustedError):
+    """A save failed for the disk (full, over a quota, a file too large): nothing was written under its name and
+    the session goes on (a worker sends it void, HTTP 507). Not retryable: the disk stays full until checkpoints are
+    deleted (``delete_checkpoint``) or the operator frees space; then send a new save."""
+
+    status_code = 507
+    fix: str | None = None
+
+    def __init__(self, message: str, *, fix: str | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.fix = fix
 
 
 class SamplerRefreshError(OperationError):

@@ -225,3 +225,15 @@ def test_a_conflict_is_a_409_that_decodes_to_a_conflict_error_never_retried() ->
     back = wire.decode_error(json.loads(json.dumps(wire.encode_error(err))), 409)
     assert type(back) is errors.ConflictError and back.field == "overwrite" and back.void
     assert not errors.is_retryable(back)
+
+
+def test_a_save_the_disk_failed_is_a_507_that_decodes_to_insufficient_storage_never_retried() -> None:
+    """A save that failed for the worker's disk was a ServerError (500) that poisoned the session. It is an
+    InsufficientStorageError: a 507, rebuilt as itself with its fix and void kept, not retried (the disk stays full)."""
+    from asyncsess import errors
+
+    err = errors.InsufficientStorageError("checkpoint 'a' was not saved (ENOSPC)", fix="delete checkpoints", void=True)
+    assert wire.status_for(err) == 507 and wire.status_for(errors.ResourceExhaustedError("oom")) == 500
+    back = wire.decode_error(json.loads(json.dumps(wire.encode_error(err))), 507)
+    assert type(back) is errors.InsufficientStorageError and back.fix == "delete checkpoints" and back.void
+    assert not errors.is_retryable(back) and not errors.poisons(back)

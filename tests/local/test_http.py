@@ -310,6 +310,36 @@ def test_openai_client_chat_and_stream(worker, tiny):
         openai.OpenAI(base_url=f"{worker.url}/v1", api_key="wrong").models.list()
 
 
+@pytest.mark.anyio
+async def test_a_save_the_disk_fails_is_insufficient_storage_and_the_client_goes_on(worker, tiny, monkeypatch):
+    """Over http:// a save whose write hit ENOSPC came back a 500 ServerError, and the ops numbered after it were
+    PoisonedErrors. It is an InsufficientStorageError (void, not retried) and the client's later ops run."""
+    import errno
+
+    import safetensors.torch
+
+    import asyncsess
+
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        if str(filename).endswith("optimizer.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real(tensors, filename, metadata=metadata)
+
+    async with asyncsess.ServiceClient(worker.url, api_key=KEY, heartbeat_interval=0) as svc:
+        tc = await svc.create_lora_training_client(tiny, rank=2, seed=0)
+        monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+        saved = tc.save_state("full")
+        step = tc.optim_step(AdamParams(learning_rate=1e-2))  # numbered after it
+        with pytest.raises(asyncsess.InsufficientStorageError) as err:
+            await saved
+        assert err.value.void and err.value.fix and not asyncsess.is_retryable(err.value)
+        assert (await step).step == 1
+        monkeypatch.undo()
+        assert (await tc.save_state("full")).step == 1
+
+
 async def _train(tc, bad=None) -> list[float]:
     """Two SFT steps, ``bad()`` (a refused load_state) sent between them with the second step queued behind it;
     then the log-probs the weights give."""

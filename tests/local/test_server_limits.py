@@ -533,6 +533,47 @@ def test_a_slow_loris_body_gets_a_408_and_frees_its_keys_slot(tmp_path):
         w.stop()
 
 
+def test_a_save_the_disk_fails_is_a_void_507_and_leaves_nothing_under_its_name(c, worker, tiny, monkeypatch):
+    """A save whose write failed for the disk (ENOSPC half-way through a file) was a 500 that poisoned the session
+    (every later op a PoisonedError). It is a 507 ``InsufficientStorageError`` with a fix, void; the partial copy is
+    removed, nothing is listed under the name, and the next ops run as if the save had never been sent."""
+    import errno
+    from pathlib import Path
+
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, metadata=None):  # the adapter is written, the optimizer state half-way
+        if str(filename).endswith("optimizer.safetensors"):
+            Path(filename).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    sid = new_session(c, tiny, MINE)
+    ops = f"/v1/sessions/{sid}/ops"
+    save = {"kind": "save_state", "seq": 1, "idempotency_key": "full-1", "name": "full"}
+    err = assert_refused(c.post(ops, json=save, headers=MINE), status=507)
+    assert err["type"] == "InsufficientStorageError" and err.get("void") is True and "ENOSPC" in err["message"], err
+    assert "DELETE /v1/checkpoints" in err["fix"], err
+    state = worker.backend.engine.store.root / sid / "state"
+    assert not state.exists() or list(state.iterdir()) == []  # no partial copy, under the name or a scratch one
+    monkeypatch.undo()
+    assert c.get("/v1/checkpoints", params={"session_id": sid}, headers=MINE).json() == []
+    step = {"kind": "optim_step", "seq": 2, "idempotency_key": "full-2", "adam_params": {"learning_rate": 1e-3}}
+    r = c.post(ops, json=step, headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # not poisoned
+    r = c.post(ops, json={**save, "seq": 3, "idempotency_key": "full-3"}, headers=MINE)
+    assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # the name is free
+
+
+def test_logprobs_refusals_name_the_routes_field_tokens(c, ids):
+    """The sampler's checks named ``prompt``, a field ``/v1/samplers/{id}/logprobs`` does not take."""
+    for tokens in ([1, 10**6], [1] * 5000):
+        assert_refused(send(c, "POST", f"/v1/samplers/{ids['smp']}/logprobs", {"tokens": tokens}, MINE), "tokens")
+
+
 def test_the_server_is_healthy_after_all_this(c, tiny):
     assert_healthy(c, tiny)
 

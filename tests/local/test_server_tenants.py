@@ -195,6 +195,37 @@ def test_a_snapshot_path_of_ones_own_does_not_lead_into_the_other_keys_checkpoin
     assert new_sampler(c, MINE, model_path=mine["paths"]["ephemeral"])
 
 
+def test_a_keys_checkpoint_bytes_are_capped_before_a_save_and_freed_by_deletes_and_overwrites(tiny, tiny_dir, tmp_path):
+    """Only the number of checkpoints was capped: a key could fill the disk with merged saves (each a full model), and
+    then every tenant's saves failed. Past ``max_checkpoint_bytes_per_key`` a save (its size estimated before it is
+    written) is refused naming ``name`` and the fix, void: the next op runs. A save over a name frees what it replaces,
+    a delete frees its bytes, and the other key saves as before."""
+    base = (tiny_dir / "model.safetensors").stat().st_size
+    w = start_worker(tiny, str(tmp_path), max_checkpoint_bytes_per_key=base * 3 // 2)  # one merged model, not two
+    merged = {"merge_weights": True}
+    try:
+        with httpx.Client(base_url=w.url, timeout=120) as c:
+            sid = new_session(c, tiny, MINE)
+            ops = f"/v1/sessions/{sid}/ops"
+            first = c.post(ops, json=_op("save_weights", 1, name="m1", **merged), headers=MINE)
+            assert first.status_code == 200, first.text
+            err = assert_refused(c.post(ops, json=_op("save_weights", 2, name="m2", **merged), headers=MINE), "name")
+            assert err.get("void") is True and "max_checkpoint_bytes_per_key" in err["message"], err
+            assert "DELETE /v1/checkpoints" in err["fix"] and "merge_weights=false" in err["fix"], err
+            assert not (tmp_path / sid / "merged" / "m2").exists()
+            assert c.post(ops, json=_op("save_weights", 3, name="a"), headers=MINE).status_code == 200  # not poisoned
+            again = c.post(ops, json=_op("save_weights", 4, name="m1", overwrite=True, **merged), headers=MINE)
+            assert again.status_code == 200, again.text  # it replaces m1: its bytes are freed
+            theirs = new_session(c, tiny, THEIRS)
+            r = c.post(f"/v1/sessions/{theirs}/ops", json=_op("save_weights", 1, name="m", **merged), headers=THEIRS)
+            assert r.status_code == 200, r.text
+            assert c.delete("/v1/checkpoints", params={"path": first.json()["result"]["path"]}, headers=MINE).status_code == 204
+            r = c.post(ops, json=_op("save_weights", 5, name="m2", **merged), headers=MINE)
+            assert r.status_code == 200, r.text  # the delete freed room
+    finally:
+        w.stop()
+
+
 def test_a_keys_durable_checkpoints_are_capped_and_the_other_key_keeps_its_own(tiny, tmp_path):
     """A key could save checkpoints without limit (disk unbounded: no route deletes one). Past
     ``max_checkpoints_per_key`` a save is refused (void: its seq passes, the next op runs), a stopped session's

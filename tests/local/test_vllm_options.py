@@ -259,11 +259,15 @@ def test_worker_cli_passes_the_memory_options(monkeypatch, tmp_path):
     monkeypatch.setattr(server, "create_app", lambda backend, keys, **options: seen.update(backend=backend, **options))
     argv = ["--dir", str(tmp_path), "--api-key", "k", "--token-budget", "2048", "--checkpoint-layers", "on"]
     argv += ["--vllm-max-model-len", "16384", "--vllm-max-loras", "6", "--vllm-max-cpu-loras", "24", "--vllm-unembed", "refuse"]
-    argv += ["--attention", "sdpa", "--max-body-seconds", "7.5", "--session-timeout", "0"]
+    argv += ["--attention", "sdpa", "--max-body-seconds", "7.5", "--session-timeout", "0", "--max-checkpoint-bytes-per-key", "3G"]
     server.main(argv)
     config = seen["backend"]._config
     assert (config.token_budget, config.checkpoint_layers, config.attention) == (2048, "on", "sdpa")
     assert seen["max_body_seconds"] == 7.5 and seen["session_timeout"] == 0.0  # 0: sessions never expire
+    assert seen["max_checkpoint_bytes_per_key"] == 3 << 30
+    for bad in ("0", "-1", "1.5G", "G", "lots"):
+        with pytest.raises(SystemExit):
+            server.main([*argv[:4], "--max-checkpoint-bytes-per-key", bad])
     for bad in ("nan", "inf", "0", "-1", "soon"):  # argparse refuses a useless body deadline before anything starts
         with pytest.raises(SystemExit):
             server.main([*argv[:4], "--max-body-seconds", bad])

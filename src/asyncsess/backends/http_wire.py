@@ -78,6 +78,7 @@ STATUS: dict[type[errors.AsyncSessError], int] = {
     errors.RateLimitError: 429,
     errors.DeadlineExceededError: 504,
     errors.ServerError: 500,
+    errors.InsufficientStorageError: 507,
 }
 _FIELDS = ("message", "operation", "seq", "request_id", "field", "fix", "retry_after")
 

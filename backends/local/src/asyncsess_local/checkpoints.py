@@ -4,7 +4,8 @@ Layout: ``<root>/<model_id>/<kind>/<name>/`` with kind ``state`` (adapter + opti
 resuming), ``sampler`` (a PEFT adapter directory) or ``merged`` (a full transformers model directory
 plus its adapter). Every directory holds ``asyncsess.json`` (what it is). A save is written into a hidden
 scratch directory (``.<name>.*``, never listed) and renamed into place, so a name only ever holds a whole
-checkpoint; a name that holds one is refused unless the save says ``overwrite``. The URI of a directory is
+checkpoint; a name that holds one is refused unless the save says ``overwrite``. A write that fails for the disk
+(any ``OSError``: ENOSPC, EDQUOT, EFBIG) removes the scratch copy and is a void :class:`InsufficientStorageError`. The URI of a directory is
 ``local://`` + its absolute path; paths that resolve outside the root are refused, so a worker never
 reads or writes elsewhere. Tensors are stored with safetensors only. ``local://ephemeral/<model_id>/<seq>``
 names an in-memory sampler snapshot that has no directory (see :mod:`.sessions`): it is never read as a
@@ -27,6 +28,8 @@ worker can refuse another tenant's path before it learns whether that path exist
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncsess.backends import LoadStateOp, SaveStateOp, SaveWeightsOp
-from asyncsess.errors import InvalidInputError
+from asyncsess.errors import InsufficientStorageError, InvalidInputError
 from asyncsess.types import Checkpoint, CheckpointResponse
 from asyncsess.validation import check_overwrite, free_name
 
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     from .sessions import Slot
     from .trainer import TrainSession
 
-__all__ = ["CheckpointStore", "EPHEMERAL", "KINDS", "MAX_LORA_RANK", "adapter_config", "read_tensors"]
+__all__ = ["CheckpointStore", "EPHEMERAL", "KINDS", "MAX_LORA_RANK", "adapter_config", "read_tensors", "save_bytes", "tree_bytes"]
 
 KINDS = {"state": "training", "sampler": "sampler", "merged": "merged"}
 EPHEMERAL = "local://ephemeral/"
@@ -180,14 +183,20 @@ class CheckpointStore:
     def write(self, final: Path, meta: dict[str, Any], fill: Callable[[Path], None]) -> str:
         """``fill`` a scratch directory next to ``final``, then swap it in whole: a save that fails (or a crash)
         leaves the older checkpoint of that name as it was, never a half-written one under the name."""
-        final.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        scratch: Path | None = None
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
             fill(scratch)
             (scratch / META).write_text(json.dumps({**meta, "time": time.time()}, indent=2))
             _swap_in(scratch, final)
+        except Exception as err:
+            if _disk_failure(err):
+                raise _storage_error(final.name, err) from err
+            raise
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         return self.uri(final)
 
     def meta(self, path: Path, field: str = "path") -> dict[str, Any]:
@@ -336,6 +345,53 @@ def _swap_in(scratch: Path, final: Path) -> None:
         raise
     finally:
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``, links not followed and hidden entries (a save being written, an older one
+    being replaced) skipped; 0 when there is nothing."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                total += tree_bytes(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def save_bytes(slot: Slot, sess: TrainSession, op: SaveStateOp | SaveWeightsOp, dtype: torch.dtype) -> int:
+    """About the bytes a durable save of ``sess`` writes: its adapter; a ``save_state`` adds AdamW's two float32
+    moments per parameter; a merged ``save_weights`` adds a full copy of the base model in ``dtype``."""
+    adapter = sum(p.numel() * p.element_size() for p in sess.params.values())
+    if isinstance(op, SaveStateOp):
+        return adapter + sum(p.numel() * 8 for p in sess.params.values())
+    if not op.merge_weights:
+        return adapter
+    base = slot.host.peft.get_base_model()
+    return adapter + sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n) * dtype.itemsize
+
+
+def _disk_failure(err: BaseException) -> bool:
+    """Whether writing a checkpoint failed for the disk: an OSError (ENOSPC, EDQUOT, EFBIG, ...), or safetensors'
+    own error wrapping one (its Rust writer raises ``SafetensorError: ... IoError``)."""
+    return isinstance(err, OSError) or (type(err).__name__ == "SafetensorError" and "IoError" in str(err))
+
+
+def _storage_error(name: str, err: BaseException) -> InsufficientStorageError:
+    """The void answer to a save that failed for the disk (nothing is left under ``name``)."""
+    code = errno.errorcode.get(getattr(err, "errno", None) or 0, type(err).__name__)
+    return InsufficientStorageError(
+        f"checkpoint {name!r} was not saved: writing it failed ({code}: {str(err)[:120]}); nothing was kept under the name",
+        void=True,
+        fix="free space on the worker's disk (delete checkpoints you no longer need: DELETE /v1/checkpoints?path=...), then save again",
+    )
 
 
 def _write_merged(slot: Slot, adapter_dir: Path, out: Path, dtype: torch.dtype) -> None:

@@ -338,12 +338,13 @@ class LocalBackend(Backend):
                 dist = next_token_logprobs(model, prompt + seq.tokens[:-1], dev)[len(prompt) - 1 :]
                 seq.topk_logprobs = topk_rows(dist, request.topk_sample_logprobs)
 
-    async def compute_logprobs(self, sampler_id: str, tokens: list[int]) -> list[float | None]:
+    async def compute_logprobs(self, sampler_id: str, tokens: list[int], *, field: str = "prompt") -> list[float | None]:
+        """The log-prob of each token given those before it; a refusal names ``field`` (the worker's route: ``tokens``)."""
         ref = self.engine.state.sampler(sampler_id)
-        tokens = _checked_tokens(list(tokens), ref.slot, "prompt")
+        tokens = _checked_tokens(list(tokens), ref.slot, field)
         if len(tokens) > ref.slot.max_context:
             raise InvalidInputError(
-                f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field="prompt", fix="shorten it"
+                f"{len(tokens)} tokens exceed the context length ({ref.slot.max_context})", field=field, fix="shorten it"
             )
         return await self.engine.logprobs(sampler_id, tokens)
 

@@ -13,7 +13,8 @@ the event loop never blocks on torch. Each time the thread wakes it takes everyt
   budget (gradients put back, cache emptied) until every datum is alone in its micro-batch, and only
   then fails with :class:`ResourceExhaustedError`; the session stays usable and the lowered budget stays;
   except an ``optim_step`` skipped for a NaN/inf gradient (:class:`NonFiniteGradientError`); and except a save
-  or load refused when it runs (a name that a save queued before it took; a load path gone): void, nothing written.
+  or load refused when it runs (a name that a save queued before it took; a load path gone) and a save the disk
+  failed (:class:`InsufficientStorageError`): void, nothing written under its name.
 
 State (base models, sessions, sampler snapshots: :class:`~.sessions.Sessions`) is touched only on this
 thread; checkpoints are written and read by :class:`~.checkpoints.CheckpointStore`.
@@ -44,6 +45,7 @@ from asyncsess.backends import (
 )
 from asyncsess.errors import (
     AsyncSessError,
+    InsufficientStorageError,
     InvalidInputError,
     NonFiniteGradientError,
     PoisonedError,
@@ -321,6 +323,10 @@ class Engine:
             return
         try:
             results = self._training_op(sess, [w.op for w in group])
+        except InsufficientStorageError as err:  # a save the disk failed: its scratch copy removed, nothing under its name
+            err.void, err.operation, err.seq = True, group[0].op.kind, group[0].op.seq
+            group[0].done.set_error(err)  # a barrier runs alone
+            return
         except ResourceExhaustedError as err:  # a pass that did not fit: nothing was applied, the session lives on
             self._oom = True
             for w in group:

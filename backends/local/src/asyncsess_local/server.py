@@ -44,7 +44,7 @@ from asyncsess.serve.defaults import SESSION_TIMEOUT
 from asyncsess.types import CheckpointResponse
 
 from . import bodies, openai_api
-from .checkpoints import EPHEMERAL, KINDS, MAX_PATH_CHARS
+from .checkpoints import EPHEMERAL, KINDS, MAX_PATH_CHARS, save_bytes, tree_bytes
 from .embedded import LocalBackend
 from .idempotency import IDEMPOTENCY_HEADER, Creates, check_key
 from .idle import IdleClock
@@ -68,6 +68,7 @@ def create_app(
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
     max_checkpoints_per_key: int = bodies.MAX_CHECKPOINTS_PER_KEY,
+    max_checkpoint_bytes_per_key: int = bodies.MAX_CHECKPOINT_BYTES_PER_KEY,
     session_timeout: float | None = SESSION_TIMEOUT,
 ) -> FastAPI:
     """The worker's routes over ``backend``. ``models``: base models clients may name besides the backend's
@@ -76,7 +77,8 @@ def create_app(
     (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
     (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
     (oldest rollouts dropped past it); ``max_checkpoints_per_key``: durable checkpoints one key may hold on disk
-    (a save past it is refused, void); ``session_timeout``: seconds without a request (a heartbeat included) after
+    (a save past it is refused, void); ``max_checkpoint_bytes_per_key``: the bytes they may take (a save whose estimated
+    size would pass it is refused, void); ``session_timeout``: seconds without a request (a heartbeat included) after
     which a session or sampler is stopped (its client is gone; ``None`` or 0: never). ``/healthz`` (alive) and
     ``/readyz`` (serving) need no key."""
     keys = [k.encode("utf-8") for k in api_keys]
@@ -96,6 +98,8 @@ def create_app(
     fronts = openai_api.WorkerFronts(backend, owners, base_models, max_capture_tokens=max_capture_tokens)
     idle = IdleClock(session_timeout)
 
+    disk_bytes: dict[str, int] = {}  # object id -> bytes its checkpoints take on disk (dropped when they change)
+
     def checkpoints_of(object_id: str) -> int:
         """The durable checkpoints ``object_id`` holds on disk (directories counted, never read)."""
         held = 0
@@ -112,6 +116,7 @@ def create_app(
             return
         if object_id not in owners.durable or checkpoints_of(object_id) == 0:
             owners.forget(object_id)
+            disk_bytes.pop(object_id, None)
 
     for journaled in list(owners.durable):  # what a restarted worker keeps: the sessions that left checkpoints
         release(journaled)
@@ -235,34 +240,57 @@ def create_app(
             opening[key] -= 1
 
     saving: Counter[str] = Counter()  # durable saves checked and not yet answered, per tenant (they count as held)
+    saving_bytes: Counter[str] = Counter()  # their estimated sizes
 
     def held_checkpoints(key: str) -> int:
         """The durable checkpoints ``key``'s sessions, stopped ones included, hold on disk (directories counted,
         never read), plus its saves under way."""
         return saving[key] + sum(checkpoints_of(i) for i, k in owners.by_id.items() if k == key)
 
+    def held_bytes(key: str) -> int:
+        """The bytes ``key``'s checkpoints take on disk (measured once per session, again after it saves or one of its
+        checkpoints is deleted), plus the estimated sizes of its saves under way."""
+        for i, k in owners.by_id.items():
+            if k == key and i not in disk_bytes:
+                disk_bytes[i] = sum(tree_bytes(store.root / i / kind) for kind in KINDS)
+        return saving_bytes[key] + sum(disk_bytes[i] for i, k in owners.by_id.items() if k == key)
+
     @contextmanager
     def checkpoint_room(key: str, session_id: str, op: TrainingOp) -> Iterator[None]:
-        """Hold a place among ``key``'s ``max_checkpoints_per_key`` while ``op`` (a durable save that adds a
-        checkpoint) runs; an InvalidInputError when there is none (a save over one of its names adds none)."""
-        if not isinstance(op, (SaveStateOp, SaveWeightsOp)) or op.ephemeral:
+        """Hold a place among ``key``'s ``max_checkpoints_per_key``, and the save's estimated bytes among its
+        ``max_checkpoint_bytes_per_key``, while ``op`` (a durable save) runs; an InvalidInputError when there is no
+        room (a save over one of its names adds no checkpoint, and frees the bytes of the one it replaces)."""
+        sess = backend.engine.sessions.get(session_id)
+        if not isinstance(op, (SaveStateOp, SaveWeightsOp)) or op.ephemeral or sess is None:
             yield
             return
-        if op.name and op.overwrite and (backend.engine.store.root / session_id / op.checkpoint_kind / op.name).exists():
-            yield
-            return
+        existing = store.root / session_id / op.checkpoint_kind / op.name if op.name and op.overwrite else None
+        replaces = existing is not None and existing.exists()
         held = held_checkpoints(key)
-        if held >= max_checkpoints_per_key:
+        if not replaces and held >= max_checkpoints_per_key:
             raise InvalidInputError(
                 f"this API key holds {held} checkpoints, the most allowed",
                 field="name",
                 fix="delete one you no longer need (DELETE /v1/checkpoints?path=...), or save over one (overwrite=true)",
             )
-        saving[key] += 1
+        size = save_bytes(backend.engine.slots[sess.base_model], sess, op, backend.engine.dtype)
+        after = held_bytes(key) - (tree_bytes(existing) if existing is not None and replaces else 0) + size
+        if after > max_checkpoint_bytes_per_key:
+            smaller = ", or save the adapter alone (merge_weights=false)" if isinstance(op, SaveWeightsOp) and op.merge_weights else ""
+            raise InvalidInputError(
+                f"this save (about {size:,} bytes) would take this API key's checkpoints to {after:,} bytes on disk, over "
+                f"its quota of {max_checkpoint_bytes_per_key:,} (max_checkpoint_bytes_per_key)",
+                field="name",
+                fix=f"delete checkpoints you no longer need (DELETE /v1/checkpoints?path=...){smaller}",
+            )
+        saving[key] += 0 if replaces else 1
+        saving_bytes[key] += size
         try:
             yield
         finally:
-            saving[key] -= 1
+            saving[key] -= 0 if replaces else 1
+            saving_bytes[key] -= size
+            disk_bytes.pop(session_id, None)  # measured again at the next check
 
     def seq_is_new(session_id: str, seq: int) -> bool:
         """Whether ``seq`` is not yet taken (a re-delivery is answered by the sequencer, checked or not)."""
@@ -375,7 +403,7 @@ def create_app(
     async def logprobs(sampler_id: IdPath, body: bodies.LogprobsBody, key: str = Depends(api_key)) -> Any:
         owners.check(key, sampler_id)
         with idle.using(sampler_id):
-            out = await backend.compute_logprobs(sampler_id, body.tokens)
+            out = await backend.compute_logprobs(sampler_id, body.tokens, field="tokens")
         return await _off_loop_json(lambda: {"logprobs": out})
 
     @app.get("/v1/checkpoints")
@@ -395,6 +423,7 @@ def create_app(
             raise InvalidInputError("a snapshot is not stored", field="path", fix="stop the samplers on it: it goes with them")
         owned_path(key, path, "path")
         await backend.delete_checkpoint(path)
+        disk_bytes.pop(store.owner(path, "path"), None)
         release(store.owner(path, "path"))  # its session's last checkpoint, the session stopped: nothing left to name
         return Response(status_code=204)
 
@@ -639,6 +668,16 @@ def _timeout_seconds(text: str) -> float:
     return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
 
 
+def _byte_count(text: str) -> int:
+    """A positive number of bytes, with an optional binary suffix K, M, G or T (argparse's type for
+    ``--max-checkpoint-bytes-per-key``)."""
+    digits, unit = (text[:-1], text[-1].upper()) if text[-1:].upper() in ("K", "M", "G", "T") else (text, "")
+    scale = 1 << 10 * "_KMGT".index(unit or "_")
+    if not (digits.isascii() and digits.isdigit()) or int(digits) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of bytes (e.g. 68719476736 or 64G)")
+    return int(digits) * scale
+
+
 def _seconds(text: str) -> float:
     """A positive, finite number of seconds (argparse's type for ``--max-body-seconds``)."""
     try:
@@ -681,6 +720,12 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds a request body has to arrive; a slower one (a slow-loris client) gets a 408",
     )
     p.add_argument(
+        "--max-checkpoint-bytes-per-key",
+        type=_byte_count,
+        default=bodies.MAX_CHECKPOINT_BYTES_PER_KEY,
+        help="bytes one API key's checkpoints may take on disk (a number, or with K, M, G or T: 64G); a save past it is refused",
+    )
+    p.add_argument(
         "--session-timeout",
         type=_timeout_seconds,
         default=SESSION_TIMEOUT,
@@ -715,7 +760,14 @@ def main(argv: list[str] | None = None) -> None:
         ),
     )
     logging.basicConfig(level=logging.INFO)
-    app = create_app(backend, keys, models=args.allow_model, max_body_seconds=args.max_body_seconds, session_timeout=args.session_timeout)
+    app = create_app(
+        backend,
+        keys,
+        models=args.allow_model,
+        max_body_seconds=args.max_body_seconds,
+        max_checkpoint_bytes_per_key=args.max_checkpoint_bytes_per_key,
+        session_timeout=args.session_timeout,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **HTTP_OPTIONS)
 
 
