@@ -568,6 +568,28 @@ def test_a_save_the_disk_fails_is_a_void_507_and_leaves_nothing_under_its_name(c
     assert r.status_code == 200 and r.json()["result"]["step"] == 1, r.text  # the name is free
 
 
+def test_a_create_the_disk_cannot_journal_is_a_507_and_leaves_no_session_running(c, worker, tiny, monkeypatch):
+    """A create whose line in ``.owners.jsonl`` could not be written (a full disk) was a 500, and the session it had
+    made ran on unowned until the idle reaper. It is a 507 with a fix; the session is stopped; a later create works."""
+    import errno
+    from pathlib import Path
+
+    before = set(worker.backend.engine.sessions)
+    real_open = Path.open
+
+    def full_disk(self, mode="r", *args, **kwargs):
+        if self.name == ".owners.jsonl" and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full_disk)
+    err = assert_refused(c.post("/v1/sessions", json={"base_model": tiny, "rank": 2}, headers=MINE), status=507)
+    assert err["type"] == "InsufficientStorageError" and "delete_checkpoint" in err["fix"], err
+    assert set(worker.backend.engine.sessions) == before  # stopped, not leaked
+    monkeypatch.undo()
+    assert c.post("/v1/sessions", json={"base_model": tiny, "rank": 2}, headers=MINE).status_code == 200
+
+
 def test_logprobs_refusals_name_the_routes_field_tokens(c, ids):
     """The sampler's checks named ``prompt``, a field ``/v1/samplers/{id}/logprobs`` does not take."""
     for tokens in ([1, 10**6], [1] * 5000):

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
-from asyncsess.errors import AsyncSessError, InvalidInputError, RateLimitError, ServerError
+from asyncsess.errors import AsyncSessError, InsufficientStorageError, InvalidInputError, RateLimitError, ServerError
 from asyncsess.serve import body_limit, json_body
 from asyncsess.serve.body_limit import BodyLimit
 from asyncsess.serve.capture import MAX_CAPTURE_TOKENS
@@ -331,7 +331,14 @@ def create_app(
                     check_base_model(spec.base_model, "base_model")
                 with room(key, "base_model"):
                     info = await backend.create_training_session(spec)
-                    owners.own(info.model_id, key, durable=True)
+                    try:
+                        owners.own(info.model_id, key, durable=True)
+                    except OSError as err:  # the journal cannot grow (a full disk): the session is stopped, not leaked
+                        await backend.stop_session(info.model_id)
+                        raise InsufficientStorageError(
+                            f"the worker could not record the new session ({err.strerror or err})",
+                            fix="the worker's disk is full: delete checkpoints (delete_checkpoint) or ask the operator to free space, then create again",
+                        ) from None
                     idle.touch(info.model_id)
                 once.reply = info.model_dump(mode="json")
         return once.reply

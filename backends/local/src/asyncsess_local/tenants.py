@@ -41,12 +41,13 @@ class Owners:
                     self.durable.add(str(record["id"]))
 
     def own(self, object_id: str, key: str, *, durable: bool = False) -> None:
-        self.by_id[object_id] = key
+        """``key`` owns ``object_id``; ``durable``: journaled first (an ``OSError`` there, a full disk, leaves it unowned)."""
         if durable and self._journal is not None:
-            self.durable.add(object_id)
             with self._journal.open("a") as f:
                 f.write(json.dumps({"id": object_id, "tenant": key}) + "\n")
             self._lines += 1
+            self.durable.add(object_id)
+        self.by_id[object_id] = key
 
     def forget(self, object_id: str) -> None:
         """``object_id`` is stopped and nothing of it is left to name: drop it (from the journal too, in time)."""
