@@ -633,7 +633,7 @@ class AdamParams(_Input):
 
     Every number must be a finite number (a bool or text is refused); ``learning_rate`` is in ``[0, 10]``, ``eps`` in
     ``[MIN_ADAM_EPS, 1]``, ``weight_decay`` in ``[0, 1]``, ``lora_plus_lr_ratio`` in ``[1, 1000]``, and
-    ``learning_rate · lora_plus_lr_ratio · weight_decay ≤ 1``. Decoupled decay multiplies each weight by ``1 − learning_rate ·
+    ``learning_rate · lora_plus_lr_ratio · weight_decay ≤ 1`` and ``learning_rate · lora_plus_lr_ratio ≤ 10`` (LoRA B's rate). Decoupled decay multiplies each weight by ``1 − learning_rate ·
     weight_decay`` per step (LoRA B's by ``1 − learning_rate · lora_plus_lr_ratio · weight_decay``): past 1 it flips their
     sign, past 2 it grows them each step until they overflow to inf and the session's weights are NaN.
     """
@@ -676,6 +676,16 @@ class AdamParams(_Input):
             raise ValueError(
                 f"{names} is {lr * scale * decay:.3g}; it must be at most 1 (decoupled decay multiplies each weight by 1 − "
                 "that product per step: past 1 it flips their sign, past 2 it grows them to inf)"
+            )
+        if (
+            info.field_name == "lora_plus_lr_ratio"
+            and isinstance(lr, (int, float))
+            and isinstance(v, (int, float))
+            and lr * v > MAX_LEARNING_RATE
+        ):
+            raise ValueError(
+                f"learning_rate × lora_plus_lr_ratio is {lr * v:.3g}, LoRA B's learning rate; it must be at most {MAX_LEARNING_RATE:g}, "
+                "the largest learning_rate taken: lower either (LoRA+ uses ratios around 16)"
             )
         return v
 

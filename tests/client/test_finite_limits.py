@@ -55,11 +55,21 @@ def test_sampling_params_edges_that_stay_valid():
         {"learning_rate": 0.01, "lora_plus_lr_ratio": 1000.0, "weight_decay": 0.5},  # LoRA B's times -4: NaN at step 21
         {"grad_clip_norm": INF},
         {"lora_plus_lr_ratio": INF},
+        {"learning_rate": 10.0, "lora_plus_lr_ratio": 1000.0},  # LoRA B's rate 10,000
+        {"learning_rate": 0.1, "lora_plus_lr_ratio": 101.0},  # 10.1: past the largest learning_rate taken
     ],
 )
 def test_adam_params_refuse(kw):
     with pytest.raises(ValidationError):
         AdamParams(**kw)
+
+
+def test_lora_plus_keeps_b_under_the_largest_learning_rate_and_names_the_ratio():
+    assert AdamParams(learning_rate=0.01, lora_plus_lr_ratio=1000.0).lora_plus_lr_ratio == 1000.0  # B at 10: the edge
+    assert AdamParams(learning_rate=2e-4, lora_plus_lr_ratio=16.0).lora_plus_lr_ratio == 16.0  # LoRA+'s usual setting
+    with pytest.raises(ValidationError) as err:
+        AdamParams(learning_rate=1.0, lora_plus_lr_ratio=16.0)
+    assert err.value.errors()[0]["loc"] == ("lora_plus_lr_ratio",) and "LoRA B" in str(err.value)
 
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF, 1e39, 2**200])
