@@ -133,6 +133,7 @@ BAD = [
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format.type", "structured output"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "unsupported parameter"),
     ({"truncation": "auto"}, "truncation", "invalid value"),
+    ({"input": [{"role": "user", "content": []}]}, "input.0.content", "empty array"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tool_choice": {"type": "function", "name": "calc"}}, "tool_choice", "needs tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "absent"}}, "tool_choice", "not in tools"),

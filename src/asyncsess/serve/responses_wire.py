@@ -27,6 +27,7 @@ from .openai_wire import (
     OpenAIRequest,
     Text,
     ToolMode,
+    _refused,
     _Req,
     reply_pieces,
     tool_choice_kind,
@@ -61,6 +62,13 @@ class _MessageItem(_Nullable):
     content: Text | list[_Part]
     id: Text | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @model_validator(mode="after")
+    def _has_parts(self) -> _MessageItem:
+        """``content`` is a string (``""`` too) or a non-empty array of parts, as in a chat message."""
+        if self.content == []:
+            raise _refused("content", "empty_array", 'an empty array; send at least one content part, or a string ("" too)')
+        return self
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
