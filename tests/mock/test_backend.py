@@ -7,7 +7,7 @@ import types
 import pytest
 
 from asyncsess.backends import SampleRequest, SamplerSpec, TrainingSessionSpec, available_schemes, load_backend
-from asyncsess.errors import InvalidInputError, SessionGoneError, UnsupportedError
+from asyncsess.errors import ConflictError, InvalidInputError, SessionGoneError, UnsupportedError
 from asyncsess.types import AdamParams, Datum, SamplingParams
 from asyncsess_mock import MockBackend
 
@@ -25,6 +25,29 @@ async def test_entry_point_and_capabilities(open_session):
     assert caps.supported_models[0].vocab_size == b.get_tokenizer("x").vocab_size
     assert "gspo" in caps.loss_functions and "dro" in caps.loss_functions
     await b.stop_session(s.id)
+
+
+@pytest.mark.anyio
+async def test_a_create_retried_under_its_key_makes_no_second_session():
+    """The seam's contract: a create repeated with its ``idempotency_key`` (a retry after a lost reply) answers what
+    the first made. mock:// ignored the key, so every retry opened another session; another spec under the key is a
+    ConflictError naming it."""
+    b = MockBackend()
+    spec = TrainingSessionSpec("any/name", rank=4, seed=1, idempotency_key="create-1")
+    first = await b.create_training_session(spec)
+    again = await b.create_training_session(TrainingSessionSpec("any/name", rank=4, seed=1, idempotency_key="create-1"))
+    assert again.model_id == first.model_id and MockBackend.open_sessions("training").count(first.model_id) == 1
+    with pytest.raises(ConflictError) as err:
+        await b.create_training_session(TrainingSessionSpec("any/name", rank=8, seed=1, idempotency_key="create-1"))
+    assert err.value.field == "idempotency_key"
+    other = await b.create_training_session(TrainingSessionSpec("any/name", rank=4, seed=1, idempotency_key="create-2"))
+    assert other.model_id != first.model_id
+    unkeyed = [await b.create_training_session(TrainingSessionSpec("any/name", rank=4)) for _ in range(2)]
+    assert unkeyed[0].model_id != unkeyed[1].model_id  # no key: every create is a new one
+    smp = SamplerSpec(base_model="any/name", idempotency_key="smp-1")
+    assert await b.create_sampler(smp) == await b.create_sampler(SamplerSpec(base_model="any/name", idempotency_key="smp-1"))
+    for sid in [first.model_id, other.model_id, *(u.model_id for u in unkeyed), await b.create_sampler(smp)]:
+        await b.stop_session(sid)
 
 
 @pytest.mark.anyio

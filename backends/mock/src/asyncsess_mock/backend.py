@@ -38,7 +38,7 @@ from asyncsess.backends import (
 )
 from asyncsess.backends.sample_store import SampleStore
 from asyncsess.backends.sequencer import Sequencer
-from asyncsess.errors import AsyncSessError, InvalidInputError, NotFoundError, SessionGoneError
+from asyncsess.errors import AsyncSessError, ConflictError, InvalidInputError, NotFoundError, SessionGoneError
 from asyncsess.types import (
     LOSS_FUNCTIONS,
     Checkpoint,
@@ -63,6 +63,7 @@ from .trainer import MockTrainer
 __all__ = ["MockBackend"]
 
 DEFAULT_MODEL = "mock/bigram-tiny"
+KEEP_CREATES = 4096  # creates remembered by idempotency key (the oldest forgotten)
 _TOKENIZER = CharTokenizer()
 
 
@@ -115,6 +116,7 @@ class MockBackend(Backend):
         # with a store shared by processes, session ids (and so checkpoint paths) must not repeat across them
         self._id_prefix = f"{uuid.uuid4().hex[:8]}-" if self._store else ""
         self._refresh_faults: dict[str, np.ndarray] = {}  # sampler checkpoint path -> the (wrong) D its first sampler serves
+        self._creates: dict[tuple[str, str], tuple[Any, Any]] = {}  # (create, idempotency_key) -> (its spec, what it made)
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> MockBackend:
@@ -161,6 +163,33 @@ class MockBackend(Backend):
 
     async def create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         self.calls["create_training_session"] += 1
+        return await self._once("create_training_session", spec, self._create_training_session)
+
+    async def _once(self, kind: str, spec: Any, create: Any) -> Any:
+        """``create(spec)``, or what it made for an earlier create with this ``idempotency_key`` (a retry after a lost
+        reply makes no second session); the same key with another spec is a :class:`ConflictError`."""
+        key = (kind, spec.idempotency_key)
+        if spec.idempotency_key and key in self._creates:
+            first, made = self._creates[key]
+            try:
+                same = bool(first == spec)
+            except (ValueError, TypeError):  # another payload's arrays: not the same create
+                same = False
+            if not same:
+                raise ConflictError(
+                    f"idempotency_key {spec.idempotency_key!r} was used for another {kind}",
+                    field="idempotency_key",
+                    fix="use a new key for a new create, the same key only to retry the same one",
+                )
+            return made
+        made = await create(spec)
+        if spec.idempotency_key:
+            self._creates[key] = (spec, made)
+            while len(self._creates) > KEEP_CREATES:
+                del self._creates[next(iter(self._creates))]
+        return made
+
+    async def _create_training_session(self, spec: TrainingSessionSpec) -> GetInfoResponse:
         if spec.rank < 1:
             raise InvalidInputError(f"rank={spec.rank}", field="rank", fix="use a rank >= 1")
         ckpt = None
@@ -414,6 +443,9 @@ class MockBackend(Backend):
 
     async def create_sampler(self, spec: SamplerSpec) -> str:
         self.calls["create_sampler"] += 1
+        return await self._once("create_sampler", spec, self._create_sampler)  # type: ignore[no-any-return]
+
+    async def _create_sampler(self, spec: SamplerSpec) -> str:
         v = self.tokenizer.vocab_size
         if spec.payload is not None and (not spec.model_path or spec.model_path not in self._checkpoints):
             base_model, seed, delta = spec.payload["base_model"], spec.payload["seed"], spec.payload["delta"]
