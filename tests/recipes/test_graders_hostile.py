@@ -47,6 +47,14 @@ def test_gsm8k_answers_in_canonical_form():
     assert gsm8k.grade(Problem("q", "0"), "so #### -0")[0] == 1.0
 
 
+@pytest.mark.parametrize(("reference", "reply"), [("1,200", "#### 1200"), ("42.0", "#### 42"), (" 7 ", "#### 007"), ("-0.50", "#### -.5")])
+def test_gsm8k_a_hand_written_reference_is_compared_in_canonical_form(reference, reply):
+    """A Problem built by hand with "1,200" or "42.0" never matched: only the reply was made canonical."""
+    assert gsm8k.grade(Problem("q", reference), reply)[0] == 1.0
+    assert gsm8k.grade(Problem("q", reference), "#### 999")[0] == 0.0
+    assert gsm8k.grade(Problem("q", ""), "#### 0")[0] == 0.0  # an empty reference matches nothing
+
+
 def test_gsm8k_extraction_has_no_quadratic_backtracking():
     """'####' then spaces and no number took 1.2 s at 8 KB (the two optional-space runs around an optional '$'
     split every way): minutes at 100 KB. Now each '####' is read once; these are 1-10 MB."""

@@ -65,6 +65,9 @@ def load(split: str = "train", path: str | Path | None = None, limit: int | None
 
 
 def grade(problem: Problem, reply: str) -> tuple[float, dict[str, float]]:
+    """1 when the reply's final answer equals the reference, both canonical: a reference written by hand as
+    ``"1,200"`` or ``"42.0"`` matches ``#### 1200`` and ``#### 42`` (one that is no plain decimal is compared as written)."""
     got = final_answer(reply)
-    correct = got is not None and got == problem.answer
+    want = final_answer(f"#### {problem.answer.strip()}") or problem.answer
+    correct = got is not None and got == want
     return float(correct), {"correct": float(correct), "format": float(got is not None)}
