@@ -45,6 +45,21 @@ def _refused(resp: httpx.Response, status: int, field: str | None) -> None:
         assert field in (body.get("field") or "") or field in body["error"], body
 
 
+def _post_in_thread(url: str, route: str, body: bytes, done: list[httpx.Response], state: threading.Condition) -> threading.Thread:
+    """POST ``body`` to ``route`` from a started thread; its answer is appended to ``done`` (``state`` notified)."""
+
+    def send() -> None:
+        with httpx.Client(base_url=url, headers=H, timeout=60) as own:
+            r = own.post(route, content=body, headers={"Content-Type": "application/json"})
+        with state:
+            done.append(r)
+            state.notify_all()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
 @pytest.mark.parametrize(
     "path, payload, field",
     [
@@ -224,17 +239,9 @@ def test_a_large_json_body_is_decoded_off_the_event_loop(mock_server: Server, mo
                 release.wait()
         return real(raw, *args)
 
-    def send_big() -> None:
-        big = json.dumps({"tags": ["big"], "sdk_version": "x"}).encode() + b" " * (json_body.INLINE_BYTES + 1)
-        with httpx.Client(base_url=mock_server.url, headers=H, timeout=60) as own:
-            r = own.post("/api/v1/create_session", content=big, headers={"Content-Type": "application/json"})
-        with state:
-            done.append(r)
-            state.notify_all()
-
     monkeypatch.setattr(json_body, "loads", holding)
-    big = threading.Thread(target=send_big)
-    big.start()
+    body = json.dumps({"tags": ["big"], "sdk_version": "x"}).encode() + b" " * (json_body.INLINE_BYTES + 1)
+    big = _post_in_thread(mock_server.url, "/api/v1/create_session", body, done, state)
     try:
         with state:
             assert state.wait_for(lambda: held or done, timeout=60)  # a hang guard
@@ -281,17 +288,9 @@ def test_a_body_of_a_million_strings_is_decoded_yielding_to_other_keys(mock_serv
             release.wait(60)
         return real(s, end, strict)
 
-    def send_big() -> None:
-        big = json.dumps({"session_id": sid, "pad": ["a"] * (json_body.SCAN_VALUES + 1)}).encode()
-        with httpx.Client(base_url=mock_server.url, headers=H, timeout=60) as own:
-            r = own.post("/api/v1/session_heartbeat", content=big, headers={"Content-Type": "application/json"})
-        with state:
-            done.append(r)
-            state.notify_all()
-
     monkeypatch.setattr(json_body, "_scanstring", holding)
-    big = threading.Thread(target=send_big)
-    big.start()
+    body = json.dumps({"session_id": sid, "pad": ["a"] * (json_body.SCAN_VALUES + 1)}).encode()
+    big = _post_in_thread(mock_server.url, "/api/v1/session_heartbeat", body, done, state)
     try:
         with state:
             assert state.wait_for(lambda: strings[0] >= 1_000 or done, timeout=60)  # a hang guard
