@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import heapq
 import itertools
 import json
 import logging
@@ -26,7 +27,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
@@ -240,6 +241,14 @@ class _Checkpoint:
     public: bool = False
     expires_at: float | None = None
     user_metadata: dict[str, str] | None = None
+    order: int = 0  # when the door first recorded its path (a tick of its clock): listings keep this order
+    schedule: Callable[[_Checkpoint], None] | None = field(default=None, repr=False, compare=False)  # told each new expires_at
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        schedule = getattr(self, "schedule", None)
+        if name == "expires_at" and value is not None and schedule is not None:
+            schedule(self)
 
     def rest(self) -> dict[str, Any]:
         return {
@@ -383,6 +392,8 @@ class TinkerDoor:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
+        self._runs: dict[str | None, dict[str, None]] = {}  # API key -> its model ids, oldest first (a listing walks its own)
+        self._ttl: list[tuple[float, int, _Checkpoint]] = []  # a heap of (expires_at, tick, checkpoint): what may expire next
         # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
         self._backend_models: dict[str, str] = {}
         self._backend_paths: dict[str, str] = {}
@@ -619,6 +630,7 @@ class TinkerDoor:
             for mid in s.models:
                 m = self.models.pop(mid)
                 self._backend_models.pop(m.backend_id, None)
+                del self._runs[s.owner][mid]
                 for path in m.snapshots:  # nobody's now: a 404 while remembered, and deleted on the backend
                     self._backend_paths.pop(path, None)
                     self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
@@ -720,6 +732,7 @@ class TinkerDoor:
         m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout, skip_gaps=self.skip_gaps)
         self.models[model_id] = m
         self._backend_models[backend_id] = model_id
+        self._runs.setdefault(session.owner, {})[model_id] = None
         session.models.append(model_id)
         return m
 
@@ -984,14 +997,27 @@ class TinkerDoor:
         name, ttl, now = save.keywords["name"], save.keywords["ttl_seconds"], time.time()
         path = f"tinker://{m.id}/{folder}/{name}"
         ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, now, resp.step)
-        ck.expires_at = now + ttl if ttl else None
         ck.user_metadata = save.keywords["user_metadata"]
         self._backend_paths[resp.path] = m.id
         self._dropped.discard(resp.path)
-        if path not in self.checkpoints:  # an overwrite replaces the record
+        old = self.checkpoints.get(path)
+        if old is None:  # an overwrite replaces the record, in its place
             m.checkpoints.append(path)
+        ck.order = old.order if old is not None else next(self._clock)
         self.checkpoints[path] = ck
+        ck.schedule = self._schedule
+        ck.expires_at = now + ttl if ttl else None
         return ck
+
+    def _schedule(self, ck: _Checkpoint) -> None:
+        """Put ``ck``'s new ``expires_at`` on :attr:`_ttl` (each assignment of it does). Entries left behind by a later
+        expiry, a delete or an overwrite are skipped when popped; past twice the checkpoints held, the heap is rebuilt
+        from them, so it stays bounded."""
+        assert ck.expires_at is not None
+        heapq.heappush(self._ttl, (ck.expires_at, next(self._clock), ck))
+        if len(self._ttl) > 2 * len(self.checkpoints) + 64:
+            self._ttl = [(c.expires_at, next(self._clock), c) for c in self.checkpoints.values() if c.expires_at is not None]
+            heapq.heapify(self._ttl)
 
     def _save_op(
         self, m: _Model, body: dict[str, Any], record: type[SaveStateOp | SaveWeightsOp], folder: str, name: str
@@ -1375,10 +1401,12 @@ class TinkerDoor:
         """Checkpoints past their TTL are gone, as on Tinker: no longer listed, loaded or sampled, and deleted on the
         backend (in the background)."""
         now = time.time()
-        for ck in [c for c in self.checkpoints.values() if c.expires_at is not None and c.expires_at <= now]:
-            delete = self._forget(ck)
-            if self._tg is not None:
-                self._tg.start_soon(delete)
+        while self._ttl and self._ttl[0][0] <= now:  # only what is due: never every key's checkpoints
+            when, _, ck = heapq.heappop(self._ttl)
+            if self.checkpoints.get(ck.tinker_path) is ck and ck.expires_at == when:
+                delete = self._forget(ck)
+                if self._tg is not None:
+                    self._tg.start_soon(delete)
 
     def _forget(self, ck: _Checkpoint) -> Callable[[], Coroutine[Any, Any, None]]:
         """The door no longer knows ``ck``: its ``tinker://`` and backend paths are 404s, its name is free. Returns
@@ -1442,9 +1470,9 @@ class TinkerDoor:
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         """The caller's runs; with ``project_id``, those whose session is in that project."""
         page = _page(limit, offset)
-        ids = [
-            i for i, m in self.models.items() if self.owns(m.session_id) and project_id in (None, self.sessions[m.session_id].project_id)
-        ]
+        ids = list(self._runs.get(caller.get(), ()))
+        if project_id is not None:
+            ids = [i for i in ids if self.sessions[self.models[i].session_id].project_id == project_id]
         return {
             "training_runs": [self.training_run(i) for i in ids[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
@@ -1454,20 +1482,22 @@ class TinkerDoor:
         """One run's checkpoints (all the caller's: :meth:`user_checkpoints`). A session id of the caller's lists its
         runs' checkpoints: Tinker's tutorial 204 passes ``model_id.split(":")[0]`` as the run id."""
         if model_id not in self.models and self.owns(model_id):
-            runs = {m.id for m in self.models.values() if m.session_id == model_id}
+            runs = self.sessions[model_id].models
         else:
-            runs = {self.model(model_id).id}  # the caller's run, or 404
+            runs = [self.model(model_id).id]  # the caller's run, or 404
         self.forget_expired()
-        cks = [c.rest() for c in self.checkpoints.values() if c.model_id in runs]
+        cks = [c.rest() for c in self._checkpoints_of(runs)]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
+
+    def _checkpoints_of(self, runs: Iterable[str]) -> list[_Checkpoint]:
+        """The checkpoints of models ``runs``, in the order the door first recorded them."""
+        return sorted((self.checkpoints[p] for r in runs for p in self.models[r].checkpoints), key=lambda c: c.order)
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
         page = _page(limit, offset)
         self.forget_expired()
-        mine = sorted(
-            (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
-        )
+        mine = sorted(self._checkpoints_of(self._runs.get(caller.get(), ())), key=lambda c: c.time, reverse=True)
         return {
             "checkpoints": [c.rest() for c in mine[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
