@@ -51,7 +51,7 @@ from ..backends.base import (
     TrainingSessionSpec,
 )
 from ..backends.sequencer import Sequencer
-from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
+from ..errors import AsyncSessError, ConflictError, InvalidInputError, NotFoundError, SessionGoneError
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
     MAX_SAMPLES,
@@ -128,7 +128,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_error(cls, err: AsyncSessError) -> ApiError:
-        status = 409 if isinstance(err, ConflictError) else 410 if isinstance(err, SessionGoneError) else 400
+        kinds = ((ConflictError, 409), (SessionGoneError, 410), (NotFoundError, 404))
+        status = next((code for kind, code in kinds if isinstance(err, kind)), 400)
         return cls(status, str(err), getattr(err, "field", None), getattr(err, "fix", None))
 
     def response(self) -> JSONResponse:
@@ -631,9 +632,13 @@ class TinkerDoor:
                 m = self.models.pop(mid)
                 self._backend_models.pop(m.backend_id, None)
                 del self._runs[s.owner][mid]
-                for path in m.snapshots:  # nobody's now: a 404 while remembered, and deleted on the backend
+                # nobody's now: its backend id (a part of its paths on mock:// and local://) and any snapshot path that
+                # does not name it are 404s while remembered; its snapshots are deleted on the backend
+                self._forgotten.add(m.backend_id, s.owner, self.max_forgotten_paths_per_key)
+                for path in m.snapshots:
                     self._backend_paths.pop(path, None)
-                    self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
+                    if m.backend_id not in _parts(path):
+                        self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
                     if self._tg is not None:
                         self._tg.start_soon(_quietly, self.backend.delete_checkpoint(path))
             for smp in s.samplers:
@@ -1104,14 +1109,19 @@ class TinkerDoor:
         return self._submit_json(m, body, "save_weights_for_sampler", make, same)
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
-        """The backend path behind a ``tinker://`` path (other paths pass through to the backend, unless they name
-        another key's model: those are "not found", as its ``tinker://`` paths are)."""
+        """The backend path behind a ``tinker://`` path. Another path passes through to the backend unless it names a
+        model of the door's (a path the door saved for it, or its backend id as a part) and is not one of the caller's
+        live checkpoints and snapshots, or is gone (:meth:`_path_gone`): those are "not found", as a never-issued
+        ``tinker://`` path is. So a deleted checkpoint of a model the door holds needs no record to stay a 404."""
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        # a model the door forgot with its finished session (_forget_finished) is nobody's: its snapshots stay 404s
-        mine = all(m in self.models and self.owns(self.models[m].session_id) for m in self._backend_owners(path))
-        if path.startswith("tinker://") or path in self._dropped or path in self._forgotten or not mine:
+        owners = self._backend_owners(path)
+        if owners:  # a path of the door's models: served while the door holds it, to the key that saved it
+            known = path in self._backend_paths and all(m in self.models and self.owns(self.models[m].session_id) for m in owners)
+        else:  # the backend's own (made elsewhere), unless the door deleted it or forgot its model
+            known = not path.startswith("tinker://") and not self._path_gone(path)
+        if not known:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         try:
             return check_checkpoint_path(path, field), None  # a backend's path: scheme://... or an ARN, at most 4096 characters
@@ -1121,10 +1131,16 @@ class TinkerDoor:
     def _backend_owners(self, path: str) -> set[str]:
         """The door models a backend path belongs to: the one that saved it, and any whose backend id is one of its
         parts (``mock://<id>/…``, ``local://…/<id>/…``, however the path is spelled)."""
-        owners = {self._backend_models[part] for part in re.split(r"[/:\\]", path) if part in self._backend_models}
+        owners = {self._backend_models[part] for part in _parts(path) if part in self._backend_models}
         if path in self._backend_paths:
             owners.add(self._backend_paths[path])
         return owners
+
+    def _path_gone(self, path: str) -> bool:
+        """Whether ``path`` is one the door deleted (a checkpoint deleted or expired), or names a model it forgot
+        (:meth:`_forget_finished`), while it remembers them (a key's newest ``max_*_paths_per_key``). An older one
+        reaches the backend, which deleted it: its not-found is a 404 as well (:meth:`ApiError.from_error`)."""
+        return path in self._dropped or path in self._forgotten or any(part in self._forgotten for part in _parts(path))
 
     def _training_state(self, body: dict[str, Any]) -> tuple[str, str, _Checkpoint | None]:
         """``load_weights``' path, the backend path behind it and its checkpoint record (a training state, not sampler weights)."""
@@ -1415,8 +1431,9 @@ class TinkerDoor:
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
         self.models[ck.model_id].names.discard(ck.checkpoint_id)
         self._backend_paths.pop(ck.backend_path, None)
-        owner = self.sessions[self.models[ck.model_id].session_id].owner
-        self._dropped.add(ck.backend_path, owner, self.max_deleted_paths_per_key)  # and deleted on the backend (below)
+        m = self.models[ck.model_id]
+        if m.backend_id not in _parts(ck.backend_path):  # one naming its model is a 404 while the door holds the model
+            self._dropped.add(ck.backend_path, self.sessions[m.session_id].owner, self.max_deleted_paths_per_key)
         done = self._deleting[ck.tinker_path] = anyio.Event()
 
         async def delete() -> None:
@@ -1698,6 +1715,11 @@ def _tags(body: dict[str, Any]) -> list[str]:
 
 
 MAX_PAGE = 10_000  # rows one page of a REST listing may ask for
+
+
+def _parts(path: str) -> list[str]:
+    """A backend path's components (``mock://<id>/weights/x`` -> ``mock``, ``""``, ``""``, ``<id>``, ...)."""
+    return re.split(r"[/:\\]", path)
 
 
 def _page(limit: int, offset: int) -> slice:
