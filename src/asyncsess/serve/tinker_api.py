@@ -103,7 +103,7 @@ FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSession
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 MAX_PROMPT_TOKENS = 2**20  # tokens of a prompt when the backend does not say its model's context (the worker's bound)
 SEQ_WINDOW = KEEP_SEQS  # how far past a model's first missing seq_id a request may be (the SDK's: a few chunks at most)
-KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
+KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered per API key, to answer their use with why (older: 404)
 EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
 RELEASED_FIX = (
     "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
@@ -404,7 +404,7 @@ class TinkerDoor:
         self._tg: TaskGroup | None = None
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
-        self._released: OrderedDict[str, str] = OrderedDict()  # released ephemeral sampler id -> why
+        self._released: dict[str | None, OrderedDict[str, str]] = {}  # API key -> its released ephemeral sampler ids -> why
         # sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
         # one sampler (a second one under it replaced the first in the registry and left it open on the backend)
         self._sampler_ids: dict[str, str] = {}
@@ -1248,19 +1248,21 @@ class TinkerDoor:
                     mid = self._backend_paths.pop(s.backend_path, None)
                     if mid in self.models:
                         self.models[mid].snapshots.discard(s.backend_path)
-                self._released[s.id] = (
+                released = self._released.setdefault(session.owner, OrderedDict())
+                released[s.id] = (
                     f"sampler {s.id} was released: its session opened {self.max_samplers} samplers used more recently, "
                     "and its snapshot weights (from save_weights_and_get_sampling_client) went with it"
                 )
-                while len(self._released) > KEEP_RELEASED:
-                    self._released.popitem(last=False)
+                while len(released) > KEEP_RELEASED:  # the key's own oldest: another key's refreshes never push these out
+                    released.popitem(last=False)
         for backend_id in closing:
             with contextlib.suppress(Exception):
                 await self.backend.stop_session(backend_id)
 
     def released(self, sampling_session_id: str) -> str | None:
         """Why the caller's ephemeral sampler ``sampling_session_id`` was released (None: it was not, or not theirs)."""
-        why = self._released.get(sampling_session_id)
+        mine = self._released.get(caller.get())
+        why = mine.get(sampling_session_id) if mine is not None else None
         return why if why is not None and self.owns(sampling_session_id.split(":", 1)[0]) else None
 
     def touch(self, s: _Sampler) -> None:
@@ -1297,7 +1299,7 @@ class TinkerDoor:
                     fix="number a session's samplers 0, 1, 2, ...",
                 )
             if sid not in self.samplers:
-                if sid in self._released:
+                if self.released(sid) is not None:
                     self.sampler(sid)  # 410 saying why
                 raise ApiError(409, f"{sid} is still being created", field="sampling_session_seq_id", fix="retry")  # the SDK retries 409
             return {"sampling_session_id": sid, "type": "create_sampling_session"}
