@@ -1,9 +1,10 @@
 """A key's listings cost only its own records. ``training_runs``, ``list_checkpoints`` and ``list_user_checkpoints``
 walked every key's models or checkpoints, and ``forget_expired`` (run by every listing, load and sample by path) every
-checkpoint of every key, so one key holding many sessions made each other key's call slow. Each now walks the
-caller's own (a per-key index of its models), and expiry pops only what is due from a heap of deadlines. Counted
-here as the entries of the door's tables a call touches, with another key holding 10,000 sessions, models and
-checkpoints."""
+checkpoint of every key, and the session reaper (every few seconds, on the event loop) every session of every key,
+so one key holding many sessions made each other key's call slow. Each now walks the caller's own (a per-key index
+of its models), expiry pops only what is due from a heap of deadlines, and the reaper looks only at the sessions
+least recently heard from. Counted here as the entries of the door's tables a call touches, or the sessions it
+reads, with another key holding 10,000 sessions, models and checkpoints."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import tinker
 
@@ -55,6 +57,17 @@ class Counted(dict):  # type: ignore[type-arg]
             yield key, super().__getitem__(key)
 
 
+class Watched(_Session):
+    """A session that counts the reads of its ``seen`` and ``finished``."""
+
+    reads = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("seen", "finished"):
+            Watched.reads += 1
+        return super().__getattribute__(name)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     for srv in start_server("mock://", api_keys={API_KEY, BIG_KEY}, session_timeout=0):  # no reaper walking the tables
@@ -66,8 +79,8 @@ def _fill(door: Any, owner: str, n: int) -> None:
     """``n`` sessions of ``owner``'s, each with a model and a checkpoint due in an hour (built in place: fast)."""
     now = time.time()
     for i in range(n):
-        s = _Session(f"big-{i}", [], {}, now, now, owner=owner, project_id="p")
-        door.sessions[s.id] = door._owned.setdefault(owner, {})[s.id] = s
+        s = Watched(f"big-{i}", [], {}, now, now, owner=owner, project_id="p")
+        door.add_session(s)
         m = door._register(f"{s.id}:train:0", s, f"big-train-{i}", BASE, 4, {})
         save = functools.partial(SaveStateOp, name="c", ttl_seconds=3600, user_metadata=None)
         door._record(m, CheckpointResponse.model_construct(path=f"mock://big-train-{i}/weights/c", step=0), save, "weights", "training")
@@ -128,3 +141,10 @@ def test_expiry_pops_only_what_is_due_and_its_heap_stays_bounded(server: Server)
     for _ in range(3 * len(door.checkpoints)):  # a TTL reset again and again leaves stale entries behind
         ck.expires_at = time.time() + 3600
     assert len(door._ttl) <= 2 * len(door.checkpoints) + 64
+
+
+def test_the_reaper_reads_only_the_sessions_least_recently_heard_from(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.door, "session_timeout", 300.0)  # none is stale
+    Watched.reads = 0
+    assert anyio.run(server.door.reap) == []
+    assert Watched.reads <= 2, f"the reaper read {Watched.reads} of the other key's {N} sessions"

@@ -390,6 +390,7 @@ class TinkerDoor:
         self.promises = PromiseTable()
         self.sessions: dict[str, _Session] = {}
         self._owned: dict[str | None, dict[str, _Session]] = {}  # API key -> its sessions, oldest first (a call walks its own)
+        self._live: OrderedDict[str, _Session] = OrderedDict()  # unfinished sessions, least recently heard from first (reap)
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
@@ -465,7 +466,14 @@ class TinkerDoor:
         if self.session_timeout <= 0:
             return []
         now = time.monotonic()
-        stale = [s for s in self.sessions.values() if s.finished is None and now - s.seen > self.session_timeout]
+        stale = []
+        for s in self._live.values():  # least recently heard from first: it stops at the first one still heard from
+            if s.finished is None and now - s.seen <= self.session_timeout:
+                break
+            stale.append(s)
+        for s in stale:
+            del self._live[s.id]
+        stale = [s for s in stale if s.finished is None]
         for s in stale:
             await self._expire(s)
         return [s.id for s in stale]
@@ -475,6 +483,7 @@ class TinkerDoor:
         and drop its futures; later calls naming the session get 410, as for a finished session."""
         log.info("session %s expired after %g s without a heartbeat", s.id, self.session_timeout)
         s.finished = {"reason": EXPIRED, "detail": f"no heartbeat for {self.session_timeout:g} s", "time": time.time()}
+        self._live.pop(s.id, None)
         await self._release(s, "session expired")
         self.promises.forget(s.id, SessionGoneError(f"session {s.id} expired"))
         s.creating.clear()
@@ -560,8 +569,14 @@ class TinkerDoor:
             raise _not_found("session_id", session_id, "call create_session first")
         if s.finished is not None:
             raise self._gone(s)
-        s.seen = time.monotonic()
+        self._heard(s)
         return s
+
+    def _heard(self, s: _Session) -> None:
+        """A heartbeat or request named unfinished session ``s``: it is the last one :meth:`reap` looks at."""
+        s.seen = time.monotonic()
+        if s.id in self._live:
+            self._live.move_to_end(s.id)
 
     def model(self, model_id: str, *, live: bool = False) -> _Model:
         """The caller's model; ``live`` (an op): its session must be open (else 410), and the call keeps it alive."""
@@ -614,12 +629,14 @@ class TinkerDoor:
                 retry_after_s=10,
             )
         self._forget_finished(mine)
-        sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = self._owned.setdefault(owner, {})[sid] = _Session(
-            sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project
-        )
-        return {"type": "create_session", "session_id": sid}
+        s = _Session(str(uuid.uuid4()), tags, meta, now, now, owner=owner, display_name=name, project_id=project)
+        self.add_session(s)
+        return {"type": "create_session", "session_id": s.id}
+
+    def add_session(self, s: _Session) -> None:
+        """Register new session ``s`` (its owner's, unfinished)."""
+        self.sessions[s.id] = self._owned.setdefault(s.owner, {})[s.id] = self._live[s.id] = s
 
     def _forget_finished(self, mine: list[_Session]) -> None:
         """Forget one key's oldest finished sessions that left no checkpoint, past ``max_finished_per_key - 1`` (room
@@ -723,6 +740,7 @@ class TinkerDoor:
             _str(body, "detail")  # no NUL, no lone surrogate
         if s.finished is None:
             s.finished = {"reason": reason, "detail": detail, "time": time.time()}
+            self._live.pop(s.id, None)
             await self._release(s, "finished")
         return {"session_id": session_id, "status": "finished"}
 
@@ -1399,7 +1417,7 @@ class TinkerDoor:
         if session is not None and session.expired:
             raise self._gone(session)  # its futures were dropped
         if session is not None and session.finished is None:
-            session.seen = time.monotonic()
+            self._heard(session)
         p = self.promises.get(rid) if session is not None else None
         if p is None:
             raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
