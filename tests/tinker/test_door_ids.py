@@ -231,3 +231,20 @@ def test_a_gone_backend_path_stays_a_404_after_its_record_is_evicted(server: Ser
         tc.optim_step(tinker.types.AdamParams(learning_rate=0.01)).result()  # refused loads used up their turns
     finally:
         service.holder.close()
+
+
+def test_a_forgotten_session_leaves_none_of_its_ids_in_the_doors_tables(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ephemeral refresh's sampling session id was kept in a door-wide table that forgetting the session did not
+    trim (a released sampler is no longer in its session's list), so a server whose clients refresh their sampler
+    every step grew it for good. The ids taken now go with their session."""
+    door = server.door
+    monkeypatch.setattr(door, "max_samplers", 1)
+    w = Wire(server)
+    for k in range(4):  # the first three are released
+        assert w.result(w.ephemeral(k + 1, k))["sampling_session_id"]
+    assert w.http.post(f"/sessions/{w.session}/finish", json={}).status_code == 200
+    monkeypatch.setattr(door, "max_finished_per_key", 1)
+    Wire(server)  # its create_session forgets the finished one
+    assert w.session not in door.sessions
+    tables = [v for v in vars(door).values() if isinstance(v, (dict, set))]
+    assert [k for t in tables for k in t if isinstance(k, str) and k.startswith(w.session)] == []

@@ -163,6 +163,10 @@ class _Session:
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
     creating: dict[str, tuple[str, Promise]] = field(default_factory=dict)  # model id -> (body hash, its create's promise)
+    # its sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
+    # one sampler (a second one under it replaced the first in the registry and left it open on the backend); they go
+    # with the session (one door-wide table kept every refresh's id after its session was forgotten)
+    sampler_ids: dict[str, str] = field(default_factory=dict)
     seen: float = field(default_factory=time.monotonic)  # the last heartbeat or request naming this session
 
     @property
@@ -406,9 +410,6 @@ class TinkerDoor:
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
         self._released: dict[str | None, OrderedDict[str, str]] = {}  # API key -> its released ephemeral sampler ids -> why
-        # sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
-        # one sampler (a second one under it replaced the first in the registry and left it open on the backend)
-        self._sampler_ids: dict[str, str] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -660,7 +661,6 @@ class TinkerDoor:
                         self._tg.start_soon(_quietly, self.backend.delete_checkpoint(path))
             for smp in s.samplers:
                 self.samplers.pop(smp, None)
-                self._sampler_ids.pop(smp, None)
             del self.sessions[s.id], self._owned[s.owner][s.id]
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -1098,14 +1098,15 @@ class TinkerDoor:
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
             sid = f"{m.session_id}:sample:{ephemeral_seq}"
-            if body.get("path") is None and sid in self._sampler_ids:
+            taken = self.sessions[m.session_id].sampler_ids
+            if body.get("path") is None and sid in taken:
                 raise ApiError(
                     409, f"{sid} already names a sampler", field="sampling_session_seq_id", fix="number a session's samplers 0, 1, 2, ..."
                 )
             op = functools.partial(self._save_op(m, body, SaveWeightsOp, "sampler_weights", name), ephemeral=body.get("path") is None)
             run = self._op(m, op)
             if body.get("path") is None:
-                self._sampler_ids[sid] = f"ephemeral {m.id} {body['seq_id']}"
+                taken[sid] = f"ephemeral {m.id} {body['seq_id']}"
 
             async def go() -> Callable[[Promise], None]:
                 await self._deleted(m, f"sampler_weights/{name}")
@@ -1307,7 +1308,7 @@ class TinkerDoor:
         path = _str(body, "model_path") if body.get("model_path") is not None else None
         base_model = _base_model(body)
         digest = _hash({"model_path": path, "base_model": base_model})
-        claimed = self._sampler_ids.get(sid)
+        claimed = session.sampler_ids.get(sid)
         if claimed is not None:  # a re-sent request gets its sampler; the id used for another is a 409
             if claimed != digest:
                 raise ApiError(
@@ -1328,12 +1329,12 @@ class TinkerDoor:
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
         self._live_room(session.id, "sampling_session_seq_id")
-        self._sampler_ids[sid] = digest
+        session.sampler_ids[sid] = digest
         self._opening[session.owner] = self._opening.get(session.owner, 0) + 1
         try:
             await self._open_sampler(sid, session, base_model, path, backend_path, version)
         except BaseException as err:
-            del self._sampler_ids[sid]  # free for a retry
+            del session.sampler_ids[sid]  # free for a retry
             if isinstance(err, (InvalidInputError, SessionGoneError)):
                 raise ApiError.from_error(err) from None
             raise
