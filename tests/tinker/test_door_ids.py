@@ -248,3 +248,19 @@ def test_a_forgotten_session_leaves_none_of_its_ids_in_the_doors_tables(server: 
     assert w.session not in door.sessions
     tables = [v for v in vars(door).values() if isinstance(v, (dict, set))]
     assert [k for t in tables for k in t if isinstance(k, str) and k.startswith(w.session)] == []
+
+
+def test_a_long_run_of_sampler_refreshes_keeps_a_bounded_record_of_sampler_ids(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session refreshing its sampler every step (``save_weights_and_get_sampling_client``) kept every id it took
+    for the session's life. Once a released id's record (its 410) is gone, so is its number: a key's sessions hold
+    at most ``KEEP_RELEASED`` released ids plus their open samplers."""
+    from asyncsess.serve import tinker_api
+
+    monkeypatch.setattr(server.door, "max_samplers", 1)
+    monkeypatch.setattr(tinker_api, "KEEP_RELEASED", 2)
+    w = Wire(server)
+    for k in range(8):
+        assert w.result(w.ephemeral(k + 1, k))["sampling_session_id"]
+    assert sorted(server.door.sessions[w.session].sampler_ids) == [f"{w.session}:sample:{k}" for k in (5, 6, 7)]
+    assert isinstance(w.sample(f"{w.session}:sample:7", 0), bytes)
+    assert w.http.get(f"/samplers/{w.session}:sample:6").status_code == 410  # still said why

@@ -1273,7 +1273,10 @@ class TinkerDoor:
                     "and its snapshot weights (from save_weights_and_get_sampling_client) went with it"
                 )
                 while len(released) > KEEP_RELEASED:  # the key's own oldest: another key's refreshes never push these out
-                    released.popitem(last=False)
+                    old = released.popitem(last=False)[0]  # its number is free again (the SDK never reuses one)
+                    owner = self.sessions.get(old.split(":", 1)[0])
+                    if owner is not None:
+                        owner.sampler_ids.pop(old, None)
         for backend_id in closing:
             with contextlib.suppress(Exception):
                 await self.backend.stop_session(backend_id)
