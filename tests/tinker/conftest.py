@@ -64,6 +64,33 @@ def start_server(
         thread.join(30)
 
 
+class Counted(dict):  # type: ignore[type-arg]
+    """A dict that counts the entries read from it (lookups and each entry an iteration yields)."""
+
+    touched = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        self.touched += 1
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.touched += 1
+        return super().get(key, default)
+
+    def __iter__(self) -> Iterator[Any]:
+        for key in super().__iter__():
+            self.touched += 1
+            yield key
+
+    def values(self) -> Iterator[Any]:  # type: ignore[override]
+        for key in self:
+            yield super().__getitem__(key)
+
+    def items(self) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
+        for key in self:
+            yield key, super().__getitem__(key)
+
+
 @pytest.fixture(scope="module")
 def mock_server() -> Iterator[Server]:
     yield from start_server("mock://")

@@ -185,3 +185,82 @@ def test_the_records_of_gone_backend_paths_are_bounded_per_key(server: Server, m
         if path in snapshots[-2:]:  # still remembered: the 404 of a path never issued
             assert resp.status_code == 404, resp.text
     assert len(backend._samplers) == opened  # type: ignore[attr-defined]
+
+
+def test_a_gone_backend_path_stays_a_404_after_its_record_is_evicted(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past a key's bound on the records of gone paths, an older one was not recognised: it reached the backend, and
+    mock:// answered 400 (the SDK's ``BadRequestError``) where the official SDK expects the 404 of a path never issued.
+    Now a deleted checkpoint of a model the door holds needs no record (a path naming the model that is not one of its
+    live ones is a 404, the backend never asked), a forgotten session is remembered by its model's backend id (one
+    record, not one per snapshot), and an evicted one reaches the backend, whose not-found is a 404 too."""
+    import tinker
+
+    door, backend = server.door, server.backend
+    for name in ("max_finished_per_key", "max_forgotten_paths_per_key", "max_deleted_paths_per_key"):
+        monkeypatch.setattr(door, name, 1)
+    state: list[str] = []  # training-state paths of deleted checkpoints
+    sampler: list[str] = []  # sampler-weights paths: snapshots of forgotten sessions, deleted sampler saves
+    for _ in range(3):
+        w = Wire(server)  # its create_session forgets the previous finished session
+        assert w.result(w.ephemeral(1, 0))["sampling_session_id"]
+        sampler += [p for p, m in door._backend_paths.items() if m == w.model]
+        assert "path" in w.result(w.http.post("/save_weights", json={"model_id": w.model, "seq_id": 2, "path": "c"}))
+        state.append(door.checkpoints[f"tinker://{w.model}/weights/c"].backend_path)
+        assert w.http.delete(f"/training_runs/{w.model}/checkpoints/weights/c").status_code < 300
+        assert w.http.post(f"/sessions/{w.session}/finish", json={}).status_code == 200
+    held = Wire(server)  # forgets the third; holds a model whose saves it deletes
+    for seq, name in enumerate(("d1", "d2", "d3"), start=1):
+        body = {"model_id": held.model, "seq_id": seq, "path": name}
+        assert "path" in held.result(held.http.post("/save_weights_for_sampler", json=body))
+        sampler.append(door.checkpoints[f"tinker://{held.model}/sampler_weights/{name}"].backend_path)
+        assert held.http.delete(f"/training_runs/{held.model}/checkpoints/sampler_weights/{name}").status_code < 300
+    assert door._dropped.held(API_KEY) == 0 and door._forgotten.held(API_KEY) == 1  # O(1) for all of the above
+
+    opened = backend.calls["create_sampler"]  # type: ignore[attr-defined]
+    for seq, path in enumerate(sampler, start=10):  # over raw HTTP: the SDK sends only tinker:// paths here
+        resp = held.sampler(seq, model_path=path)
+        assert resp.status_code == 404 and resp.json()["field"] == "model_path", resp.text
+    # only the two evicted snapshots were asked of the backend (which deleted them); nothing was opened
+    assert backend.calls["create_sampler"] == opened + 2  # type: ignore[attr-defined]
+    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    try:
+        tc = service.create_lora_training_client(base_model=BASE, rank=4)
+        for path in state + sampler:
+            with pytest.raises(tinker.NotFoundError, match="path"):
+                tc.load_state(path).result()
+        tc.optim_step(tinker.types.AdamParams(learning_rate=0.01)).result()  # refused loads used up their turns
+    finally:
+        service.holder.close()
+
+
+def test_a_forgotten_session_leaves_none_of_its_ids_in_the_doors_tables(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ephemeral refresh's sampling session id was kept in a door-wide table that forgetting the session did not
+    trim (a released sampler is no longer in its session's list), so a server whose clients refresh their sampler
+    every step grew it for good. The ids taken now go with their session."""
+    door = server.door
+    monkeypatch.setattr(door, "max_samplers", 1)
+    w = Wire(server)
+    for k in range(4):  # the first three are released
+        assert w.result(w.ephemeral(k + 1, k))["sampling_session_id"]
+    assert w.http.post(f"/sessions/{w.session}/finish", json={}).status_code == 200
+    monkeypatch.setattr(door, "max_finished_per_key", 1)
+    Wire(server)  # its create_session forgets the finished one
+    assert w.session not in door.sessions
+    tables = [v for v in vars(door).values() if isinstance(v, (dict, set))]
+    assert [k for t in tables for k in t if isinstance(k, str) and k.startswith(w.session)] == []
+
+
+def test_a_long_run_of_sampler_refreshes_keeps_a_bounded_record_of_sampler_ids(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session refreshing its sampler every step (``save_weights_and_get_sampling_client``) kept every id it took
+    for the session's life. Once a released id's record (its 410) is gone, so is its number: a key's sessions hold
+    at most ``KEEP_RELEASED`` released ids plus their open samplers."""
+    from asyncsess.serve import tinker_api
+
+    monkeypatch.setattr(server.door, "max_samplers", 1)
+    monkeypatch.setattr(tinker_api, "KEEP_RELEASED", 2)
+    w = Wire(server)
+    for k in range(8):
+        assert w.result(w.ephemeral(k + 1, k))["sampling_session_id"]
+    assert sorted(server.door.sessions[w.session].sampler_ids) == [f"{w.session}:sample:{k}" for k in (5, 6, 7)]
+    assert isinstance(w.sample(f"{w.session}:sample:7", 0), bytes)
+    assert w.http.get(f"/samplers/{w.session}:sample:6").status_code == 410  # still said why

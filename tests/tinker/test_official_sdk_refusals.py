@@ -107,10 +107,11 @@ REFUSALS: dict[str, tuple[Refusal, type[Exception], str]] = {
     ),
     "load_state of a path never saved": (lambda tc: tc.load_state("tinker://nobody:train:0/weights/x"), tinker.NotFoundError, "path"),
     # a backend path (not tinker://) goes to the backend as is: one that holds nothing was accepted, failed when run,
-    # and failed every later op of the model; the backend's own precheck now refuses it before its turn
+    # and failed every later op of the model; the backend's own precheck now refuses it before its turn (a 404, as a
+    # tinker:// path never saved: a gone path the door no longer remembers reaches the backend and must read the same)
     "load_state of a backend path that holds nothing": (
         lambda tc: tc.load_state("mock://nowhere/weights/x"),
-        tinker.BadRequestError,
+        tinker.NotFoundError,
         "no checkpoint",
     ),
     # mock:// reports a 512-token context: such a datum failed when run, and every later op of the model with it

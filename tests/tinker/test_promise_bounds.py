@@ -16,7 +16,7 @@ import pytest
 
 from asyncsess.serve.promises import PromiseTable
 
-from .conftest import API_KEY, Server, start_server
+from .conftest import API_KEY, Counted, Server, start_server
 
 pytestmark = pytest.mark.tinker
 
@@ -157,3 +157,21 @@ def test_a_key_past_its_unfinished_requests_gets_a_429_that_takes_nothing(server
     again = step(a, made[sa], 1)  # the refused seq_id was not taken: it runs now
     assert again.status_code == 200 and "error" not in _poll(a, again.json()["request_id"]).json(), again.text
     assert server.door.promises.pending(API_KEY) == 0
+
+
+def test_forgetting_a_sessions_promises_reads_only_that_sessions_ids() -> None:
+    """``forget`` (a session expiring, or forgotten by its key's next ``create_session``) walked every promise of
+    every key: one key holding 10,000 made each other key's create_session read them all. It now reads the ids
+    under the session's own id."""
+
+    async def main() -> None:
+        table = PromiseTable()
+        theirs = [table.new("sample", f"big-{i % 100}:sample:0", owner="big") for i in range(10_000)]
+        mine = [table.new("optim_step", "mine:train:0", owner=API_KEY), table.new("sample", "mine:sample:1", owner=API_KEY)]
+        items = table._items = Counted(table._items)
+        assert table.forget("mine", RuntimeError("session mine is finished")) == 2
+        assert items.touched <= 4 and all(p.error is not None for p in mine)
+        assert all(table.get(p.request_id) is p for p in theirs[:10])
+        assert table.forget("big-7", RuntimeError("gone")) == 100 and table.get(theirs[7].request_id) is None
+
+    anyio.run(main)

@@ -676,3 +676,25 @@ def test_a_released_sampler_is_410_to_its_owner_and_404_to_another_key(server: S
     never = b.http.get(f"/api/v1/samplers/{ids[0].split(':')[0]}:sample:99999")
     assert mine.status_code == 410 and "released" in mine.json()["error"]
     assert theirs.status_code == never.status_code == 404 and theirs.json()["field"] == never.json()["field"]
+
+
+def test_another_keys_refreshes_never_push_out_a_keys_released_sampler_records(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ids of released samplers (answered 410 saying why) were one table for every key, trimmed to its newest
+    4,096: another key's refreshes pushed a key's records out, and its released sampler became a 404. Each key now
+    keeps its own newest ``KEEP_RELEASED``."""
+    from asyncsess.serve import tinker_api
+
+    a, b = _open(server, API_KEY), _open(server, OTHER_KEY)
+    monkeypatch.setattr(server.door, "max_samplers", 1)
+    monkeypatch.setattr(tinker_api, "KEEP_RELEASED", 2)
+
+    def refresh(w: Wire, turn: int) -> str:
+        body = {"model_id": w.model, "seq_id": turn, "sampling_session_seq_id": 600 + turn}
+        return str(w.result(w.post("save_weights_for_sampler", body))["sampling_session_id"])
+
+    mine = refresh(a, 2)
+    refresh(a, 3)  # releases mine
+    for turn in range(2, 8):  # the other key releases five
+        refresh(b, turn)
+    got = a.http.get(f"/api/v1/samplers/{mine}")
+    assert got.status_code == 410 and "released" in got.json()["error"], got.text

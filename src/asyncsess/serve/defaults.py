@@ -7,5 +7,5 @@ MAX_PENDING = 8192  # unfinished requests (futures) one API key may hold on the 
 MAX_LIVE_PER_KEY = 256  # models plus open samplers one API key may hold on the Tinker door (as the worker's max_live_per_key)
 MAX_SESSIONS_PER_KEY = 1_024  # unfinished sessions one API key may hold on the Tinker door
 MAX_FINISHED_PER_KEY = 4_096  # finished sessions without checkpoints the door keeps listing per key (older ones forgotten)
-MAX_DELETED_PATHS_PER_KEY = 4_096  # backend paths of one key's deleted or expired checkpoints the Tinker door keeps as 404s
-MAX_FORGOTTEN_PATHS_PER_KEY = 4_096  # backend paths of snapshots of one key's forgotten sessions it keeps as 404s
+MAX_DELETED_PATHS_PER_KEY = 4_096  # backend paths of one key's deleted checkpoints not naming their model (ARNs) kept as 404s
+MAX_FORGOTTEN_PATHS_PER_KEY = 4_096  # backend ids of one key's forgotten models (paths naming them: 404s) the door keeps

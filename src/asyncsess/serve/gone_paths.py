@@ -1,4 +1,5 @@
-"""Backend paths a door no longer serves (a 404, as a path never issued), kept per API key and bounded."""
+"""Backend paths (or backend ids, naming every path under them) a door no longer serves (a 404, as a path never
+issued), kept per API key and bounded."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ class PromiseTable:
 
     def __init__(self, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
         self._items: dict[str, Promise] = {}
+        self._groups: dict[str, set[str]] = {}  # the first part of an id (the door's session id) -> the ids held under it
         self._finished: dict[str | None, OrderedDict[str, int]] = {}  # owner -> finished request ids (oldest first) -> size
         self._bytes: dict[str | None, int] = {}
         self._pending: dict[str | None, int] = {}  # owner -> unfinished promises
@@ -79,6 +80,7 @@ class PromiseTable:
     def new(self, kind: str, prefix: str, owner: str | None = None) -> Promise:
         p = Promise(request_id=f"{prefix}:{kind}:{next(self._ids)}", kind=kind, owner=owner, table=self)
         self._items[p.request_id] = p
+        self._groups.setdefault(_group(p.request_id), set()).add(p.request_id)
         self._pending[owner] = self._pending.get(owner, 0) + 1
         return p
 
@@ -100,15 +102,23 @@ class PromiseTable:
         while len(done) > 1 and (len(done) > self._keep or self._bytes[p.owner] > self._keep_bytes):
             rid, size = done.popitem(last=False)
             self._bytes[p.owner] -= size
-            old = self._items.pop(rid)
+            old = self._drop(rid)
             old.json, old.proto, old.forgotten = None, None, True  # a re-sent request still holding it (its re-send record) holds no result
+
+    def _drop(self, request_id: str) -> Promise:
+        group = _group(request_id)
+        self._groups[group].discard(request_id)
+        if not self._groups[group]:
+            del self._groups[group]
+        return self._items.pop(request_id)
 
     def forget(self, prefix: str, err: BaseException) -> int:
         """Drop every promise whose id starts with ``prefix:``; unfinished ones fail with ``err`` first, so a
-        long-poll waiting on one wakes. Returns how many were dropped."""
-        gone = [rid for rid in self._items if rid.startswith(prefix + ":")]
+        long-poll waiting on one wakes. Returns how many were dropped. Reads only the ids under ``prefix``'s first
+        part (a session's), never every key's."""
+        gone = [rid for rid in self._groups.get(_group(prefix), ()) if rid.startswith(prefix + ":")]
         for rid in gone:
-            p = self._items.pop(rid)
+            p = self._drop(rid)
             if not p.done.is_set():
                 self._pending[p.owner] -= 1
                 p.fail(err)
@@ -122,3 +132,8 @@ class PromiseTable:
         with anyio.move_on_after(timeout):
             await promise.done.wait()
         return promise.done.is_set()
+
+
+def _group(request_id: str) -> str:
+    """The first ``:``-separated part of a request id (or prefix): the door's session id."""
+    return request_id.split(":", 1)[0]

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import heapq
 import itertools
 import json
 import logging
@@ -26,7 +27,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
@@ -50,7 +51,7 @@ from ..backends.base import (
     TrainingSessionSpec,
 )
 from ..backends.sequencer import Sequencer
-from ..errors import AsyncSessError, ConflictError, InvalidInputError, SessionGoneError
+from ..errors import AsyncSessError, ConflictError, InvalidInputError, NotFoundError, SessionGoneError
 from ..types import CheckpointResponse, ForwardBackwardOutput, LoadWeightsResponse, OptimStepResponse, SampleResponse
 from ..validation import (
     MAX_SAMPLES,
@@ -102,7 +103,7 @@ FINISH_REASONS = ("success", "errored", "interrupted")  # Tinker's ClientSession
 KEEP_SEQS = 1024  # per model / sampler: how far back a re-sent seq_id is still recognised
 MAX_PROMPT_TOKENS = 2**20  # tokens of a prompt when the backend does not say its model's context (the worker's bound)
 SEQ_WINDOW = KEEP_SEQS  # how far past a model's first missing seq_id a request may be (the SDK's: a few chunks at most)
-KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered, to answer their use with why (older: 404)
+KEEP_RELEASED = 4096  # ids of released ephemeral samplers remembered per API key, to answer their use with why (older: 404)
 EXPIRED = {"type": "expired"}  # the finish reason of a session the server expired
 RELEASED_FIX = (
     "sample from a newer save_weights_and_get_sampling_client() (a session keeps its {} most recently used samplers "
@@ -127,7 +128,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_error(cls, err: AsyncSessError) -> ApiError:
-        status = 409 if isinstance(err, ConflictError) else 410 if isinstance(err, SessionGoneError) else 400
+        kinds = ((ConflictError, 409), (SessionGoneError, 410), (NotFoundError, 404))
+        status = next((code for kind, code in kinds if isinstance(err, kind)), 400)
         return cls(status, str(err), getattr(err, "field", None), getattr(err, "fix", None))
 
     def response(self) -> JSONResponse:
@@ -161,6 +163,10 @@ class _Session:
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
     creating: dict[str, tuple[str, Promise]] = field(default_factory=dict)  # model id -> (body hash, its create's promise)
+    # its sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
+    # one sampler (a second one under it replaced the first in the registry and left it open on the backend); they go
+    # with the session (one door-wide table kept every refresh's id after its session was forgotten)
+    sampler_ids: dict[str, str] = field(default_factory=dict)
     seen: float = field(default_factory=time.monotonic)  # the last heartbeat or request naming this session
 
     @property
@@ -240,6 +246,14 @@ class _Checkpoint:
     public: bool = False
     expires_at: float | None = None
     user_metadata: dict[str, str] | None = None
+    order: int = 0  # when the door first recorded its path (a tick of its clock): listings keep this order
+    schedule: Callable[[_Checkpoint], None] | None = field(default=None, repr=False, compare=False)  # told each new expires_at
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        schedule = getattr(self, "schedule", None)
+        if name == "expires_at" and value is not None and schedule is not None:
+            schedule(self)
 
     def rest(self) -> dict[str, Any]:
         return {
@@ -380,9 +394,12 @@ class TinkerDoor:
         self.promises = PromiseTable()
         self.sessions: dict[str, _Session] = {}
         self._owned: dict[str | None, dict[str, _Session]] = {}  # API key -> its sessions, oldest first (a call walks its own)
+        self._live: OrderedDict[str, _Session] = OrderedDict()  # unfinished sessions, least recently heard from first (reap)
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.checkpoints: dict[str, _Checkpoint] = {}
+        self._runs: dict[str | None, dict[str, None]] = {}  # API key -> its model ids, oldest first (a listing walks its own)
+        self._ttl: list[tuple[float, int, _Checkpoint]] = []  # a heap of (expires_at, tick, checkpoint): what may expire next
         # whose the backend's own ids and paths are (-> door model id), so a raw backend path is checked like a tinker:// one
         self._backend_models: dict[str, str] = {}
         self._backend_paths: dict[str, str] = {}
@@ -392,10 +409,7 @@ class TinkerDoor:
         self._tg: TaskGroup | None = None
         self._limits: dict[str, _Limits] = {}
         self._clock = itertools.count(1)
-        self._released: OrderedDict[str, str] = OrderedDict()  # released ephemeral sampler id -> why
-        # sampling session ids taken (by create_sampling_session or an ephemeral save) -> what took them: one id names
-        # one sampler (a second one under it replaced the first in the registry and left it open on the backend)
-        self._sampler_ids: dict[str, str] = {}
+        self._released: dict[str | None, OrderedDict[str, str]] = {}  # API key -> its released ephemeral sampler ids -> why
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[TinkerDoor]:
@@ -453,7 +467,14 @@ class TinkerDoor:
         if self.session_timeout <= 0:
             return []
         now = time.monotonic()
-        stale = [s for s in self.sessions.values() if s.finished is None and now - s.seen > self.session_timeout]
+        stale = []
+        for s in self._live.values():  # least recently heard from first: it stops at the first one still heard from
+            if s.finished is None and now - s.seen <= self.session_timeout:
+                break
+            stale.append(s)
+        for s in stale:
+            del self._live[s.id]
+        stale = [s for s in stale if s.finished is None]
         for s in stale:
             await self._expire(s)
         return [s.id for s in stale]
@@ -463,6 +484,7 @@ class TinkerDoor:
         and drop its futures; later calls naming the session get 410, as for a finished session."""
         log.info("session %s expired after %g s without a heartbeat", s.id, self.session_timeout)
         s.finished = {"reason": EXPIRED, "detail": f"no heartbeat for {self.session_timeout:g} s", "time": time.time()}
+        self._live.pop(s.id, None)
         await self._release(s, "session expired")
         self.promises.forget(s.id, SessionGoneError(f"session {s.id} expired"))
         s.creating.clear()
@@ -548,8 +570,14 @@ class TinkerDoor:
             raise _not_found("session_id", session_id, "call create_session first")
         if s.finished is not None:
             raise self._gone(s)
-        s.seen = time.monotonic()
+        self._heard(s)
         return s
+
+    def _heard(self, s: _Session) -> None:
+        """A heartbeat or request named unfinished session ``s``: it is the last one :meth:`reap` looks at."""
+        s.seen = time.monotonic()
+        if s.id in self._live:
+            self._live.move_to_end(s.id)
 
     def model(self, model_id: str, *, live: bool = False) -> _Model:
         """The caller's model; ``live`` (an op): its session must be open (else 410), and the call keeps it alive."""
@@ -602,12 +630,14 @@ class TinkerDoor:
                 retry_after_s=10,
             )
         self._forget_finished(mine)
-        sid = str(uuid.uuid4())
         now = time.time()
-        self.sessions[sid] = self._owned.setdefault(owner, {})[sid] = _Session(
-            sid, tags, meta, now, now, owner=owner, display_name=name, project_id=project
-        )
-        return {"type": "create_session", "session_id": sid}
+        s = _Session(str(uuid.uuid4()), tags, meta, now, now, owner=owner, display_name=name, project_id=project)
+        self.add_session(s)
+        return {"type": "create_session", "session_id": s.id}
+
+    def add_session(self, s: _Session) -> None:
+        """Register new session ``s`` (its owner's, unfinished)."""
+        self.sessions[s.id] = self._owned.setdefault(s.owner, {})[s.id] = self._live[s.id] = s
 
     def _forget_finished(self, mine: list[_Session]) -> None:
         """Forget one key's oldest finished sessions that left no checkpoint, past ``max_finished_per_key - 1`` (room
@@ -619,14 +649,18 @@ class TinkerDoor:
             for mid in s.models:
                 m = self.models.pop(mid)
                 self._backend_models.pop(m.backend_id, None)
-                for path in m.snapshots:  # nobody's now: a 404 while remembered, and deleted on the backend
+                del self._runs[s.owner][mid]
+                # nobody's now: its backend id (a part of its paths on mock:// and local://) and any snapshot path that
+                # does not name it are 404s while remembered; its snapshots are deleted on the backend
+                self._forgotten.add(m.backend_id, s.owner, self.max_forgotten_paths_per_key)
+                for path in m.snapshots:
                     self._backend_paths.pop(path, None)
-                    self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
+                    if m.backend_id not in _parts(path):
+                        self._forgotten.add(path, s.owner, self.max_forgotten_paths_per_key)
                     if self._tg is not None:
                         self._tg.start_soon(_quietly, self.backend.delete_checkpoint(path))
             for smp in s.samplers:
                 self.samplers.pop(smp, None)
-                self._sampler_ids.pop(smp, None)
             del self.sessions[s.id], self._owned[s.owner][s.id]
 
     def search_sessions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -706,6 +740,7 @@ class TinkerDoor:
             _str(body, "detail")  # no NUL, no lone surrogate
         if s.finished is None:
             s.finished = {"reason": reason, "detail": detail, "time": time.time()}
+            self._live.pop(s.id, None)
             await self._release(s, "finished")
         return {"session_id": session_id, "status": "finished"}
 
@@ -720,6 +755,7 @@ class TinkerDoor:
         m.sequencer = Sequencer(run, first_seq=1, gap_timeout=self.gap_timeout, skip_gaps=self.skip_gaps)
         self.models[model_id] = m
         self._backend_models[backend_id] = model_id
+        self._runs.setdefault(session.owner, {})[model_id] = None
         session.models.append(model_id)
         return m
 
@@ -984,14 +1020,27 @@ class TinkerDoor:
         name, ttl, now = save.keywords["name"], save.keywords["ttl_seconds"], time.time()
         path = f"tinker://{m.id}/{folder}/{name}"
         ck = _Checkpoint(path, resp.path, m.id, f"{folder}/{name}", kind, m.base_model, m.rank, now, resp.step)
-        ck.expires_at = now + ttl if ttl else None
         ck.user_metadata = save.keywords["user_metadata"]
         self._backend_paths[resp.path] = m.id
         self._dropped.discard(resp.path)
-        if path not in self.checkpoints:  # an overwrite replaces the record
+        old = self.checkpoints.get(path)
+        if old is None:  # an overwrite replaces the record, in its place
             m.checkpoints.append(path)
+        ck.order = old.order if old is not None else next(self._clock)
         self.checkpoints[path] = ck
+        ck.schedule = self._schedule
+        ck.expires_at = now + ttl if ttl else None
         return ck
+
+    def _schedule(self, ck: _Checkpoint) -> None:
+        """Put ``ck``'s new ``expires_at`` on :attr:`_ttl` (each assignment of it does). Entries left behind by a later
+        expiry, a delete or an overwrite are skipped when popped; past twice the checkpoints held, the heap is rebuilt
+        from them, so it stays bounded."""
+        assert ck.expires_at is not None
+        heapq.heappush(self._ttl, (ck.expires_at, next(self._clock), ck))
+        if len(self._ttl) > 2 * len(self.checkpoints) + 64:
+            self._ttl = [(c.expires_at, next(self._clock), c) for c in self.checkpoints.values() if c.expires_at is not None]
+            heapq.heapify(self._ttl)
 
     def _save_op(
         self, m: _Model, body: dict[str, Any], record: type[SaveStateOp | SaveWeightsOp], folder: str, name: str
@@ -1049,14 +1098,15 @@ class TinkerDoor:
             if body.get("path") is None and ephemeral_seq is None:
                 raise ApiError(400, "give a path or a sampling_session_seq_id", field="path")
             sid = f"{m.session_id}:sample:{ephemeral_seq}"
-            if body.get("path") is None and sid in self._sampler_ids:
+            taken = self.sessions[m.session_id].sampler_ids
+            if body.get("path") is None and sid in taken:
                 raise ApiError(
                     409, f"{sid} already names a sampler", field="sampling_session_seq_id", fix="number a session's samplers 0, 1, 2, ..."
                 )
             op = functools.partial(self._save_op(m, body, SaveWeightsOp, "sampler_weights", name), ephemeral=body.get("path") is None)
             run = self._op(m, op)
             if body.get("path") is None:
-                self._sampler_ids[sid] = f"ephemeral {m.id} {body['seq_id']}"
+                taken[sid] = f"ephemeral {m.id} {body['seq_id']}"
 
             async def go() -> Callable[[Promise], None]:
                 await self._deleted(m, f"sampler_weights/{name}")
@@ -1078,14 +1128,19 @@ class TinkerDoor:
         return self._submit_json(m, body, "save_weights_for_sampler", make, same)
 
     def _checkpoint(self, path: str, field: str) -> tuple[str, _Checkpoint | None]:
-        """The backend path behind a ``tinker://`` path (other paths pass through to the backend, unless they name
-        another key's model: those are "not found", as its ``tinker://`` paths are)."""
+        """The backend path behind a ``tinker://`` path. Another path passes through to the backend unless it names a
+        model of the door's (a path the door saved for it, or its backend id as a part) and is not one of the caller's
+        live checkpoints and snapshots, or is gone (:meth:`_path_gone`): those are "not found", as a never-issued
+        ``tinker://`` path is. So a deleted checkpoint of a model the door holds needs no record to stay a 404."""
         ck = self.visible_checkpoint(path)
         if ck is not None:
             return ck.backend_path, ck
-        # a model the door forgot with its finished session (_forget_finished) is nobody's: its snapshots stay 404s
-        mine = all(m in self.models and self.owns(self.models[m].session_id) for m in self._backend_owners(path))
-        if path.startswith("tinker://") or path in self._dropped or path in self._forgotten or not mine:
+        owners = self._backend_owners(path)
+        if owners:  # a path of the door's models: served while the door holds it, to the key that saved it
+            known = path in self._backend_paths and all(m in self.models and self.owns(self.models[m].session_id) for m in owners)
+        else:  # the backend's own (made elsewhere), unless the door deleted it or forgot its model
+            known = not path.startswith("tinker://") and not self._path_gone(path)
+        if not known:
             raise _not_found(field, path, "use a path returned by save_state / save_weights_for_sampler on this server")
         try:
             return check_checkpoint_path(path, field), None  # a backend's path: scheme://... or an ARN, at most 4096 characters
@@ -1095,10 +1150,16 @@ class TinkerDoor:
     def _backend_owners(self, path: str) -> set[str]:
         """The door models a backend path belongs to: the one that saved it, and any whose backend id is one of its
         parts (``mock://<id>/…``, ``local://…/<id>/…``, however the path is spelled)."""
-        owners = {self._backend_models[part] for part in re.split(r"[/:\\]", path) if part in self._backend_models}
+        owners = {self._backend_models[part] for part in _parts(path) if part in self._backend_models}
         if path in self._backend_paths:
             owners.add(self._backend_paths[path])
         return owners
+
+    def _path_gone(self, path: str) -> bool:
+        """Whether ``path`` is one the door deleted (a checkpoint deleted or expired), or names a model it forgot
+        (:meth:`_forget_finished`), while it remembers them (a key's newest ``max_*_paths_per_key``). An older one
+        reaches the backend, which deleted it: its not-found is a 404 as well (:meth:`ApiError.from_error`)."""
+        return path in self._dropped or path in self._forgotten or any(part in self._forgotten for part in _parts(path))
 
     def _training_state(self, body: dict[str, Any]) -> tuple[str, str, _Checkpoint | None]:
         """``load_weights``' path, the backend path behind it and its checkpoint record (a training state, not sampler weights)."""
@@ -1206,19 +1267,24 @@ class TinkerDoor:
                     mid = self._backend_paths.pop(s.backend_path, None)
                     if mid in self.models:
                         self.models[mid].snapshots.discard(s.backend_path)
-                self._released[s.id] = (
+                released = self._released.setdefault(session.owner, OrderedDict())
+                released[s.id] = (
                     f"sampler {s.id} was released: its session opened {self.max_samplers} samplers used more recently, "
                     "and its snapshot weights (from save_weights_and_get_sampling_client) went with it"
                 )
-                while len(self._released) > KEEP_RELEASED:
-                    self._released.popitem(last=False)
+                while len(released) > KEEP_RELEASED:  # the key's own oldest: another key's refreshes never push these out
+                    old = released.popitem(last=False)[0]  # its number is free again (the SDK never reuses one)
+                    owner = self.sessions.get(old.split(":", 1)[0])
+                    if owner is not None:
+                        owner.sampler_ids.pop(old, None)
         for backend_id in closing:
             with contextlib.suppress(Exception):
                 await self.backend.stop_session(backend_id)
 
     def released(self, sampling_session_id: str) -> str | None:
         """Why the caller's ephemeral sampler ``sampling_session_id`` was released (None: it was not, or not theirs)."""
-        why = self._released.get(sampling_session_id)
+        mine = self._released.get(caller.get())
+        why = mine.get(sampling_session_id) if mine is not None else None
         return why if why is not None and self.owns(sampling_session_id.split(":", 1)[0]) else None
 
     def touch(self, s: _Sampler) -> None:
@@ -1245,7 +1311,7 @@ class TinkerDoor:
         path = _str(body, "model_path") if body.get("model_path") is not None else None
         base_model = _base_model(body)
         digest = _hash({"model_path": path, "base_model": base_model})
-        claimed = self._sampler_ids.get(sid)
+        claimed = session.sampler_ids.get(sid)
         if claimed is not None:  # a re-sent request gets its sampler; the id used for another is a 409
             if claimed != digest:
                 raise ApiError(
@@ -1255,7 +1321,7 @@ class TinkerDoor:
                     fix="number a session's samplers 0, 1, 2, ...",
                 )
             if sid not in self.samplers:
-                if sid in self._released:
+                if self.released(sid) is not None:
                     self.sampler(sid)  # 410 saying why
                 raise ApiError(409, f"{sid} is still being created", field="sampling_session_seq_id", fix="retry")  # the SDK retries 409
             return {"sampling_session_id": sid, "type": "create_sampling_session"}
@@ -1266,12 +1332,12 @@ class TinkerDoor:
         elif not base_model:
             raise ApiError(400, "give model_path or base_model", field="base_model", fix="e.g. the model you train")
         self._live_room(session.id, "sampling_session_seq_id")
-        self._sampler_ids[sid] = digest
+        session.sampler_ids[sid] = digest
         self._opening[session.owner] = self._opening.get(session.owner, 0) + 1
         try:
             await self._open_sampler(sid, session, base_model, path, backend_path, version)
         except BaseException as err:
-            del self._sampler_ids[sid]  # free for a retry
+            del session.sampler_ids[sid]  # free for a retry
             if isinstance(err, (InvalidInputError, SessionGoneError)):
                 raise ApiError.from_error(err) from None
             raise
@@ -1355,7 +1421,7 @@ class TinkerDoor:
         if session is not None and session.expired:
             raise self._gone(session)  # its futures were dropped
         if session is not None and session.finished is None:
-            session.seen = time.monotonic()
+            self._heard(session)
         p = self.promises.get(rid) if session is not None else None
         if p is None:
             raise _not_found("request_id", rid, "use a request_id this server returned (results are kept for a while)")
@@ -1375,10 +1441,12 @@ class TinkerDoor:
         """Checkpoints past their TTL are gone, as on Tinker: no longer listed, loaded or sampled, and deleted on the
         backend (in the background)."""
         now = time.time()
-        for ck in [c for c in self.checkpoints.values() if c.expires_at is not None and c.expires_at <= now]:
-            delete = self._forget(ck)
-            if self._tg is not None:
-                self._tg.start_soon(delete)
+        while self._ttl and self._ttl[0][0] <= now:  # only what is due: never every key's checkpoints
+            when, _, ck = heapq.heappop(self._ttl)
+            if self.checkpoints.get(ck.tinker_path) is ck and ck.expires_at == when:
+                delete = self._forget(ck)
+                if self._tg is not None:
+                    self._tg.start_soon(delete)
 
     def _forget(self, ck: _Checkpoint) -> Callable[[], Coroutine[Any, Any, None]]:
         """The door no longer knows ``ck``: its ``tinker://`` and backend paths are 404s, its name is free. Returns
@@ -1387,8 +1455,9 @@ class TinkerDoor:
         self.models[ck.model_id].checkpoints.remove(ck.tinker_path)
         self.models[ck.model_id].names.discard(ck.checkpoint_id)
         self._backend_paths.pop(ck.backend_path, None)
-        owner = self.sessions[self.models[ck.model_id].session_id].owner
-        self._dropped.add(ck.backend_path, owner, self.max_deleted_paths_per_key)  # and deleted on the backend (below)
+        m = self.models[ck.model_id]
+        if m.backend_id not in _parts(ck.backend_path):  # one naming its model is a 404 while the door holds the model
+            self._dropped.add(ck.backend_path, self.sessions[m.session_id].owner, self.max_deleted_paths_per_key)
         done = self._deleting[ck.tinker_path] = anyio.Event()
 
         async def delete() -> None:
@@ -1442,9 +1511,9 @@ class TinkerDoor:
     def training_runs(self, limit: int, offset: int, project_id: str | None = None) -> dict[str, Any]:
         """The caller's runs; with ``project_id``, those whose session is in that project."""
         page = _page(limit, offset)
-        ids = [
-            i for i, m in self.models.items() if self.owns(m.session_id) and project_id in (None, self.sessions[m.session_id].project_id)
-        ]
+        ids = list(self._runs.get(caller.get(), ()))
+        if project_id is not None:
+            ids = [i for i in ids if self.sessions[self.models[i].session_id].project_id == project_id]
         return {
             "training_runs": [self.training_run(i) for i in ids[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
@@ -1454,20 +1523,22 @@ class TinkerDoor:
         """One run's checkpoints (all the caller's: :meth:`user_checkpoints`). A session id of the caller's lists its
         runs' checkpoints: Tinker's tutorial 204 passes ``model_id.split(":")[0]`` as the run id."""
         if model_id not in self.models and self.owns(model_id):
-            runs = {m.id for m in self.models.values() if m.session_id == model_id}
+            runs = self.sessions[model_id].models
         else:
-            runs = {self.model(model_id).id}  # the caller's run, or 404
+            runs = [self.model(model_id).id]  # the caller's run, or 404
         self.forget_expired()
-        cks = [c.rest() for c in self.checkpoints.values() if c.model_id in runs]
+        cks = [c.rest() for c in self._checkpoints_of(runs)]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
+
+    def _checkpoints_of(self, runs: Iterable[str]) -> list[_Checkpoint]:
+        """The checkpoints of models ``runs``, in the order the door first recorded them."""
+        return sorted((self.checkpoints[p] for r in runs for p in self.models[r].checkpoints), key=lambda c: c.order)
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
         page = _page(limit, offset)
         self.forget_expired()
-        mine = sorted(
-            (c for c in self.checkpoints.values() if self.owns(self.models[c.model_id].session_id)), key=lambda c: c.time, reverse=True
-        )
+        mine = sorted(self._checkpoints_of(self._runs.get(caller.get(), ())), key=lambda c: c.time, reverse=True)
         return {
             "checkpoints": [c.rest() for c in mine[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
@@ -1668,6 +1739,11 @@ def _tags(body: dict[str, Any]) -> list[str]:
 
 
 MAX_PAGE = 10_000  # rows one page of a REST listing may ask for
+
+
+def _parts(path: str) -> list[str]:
+    """A backend path's components (``mock://<id>/weights/x`` -> ``mock``, ``""``, ``""``, ``<id>``, ...)."""
+    return re.split(r"[/:\\]", path)
 
 
 def _page(limit: int, offset: int) -> slice:

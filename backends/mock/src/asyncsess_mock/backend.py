@@ -402,7 +402,7 @@ class MockBackend(Backend):
         if ckpt is None and self._store is not None:
             ckpt = self._store.load(path, field)
         if ckpt is None:
-            raise InvalidInputError(
+            raise NotFoundError(
                 f"no checkpoint at {path!r}",
                 field=field,
                 fix="use a path returned by save_state / save_weights in this process (or in one with the same ?checkpoint_dir=)",
