@@ -3,16 +3,25 @@ train on stop it with a typed error naming the culprit and the field; their own 
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
+import threading
 
+import anyio
 import numpy as np
 import pytest
 
+from asyncsess.chat import ChatRenderer
 from asyncsess.errors import InvalidInputError
 from asyncsess.rl import EnvGroupBuilder, Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, StepResult, problem_datasets, train_rl
+from asyncsess.rl.tool_env import ToolEnv
 from asyncsess.rl.types import Env, TokensWithLogprobs
 from asyncsess.runs.metrics import read_metrics
 from asyncsess.types import ModelInput
+from asyncsess_mock import CharTokenizer
+
+from .helpers import digit_share
 
 pytestmark = pytest.mark.anyio
 PROBLEMS = [Problem(f"Code {i}:", "0") for i in range(4)]
@@ -313,3 +322,58 @@ async def test_a_completers_group_actions_are_checked_too(tmp_path, reply):
             make_completer=lambda *a: GroupCompleter(reply),
         )
     assert err.value.field == "make_completer" and "GroupCompleter" in str(err.value)
+
+
+@pytest.fixture
+def release():
+    """An Event set at teardown, so that a grader thread left waiting on it ends."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+async def test_a_grader_past_its_time_limit_scores_0_and_the_run_goes_on(tmp_path, release, caplog):
+    """A grader that blocked (time.sleep, a busy loop) ran on the event loop and froze every rollout and the trainer;
+    now it runs in a thread, and past grader_timeout_s its episode scores 0 and is counted, once per episode."""
+    calls = itertools.count()
+
+    def hanging_twice(problem, reply):
+        if next(calls) < 2:  # two of step 0's four episodes
+            release.wait(5)
+        return 1.0, {"correct": 1.0}
+
+    data = problem_datasets(PROBLEMS, [], hanging_twice, CFG, grader_timeout_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="asyncsess.rl"):
+        result = await train_rl(CFG, data, tmp_path, progress=False)
+    first, second = [r for r in read_metrics(tmp_path) if "env/all/reward/total" in r]
+    assert result.steps == 2
+    assert first["env/all/grader_timeouts"] == 2.0 and first["env/all/reward/total"] == 0.5  # counted, not averaged
+    assert first["env/all/correct"] == 1.0  # the other episodes of the batch were graded
+    assert second["env/all/reward/total"] == 1.0 and "env/all/grader_timeouts" not in second
+    warnings = [r.getMessage() for r in caplog.records if "hanging_twice" in r.getMessage()]
+    assert len(warnings) == 1 and "grader_timeout_s" in warnings[0]
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, math.nan, math.inf, "30", True, None])
+async def test_a_grader_time_limit_is_a_finite_number_of_seconds(limit):
+    with pytest.raises(InvalidInputError) as err:
+        problem_datasets(PROBLEMS, [], digit_share, CFG, grader_timeout_s=limit)
+    assert err.value.field == "grader_timeout_s" and err.value.fix
+    with pytest.raises(InvalidInputError) as err:
+        ToolEnv(ChatRenderer(CharTokenizer()), [], [], async_grade, grader_timeout_s=limit if limit is not None else 0)
+    assert err.value.field == "grader_timeout_s"
+
+
+async def async_grade(text):
+    await anyio.sleep(3600)
+    return 1.0, {}
+
+
+async def test_a_tool_env_grade_past_its_time_limit_scores_0():
+    """ToolEnv awaited its grade with no bound: one that never returned hung the run."""
+    tok = CharTokenizer()
+    env = ToolEnv(ChatRenderer(tok), [{"role": "user", "content": "go"}], [], async_grade, grader_timeout_s=0.1)
+    await env.initial_observation()
+    with anyio.fail_after(30):  # hang guard
+        result = await env.step(tok.encode("done", add_special_tokens=False))
+    assert result.episode_done and result.reward == 0.0 and result.metrics == {"grader_timeouts": 1.0, "tool_calls": 0.0}
