@@ -332,15 +332,22 @@ def release():
     event.set()
 
 
-async def test_a_grader_past_its_time_limit_scores_0_and_the_run_goes_on(tmp_path, release, caplog):
+@pytest.mark.parametrize("how", ["sleeps", "spins"])
+async def test_a_grader_past_its_time_limit_scores_0_and_the_run_goes_on(tmp_path, release, caplog, how):
     """A grader that blocked (time.sleep, a busy loop) ran on the event loop and froze every rollout and the trainer;
     now it runs in a thread, and past grader_timeout_s its episode scores 0 and is counted, once per episode."""
     calls = itertools.count()
 
     def hanging_twice(problem, reply):
         if next(calls) < 2:  # two of step 0's four episodes
-            release.wait(5)
+            if how == "sleeps":
+                release.wait(5)
+            else:  # holds the GIL but for the interpreter's switches
+                while not release.is_set():
+                    pass
         return 1.0, {"correct": 1.0}
+
+    hanging_twice.__qualname__ = f"hanging_twice_{how}"  # a name of its own: the warning comes once per grader
 
     data = problem_datasets(PROBLEMS, [], hanging_twice, CFG, grader_timeout_s=0.5)
     with caplog.at_level(logging.WARNING, logger="asyncsess.rl"):
@@ -350,7 +357,7 @@ async def test_a_grader_past_its_time_limit_scores_0_and_the_run_goes_on(tmp_pat
     assert first["env/all/grader_timeouts"] == 2.0 and first["env/all/reward/total"] == 0.5  # counted, not averaged
     assert first["env/all/correct"] == 1.0  # the other episodes of the batch were graded
     assert second["env/all/reward/total"] == 1.0 and "env/all/grader_timeouts" not in second
-    warnings = [r.getMessage() for r in caplog.records if "hanging_twice" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if hanging_twice.__qualname__ in r.getMessage()]
     assert len(warnings) == 1 and "grader_timeout_s" in warnings[0]
 
 
