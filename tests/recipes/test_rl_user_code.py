@@ -7,6 +7,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -14,7 +15,17 @@ import pytest
 
 from asyncsess.chat import ChatRenderer
 from asyncsess.errors import InvalidInputError
-from asyncsess.rl import EnvGroupBuilder, Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, StepResult, problem_datasets, train_rl
+from asyncsess.rl import (
+    EnvGroupBuilder,
+    Problem,
+    ProblemGroupBuilder,
+    PromptRenderer,
+    RLConfig,
+    StepResult,
+    grading,
+    problem_datasets,
+    train_rl,
+)
 from asyncsess.rl.tool_env import ToolEnv
 from asyncsess.rl.types import Env, TokensWithLogprobs
 from asyncsess.runs.metrics import read_metrics
@@ -384,3 +395,30 @@ async def test_a_tool_env_grade_past_its_time_limit_scores_0():
     with anyio.fail_after(30):  # hang guard
         result = await env.step(tok.encode("done", add_special_tokens=False))
     assert result.episode_done and result.reward == 0.0 and result.metrics == {"grader_timeouts": 1.0, "tool_calls": 0.0}
+
+
+async def test_at_most_grader_threads_graders_run_at_once(monkeypatch):
+    """Graders run in threads, a bounded number at a time (the rest wait for one, outside their time limit)."""
+    monkeypatch.setattr(grading, "INLINE_WAIT_S", 0.0)  # every wait off the loop: all six start together
+    running, most, lock = 0, 0, threading.Lock()
+
+    def slow(problem, reply):
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.3)
+        with lock:
+            running -= 1
+        return 1.0, {}
+
+    results = []
+
+    async def one():
+        results.append(await grading.grade_in_thread(slow, PROBLEMS[0], "", timeout_s=30))
+
+    with anyio.fail_after(30):  # hang guard
+        async with anyio.create_task_group() as tg:
+            for _ in range(grading.GRADER_THREADS + 2):
+                tg.start_soon(one)
+    assert most == grading.GRADER_THREADS and results == [(1.0, {})] * (grading.GRADER_THREADS + 2)
