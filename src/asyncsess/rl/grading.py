@@ -13,7 +13,6 @@ leaks one thread per episode until it is fixed.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import threading
 from collections.abc import Awaitable, Callable
@@ -28,6 +27,7 @@ from ..errors import InvalidInputError
 __all__ = ["GRADER_TIMEOUT_S", "GRADER_THREADS", "GRADER_TIMEOUTS", "check_timeout", "grade_in_thread", "grade_async", "timed_out"]
 
 GRADER_TIMEOUT_S = 30.0  # seconds one grading may take; graders usually take milliseconds
+MAX_GRADER_TIMEOUT_S = 86_400.0  # a day; a thread's wait refuses much more (threading.TIMEOUT_MAX)
 GRADER_THREADS = 4  # synchronous graders running at once, per event loop
 GRADER_TIMEOUTS = "grader_timeouts"  # the episode metric a timed-out grading reports (1.0), summed per step
 INLINE_WAIT_S = 0.2  # of a grading's wait, what blocks the loop thread (see grade_in_thread)
@@ -43,10 +43,13 @@ def grader_name(grader: object) -> str:
 
 
 def check_timeout(value: object, field: str = "grader_timeout_s") -> float:
-    """``value`` as a time limit in seconds: a finite real number > 0; anything else is an InvalidInputError naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and float(value) > 0):
+    """``value`` as a time limit in seconds: a real number > 0 and at most :data:`MAX_GRADER_TIMEOUT_S`; anything
+    else is an InvalidInputError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < float(value) <= MAX_GRADER_TIMEOUT_S):
         raise InvalidInputError(
-            f"{field} = {value!r:.40}", field=field, fix=f"pass a finite number of seconds > 0, e.g. {GRADER_TIMEOUT_S:g}"
+            f"{field} = {value!r:.40}",
+            field=field,
+            fix=f"pass a number of seconds > 0 and at most {MAX_GRADER_TIMEOUT_S:g}, e.g. {GRADER_TIMEOUT_S:g}",
         )
     return float(value)
 
