@@ -1,6 +1,7 @@
-"""A task's JSONL file of problems, as a user may hand it over: each problem is checked when the file is loaded,
-before any training op, and what is not a problem is an :class:`~asyncsess.errors.InvalidInputError` naming the file,
-the line (``path:line``), the key (``field``: ``<file name>.<key>``) and the fix."""
+"""A JSONL file of rows as a user may hand it over (a task's problems, the preference loop's pairs): each row is
+checked when the file is loaded, before any training op, and what is not a row is an
+:class:`~asyncsess.errors.InvalidInputError` naming the file, the line (``path:line``), the key (``field``:
+``<file name>.<key>``, or ``<name>.<key>`` for a config field ``name`` that holds the path) and the fix."""
 
 from __future__ import annotations
 
