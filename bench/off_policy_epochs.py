@@ -1,7 +1,7 @@
 """Several optimizer steps (epochs) over each stale batch on mock://: the sampler-trainer KL per seed and arm.
 
-``train_rl`` takes one ``optim_step`` per batch (``num_minibatches`` only splits ``forward_backward``), so
-this is a small loop of its own: at step ``s`` a batch of digit-share GRPO groups is sampled from the weights
+``train_rl`` does this with ``epochs_per_batch`` (docs/recipes.md has its figures); this small loop of its own
+pins the staleness exactly: at step ``s`` a batch of digit-share GRPO groups is sampled from the weights
 after ``max(0, s - k)`` steps, corrected as ``off_policy`` says (``correct_batch``, the loop's code), then
 trained ``--epochs`` times (``forward_backward`` + AdamW step each). ``off_policy/kl`` is taken from the
 first epoch's log-probs, as in ``train_rl``. Printed per seed and arm: the mean KL over the last third of the

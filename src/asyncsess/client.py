@@ -560,7 +560,7 @@ class ServiceClient:
     async def _open_training(self, spec: TrainingSessionSpec) -> TrainingClient:
         await self._ensure_open()
         self._require_open()
-        info = await self._call("create_training_session", functools.partial(self.backend.create_training_session, _keyed(spec)))
+        info = await self._create("create_training_session", self.backend.create_training_session, _keyed(spec))
         update: dict[str, Any] = {}
         if spec.user_metadata and not info.user_metadata:
             update["user_metadata"] = dict(spec.user_metadata)
@@ -591,12 +591,29 @@ class ServiceClient:
     async def _open_sampler(self, spec: SamplerSpec, base_model: str) -> SamplingClient:
         await self._ensure_open()
         self._require_open()
-        sampler_id = await self._call("create_sampler", functools.partial(self.backend.create_sampler, _keyed(spec)))
+        sampler_id = await self._create("create_sampler", self.backend.create_sampler, _keyed(spec))
         self._samplers.add(sampler_id)
         self._known[sampler_id] = SessionSummary(
             session_id=sampler_id, kind="sampler", status="Running", base_model=base_model, creation_time=time.time()
         )
         return SamplingClient(self, sampler_id, base_model, spec)
+
+    async def _create(self, operation: str, create: Callable[[Spec], Awaitable[T]], spec: Spec) -> T:
+        """``create(spec)`` with retries; once it fails for good (or is cancelled) the backend is told in the background
+        (``abandon_create``), so it can stop a session that create may have made without an answer."""
+        sent = False
+
+        async def attempt() -> T:
+            nonlocal sent
+            sent = True
+            return await create(spec)
+
+        try:
+            return await self._call(operation, attempt)
+        except BaseException:
+            if sent and not self._closed:
+                self._start(self.backend.abandon_create, spec.idempotency_key)
+            raise
 
     async def _model_limits(self, base_model: str) -> tuple[int | None, int | None]:
         """(vocab size, context length) of ``base_model`` when the backend reports them, for checks before numbering."""

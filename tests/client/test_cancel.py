@@ -16,7 +16,8 @@ import threading
 import anyio
 import pytest
 
-from asyncsess import ClientClosedError, DeadlineExceededError, InvalidInputError, ServiceClient, WrongEventLoopError
+from asyncsess import ClientClosedError, DeadlineExceededError, InvalidInputError, RetryPolicy, ServiceClient, WrongEventLoopError
+from asyncsess.errors import RetriesExhaustedError, TransientError
 from asyncsess.sampling import SamplingLimiter
 from asyncsess_mock import MockBackend
 
@@ -222,6 +223,60 @@ async def test_a_training_client_cancelled_while_it_is_being_set_up_stops_its_se
             backend.gate = None
             tc = await svc.create_lora_training_client("m", rank=4)  # the client is still usable
             await tc.stop()
+    finally:
+        await backend.aclose()
+
+
+class _LosesCreates(MockBackend):
+    """mock:// whose creates fail transiently (``lose``) or wait on ``gate``; records the keys it saw and was told of."""
+
+    lose = True
+    gate: anyio.Event | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+        self.abandoned: list[str] = []
+        self.told = anyio.Event()
+
+    async def create_training_session(self, spec):
+        self.sent.append(spec.idempotency_key)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.lose:
+            raise TransientError("every reply lost")
+        return await super().create_training_session(spec)
+
+    async def abandon_create(self, idempotency_key: str) -> None:
+        self.abandoned.append(idempotency_key)
+        self.told.set()
+
+
+async def test_a_create_given_up_on_tells_the_backend_its_key_in_the_background():
+    """A create that failed for good or was cancelled told the backend nothing, so a session it may have made without
+    an answer (sagemaker://) ran until close. The backend now gets ``abandon_create(key)`` with the key every attempt
+    sent; not for a create that succeeded."""
+    backend = _LosesCreates()
+    await backend.open()
+    try:
+        async with ServiceClient("mock://", backend=backend, retry=RetryPolicy(max_attempts=2, initial_backoff=0.0, jitter=0.0)) as svc:
+            with pytest.raises(RetriesExhaustedError):
+                await svc.create_lora_training_client("m", rank=4)
+            with anyio.fail_after(30):  # a hang guard only
+                await backend.told.wait()
+            assert len(backend.sent) == 2 and backend.abandoned == backend.sent[:1] == backend.sent[1:]
+            backend.told, backend.gate = anyio.Event(), anyio.Event()
+            async with anyio.create_task_group() as tg:  # cancelled while the backend works on it
+                tg.start_soon(svc.create_lora_training_client, "m", 4)
+                await anyio.wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+            with anyio.fail_after(30):  # a hang guard only
+                await backend.told.wait()
+            assert backend.abandoned == [backend.sent[0], backend.sent[2]]
+            backend.lose, backend.gate = False, None
+            tc = await svc.create_lora_training_client("m", rank=4)
+            await tc.stop()
+        assert len(backend.sent) == 4 and len(backend.abandoned) == 2
     finally:
         await backend.aclose()
 

@@ -74,7 +74,8 @@ async def test_tis_learns_faster_than_ppo_against_stale_behaviour_at_no_higher_k
     """Staleness 3, lr 1.0, 24 steps, 3 seeds: the default (TIS, anchor p) against the loop without correction
     (ppo clipped around the sampler's log-probs, which zeroes the gradient of the stale tokens outside the
     clip). Measured over seeds 0-17: final reward 0.57 vs 0.40, each batch of 3 seeds apart by 0.11 to 0.29,
-    mean KL within 0.9-1.2x. Without correction the KL does not blow up on mock:// (docs/recipes.md)."""
+    mean KL within 0.9-1.2x. With one optimizer step per batch the KL does not blow up without correction on
+    mock:// (AdamW bounds each step; docs/recipes.md): the next test shows where it does."""
     cfg = BASE.model_copy(update={"max_staleness": 3, "max_steps": 24, "learning_rate": 1.0})
     finals: dict[str, list[float]] = {"tis": [], "none": []}
     kls: dict[str, list[float]] = {"tis": [], "none": []}
@@ -87,3 +88,50 @@ async def test_tis_learns_faster_than_ppo_against_stale_behaviour_at_no_higher_k
             kls[mode].extend(r["off_policy/kl"] for r in records if "off_policy/kl" in r)
     assert np.mean(finals["tis"]) > np.mean(finals["none"]) + 0.05, finals
     assert np.mean(kls["tis"]) < 1.5 * np.mean(kls["none"]), (np.mean(kls["tis"]), np.mean(kls["none"]))
+
+
+def _run_figures(path) -> tuple[float, float]:
+    """The largest sampler-trainer KL of a run and its reward over the last 5 steps."""
+    records = [r for r in read_metrics(path) if "env/all/reward/total" in r]
+    rewards = [r["env/all/reward/total"] for r in records[-5:]]
+    return max(r["off_policy/kl"] for r in records if "off_policy/kl" in r), float(np.mean(rewards))
+
+
+@pytest.mark.once  # eight runs: one Python of the mock matrix runs it
+async def test_without_correction_reused_stale_batches_blow_the_kl_up_and_the_default_keeps_it_near_on_policy(tmp_path):
+    """The tinker-cookbook A/B at staleness 3 (unclipped IS about 30x the KL of PPO-clipped training, which matched
+    on-policy accuracy), on mock://: 4 optimizer steps per batch (``epochs_per_batch``), lr 10, ``adam_eps`` 1 (an
+    SGD-like step, so an unclipped ratio makes a large step, as in a shared-parameter model). Uncorrected
+    (``importance_sampling``, ``off_policy="none"``) the ratio compounds over the epochs; the defaults (``ppo``
+    clipped around the batch's proximal log-probs, TIS weights) hold each batch to the trust region. Measured
+    over seeds 0-23 (docs/recipes.md): max KL 10.0-16.1 uncorrected against 0.7-2.1, ratio >= 5.5x on every
+    seed; final reward 0.37 uncorrected, 0.79 corrected, 0.72 on-policy (staleness 0)."""
+    cfg = BASE.model_copy(
+        update={"max_staleness": 3, "max_steps": 30, "learning_rate": 10.0, "adam_eps": 1.0, "epochs_per_batch": 4, "group_size": 8}
+    )
+    assert cfg.loss_fn == "ppo" and cfg.off_policy == "tis"  # the defaults are the corrected arm
+    ratios, finals = [], {"none": [], "tis": [], "on_policy": []}
+    for seed in range(4):
+        arms = {
+            "none": cfg.model_copy(update={"seed": seed, "loss_fn": "importance_sampling", "off_policy": "none"}),
+            "tis": cfg.model_copy(update={"seed": seed}),
+            "on_policy": cfg.model_copy(update={"seed": seed, "max_staleness": 0}),
+        }
+        kl = {}
+        for name, arm in arms.items():
+            await run(arm, [], tmp_path / f"{name}-{seed}")
+            kl[name], final = _run_figures(tmp_path / f"{name}-{seed}")
+            finals[name].append(final)
+        assert kl["none"] > 5.0 and kl["tis"] < 3.0 and kl["none"] > 3 * kl["tis"], (seed, kl)  # blown up / held
+        assert kl["on_policy"] < 1e-6, kl  # staleness 0: p == q up to float32
+        ratios.append(kl["none"] / kl["tis"])
+    assert np.mean(ratios) > 5.0, ratios
+    means = {k: float(np.mean(v)) for k, v in finals.items()}
+    assert means["tis"] > means["none"] + 0.2, means  # the uncorrected run's reward collapses, the corrected one learns
+    assert means["tis"] > means["on_policy"] - 0.15, means  # near on-policy
+
+
+def test_epochs_per_batch_is_checked():
+    for bad in (0, -1, 65):
+        with pytest.raises(ValueError, match="epochs_per_batch"):
+            RLConfig(epochs_per_batch=bad)

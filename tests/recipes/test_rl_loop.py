@@ -80,16 +80,16 @@ async def test_groups_are_at_most_k_steps_old(tmp_path):
     assert any(abs(r.get("optim/kl_sample_train_v1", 0.0)) > 1e-4 for r in records[2:])
 
 
-@pytest.mark.parametrize("k", [0, 2])
-async def test_resume_is_bit_exact(tmp_path, k):
-    cfg = BASE.model_copy(update={"max_steps": 6, "save_every": 3, "max_staleness": k, "seed": 5})
+@pytest.mark.parametrize(("k", "epochs"), [(0, 1), (2, 1), (2, 3)])
+async def test_resume_is_bit_exact(tmp_path, k, epochs):
+    cfg = BASE.model_copy(update={"max_steps": 6, "save_every": 3, "max_staleness": k, "seed": 5, "epochs_per_batch": epochs})
     whole = await run(cfg, PROBLEMS[:4], tmp_path / "whole")
     first = await run(cfg.model_copy(update={"max_steps": 3}), PROBLEMS[:4], tmp_path / "split")
     assert first.steps == 3 and last_checkpoint(tmp_path / "split").step == 3
     resumed = await run(cfg, PROBLEMS[:4], tmp_path / "split")
     assert resumed.steps == 6 and resumed.before == whole.before and resumed.after == whole.after
     a, b = await state(whole.final_checkpoint.state_path), await state(resumed.final_checkpoint.state_path)
-    assert a[3] == b[3] == 6
+    assert a[3] == b[3] == 6 * epochs  # AdamW steps: epochs_per_batch per batch
     for x, y in zip(a[:3], b[:3]):
         assert np.array_equal(x, y)
     assert comparable(read_metrics(tmp_path / "whole")) == comparable(read_metrics(tmp_path / "split"))

@@ -5,6 +5,7 @@ retry's ``ResourceInUse`` a ServerError and left the session it had made Running
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -153,11 +154,26 @@ async def test_a_sampler_whose_session_create_was_retried_by_the_client_makes_on
     assert wait_status(sm, made[0], {"Stopped"})["TrainingSessionStatus"] == "Stopped"  # the sampler owned it
 
 
+async def _status(sm, name: str, wanted: set[str]) -> str:
+    """The session's status once it is one of ``wanted`` (polled without blocking the loop; a hang guard only)."""
+    with anyio.fail_after(60):
+        while (status := _sessions(sm).get(name)) not in wanted:
+            await anyio.sleep(0.01)
+    return status
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> None:
+    with anyio.fail_after(60):  # a hang guard only
+        while not any(text in r.getMessage() for r in caplog.records):
+            await anyio.sleep(0.01)
+
+
 @pytest.mark.parametrize("named", [False, True])
-async def test_a_create_the_client_gave_up_on_is_stopped_when_the_client_closes(emulator, named):
-    """Every reply lost and no retry left: the create failed, and the session it had made ran on with no owner until
-    the service's idle timeout. Closing the client now stops it (CreateTrainingSession has no client token to make a
-    later create find it); a name that was another session's all along is left alone."""
+async def test_a_create_the_client_gave_up_on_is_stopped_at_once_not_at_close(emulator, named):
+    """Every reply lost and no retry left: the create failed, and the session it had made ran on (billed, idle) until
+    the client closed. The driver now stops it in the background as soon as the client gives up (CreateTrainingSession
+    has no client token: Describe of the name it sent, with this request's configs); a name that was another session's
+    all along is left alone."""
     sm, _ = clients(emulator.url)
     before = _sessions(sm)
     taken = f"taken-{uuid.uuid4().hex[:8]}"
@@ -167,16 +183,46 @@ async def test_a_create_the_client_gave_up_on_is_stopped_when_the_client_closes(
         emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
         with pytest.raises(RetriesExhaustedError):
             await svc.create_lora_training_client(BASE, rank=4, **name)
+        emulator.set_faults()
+        made = [n for n in _sessions(sm) if n not in before and n != taken]
+        assert made == [name.get("training_session_name", *made)]
+        assert await _status(sm, made[0], {"Stopped"}) == "Stopped"  # while the client is open
         emulator.set_faults(throttle_rate=1.0, operations=["CreateTrainingSession"])
         with pytest.raises(RetriesExhaustedError):  # never answered, and the name was another session's all along
             await svc.create_lora_training_client(BASE, rank=4, training_session_name=taken)
         emulator.set_faults()
-        made = {n: s for n, s in _sessions(sm).items() if n not in before and n != taken}
-        assert len(made) == 1 and set(made.values()) <= {"Created", "Scheduled", "Running"}
-        assert list(made) == [name.get("training_session_name", *made)]
-    assert wait_status(sm, next(iter(made)), {"Stopped"})["TrainingSessionStatus"] == "Stopped"
     assert _sessions(sm)[taken] == "Running"
     sm.stop_training_session(TrainingSessionName=taken)
+
+
+async def test_stopping_a_session_a_create_left_is_retried_and_a_failure_is_logged_for_close_to_sweep(emulator, caplog):
+    """The background stop of a session a given-up create made retries a throttled StopTrainingSession; one that keeps
+    failing past ``abandoned_stop_s`` is a warning (the caller already has its create's error, and the client goes
+    on), and closing the client stops the session."""
+    sm, _ = clients(emulator.url)
+    url = driver_url(emulator, retry_budget_s="0.001", retry_base_s="0.001", abandoned_stop_s="0.5")
+    caplog.set_level(logging.INFO, logger="asyncsess_sagemaker")
+    async with asyncsess.ServiceClient(url, retry=asyncsess.RetryPolicy(max_attempts=1)) as svc:
+        names = []
+        for throttle_rate in (0.5, 1.0):
+            before = _sessions(sm)
+            emulator.set_faults(lost_response_rate=1.0, operations=["CreateTrainingSession"])
+            with pytest.raises(RetriesExhaustedError):
+                await svc.create_lora_training_client(BASE, rank=4)
+            # set before this task yields, so before the background stop runs
+            emulator.set_faults(throttle_rate=throttle_rate, seed=1, operations=["StopTrainingSession"])
+            (name,) = [n for n in _sessions(sm) if n not in before]
+            names.append(name)
+            if throttle_rate < 1.0:
+                assert await _status(sm, name, {"Stopped"}) == "Stopped"
+                assert emulator.injected_faults() == {"ThrottlingException": 1}  # the first Stop was refused, the retry done
+                await _logged(caplog, f"stopped training session {name}")
+        await _logged(caplog, f"could not stop training session {names[1]}")
+        emulator.set_faults()
+        assert _sessions(sm)[names[1]] == "Running"
+        tc = await svc.create_lora_training_client(BASE, rank=4)  # the client goes on
+        assert (await tc.optim_step(AdamParams(learning_rate=0.001))).step == 1
+    assert await _status(sm, names[1], {"Stopped"}) == "Stopped"  # swept at close
 
 
 async def test_a_chat_reply_cut_short_is_retried_as_lost_and_a_broken_stream_is_a_transient_error(emulator):

@@ -13,7 +13,8 @@ implements this.
 
 Creates (``create_training_session``, ``create_sampler``) carry the spec's ``idempotency_key``, one per logical
 create and the same on every retry of it; a backend that can answers a repeated key with what the first create
-made (the http:// worker does), so a retry after a lost reply makes no second session.
+made (the http:// worker does), so a retry after a lost reply makes no second session. Once the client gives up on
+a key it calls ``abandon_create(key)`` in the background, for a backend to stop what that create may have made.
 """
 
 from __future__ import annotations
@@ -280,6 +281,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def stop_session(self, session_id: str) -> None:
         """Stop a training session or sampler. Idempotent."""
+
+    async def abandon_create(self, idempotency_key: str) -> None:
+        """The client gave up on the create (``create_training_session`` or ``create_sampler``) of ``idempotency_key``:
+        it failed for good or was cancelled, and no retry will send that key again. A backend whose create may have made
+        a session it never answered for stops it here. Run in a background task of the client (cancelled when it
+        closes); errors are the backend's to log. Default: nothing to do."""
 
     @abc.abstractmethod
     async def execute_training(self, session_id: str, op: TrainingOp) -> TrainingResult:

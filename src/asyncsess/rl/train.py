@@ -8,7 +8,8 @@ trainer takes finished groups oldest weights first; a group more than ``k`` opti
 ``k = 0`` is the synchronous on-policy loop, and there a run at a fixed seed is reproducible and resumes bit
 for bit (each group's sampling seed follows from its position in the run). ``forward_backward`` is submitted
 per sub-batch (``groups_per_batch / num_minibatches`` groups) as soon as that many groups have finished;
-one ``optim_step`` (AdamW with the config's settings) closes each step.
+one ``optim_step`` (AdamW with the config's settings) closes each step, or ``epochs_per_batch`` of them, each after a
+``forward_backward`` over the whole batch again (PPO-style reuse; the ratio's anchor stays the batch's start).
 
 Advantages are group-centred (``R - mean(R)``, optionally std-normalised); groups of equal rewards add no
 datums; an optional KL penalty against the base model moves the advantages (cookbook). ``metrics.jsonl`` gets
@@ -88,6 +89,8 @@ MAX_GROUPS_AHEAD = 65_536
 # held-out episodes played at once: well under the client's sampling bound (256 requests), so that a large
 # evaluation neither pauses the pool (and logs it) nor crowds out the rollouts in flight
 EVAL_EPISODES_IN_FLIGHT = 128
+# optimizer steps over one batch: PPO-style reuse takes a few (TRL, verl and OpenRLHF default to 1, papers use ≤ 8)
+MAX_EPOCHS_PER_BATCH = 64
 
 
 # the ranges of the settings a config built on RLConfig may give new defaults (AgentRLConfig does): a subclass that
@@ -139,6 +142,9 @@ class RLConfig(RecoveryConfig):
     # overlap: sampling runs up to max_staleness optimizer steps ahead; forward_backward in sub-batches
     max_staleness: int = Field(default=0, ge=0)
     num_minibatches: int = Field(default=1, ge=1)
+    # optimizer steps over each batch (TRL's num_iterations, verl's ppo_epochs): the loss's ratio is taken against the
+    # log-probs at the batch's start, so past 1 only a clipped loss (ppo, cispo) keeps the weights near them
+    epochs_per_batch: int = Field(default=1, ge=1, le=MAX_EPOCHS_PER_BATCH)
     # off-policy correction of stale groups (rl/off_policy.py; only when max_staleness > 0): ratio cap, mask bounds
     off_policy: OffPolicyMode = "tis"
     is_cap: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
@@ -482,8 +488,15 @@ class _Loop:
         }
         if submitted:
             opt = tc.optim_step(cfg.adam(run_frac))
+            later: list[APIFuture[Any]] = []  # the further epochs, queued in order behind the first
+            for _ in range(cfg.epochs_per_batch - 1):
+                later.extend(tc.forward_backward([d for d, _ in pairs], cfg.loss_fn, cfg.loss_fn_config) for _, pairs in submitted)
+                later.append(opt)
+                opt = tc.optim_step(cfg.adam(run_frac))
             sampler, probe, latency = await self.refresh(opt)
             outs = [await fut for fut, _ in submitted]
+            for fut in later:
+                await fut
             opt_out = await opt
             pairs = [p for _, ps in submitted for p in ps]
             trainer_lps = [o["logprobs"].data for out in outs for o in out.loss_fn_outputs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -151,6 +152,12 @@ class AwsCalls:
         self.retry_budget_s = retry_budget_s
         self.poll_initial_s = poll_initial_s
         self.poll_max_s = poll_max_s
+
+    def with_budget(self, retry_budget_s: float) -> AwsCalls:
+        """The same calls (sharing the thread limiter) with another retry budget."""
+        calls = copy.copy(self)
+        calls.retry_budget_s = retry_budget_s
+        return calls
 
     async def once(self, fn: Callable[..., T], *, operation: str, not_found: type[AsyncSessError] = SessionGoneError, **kwargs: Any) -> T:
         """One call, errors translated."""

@@ -189,6 +189,7 @@ class SageMakerBackend(Backend):
         self._group_arn: str | None = options.model_package_group_arn
         # idempotency key of a create whose CreateTrainingSession reply was never read -> the request it sent
         self._unanswered_creates: dict[str, dict[str, Any]] = {}
+        self._abandoned_calls = self._calls.with_budget(options.abandoned_stop_s)  # stopping what such a create made
 
     @classmethod
     def from_url(cls, url: ParsedURL, **options: Any) -> SageMakerBackend:
@@ -220,7 +221,7 @@ class SageMakerBackend(Backend):
                 if sess.gone is None:
                     await self._stop_quietly(name)
             for request in list(self._unanswered_creates.values()):
-                await self._stop_unclaimed(request)
+                await self._reap(request, self._calls)
         for client in (self._control, self._runtime):
             if client is not None:
                 client.close()
@@ -383,8 +384,8 @@ class SageMakerBackend(Backend):
         _check("CreateTrainingSession", request, CONTROL)
         return request
 
-    async def _describe(self, name: str) -> dict[str, Any]:
-        resp = await self._calls.retried(
+    async def _describe(self, name: str, calls: AwsCalls | None = None) -> dict[str, Any]:
+        resp = await (calls or self._calls).retried(
             self.control.describe_training_session, operation="DescribeTrainingSession", TrainingSessionName=name
         )
         return resp["TrainingSessionDetail"]
@@ -530,21 +531,40 @@ class SageMakerBackend(Backend):
         """The session a lost Create reply left is this request's (else the name was another's all along: it leaked
         a Running session when the retry's ``ResourceInUse`` was taken as a failure, and must not be adopted)."""
         name = request["TrainingSessionName"]
-        detail = await self._describe(name)
-        if not all(_includes(detail.get(k), request[k]) for k in ("RoleArn", "LoraConfig", "ModelConfig", "OutputConfig")):
+        if not _made_by(await self._describe(name), request):
             raise ConflictError(
                 f"training session {name} already exists", field="training_session_name", fix="pick another name or leave it out"
             )
 
-    async def _stop_unclaimed(self, request: dict[str, Any]) -> None:
-        """Stop the session a create the client gave up on may have made (every reply lost, or its attempts cut off):
-        it ran with no owner until the service's idle timeout. Only when Describe shows this request's session."""
+    async def abandon_create(self, idempotency_key: str) -> None:
+        """The client gave up on this create: stop now the session it may have made with no answer read (every reply
+        lost, or its attempts cut off), rather than when the client closes; on SageMaker that session is billed, idle,
+        until the service's idle timeout. Retried with backoff for up to ``abandoned_stop_s``; a failure is logged and
+        the create left for :meth:`aclose` to try again."""
+        request = self._unanswered_creates.get(idempotency_key)
+        if request is not None and await self._reap(request, self._abandoned_calls, self.options.abandoned_stop_s):
+            self._unanswered_creates.pop(idempotency_key, None)
+
+    async def _reap(self, request: dict[str, Any], calls: AwsCalls, limit_s: float | None = None) -> bool:
+        """Stop the session of a create given up on, when Describe shows this request's (not there: it was never made;
+        another's: the name was taken all along). False, logged, when that could not be done within ``limit_s``."""
+        name = request["TrainingSessionName"]
         try:
-            await self._check_ours(request)
-        except AsyncSessError as err:  # not there (it never was made), or another's: nothing of ours to stop
-            log.debug("create of %s left nothing to stop: %r", request["TrainingSessionName"], err)
-            return
-        await self._stop_quietly(request["TrainingSessionName"])
+            with anyio.fail_after(limit_s):
+                try:
+                    detail = await self._describe(name, calls)
+                except SessionGoneError:  # not found
+                    log.debug("create of %s left nothing to stop", name)
+                    return True
+                if not _made_by(detail, request):
+                    log.debug("training session %s is not the one a create given up on asked for; left alone", name)
+                    return True
+                await self._send_stop(name, calls)
+        except Exception as err:  # TimeoutError included: best effort, never raised into a caller
+            log.warning("could not stop training session %s, made by a create given up on: %r", name, err)
+            return False
+        log.info("stopped training session %s, made by a create given up on", name)
+        return True
 
     async def _base_model_of(self, model_package_arn: str, field: str = "path") -> str:
         """The base model of a model package (``field`` names the argument that gave it)."""
@@ -646,8 +666,14 @@ class SageMakerBackend(Backend):
             sess.gone = sess.gone or SessionGoneError(f"training session {session_id} was stopped")
             for arn in [a for a, s in self._package_session.items() if s == session_id]:
                 del self._package_session[arn]
+        await self._send_stop(session_id)
+
+    async def _send_stop(self, name: str, calls: AwsCalls | None = None) -> None:
+        """StopTrainingSession; a session already stopping or gone is done."""
         try:
-            await self._calls.retried(self.control.stop_training_session, operation="StopTrainingSession", TrainingSessionName=session_id)
+            await (calls or self._calls).retried(
+                self.control.stop_training_session, operation="StopTrainingSession", TrainingSessionName=name
+            )
         except InvalidInputError as err:
             if "invalid session state transition" not in str(err):
                 raise
@@ -1116,6 +1142,11 @@ class SageMakerBackend(Backend):
             resp["body"].close()
         if not done:
             raise TransientError("the stream ended without [DONE]", operation="chat_completion_stream")
+
+
+def _made_by(detail: dict[str, Any], request: dict[str, Any]) -> bool:
+    """Whether a described session is the one a CreateTrainingSession ``request`` asked for (role, LoRA, model, output)."""
+    return all(_includes(detail.get(k), request[k]) for k in ("RoleArn", "LoraConfig", "ModelConfig", "OutputConfig"))
 
 
 def _includes(got: Any, sent: Any) -> bool:

@@ -50,6 +50,12 @@ class SageMakerOptions(BaseModel):
     poll_max_s: float = Field(default=2.0, gt=0, description="the longest wait between result polls (the official SDK's fixed interval)")
     retry_base_s: float = Field(default=0.1, gt=0, description="first backoff of a retried call (full jitter, doubling to 4 s)")
     retry_budget_s: float = Field(default=300.0, gt=0, description="how long one call keeps retrying throttling and 5xx answers")
+    abandoned_stop_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long the driver keeps trying, in the background, to stop a session that a create the client gave up "
+        "on may have made (then closing the client tries again)",
+    )
     max_pool_connections: int = Field(
         default=64, ge=1, le=MAX_POOL, description=f"at most {MAX_POOL} (urllib3 fills a pool's queue up front: 10**9 hung the first call)"
     )
