@@ -28,11 +28,19 @@ def data(tmp_path: Path, lines: list[str]) -> str:
     ("lines", "field", "says"),
     [
         ([json.dumps(r) for r in ROWS[:3]], "batch_size", "fewer than one batch of 8"),  # was a run of 0 steps
-        ([], "batch_size", "holds 0 rows"),
-        ([json.dumps(ROWS[0]), '{"prompt": '], "data", "data.jsonl:2 is not JSON"),  # was a JSONDecodeError
+        ([], "data", "holds no rows"),  # was named batch_size: 0 rows
+        ([json.dumps(ROWS[0]), '{"prompt": '], "data", "data.jsonl:2: the line is not JSON"),  # was a JSONDecodeError
         ([json.dumps({"prompt": ROWS[0]["prompt"], "chosen": "a"})], "data.rejected", "has no 'rejected'"),  # a KeyError
         ([json.dumps(ROWS[0] | {"prompt": "What is 2 + 2?"})], "data.prompt", "not a list of chat messages"),  # an AttributeError
-        ([json.dumps(ROWS[0] | {"chosen": 4})], "data.chosen", "not a str"),
+        ([json.dumps(ROWS[0] | {"prompt": ["hi"]})], "data.prompt", "data.jsonl:1: prompt is ['hi'], not a list of chat messages"),
+        ([json.dumps(ROWS[0] | {"chosen": 4})], "data.chosen", "not a string"),
+        # the shared row reader's checks (asyncsess.tasks.rows), which the preference loader did not make
+        (
+            [json.dumps(ROWS[0]), '{"prompt": [{"role": "user", "content": NaN}], "chosen": "a", "rejected": "b"}'],
+            "data.prompt.0.content",
+            ":2: NaN",
+        ),
+        ([json.dumps(ROWS[0]), json.dumps(ROWS[1] | {"chosen": "\ud800"})], "data", "data.jsonl:2: a string holds a lone surrogate"),
     ],
 )
 async def test_bad_data_is_refused_naming_it_before_the_run_directory_is_emptied(tmp_path, lines, field, says):
@@ -43,6 +51,24 @@ async def test_bad_data_is_refused_naming_it_before_the_run_directory_is_emptied
         await train_preference(PreferenceConfig(method="dpo", data=data(tmp_path, lines)), run)
     assert err.value.field == field and says in str(err.value) and err.value.fix
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'  # was emptied before the data was read
+
+
+async def test_a_line_that_is_not_utf8_is_named_by_its_number(tmp_path):
+    """The whole file was decoded at once: "cannot be read (...)", with no line."""
+    path = tmp_path / "feedback.jsonl"
+    path.write_bytes(b'{"prompt": [], "completion": "a", "label": true}\n{"completion": "\xff"}\n')
+    with pytest.raises(InvalidInputError) as err:
+        await train_preference(PreferenceConfig(method="kto", data=str(path)), tmp_path / "run")
+    assert err.value.field == "data" and "feedback.jsonl:2: the line is not UTF-8" in str(err.value)
+
+
+async def test_a_kto_label_that_is_not_a_bool_is_named(tmp_path):
+    rows = [json.dumps({"prompt": [], "completion": "a", "label": True})] * 3 + [
+        json.dumps({"prompt": [], "completion": "b", "label": "yes"})
+    ]
+    with pytest.raises(InvalidInputError) as err:
+        await train_preference(PreferenceConfig(method="kto", data=data(tmp_path, rows)), tmp_path / "run")
+    assert err.value.field == "data.label" and "data.jsonl:4: label is 'yes', not true or false" in str(err.value)
 
 
 async def test_a_missing_data_file_is_named(tmp_path):

@@ -4,7 +4,18 @@ import numpy as np
 import pytest
 
 from asyncsess import ServiceClient
-from asyncsess.rl import Problem, RLConfig, RLResult, problem_datasets, train_rl
+from asyncsess.rl import (
+    Problem,
+    ProblemDataset,
+    ProblemEnv,
+    ProblemGroupBuilder,
+    PromptRenderer,
+    RLConfig,
+    RLResult,
+    StepResult,
+    problem_datasets,
+    train_rl,
+)
 from asyncsess.runs.checkpoints import last_checkpoint
 from asyncsess.runs.metrics import read_metrics
 
@@ -82,6 +93,37 @@ async def test_resume_is_bit_exact(tmp_path, k, epochs):
     for x, y in zip(a[:3], b[:3]):
         assert np.array_equal(x, y)
     assert comparable(read_metrics(tmp_path / "whole")) == comparable(read_metrics(tmp_path / "split"))
+
+
+class InlineEnv(ProblemEnv):
+    """Grades on the event loop, as ProblemEnv did before graders ran in threads."""
+
+    async def step(self, action):
+        reward, metrics = self.grader(self.problem, self.renderer.reply(action))
+        return StepResult(reward, True, metrics=metrics)
+
+
+class InlineBuilder(ProblemGroupBuilder):
+    async def make_envs(self):
+        return [InlineEnv(self.renderer, self.problem, self.grader) for _ in range(self.group_size)]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+async def test_grading_in_threads_changes_no_result(tmp_path, k):
+    """Same seed, same rewards in the same order, same weights, graded in threads or on the loop."""
+    cfg = BASE.model_copy(update={"max_steps": 6, "max_staleness": k, "seed": 5})
+
+    def inline(tokenizer):
+        renderer = PromptRenderer(tokenizer)
+        build = lambda p, n=cfg.group_size: InlineBuilder(renderer, p, digit_share, n)  # noqa: E731
+        return ProblemDataset(PROBLEMS, cfg.groups_per_batch, build, cfg.seed), [build(p, 1) for p in PROBLEMS[:4]]
+
+    threaded = await run(cfg, PROBLEMS[:4], tmp_path / "threaded")
+    loop = await train_rl(cfg, inline, tmp_path / "loop", progress=False)
+    assert threaded.before == loop.before and threaded.after == loop.after
+    a, b = await state(threaded.final_checkpoint.state_path), await state(loop.final_checkpoint.state_path)
+    assert all(np.array_equal(x, y) for x, y in zip(a[:3], b[:3]))
+    assert comparable(read_metrics(tmp_path / "threaded")) == comparable(read_metrics(tmp_path / "loop"))
 
 
 async def test_kl_penalty_changes_the_update(tmp_path):

@@ -3,16 +3,36 @@ train on stop it with a typed error naming the culprit and the field; their own 
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
+import threading
+import time
 
+import anyio
 import numpy as np
 import pytest
 
+from asyncsess.chat import ChatRenderer
 from asyncsess.errors import InvalidInputError
-from asyncsess.rl import EnvGroupBuilder, Problem, ProblemGroupBuilder, PromptRenderer, RLConfig, StepResult, problem_datasets, train_rl
+from asyncsess.rl import (
+    EnvGroupBuilder,
+    Problem,
+    ProblemGroupBuilder,
+    PromptRenderer,
+    RLConfig,
+    StepResult,
+    grading,
+    problem_datasets,
+    train_rl,
+)
+from asyncsess.rl.tool_env import ToolEnv
 from asyncsess.rl.types import Env, TokensWithLogprobs
 from asyncsess.runs.metrics import read_metrics
 from asyncsess.types import ModelInput
+from asyncsess_mock import CharTokenizer
+
+from .helpers import digit_share
 
 pytestmark = pytest.mark.anyio
 PROBLEMS = [Problem(f"Code {i}:", "0") for i in range(4)]
@@ -313,3 +333,92 @@ async def test_a_completers_group_actions_are_checked_too(tmp_path, reply):
             make_completer=lambda *a: GroupCompleter(reply),
         )
     assert err.value.field == "make_completer" and "GroupCompleter" in str(err.value)
+
+
+@pytest.fixture
+def release():
+    """An Event set at teardown, so that a grader thread left waiting on it ends."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.mark.parametrize("how", ["sleeps", "spins"])
+async def test_a_grader_past_its_time_limit_scores_0_and_the_run_goes_on(tmp_path, release, caplog, how):
+    """A grader that blocked (time.sleep, a busy loop) ran on the event loop and froze every rollout and the trainer;
+    now it runs in a thread, and past grader_timeout_s its episode scores 0 and is counted, once per episode."""
+    calls = itertools.count()
+
+    def hanging_twice(problem, reply):
+        if next(calls) < 2:  # two of step 0's four episodes
+            if how == "sleeps":
+                release.wait(5)
+            else:  # holds the GIL but for the interpreter's switches
+                while not release.is_set():
+                    pass
+        return 1.0, {"correct": 1.0}
+
+    hanging_twice.__qualname__ = f"hanging_twice_{how}"  # a name of its own: the warning comes once per grader
+
+    data = problem_datasets(PROBLEMS, [], hanging_twice, CFG, grader_timeout_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="asyncsess.rl"):
+        result = await train_rl(CFG, data, tmp_path, progress=False)
+    first, second = [r for r in read_metrics(tmp_path) if "env/all/reward/total" in r]
+    assert result.steps == 2
+    assert first["env/all/grader_timeouts"] == 2.0 and first["env/all/reward/total"] == 0.5  # counted, not averaged
+    assert first["env/all/correct"] == 1.0  # the other episodes of the batch were graded
+    assert second["env/all/reward/total"] == 1.0 and "env/all/grader_timeouts" not in second
+    warnings = [r.getMessage() for r in caplog.records if hanging_twice.__qualname__ in r.getMessage()]
+    assert len(warnings) == 1 and "grader_timeout_s" in warnings[0]
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, math.nan, math.inf, 1e10, "30", True, None])  # 1e10: an OverflowError mid-run
+async def test_a_grader_time_limit_is_a_finite_number_of_seconds(limit):
+    with pytest.raises(InvalidInputError) as err:
+        problem_datasets(PROBLEMS, [], digit_share, CFG, grader_timeout_s=limit)
+    assert err.value.field == "grader_timeout_s" and err.value.fix
+    with pytest.raises(InvalidInputError) as err:
+        ToolEnv(ChatRenderer(CharTokenizer()), [], [], async_grade, grader_timeout_s=limit if limit is not None else 0)
+    assert err.value.field == "grader_timeout_s"
+
+
+async def async_grade(text):
+    await anyio.sleep(3600)
+    return 1.0, {}
+
+
+async def test_a_tool_env_grade_past_its_time_limit_scores_0():
+    """ToolEnv awaited its grade with no bound: one that never returned hung the run."""
+    tok = CharTokenizer()
+    env = ToolEnv(ChatRenderer(tok), [{"role": "user", "content": "go"}], [], async_grade, grader_timeout_s=0.1)
+    await env.initial_observation()
+    with anyio.fail_after(30):  # hang guard
+        result = await env.step(tok.encode("done", add_special_tokens=False))
+    assert result.episode_done and result.reward == 0.0 and result.metrics == {"grader_timeouts": 1.0, "tool_calls": 0.0}
+
+
+async def test_at_most_grader_threads_graders_run_at_once(monkeypatch):
+    """Graders run in threads, a bounded number at a time (the rest wait for one, outside their time limit)."""
+    monkeypatch.setattr(grading, "INLINE_WAIT_S", 0.0)  # every wait off the loop: all six start together
+    running, most, lock = 0, 0, threading.Lock()
+
+    def slow(problem, reply):
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.3)
+        with lock:
+            running -= 1
+        return 1.0, {}
+
+    results = []
+
+    async def one():
+        results.append(await grading.grade_in_thread(slow, PROBLEMS[0], "", timeout_s=30))
+
+    with anyio.fail_after(30):  # hang guard
+        async with anyio.create_task_group() as tg:
+            for _ in range(grading.GRADER_THREADS + 2):
+                tg.start_soon(one)
+    assert most == grading.GRADER_THREADS and results == [(1.0, {})] * (grading.GRADER_THREADS + 2)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from ..chat import chat_tokens, turn_stop_tokens
 from ..errors import InvalidInputError
 from ..types import ModelInput
+from .grading import GRADER_TIMEOUT_S, check_timeout, grade_in_thread, grader_name, timed_out
 from .types import Action, Env, EnvGroupBuilder, Observation, RLDataset, StepResult, StopCondition, check_reward
 
 __all__ = [
@@ -72,17 +73,22 @@ class PromptRenderer:
 
 
 class ProblemEnv(Env):
-    """One reply to one problem, graded; the episode ends after it."""
+    """One reply to one problem, graded in a thread (:mod:`.grading`); the episode ends after it. A grader that has
+    not returned within ``grader_timeout_s`` seconds scores the reply 0 with the metric ``grader_timeouts`` = 1."""
 
-    def __init__(self, renderer: PromptRenderer, problem: Problem, grader: Grader) -> None:
+    def __init__(self, renderer: PromptRenderer, problem: Problem, grader: Grader, grader_timeout_s: float = GRADER_TIMEOUT_S) -> None:
         self.renderer, self.problem, self.grader = renderer, problem, grader
+        self.grader_timeout_s = check_timeout(grader_timeout_s)
 
     async def initial_observation(self) -> tuple[Observation, StopCondition]:
         return self.renderer.observation(self.problem), list(self.renderer.stop)
 
     async def step(self, action: Action) -> StepResult:
-        graded = self.grader(self.problem, self.renderer.reply(action))
-        source = f"the grader {getattr(self.grader, '__qualname__', type(self.grader).__qualname__)}"
+        graded = await grade_in_thread(self.grader, self.problem, self.renderer.reply(action), timeout_s=self.grader_timeout_s)
+        if graded is None:
+            reward, metrics = timed_out(self.grader, self.grader_timeout_s)
+            return StepResult(reward, True, metrics=metrics)
+        source = f"the grader {grader_name(self.grader)}"
         if not isinstance(graded, tuple) or len(graded) != 2:
             raise InvalidInputError(f"{source} returned {graded!r:.60}", field="grader", fix="return (reward, metrics), e.g. (1.0, {})")
         reward, metrics = check_reward(*graded, source)
@@ -92,11 +98,14 @@ class ProblemEnv(Env):
 class ProblemGroupBuilder(EnvGroupBuilder):
     """``group_size`` envs of one problem."""
 
-    def __init__(self, renderer: PromptRenderer, problem: Problem, grader: Grader, group_size: int) -> None:
+    def __init__(
+        self, renderer: PromptRenderer, problem: Problem, grader: Grader, group_size: int, grader_timeout_s: float = GRADER_TIMEOUT_S
+    ) -> None:
         self.renderer, self.problem, self.grader, self.group_size = renderer, problem, grader, group_size
+        self.grader_timeout_s = check_timeout(grader_timeout_s)
 
     async def make_envs(self) -> list[Env]:
-        return [ProblemEnv(self.renderer, self.problem, self.grader) for _ in range(self.group_size)]
+        return [ProblemEnv(self.renderer, self.problem, self.grader, self.grader_timeout_s) for _ in range(self.group_size)]
 
 
 class ProblemDataset:
@@ -124,20 +133,25 @@ class BatchShape(Protocol):
 
 
 def problem_datasets(
-    train: Sequence[Problem], test: Sequence[Problem], grader: Grader, config: BatchShape
+    train: Sequence[Problem], test: Sequence[Problem], grader: Grader, config: BatchShape, *, grader_timeout_s: float = GRADER_TIMEOUT_S
 ) -> Callable[[Any], tuple[RLDataset, list[EnvGroupBuilder]]]:
     """``make_datasets(tokenizer)`` for :func:`asyncsess.rl.train.train_rl`: ``train`` in batches of
-    ``groups_per_batch`` groups of ``group_size``, and one greedy episode per ``test`` problem. An empty ``train``
-    is refused here, before a run starts."""
+    ``groups_per_batch`` groups of ``group_size``, and one greedy episode per ``test`` problem, each graded within
+    ``grader_timeout_s`` seconds (see :class:`ProblemEnv`). An empty ``train`` or a limit that is not a finite
+    number > 0 is refused here, before a run starts."""
     if not train:
         raise InvalidInputError("no training problems", field="train", fix="pass at least one training problem")
+    grader_timeout_s = check_timeout(grader_timeout_s)
 
     def make(tokenizer: Any) -> tuple[RLDataset, list[EnvGroupBuilder]]:
         renderer = PromptRenderer(tokenizer)
         data = ProblemDataset(
-            train, config.groups_per_batch, lambda p: ProblemGroupBuilder(renderer, p, grader, config.group_size), config.seed
+            train,
+            config.groups_per_batch,
+            lambda p: ProblemGroupBuilder(renderer, p, grader, config.group_size, grader_timeout_s),
+            config.seed,
         )
-        return data, [ProblemGroupBuilder(renderer, p, grader, 1) for p in test]
+        return data, [ProblemGroupBuilder(renderer, p, grader, 1, grader_timeout_s) for p in test]
 
     return make
 

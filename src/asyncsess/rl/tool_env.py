@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from ..chat import ChatRenderer, Message, Tool, parse_tool_calls
 from ..errors import InvalidInputError
 from ..types import ModelInput
+from .grading import GRADER_TIMEOUT_S, check_timeout, grade_async, timed_out
 from .types import Action, Env, Observation, StepResult, StopCondition
 
 __all__ = ["ToolEnv", "FinalGrader"]
@@ -33,7 +34,8 @@ class ToolEnv(Env):
     (:meth:`asyncsess.chat.Tool.refusal`), is not run: its result is an ``{"error": ...}`` for the model. When the next
     observation would reach ``max_trajectory_tokens`` the episode ends with ``overflow_reward``
     (``context_overflow``). Tool metrics are reported on the turn of the call; the final step adds
-    ``tool_calls``, the number of calls made.
+    ``tool_calls``, the number of calls made. A ``grade`` that has not returned within ``grader_timeout_s`` seconds
+    (``None``: no limit, for a grader that bounds itself) scores the reply 0 with the metric ``grader_timeouts`` = 1.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class ToolEnv(Env):
         max_trajectory_tokens: int | None = None,
         overflow_reward: float = 0.0,
         max_calls: int = 16,
+        grader_timeout_s: float | None = GRADER_TIMEOUT_S,
     ) -> None:
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
@@ -56,6 +59,7 @@ class ToolEnv(Env):
         self.tools = {t.name: t for t in tools}
         self.max_turns, self.max_trajectory_tokens, self.overflow_reward = max_turns, max_trajectory_tokens, overflow_reward
         self.max_calls = max_calls
+        self.grader_timeout_s = None if grader_timeout_s is None else check_timeout(grader_timeout_s)
         self.turns = 0
         self.tool_calls = 0
 
@@ -90,5 +94,6 @@ class ToolEnv(Env):
         return StepResult(0.0, False, ModelInput.from_ints(ob), list(self.renderer.stop), metrics)
 
     async def _end(self, text: str, reason: str, metrics: dict[str, float] | None = None) -> StepResult:
-        reward, final = await self.grade(text)
+        graded = await grade_async(self.grade, text, timeout_s=self.grader_timeout_s)
+        reward, final = timed_out(self.grade, self.grader_timeout_s) if graded is None else graded
         return StepResult(reward, True, metrics={**(metrics or {}), **final, "tool_calls": float(self.tool_calls)}, stop_reason=reason)

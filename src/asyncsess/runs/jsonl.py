@@ -28,10 +28,11 @@ MAX_FILE_BYTES = 1 << 30  # a run's JSONL files hold a line per step; a bigger o
 JsonlLine = tuple[int, dict[str, Any]]  # (line number, counting from 1; the record)
 
 
-def refuse(path: Path, line: int | None, field: str | None, message: str, fix: str) -> InvalidInputError:
-    """The error for what ``path`` holds at ``line`` (``None``: the whole file)."""
+def refuse(path: Path, line: int | None, field: str | None, message: str, fix: str, name: str | None = None) -> InvalidInputError:
+    """The error for what ``path`` holds at ``line`` (``None``: the whole file); its field is ``<name>.<field>``, where
+    ``name`` is the file's name unless given (the config field that holds the path, say)."""
     where = f"{path}" if line is None else f"{path}:{line}"
-    return InvalidInputError(f"{where}: {message}", field=f"{path.name}{'' if field is None else f'.{field}'}", fix=fix)
+    return InvalidInputError(f"{where}: {message}", field=f"{name or path.name}{'' if field is None else f'.{field}'}", fix=fix)
 
 
 def _non_finite(value: Any, where: str = "") -> str | None:
@@ -57,23 +58,23 @@ def _has_surrogate(value: Any) -> bool:
     return isinstance(value, list) and any(_has_surrogate(v) for v in value)
 
 
-def parse_line(path: Path, number: int, raw: bytes, fix: str) -> dict[str, Any]:
+def parse_line(path: Path, number: int, raw: bytes, fix: str, name: str | None = None) -> dict[str, Any]:
     """Line ``number`` of ``path`` as a JSON object: not UTF-8, not JSON (or too deep, or a too long int), not an
     object, a NaN or a lone surrogate is an InvalidInputError naming the file and the line (see :func:`refuse`)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise refuse(path, number, None, "the line is not UTF-8", fix) from None
+        raise refuse(path, number, None, "the line is not UTF-8", fix, name) from None
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as err:  # bad JSON, an int of more than 4300 digits, deep nesting
-        raise refuse(path, number, None, f"the line is not JSON ({str(err)[:80]})", fix) from None
+        raise refuse(path, number, None, f"the line is not JSON ({str(err)[:80]})", fix, name) from None
     if not isinstance(value, dict):
-        raise refuse(path, number, None, f"the line holds a JSON {type(value).__name__}, not an object", fix)
+        raise refuse(path, number, None, f"the line holds a JSON {type(value).__name__}, not an object", fix, name)
     if (key := _non_finite(value)) is not None:
-        raise refuse(path, number, key, "NaN or an infinite number (JSON has none)", fix)
+        raise refuse(path, number, key, "NaN or an infinite number (JSON has none)", fix, name)
     if _has_surrogate(value):
-        raise refuse(path, number, None, "a string holds a lone surrogate (not text)", fix)
+        raise refuse(path, number, None, "a string holds a lone surrogate (not text)", fix, name)
     return value
 
 

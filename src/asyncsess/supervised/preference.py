@@ -9,7 +9,6 @@ called, so importing this module stays torch-free.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from ..errors import InvalidInputError
 from ..rl.data import datum_tokens
 from ..runs.checkpoints import open_run_dir, read_run_config, save_checkpoint
 from ..runs.metrics import MetricsLogger
+from ..tasks.rows import RowError, load_rows, need
 from ..types import MAX_LEARNING_RATE, AdamParams, Datum
 from .sft import conversation_datum
 
@@ -168,38 +168,28 @@ _METRICS = {
 }
 
 
-_KEYS: dict[str, dict[str, type]] = {
-    "dpo": {"prompt": list, "chosen": str, "rejected": str},
-    "kto": {"prompt": list, "completion": str, "label": bool},
+# per method, each key of a row: its type and how a message says it
+_KEYS: dict[str, dict[str, tuple[type, str]]] = {
+    "dpo": {"prompt": (list, "a list of chat messages"), "chosen": (str, "a string"), "rejected": (str, "a string")},
+    "kto": {"prompt": (list, "a list of chat messages"), "completion": (str, "a string"), "label": (bool, "true or false")},
 }
 
 
 def _rows(cfg: PreferenceConfig) -> list[dict[str, Any]]:
-    """The rows of ``cfg.data``, each checked (JSON, the method's keys and their types), and enough of them for one
-    training batch after the held-out quarter; an InvalidInputError naming ``data`` (file:line, key) or ``batch_size``."""
+    """The rows of ``cfg.data``, each checked (:func:`asyncsess.tasks.rows.load_rows`: JSON, the method's keys and
+    their types), and enough of them for one training batch after the held-out quarter; an InvalidInputError naming
+    ``data`` (file:line, ``data.<key>``) or ``batch_size``."""
     keys = _KEYS[cfg.method]
+
+    def parse(row: dict[str, Any], index: int) -> dict[str, Any]:
+        for key, (kind, what) in keys.items():
+            value = need(row, key, kind, what)
+            if kind is list and not all(isinstance(m, dict) for m in value):
+                raise RowError(key, f"{key} is {value!r:.60}, not {what}")
+        return row
+
     example = "{" + ", ".join(f'"{k}": ...' for k in keys) + "} per line"
-    try:
-        lines = Path(cfg.data).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise InvalidInputError(f"{cfg.data} cannot be read ({err})", field="data", fix=f"pass a JSONL file of {example}") from None
-    rows = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise InvalidInputError(f"{cfg.data}:{n} is not JSON ({err})", field="data", fix=f"use {example}") from None
-        if not isinstance(row, dict):
-            raise InvalidInputError(f"{cfg.data}:{n} holds a JSON {type(row).__name__}", field="data", fix=f"use {example}")
-        for key, kind in keys.items():
-            if key not in row:
-                raise InvalidInputError(f"{cfg.data}:{n} has no {key!r}", field=f"data.{key}", fix=f"use {example}")
-            if not isinstance(row[key], kind) or (kind is list and not all(isinstance(m, dict) for m in row[key])):
-                want = "a list of chat messages" if kind is list else f"a {kind.__name__}"
-                raise InvalidInputError(f"{cfg.data}:{n}: {key} is {row[key]!r:.60}, not {want}", field=f"data.{key}", fix=f"use {example}")
-        rows.append(row)
+    rows = load_rows(cfg.data, parse, f"use a JSONL file of {example}", name="data")
     per_row = 2 if cfg.method == "dpo" else 1  # datums
     train = (len(rows) - max(1, len(rows) // 4)) * per_row
     if train < cfg.batch_size:

@@ -248,6 +248,7 @@ class CodeGroupBuilder(EnvGroupBuilder):
                 max_turns=self.max_turns,
                 max_trajectory_tokens=self.max_trajectory_tokens,
                 overflow_reward=-self.format_coef,
+                grader_timeout_s=None,  # the sandbox bounds each test run (timeout_s)
             )
             for _ in range(self.group_size)
         ]
