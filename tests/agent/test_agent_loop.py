@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import pytest
 
 from asyncsess.errors import InvalidInputError
@@ -164,3 +165,33 @@ async def test_a_killed_runs_torn_trajectory_line_is_cut_before_the_resumed_run_
     await train_agent_rl(cfg.model_copy(update={"max_steps": 2}), agent, ["a", "bb"], [], tmp_path, progress=False)
     lines = read_trajectories(tmp_path / "trajectories.jsonl")
     assert lines[: len(whole)] == whole and len(lines) > len(whole) and "rollout-to" not in (tmp_path / "trajectories.jsonl").read_text()
+
+
+async def test_an_agent_past_its_time_limit_scores_0_and_the_run_goes_on(tmp_path, caplog):
+    """An agent that never returned (a tool call waiting forever) hung the whole run."""
+    hangs = anyio.Event()  # set at teardown: nothing waits on it past the test
+
+    async def agent(client, task) -> float:
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}], max_tokens=4)
+        if task == "hang" and reply.choices[0].message.content is not None:
+            await hangs.wait()
+        return 1.0
+
+    cfg = AgentRLConfig(url="mock://?max_context=2048", groups_per_batch=2, group_size=2, max_steps=2, max_tokens=4, agent_timeout_s=0.5)
+    with caplog.at_level("WARNING", logger="asyncsess.rl"), anyio.fail_after(60):  # a hang guard, not a timing check
+        result = await train_agent_rl(cfg, agent, ["hang", "fine"], [], tmp_path, progress=False)
+    hangs.set()
+    assert result.steps == 2
+    steps = [r for r in read_metrics(tmp_path) if "env/all/reward/total" in r]
+    assert [r["env/all/agent_timeouts"] for r in steps] == [2.0, 2.0]  # both rollouts of "hang", each step
+    assert [r["env/all/reward/total"] for r in steps] == [0.5, 0.5]  # "fine" scored 1, "hang" 0
+    lines = read_trajectories(tmp_path / "trajectories.jsonl")
+    late = [line for line in lines if line.get("timed_out")]
+    assert len(late) == 4 and all(line["reward"] == 0.0 and len(line["calls"]) == 1 for line in late)  # the call it made is kept
+    assert sum("agent_timeout_s" in r.getMessage() for r in caplog.records) == 1  # warned once
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 10**9])
+def test_an_agent_time_limit_is_a_finite_number_of_seconds(bad):
+    with pytest.raises(ValueError, match="agent_timeout_s"):
+        AgentRLConfig(agent_timeout_s=bad)

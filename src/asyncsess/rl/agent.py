@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from ..backends.base import Tokenizer
 from ..client import SamplingClient
 from ..errors import InvalidInputError
 from .capture import AgentTrajectory, build_trajectory, trajectories_file
+from .grading import AGENT_TIMEOUTS, MAX_GRADER_TIMEOUT_S
 from .problem_env import ProblemDataset
 from .train import LearningRate, LoraAlpha, LoraRank, MaxTokens, RLConfig, RLResult, Steps, train_rl
 from .types import Env, EnvGroupBuilder, RLDataset, TrajectoryGroup, check_reward
@@ -38,6 +40,8 @@ __all__ = ["Agent", "AgentRLConfig", "AgentGroupBuilder", "train_agent_rl"]
 
 # (an openai.AsyncOpenAI for this rollout, the task) -> reward
 Agent = Callable[[Any, Any], Awaitable[float]]
+AGENT_TIMEOUT_S = 600.0  # a rollout's default time limit: long tool-using episodes, yet a hung agent ends
+log = logging.getLogger("asyncsess.rl")
 
 
 class AgentRLConfig(RLConfig):
@@ -51,6 +55,9 @@ class AgentRLConfig(RLConfig):
     max_steps: Steps = 50
     model_name: str = Field(default="policy", min_length=1, max_length=256)
     max_n: int = Field(default=64, ge=1, le=1000)
+    # seconds one rollout (the agent's call) may take; past it the agent is cancelled, the rollout scores 0 and counts in
+    # env/all/agent_timeouts. None: no limit. An agent that blocks the event loop (time.sleep) cannot be cancelled.
+    agent_timeout_s: float | None = Field(default=AGENT_TIMEOUT_S, gt=0.0, le=MAX_GRADER_TIMEOUT_S, allow_inf_nan=False)
 
 
 class AgentGroupBuilder(EnvGroupBuilder):
@@ -70,8 +77,12 @@ class _AgentRunner:
         self.cfg, self.agent = cfg, agent
         self.front = OpenAIFront(model_name=cfg.model_name, max_n=cfg.max_n, max_tokens=cfg.max_tokens, context_window=cfg.context_window)
         self.jsonl = trajectories_file(path / "trajectories.jsonl")
+        self.warned = False  # about an agent past its time limit, once per run
 
-    async def rollout(self, task: Any, sampler: SamplingClient, temperature: float, version: int, index: int = 0) -> AgentTrajectory:
+    async def rollout(
+        self, task: Any, sampler: SamplingClient, temperature: float, version: int, index: int = 0
+    ) -> tuple[AgentTrajectory, bool]:
+        """The rollout's trajectory, and whether the agent ran out of time (then it scores 0 with the calls it made)."""
         rid = f"rollout-{uuid.uuid4().hex}"
         # a seed from the run, the weights, the task and the rollout's place in its group: the same tokens
         # whatever order the group's concurrent calls reach the sampler in
@@ -79,17 +90,29 @@ class _AgentRunner:
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 2
         self.front.bind(rid, sampler, version, temperature, seed=seed)
         try:
+            name = f"the agent {getattr(self.agent, '__qualname__', 'agent')}"
+            reward = 0.0
             async with self.front.openai_client(rid) as client:
-                reward, _ = check_reward(await self.agent(client, task), {}, f"the agent {getattr(self.agent, '__qualname__', 'agent')}")
+                with anyio.move_on_after(self.cfg.agent_timeout_s) as limit:
+                    reward, _ = check_reward(await self.agent(client, task), {}, name)
+            if limit.cancelled_caught and not self.warned:
+                self.warned = True
+                log.warning(
+                    "%s did not return within %g s: such rollouts score 0 and count in env/all/%s (raise agent_timeout_s "
+                    "if it needs longer)",
+                    name,
+                    self.cfg.agent_timeout_s,
+                    AGENT_TIMEOUTS,
+                )
         finally:
             self.front.unbind(rid)
             calls = self.front.captures.pop(rid)
-        return build_trajectory(rid, calls, reward)
+        return build_trajectory(rid, calls, reward), limit.cancelled_caught
 
     async def play(self, builder: EnvGroupBuilder, sampler: SamplingClient, temperature: float, version: int) -> TrajectoryGroup:
         if not isinstance(builder, AgentGroupBuilder):
             raise TypeError(f"expected an AgentGroupBuilder, got {type(builder).__name__}")
-        done: list[AgentTrajectory | None] = [None] * builder.group_size
+        done: list[tuple[AgentTrajectory, bool] | None] = [None] * builder.group_size
         errors: list[Exception] = []
 
         async def one(i: int) -> None:
@@ -103,11 +126,13 @@ class _AgentRunner:
                 tg.start_soon(one, i)
         if errors:
             raise errors[0]
-        trajs = [t for t in done if t is not None]
+        played = [t for t in done if t is not None]
         with open(self.jsonl, "a", encoding="utf-8") as f:
-            for t in trajs:
-                f.write(json.dumps({**t.record(), "temperature": temperature, "task": _jsonable(builder.task)}) + "\n")
-        return TrajectoryGroup([t.trajectory() for t in trajs], [0.0] * len(trajs), [{} for _ in trajs], version)
+            for t, late in played:
+                line = {**t.record(), "temperature": temperature, "task": _jsonable(builder.task), **({"timed_out": True} if late else {})}
+                f.write(json.dumps(line) + "\n")
+        metrics = [{AGENT_TIMEOUTS: 1.0} if late else {} for _, late in played]
+        return TrajectoryGroup([t.trajectory() for t, _ in played], [0.0] * len(played), metrics, version)
 
 
 def _jsonable(task: Any) -> Any:

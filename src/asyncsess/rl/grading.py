@@ -24,12 +24,14 @@ from anyio.lowlevel import RunVar
 
 from ..errors import InvalidInputError
 
-__all__ = ["GRADER_TIMEOUT_S", "GRADER_THREADS", "GRADER_TIMEOUTS", "check_timeout", "grade_in_thread", "grade_async", "timed_out"]
+__all__ = ["AGENT_TIMEOUTS", "COUNTED", "GRADER_TIMEOUT_S", "GRADER_THREADS", "GRADER_TIMEOUTS", "check_timeout", "grade_in_thread", "grade_async", "timed_out"]
 
 GRADER_TIMEOUT_S = 30.0  # seconds one grading may take; graders usually take milliseconds
 MAX_GRADER_TIMEOUT_S = 86_400.0  # a day; a thread's wait refuses much more (threading.TIMEOUT_MAX)
 GRADER_THREADS = 4  # synchronous graders running at once, per event loop
 GRADER_TIMEOUTS = "grader_timeouts"  # the episode metric a timed-out grading reports (1.0), summed per step
+AGENT_TIMEOUTS = "agent_timeouts"  # the same for an agent rollout past AgentRLConfig.agent_timeout_s
+COUNTED = frozenset({GRADER_TIMEOUTS, AGENT_TIMEOUTS})  # episode metrics summed per step, not averaged
 INLINE_WAIT_S = 0.2  # of a grading's wait, what blocks the loop thread (see grade_in_thread)
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from anyio.abc import TaskGroup
 from ..client import SamplingClient
 from ..errors import InvalidInputError
 from ..types import ModelInput, SamplingParams
-from .grading import GRADER_TIMEOUTS
+from .grading import COUNTED
 from .types import STOP_REASONS, StepResult, TokensWithLogprobs, Trajectory, TrajectoryGroup, Transition, check_reward
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ async def run_all(fn: Callable[[int], Awaitable[None]], n: int) -> None:
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     """Means over trajectories: ``env/all/reward/total``, ``env/all/<metric>`` (over the trajectories that
-    report it; ``env/all/grader_timeouts`` is their count), ``env/all/turns_per_episode``,
+    report it; ``env/all/grader_timeouts`` and ``agent_timeouts`` are counts), ``env/all/turns_per_episode``,
     ``env/all/ac_tokens_per_turn``, ``env/all/ob_tokens_per_turn``, and the share of each stop reason as ``stop/<reason>``."""
     rows = [(t, total, gm) for g in groups for t, total, gm in zip(g.trajectories, g.total_rewards, g.group_metrics)]
     n = max(1, len(rows))
@@ -250,7 +250,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     episode = [{**t.metrics, **gm} for t, _, gm in rows]
     for key in sorted({k for m in episode for k in m}):
         values = [m[key] for m in episode if key in m]
-        out[f"env/all/{key}"] = sum(values) / (1 if key == GRADER_TIMEOUTS else len(values))
+        out[f"env/all/{key}"] = sum(values) / (1 if key in COUNTED else len(values))
     reasons = [t.stop_reason for t, _, _ in rows]
     for reason in dict.fromkeys([*STOP_REASONS, *reasons]):
         out[f"stop/{reason}"] = reasons.count(reason) / n
