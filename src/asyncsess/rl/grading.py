@@ -24,7 +24,17 @@ from anyio.lowlevel import RunVar
 
 from ..errors import InvalidInputError
 
-__all__ = ["AGENT_TIMEOUTS", "COUNTED", "GRADER_TIMEOUT_S", "GRADER_THREADS", "GRADER_TIMEOUTS", "check_timeout", "grade_in_thread", "grade_async", "timed_out"]
+__all__ = [
+    "AGENT_TIMEOUTS",
+    "COUNTED",
+    "GRADER_TIMEOUT_S",
+    "GRADER_THREADS",
+    "GRADER_TIMEOUTS",
+    "check_timeout",
+    "grade_in_thread",
+    "grade_async",
+    "timed_out",
+]
 
 GRADER_TIMEOUT_S = 30.0  # seconds one grading may take; graders usually take milliseconds
 MAX_GRADER_TIMEOUT_S = 86_400.0  # a day; a thread's wait refuses much more (threading.TIMEOUT_MAX)
