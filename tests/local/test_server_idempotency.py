@@ -5,6 +5,8 @@ another tenant's same key is its own create, and a garbage key is a 400 naming t
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -180,5 +182,111 @@ def test_the_replies_kept_are_bounded_in_time_and_number():
         now[0] = 100.0
         assert await create("t", "k4", "later") == "later"  # past the ttl: a new create
         assert len(creates) == 2  # the tenant's expired replies were dropped; the other tenant's wait for its next create
+
+    anyio.run(main)
+
+
+class LoseEveryReply(LoseFirstReply):
+    """Every reply to a POST on ``paths`` is read (kept in ``lost``) and then lost: the client never learns what the
+    worker made."""
+
+    def __init__(self, *paths: str) -> None:
+        super().__init__(*paths)
+        self.lost: list[dict] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append((request.url.path, request.headers.get("idempotency-key")))
+        response = await self.inner.handle_async_request(request)
+        if request.method == "POST" and request.url.path in self.to_lose:
+            self.lost.append(json.loads(await response.aread()))
+            await response.aclose()
+            raise httpx.ReadError("the connection dropped after the worker answered", request=request)
+        return response
+
+
+@pytest.mark.anyio
+async def test_a_create_the_client_gave_up_on_is_stopped_on_the_worker_at_once(worker, tiny):
+    """Every reply of a create lost: the session the worker made held its LoRA until the idle timeout. The client now
+    calls the create off (``DELETE /v1/creates/{key}``) as soon as it gives up: the session is stopped while the
+    client is still open, and the key makes nothing after that."""
+    import anyio
+
+    from asyncsess import RetryPolicy
+    from asyncsess.errors import RetriesExhaustedError
+
+    engine = worker.backend.engine
+    lose = LoseEveryReply("/v1/sessions")
+    policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, jitter=0.0)
+    async with ServiceClient(worker.url, api_key=KEY, transport=lose, heartbeat_interval=0, retry=policy) as svc:
+        before = set(engine.sessions)
+        with pytest.raises(RetriesExhaustedError):
+            await svc.create_lora_training_client(tiny, rank=2, seed=0)
+        made = {r["model_id"] for r in lose.lost}
+        assert len(lose.lost) == 2 and len(made) == 1, lose.lost  # two tries, one session made (the retry was answered with it)
+        (made,) = made
+        with anyio.fail_after(60):  # a hang guard, not a timing check
+            while made in engine.sessions:
+                await anyio.sleep(0.02)
+        called_off = [(p, k) for p, k in lose.sent if p.startswith("/v1/creates/")]
+        (key,) = {k for p, k in lose.sent if p == "/v1/sessions"}
+        assert called_off == [(f"/v1/creates/{key}", None)]
+    with httpx.Client(base_url=worker.url, timeout=120) as c:
+        late = _create(c, "/v1/sessions", {"base_model": tiny, "rank": 2, "seed": 0}, MINE, key)  # a try still in the network
+        assert assert_refused(late, "Idempotency-Key", 409)["type"] == "ConflictError"
+        assert set(engine.sessions) == before
+
+
+def test_calling_a_create_off_stops_only_the_callers_own(c, worker, tiny):
+    engine = worker.backend.engine
+    mine = _create(c, "/v1/samplers", {"base_model": tiny}, MINE, "off-1")
+    assert mine.status_code == 200, mine.text
+    sid = mine.json()["sampler_id"]
+    assert c.delete("/v1/creates/off-1", headers=THEIRS).status_code == 204  # another tenant's same key: theirs, not mine
+    assert sid in engine.samplers
+    assert c.delete("/v1/creates/off-1", headers=MINE).status_code == 204
+    assert sid not in engine.samplers
+    assert c.delete("/v1/creates/off-1", headers=MINE).status_code == 204  # again: nothing left to stop
+    assert c.delete("/v1/creates/never-sent", headers=MINE).status_code == 204  # the create never reached the worker
+    before = set(engine.samplers)
+    for key in ("off-1", "never-sent"):
+        assert_refused(_create(c, "/v1/samplers", {"base_model": tiny}, MINE, key), "Idempotency-Key", 409)  # a late try makes nothing
+    assert set(engine.samplers) == before
+    theirs = _create(c, "/v1/samplers", {"base_model": tiny}, THEIRS, "never-sent")  # my calling-off left their key alone
+    assert theirs.status_code == 200, theirs.text
+    c.delete(f"/v1/sessions/{theirs.json()['sampler_id']}", headers=THEIRS)
+    assert_refused(c.delete("/v1/creates/a%20b", headers=MINE), "Idempotency-Key")
+    assert c.delete("/v1/creates/x", headers={}).status_code == 401
+
+
+def test_calling_off_a_create_under_way_waits_for_what_it_makes():
+    import anyio
+
+    from asyncsess.errors import ConflictError
+    from asyncsess_local.idempotency import Creates
+
+    creates, go, got = Creates(), None, []
+
+    async def create() -> None:
+        async with creates.once("t", "k", "/v1/sessions", {}) as once:
+            await go.wait()
+            once.reply = {"model_id": "made"}
+
+    async def main() -> None:
+        nonlocal go
+        go = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(create)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(lambda: _abandon(got))
+            await anyio.wait_all_tasks_blocked()
+            assert got == []  # it waits for the create under way
+            go.set()
+        assert got == [{"model_id": "made"}]  # what to stop
+        with pytest.raises(ConflictError):
+            async with creates.once("t", "k", "/v1/sessions", {}):
+                pass
+
+    async def _abandon(out: list) -> None:
+        out.append(await creates.abandon("t", "k"))
 
     anyio.run(main)

@@ -10,13 +10,15 @@ The worker on the other end may be buggy, another version or hostile: redirects 
 goes to ``base_url`` only), an answer over ``max_response_bytes`` (decoded) is refused while it streams, and
 an answer that is not what the call expects (not JSON, a wrong shape, another op's result, an undecodable
 ``Content-Encoding``) is an :class:`~asyncsess.errors.APIResponseValidationError`. A create sends its spec's
-``idempotency_key`` as ``Idempotency-Key``: the worker answers a retry of it with the session it already made. ``Retry-After`` on a 429 or
+``idempotency_key`` as ``Idempotency-Key``: the worker answers a retry of it with the session it already made, and a
+create given up on is called off (``DELETE /v1/creates/{key}``: what it made is stopped). ``Retry-After`` on a 429 or
 5xx is the retry's hint (read by :func:`~asyncsess.retry.retry_after_seconds`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ..errors import APIResponseValidationError, InvalidInputError, TransientError
 from ..types import Checkpoint, CheckpointResponse, GetInfoResponse, SampleResponse, ServerCapabilities, TrainingResult
@@ -45,7 +48,10 @@ __all__ = ["HttpBackend", "MAX_RESPONSE_BYTES", "read_capped", "response_limit"]
 
 MAX_RESPONSE_BYTES = 256 * 2**20
 """The largest answer (decoded bytes) the driver reads; ``max_response_bytes=`` changes it."""
+ABANDON_S = 60.0
+"""Seconds :meth:`HttpBackend.abandon_create` keeps trying to reach the worker."""
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("asyncsess.http")
 
 
 def response_limit(value: Any) -> int:
@@ -125,6 +131,26 @@ class HttpBackend(Backend):
 
     async def stop_session(self, session_id: str) -> None:
         await self._call("DELETE", f"/v1/sessions/{session_id}")
+
+    async def abandon_create(self, idempotency_key: str) -> None:
+        """``DELETE /v1/creates/{key}``: the worker stops what the create made (a session whose every reply was lost
+        held its LoRA until the idle timeout) and refuses the key. Transient failures are retried for up to
+        :data:`ABANDON_S` seconds; a failure is logged (the worker's idle timeout is then the bound)."""
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(TransientError),
+                stop=stop_after_delay(ABANDON_S),
+                wait=wait_random_exponential(multiplier=0.5, max=10.0),
+                reraise=True,
+            ):
+                with attempt:
+                    await self._call("DELETE", f"/v1/creates/{idempotency_key}")
+        except Exception as err:  # the client's background task: logged here, never raised into a caller
+            log.warning(
+                "could not tell the worker that the create %s was given up on (%r): what it made stays until its idle timeout",
+                idempotency_key,
+                err,
+            )
 
     async def heartbeat(self, session_id: str) -> None:
         await self._call("POST", f"/v1/sessions/{session_id}/heartbeat")

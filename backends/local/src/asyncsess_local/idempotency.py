@@ -8,6 +8,10 @@ session or sampler id, nothing made again), the same key with another body (or r
 naming the header, and a retry that arrives while the first is still being created waits for it. A create that
 fails leaves no trace (its retry runs again). Keys are per tenant: another API key's same key is another create.
 Replies are kept :data:`TTL` seconds, at most :data:`MAX_PER_TENANT` per tenant (the oldest dropped first).
+
+A client that gave up on a create (every reply lost, its deadline passed) says so with ``DELETE /v1/creates/{key}``
+(:meth:`Creates.abandon`): what that create made is stopped (once a create under way ends), and the key is refused
+from then on (409), so a try still in the network makes nothing.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class _Entry:
     at: float
     done: anyio.Event = field(default_factory=anyio.Event)
     reply: Any = None
+    abandoned: bool = False  # the client gave up on this create: the key is refused
 
 
 class Creates:
@@ -88,6 +93,12 @@ class Creates:
         while True:
             self._prune(tenant)
             entry = entries.get(key)
+            if entry is not None and entry.abandoned:
+                raise ConflictError(
+                    f"{IDEMPOTENCY_HEADER} {key!r} belongs to a create the client gave up on",
+                    field=IDEMPOTENCY_HEADER,
+                    fix="send a new key for a new create",
+                )
             if entry is not None and entry.fingerprint != fingerprint:
                 raise ConflictError(
                     f"{IDEMPOTENCY_HEADER} {key!r} was already used for another request",
@@ -110,6 +121,22 @@ class Creates:
             elif entries.get(key) is entry:
                 del entries[key]  # failed or cancelled: nothing was made, a retry runs again
             entry.done.set()
+
+    async def abandon(self, tenant: str, key: str) -> Any:
+        """The client gave up on the create of ``key``: the reply of what it made (after a create under way ends), or
+        None; from now on the key is refused (kept like a reply: :data:`TTL`, :data:`MAX_PER_TENANT`)."""
+        entries = self._by_tenant.setdefault(tenant, {})
+        self._prune(tenant)
+        entry = entries.get(key)
+        if entry is not None and not entry.done.is_set():
+            await entry.done.wait()
+            entry = entries.get(key)
+        made = entry.reply if entry is not None and not entry.abandoned else None
+        gone = _Entry("", self.clock(), abandoned=True)
+        gone.done.set()
+        entries.pop(key, None)
+        entries[key] = gone  # newest last, as _prune expects
+        return made
 
     def _prune(self, tenant: str) -> None:
         """Drop ``tenant``'s replies older than ``ttl``, and its oldest while it holds ``max_per_tenant`` (never a create

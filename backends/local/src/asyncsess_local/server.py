@@ -343,6 +343,17 @@ def create_app(
                 once.reply = info.model_dump(mode="json")
         return once.reply
 
+    @app.delete("/v1/creates/{once_key}", status_code=204)
+    async def abandon_create(once_key: str, key: str = Depends(api_key)) -> Response:
+        """The client gave up on the create it sent with this ``Idempotency-Key``: stop what it made, refuse the key."""
+        check_key([once_key])
+        made = await creates.abandon(key, once_key)
+        if isinstance(made, dict):
+            made_id = made.get("model_id") or made.get("sampler_id")
+            if isinstance(made_id, str) and owners.by_id.get(made_id) == key:
+                await stop(made_id)
+        return Response(status_code=204)
+
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def stop_session(session_id: IdPath, key: str = Depends(api_key)) -> Response:
         if owners.by_id.get(session_id) == key:
