@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,8 +116,10 @@ def parse_body(raw: bytes) -> Any:
     """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
 
     A lone surrogate (a ``\\ud800`` escape) anywhere in it, a key or a value, is a 400 naming where: such text
-    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a value nested
-    more than ``MAX_DEPTH`` levels deep (a tool schema, say): a capture of it could not be read back."""
+    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a number that is
+    no JSON number (``NaN``, ``Infinity``, or ``1e400``, which decodes to one): a reply that echoes it (a Responses
+    call's ``tools``) could not be written. So is a value nested more than ``MAX_DEPTH`` levels deep (a tool schema,
+    say): a capture of it could not be read back."""
     try:
         body = json_body.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
@@ -131,8 +134,8 @@ MAX_DEPTH = 64  # levels of objects and arrays in a body; a capture (pydantic) s
 
 
 def _check_body(body: Any) -> None:
-    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate, or the first
-    value nested past ``MAX_DEPTH``."""
+    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate, the first number
+    that is not finite, or the first value nested past ``MAX_DEPTH``."""
     if isinstance(body, str) and not _encodable(body):
         raise FrontError("the body is a string with a lone surrogate; send a JSON object", None, code="invalid_json")
     todo: list[tuple[list[str], Any]] = [([], body)]
@@ -150,6 +153,11 @@ def _check_body(body: Any) -> None:
                 param = ".".join([*path, name])
                 raise FrontError(
                     f"invalid value for '{param}': it holds a lone surrogate; send valid Unicode text", param, code="invalid_value"
+                )
+            if isinstance(item, float) and not math.isfinite(item):
+                param = ".".join([*path, name])
+                raise FrontError(
+                    f"invalid value for '{param}': {item} is not a JSON number; send a finite number", param, code="invalid_value"
                 )
             if isinstance(item, (dict, list)):
                 if len(path) >= MAX_DEPTH:
