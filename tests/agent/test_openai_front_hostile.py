@@ -4,6 +4,8 @@ names OpenAI refuses, budgets that disagree, and prompts the sampler refuses, na
 from __future__ import annotations
 
 import json
+import threading
+from typing import Any, ClassVar
 
 import anyio
 import httpx
@@ -11,6 +13,7 @@ import openai
 import pytest
 
 from asyncsess import ServiceClient
+from asyncsess.serve.capture import CapturedCall, CapturedChoice
 from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess.serve.openai_wire import MAX_TEXT_CHARS
 from asyncsess.types import SampledSequence, SampleResponse
@@ -399,3 +402,33 @@ async def test_log_prob_entries_decode_each_token_once_and_long_choices_let_othe
     assert entries > 100 and counting.tok.decodes < entries * 10  # (was over entries * 42: 2 per entry and alternative)
     if route == "chat":
         assert len(seen) == 9 and seen[-1] - seen[1] >= 4  # the loop ran other tasks between the choices (trio: most)
+
+
+class _Rendered(CapturedCall):
+    """A captured call that notes the threads it is rendered on."""
+
+    threads: ClassVar[set[int]] = set()
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        self.threads.add(threading.get_ident())
+        return super().model_dump(**kwargs)
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+async def test_a_large_rollout_is_rendered_off_the_event_loop_a_call_at_a_time(sampler, method):
+    """A key's 4,000,000 captured tokens were rendered in one ``json.dumps`` on the event loop (36 MB, 0.75 s of every
+    tenant's calls on each read of the rollout); they are now made in a worker thread, one call per ``json.dumps``."""
+    front = OpenAIFront(sampler)
+    choice = CapturedChoice(index=0, tokens=list(range(500)), logprobs=[-1.0] * 500, finish_reason="length")
+    common = dict(rollout_id="r", endpoint="completions", model="policy", sampler_id="s", weight_version=0, usage={})
+    calls = [_Rendered(call_index=i, prompt_tokens=list(range(2000)), choices=[choice], **common) for i in range(20)]
+    for call in calls:
+        front.captures.add(call)
+    _Rendered.threads.clear()
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        r = await http.request(method, "/v1/asyncsess/rollouts/r")
+    rendered_on = set(_Rendered.threads)
+    assert rendered_on and threading.get_ident() not in rendered_on
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text[:200]
+    assert r.json() == {"rollout_id": "r", "calls": [c.model_dump(mode="json") for c in calls]}
+    assert (front.captures.calls("r") == []) == (method == "DELETE")

@@ -34,7 +34,7 @@ from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
 from . import json_body
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
-from .openai_front import OpenAIFront, Route
+from .openai_front import OpenAIFront, Route, rollout_reply
 from .openai_wire import ChatRequest, CompletionRequest, FrontError, OpenAIRequest, check_coding, model_card, model_not_found, parse_body
 from .responses_wire import ResponsesRequest
 from .tinker_api import TinkerDoor, api_key_of, caller
@@ -284,8 +284,7 @@ def openai_router(
             store = oai.captures(key_of(request))
         except FrontError as err:
             return err.response()
-        calls = store.pop(rollout_id) if take else store.calls(rollout_id)
-        return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
+        return await rollout_reply(rollout_id, store.pop(rollout_id) if take else store.calls(rollout_id))
 
     @r.get("/asyncsess/rollouts/{rollout_id:path}")
     async def rollout(rollout_id: str, request: Request) -> Response:

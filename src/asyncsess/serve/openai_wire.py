@@ -8,7 +8,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -487,17 +487,17 @@ def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[
     return TokenText(tok).entry(t, lp, top)
 
 
-def reply_json(body: dict[str, Any]) -> bytes:
-    """``body`` (a reply with ``choices``) as JSON, as ``JSONResponse`` writes it, one choice at a time: ``json.dumps``
-    holds the GIL until it returns, so a reply of 64 choices with top log-probs stalled every other call for seconds
-    (from a worker thread too)."""
+def reply_json(body: dict[str, Any], items: str = "choices", item: Callable[[Any], Any] = lambda v: v) -> bytes:
+    """``body`` (a reply with a list under ``items``) as JSON, as ``JSONResponse`` writes it, one ``item(entry)`` of the
+    list at a time: ``json.dumps`` holds the GIL until it returns, so a reply of 64 choices with top log-probs stalled
+    every other call for seconds (from a worker thread too)."""
 
     def dumps(obj: Any) -> str:
         return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
-    rest = dumps({k: v for k, v in body.items() if k != "choices"})
-    choices = ",".join(dumps(c) for c in body.get("choices", []))
-    return (rest[:-1] + ("," if len(rest) > 2 else "") + '"choices":[' + choices + "]}").encode("utf-8")
+    rest = dumps({k: v for k, v in body.items() if k != items})
+    entries = ",".join(dumps(item(e)) for e in body.get(items, []))
+    return (rest[:-1] + ("," if len(rest) > 2 else "") + f'"{items}":[' + entries + "]}").encode("utf-8")
 
 
 def legacy_logprobs(tok: Any, c: Choice, texts: TokenText | None = None) -> dict[str, Any]:
