@@ -66,7 +66,7 @@ class OpenAIDoor:
         # base model / tinker path -> (backend id, base model, version), least recently used first
         self._opened: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
         self._opened_for: dict[str, object] = {}  # tinker path -> the door's checkpoint record its sampler loaded
-        self._lock = anyio.Lock()
+        self._opening: dict[str, anyio.Lock] = {}  # base model / tinker path -> held while its sampler is opened
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[OpenAIDoor]:
@@ -78,7 +78,7 @@ class OpenAIDoor:
             finally:
                 self._svc = None
                 with anyio.CancelScope(shield=True):
-                    for backend_id, _, _ in self._opened.values():
+                    for backend_id, _, _ in list(self._opened.values()):
                         with contextlib.suppress(Exception):
                             await self.door.backend.stop_session(backend_id)
 
@@ -93,15 +93,23 @@ class OpenAIDoor:
         return {m.model_name: m.max_context_length for m in caps.supported_models if m.sampleable}
 
     async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int, record: object = None) -> tuple[str, str, int]:
-        async with self._lock:
-            await self._close_stale()
-            if what not in self._opened:
-                self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
-                if record is not None:
-                    self._opened_for[what] = record
-                    await self._bound_paths()
-            self._opened.move_to_end(what)
-            return self._opened[what]
+        """The sampler on ``what`` (a base model or a checkpoint path), opened once however many calls ask at once,
+        under a lock of its own: a call on any other sampler never waits for it (one lock for all held every key's
+        calls while one key's checkpoint loaded)."""
+        lock = self._opening.setdefault(what, anyio.Lock())
+        try:
+            async with lock:
+                await self._close_stale()
+                if what not in self._opened:
+                    self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
+                    if record is not None:
+                        self._opened_for[what] = record
+                        await self._bound_paths()
+                self._opened.move_to_end(what)
+                return self._opened[what]
+        finally:
+            if not (lock.locked() or lock.statistics().tasks_waiting):
+                self._opening.pop(what, None)
 
     async def _bound_paths(self) -> None:
         """Past ``max_open_paths`` samplers on checkpoint paths, stop the least recently used ones that serve no call
@@ -111,24 +119,26 @@ class OpenAIDoor:
             if excess <= 0:
                 break
             if not any(front.active for (_, m), (_, front) in self._fronts.items() if m == what):
-                await self._close(what)
+                await self._close([what])
                 excess -= 1
 
-    async def _close(self, what: str) -> None:
-        backend_id = self._opened.pop(what)[0]
-        self._opened_for.pop(what, None)
-        for k in [k for k in self._fronts if k[1] == what]:
+    async def _close(self, whats: list[str]) -> None:
+        """Forget the samplers on ``whats`` (and their fronts) at once, then stop them; one another call closed first
+        is skipped."""
+        gone = [entry[0] for w in whats if (entry := self._opened.pop(w, None)) is not None]
+        for what in whats:
+            self._opened_for.pop(what, None)
+        for k in [k for k in self._fronts if k[1] in whats]:
             del self._fronts[k]
-        with contextlib.suppress(Exception):
-            await self.door.backend.stop_session(backend_id)
+        for backend_id in gone:
+            with contextlib.suppress(Exception):
+                await self.door.backend.stop_session(backend_id)
 
     async def _close_stale(self) -> None:
         """Stop the samplers opened on checkpoints the door no longer holds as they were: deleted, expired or
         overwritten. They stayed open for good (one per checkpoint ever sampled), an overwritten one serving the
         old weights."""
-        for what, record in list(self._opened_for.items()):
-            if self.door.checkpoints.get(what) is not record:
-                await self._close(what)
+        await self._close([what for what, record in list(self._opened_for.items()) if self.door.checkpoints.get(what) is not record])
 
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
@@ -164,8 +174,7 @@ class OpenAIDoor:
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
-            async with self._lock:
-                await self._close_stale()
+            await self._close_stale()
             raise model_not_found(model)
         cached = self._fronts.get((key, model))
         front = cached[1] if cached is not None and cached[0] == backend_id else None  # a reopened sampler has a new id
