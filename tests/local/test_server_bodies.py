@@ -286,6 +286,29 @@ def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monk
     assert on_loop == [False, False, False]
 
 
+def test_a_checkpoint_listing_is_rendered_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """GET /v1/checkpoints was rendered on the event loop: a key's 4,096 checkpoints with 64 KB of user_metadata each
+    are 300 MB of JSON, seconds of every tenant's calls on each listing."""
+    from asyncsess_local import server
+
+    real, on_loop = server._render, []
+
+    def recording(content: Any) -> bytes:
+        if isinstance(content, list):
+            on_loop.append(threading.current_thread() is worker.thread)
+        return real(content)
+
+    monkeypatch.setattr(server, "_render", recording)
+    sid = new_session(c, tiny, MINE)
+    for seq in (1, 2):
+        save = {"kind": "save_weights", "seq": seq, "idempotency_key": f"l{seq}", "name": f"l{seq}", "user_metadata": {"k": "v" * 1024}}
+        assert c.post(f"/v1/sessions/{sid}/ops", json=save, headers=MINE).status_code == 200
+    r = c.get("/v1/checkpoints", params={"session_id": sid}, headers=MINE)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert [(x["checkpoint_id"].rsplit("/", 1)[1], x["user_metadata"]["k"]) for x in r.json()] == [("l1", "v" * 1024), ("l2", "v" * 1024)]
+    assert on_loop == [False]
+
+
 N, K = 48, 1024  # a pass of (N, K) targets: 49,152 log-probs, 98,352 values to check
 WIDE = {
     "model_input": [5] * N,

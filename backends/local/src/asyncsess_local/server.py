@@ -416,12 +416,13 @@ def create_app(
     @app.get("/v1/checkpoints")
     async def checkpoints(session_id: IdQuery = None, key: str = Depends(api_key)) -> Any:
         """The key's own checkpoints (of one session): only its sessions are read, so another tenant's many
-        checkpoints never slow its listing (it read and filtered every tenant's)."""
+        checkpoints never slow its listing (it read and filtered every tenant's). The answer is rendered off the event
+        loop: 4,096 checkpoints with 64 KB of user_metadata each are 300 MB of JSON (2-3 s of every tenant's calls)."""
         if session_id is not None:
             owners.check(key, session_id)
         ids = [session_id] if session_id is not None else [i for i, k in owners.by_id.items() if k == key]
         listed = [c for i in ids for c in await backend.list_checkpoints(i)]
-        return [c.model_dump(mode="json") for c in sorted(listed, key=lambda c: c.time)]
+        return await _off_loop_json(lambda: [c.model_dump(mode="json") for c in sorted(listed, key=lambda c: c.time)])
 
     @app.delete("/v1/checkpoints", status_code=204)
     async def delete_checkpoint(path: PathQuery, key: str = Depends(api_key)) -> Response:
