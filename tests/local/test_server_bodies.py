@@ -199,6 +199,26 @@ def _head(method: str, path: str, *extra: str) -> bytes:
     ).encode()
 
 
+@pytest.mark.parametrize("path", ["/v1/sessions", "/v1/chat/completions"])
+def test_a_client_that_hangs_up_mid_body_is_no_worker_error(worker, c, tiny, caplog, path):
+    """A client that closed its connection before its body had all arrived was a logged 500, a "worker error" with a
+    traceback (one per such connection: anyone could fill the operator's log); it is no error now."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="asyncsess.worker")
+    with socket.create_connection(("127.0.0.1", worker.port), timeout=30) as sock:
+        sock.sendall(_head("POST", path, "Content-Type: application/json", "Content-Length: 100") + b'\r\n{"model":')
+        deadline = time.monotonic() + 30  # (a hang guard) the request is in once it counts as in flight
+        while not any(worker.app.state.inflight.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    while any(worker.app.state.inflight.values()) and time.monotonic() < deadline:  # served: it hung up
+        time.sleep(0.01)
+    assert not any(worker.app.state.inflight.values())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncsess.worker" and r.levelno >= logging.WARNING] == []
+    assert c.post("/v1/sessions", json={"base_model": tiny, "rank": 1}, headers=MINE).status_code == 200
+
+
 def test_a_content_length_that_lies_is_a_4xx_and_the_worker_serves_on(worker, c, tiny):
     body = json.dumps({"base_model": tiny, "rank": 2}).encode()
     for length in ("-1", "1e3", "0x10", "+5", " 5 5", "99999999999999999999999"):
