@@ -3,6 +3,7 @@ names OpenAI refuses, budgets that disagree, and prompts the sampler refuses, na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from typing import Any, ClassVar
@@ -432,3 +433,31 @@ async def test_a_large_rollout_is_rendered_off_the_event_loop_a_call_at_a_time(s
     assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text[:200]
     assert r.json() == {"rollout_id": "r", "calls": [c.model_dump(mode="json") for c in calls]}
     assert (front.captures.calls("r") == []) == (method == "DELETE")
+
+
+@pytest.mark.parametrize("door", [False, True], ids=["front", "serve"])
+async def test_a_client_that_hangs_up_while_its_body_arrives_is_no_server_error(sampler, door):
+    """A client that closed its connection with half its body sent was an "Exception in ASGI application" (a 500 and a
+    traceback in the log, once per such connection); it is answered 499, as one that hangs up while its call samples."""
+    if door:
+        from asyncsess.backends import load_backend
+        from asyncsess.serve.tinker_api import create_app
+
+        app = create_app(load_backend("mock://"), {"k"}, poll_timeout=5.0)
+        headers = [(b"x-api-key", b"k")]
+    else:
+        app, headers = OpenAIFront(sampler).app(), []
+    messages = [{"type": "http.request", "body": b'{"model": "pol', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async with contextlib.AsyncExitStack() as stack:
+        if door:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        await app(post_scope("/v1/chat/completions", headers), receive, send)
+    assert sent[0]["status"] == 499

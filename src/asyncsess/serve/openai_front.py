@@ -36,6 +36,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, forced_tool_call, parse_tool_calls, special_texts
 from ..client import SamplingClient
@@ -304,7 +305,7 @@ class OpenAIFront:
         except FrontError as err:
             self.counts["errors"] += 1
             return err.response()
-        except _ClientGone:  # no one reads the answer
+        except (_ClientGone, ClientDisconnect):  # no one reads the answer (it hung up while its call ran, or its body arrived)
             return Response(status_code=499)
         except InvalidInputError as err:
             self.counts["errors"] += 1
