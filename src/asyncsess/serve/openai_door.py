@@ -29,7 +29,6 @@ from typing import Any, Protocol
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
@@ -253,8 +252,6 @@ def openai_router(
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
-        except ClientDisconnect:  # it hung up while its body arrived: no one to answer (it was an "Exception in ASGI application")
-            return Response(status_code=499)
         with hold(key, model) if hold is not None else contextlib.nullcontext():
             return await front.answer(request, body, route)
 

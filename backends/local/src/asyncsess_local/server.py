@@ -33,7 +33,6 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from asyncsess.backends import ForwardBackwardOp, ForwardOp, LoadStateOp, SaveStateOp, SaveWeightsOp, TrainingOp
 from asyncsess.backends import http_wire as wire
@@ -553,8 +552,7 @@ def _show(value: Any, limit: int = 80) -> str:
 
 class _Guard:
     """ASGI middleware in front of every route: the API key (401), a compressed body (415), the body size (413), and a last resort
-    for unexpected exceptions (a logged 500 with a JSON body; the connection stays open). A client that hangs up while its body
-    arrives is no error: it was logged as one, with a traceback, once per such connection."""
+    for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
 
     def __init__(
         self,
@@ -632,8 +630,6 @@ class _Guard:
                     max_seconds=self.max_seconds,
                     too_slow=lambda _: _JSON(wire.encode_error(too_slow), status_code=408),
                 )(scope, receive, tracked)
-            except ClientDisconnect:  # the client hung up while its body arrived: no one to answer, nothing went wrong
-                log.debug("%s %s: the client hung up before its body arrived", scope.get("method"), scope.get("path"))
             except Exception as err:
                 incident = uuid.uuid4().hex[:12]
                 log.exception("worker error %s on %s %s", incident, scope.get("method"), scope.get("path"))
