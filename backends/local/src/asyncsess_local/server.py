@@ -66,6 +66,7 @@ def create_app(
     max_body_seconds: float = body_limit.MAX_BODY_SECONDS,
     max_live_per_key: int = bodies.MAX_LIVE_PER_KEY,
     max_inflight_per_key: int = bodies.MAX_INFLIGHT_PER_KEY,
+    max_body_bytes_in_flight_per_key: int = bodies.MAX_BODY_BYTES_IN_FLIGHT_PER_KEY,
     max_capture_tokens: int = MAX_CAPTURE_TOKENS,
     max_checkpoints_per_key: int = bodies.MAX_CHECKPOINTS_PER_KEY,
     max_checkpoint_bytes_per_key: int = bodies.MAX_CHECKPOINT_BYTES_PER_KEY,
@@ -75,7 +76,9 @@ def create_app(
     default (loaded on first use); a client never names a directory. ``max_live_per_key``: sessions plus
     samplers one key may hold open at once; ``max_body_seconds``: how long a request's body may take to arrive
     (past it, a 408: a slow-loris client holds a connection and one of its key's in-flight requests); ``max_inflight_per_key``: requests one key may have in flight
-    (more get a 429 with ``Retry-After``); ``max_capture_tokens``: the OpenAI captures one key's store keeps
+    (more get a 429 with ``Retry-After``); ``max_body_bytes_in_flight_per_key``: the bytes of the bodies of one key's requests in
+    flight (a request whose body would pass it gets a 429 with ``Retry-After``: 1,024 requests of 256 MB each, an op waiting
+    for an earlier one say, held their bodies, decoded, at once); ``max_capture_tokens``: the OpenAI captures one key's store keeps
     (oldest rollouts dropped past it); ``max_checkpoints_per_key``: durable checkpoints one key may hold on disk
     (a save past it is refused, void); ``max_checkpoint_bytes_per_key``: the bytes they may take (a save whose estimated
     size would pass it is refused, void); ``session_timeout``: seconds without a request (a heartbeat included) after
@@ -190,6 +193,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         max_body_seconds=max_body_seconds,
         max_inflight_per_key=max_inflight_per_key,
+        max_body_bytes_in_flight=max_body_bytes_in_flight_per_key,
         inflight=app.state.inflight,
         ready=lambda: ready.is_set(),
     )
@@ -551,8 +555,9 @@ def _show(value: Any, limit: int = 80) -> str:
 
 
 class _Guard:
-    """ASGI middleware in front of every route: the API key (401), a compressed body (415), the body size (413), and a last resort
-    for unexpected exceptions (a logged 500 with a JSON body; the connection stays open)."""
+    """ASGI middleware in front of every route: the API key (401), a compressed body (415), the body size (413), a key's requests
+    and body bytes in flight (429), and a last resort for unexpected exceptions (a logged 500 with a JSON body; the connection
+    stays open)."""
 
     def __init__(
         self,
@@ -561,11 +566,22 @@ class _Guard:
         max_body_bytes: int,
         max_body_seconds: float,
         max_inflight_per_key: int,
+        max_body_bytes_in_flight: int,
         inflight: Counter[str],
         ready: Callable[[], bool],
     ) -> None:
         self.app, self.keys, self.max_body, self.max_seconds, self.ready = app, keys, max_body_bytes, max_body_seconds, ready
         self.max_inflight, self.inflight = max_inflight_per_key, inflight
+        self.max_body_in_flight, self.body_bytes = max_body_bytes_in_flight, Counter[str]()
+
+    def _body_bytes(self, scope: Any) -> int:
+        """The bytes a request's body holds, as far as its headers tell: its ``Content-Length``, the largest body for one
+        sent in chunks, 0 for one without a body or over the limit (which :class:`BodyLimit` refuses before reading it)."""
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            return int(length) if length.isdigit() and int(length) <= self.max_body else 0
+        return self.max_body if b"transfer-encoding" in headers else 0
 
     def _key(self, scope: Any) -> bytes | None:
         headers = dict(scope.get("headers") or ())
@@ -610,7 +626,16 @@ class _Guard:
                 retry_after=1.0,
             )
             return await reply(429, err, {"Retry-After": "1"})
+        size = self._body_bytes(scope)
+        if size and self.body_bytes[tenant] + size > self.max_body_in_flight:
+            err = RateLimitError(
+                f"this API key has {self.body_bytes[tenant]:,} bytes of request bodies in flight; this one's {size:,} would pass "
+                f"the {self.max_body_in_flight:,} allowed: retry after 1 s",
+                retry_after=1.0,
+            )
+            return await reply(429, err, {"Retry-After": "1"})
         self.inflight[tenant] += 1
+        self.body_bytes[tenant] += size
         try:
             too_large = InvalidInputError("the body is too large", field="body", fix=f"send at most {self.max_body} bytes")
 
@@ -636,6 +661,7 @@ class _Guard:
                 await reply(500, ServerError(f"internal error {incident} ({type(err).__name__}); the worker logged it"))
         finally:
             self.inflight[tenant] -= 1
+            self.body_bytes[tenant] -= size
 
 
 # ------------------------------------------------------------------------------------- running
