@@ -538,7 +538,7 @@ class OpenAIFront:
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
         messages = self._chat_messages(req)
         try:
-            prompt = renderer.tokens(messages, tools, prefill=forced)
+            prompt = await json_body.off_loop(chars, renderer.tokens, messages, tools, True, forced)  # (see _tokens)
         except InvalidInputError as err:  # its field indexes the rendered conversation, not the request's messages
             raise FrontError(str(err), "messages") from None
         except Exception as err:  # the template rejected the conversation
@@ -678,7 +678,7 @@ class OpenAIFront:
         tok = binding.sampler.get_tokenizer()
         if isinstance(req.prompt, str):
             self._refuse_past_context(binding.sampler, len(req.prompt), "prompt", "the prompt holds")
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
+        prompt = list(req.prompt) if isinstance(req.prompt, list) else await json_body.off_loop(len(req.prompt), _tokens, tok, req.prompt)
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
         self._refuse_full_prompt(len(prompt), "prompt")  # before every id is scanned (on the event loop)
@@ -916,6 +916,13 @@ def _max_token_chars(tok: Any) -> int | None:
 def _stops_as_strings(params: SamplingParams, tok: Any) -> SamplingParams:
     strings = [*params.stop_strings(), *(str(tok.decode([t])) for t in params.stop_token_ids())]
     return params.model_copy(update={"stop": list(dict.fromkeys(strings))})
+
+
+def _tokens(tok: Any, text: str) -> list[int]:
+    """``text``'s token ids. A prompt of more than ``json_body.INLINE_BYTES`` characters is tokenized in a worker thread, as a
+    chat's messages are (a tokenizer hands the GIL back as it works): 1,000,000 characters held the event loop every
+    tenant's calls wait on for 0.7 s (a context of 32k tokens can take that many)."""
+    return [int(t) for t in tok.encode(text)]
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
