@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
+from ..errors import InvalidInputError
 from . import json_body
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
 from .openai_front import OpenAIFront, Route, rollout_reply
@@ -170,7 +171,12 @@ class OpenAIDoor:
                     f"{model} holds training state, not sampler weights", "model", code="model_not_sampleable"
                 )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
-            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step, ck)
+            try:
+                backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step, ck)
+            except InvalidInputError as err:  # the backend refused the path: a bare error, a 500
+                if self.door.checkpoints.get(model) is not ck:  # deleted or overwritten since it was looked up
+                    raise model_not_found(model) from None
+                raise FrontError(f"{model} cannot be opened: {err.message}", "model", code="model_not_sampleable") from None
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
