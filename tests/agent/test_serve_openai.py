@@ -507,23 +507,25 @@ async def _completion(http: httpx.AsyncClient, key: str, model: str, replies: li
     replies.append(await _openai(http, key).completions.create(model=model, prompt=[5, 6], max_tokens=2))
 
 
-@pytest.mark.parametrize("deleted", [True, False])
-async def test_a_path_the_backend_refuses_to_open_is_a_4xx(server, deleted: bool) -> None:
+@pytest.mark.parametrize("case", ["deleted", "refused", "base"])
+async def test_a_sampler_the_backend_refuses_to_open_is_a_4xx_naming_model(server, case: str) -> None:
     """A checkpoint deleted between the door's look-up of ``model`` and its sampler's opening (another call of its key,
-    say) made the backend's refusal a 500; it is the 404 of a path that is gone, and a refusal of a path still held a
-    400 ``model_not_sampleable`` naming ``model``."""
+    say) made the backend's refusal a 500; it is the 404 of a path that is gone, and a refusal of a path still held (or
+    of a base model that does not load) a 400 ``model_not_sampleable`` naming ``model``."""
     app, http = server
     backend, a = app.state.tinker_door.backend, {"X-API-Key": KEY_A}
     model_id, path = await _sampler_saved_as_pub(http, a)
     create = backend.create_sampler
 
     async def refused(spec: Any) -> str:
-        if deleted:  # gone while the door opened it
+        if case == "deleted":  # gone while the door opened it
             assert (await http.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub", headers=a)).status_code == 204
             return await create(spec)
-        raise InvalidInputError("the checkpoint cannot be read", field="model_path")
+        raise InvalidInputError("the weights cannot be read", field="model_path")
 
     backend.create_sampler = refused
-    r = await http.post("/v1/completions", json={"model": path, "prompt": [5, 6], "max_tokens": 2}, headers=a)
-    assert r.status_code == (404 if deleted else 400), r.text
-    assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == ("model_not_found" if deleted else "model_not_sampleable")
+    body = {"model": BASE if case == "base" else path, "prompt": [5, 6], "max_tokens": 2}
+    r = await http.post("/v1/completions", json=body, headers=a)
+    assert r.status_code == (404 if case == "deleted" else 400), r.text
+    assert r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == ("model_not_found" if case == "deleted" else "model_not_sampleable")

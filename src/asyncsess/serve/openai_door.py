@@ -258,6 +258,8 @@ def openai_router(
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
+        except InvalidInputError as err:  # the backend refused to open model's sampler (a base model that does not load)
+            return FrontError(f"{model!r:.120} cannot be opened: {err.message}", "model", code="model_not_sampleable").response()
         with hold(key, model) if hold is not None else contextlib.nullcontext():
             return await front.answer(request, body, route)
 
