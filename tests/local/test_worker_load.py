@@ -163,5 +163,7 @@ async def test_a_key_whose_bodies_in_flight_would_pass_its_bytes_gets_429_and_ot
                     break
                 await anyio.sleep(0.01)
             assert (await http.post("/v1/sessions", json=body, headers=h0)).status_code == 200
+            alone = {**body, "user_metadata": {"k": "v" * 1000, "l": "v" * 200}}  # past the bytes, but alone: it goes
+            assert (await http.post("/v1/sessions", json=alone, headers=h0)).status_code == 200
     finally:
         w.stop()

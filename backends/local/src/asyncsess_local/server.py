@@ -627,7 +627,7 @@ class _Guard:
             )
             return await reply(429, err, {"Retry-After": "1"})
         size = self._body_bytes(scope)
-        if size and self.body_bytes[tenant] + size > self.max_body_in_flight:
+        if size and self.body_bytes[tenant] and self.body_bytes[tenant] + size > self.max_body_in_flight:  # (one alone goes)
             err = RateLimitError(
                 f"this API key has {self.body_bytes[tenant]:,} bytes of request bodies in flight; this one's {size:,} would pass "
                 f"the {self.max_body_in_flight:,} allowed: retry after 1 s",
