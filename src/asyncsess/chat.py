@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -361,6 +362,7 @@ class ChatRenderer:
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": _PROBE}]
         )
         self._native_tools: OrderedDict[str, bool] = OrderedDict()  # tool set digest -> the template shows them
+        self._lock = threading.Lock()  # for _native_tools: a server renders a large conversation in a worker thread
 
     def tokens(
         self, messages: Sequence[Message], tools: Sequence[Tool] = (), add_generation_prompt: bool = True, prefill: str = ""
@@ -406,16 +408,20 @@ class ChatRenderer:
         """Whether the template renders ``schemas``; remembered by a digest of them, for the last
         ``_MAX_TOOL_SETS`` tool sets (the sets a server is sent are unbounded, and may be MBs each)."""
         key = hashlib.sha256(json.dumps(schemas, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
-        if key not in self._native_tools:
+        with self._lock:
+            shows = self._native_tools.get(key)
+        if shows is None:
             probe = [{"role": "user", "content": "hi"}]
             try:
-                self._native_tools[key] = self._render(probe, schemas, True) != self._render(probe, [], True)
+                shows = self._render(probe, schemas, True) != self._render(probe, [], True)
             except Exception:
-                self._native_tools[key] = False
+                shows = False
+        with self._lock:
+            self._native_tools[key] = shows
+            self._native_tools.move_to_end(key)
             while len(self._native_tools) > _MAX_TOOL_SETS:
                 self._native_tools.popitem(last=False)
-        self._native_tools.move_to_end(key)
-        return self._native_tools[key]
+        return shows
 
     def _portable(self, messages: Sequence[Message]) -> list[dict[str, str]]:
         """Tool results as user messages where the template has no tool role (adjacent ones joined)."""

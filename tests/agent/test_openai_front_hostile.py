@@ -3,7 +3,10 @@ names OpenAI refuses, budgets that disagree, and prompts the sampler refuses, na
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from typing import Any, ClassVar
 
 import anyio
 import httpx
@@ -11,6 +14,7 @@ import openai
 import pytest
 
 from asyncsess import ServiceClient
+from asyncsess.serve.capture import CapturedCall, CapturedChoice
 from asyncsess.serve.openai_front import OpenAIFront
 from asyncsess.serve.openai_wire import MAX_TEXT_CHARS
 from asyncsess.types import SampledSequence, SampleResponse
@@ -399,3 +403,87 @@ async def test_log_prob_entries_decode_each_token_once_and_long_choices_let_othe
     assert entries > 100 and counting.tok.decodes < entries * 10  # (was over entries * 42: 2 per entry and alternative)
     if route == "chat":
         assert len(seen) == 9 and seen[-1] - seen[1] >= 4  # the loop ran other tasks between the choices (trio: most)
+
+
+class _Rendered(CapturedCall):
+    """A captured call that notes the threads it is rendered on."""
+
+    threads: ClassVar[set[int]] = set()
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        self.threads.add(threading.get_ident())
+        return super().model_dump(**kwargs)
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+async def test_a_large_rollout_is_rendered_off_the_event_loop_a_call_at_a_time(sampler, method):
+    """A key's 4,000,000 captured tokens were rendered in one ``json.dumps`` on the event loop (36 MB, 0.75 s of every
+    tenant's calls on each read of the rollout); they are now made in a worker thread, one call per ``json.dumps``."""
+    front = OpenAIFront(sampler)
+    choice = CapturedChoice(index=0, tokens=list(range(500)), logprobs=[-1.0] * 500, finish_reason="length")
+    common = dict(rollout_id="r", endpoint="completions", model="policy", sampler_id="s", weight_version=0, usage={})
+    calls = [_Rendered(call_index=i, prompt_tokens=list(range(2000)), choices=[choice], **common) for i in range(20)]
+    for call in calls:
+        front.captures.add(call)
+    _Rendered.threads.clear()
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        r = await http.request(method, "/v1/asyncsess/rollouts/r")
+    rendered_on = set(_Rendered.threads)
+    assert rendered_on and threading.get_ident() not in rendered_on
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text[:200]
+    assert r.json() == {"rollout_id": "r", "calls": [c.model_dump(mode="json") for c in calls]}
+    assert (front.captures.calls("r") == []) == (method == "DELETE")
+
+
+@pytest.mark.parametrize(
+    ("door", "path"), [(False, "/v1/chat/completions"), (True, "/v1/chat/completions"), (True, "/api/v1/create_session")]
+)
+async def test_a_client_that_hangs_up_while_its_body_arrives_is_no_server_error(sampler, door, path):
+    """A client that closed its connection with half its body sent was an "Exception in ASGI application" (a 500 and a
+    traceback in the log, once per such connection, on every route of ``asyncsess serve`` and of the worker). The front
+    answers 499 (to no one), as to a client that hangs up while its call samples; the servers' body limit, nothing."""
+    if door:
+        from asyncsess.backends import load_backend
+        from asyncsess.serve.tinker_api import create_app
+
+        app = create_app(load_backend("mock://"), {"k"}, poll_timeout=5.0)
+        headers = [(b"x-api-key", b"k")]
+    else:
+        app, headers = OpenAIFront(sampler).app(), []
+    messages = [{"type": "http.request", "body": b'{"model": "pol', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async with contextlib.AsyncExitStack() as stack:
+        if door:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        await app(post_scope(path, headers), receive, send)
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == ([] if door else [499])
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(sampler, route, monkeypatch):
+    """A chat's messages and a completion's prompt were tokenized on the event loop every tenant's calls wait on: with a
+    context that takes 1,000,000 characters (32k tokens) one call held it 0.7 s. Past 64 KB they are tokenized in a
+    worker thread (a tokenizer hands the GIL back as it works); a short one still on the loop (no thread hop)."""
+    from asyncsess.serve import openai_front
+
+    front, threads = OpenAIFront(sampler), []
+    renderer = front._renderer(sampler)
+    tokens, encode = renderer.tokens, getattr(openai_front, "_tokens", None)
+    monkeypatch.setattr(renderer, "tokens", lambda *a, **k: threads.append(threading.get_ident()) or tokens(*a, **k))
+    monkeypatch.setattr(openai_front, "_tokens", lambda *a: threads.append(threading.get_ident()) or encode(*a), raising=False)
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        for text in ("Say hi.", "hi " * 30_000):
+            if route == "chat":
+                body = {"model": "policy", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+                r = await http.post("/v1/chat/completions", json=body)
+            else:
+                r = await http.post("/v1/completions", json={"model": "policy", "prompt": text, "max_tokens": 2})
+            assert r.status_code in (200, 400), r.text  # (the long one may be past the mock's context)
+    assert len(threads) == 2 and threads[0] == threading.get_ident() != threads[1]

@@ -176,3 +176,24 @@ async def test_output_items_come_back_as_the_client_gives_them(real):
             assert (await client.responses.create(model="policy", input=items, tools=[TOOL])).output_text == "It is 5."
     first, *later = front.captures.calls("r")
     assert all(build_trajectory("r", [first, c], 1.0).drift == [] for c in later)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/chat/completions"])
+async def test_a_number_json_has_not_is_a_400_naming_where_it_is(real, route, number):
+    """NaN, ±Infinity and 1e400 (infinity once decoded) are no JSON numbers. In a tool's parameters, which a Responses
+    reply echoes back, the reply could not be written (a 500); a chat rendered them into the prompt as they came."""
+    front = OpenAIFront(real)
+    function = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"maximum": 0}}}}
+    body = {"model": "policy", "input": "hi", "tools": [{"type": "function", **function}], "max_output_tokens": 2}
+    if route == "/v1/chat/completions":
+        messages = [{"role": "user", "content": "hi"}]
+        body = {"model": "policy", "messages": messages, "tools": [{"type": "function", "function": function}], "max_tokens": 2}
+    raw = json.dumps(body).replace('"maximum": 0', f'"maximum": {number}')
+    async with httpx.AsyncClient(transport=front.transport(), base_url="http://front") as http:
+        r = await http.post(route, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        param = r.json()["error"]["param"]
+        assert param.startswith("tools.0.") and param.endswith("parameters.properties.x.maximum"), r.text
+        assert (await http.post(route, content=raw.replace(number, "0"), headers={"content-type": "application/json"})).status_code == 200
+    assert len(front.captures.calls("default")) == 1

@@ -10,11 +10,13 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import httpx
 import openai
 import pytest
 
 from asyncsess.backends import load_backend
+from asyncsess.errors import InvalidInputError
 from asyncsess.serve.tinker_api import create_app
 
 from .helpers import post_scope
@@ -469,3 +471,61 @@ async def test_samplers_on_checkpoint_paths_are_bounded_least_recently_used_firs
         assert len(oai._opened) == min(len(opened), 2), oai._opened
     assert list(oai._opened) == [paths[3], paths[0]] and opened[-1] != opened[0]  # p0 was closed, then reopened
     assert not any(o in backend._samplers for o in opened[:3])  # and the closed samplers are stopped on the backend
+
+
+async def test_a_sampler_slow_to_open_for_one_key_holds_no_other_keys_call(server) -> None:
+    """Every call on a base model or checkpoint path took one lock of the door while its sampler was opened, and
+    held it across the backend's create: key B's chat on the base model waited for key A's checkpoint to load (seconds
+    for merged weights; for good on a backend that hangs). Now a sampler is opened under a lock of its own."""
+    app, http = server
+    backend = app.state.tinker_door.backend
+    _, path = await _sampler_saved_as_pub(http, {"X-API-Key": KEY_A})
+    loading, release, opened = anyio.Event(), anyio.Event(), []
+    create = backend.create_sampler
+
+    async def slow_for_paths(spec: Any) -> str:
+        opened.append(spec.model_path or spec.base_model)
+        if spec.model_path is not None:
+            loading.set()
+            await release.wait()
+        return await create(spec)
+
+    backend.create_sampler = slow_for_paths
+    replies: list[Any] = []
+    with anyio.fail_after(30):  # (a hang guard)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _completion(http, KEY_A, path, replies))
+            tg.start_soon(lambda: _completion(http, KEY_A, path, replies))  # a second call on it waits, opens nothing
+            await loading.wait()
+            await _completion(http, KEY_B, BASE, replies)  # while A's path loads
+            assert [r.model for r in replies] == [BASE]
+            release.set()
+    assert [r.model for r in replies] == [BASE, path, path] and len(opened) == 2 and len(app.state.openai_door._opened) == 2
+
+
+async def _completion(http: httpx.AsyncClient, key: str, model: str, replies: list[Any]) -> None:
+    replies.append(await _openai(http, key).completions.create(model=model, prompt=[5, 6], max_tokens=2))
+
+
+@pytest.mark.parametrize("case", ["deleted", "refused", "base"])
+async def test_a_sampler_the_backend_refuses_to_open_is_a_4xx_naming_model(server, case: str) -> None:
+    """A checkpoint deleted between the door's look-up of ``model`` and its sampler's opening (another call of its key,
+    say) made the backend's refusal a 500; it is the 404 of a path that is gone, and a refusal of a path still held (or
+    of a base model that does not load) a 400 ``model_not_sampleable`` naming ``model``."""
+    app, http = server
+    backend, a = app.state.tinker_door.backend, {"X-API-Key": KEY_A}
+    model_id, path = await _sampler_saved_as_pub(http, a)
+    create = backend.create_sampler
+
+    async def refused(spec: Any) -> str:
+        if case == "deleted":  # gone while the door opened it
+            assert (await http.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/pub", headers=a)).status_code == 204
+            return await create(spec)
+        raise InvalidInputError("the weights cannot be read", field="model_path")
+
+    backend.create_sampler = refused
+    body = {"model": BASE if case == "base" else path, "prompt": [5, 6], "max_tokens": 2}
+    r = await http.post("/v1/completions", json=body, headers=a)
+    assert r.status_code == (404 if case == "deleted" else 400), r.text
+    assert r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == ("model_not_found" if case == "deleted" else "model_not_sampleable")

@@ -199,6 +199,26 @@ def _head(method: str, path: str, *extra: str) -> bytes:
     ).encode()
 
 
+@pytest.mark.parametrize("path", ["/v1/sessions", "/v1/chat/completions"])
+def test_a_client_that_hangs_up_mid_body_is_no_worker_error(worker, c, tiny, caplog, path):
+    """A client that closed its connection before its body had all arrived was a logged 500, a "worker error" with a
+    traceback (one per such connection: anyone could fill the operator's log); it is no error now."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="asyncsess.worker")
+    with socket.create_connection(("127.0.0.1", worker.port), timeout=30) as sock:
+        sock.sendall(_head("POST", path, "Content-Type: application/json", "Content-Length: 100") + b'\r\n{"model":')
+        deadline = time.monotonic() + 30  # (a hang guard) the request is in once it counts as in flight
+        while not any(worker.app.state.inflight.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    while any(worker.app.state.inflight.values()) and time.monotonic() < deadline:  # served: it hung up
+        time.sleep(0.01)
+    assert not any(worker.app.state.inflight.values())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncsess.worker" and r.levelno >= logging.WARNING] == []
+    assert c.post("/v1/sessions", json={"base_model": tiny, "rank": 1}, headers=MINE).status_code == 200
+
+
 def test_a_content_length_that_lies_is_a_4xx_and_the_worker_serves_on(worker, c, tiny):
     body = json.dumps({"base_model": tiny, "rank": 2}).encode()
     for length in ("-1", "1e3", "0x10", "+5", " 5 5", "99999999999999999999999"):
@@ -284,6 +304,29 @@ def test_per_token_answers_are_rendered_off_the_event_loop(worker, c, tiny, monk
     r = c.post(f"/v1/samplers/{smp}/logprobs", json={"tokens": [5, 6, 7]}, headers=MINE)
     assert r.status_code == 200 and len(r.json()["logprobs"]) == 3
     assert on_loop == [False, False, False]
+
+
+def test_a_checkpoint_listing_is_rendered_off_the_event_loop(worker, c, tiny, monkeypatch):
+    """GET /v1/checkpoints was rendered on the event loop: a key's 4,096 checkpoints with 64 KB of user_metadata each
+    are 300 MB of JSON, seconds of every tenant's calls on each listing."""
+    from asyncsess_local import server
+
+    real, on_loop = server._render, []
+
+    def recording(content: Any) -> bytes:
+        if isinstance(content, list):
+            on_loop.append(threading.current_thread() is worker.thread)
+        return real(content)
+
+    monkeypatch.setattr(server, "_render", recording)
+    sid = new_session(c, tiny, MINE)
+    for seq in (1, 2):
+        save = {"kind": "save_weights", "seq": seq, "idempotency_key": f"l{seq}", "name": f"l{seq}", "user_metadata": {"k": "v" * 1024}}
+        assert c.post(f"/v1/sessions/{sid}/ops", json=save, headers=MINE).status_code == 200
+    r = c.get("/v1/checkpoints", params={"session_id": sid}, headers=MINE)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert [(x["checkpoint_id"].rsplit("/", 1)[1], x["user_metadata"]["k"]) for x in r.json()] == [("l1", "v" * 1024), ("l2", "v" * 1024)]
+    assert on_loop == [False]
 
 
 N, K = 48, 1024  # a pass of (N, K) targets: 49,152 log-probs, 98,352 values to check

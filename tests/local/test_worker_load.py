@@ -133,3 +133,37 @@ async def test_16_clients_train_and_sample_at_once_and_none_starves(roomy_worker
     assert all(d[0] < fastest_end for d in done.values())
     engine = worker.backend.engine
     assert not engine.sessions and not engine.samplers  # everything those clients opened is released
+
+
+async def test_a_key_whose_bodies_in_flight_would_pass_its_bytes_gets_429_and_others_are_served(tiny: str, tmp_path: Path) -> None:
+    """The bodies of a key's requests in flight were bounded only by count (1,024) × size (256 MB): an op waiting for an
+    earlier one, or a body still arriving, holds its bytes (decoded, several times more), so one key could take the
+    worker's memory from every tenant. Past ``max_body_bytes_in_flight_per_key`` a request gets a 429 with Retry-After."""
+    import socket
+
+    w = _serve(tiny, tmp_path, max_body_bytes_in_flight_per_key=1000)
+    try:
+        h0, h1 = {"X-API-Key": KEYS[0]}, {"X-API-Key": KEYS[1]}
+        body = {"base_model": tiny, "rank": 1, "user_metadata": {"k": "v" * 200}}
+        async with httpx.AsyncClient(base_url=w.url, timeout=60) as http:
+            with socket.create_connection(("127.0.0.1", w.port)) as slow:  # 800 bytes announced, 10 sent: held in flight
+                head = f"POST /v1/sessions HTTP/1.1\r\nHost: w\r\nX-API-Key: {KEYS[0]}\r\nContent-Type: application/json\r\n"
+                slow.sendall(head.encode() + b"Content-Length: 800\r\n\r\n" + b'{"rank": 1')
+                for _ in range(500):  # until it is in (the bound only guards a broken build)
+                    if w.app.state.inflight[tenant_of(KEYS[0])] == 1:
+                        break
+                    await anyio.sleep(0.01)
+                refused = await http.post("/v1/sessions", json=body, headers=h0)
+                assert refused.status_code == 429 and refused.headers["Retry-After"] == "1", refused.text
+                assert refused.json()["error"]["type"] == "RateLimitError" and "bytes of request bodies" in refused.text
+                assert (await http.get("/v1/models", headers=h0)).status_code == 200  # a request without a body still goes
+                assert (await http.post("/v1/sessions", json=body, headers=h1)).status_code == 200  # another key's too
+            for _ in range(500):  # the slow client hung up: its bytes are free again
+                if w.app.state.inflight[tenant_of(KEYS[0])] == 0:
+                    break
+                await anyio.sleep(0.01)
+            assert (await http.post("/v1/sessions", json=body, headers=h0)).status_code == 200
+            alone = {**body, "user_metadata": {"k": "v" * 1000, "l": "v" * 200}}  # past the bytes, but alone: it goes
+            assert (await http.post("/v1/sessions", json=alone, headers=h0)).status_code == 200
+    finally:
+        w.stop()

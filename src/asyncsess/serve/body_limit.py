@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import anyio
+from starlette.requests import ClientDisconnect
 
 __all__ = ["MAX_BODY_BYTES", "MAX_BODY_SECONDS", "BodyLimit"]
 
@@ -28,7 +29,8 @@ class BodyLimit:
 
     A ``Content-Length`` that is not a decimal number is refused the same way. Nothing past the limit is
     buffered: the app's ``receive`` fails as soon as the count passes it. Once the body is in, ``receive`` (which
-    then waits for the client to hang up) is not timed: a long call is not a slow body.
+    then waits for the client to hang up) is not timed: a long call is not a slow body. A client that hangs up while its
+    body arrives gets no answer, and is no error.
     """
 
     def __init__(
@@ -83,3 +85,5 @@ class BodyLimit:
             await self.app(scope, counted, tracked)
         except _Refused:
             pass
+        except ClientDisconnect:  # the client hung up while its body arrived: no one to answer, nothing went wrong (it was
+            pass  # an "Exception in ASGI application" or a worker error, a 500 with a traceback in the log per connection)

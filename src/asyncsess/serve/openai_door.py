@@ -32,9 +32,10 @@ from fastapi.responses import JSONResponse, Response
 
 from ..backends.base import SamplerSpec
 from ..client import SamplingClient, ServiceClient
+from ..errors import InvalidInputError
 from . import json_body
 from .capture import MAX_CAPTURE_TOKENS, CaptureStore
-from .openai_front import OpenAIFront, Route
+from .openai_front import OpenAIFront, Route, rollout_reply
 from .openai_wire import ChatRequest, CompletionRequest, FrontError, OpenAIRequest, check_coding, model_card, model_not_found, parse_body
 from .responses_wire import ResponsesRequest
 from .tinker_api import TinkerDoor, api_key_of, caller
@@ -66,7 +67,7 @@ class OpenAIDoor:
         # base model / tinker path -> (backend id, base model, version), least recently used first
         self._opened: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
         self._opened_for: dict[str, object] = {}  # tinker path -> the door's checkpoint record its sampler loaded
-        self._lock = anyio.Lock()
+        self._opening: dict[str, anyio.Lock] = {}  # base model / tinker path -> held while its sampler is opened
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[OpenAIDoor]:
@@ -78,7 +79,7 @@ class OpenAIDoor:
             finally:
                 self._svc = None
                 with anyio.CancelScope(shield=True):
-                    for backend_id, _, _ in self._opened.values():
+                    for backend_id, _, _ in list(self._opened.values()):
                         with contextlib.suppress(Exception):
                             await self.door.backend.stop_session(backend_id)
 
@@ -93,15 +94,23 @@ class OpenAIDoor:
         return {m.model_name: m.max_context_length for m in caps.supported_models if m.sampleable}
 
     async def _open(self, what: str, spec: SamplerSpec, base_model: str, version: int, record: object = None) -> tuple[str, str, int]:
-        async with self._lock:
-            await self._close_stale()
-            if what not in self._opened:
-                self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
-                if record is not None:
-                    self._opened_for[what] = record
-                    await self._bound_paths()
-            self._opened.move_to_end(what)
-            return self._opened[what]
+        """The sampler on ``what`` (a base model or a checkpoint path), opened once however many calls ask at once,
+        under a lock of its own: a call on any other sampler never waits for it (one lock for all held every key's
+        calls while one key's checkpoint loaded)."""
+        lock = self._opening.setdefault(what, anyio.Lock())
+        try:
+            async with lock:
+                await self._close_stale()
+                if what not in self._opened:
+                    self._opened[what] = (await self.door.backend.create_sampler(spec), base_model, version)
+                    if record is not None:
+                        self._opened_for[what] = record
+                        await self._bound_paths()
+                self._opened.move_to_end(what)
+                return self._opened[what]
+        finally:
+            if not (lock.locked() or lock.statistics().tasks_waiting):
+                self._opening.pop(what, None)
 
     async def _bound_paths(self) -> None:
         """Past ``max_open_paths`` samplers on checkpoint paths, stop the least recently used ones that serve no call
@@ -111,24 +120,26 @@ class OpenAIDoor:
             if excess <= 0:
                 break
             if not any(front.active for (_, m), (_, front) in self._fronts.items() if m == what):
-                await self._close(what)
+                await self._close([what])
                 excess -= 1
 
-    async def _close(self, what: str) -> None:
-        backend_id = self._opened.pop(what)[0]
-        self._opened_for.pop(what, None)
-        for k in [k for k in self._fronts if k[1] == what]:
+    async def _close(self, whats: list[str]) -> None:
+        """Forget the samplers on ``whats`` (and their fronts) at once, then stop them; one another call closed first
+        is skipped."""
+        gone = [entry[0] for w in whats if (entry := self._opened.pop(w, None)) is not None]
+        for what in whats:
+            self._opened_for.pop(what, None)
+        for k in [k for k in self._fronts if k[1] in whats]:
             del self._fronts[k]
-        with contextlib.suppress(Exception):
-            await self.door.backend.stop_session(backend_id)
+        for backend_id in gone:
+            with contextlib.suppress(Exception):
+                await self.door.backend.stop_session(backend_id)
 
     async def _close_stale(self) -> None:
         """Stop the samplers opened on checkpoints the door no longer holds as they were: deleted, expired or
         overwritten. They stayed open for good (one per checkpoint ever sampled), an overwritten one serving the
         old weights."""
-        for what, record in list(self._opened_for.items()):
-            if self.door.checkpoints.get(what) is not record:
-                await self._close(what)
+        await self._close([what for what, record in list(self._opened_for.items()) if self.door.checkpoints.get(what) is not record])
 
     async def front(self, key: str | None, model: str) -> OpenAIFront:
         """The front that serves ``model`` to ``key``; a 404 FrontError if the key may not use it."""
@@ -160,12 +171,16 @@ class OpenAIDoor:
                     f"{model} holds training state, not sampler weights", "model", code="model_not_sampleable"
                 )  # a checkpoint the key may see: saying so reveals nothing
             spec = SamplerSpec(model_path=ck.backend_path)
-            backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step, ck)
+            try:
+                backend_id, base_model, version = await self._open(model, spec, ck.base_model, ck.step, ck)
+            except InvalidInputError as err:  # the backend refused the path: a bare error, a 500
+                if self.door.checkpoints.get(model) is not ck:  # deleted or overwritten since it was looked up
+                    raise model_not_found(model) from None
+                raise FrontError(f"{model} cannot be opened: {err.message}", "model", code="model_not_sampleable") from None
         elif model in await self._base_models():
             backend_id, base_model, version = await self._open(model, SamplerSpec(base_model=model), model, 0)
         else:
-            async with self._lock:
-                await self._close_stale()
+            await self._close_stale()
             raise model_not_found(model)
         cached = self._fronts.get((key, model))
         front = cached[1] if cached is not None and cached[0] == backend_id else None  # a reopened sampler has a new id
@@ -243,6 +258,8 @@ def openai_router(
             front = await oai.front(key, model)
         except FrontError as err:
             return err.response()
+        except InvalidInputError as err:  # the backend refused to open model's sampler (a base model that does not load)
+            return FrontError(f"{model!r:.120} cannot be opened: {err.message}", "model", code="model_not_sampleable").response()
         with hold(key, model) if hold is not None else contextlib.nullcontext():
             return await front.answer(request, body, route)
 
@@ -284,8 +301,7 @@ def openai_router(
             store = oai.captures(key_of(request))
         except FrontError as err:
             return err.response()
-        calls = store.pop(rollout_id) if take else store.calls(rollout_id)
-        return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
+        return await rollout_reply(rollout_id, store.pop(rollout_id) if take else store.calls(rollout_id))
 
     @r.get("/asyncsess/rollouts/{rollout_id:path}")
     async def rollout(rollout_id: str, request: Request) -> Response:

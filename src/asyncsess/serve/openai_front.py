@@ -36,6 +36,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..chat import VERBATIM, ChatRenderer, Tool, check_tools, forced_tool_call, parse_tool_calls, special_texts
 from ..client import SamplingClient
@@ -70,7 +71,7 @@ from .openai_wire import (
 from .responses_wire import ResponsesRequest, chat_request, response_events, response_object, responses_error
 from .tool_schema import schema_error
 
-__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "Route"]
+__all__ = ["OpenAIFront", "FrontError", "ROLLOUT_HEADER", "Route", "rollout_reply"]
 
 T = TypeVar("T")
 R = TypeVar("R", bound=OpenAIRequest)
@@ -261,10 +262,10 @@ class OpenAIFront:
             return model_not_found(model).response()
         return JSONResponse(model_card(model))
 
-    async def _rollout_route(self, rollout_id: str, request: Request) -> JSONResponse:
+    async def _rollout_route(self, rollout_id: str, request: Request) -> Response:
         """The captured calls of a rollout (for a trainer in another process); ``DELETE`` also forgets them."""
         calls = self.captures.pop(rollout_id) if request.method == "DELETE" else self.captures.calls(rollout_id)
-        return JSONResponse({"rollout_id": rollout_id, "calls": [c.model_dump(mode="json") for c in calls]})
+        return await rollout_reply(rollout_id, calls)
 
     async def _stats_route(self) -> JSONResponse:
         return JSONResponse(self.stats())
@@ -304,7 +305,7 @@ class OpenAIFront:
         except FrontError as err:
             self.counts["errors"] += 1
             return err.response()
-        except _ClientGone:  # no one reads the answer
+        except (_ClientGone, ClientDisconnect):  # no one reads the answer (it hung up while its call ran, or its body arrived)
             return Response(status_code=499)
         except InvalidInputError as err:
             self.counts["errors"] += 1
@@ -537,7 +538,7 @@ class OpenAIFront:
         check_tools(special_texts(renderer.tokenizer), [t.schema() for t in tools], field="tools.{}.function")
         messages = self._chat_messages(req)
         try:
-            prompt = renderer.tokens(messages, tools, prefill=forced)
+            prompt = await json_body.off_loop(chars, renderer.tokens, messages, tools, True, forced)  # (see _tokens)
         except InvalidInputError as err:  # its field indexes the rendered conversation, not the request's messages
             raise FrontError(str(err), "messages") from None
         except Exception as err:  # the template rejected the conversation
@@ -677,7 +678,7 @@ class OpenAIFront:
         tok = binding.sampler.get_tokenizer()
         if isinstance(req.prompt, str):
             self._refuse_past_context(binding.sampler, len(req.prompt), "prompt", "the prompt holds")
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else [int(t) for t in tok.encode(req.prompt)]
+        prompt = list(req.prompt) if isinstance(req.prompt, list) else await json_body.off_loop(len(req.prompt), _tokens, tok, req.prompt)
         if not prompt:
             raise FrontError("the prompt is empty", "prompt")
         self._refuse_full_prompt(len(prompt), "prompt")  # before every id is scanned (on the event loop)
@@ -725,6 +726,18 @@ class OpenAIFront:
             )
 
         return await _json_reply(body, _reply_size(choices, req.logprobs), headers)
+
+
+async def rollout_reply(rollout_id: str, calls: Sequence[CapturedCall]) -> Response:
+    """``{"rollout_id", "calls"}``: a rollout's captured calls as JSON, made in a worker thread when they are large, a
+    call at a time (a key's 4,000,000 captured tokens were 36 MB made in one ``json.dumps``, 0.75 s of the event loop
+    every tenant's calls wait on, on each read of the rollout)."""
+    size = 8 * sum(len(c.prompt_tokens) + sum(3 * len(ch.tokens) + len(ch.text) for ch in c.choices) for c in calls)
+
+    def build() -> bytes:
+        return reply_json({"rollout_id": rollout_id, "calls": calls}, "calls", lambda c: c.model_dump(mode="json"))
+
+    return Response(await json_body.off_loop(size, build), media_type="application/json")
 
 
 def _reply_size(choices: Sequence[Choice], top: int | None) -> int:
@@ -903,6 +916,13 @@ def _max_token_chars(tok: Any) -> int | None:
 def _stops_as_strings(params: SamplingParams, tok: Any) -> SamplingParams:
     strings = [*params.stop_strings(), *(str(tok.decode([t])) for t in params.stop_token_ids())]
     return params.model_copy(update={"stop": list(dict.fromkeys(strings))})
+
+
+def _tokens(tok: Any, text: str) -> list[int]:
+    """``text``'s token ids. A prompt of more than ``json_body.INLINE_BYTES`` characters is tokenized in a worker thread, as a
+    chat's messages are (a tokenizer hands the GIL back as it works): 1,000,000 characters held the event loop every
+    tenant's calls wait on for 0.7 s (a context of 32k tokens can take that many)."""
+    return [int(t) for t in tok.encode(text)]
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -115,8 +116,10 @@ def parse_body(raw: bytes) -> Any:
     """A request body as JSON; not JSON, or nested past Python's recursion limit, is a 400 ``invalid_json``.
 
     A lone surrogate (a ``\\ud800`` escape) anywhere in it, a key or a value, is a 400 naming where: such text
-    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a value nested
-    more than ``MAX_DEPTH`` levels deep (a tool schema, say): a capture of it could not be read back."""
+    cannot be encoded as UTF-8, so it could be neither tokenized nor sent back in a capture. So is a number that is
+    no JSON number (``NaN``, ``Infinity``, or ``1e400``, which decodes to one): a reply that echoes it (a Responses
+    call's ``tools``) could not be written. So is a value nested more than ``MAX_DEPTH`` levels deep (a tool schema,
+    say): a capture of it could not be read back."""
     try:
         body = json_body.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
@@ -131,8 +134,8 @@ MAX_DEPTH = 64  # levels of objects and arrays in a body; a capture (pydantic) s
 
 
 def _check_body(body: Any) -> None:
-    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate, or the first
-    value nested past ``MAX_DEPTH``."""
+    """A FrontError naming the first key or string value of ``body`` that holds a lone surrogate, the first number
+    that is not finite, or the first value nested past ``MAX_DEPTH``."""
     if isinstance(body, str) and not _encodable(body):
         raise FrontError("the body is a string with a lone surrogate; send a JSON object", None, code="invalid_json")
     todo: list[tuple[list[str], Any]] = [([], body)]
@@ -150,6 +153,11 @@ def _check_body(body: Any) -> None:
                 param = ".".join([*path, name])
                 raise FrontError(
                     f"invalid value for '{param}': it holds a lone surrogate; send valid Unicode text", param, code="invalid_value"
+                )
+            if isinstance(item, float) and not math.isfinite(item):
+                param = ".".join([*path, name])
+                raise FrontError(
+                    f"invalid value for '{param}': {item} is not a JSON number; send a finite number", param, code="invalid_value"
                 )
             if isinstance(item, (dict, list)):
                 if len(path) >= MAX_DEPTH:
@@ -479,17 +487,17 @@ def lp_entry(tok: Any, t: int, lp: float, top: list[tuple[int, float]]) -> dict[
     return TokenText(tok).entry(t, lp, top)
 
 
-def reply_json(body: dict[str, Any]) -> bytes:
-    """``body`` (a reply with ``choices``) as JSON, as ``JSONResponse`` writes it, one choice at a time: ``json.dumps``
-    holds the GIL until it returns, so a reply of 64 choices with top log-probs stalled every other call for seconds
-    (from a worker thread too)."""
+def reply_json(body: dict[str, Any], items: str = "choices", item: Callable[[Any], Any] = lambda v: v) -> bytes:
+    """``body`` (a reply with a list under ``items``) as JSON, as ``JSONResponse`` writes it, one ``item(entry)`` of the
+    list at a time: ``json.dumps`` holds the GIL until it returns, so a reply of 64 choices with top log-probs stalled
+    every other call for seconds (from a worker thread too)."""
 
     def dumps(obj: Any) -> str:
         return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
-    rest = dumps({k: v for k, v in body.items() if k != "choices"})
-    choices = ",".join(dumps(c) for c in body.get("choices", []))
-    return (rest[:-1] + ("," if len(rest) > 2 else "") + '"choices":[' + choices + "]}").encode("utf-8")
+    rest = dumps({k: v for k, v in body.items() if k != items})
+    entries = ",".join(dumps(item(e)) for e in body.get(items, []))
+    return (rest[:-1] + ("," if len(rest) > 2 else "") + f'"{items}":[' + entries + "]}").encode("utf-8")
 
 
 def legacy_logprobs(tok: Any, c: Choice, texts: TokenText | None = None) -> dict[str, Any]:

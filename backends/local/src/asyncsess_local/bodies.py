@@ -68,6 +68,7 @@ MAX_LIVE_PER_KEY = 256  # open sessions plus samplers per API key
 MAX_CHECKPOINTS_PER_KEY = 4096  # durable checkpoints one API key may hold on disk
 MAX_CHECKPOINT_BYTES_PER_KEY = 64 << 30  # bytes they may take: thousands of LoRA adapters, a few merged models
 MAX_INFLIGHT_PER_KEY = 1024  # requests one API key may have in flight (more get a 429)
+MAX_BODY_BYTES_IN_FLIGHT_PER_KEY = 4 * MAX_BODY_BYTES  # the bytes of their bodies (past it a request gets a 429)
 NOT_JSON_FIX = "send one JSON object, UTF-8 encoded"
 MAX_SEQ_AHEAD = 1024  # an op may arrive at most this far ahead of the next expected seq (it waits for the gap)
 
