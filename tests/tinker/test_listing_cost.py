@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 import tinker
 
@@ -67,6 +68,7 @@ def test_a_keys_listings_touch_only_its_own_records(server: Server) -> None:
     try:
         tc = service.create_lora_training_client(base_model=BASE, rank=4).result()
         saved = [tc.save_state(name).result().path for name in ("one", "two")]
+        sampler = tc.save_weights_for_sampler("s").result().path
         tables = {name: Counted(getattr(door, name)) for name in ("sessions", "models", "checkpoints")}
         for name, table in tables.items():
             setattr(door, name, table)
@@ -77,13 +79,17 @@ def test_a_keys_listings_touch_only_its_own_records(server: Server) -> None:
             "list_checkpoints (session)": lambda: [c.tinker_path for c in rest.list_checkpoints(session_id).result().checkpoints],
             "list_user_checkpoints": lambda: sorted(c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints),
             "get_weights_info_by_tinker_path": lambda: rest.get_weights_info_by_tinker_path(saved[0]).result().lora_rank,
+            "GET /v1/models (OpenAI)": lambda: [
+                m["id"] for m in httpx.get(f"{server.url}/v1/models", headers={"X-API-Key": API_KEY}, timeout=60).json()["data"]
+            ],
         }
         want = {
             "list_training_runs": [tc.model_id],
-            "list_checkpoints": saved,
-            "list_checkpoints (session)": saved,
-            "list_user_checkpoints": sorted(saved),
+            "list_checkpoints": [*saved, sampler],
+            "list_checkpoints (session)": [*saved, sampler],
+            "list_user_checkpoints": sorted([*saved, sampler]),
             "get_weights_info_by_tinker_path": 4,
+            "GET /v1/models (OpenAI)": [BASE, sampler],
         }
         for name, call in calls.items():
             before = sum(t.touched for t in tables.values())

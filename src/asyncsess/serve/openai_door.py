@@ -207,7 +207,7 @@ class OpenAIDoor:
         own = self.door.owned(key)  # the key's own sessions, never every key's
         samplers = [sid for s in own for sid in s.samplers if sid in self.door.samplers]
         models = {m for s in own for m in s.models}
-        paths = [p for p, c in self.door.checkpoints.items() if c.kind == "sampler" and c.model_id in models]
+        paths = [c.tinker_path for c in self.door.checkpoints_of(models) if c.kind == "sampler"]  # its own, not every key's
         return [*sorted(await self._base_models()), *samplers, *paths]
 
 

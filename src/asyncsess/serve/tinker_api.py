@@ -1527,18 +1527,19 @@ class TinkerDoor:
         else:
             runs = [self.model(model_id).id]  # the caller's run, or 404
         self.forget_expired()
-        cks = [c.rest() for c in self._checkpoints_of(runs)]
+        cks = [c.rest() for c in self.checkpoints_of(runs)]
         return {"checkpoints": cks, "cursor": {"offset": 0, "limit": len(cks), "total_count": len(cks)}}
 
-    def _checkpoints_of(self, runs: Iterable[str]) -> list[_Checkpoint]:
-        """The checkpoints of models ``runs``, in the order the door first recorded them."""
-        return sorted((self.checkpoints[p] for r in runs for p in self.models[r].checkpoints), key=lambda c: c.order)
+    def checkpoints_of(self, runs: Iterable[str]) -> list[_Checkpoint]:
+        """The checkpoints of models ``runs`` (those the door holds), in the order the door first recorded them."""
+        held = (self.models[r] for r in runs if r in self.models)
+        return sorted((self.checkpoints[p] for m in held for p in m.checkpoints), key=lambda c: c.order)
 
     def user_checkpoints(self, limit: int, offset: int) -> dict[str, Any]:
         """``list_user_checkpoints``: the caller's checkpoints across its runs, newest first, a page at a time."""
         page = _page(limit, offset)
         self.forget_expired()
-        mine = sorted(self._checkpoints_of(self._runs.get(caller.get(), ())), key=lambda c: c.time, reverse=True)
+        mine = sorted(self.checkpoints_of(self._runs.get(caller.get(), ())), key=lambda c: c.time, reverse=True)
         return {
             "checkpoints": [c.rest() for c in mine[page]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mine)},
